@@ -1,0 +1,54 @@
+#include "hiqcache/log.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <ctime>
+
+namespace hiqcache {
+namespace log_internal {
+std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
+}
+
+void SetLogLevel(LogLevel level) {
+  log_internal::g_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+LogLevel GetLogLevel() {
+  return static_cast<LogLevel>(log_internal::g_level.load(std::memory_order_relaxed));
+}
+
+bool ParseLogLevel(const std::string& text, LogLevel* level) {
+  if (text == "debug") *level = LogLevel::kDebug;
+  else if (text == "info") *level = LogLevel::kInfo;
+  else if (text == "warn" || text == "warning") *level = LogLevel::kWarn;
+  else if (text == "error") *level = LogLevel::kError;
+  else return false;
+  return true;
+}
+
+LogMessage::LogMessage(LogLevel level, const char* file, int line) {
+  static const char kLetters[] = {'D', 'I', 'W', 'E'};
+  auto now = std::chrono::system_clock::now();
+  std::time_t secs = std::chrono::system_clock::to_time_t(now);
+  auto micros =
+      std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() %
+      1000000;
+  std::tm tm;
+  gmtime_r(&secs, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", &tm);
+  const char* base = std::strrchr(file, '/');
+  stream_ << kLetters[static_cast<int>(level)] << stamp << '.' << micros << ' '
+          << (base ? base + 1 : file) << ':' << line << "] ";
+}
+
+LogMessage::~LogMessage() {
+  stream_ << '\n';
+  std::string text = stream_.str();
+  ssize_t ignored = ::write(STDERR_FILENO, text.data(), text.size());
+  (void)ignored;
+}
+
+}  // namespace hiqcache

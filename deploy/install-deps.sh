@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything hiqcache needs to build, test and benchmark, from Debian 12 packages.
+# Idempotent: prints nothing and touches nothing when every package is already installed.
+# CUDA is not installed here: the build detects /usr/local/cuda (or nvcc on PATH) by itself.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config ccache git
+  protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
+  libgrpc++-dev libgrpc-dev
+  libboost-dev
+  libgtest-dev libgmock-dev
+  libbenchmark-dev
+  libhwy-dev
+  libxxhash-dev
+  procps
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq >/dev/null
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,38 @@
+// The SIMD CPU executor of the codecs (Highway, runtime dispatch to the best target the CPU has).
+//
+// Gathers rows by index from strided views and encodes them into block payloads, and the reverse,
+// spread over a ThreadPool. Produces exactly the bytes of the scalar reference (codec_reference.h).
+// Thread-safe: a CpuCodec may be shared; calls on it from different threads are serialized by
+// its pool.
+#pragma once
+
+#include <memory>
+
+#include "codec_job.h"
+#include "thread_pool.h"
+
+namespace hiqcache::kernels {
+
+class CpuCodec {
+ public:
+  // threads = 0 picks std::thread::hardware_concurrency().
+  explicit CpuCodec(unsigned threads);
+
+  unsigned threads() const { return pool_->threads(); }
+  void Encode(const EncodeJob& job);
+  void DecodeLayer(const DecodeJob& job, uint32_t layer);
+  void Decode(const DecodeJob& job);
+
+  // The Highway target chosen for this CPU, e.g. "AVX3_ZEN4".
+  static const char* TargetName();
+
+ private:
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+// Single-row entry points of the SIMD executor (used by CpuCodec and by tests).
+bool EncodeRowSimd(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
+void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                   uint32_t row);
+
+}  // namespace hiqcache::kernels

@@ -1,0 +1,35 @@
+// What an executor is asked to do: gather rows from an engine's KV views and encode them into
+// block payloads, or decode block payloads and scatter them into the views.
+//
+// The same job descriptions drive the scalar reference, the SIMD CPU executor and (with device
+// pointers) the CUDA kernels. Plain structs; the caller owns every pointed-to array and keeps it
+// alive for the duration of the call.
+#pragma once
+
+#include <cstdint>
+
+#include "record_format.h"
+#include "tensor_view.h"
+
+namespace hiqcache::kernels {
+
+struct EncodeJob {
+  BlockLayout layout;
+  const LayerViews* layers = nullptr;  // layout.num_layers entries
+  const uint32_t* rows = nullptr;      // num_blocks * block_tokens source slots, block-major
+  uint8_t* const* blocks = nullptr;    // num_blocks payload pointers (BlockBytes() each)
+  uint32_t num_blocks = 0;
+  // Out: num_blocks flags, set to 1 where a row of that block held NaN or Inf (INT8 codec); the
+  // payload of such a block is unspecified and must not be published. May be null for RAW.
+  uint8_t* nonfinite = nullptr;
+};
+
+struct DecodeJob {
+  BlockLayout layout;
+  const LayerViews* layers = nullptr;
+  const uint32_t* rows = nullptr;        // num_blocks * block_tokens destination slots
+  const uint8_t* const* blocks = nullptr;
+  uint32_t num_blocks = 0;
+};
+
+}  // namespace hiqcache::kernels

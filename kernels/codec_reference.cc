@@ -1,0 +1,102 @@
+#include "codec_reference.h"
+
+#include <cstring>
+
+namespace hiqcache::kernels {
+namespace {
+
+uint16_t LoadU16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
+
+}  // namespace
+
+bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row,
+                        uint8_t* dst) {
+  const uint32_t d = fmt.head_dim;
+  if (fmt.codec == CodecKind::kRaw) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      std::memcpy(dst + static_cast<size_t>(h) * d * 2, view.Head(row, h), d * 2u);
+    }
+    return true;
+  }
+  int8_t* codes = reinterpret_cast<int8_t*>(dst);
+  uint8_t* scales = dst + fmt.ElementsPerRow();
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    const uint8_t* src = view.Head(row, h);
+    uint16_t amax_bits = 0;
+    for (uint32_t i = 0; i < d; ++i) {
+      uint16_t a = LoadU16(src + 2 * i) & 0x7FFFu;
+      if (a > amax_bits) amax_bits = a;
+    }
+    if (amax_bits >= InfBits(fmt.dtype)) return false;
+    uint16_t s_bits = ScaleBf16FromAmaxBits(amax_bits, fmt.dtype);
+    float s = Bf16ToFloat(s_bits);
+    for (uint32_t i = 0; i < d; ++i) {
+      float x = HalfToFloat(LoadU16(src + 2 * i), fmt.dtype);
+      codes[static_cast<size_t>(h) * d + i] = QuantizeElement(x, s);
+    }
+    StoreU16(scales + 2 * h, s_bits);
+  }
+  return true;
+}
+
+void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                        uint32_t row) {
+  const uint32_t d = fmt.head_dim;
+  if (fmt.codec == CodecKind::kRaw) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      std::memcpy(view.Head(row, h), src + static_cast<size_t>(h) * d * 2, d * 2u);
+    }
+    return;
+  }
+  const int8_t* codes = reinterpret_cast<const int8_t*>(src);
+  const uint8_t* scales = src + fmt.ElementsPerRow();
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    float s = Bf16ToFloat(LoadU16(scales + 2 * h));
+    uint8_t* dst = view.Head(row, h);
+    for (uint32_t i = 0; i < d; ++i) {
+      StoreU16(dst + 2 * i, DequantizeElement(codes[static_cast<size_t>(h) * d + i], s, fmt.dtype));
+    }
+  }
+}
+
+void EncodeBlocksReference(const EncodeJob& job) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    bool finite = true;
+    const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+          finite &= EncodeRowReference(lay.row, job.layers[l].planes[p], rows[t],
+                                       job.blocks[b] + lay.RowOffset(l, p, t));
+        }
+      }
+    }
+    if (job.nonfinite != nullptr) job.nonfinite[b] = finite ? 0 : 1;
+  }
+}
+
+void DecodeLayerReference(const DecodeJob& job, uint32_t layer) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
+    for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+        DecodeRowReference(lay.row, job.blocks[b] + lay.RowOffset(layer, p, t),
+                           job.layers[layer].planes[p], rows[t]);
+      }
+    }
+  }
+}
+
+void DecodeBlocksReference(const DecodeJob& job) {
+  for (uint32_t l = 0; l < job.layout.num_layers; ++l) DecodeLayerReference(job, l);
+}
+
+}  // namespace hiqcache::kernels
