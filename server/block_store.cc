@@ -1,0 +1,433 @@
+#include "block_store.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "hiqcache/log.h"
+
+namespace hiqcache::server {
+namespace {
+
+// Extents are sized to about this many bytes (at least one slot): large enough that extent
+// headers cost nothing, small enough that namespaces can trade space at a useful granularity.
+constexpr uint64_t kTargetExtentBytes = 64ull << 20;
+
+void StoreState(BlockHeader* h, BlockState s) {
+  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(s), std::memory_order_release);
+}
+
+}  // namespace
+
+struct BlockEntry {
+  StoreExtent* extent = nullptr;
+  uint64_t offset = 0;  // of the slot (its header) from the pool base
+  uint32_t slot = 0;
+  uint32_t ns = 0;
+  BlockKey key{};
+  BlockState state = BlockState::kFree;
+  uint32_t pins = 0;
+  bool indexed = false;
+  bool in_lru = false;
+  uint64_t last_use = 0;
+  std::list<BlockEntry*>::iterator lru_it;
+};
+
+struct StoreExtent {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t ns = 0;
+  std::vector<BlockEntry> entries;
+  std::vector<uint32_t> free_slots;
+  bool in_partial = false;
+  std::list<std::unique_ptr<StoreExtent>>::iterator self;
+};
+
+struct BlockStore::NsState {
+  uint32_t id = 0;
+  uint64_t payload_bytes = 0;
+  uint64_t slot_bytes = 0;
+  uint32_t slots_per_extent = 0;
+  std::array<uint8_t, 16> hash{};
+  std::string text;
+  std::vector<Extent*> extents;
+  std::vector<Extent*> partial;       // extents with at least one free slot
+  std::list<BlockEntry*> lru;         // committed blocks, most recent first
+  NamespaceCounters counters;
+};
+
+size_t BlockStore::KeyHash::operator()(const std::pair<uint32_t, BlockKey>& k) const {
+  uint64_t a, b;
+  std::memcpy(&a, k.second.data(), 8);
+  std::memcpy(&b, k.second.data() + 8, 8);
+  return static_cast<size_t>(a ^ (b * 0x9E3779B97F4A7C15ull) ^ (uint64_t{k.first} << 47));
+}
+
+BlockStore::BlockStore(uint8_t* base, size_t bytes) : base_(base), bytes_(bytes) {
+  auto* ph = reinterpret_cast<PoolHeader*>(base_);
+  std::memset(ph, 0, sizeof(PoolHeader));
+  ph->magic = kPoolMagic;
+  ph->version = kPoolFormatVersion;
+  ph->pool_bytes = bytes;
+  if (bytes_ > kPoolHeaderBytes) free_ranges_[kPoolHeaderBytes] = bytes_ - kPoolHeaderBytes;
+}
+
+BlockStore::~BlockStore() = default;
+
+BlockHeader* BlockStore::HeaderOf(const BlockEntry* e) const {
+  return reinterpret_cast<BlockHeader*>(base_ + e->offset);
+}
+
+void BlockStore::AddNamespace(const NamespaceInfo& info) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (namespaces_.count(info.id)) return;
+  auto ns = std::make_unique<NsState>();
+  ns->id = info.id;
+  ns->payload_bytes = info.desc.layout.BlockBytes();
+  ns->slot_bytes = SlotBytesFor(ns->payload_bytes);
+  ns->slots_per_extent =
+      static_cast<uint32_t>(std::max<uint64_t>(1, kTargetExtentBytes / ns->slot_bytes));
+  ns->hash = info.hash;
+  ns->text = info.desc.CanonicalText();
+  ns->counters.capacity_blocks = CapacityBlocks(ns->payload_bytes);
+  namespaces_.emplace(info.id, std::move(ns));
+}
+
+uint64_t BlockStore::CapacityBlocks(size_t payload_bytes) const {
+  const uint64_t slot = SlotBytesFor(payload_bytes);
+  const uint64_t per_extent = std::max<uint64_t>(1, kTargetExtentBytes / slot);
+  const uint64_t extent_bytes = kExtentHeaderBytes + per_extent * slot;
+  if (bytes_ <= kPoolHeaderBytes) return 0;
+  const uint64_t usable = bytes_ - kPoolHeaderBytes;
+  const uint64_t full = usable / extent_bytes;
+  const uint64_t rem = usable % extent_bytes;
+  uint64_t blocks = full * per_extent;
+  if (rem > kExtentHeaderBytes) blocks += (rem - kExtentHeaderBytes) / slot;
+  return blocks;
+}
+
+void BlockStore::TouchLocked(BlockEntry* e) {
+  e->last_use = ++clock_;
+  if (e->in_lru) {
+    auto& lru = namespaces_.at(e->ns)->lru;
+    lru.splice(lru.begin(), lru, e->lru_it);
+  }
+}
+
+uint32_t BlockStore::LookupPrefix(uint32_t ns, std::span<const BlockKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto nit = namespaces_.find(ns);
+  if (nit == namespaces_.end()) return 0;
+  uint32_t n = 0;
+  for (const auto& key : keys) {
+    auto it = index_.find({ns, key});
+    if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
+    TouchLocked(it->second);
+    ++n;
+  }
+  nit->second->counters.hits += n;
+  nit->second->counters.misses += keys.size() - n;
+  return n;
+}
+
+BlockEntry* BlockStore::TakeFreeSlotLocked(NsState& ns) {
+  while (!ns.partial.empty()) {
+    Extent* ext = ns.partial.back();
+    if (ext->free_slots.empty()) {
+      ext->in_partial = false;
+      ns.partial.pop_back();
+      continue;
+    }
+    uint32_t slot = ext->free_slots.back();
+    ext->free_slots.pop_back();
+    return &ext->entries[slot];
+  }
+  return nullptr;
+}
+
+bool BlockStore::AllocateExtentLocked(NsState& ns) {
+  const uint64_t want = kExtentHeaderBytes + uint64_t{ns.slots_per_extent} * ns.slot_bytes;
+  const uint64_t min_bytes = kExtentHeaderBytes + ns.slot_bytes;
+  auto pick = free_ranges_.end();
+  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+    if (it->second >= want) {
+      pick = it;
+      break;
+    }
+    if (it->second >= min_bytes && (pick == free_ranges_.end() || it->second > pick->second)) {
+      pick = it;
+    }
+  }
+  if (pick == free_ranges_.end()) return false;
+  const uint64_t offset = pick->first;
+  const uint64_t avail = pick->second;
+  const uint32_t slots = static_cast<uint32_t>(
+      std::min<uint64_t>(ns.slots_per_extent, (avail - kExtentHeaderBytes) / ns.slot_bytes));
+  const uint64_t bytes = kExtentHeaderBytes + uint64_t{slots} * ns.slot_bytes;
+  free_ranges_.erase(pick);
+  if (avail > bytes) free_ranges_[offset + bytes] = avail - bytes;
+
+  auto ext = std::make_unique<Extent>();
+  ext->offset = offset;
+  ext->bytes = bytes;
+  ext->ns = ns.id;
+  ext->entries.resize(slots);
+  ext->free_slots.reserve(slots);
+  auto* eh = reinterpret_cast<ExtentHeader*>(base_ + offset);
+  std::memset(eh, 0, sizeof(ExtentHeader));
+  eh->extent_bytes = bytes;
+  eh->slot_bytes = ns.slot_bytes;
+  eh->payload_bytes = ns.payload_bytes;
+  eh->num_slots = slots;
+  std::memcpy(eh->namespace_hash, ns.hash.data(), 16);
+  std::strncpy(eh->namespace_text, ns.text.c_str(), sizeof(eh->namespace_text) - 1);
+  for (uint32_t i = 0; i < slots; ++i) {
+    BlockEntry& e = ext->entries[i];
+    e.extent = ext.get();
+    e.slot = i;
+    e.ns = ns.id;
+    e.offset = offset + kExtentHeaderBytes + uint64_t{i} * ns.slot_bytes;
+    auto* bh = HeaderOf(&e);
+    std::memset(bh, 0, sizeof(BlockHeader));
+    bh->magic = kBlockMagic;
+    ext->free_slots.push_back(slots - 1 - i);
+  }
+  std::atomic_ref<uint64_t>(eh->magic).store(kExtentMagic, std::memory_order_release);
+  Extent* raw = ext.get();
+  extents_.push_front(std::move(ext));
+  raw->self = extents_.begin();
+  ns.extents.push_back(raw);
+  raw->in_partial = true;
+  ns.partial.push_back(raw);
+  return true;
+}
+
+void BlockStore::FreeExtentLocked(Extent* ext) {
+  NsState& ns = *namespaces_.at(ext->ns);
+  std::erase(ns.extents, ext);
+  std::erase(ns.partial, ext);
+  std::atomic_ref<uint64_t>(reinterpret_cast<ExtentHeader*>(base_ + ext->offset)->magic)
+      .store(0, std::memory_order_release);
+  uint64_t off = ext->offset;
+  uint64_t len = ext->bytes;
+  auto next = free_ranges_.lower_bound(off);
+  if (next != free_ranges_.end() && off + len == next->first) {
+    len += next->second;
+    next = free_ranges_.erase(next);
+  }
+  if (next != free_ranges_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == off) {
+      off = prev->first;
+      len += prev->second;
+      free_ranges_.erase(prev);
+    }
+  }
+  free_ranges_[off] = len;
+  extents_.erase(ext->self);
+}
+
+void BlockStore::FreeSlotLocked(BlockEntry* e) {
+  NsState& ns = *namespaces_.at(e->ns);
+  StoreState(HeaderOf(e), BlockState::kFree);
+  e->state = BlockState::kFree;
+  e->pins = 0;
+  used_bytes_ -= ns.slot_bytes;
+  --live_blocks_;
+  ns.counters.blocks -= 1;
+  ns.counters.bytes -= ns.slot_bytes;
+  Extent* ext = e->extent;
+  ext->free_slots.push_back(e->slot);
+  if (!ext->in_partial) {
+    ext->in_partial = true;
+    ns.partial.push_back(ext);
+  }
+}
+
+void BlockStore::EvictEntryLocked(BlockEntry* e) {
+  NsState& ns = *namespaces_.at(e->ns);
+  if (e->indexed) {
+    index_.erase({e->ns, e->key});
+    e->indexed = false;
+  }
+  if (e->in_lru) {
+    ns.lru.erase(e->lru_it);
+    e->in_lru = false;
+  }
+  ns.counters.evictions += 1;
+  // A pinned block leaves the index now and frees its slot on the last unpin.
+  if (e->pins == 0) FreeSlotLocked(e);
+}
+
+bool BlockStore::ReclaimLocked(NsState& ns) {
+  // Candidate 1: this namespace's least recently used unpinned block.
+  BlockEntry* own = nullptr;
+  for (auto it = ns.lru.rbegin(); it != ns.lru.rend(); ++it) {
+    if ((*it)->pins == 0) {
+      own = *it;
+      break;
+    }
+  }
+  // Candidate 2: another namespace's extent with nothing pinned, whose newest use is oldest.
+  Extent* other = nullptr;
+  uint64_t other_newest = 0;
+  for (const auto& ext : extents_) {
+    if (ext->ns == ns.id) continue;
+    uint64_t newest = 0;
+    bool busy = false;
+    for (const auto& e : ext->entries) {
+      if (e.state == BlockState::kFree) continue;
+      if (e.pins != 0) {
+        busy = true;
+        break;
+      }
+      newest = std::max(newest, e.last_use);
+    }
+    if (busy) continue;
+    if (other == nullptr || newest < other_newest) {
+      other = ext.get();
+      other_newest = newest;
+    }
+  }
+  if (own != nullptr && (other == nullptr || own->last_use <= other_newest)) {
+    EvictEntryLocked(own);
+    return true;
+  }
+  if (other == nullptr) return false;
+  for (auto& e : other->entries) {
+    if (e.state != BlockState::kFree) EvictEntryLocked(&e);
+  }
+  FreeExtentLocked(other);
+  return true;
+}
+
+BlockEntry* BlockStore::AllocateSlotLocked(NsState& ns) {
+  for (;;) {
+    if (BlockEntry* e = TakeFreeSlotLocked(ns)) return e;
+    if (AllocateExtentLocked(ns)) continue;
+    if (!ReclaimLocked(ns)) return nullptr;
+  }
+}
+
+std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
+    uint32_t ns_id, std::span<const BlockKey> keys) {
+  std::vector<WriteReservation> out(keys.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  NsState& ns = *namespaces_.at(ns_id);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto it = index_.find({ns_id, keys[i]});
+    if (it != index_.end()) {
+      if (it->second->state == BlockState::kCommitted) TouchLocked(it->second);
+      out[i].outcome = WriteOutcome::kPresent;
+      continue;
+    }
+    BlockEntry* e = AllocateSlotLocked(ns);
+    if (e == nullptr) {
+      out[i].outcome = WriteOutcome::kNoSpace;
+      ns.counters.rejected += 1;
+      continue;
+    }
+    e->key = keys[i];
+    e->state = BlockState::kWriting;
+    e->pins = 1;
+    e->indexed = true;
+    e->last_use = ++clock_;
+    index_.emplace(std::make_pair(ns_id, keys[i]), e);
+    used_bytes_ += ns.slot_bytes;
+    ++live_blocks_;
+    ns.counters.blocks += 1;
+    ns.counters.bytes += ns.slot_bytes;
+    BlockHeader* h = HeaderOf(e);
+    StoreState(h, BlockState::kWriting);
+    std::memcpy(h->key, keys[i].data(), 16);
+    std::memcpy(&h->namespace_tag, ns.hash.data(), 8);
+    h->payload_bytes = ns.payload_bytes;
+    h->checksum = 0;
+    out[i].outcome = WriteOutcome::kReserved;
+    out[i].handle = e;
+    out[i].payload = base_ + e->offset + kBlockHeaderBytes;
+  }
+  return out;
+}
+
+void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NsState& ns = *namespaces_.at(e->ns);
+  BlockHeader* h = HeaderOf(e);
+  h->checksum = checksum;
+  h->commit_seq = ++clock_;
+  StoreState(h, BlockState::kCommitted);
+  ns.counters.backups += 1;
+  if (--e->pins == 0 && !e->indexed) {  // evicted while being written
+    FreeSlotLocked(e);
+    return;
+  }
+  e->state = BlockState::kCommitted;
+  if (e->indexed) {
+    e->last_use = clock_;
+    ns.lru.push_front(e);
+    e->lru_it = ns.lru.begin();
+    e->in_lru = true;
+  }
+}
+
+void BlockStore::AbortWrite(BlockHandle e, bool rejected) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NsState& ns = *namespaces_.at(e->ns);
+  if (rejected) ns.counters.rejected += 1;
+  if (e->indexed) {
+    index_.erase({e->ns, e->key});
+    e->indexed = false;
+  }
+  if (--e->pins == 0) FreeSlotLocked(e);
+}
+
+std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
+                                                      std::span<const BlockKey> keys) {
+  std::vector<ReadPin> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto nit = namespaces_.find(ns_id);
+  if (nit == namespaces_.end()) return out;
+  for (const auto& key : keys) {
+    auto it = index_.find({ns_id, key});
+    if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
+    BlockEntry* e = it->second;
+    ++e->pins;
+    TouchLocked(e);
+    out.push_back({e, base_ + e->offset + kBlockHeaderBytes});
+  }
+  nit->second->counters.restores += out.size();
+  return out;
+}
+
+void BlockStore::Unpin(BlockHandle e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--e->pins == 0 && !e->indexed) FreeSlotLocked(e);
+}
+
+uint32_t BlockStore::Evict(uint32_t ns_id, std::span<const BlockKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t n = 0;
+  for (const auto& key : keys) {
+    auto it = index_.find({ns_id, key});
+    if (it == index_.end() || it->second->state != BlockState::kCommitted) continue;
+    EvictEntryLocked(it->second);
+    ++n;
+  }
+  return n;
+}
+
+StoreStats BlockStore::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats s;
+  s.pool_bytes = bytes_;
+  s.capacity_bytes = bytes_ > kPoolHeaderBytes ? bytes_ - kPoolHeaderBytes : 0;
+  s.used_bytes = used_bytes_;
+  s.blocks = live_blocks_;
+  for (const auto& [id, ns] : namespaces_) s.namespaces[id] = ns->counters;
+  return s;
+}
+
+}  // namespace hiqcache::server

@@ -1,0 +1,134 @@
+// BlockStore: the pool's blocks, their index and their eviction (the "pool: shared memory, L2"
+// box of DESIGN.md's data flow).
+//
+// The pool is carved into extents; each extent holds fixed-size slots of one namespace (one slot =
+// a 64-byte BlockHeader + the block payload). Extents are allocated first-fit from free ranges,
+// and the last one is truncated to what is left, so a pool filled by one namespace has all but
+// less than one slot of its bytes in slots. Index: (namespace, key) -> block. Eviction: LRU of
+// unpinned blocks; when a namespace needs room it either evicts its own least recently used block
+// or, if another namespace's extent went unused for longer, frees that whole extent. Blocks being
+// written or read are pinned and never evicted; a block evicted while pinned leaves the index at
+// once and gives its slot back on the last unpin.
+//
+// Block headers are written as blocks change state so that a restarted daemon can rebuild the
+// index from the pool (pool_format.h). Thread-safe: one mutex guards the metadata; payload bytes
+// are written and read outside it, protected by pins.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "namespace_table.h"
+#include "pool_format.h"
+
+namespace hiqcache::server {
+
+using BlockKey = std::array<uint8_t, 16>;
+
+struct BlockEntry;  // opaque to callers
+struct StoreExtent;
+using BlockHandle = BlockEntry*;
+
+struct NamespaceCounters {
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;  // slot bytes held by live blocks
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t backups = 0;
+  uint64_t restores = 0;
+  uint64_t evictions = 0;
+  uint64_t rejected = 0;
+  uint64_t capacity_blocks = 0;
+};
+
+struct StoreStats {
+  uint64_t pool_bytes = 0;
+  uint64_t capacity_bytes = 0;  // bytes available to extents
+  uint64_t used_bytes = 0;      // slot bytes of live blocks
+  uint64_t blocks = 0;
+  std::map<uint32_t, NamespaceCounters> namespaces;
+};
+
+class BlockStore {
+ public:
+  // Formats the pool at `base` (`bytes` long, mapped and writable for the store's lifetime).
+  BlockStore(uint8_t* base, size_t bytes);
+  ~BlockStore();
+  BlockStore(const BlockStore&) = delete;
+  BlockStore& operator=(const BlockStore&) = delete;
+
+  // Makes `ns` known to the store (payload size, extent sizing). Idempotent.
+  void AddNamespace(const NamespaceInfo& ns);
+  // Blocks of a namespace with this payload size that the whole pool holds, alone.
+  uint64_t CapacityBlocks(size_t payload_bytes) const;
+
+  // Length of the longest leading run of keys committed in `ns`; refreshes their recency and
+  // counts hits (the run) and misses (the rest).
+  uint32_t LookupPrefix(uint32_t ns, std::span<const BlockKey> keys);
+
+  enum class WriteOutcome { kReserved, kPresent, kNoSpace };
+  struct WriteReservation {
+    WriteOutcome outcome = WriteOutcome::kNoSpace;
+    BlockHandle handle = nullptr;  // kReserved only: pinned, state kWriting
+    uint8_t* payload = nullptr;
+  };
+  // Reserves a slot for every key not yet present (a key repeated in `keys` is kPresent the
+  // second time). Reserved blocks are invisible to lookups until CommitWrite.
+  std::vector<WriteReservation> ReserveWrites(uint32_t ns, std::span<const BlockKey> keys);
+  // Publishes a fully written block (checksum of its payload) and unpins it.
+  void CommitWrite(BlockHandle handle, uint64_t checksum);
+  // Drops a reserved block (its payload is not valid); `rejected` counts it as rejected.
+  void AbortWrite(BlockHandle handle, bool rejected);
+
+  struct ReadPin {
+    BlockHandle handle = nullptr;
+    const uint8_t* payload = nullptr;
+  };
+  // Pins the leading run of committed keys for reading and returns it (possibly empty).
+  std::vector<ReadPin> PinReads(uint32_t ns, std::span<const BlockKey> keys);
+  void Unpin(BlockHandle handle);
+
+  // Removes the keys of `ns` from the cache; returns how many were present.
+  uint32_t Evict(uint32_t ns, std::span<const BlockKey> keys);
+
+  StoreStats Stats() const;
+
+ private:
+  using Extent = StoreExtent;
+  struct NsState;
+  struct KeyHash {
+    size_t operator()(const std::pair<uint32_t, BlockKey>& k) const;
+  };
+
+  // REQUIRES: mu_ held. Each returns a free slot's entry, or null.
+  BlockEntry* AllocateSlotLocked(NsState& ns);
+  BlockEntry* TakeFreeSlotLocked(NsState& ns);
+  bool AllocateExtentLocked(NsState& ns);
+  bool ReclaimLocked(NsState& ns);
+  void EvictEntryLocked(BlockEntry* e);   // leaves the index; slot freed now or on last unpin
+  void FreeSlotLocked(BlockEntry* e);
+  void FreeExtentLocked(Extent* ext);
+  void TouchLocked(BlockEntry* e);
+  BlockHeader* HeaderOf(const BlockEntry* e) const;
+
+  uint8_t* const base_;
+  const size_t bytes_;
+  mutable std::mutex mu_;
+  uint64_t clock_ = 0;  // GUARDED_BY(mu_): recency stamps and commit sequence
+  std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced
+  std::list<std::unique_ptr<Extent>> extents_;  // GUARDED_BY(mu_)
+  std::unordered_map<uint32_t, std::unique_ptr<NsState>> namespaces_;  // GUARDED_BY(mu_)
+  std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
+  uint64_t used_bytes_ = 0;   // GUARDED_BY(mu_)
+  uint64_t live_blocks_ = 0;  // GUARDED_BY(mu_)
+};
+
+}  // namespace hiqcache::server

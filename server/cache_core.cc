@@ -1,0 +1,317 @@
+#include "cache_core.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <random>
+
+#include "hiqcache/log.h"
+
+namespace hiqcache::server {
+
+struct CacheCore::Pool {
+  uint64_t id = 0;
+  const NamespaceInfo* ns = nullptr;
+  kernels::BlockLayout layout;
+  bool cuda = false;
+  uint32_t client_pid = 0;
+  std::string peer;
+  std::unique_ptr<PoolBinding> binding;
+  std::shared_ptr<TransferEngine::Strand> strand;
+  std::atomic<uint64_t> next_ticket{0};
+  std::atomic<uint64_t> backups{0};
+  std::atomic<uint64_t> restores{0};
+};
+
+namespace {
+
+std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
+  std::vector<BlockKey> keys;
+  keys.reserve(n);
+  for (size_t i = 0; i < n; ++i) keys.push_back(ToBlockKey(blocks[i].key));
+  return keys;
+}
+
+}  // namespace
+
+CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBackend* host,
+                     DeviceBackend* cuda)
+    : options_(options),
+      store_(store),
+      host_(host),
+      cuda_(cuda),
+      start_(std::chrono::steady_clock::now()),
+      engine_(options.transfer_workers) {
+  // Random pool ids: an id held by a client from before a restart never names another pool.
+  std::random_device rd;
+  next_pool_id_ = ((uint64_t{rd()} << 32) | rd()) & 0x7FFFFFFFFFFF0000ull;
+}
+
+CacheCore::~CacheCore() { engine_.WaitIdle(); }
+
+StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
+  if (draining()) return Unavailable("hiqcached is shutting down");
+  const uint64_t capacity = store_->Stats().capacity_bytes;
+  HIQ_ASSIGN_OR_RETURN(ValidatedRegistration reg,
+                       ValidateRegistration(spec, options_.limits, capacity));
+  DeviceBackend* backend = reg.cuda ? cuda_ : host_;
+  if (backend == nullptr) {
+    return FailedPrecondition(
+        "device.kind: DEVICE_KIND_CUDA requested, but this hiqcached has no CUDA device "
+        "(built without CUDA, no GPU visible, or started with --device host)");
+  }
+  HIQ_ASSIGN_OR_RETURN(std::unique_ptr<PoolBinding> binding, backend->Bind(spec, reg.layout));
+
+  const NamespaceInfo& ns = namespaces_.Intern(reg.ns);
+  store_->AddNamespace(ns);
+  auto pool = std::make_shared<Pool>();
+  pool->ns = &ns;
+  pool->layout = reg.layout;
+  pool->cuda = reg.cuda;
+  pool->client_pid = spec.client_pid;
+  pool->peer = spec.peer;
+  pool->binding = std::move(binding);
+  pool->strand = engine_.NewStrand();
+
+  RegisterResult out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool->id = ++next_pool_id_;
+    pools_[pool->id] = pool;
+  }
+  out.pool_id = pool->id;
+  out.namespace_id = ns.hex_id;
+  out.encoded_bytes_per_token = reg.layout.BytesPerToken();
+  out.block_bytes = reg.layout.BlockBytes();
+  out.capacity_tokens = store_->CapacityBlocks(reg.layout.BlockBytes()) * reg.layout.block_tokens;
+  HIQ_LOG(INFO) << "registered pool " << out.pool_id << " (" << backend->name() << ", pid "
+                << spec.client_pid << ") in namespace " << ns.hex_id << " ["
+                << ns.desc.CanonicalText() << "], " << out.encoded_bytes_per_token
+                << " B/token, capacity " << out.capacity_tokens << " tokens";
+  return out;
+}
+
+StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pools_.find(pool_id);
+  if (it == pools_.end()) {
+    return NotFound("pool_id: unknown pool " + std::to_string(pool_id) +
+                    " (released, or hiqcached restarted: register again)");
+  }
+  return it->second;
+}
+
+Status CacheCore::ReleasePool(uint64_t pool_id) {
+  std::shared_ptr<Pool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(pool_id);
+    if (it == pools_.end()) {
+      return NotFound("pool_id: unknown pool " + std::to_string(pool_id));
+    }
+    pool = std::move(it->second);
+    pools_.erase(it);
+  }
+  // Queued work holds its own reference: mappings close when the last task finishes.
+  HIQ_LOG(INFO) << "released pool " << pool_id;
+  return Status::Ok();
+}
+
+size_t CacheCore::ReleasePoolsOfClient(uint32_t pid) {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, pool] : pools_) {
+      if (pool->client_pid == pid) ids.push_back(id);
+    }
+  }
+  for (uint64_t id : ids) (void)ReleasePool(id);
+  if (!ids.empty()) {
+    HIQ_LOG(INFO) << "client pid " << pid << " exited: released " << ids.size() << " pool(s)";
+  }
+  return ids.size();
+}
+
+StatusOr<uint32_t> CacheCore::Lookup(uint64_t pool_id, const std::vector<std::string>& keys) {
+  if (draining()) return Unavailable("hiqcached is shutting down");
+  HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id));
+  HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
+  std::vector<BlockKey> k;
+  k.reserve(keys.size());
+  for (const auto& s : keys) k.push_back(ToBlockKey(s));
+  return store_->LookupPrefix(pool->ns->id, k);
+}
+
+StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::string>& keys) {
+  if (draining()) return Unavailable("hiqcached is shutting down");
+  HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id));
+  HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
+  std::vector<BlockKey> k;
+  k.reserve(keys.size());
+  for (const auto& s : keys) k.push_back(ToBlockKey(s));
+  return store_->Evict(pool->ns->id, k);
+}
+
+void CacheCore::Backup(TransferSpec spec, BackupDone done) {
+  if (draining()) return done(Unavailable("hiqcached is shutting down"));
+  auto found = FindPool(spec.pool_id);
+  if (!found.ok()) return done(found.status());
+  std::shared_ptr<Pool> pool = std::move(found).value();
+  Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
+                               pool->binding->event_count(), /*restore=*/false, options_.limits);
+  if (!st.ok()) return done(st);
+
+  const size_t n = spec.blocks.size();
+  std::vector<BlockKey> keys = KeysOf(spec.blocks, n);
+  auto reservations = store_->ReserveWrites(pool->ns->id, keys);
+
+  auto result = std::make_shared<BackupResult>();
+  result->results.resize(n);
+  result->ticket = ++pool->next_ticket;
+  auto task = std::make_shared<BackupTask>();
+  task->ticket = result->ticket;
+  task->wait_event = spec.wait_event;
+  task->wait_value = spec.wait_value;
+  task->done_event = spec.done_event;
+  std::vector<size_t> reserved_index;  // request index of each reserved block
+  for (size_t i = 0; i < n; ++i) {
+    switch (reservations[i].outcome) {
+      case BlockStore::WriteOutcome::kReserved:
+        result->results[i] = BlockResult::kStored;
+        reserved_index.push_back(i);
+        task->payloads.push_back(reservations[i].payload);
+        task->rows.insert(task->rows.end(), spec.blocks[i].rows.begin(),
+                          spec.blocks[i].rows.end());
+        break;
+      case BlockStore::WriteOutcome::kPresent:
+        result->results[i] = BlockResult::kAlreadyPresent;
+        break;
+      case BlockStore::WriteOutcome::kNoSpace:
+        result->results[i] = BlockResult::kRejected;
+        break;
+    }
+  }
+  BlockStore* store = store_;
+  const size_t payload_bytes = pool->layout.BlockBytes();
+  task->on_written = [store, reservations = std::move(reservations), reserved_index, result,
+                      payload_bytes](const std::vector<uint8_t>& nonfinite, const Status& st) {
+    for (size_t j = 0; j < reserved_index.size(); ++j) {
+      const auto& r = reservations[reserved_index[j]];
+      if (!st.ok() || nonfinite[j]) {
+        store->AbortWrite(r.handle, /*rejected=*/st.ok());
+        result->results[reserved_index[j]] = BlockResult::kRejected;
+        continue;
+      }
+      store->CommitWrite(r.handle, XXH3_64bits(r.payload, payload_bytes));
+    }
+  };
+
+  const bool sync = spec.sync;
+  if (!sync) done(*result);
+  engine_.Post(pool->strand, [pool, task, result, sync, done = std::move(done)]() mutable {
+    Status run = pool->binding->RunBackup(*task);
+    pool->backups.fetch_add(task->payloads.size(), std::memory_order_relaxed);
+    if (!run.ok()) HIQ_LOG(WARN) << "backup ticket " << task->ticket << " of pool " << pool->id
+                                 << " failed: " << run.ToString();
+    if (sync) {
+      if (run.ok()) done(*result);
+      else done(run);
+    }
+  });
+}
+
+void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
+  if (draining()) return done(Unavailable("hiqcached is shutting down"));
+  auto found = FindPool(spec.pool_id);
+  if (!found.ok()) return done(found.status());
+  std::shared_ptr<Pool> pool = std::move(found).value();
+  Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
+                               pool->binding->event_count(), /*restore=*/true, options_.limits);
+  if (!st.ok()) return done(st);
+
+  std::vector<BlockKey> keys = KeysOf(spec.blocks, spec.blocks.size());
+  std::vector<BlockStore::ReadPin> pins = store_->PinReads(pool->ns->id, keys);
+  RestoreResult result;
+  result.restored_blocks = static_cast<uint32_t>(pins.size());
+  result.ticket = ++pool->next_ticket;
+  auto task = std::make_shared<RestoreTask>();
+  task->ticket = result.ticket;
+  task->wait_event = spec.wait_event;
+  task->wait_value = spec.wait_value;
+  task->layer_event_base = spec.layer_event_base;
+  task->done_event = spec.done_event;
+  for (size_t i = 0; i < pins.size(); ++i) {
+    task->payloads.push_back(pins[i].payload);
+    task->rows.insert(task->rows.end(), spec.blocks[i].rows.begin(), spec.blocks[i].rows.end());
+  }
+  const bool sync = spec.sync;
+  if (!sync) done(result);
+  BlockStore* store = store_;
+  engine_.Post(pool->strand, [pool, task, pins = std::move(pins), store, result, sync,
+                              done = std::move(done)]() mutable {
+    Status run = pool->binding->RunRestore(*task);
+    for (const auto& p : pins) store->Unpin(p.handle);
+    pool->restores.fetch_add(pins.size(), std::memory_order_relaxed);
+    if (!run.ok()) HIQ_LOG(WARN) << "restore ticket " << task->ticket << " of pool " << pool->id
+                                 << " failed: " << run.ToString();
+    if (sync) {
+      if (run.ok()) done(result);
+      else done(run);
+    }
+  });
+}
+
+std::vector<uint32_t> CacheCore::ClientPids() const {
+  std::vector<uint32_t> pids;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, pool] : pools_) {
+    if (pool->client_pid != 0) pids.push_back(pool->client_pid);
+  }
+  std::sort(pids.begin(), pids.end());
+  pids.erase(std::unique(pids.begin(), pids.end()), pids.end());
+  return pids;
+}
+
+CoreSnapshot CacheCore::Snapshot() const {
+  CoreSnapshot snap;
+  snap.store = store_->Stats();
+  snap.uptime_seconds = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                                  std::chrono::steady_clock::now() - start_)
+                                                  .count());
+  std::map<uint32_t, uint32_t> pools_per_ns;
+  std::map<std::pair<uint32_t, std::string>, int> clients;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, pool] : pools_) {
+      PoolSnapshot p;
+      p.pool_id = id;
+      p.namespace_id = pool->ns->hex_id;
+      p.model = pool->ns->desc.model;
+      p.tenant = pool->ns->desc.tenant;
+      p.cuda = pool->cuda;
+      p.client_pid = pool->client_pid;
+      p.peer = pool->peer;
+      p.backups = pool->backups.load();
+      p.restores = pool->restores.load();
+      snap.pools.push_back(std::move(p));
+      pools_per_ns[pool->ns->id] += 1;
+      clients[{pool->client_pid, pool->client_pid == 0 ? pool->peer : std::string()}] = 1;
+    }
+  }
+  snap.clients = clients.size();
+  for (const NamespaceInfo* ns : namespaces_.All()) {
+    NamespaceSnapshot n;
+    n.namespace_id = ns->hex_id;
+    n.model = ns->desc.model;
+    n.tenant = ns->desc.tenant;
+    n.raw_codec = ns->desc.layout.row.codec == kernels::CodecKind::kRaw;
+    n.encoded_bytes_per_token = ns->desc.layout.BytesPerToken();
+    n.pools = pools_per_ns[ns->id];
+    auto it = snap.store.namespaces.find(ns->id);
+    if (it != snap.store.namespaces.end()) n.counters = it->second;
+    snap.namespaces.push_back(std::move(n));
+  }
+  return snap;
+}
+
+}  // namespace hiqcache::server

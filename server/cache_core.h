@@ -1,0 +1,133 @@
+// CacheCore: the daemon without its transport. Owns the registered pools, turns validated
+// requests into block-store reservations and transfer-engine tasks, and keeps the counters.
+//
+// Every public method validates its whole request before touching the store, a buffer or an
+// event; a rejected request changes nothing. Includes neither gRPC nor CUDA. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "block_store.h"
+#include "device_backend.h"
+#include "hiqcache/status.h"
+#include "namespace_table.h"
+#include "registration.h"
+#include "requests.h"
+#include "transfer_engine.h"
+
+namespace hiqcache::server {
+
+struct CoreOptions {
+  Limits limits;
+  unsigned transfer_workers = 2;
+};
+
+struct RegisterResult {
+  uint64_t pool_id = 0;
+  std::string namespace_id;
+  uint64_t encoded_bytes_per_token = 0;
+  uint64_t block_bytes = 0;
+  uint64_t capacity_tokens = 0;
+};
+
+enum class BlockResult { kStored = 0, kAlreadyPresent = 1, kRejected = 2 };
+
+struct BackupResult {
+  std::vector<BlockResult> results;
+  uint64_t ticket = 0;
+};
+
+struct RestoreResult {
+  uint32_t restored_blocks = 0;
+  uint64_t ticket = 0;
+};
+
+struct PoolSnapshot {
+  uint64_t pool_id = 0;
+  std::string namespace_id;
+  std::string model;
+  std::string tenant;
+  bool cuda = false;
+  uint32_t client_pid = 0;
+  std::string peer;
+  uint64_t backups = 0;
+  uint64_t restores = 0;
+};
+
+struct NamespaceSnapshot {
+  std::string namespace_id;
+  std::string model;
+  std::string tenant;
+  bool raw_codec = false;
+  uint64_t encoded_bytes_per_token = 0;
+  uint32_t pools = 0;
+  NamespaceCounters counters;
+};
+
+struct CoreSnapshot {
+  StoreStats store;
+  std::vector<PoolSnapshot> pools;
+  std::vector<NamespaceSnapshot> namespaces;
+  uint64_t clients = 0;
+  uint64_t uptime_seconds = 0;
+};
+
+class CacheCore {
+ public:
+  // `store` and the backends must outlive the core. `cuda` may be null (no CUDA available).
+  CacheCore(const CoreOptions& options, BlockStore* store, DeviceBackend* host,
+            DeviceBackend* cuda);
+  // Finishes queued work first.
+  ~CacheCore();
+
+  StatusOr<RegisterResult> RegisterPool(const RegisterSpec& spec);
+  Status ReleasePool(uint64_t pool_id);
+  // Releases every pool registered by process `pid`; returns how many.
+  size_t ReleasePoolsOfClient(uint32_t pid);
+
+  StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys);
+  StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys);
+
+  // `done` runs exactly once: with the error if the request is rejected (nothing changed), else
+  // after the work is queued (sync = false) or completed (sync = true), possibly on a worker.
+  using BackupDone = std::function<void(StatusOr<BackupResult>)>;
+  using RestoreDone = std::function<void(StatusOr<RestoreResult>)>;
+  void Backup(TransferSpec spec, BackupDone done);
+  void Restore(TransferSpec spec, RestoreDone done);
+
+  CoreSnapshot Snapshot() const;
+  // Processes that have pools registered (client_pid != 0).
+  std::vector<uint32_t> ClientPids() const;
+
+  // After this, new work is refused with UNAVAILABLE; queued work still completes.
+  void StartDraining() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  void WaitIdle() { engine_.WaitIdle(); }
+
+ private:
+  struct Pool;
+  StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id) const;
+
+  const CoreOptions options_;
+  BlockStore* const store_;
+  DeviceBackend* const host_;
+  DeviceBackend* const cuda_;
+  NamespaceTable namespaces_;
+  const std::chrono::steady_clock::time_point start_;
+  std::atomic<bool> draining_{false};
+
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
+  uint64_t next_pool_id_;                            // GUARDED_BY(mu_)
+
+  TransferEngine engine_;  // last: destroyed (drained) first
+};
+
+}  // namespace hiqcache::server

@@ -1,0 +1,222 @@
+#include "cache_service.h"
+
+#include "hiqcache/log.h"
+
+namespace hiqcache::server {
+namespace {
+
+namespace v1 = hiqcache::v1;
+
+ViewSpec ToView(bool present, const v1::TensorView& t) {
+  ViewSpec v;
+  v.present = present;
+  v.buffer = t.buffer();
+  v.offset_bytes = t.offset_bytes();
+  v.row_stride_bytes = t.row_stride_bytes();
+  v.num_rows = t.num_rows();
+  v.head_stride_bytes = t.head_stride_bytes();
+  v.page_rows = t.page_rows();
+  v.page_stride_bytes = t.page_stride_bytes();
+  return v;
+}
+
+RegisterSpec ToRegisterSpec(const v1::RegisterPoolRequest& r, const std::string& peer) {
+  RegisterSpec s;
+  s.model = r.model();
+  s.tenant = r.tenant();
+  const auto& g = r.geometry();
+  s.num_layers = g.num_layers();
+  s.num_kv_heads = g.num_kv_heads();
+  s.head_dim = g.head_dim();
+  s.dtype = g.dtype();
+  s.attention = g.attention();
+  s.tp_rank = g.tp_rank();
+  s.tp_size = g.tp_size();
+  s.block_tokens = r.block_tokens();
+  s.codec = r.codec();
+  s.device_kind = r.device().kind();
+  s.cuda_device_uuid = r.device().cuda_device_uuid();
+  for (const auto& b : r.buffers()) {
+    BufferSpec bs;
+    bs.has_host_shm_name = b.has_host_shm_name();
+    bs.host_shm_name = b.host_shm_name();
+    bs.has_cuda_ipc_handle = b.has_cuda_ipc_handle();
+    bs.cuda_ipc_handle = b.cuda_ipc_handle();
+    bs.size_bytes = b.size_bytes();
+    s.buffers.push_back(std::move(bs));
+  }
+  for (const auto& l : r.layers()) {
+    s.layers.push_back({ToView(l.has_k(), l.k()), ToView(l.has_v(), l.v())});
+  }
+  s.events.host_shm_name = r.events().host_shm_name();
+  s.events.count = r.events().count();
+  for (const auto& h : r.events().cuda_ipc_event_handles()) {
+    s.events.cuda_ipc_event_handles.push_back(h);
+  }
+  // For CUDA the event count is the number of handles sent.
+  if (s.device_kind == v1::DEVICE_KIND_CUDA) {
+    s.events.count = static_cast<uint32_t>(r.events().cuda_ipc_event_handles_size());
+  }
+  s.client_pid = r.client_pid();
+  s.peer = peer;
+  return s;
+}
+
+template <typename Req>
+TransferSpec ToTransferSpec(const Req& r) {
+  TransferSpec s;
+  s.pool_id = r.pool_id();
+  s.blocks.reserve(r.blocks_size());
+  for (const auto& b : r.blocks()) {
+    s.blocks.push_back({b.key(), std::vector<uint32_t>(b.rows().begin(), b.rows().end())});
+  }
+  s.wait_event = r.wait_event();
+  s.wait_value = r.wait_value();
+  s.done_event = r.done_event();
+  s.sync = r.sync();
+  return s;
+}
+
+std::vector<std::string> ToKeys(const google::protobuf::RepeatedPtrField<std::string>& keys) {
+  return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+void Finish(grpc::ServerUnaryReactor* reactor, const Status& st, const char* rpc) {
+  if (!st.ok()) HIQ_LOG(DEBUG) << rpc << " rejected: " << st.ToString();
+  reactor->Finish(ToGrpcStatus(st));
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
+}
+
+grpc::ServerUnaryReactor* CacheService::RegisterPool(grpc::CallbackServerContext* ctx,
+                                                     const v1::RegisterPoolRequest* req,
+                                                     v1::RegisterPoolResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  auto result = core_->RegisterPool(ToRegisterSpec(*req, ctx->peer()));
+  if (result.ok()) {
+    resp->set_pool_id(result->pool_id);
+    resp->set_namespace_id(result->namespace_id);
+    resp->set_encoded_bytes_per_token(result->encoded_bytes_per_token);
+    resp->set_block_bytes(result->block_bytes);
+    resp->set_capacity_tokens(result->capacity_tokens);
+  } else {
+    HIQ_LOG(INFO) << "RegisterPool from " << ctx->peer()
+                  << " rejected: " << result.status().ToString();
+  }
+  reactor->Finish(ToGrpcStatus(result.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::ReleasePool(grpc::CallbackServerContext* ctx,
+                                                    const v1::ReleasePoolRequest* req,
+                                                    v1::ReleasePoolResponse*) {
+  auto* reactor = ctx->DefaultReactor();
+  Finish(reactor, core_->ReleasePool(req->pool_id()), "ReleasePool");
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::Lookup(grpc::CallbackServerContext* ctx,
+                                               const v1::LookupRequest* req,
+                                               v1::LookupResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  auto result = core_->Lookup(req->pool_id(), ToKeys(req->keys()));
+  if (result.ok()) resp->set_prefix_blocks(*result);
+  Finish(reactor, result.status(), "Lookup");
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::Evict(grpc::CallbackServerContext* ctx,
+                                              const v1::EvictRequest* req,
+                                              v1::EvictResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  auto result = core_->Evict(req->pool_id(), ToKeys(req->keys()));
+  if (result.ok()) resp->set_evicted(*result);
+  Finish(reactor, result.status(), "Evict");
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
+                                               const v1::BackupRequest* req,
+                                               v1::BackupResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  core_->Backup(ToTransferSpec(*req), [reactor, resp](StatusOr<BackupResult> result) {
+    if (result.ok()) {
+      for (BlockResult r : result->results) {
+        resp->add_results(static_cast<v1::BlockStatus>(static_cast<int>(r)));
+      }
+      resp->set_ticket(result->ticket);
+    }
+    Finish(reactor, result.status(), "Backup");
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx,
+                                                const v1::RestoreRequest* req,
+                                                v1::RestoreResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  TransferSpec spec = ToTransferSpec(*req);
+  spec.layer_event_base = req->layer_event_base();
+  core_->Restore(std::move(spec), [reactor, resp](StatusOr<RestoreResult> result) {
+    if (result.ok()) {
+      resp->set_restored_blocks(result->restored_blocks);
+      resp->set_ticket(result->ticket);
+    }
+    Finish(reactor, result.status(), "Restore");
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ctx,
+                                                 const v1::GetStatsRequest*,
+                                                 v1::GetStatsResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  CoreSnapshot snap = core_->Snapshot();
+  resp->set_pool_bytes(snap.store.pool_bytes);
+  resp->set_used_bytes(snap.store.used_bytes);
+  resp->set_blocks(snap.store.blocks);
+  resp->set_clients(snap.clients);
+  resp->set_uptime_seconds(snap.uptime_seconds);
+  resp->set_capacity_bytes(snap.store.capacity_bytes);
+  resp->set_device(device_);
+  resp->set_shm_name(shm_name_);
+  for (const auto& n : snap.namespaces) {
+    auto* out = resp->add_namespaces();
+    out->set_namespace_id(n.namespace_id);
+    out->set_model(n.model);
+    out->set_tenant(n.tenant);
+    out->set_codec(n.raw_codec ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD);
+    out->set_encoded_bytes_per_token(n.encoded_bytes_per_token);
+    out->set_blocks(n.counters.blocks);
+    out->set_bytes(n.counters.bytes);
+    out->set_hits(n.counters.hits);
+    out->set_misses(n.counters.misses);
+    out->set_backups(n.counters.backups);
+    out->set_restores(n.counters.restores);
+    out->set_evictions(n.counters.evictions);
+    out->set_rejected(n.counters.rejected);
+    out->set_pools(n.pools);
+    out->set_capacity_blocks(n.counters.capacity_blocks);
+  }
+  for (const auto& p : snap.pools) {
+    auto* out = resp->add_pools();
+    out->set_pool_id(p.pool_id);
+    out->set_namespace_id(p.namespace_id);
+    out->set_model(p.model);
+    out->set_tenant(p.tenant);
+    out->set_device(p.cuda ? v1::DEVICE_KIND_CUDA : v1::DEVICE_KIND_HOST);
+    out->set_client_pid(p.client_pid);
+    out->set_backups(p.backups);
+    out->set_restores(p.restores);
+    out->set_peer(p.peer);
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace hiqcache::server

@@ -1,0 +1,50 @@
+// CacheService: the gRPC adapter (callback API) of hiqcache.v1.Cache. Each handler converts the
+// protobuf request into a core request, calls CacheCore, and converts the result back; it holds no
+// state and makes no decisions. Backup and Restore finish their reactor from the transfer worker
+// when `sync` is set, so no gRPC thread waits on codec work. Thread-safe.
+#pragma once
+
+#include <string>
+
+#include "cache_core.h"
+#include "hiqcache/v1/cache.grpc.pb.h"
+
+namespace hiqcache::server {
+
+class CacheService final : public hiqcache::v1::Cache::CallbackService {
+ public:
+  // `core` must outlive the service.
+  // `device` ("host"/"cuda") and `shm_name` are reported by GetStats.
+  CacheService(CacheCore* core, std::string device, std::string shm_name)
+      : core_(core), device_(std::move(device)), shm_name_(std::move(shm_name)) {}
+
+  grpc::ServerUnaryReactor* RegisterPool(grpc::CallbackServerContext* ctx,
+                                         const v1::RegisterPoolRequest* req,
+                                         v1::RegisterPoolResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleasePool(grpc::CallbackServerContext* ctx,
+                                        const v1::ReleasePoolRequest* req,
+                                        v1::ReleasePoolResponse* resp) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* ctx,
+                                   const v1::LookupRequest* req,
+                                   v1::LookupResponse* resp) override;
+  grpc::ServerUnaryReactor* Backup(grpc::CallbackServerContext* ctx,
+                                   const v1::BackupRequest* req,
+                                   v1::BackupResponse* resp) override;
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* ctx,
+                                    const v1::RestoreRequest* req,
+                                    v1::RestoreResponse* resp) override;
+  grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
+                                  v1::EvictResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const v1::GetStatsRequest* req,
+                                     v1::GetStatsResponse* resp) override;
+
+ private:
+  CacheCore* core_;
+  const std::string device_;
+  const std::string shm_name_;
+};
+
+grpc::Status ToGrpcStatus(const Status& status);
+
+}  // namespace hiqcache::server

@@ -1,0 +1,265 @@
+#include "config.h"
+
+#include <cctype>
+#include <fstream>
+#include <sstream>
+
+#include "hiqcache/paths.h"
+
+namespace hiqcache::server {
+namespace {
+
+std::string Trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+// Strips a trailing comment that is not inside a string.
+std::string StripComment(const std::string& line) {
+  bool in_str = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '"') in_str = !in_str;
+    if (line[i] == '#' && !in_str) return line.substr(0, i);
+  }
+  return line;
+}
+
+StatusOr<std::string> ParseString(const std::string& v, const std::string& where) {
+  if (v.size() < 2 || v.front() != '"' || v.back() != '"') {
+    return InvalidArgument(where + ": expected a double-quoted string, got " + v);
+  }
+  return v.substr(1, v.size() - 2);
+}
+
+StatusOr<std::vector<std::string>> ParseStringArray(const std::string& v,
+                                                    const std::string& where) {
+  if (v.size() < 2 || v.front() != '[' || v.back() != ']') {
+    return InvalidArgument(where + ": expected an array of strings, got " + v);
+  }
+  std::vector<std::string> out;
+  std::string inner = Trim(v.substr(1, v.size() - 2));
+  std::stringstream ss(inner);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item = Trim(item);
+    if (item.empty()) continue;
+    HIQ_ASSIGN_OR_RETURN(std::string s, ParseString(item, where));
+    out.push_back(s);
+  }
+  return out;
+}
+
+StatusOr<uint64_t> ParseUint(const std::string& v, const std::string& where) {
+  if (v.empty() || v.size() > 19) return InvalidArgument(where + ": expected an integer");
+  uint64_t out = 0;
+  for (char c : v) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) {
+      return InvalidArgument(where + ": expected an integer, got " + v);
+    }
+    out = out * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return out;
+}
+
+StatusOr<bool> ParseBool(const std::string& v, const std::string& where) {
+  if (v == "true") return true;
+  if (v == "false") return false;
+  return InvalidArgument(where + ": expected true or false, got " + v);
+}
+
+Status Validate(const DaemonConfig& c) {
+  if (c.listen.empty()) return InvalidArgument("listen: at least one address is needed");
+  if (c.pool_bytes < (16ull << 20)) return InvalidArgument("pool_bytes: at least 16MiB");
+  if (c.shm_name.empty()) return InvalidArgument("shm_name: must not be empty");
+  if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
+    return InvalidArgument("device: must be auto, host or cuda, got " + c.device);
+  }
+  return Status::Ok();
+}
+
+// Applies one key. `value` is raw text (quoted strings stay quoted) for the file, and for flags.
+Status ApplyKey(const std::string& key, const std::string& value, const std::string& where,
+                DaemonConfig* c, bool from_flag) {
+  auto str = [&]() -> StatusOr<std::string> {
+    if (from_flag) return value;
+    return ParseString(value, where);
+  };
+  if (key == "listen") {
+    if (from_flag) {
+      c->listen.push_back(value);
+    } else {
+      HIQ_ASSIGN_OR_RETURN(c->listen, ParseStringArray(value, where));
+    }
+  } else if (key == "pool_bytes" || key == "pool-bytes") {
+    std::string v = value;
+    if (!from_flag && !v.empty() && v.front() == '"') {
+      HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
+    }
+    HIQ_ASSIGN_OR_RETURN(c->pool_bytes, ParseSize(v));
+  } else if (key == "shm_name" || key == "shm-name") {
+    HIQ_ASSIGN_OR_RETURN(c->shm_name, str());
+  } else if (key == "device") {
+    HIQ_ASSIGN_OR_RETURN(c->device, str());
+  } else if (key == "metrics_listen" || key == "metrics-listen") {
+    HIQ_ASSIGN_OR_RETURN(c->metrics_listen, str());
+  } else if (key == "log_level" || key == "log-level") {
+    HIQ_ASSIGN_OR_RETURN(c->log_level, str());
+  } else if (key == "socket_mode" || key == "socket-mode") {
+    HIQ_ASSIGN_OR_RETURN(std::string m, str());
+    if (m.empty() || m.size() > 4 || m.find_first_not_of("01234567") != std::string::npos) {
+      return InvalidArgument(where + ": expected an octal mode like \"0660\"");
+    }
+    c->socket_mode = static_cast<uint32_t>(std::stoul(m, nullptr, 8));
+  } else if (key == "transfer_workers" || key == "transfer-workers") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->transfer_workers = static_cast<uint32_t>(std::min<uint64_t>(v, 256));
+  } else if (key == "codec_threads" || key == "codec-threads") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->codec_threads = static_cast<uint32_t>(std::min<uint64_t>(v, 1024));
+  } else if (key == "wait_timeout_ms" || key == "wait-timeout-ms") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->wait_timeout_ms = static_cast<uint32_t>(std::min<uint64_t>(v, 3600000));
+  } else if (key == "max_blocks_per_request" || key == "max-blocks-per-request") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->max_blocks_per_request = static_cast<uint32_t>(std::min<uint64_t>(v, 1u << 20));
+  } else if (key == "max_message_bytes" || key == "max-message-bytes") {
+    std::string v = value;
+    if (!from_flag && !v.empty() && v.front() == '"') {
+      HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
+    }
+    HIQ_ASSIGN_OR_RETURN(c->max_message_bytes, ParseSize(v));
+  } else if (key == "prefault") {
+    HIQ_ASSIGN_OR_RETURN(c->prefault, ParseBool(value, where));
+  } else {
+    return InvalidArgument(where + ": unknown setting '" + key + "'");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* EmbeddedDefaultConfig() {
+  return R"(# hiqcached embedded default configuration
+# listen: unix sockets ("unix:///path") and/or TCP ("host:port"); empty = the default socket,
+# $XDG_RUNTIME_DIR/hiqcache/hiqcached.sock or /tmp/hiqcache-$UID/hiqcached.sock
+listen = []
+pool_bytes = "4GiB"
+shm_name = "/hiqcache-pool"
+device = "auto"
+metrics_listen = ""
+log_level = "info"
+socket_mode = "0660"
+transfer_workers = 2
+codec_threads = 0
+wait_timeout_ms = 10000
+max_blocks_per_request = 4096
+max_message_bytes = "64MiB"
+prefault = true
+)";
+}
+
+StatusOr<uint64_t> ParseSize(const std::string& raw) {
+  std::string text = Trim(raw);
+  size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  if (i == 0 || i > 19) return InvalidArgument("size '" + raw + "': expected e.g. 8GiB");
+  uint64_t n = std::stoull(text.substr(0, i));
+  std::string unit;
+  for (char c : Trim(text.substr(i))) unit += static_cast<char>(std::tolower(c));
+  uint64_t mul = 1;
+  if (unit.empty() || unit == "b") mul = 1;
+  else if (unit == "k" || unit == "kib") mul = 1ull << 10;
+  else if (unit == "m" || unit == "mib") mul = 1ull << 20;
+  else if (unit == "g" || unit == "gib") mul = 1ull << 30;
+  else if (unit == "t" || unit == "tib") mul = 1ull << 40;
+  else if (unit == "kb") mul = 1000ull;
+  else if (unit == "mb") mul = 1000000ull;
+  else if (unit == "gb") mul = 1000000000ull;
+  else if (unit == "tb") mul = 1000000000000ull;
+  else return InvalidArgument("size '" + raw + "': unknown unit '" + unit + "'");
+  uint64_t out;
+  if (__builtin_mul_overflow(n, mul, &out)) return InvalidArgument("size '" + raw + "': too big");
+  return out;
+}
+
+Status ApplyConfigText(const std::string& text, const std::string& source, DaemonConfig* c) {
+  std::stringstream ss(text);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(ss, line)) {
+    ++lineno;
+    line = Trim(StripComment(line));
+    if (line.empty() || line[0] == '[') continue;  // tables are not used; tolerated
+    size_t eq = line.find('=');
+    std::string where = source + ":" + std::to_string(lineno);
+    if (eq == std::string::npos) return InvalidArgument(where + ": expected key = value");
+    HIQ_RETURN_IF_ERROR(
+        ApplyKey(Trim(line.substr(0, eq)), Trim(line.substr(eq + 1)), where, c, false));
+  }
+  return Status::Ok();
+}
+
+std::string UsageText() {
+  return "usage: hiqcached [--config FILE] [--listen ADDR]... [--pool-bytes SIZE]\n"
+         "                 [--shm-name NAME] [--device auto|host|cuda]\n"
+         "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
+         "                 [--print-default-config]\n"
+         "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
+         "Without arguments hiqcached uses its embedded default configuration.\n";
+}
+
+StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::string* message) {
+  *exit_now = false;
+  DaemonConfig c;
+  HIQ_RETURN_IF_ERROR(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded default>", &c));
+  // Two passes: --config first, so flags override the file whatever their order.
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      *exit_now = true;
+      *message = UsageText();
+      return c;
+    }
+    if (arg == "--print-default-config") {
+      *exit_now = true;
+      *message = EmbeddedDefaultConfig();
+      return c;
+    }
+    if (arg.rfind("--", 0) != 0) return InvalidArgument("unexpected argument '" + arg + "'");
+    std::string key = arg.substr(2), value;
+    size_t eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key = key.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) return InvalidArgument("--" + key + ": missing value");
+      value = argv[++i];
+    }
+    flags.emplace_back(key, value);
+  }
+  bool listen_from_flags = false;
+  for (const auto& [key, value] : flags) {
+    if (key != "config") continue;
+    std::ifstream in(value);
+    if (!in) return InvalidArgument("--config: cannot read '" + value + "'");
+    std::stringstream buf;
+    buf << in.rdbuf();
+    HIQ_RETURN_IF_ERROR(ApplyConfigText(buf.str(), value, &c));
+  }
+  for (const auto& [key, value] : flags) {
+    if (key == "config") continue;
+    if (key == "listen" && !listen_from_flags) {
+      c.listen.clear();  // flags replace the file's listeners
+      listen_from_flags = true;
+    }
+    HIQ_RETURN_IF_ERROR(ApplyKey(key, value, "--" + key, &c, true));
+  }
+  if (c.listen.empty()) c.listen.push_back(DefaultTarget());
+  HIQ_RETURN_IF_ERROR(Validate(c));
+  return c;
+}
+
+}  // namespace hiqcache::server

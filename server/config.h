@@ -1,0 +1,48 @@
+// hiqcached's configuration: the embedded default, the config file, and the command line
+// (DESIGN.md "Command line"). Flags override the file, which overrides the default.
+//
+// The file is a small TOML subset: `key = value` lines, strings in double quotes, integers,
+// sizes as strings ("8GiB"), string arrays (`listen = ["unix:///run/hiqcache/hiqcached.sock"]`),
+// `#` comments. Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hiqcache/status.h"
+
+namespace hiqcache::server {
+
+struct DaemonConfig {
+  std::vector<std::string> listen;  // "unix:///path" or "host:port"
+  uint64_t pool_bytes = 0;
+  std::string shm_name;
+  std::string device;  // auto | host | cuda
+  std::string metrics_listen;
+  std::string log_level;
+  uint32_t socket_mode = 0660;
+  uint32_t transfer_workers = 0;  // 0 = automatic
+  uint32_t codec_threads = 0;     // 0 = every core
+  uint32_t wait_timeout_ms = 0;
+  uint32_t max_blocks_per_request = 0;
+  uint64_t max_message_bytes = 0;
+  bool prefault = true;
+};
+
+// The configuration compiled into the binary: `hiqcached` with no arguments uses it.
+const char* EmbeddedDefaultConfig();
+
+// Parses "8GiB", "8GB", "512MiB", "8589934592" (binary and decimal suffixes, case-insensitive).
+StatusOr<uint64_t> ParseSize(const std::string& text);
+
+// Applies the settings of a config file's text onto `config`.
+Status ApplyConfigText(const std::string& text, const std::string& source, DaemonConfig* config);
+
+// Builds the configuration from argv: the embedded default, then --config FILE, then the other
+// flags. Returns the usage text as an OK-but-exit signal through `*exit_now` for --help.
+StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::string* message);
+
+std::string UsageText();
+
+}  // namespace hiqcache::server

@@ -1,0 +1,181 @@
+// hiqcached: the per-node KV cache daemon. Wires the configuration, the shared-memory pool, the
+// block store, the device backends, the core and the gRPC service together, then serves until
+// SIGTERM/SIGINT: in-flight work finishes, new work is refused with UNAVAILABLE, exit 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "block_store.h"
+#include "cache_core.h"
+#include "cache_service.h"
+#include "client_watcher.h"
+#include "codec_cpu.h"
+#include "config.h"
+#include "hiqcache/log.h"
+#include "host_backend.h"
+#include "pool_region.h"
+
+namespace hiqcache::server {
+namespace {
+
+constexpr const char* kUnixPrefix = "unix://";
+
+bool IsUnix(const std::string& addr) { return addr.rfind(kUnixPrefix, 0) == 0; }
+std::string UnixPath(const std::string& addr) { return addr.substr(std::strlen(kUnixPrefix)); }
+
+// Prepares a unix socket path: creates its directory; removes a stale socket file that nothing
+// listens on. Refuses to take over a socket another daemon is serving.
+Status PrepareUnixSocket(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (!dir.empty()) {
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return FailedPrecondition("listen: cannot create " + dir.string() + ": " + ec.message());
+  }
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return Status::Ok();
+  if (!S_ISSOCK(st.st_mode)) {
+    return FailedPrecondition("listen: " + path + " exists and is not a socket");
+  }
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+  bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+  ::close(fd);
+  if (live) return FailedPrecondition("listen: another process serves " + path);
+  ::unlink(path.c_str());
+  return Status::Ok();
+}
+
+int Run(int argc, char** argv) {
+  // Signals are taken by sigwait below: block them before any thread starts.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  bool exit_now = false;
+  std::string message;
+  auto loaded = LoadConfig(argc, argv, &exit_now, &message);
+  if (!loaded.ok()) {
+    std::cerr << "hiqcached: " << loaded.status().message() << "\n" << UsageText();
+    return 2;
+  }
+  if (exit_now) {
+    std::cout << message;
+    return 0;
+  }
+  DaemonConfig config = std::move(loaded).value();
+  LogLevel level;
+  if (!ParseLogLevel(config.log_level, &level)) {
+    std::cerr << "hiqcached: log_level: unknown level '" << config.log_level << "'\n";
+    return 2;
+  }
+  SetLogLevel(level);
+
+  if (config.device == "cuda") {
+    HIQ_LOG(ERROR) << "device = cuda: this build has no CUDA backend for pools yet";
+    return 1;
+  }
+
+  auto region = PoolRegion::Open(config.shm_name, config.pool_bytes);
+  if (!region.ok()) {
+    HIQ_LOG(ERROR) << region.status().ToString();
+    return 1;
+  }
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  auto t0 = std::chrono::steady_clock::now();
+  if (config.prefault) (*region)->Prefault(cores);
+  auto t1 = std::chrono::steady_clock::now();
+  HIQ_LOG(INFO) << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes"
+                << (config.prefault ? ", pre-faulted in " : "")
+                << (config.prefault
+                        ? std::to_string(
+                              std::chrono::duration_cast<std::chrono::milliseconds>(t1 - t0)
+                                  .count()) +
+                              " ms"
+                        : std::string());
+
+  BlockStore store((*region)->data(), (*region)->size());
+  kernels::CpuCodec codec(config.codec_threads);
+  HostBackend host(&codec, std::chrono::milliseconds(config.wait_timeout_ms));
+  CoreOptions options;
+  options.transfer_workers = config.transfer_workers != 0 ? config.transfer_workers : 2;
+  if (config.max_blocks_per_request != 0) {
+    options.limits.max_blocks_per_request = config.max_blocks_per_request;
+  }
+  auto core = std::make_unique<CacheCore>(options, &store, &host, nullptr);
+  CacheService service(core.get(), "host", (*region)->name());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  for (const auto& addr : config.listen) {
+    if (IsUnix(addr)) {
+      Status st = PrepareUnixSocket(UnixPath(addr));
+      if (!st.ok()) {
+        HIQ_LOG(ERROR) << st.ToString();
+        return 1;
+      }
+    }
+    builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
+  }
+  const int max_msg = static_cast<int>(
+      std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max()));
+  builder.SetMaxReceiveMessageSize(max_msg);
+  builder.SetMaxSendMessageSize(max_msg);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
+    return 1;
+  }
+  for (const auto& addr : config.listen) {
+    if (IsUnix(addr) && ::chmod(UnixPath(addr).c_str(), config.socket_mode) != 0) {
+      HIQ_LOG(WARN) << "chmod " << UnixPath(addr) << ": " << std::strerror(errno);
+    }
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+
+  ClientWatcher watcher([&] { return core->ClientPids(); },
+                        [&](uint32_t pid) { core->ReleasePoolsOfClient(pid); },
+                        std::chrono::milliseconds(200));
+  std::string addrs;
+  for (const auto& a : config.listen) addrs += (addrs.empty() ? "" : ", ") + a;
+  HIQ_LOG(INFO) << "hiqcached serving on " << addrs << " (device host, codec "
+                << kernels::CpuCodec::TargetName() << " x" << codec.threads() << " threads)";
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  HIQ_LOG(INFO) << "signal " << sig << ": draining";
+  core->StartDraining();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  core->WaitIdle();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  core.reset();
+  for (const auto& addr : config.listen) {
+    if (IsUnix(addr)) ::unlink(UnixPath(addr).c_str());
+  }
+  HIQ_LOG(INFO) << "hiqcached stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace hiqcache::server
+
+int main(int argc, char** argv) { return hiqcache::server::Run(argc, argv); }

@@ -1,0 +1,195 @@
+#include "host_backend.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "codec_job.h"
+#include "hiqcache/log.h"
+#include "registration.h"
+
+namespace hiqcache::server {
+
+StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, uint64_t bytes,
+                                                       const std::string& field) {
+  std::string path = name.empty() || name[0] != '/' ? "/" + name : name;
+  int fd = ::shm_open(path.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    return InvalidArgument(field + ": cannot open shared memory '" + path +
+                           "': " + std::strerror(errno));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return InvalidArgument(field + ": cannot stat '" + path + "': " + std::strerror(err));
+  }
+  if (static_cast<uint64_t>(st.st_size) < bytes) {
+    ::close(fd);
+    return InvalidArgument(field + ": shared memory '" + path + "' holds " +
+                           std::to_string(st.st_size) + " bytes, " + std::to_string(bytes) +
+                           " registered");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    return InvalidArgument(field + ": cannot map '" + path + "': " + std::strerror(err));
+  }
+  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes));
+}
+
+ShmMapping::~ShmMapping() {
+  if (data_ != nullptr && ::munmap(data_, size_) != 0) {
+    HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
+  }
+}
+
+namespace {
+
+class HostBinding : public PoolBinding {
+ public:
+  HostBinding(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout,
+              kernels::BlockLayout layout, std::vector<std::unique_ptr<ShmMapping>> buffers,
+              std::unique_ptr<ShmMapping> events, uint32_t event_count,
+              std::vector<kernels::LayerViews> views, uint32_t num_rows)
+      : codec_(codec),
+        wait_timeout_(wait_timeout),
+        layout_(layout),
+        buffers_(std::move(buffers)),
+        events_(std::move(events)),
+        event_count_(event_count),
+        views_(std::move(views)),
+        num_rows_(num_rows) {}
+
+  uint32_t event_count() const override { return event_count_; }
+  uint32_t num_rows() const override { return num_rows_; }
+
+  Status RunBackup(BackupTask& task) override {
+    std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
+    Status st = WaitFor(task.wait_event, task.wait_value);
+    if (st.ok()) {
+      kernels::EncodeJob job;
+      job.layout = layout_;
+      job.layers = views_.data();
+      job.rows = task.rows.data();
+      job.blocks = task.payloads.data();
+      job.num_blocks = static_cast<uint32_t>(task.payloads.size());
+      job.nonfinite = nonfinite.data();
+      codec_->Encode(job);
+    }
+    task.on_written(nonfinite, st);
+    Signal(task.done_event, task.ticket);
+    return st;
+  }
+
+  Status RunRestore(RestoreTask& task) override {
+    Status st = WaitFor(task.wait_event, task.wait_value);
+    if (st.ok()) {
+      kernels::DecodeJob job;
+      job.layout = layout_;
+      job.layers = views_.data();
+      job.rows = task.rows.data();
+      job.blocks = task.payloads.data();
+      job.num_blocks = static_cast<uint32_t>(task.payloads.size());
+      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        codec_->DecodeLayer(job, l);
+        if (task.layer_event_base >= 0) {
+          Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
+        }
+      }
+    } else if (task.layer_event_base >= 0) {
+      // Nothing was written; still release waiters so an engine never stalls on us.
+      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
+      }
+    }
+    Signal(task.done_event, task.ticket);
+    return st;
+  }
+
+  void Signal(int32_t event, uint64_t ticket) override {
+    if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return;
+    std::atomic_ref<uint64_t> slot(*Slot(event));
+    uint64_t cur = slot.load(std::memory_order_relaxed);
+    // Never move a slot backwards: waiters compare with >=.
+    while (cur < ticket &&
+           !slot.compare_exchange_weak(cur, ticket, std::memory_order_release,
+                                       std::memory_order_relaxed)) {
+    }
+  }
+
+ private:
+  uint64_t* Slot(int32_t event) const {
+    return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
+  }
+
+  Status WaitFor(int32_t event, uint64_t value) {
+    if (event < 0) return Status::Ok();
+    if (value == 0) value = 1;
+    std::atomic_ref<uint64_t> slot(*Slot(event));
+    auto deadline = std::chrono::steady_clock::now() + wait_timeout_;
+    auto sleep = std::chrono::microseconds(5);
+    while (slot.load(std::memory_order_acquire) < value) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +
+                                std::to_string(value) + " within " +
+                                std::to_string(wait_timeout_.count()) + " ms");
+      }
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(500));
+    }
+    return Status::Ok();
+  }
+
+  kernels::CpuCodec* codec_;
+  std::chrono::milliseconds wait_timeout_;
+  kernels::BlockLayout layout_;
+  std::vector<std::unique_ptr<ShmMapping>> buffers_;
+  std::unique_ptr<ShmMapping> events_;
+  uint32_t event_count_;
+  std::vector<kernels::LayerViews> views_;
+  uint32_t num_rows_;
+};
+
+}  // namespace
+
+HostBackend::HostBackend(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout)
+    : codec_(codec), wait_timeout_(wait_timeout) {}
+
+StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spec,
+                                                         const kernels::BlockLayout& layout) {
+  std::vector<std::unique_ptr<ShmMapping>> buffers;
+  std::vector<uint8_t*> bases;
+  for (size_t i = 0; i < spec.buffers.size(); ++i) {
+    const BufferSpec& b = spec.buffers[i];
+    if (!b.has_host_shm_name) {
+      return InvalidArgument("buffers[" + std::to_string(i) +
+                             "]: a HOST pool needs host_shm_name, not cuda_ipc_handle");
+    }
+    HIQ_ASSIGN_OR_RETURN(
+        auto m, ShmMapping::Open(b.host_shm_name, b.size_bytes,
+                                 "buffers[" + std::to_string(i) + "].host_shm_name"));
+    bases.push_back(m->data());
+    buffers.push_back(std::move(m));
+  }
+  std::unique_ptr<ShmMapping> events;
+  if (spec.events.count > 0) {
+    HIQ_ASSIGN_OR_RETURN(events, ShmMapping::Open(spec.events.host_shm_name,
+                                                  64ull * spec.events.count,
+                                                  "events.host_shm_name"));
+  }
+  std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
+  uint32_t rows = MinRows(spec);
+  return std::unique_ptr<PoolBinding>(new HostBinding(codec_, wait_timeout_, layout,
+                                                      std::move(buffers), std::move(events),
+                                                      spec.events.count, std::move(views), rows));
+}
+
+}  // namespace hiqcache::server

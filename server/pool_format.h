@@ -1,0 +1,71 @@
+// The persistent layout of the shared-memory pool: pool, extent and block headers.
+//
+// Everything a restarted daemon needs to rebuild its index lives in these headers; no allocator
+// state has to survive a crash (DESIGN.md "Pool and durability"). The daemon is the only writer.
+// Layout: [PoolHeader, 4 KiB][extent]...; an extent is [ExtentHeader, 256 B][slot]...; a slot is
+// [BlockHeader, 64 B][payload, rounded up to 64 B].
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hiqcache::server {
+
+constexpr uint64_t kPoolMagic = 0x314C4F4F50514948ull;    // "HIQPOOL1"
+constexpr uint64_t kExtentMagic = 0x3154584550514948ull;  // "HIQPEXT1"
+constexpr uint32_t kBlockMagic = 0x4B4C4248u;             // "HBLK"
+constexpr uint32_t kPoolFormatVersion = 1;
+
+constexpr size_t kPoolHeaderBytes = 4096;
+constexpr size_t kExtentHeaderBytes = 256;
+constexpr size_t kBlockHeaderBytes = 64;
+constexpr size_t kSlotAlign = 64;
+
+enum class BlockState : uint32_t {
+  kFree = 0,
+  kWriting = 1,    // reserved, payload being written: never served, dropped on rebuild
+  kCommitted = 2,  // payload complete and checksummed
+};
+
+struct PoolHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t reserved0;
+  uint64_t pool_bytes;
+  uint64_t created_unix;
+  uint64_t boot_count;
+};
+static_assert(sizeof(PoolHeader) <= kPoolHeaderBytes);
+
+// Namespace descriptor text is stored (truncated to fit) for diagnostics and rebuild.
+struct ExtentHeader {
+  uint64_t magic;
+  uint64_t extent_bytes;
+  uint64_t slot_bytes;
+  uint64_t payload_bytes;
+  uint32_t num_slots;
+  uint32_t reserved0;
+  uint8_t namespace_hash[16];
+  char namespace_text[kExtentHeaderBytes - 56];
+};
+static_assert(sizeof(ExtentHeader) == kExtentHeaderBytes);
+
+struct BlockHeader {
+  uint32_t magic;
+  uint32_t state;  // BlockState, written last with release order on commit
+  uint8_t key[16];
+  uint64_t namespace_tag;  // low 64 bits of the namespace hash
+  uint64_t checksum;       // XXH3-64 of the payload
+  uint64_t payload_bytes;
+  uint64_t commit_seq;     // recency order for the LRU after a rebuild
+  uint64_t reserved0;
+};
+static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);
+
+inline constexpr size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+inline constexpr size_t SlotBytesFor(size_t payload_bytes) {
+  return kBlockHeaderBytes + AlignUp(payload_bytes, kSlotAlign);
+}
+
+}  // namespace hiqcache::server

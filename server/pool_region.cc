@@ -1,0 +1,75 @@
+#include "pool_region.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <thread>
+#include <vector>
+
+#include "hiqcache/log.h"
+
+namespace hiqcache::server {
+
+namespace bip = boost::interprocess;
+
+struct PoolRegion::Impl {
+  bip::shared_memory_object shm;
+  bip::mapped_region region;
+};
+
+PoolRegion::PoolRegion(std::unique_ptr<Impl> impl, std::string name)
+    : impl_(std::move(impl)), name_(std::move(name)) {
+  data_ = static_cast<uint8_t*>(impl_->region.get_address());
+  size_ = impl_->region.get_size();
+}
+
+PoolRegion::~PoolRegion() = default;
+
+StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, uint64_t bytes) {
+  // Boost adds the leading '/' itself.
+  std::string bare = name[0] == '/' ? name.substr(1) : name;
+  if (bare.empty() || bare.find('/') != std::string::npos) {
+    return InvalidArgument("shm_name: '" + name + "' is not a valid POSIX shm name");
+  }
+  try {
+    auto impl = std::make_unique<Impl>();
+    impl->shm = bip::shared_memory_object(bip::open_or_create, bare.c_str(), bip::read_write,
+                                          bip::permissions(0600));
+    bip::offset_t current = 0;
+    if (!impl->shm.get_size(current) || static_cast<uint64_t>(current) != bytes) {
+      impl->shm.truncate(static_cast<bip::offset_t>(bytes));
+    }
+    impl->region = bip::mapped_region(impl->shm, bip::read_write, 0, bytes);
+    return std::unique_ptr<PoolRegion>(new PoolRegion(std::move(impl), "/" + bare));
+  } catch (const bip::interprocess_exception& e) {
+    return FailedPrecondition("shm_name: cannot create or map '/" + bare + "' of " +
+                              std::to_string(bytes) + " bytes: " + e.what());
+  }
+}
+
+void PoolRegion::Prefault(unsigned threads) {
+  if (threads == 0) threads = 1;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t chunk = (size_ / threads + page - 1) / page * page;
+  std::vector<std::thread> workers;
+  for (unsigned t = 0; t < threads; ++t) {
+    const uint64_t begin = t * chunk;
+    if (begin >= size_) break;
+    const uint64_t end = std::min(size_, begin + chunk);
+    workers.emplace_back([this, begin, end, page] {
+#ifdef MADV_POPULATE_WRITE
+      if (::madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) == 0) return;
+#endif
+      // Fallback: write each page once. Values are not disturbed: read and write back.
+      for (uint64_t off = begin; off < end; off += page) {
+        volatile uint8_t* p = data_ + off;
+        *p = *p;
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+}
+
+}  // namespace hiqcache::server

@@ -1,0 +1,39 @@
+// PoolRegion: the daemon's one POSIX shared-memory object holding the L2 pool, mapped
+// read-write (Boost.Interprocess shared_memory_object + mapped_region) and pre-faulted in
+// parallel so no request pays for a page fault. The daemon is its only writer; clients never
+// map it. Move-only RAII; the object itself stays in /dev/shm after the daemon exits so that a
+// restarted daemon can reattach (see pool_format.h). Thread-safe after Open.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "hiqcache/status.h"
+
+namespace hiqcache::server {
+
+class PoolRegion {
+ public:
+  // Creates (or resizes) shm object `name` to `bytes` and maps it.
+  static StatusOr<std::unique_ptr<PoolRegion>> Open(const std::string& name, uint64_t bytes);
+  ~PoolRegion();
+  PoolRegion(const PoolRegion&) = delete;
+  PoolRegion& operator=(const PoolRegion&) = delete;
+
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  // Touches every page with `threads` threads (writes: the pages become resident).
+  void Prefault(unsigned threads);
+
+ private:
+  struct Impl;
+  PoolRegion(std::unique_ptr<Impl> impl, std::string name);
+  std::unique_ptr<Impl> impl_;
+  std::string name_;
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace hiqcache::server

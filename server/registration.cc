@@ -1,0 +1,326 @@
+#include "registration.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace hiqcache::server {
+namespace {
+
+// proto enum values (hiqcache.v1): kept here so the core needs no protobuf include.
+constexpr int kDTypeBf16 = 1;
+constexpr int kDTypeFp16 = 2;
+constexpr int kAttentionMha = 1;
+constexpr int kAttentionMla = 2;
+constexpr int kCodecInt8 = 0;
+constexpr int kCodecRaw = 1;
+constexpr int kDeviceHost = 1;
+constexpr int kDeviceCuda = 2;
+constexpr size_t kIpcHandleBytes = 64;
+
+std::string Idx(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+bool MulAdd(uint64_t a, uint64_t b, uint64_t* acc) {
+  uint64_t prod;
+  if (__builtin_mul_overflow(a, b, &prod)) return false;
+  return !__builtin_add_overflow(*acc, prod, acc);
+}
+
+bool ValidShmName(const std::string& name) {
+  if (name.empty() || name.size() > 255) return false;
+  size_t start = name[0] == '/' ? 1 : 0;
+  if (start == name.size()) return false;
+  for (size_t i = start; i < name.size(); ++i) {
+    if (name[i] == '/' || name[i] == '\0') return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
+                           const std::string& field) {
+  const uint64_t head_bytes = uint64_t{head_dim} * 2;
+  const uint64_t head_stride = v.head_stride_bytes != 0 ? v.head_stride_bytes : head_bytes;
+  if (v.num_rows == 0) return InvalidArgument(field + ".num_rows: must be > 0");
+  if (v.row_stride_bytes == 0 && v.num_rows > 1) {
+    return InvalidArgument(field + ".row_stride_bytes: must be > 0");
+  }
+  if (v.head_stride_bytes != 0 && v.head_stride_bytes < head_bytes && heads > 1) {
+    return InvalidArgument(field + ".head_stride_bytes: " + std::to_string(v.head_stride_bytes) +
+                           " is smaller than one head (" + std::to_string(head_bytes) + " bytes)");
+  }
+  if (v.offset_bytes % 2 || v.row_stride_bytes % 2 || head_stride % 2 ||
+      v.page_stride_bytes % 2) {
+    return InvalidArgument(field + ": offset and strides must be multiples of 2 bytes");
+  }
+  uint64_t end = v.offset_bytes;
+  const uint64_t last = v.num_rows - 1ull;
+  if (v.page_rows == 0) {
+    if (!MulAdd(last, v.row_stride_bytes, &end)) {
+      return InvalidArgument(field + ": row_stride_bytes * num_rows overflows");
+    }
+  } else {
+    if (v.page_stride_bytes == 0 && v.num_rows > v.page_rows) {
+      return InvalidArgument(field + ".page_stride_bytes: must be > 0 when paged");
+    }
+    // The farthest row is either the last row or the last slot of the page before it.
+    const uint64_t p_last = last / v.page_rows;
+    const uint64_t t_last = last % v.page_rows;
+    uint64_t a = 0, b = 0;
+    if (!MulAdd(p_last, v.page_stride_bytes, &a) || !MulAdd(t_last, v.row_stride_bytes, &a)) {
+      return InvalidArgument(field + ": page_stride_bytes * pages overflows");
+    }
+    if (p_last > 0 && (!MulAdd(p_last - 1, v.page_stride_bytes, &b) ||
+                       !MulAdd(v.page_rows - 1, v.row_stride_bytes, &b))) {
+      return InvalidArgument(field + ": page_stride_bytes * pages overflows");
+    }
+    if (__builtin_add_overflow(end, std::max(a, b), &end)) {
+      return InvalidArgument(field + ": offset_bytes overflows");
+    }
+  }
+  if (!MulAdd(heads - 1ull, head_stride, &end) || __builtin_add_overflow(end, head_bytes, &end)) {
+    return InvalidArgument(field + ".head_stride_bytes: overflows");
+  }
+  return end;
+}
+
+StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
+                                                     const Limits& limits,
+                                                     uint64_t pool_capacity_bytes) {
+  ValidatedRegistration out;
+  if (spec.model.empty()) return InvalidArgument("model: must not be empty");
+  if (spec.model.size() > limits.max_string_bytes) return InvalidArgument("model: too long");
+  if (spec.tenant.size() > limits.max_string_bytes) return InvalidArgument("tenant: too long");
+  if (spec.num_layers == 0 || spec.num_layers > limits.max_layers) {
+    return InvalidArgument("geometry.num_layers: must be in [1, " +
+                           std::to_string(limits.max_layers) + "], got " +
+                           std::to_string(spec.num_layers));
+  }
+  if (spec.num_kv_heads == 0 || spec.num_kv_heads > limits.max_heads) {
+    return InvalidArgument("geometry.num_kv_heads: must be in [1, " +
+                           std::to_string(limits.max_heads) + "], got " +
+                           std::to_string(spec.num_kv_heads));
+  }
+  if (spec.head_dim == 0 || spec.head_dim > limits.max_head_dim) {
+    return InvalidArgument("geometry.head_dim: must be in [1, " +
+                           std::to_string(limits.max_head_dim) + "], got " +
+                           std::to_string(spec.head_dim));
+  }
+  if (spec.dtype != kDTypeBf16 && spec.dtype != kDTypeFp16) {
+    return InvalidArgument("geometry.dtype: must be DTYPE_BF16 or DTYPE_FP16, got " +
+                           std::to_string(spec.dtype));
+  }
+  if (spec.attention != kAttentionMha && spec.attention != kAttentionMla) {
+    return InvalidArgument("geometry.attention: must be ATTENTION_MHA or ATTENTION_MLA, got " +
+                           std::to_string(spec.attention));
+  }
+  if (spec.tp_size == 0 || spec.tp_size > 4096) {
+    return InvalidArgument("geometry.tp_size: must be in [1, 4096], got " +
+                           std::to_string(spec.tp_size));
+  }
+  if (spec.tp_rank >= spec.tp_size) {
+    return InvalidArgument("geometry.tp_rank: must be < tp_size");
+  }
+  if (spec.block_tokens == 0 || spec.block_tokens > limits.max_block_tokens) {
+    return InvalidArgument("block_tokens: must be in [1, " +
+                           std::to_string(limits.max_block_tokens) + "], got " +
+                           std::to_string(spec.block_tokens));
+  }
+  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw) {
+    return InvalidArgument("codec: unknown value " + std::to_string(spec.codec));
+  }
+  if (spec.device_kind != kDeviceHost && spec.device_kind != kDeviceCuda) {
+    return InvalidArgument("device.kind: must be DEVICE_KIND_HOST or DEVICE_KIND_CUDA, got " +
+                           std::to_string(spec.device_kind));
+  }
+  out.cuda = spec.device_kind == kDeviceCuda;
+  const bool mla = spec.attention == kAttentionMla;
+
+  kernels::BlockLayout& lay = out.layout;
+  lay.row.num_heads = spec.num_kv_heads;
+  lay.row.head_dim = spec.head_dim;
+  lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
+  lay.row.codec = spec.codec == kCodecRaw ? kernels::CodecKind::kRaw
+                                          : kernels::CodecKind::kInt8PerHead;
+  lay.num_layers = spec.num_layers;
+  lay.kv_planes = mla ? 1 : 2;
+  lay.block_tokens = spec.block_tokens;
+  if (lay.row.ElementsPerRow() > (1u << 22)) {
+    return InvalidArgument("geometry: num_kv_heads * head_dim is too large");
+  }
+  if (lay.BlockBytes() > pool_capacity_bytes / 2) {
+    return InvalidArgument("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +
+                           " bytes does not fit twice in the pool (" +
+                           std::to_string(pool_capacity_bytes) + " bytes)");
+  }
+
+  if (spec.buffers.empty() || spec.buffers.size() > limits.max_buffers) {
+    return InvalidArgument("buffers: must hold 1 to " + std::to_string(limits.max_buffers) +
+                           " entries, got " + std::to_string(spec.buffers.size()));
+  }
+  for (size_t i = 0; i < spec.buffers.size(); ++i) {
+    const BufferSpec& b = spec.buffers[i];
+    const std::string f = Idx("buffers", i);
+    if (b.size_bytes == 0) return InvalidArgument(f + ".size_bytes: must be > 0");
+    if (out.cuda) {
+      if (!b.has_cuda_ipc_handle || b.cuda_ipc_handle.size() != kIpcHandleBytes) {
+        return InvalidArgument(f + ".cuda_ipc_handle: a CUDA pool needs a 64-byte handle");
+      }
+    } else if (!b.has_host_shm_name || !ValidShmName(b.host_shm_name)) {
+      return InvalidArgument(f + ".host_shm_name: a HOST pool needs a shm name like '/name'");
+    }
+  }
+
+  if (spec.layers.size() != spec.num_layers) {
+    return InvalidArgument("layers: expected " + std::to_string(spec.num_layers) +
+                           " entries (geometry.num_layers), got " +
+                           std::to_string(spec.layers.size()));
+  }
+  for (size_t l = 0; l < spec.layers.size(); ++l) {
+    const LayerSpec& ls = spec.layers[l];
+    for (int p = 0; p < 2; ++p) {
+      const ViewSpec& v = p == 0 ? ls.k : ls.v;
+      const std::string f = Idx("layers", l) + (p == 0 ? ".k" : ".v");
+      if (p == 1 && mla) {
+        if (v.present) return InvalidArgument(f + ": must be unset for ATTENTION_MLA");
+        continue;
+      }
+      if (!v.present) return InvalidArgument(f + ": must be set");
+      if (v.buffer >= spec.buffers.size()) {
+        return InvalidArgument(f + ".buffer: index " + std::to_string(v.buffer) +
+                               " out of range (" + std::to_string(spec.buffers.size()) +
+                               " buffers)");
+      }
+      HIQ_ASSIGN_OR_RETURN(uint64_t end, ViewEnd(v, spec.num_kv_heads, spec.head_dim, f));
+      if (end > spec.buffers[v.buffer].size_bytes) {
+        return InvalidArgument(f + ": addresses up to byte " + std::to_string(end) +
+                               " of buffers[" + std::to_string(v.buffer) + "], which holds " +
+                               std::to_string(spec.buffers[v.buffer].size_bytes));
+      }
+    }
+  }
+
+  if (spec.events.count > limits.max_events) {
+    return InvalidArgument("events.count: at most " + std::to_string(limits.max_events));
+  }
+  if (out.cuda) {
+    if (spec.events.cuda_ipc_event_handles.size() > limits.max_events) {
+      return InvalidArgument("events.cuda_ipc_event_handles: too many");
+    }
+    for (size_t i = 0; i < spec.events.cuda_ipc_event_handles.size(); ++i) {
+      if (spec.events.cuda_ipc_event_handles[i].size() != kIpcHandleBytes) {
+        return InvalidArgument(Idx("events.cuda_ipc_event_handles", i) + ": must be 64 bytes");
+      }
+    }
+  } else if (spec.events.count > 0 && !ValidShmName(spec.events.host_shm_name)) {
+    return InvalidArgument("events.host_shm_name: needed when events.count > 0");
+  }
+
+  out.ns.model = spec.model;
+  out.ns.tenant = spec.tenant;
+  out.ns.layout = lay;
+  out.ns.mla = mla;
+  out.ns.tp_rank = spec.tp_rank;
+  out.ns.tp_size = spec.tp_size;
+  return out;
+}
+
+uint32_t MinRows(const RegisterSpec& spec) {
+  uint32_t rows = UINT32_MAX;
+  for (const auto& l : spec.layers) {
+    if (l.k.present) rows = std::min(rows, l.k.num_rows);
+    if (l.v.present) rows = std::min(rows, l.v.num_rows);
+  }
+  return rows == UINT32_MAX ? 0 : rows;
+}
+
+std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
+                                              const kernels::BlockLayout& layout,
+                                              const std::vector<uint8_t*>& bases) {
+  std::vector<kernels::LayerViews> out(spec.layers.size());
+  const uint64_t head_bytes = uint64_t{layout.row.head_dim} * 2;
+  for (size_t l = 0; l < spec.layers.size(); ++l) {
+    for (uint32_t p = 0; p < layout.kv_planes; ++p) {
+      const ViewSpec& v = p == 0 ? spec.layers[l].k : spec.layers[l].v;
+      kernels::StridedView& sv = out[l].planes[p];
+      sv.base = bases[v.buffer] + v.offset_bytes;
+      sv.row_stride = v.row_stride_bytes;
+      sv.head_stride = v.head_stride_bytes != 0 ? v.head_stride_bytes : head_bytes;
+      sv.page_rows = v.page_rows;
+      sv.page_stride = v.page_stride_bytes;
+      sv.num_rows = v.num_rows;
+    }
+  }
+  return out;
+}
+
+Status ValidateKeys(const std::vector<std::string>& keys, uint32_t max, const char* field) {
+  if (keys.size() > max) {
+    return ResourceExhausted(std::string(field) + ": " + std::to_string(keys.size()) +
+                             " keys, at most " + std::to_string(max) + " per request");
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].size() != 16) {
+      return InvalidArgument(Idx(field, i) + ": must be 16 bytes, got " +
+                             std::to_string(keys[i].size()));
+    }
+  }
+  return Status::Ok();
+}
+
+Status ValidateTransfer(const TransferSpec& spec, const kernels::BlockLayout& layout,
+                        uint32_t num_rows, uint32_t event_count, bool restore,
+                        const Limits& limits) {
+  if (spec.blocks.size() > limits.max_blocks_per_request) {
+    return ResourceExhausted("blocks: " + std::to_string(spec.blocks.size()) +
+                             " blocks, at most " + std::to_string(limits.max_blocks_per_request) +
+                             " per request");
+  }
+  for (size_t i = 0; i < spec.blocks.size(); ++i) {
+    const BlockSpec& b = spec.blocks[i];
+    if (b.key.size() != 16) {
+      return InvalidArgument(Idx("blocks", i) + ".key: must be 16 bytes, got " +
+                             std::to_string(b.key.size()));
+    }
+    if (b.rows.size() != layout.block_tokens) {
+      return InvalidArgument(Idx("blocks", i) + ".rows: must hold block_tokens = " +
+                             std::to_string(layout.block_tokens) + " entries, got " +
+                             std::to_string(b.rows.size()));
+    }
+    for (size_t r = 0; r < b.rows.size(); ++r) {
+      if (b.rows[r] >= num_rows) {
+        return InvalidArgument(Idx("blocks", i) + Idx(".rows", r) + ": row " +
+                               std::to_string(b.rows[r]) + " is not below num_rows " +
+                               std::to_string(num_rows));
+      }
+    }
+  }
+  auto check_event = [&](int32_t e, const char* field) -> Status {
+    if (e < -1 || (e >= 0 && static_cast<uint32_t>(e) >= event_count)) {
+      return InvalidArgument(std::string(field) + ": " + std::to_string(e) +
+                             " is not -1 or an event index below " + std::to_string(event_count));
+    }
+    return Status::Ok();
+  };
+  HIQ_RETURN_IF_ERROR(check_event(spec.wait_event, "wait_event"));
+  HIQ_RETURN_IF_ERROR(check_event(spec.done_event, "done_event"));
+  if (restore) {
+    if (spec.layer_event_base < -1 ||
+        (spec.layer_event_base >= 0 &&
+         uint64_t{static_cast<uint32_t>(spec.layer_event_base)} + layout.num_layers >
+             event_count)) {
+      return InvalidArgument("layer_event_base: " + std::to_string(spec.layer_event_base) +
+                             " + num_layers " + std::to_string(layout.num_layers) +
+                             " exceeds the " + std::to_string(event_count) + " events");
+    }
+  }
+  return Status::Ok();
+}
+
+BlockKey ToBlockKey(const std::string& key) {
+  BlockKey k{};
+  std::memcpy(k.data(), key.data(), std::min<size_t>(16, key.size()));
+  return k;
+}
+
+}  // namespace hiqcache::server

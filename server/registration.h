@@ -1,0 +1,66 @@
+// Validation of requests, before anything is read or written (DESIGN.md "Validation is total and
+// atomic"), and resolution of validated views into executor views. Pure functions.
+//
+// Error messages name the offending field ("layers[3].v.row_stride_bytes: ...") and never echo
+// keys or data of other tenants.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hiqcache/status.h"
+#include "namespace_table.h"
+#include "record_format.h"
+#include "requests.h"
+#include "tensor_view.h"
+
+namespace hiqcache::server {
+
+struct Limits {
+  uint32_t max_layers = 4096;
+  uint32_t max_heads = 1024;
+  uint32_t max_head_dim = 4096;
+  uint32_t max_block_tokens = 65536;
+  uint32_t max_buffers = 4096;
+  uint32_t max_events = 1u << 20;
+  uint32_t max_blocks_per_request = 4096;
+  uint32_t max_keys_per_lookup = 65536;
+  size_t max_string_bytes = 512;
+};
+
+struct ValidatedRegistration {
+  kernels::BlockLayout layout;
+  NamespaceDesc ns;
+  bool cuda = false;
+};
+
+// Checks geometry, enums, buffers, views (every addressable element inside its buffer) and events.
+// `pool_capacity_bytes` bounds the block size: a block must fit in the pool.
+StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
+                                                     const Limits& limits,
+                                                     uint64_t pool_capacity_bytes);
+
+// Byte offset one past the last byte `view` can address (from its buffer's start), or an error
+// naming `field` on overflow. `heads` x `head_dim` elements of 2 bytes per row.
+StatusOr<uint64_t> ViewEnd(const ViewSpec& view, uint32_t heads, uint32_t head_dim,
+                           const std::string& field);
+
+// The smallest num_rows over every view of the registration.
+uint32_t MinRows(const RegisterSpec& spec);
+
+// REQUIRES: spec validated. bases[i] is where buffers[i] is mapped.
+std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
+                                              const kernels::BlockLayout& layout,
+                                              const std::vector<uint8_t*>& bases);
+
+// Checks the blocks and events of a Backup/Restore against the pool it names.
+Status ValidateTransfer(const TransferSpec& spec, const kernels::BlockLayout& layout,
+                        uint32_t num_rows, uint32_t event_count, bool restore,
+                        const Limits& limits);
+
+// Checks a list of keys (Lookup, Evict): each exactly 16 bytes, at most `max` of them.
+Status ValidateKeys(const std::vector<std::string>& keys, uint32_t max, const char* field);
+
+BlockKey ToBlockKey(const std::string& key);
+
+}  // namespace hiqcache::server

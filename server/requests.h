@@ -1,0 +1,82 @@
+// The daemon's requests as plain structs, independent of gRPC: the transport converts protobuf
+// messages into these field by field (no checks), and the core validates them in full before it
+// reads or writes anything (request_validation.h). Value types.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "block_store.h"
+
+namespace hiqcache::server {
+
+enum class DeviceKind : uint8_t { kUnspecified = 0, kHost = 1, kCuda = 2, kInvalid = 255 };
+
+struct BufferSpec {
+  bool has_host_shm_name = false;
+  std::string host_shm_name;
+  bool has_cuda_ipc_handle = false;
+  std::string cuda_ipc_handle;
+  uint64_t size_bytes = 0;
+};
+
+struct ViewSpec {
+  bool present = false;
+  uint32_t buffer = 0;
+  uint64_t offset_bytes = 0;
+  uint64_t row_stride_bytes = 0;
+  uint32_t num_rows = 0;
+  uint64_t head_stride_bytes = 0;
+  uint64_t page_rows = 0;
+  uint64_t page_stride_bytes = 0;
+};
+
+struct LayerSpec {
+  ViewSpec k;
+  ViewSpec v;
+};
+
+struct EventsSpec {
+  std::string host_shm_name;
+  uint32_t count = 0;
+  std::vector<std::string> cuda_ipc_event_handles;
+};
+
+struct RegisterSpec {
+  std::string model;
+  std::string tenant;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  int dtype = 0;      // proto DType value
+  int attention = 0;  // proto Attention value
+  uint32_t tp_rank = 0;
+  uint32_t tp_size = 0;
+  uint32_t block_tokens = 0;
+  int codec = 0;  // proto Codec value
+  int device_kind = 0;
+  std::string cuda_device_uuid;
+  std::vector<BufferSpec> buffers;
+  std::vector<LayerSpec> layers;
+  EventsSpec events;
+  uint32_t client_pid = 0;
+  std::string peer;  // transport's description of the caller, for logs and stats
+};
+
+struct BlockSpec {
+  std::string key;
+  std::vector<uint32_t> rows;
+};
+
+struct TransferSpec {
+  uint64_t pool_id = 0;
+  std::vector<BlockSpec> blocks;
+  int32_t wait_event = -1;
+  uint64_t wait_value = 0;
+  int32_t layer_event_base = -1;  // restore only
+  int32_t done_event = -1;
+  bool sync = false;
+};
+
+}  // namespace hiqcache::server
