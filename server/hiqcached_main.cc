@@ -25,6 +25,10 @@
 #include "hiqcache/log.h"
 #include "host_backend.h"
 #include "pool_region.h"
+#ifdef HIQ_HAVE_CUDA
+#include "cuda_backend.h"
+#include "cuda_runtime_check.h"
+#endif
 
 namespace hiqcache::server {
 namespace {
@@ -87,11 +91,6 @@ int Run(int argc, char** argv) {
   }
   SetLogLevel(level);
 
-  if (config.device == "cuda") {
-    HIQ_LOG(ERROR) << "device = cuda: this build has no CUDA backend for pools yet";
-    return 1;
-  }
-
   auto region = PoolRegion::Open(config.shm_name, config.pool_bytes);
   if (!region.ok()) {
     HIQ_LOG(ERROR) << region.status().ToString();
@@ -118,8 +117,38 @@ int Run(int argc, char** argv) {
   if (config.max_blocks_per_request != 0) {
     options.limits.max_blocks_per_request = config.max_blocks_per_request;
   }
-  auto core = std::make_unique<CacheCore>(options, &store, &host, nullptr);
-  CacheService service(core.get(), "host", (*region)->name());
+  // CUDA pools are served where the build has the CUDA backend and a GPU is visible; HOST pools
+  // always are.
+  std::unique_ptr<DeviceBackend> cuda;
+  std::string device_name = "host";
+  if (config.device != "host") {
+#ifdef HIQ_HAVE_CUDA
+    std::string why;
+    if (kernels::CudaDeviceAvailable(&why)) {
+      auto created = CudaBackend::Create((*region)->data(), (*region)->size());
+      if (created.ok()) {
+        cuda = std::move(created).value();
+        device_name = "cuda";
+      } else {
+        why = created.status().message();
+      }
+    }
+    if (!cuda) {
+      if (config.device == "cuda") {
+        HIQ_LOG(ERROR) << "device = cuda, but CUDA is not usable: " << why;
+        return 1;
+      }
+      HIQ_LOG(INFO) << "CUDA backend off (" << why << "): serving HOST pools only";
+    }
+#else
+    if (config.device == "cuda") {
+      HIQ_LOG(ERROR) << "device = cuda, but this hiqcached was built without CUDA";
+      return 1;
+    }
+#endif
+  }
+  auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
+  CacheService service(core.get(), device_name, (*region)->name());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -156,7 +185,7 @@ int Run(int argc, char** argv) {
                         std::chrono::milliseconds(200));
   std::string addrs;
   for (const auto& a : config.listen) addrs += (addrs.empty() ? "" : ", ") + a;
-  HIQ_LOG(INFO) << "hiqcached serving on " << addrs << " (device host, codec "
+  HIQ_LOG(INFO) << "hiqcached serving on " << addrs << " (device " << device_name << ", codec "
                 << kernels::CpuCodec::TargetName() << " x" << codec.threads() << " threads)";
 
   int sig = 0;
@@ -168,6 +197,7 @@ int Run(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   core.reset();
+  cuda.reset();
   for (const auto& addr : config.listen) {
     if (IsUnix(addr)) ::unlink(UnixPath(addr).c_str());
   }

@@ -1,0 +1,126 @@
+// DaemonProcess: starts the real hiqcached binary on a temporary unix socket with its own shm pool
+// name, for integration tests and benchmarks. Header-only; one instance per daemon; not
+// thread-safe.
+#pragma once
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifndef HIQ_DAEMON_PATH
+#error "HIQ_DAEMON_PATH must name the hiqcached binary"
+#endif
+
+namespace hiqcache::testing {
+
+class DaemonProcess {
+ public:
+  // `pool_bytes` as the --pool-bytes flag takes it; extra flags appended verbatim.
+  explicit DaemonProcess(std::string pool_bytes = "64MiB", std::vector<std::string> extra = {})
+      : pool_bytes_(std::move(pool_bytes)), extra_(std::move(extra)) {
+    static std::atomic<int> counter{0};
+    const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    dir_ = "/tmp/hiq-it-" + tag;
+    std::filesystem::create_directories(dir_);
+    socket_path_ = dir_ + "/hiqcached.sock";
+    shm_name_ = "/hiq-it-pool-" + tag;
+  }
+  ~DaemonProcess() {
+    Kill();
+    ::shm_unlink(shm_name_.c_str());
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  DaemonProcess(const DaemonProcess&) = delete;
+  DaemonProcess& operator=(const DaemonProcess&) = delete;
+
+  std::string target() const { return "unix://" + socket_path_; }
+  const std::string& socket_path() const { return socket_path_; }
+  const std::string& shm_name() const { return shm_name_; }
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0; }
+
+  // Starts the daemon and waits until its socket accepts connections. False on failure.
+  bool Start(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+    std::vector<std::string> args = {HIQ_DAEMON_PATH,  "--listen",   target(),
+                                     "--pool-bytes",   pool_bytes_, "--shm-name",
+                                     shm_name_,        "--log-level", "warn"};
+    args.insert(args.end(), extra_.begin(), extra_.end());
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    if (pid_ < 0) return false;
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      if (Connectable()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // SIGTERM and wait; returns the exit status (or -1).
+  int Stop(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    if (pid_ <= 0) return -1;
+    ::kill(pid_, SIGTERM);
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    Kill();
+    return -1;
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int status;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  bool Connectable() const {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::strncpy(sa.sun_path, socket_path_.c_str(), sizeof(sa.sun_path) - 1);
+    bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+    ::close(fd);
+    return ok;
+  }
+
+  std::string pool_bytes_;
+  std::vector<std::string> extra_;
+  std::string dir_;
+  std::string socket_path_;
+  std::string shm_name_;
+  pid_t pid_ = -1;
+};
+
+}  // namespace hiqcache::testing
