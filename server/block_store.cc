@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <thread>
 
 #include "hiqcache/log.h"
 
@@ -38,6 +39,7 @@ struct BlockEntry {
 struct StoreExtent {
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  uint32_t dir_slot = 0;
   uint32_t ns = 0;
   std::vector<BlockEntry> entries;
   std::vector<uint32_t> free_slots;
@@ -65,13 +67,219 @@ size_t BlockStore::KeyHash::operator()(const std::pair<uint32_t, BlockKey>& k) c
   return static_cast<size_t>(a ^ (b * 0x9E3779B97F4A7C15ull) ^ (uint64_t{k.first} << 47));
 }
 
-BlockStore::BlockStore(uint8_t* base, size_t bytes) : base_(base), bytes_(bytes) {
+BlockStore::BlockStore(uint8_t* base, size_t bytes) : BlockStore(base, bytes, false, 1, nullptr) {}
+
+BlockStore::BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
+                       RebuildReport* report)
+    : base_(base),
+      bytes_(bytes),
+      meta_bytes_(PoolMetaBytes(bytes)),
+      directory_(reinterpret_cast<ExtentDirEntry*>(base + kPoolHeaderBytes)),
+      directory_entries_(DirectoryEntriesFor(bytes)) {
+  RebuildReport local;
+  if (report == nullptr) report = &local;
+  *report = RebuildReport();
+  if (!reattach) {
+    report->reason = "not asked to reattach";
+  } else if (Rebuild(threads, report)) {
+    report->reattached = true;
+    return;
+  }
+  Format();
+}
+
+void BlockStore::Format() {
+  std::lock_guard<std::mutex> lock(mu_);
+  extents_.clear();
+  index_.clear();
+  for (auto& [id, ns] : namespaces_) {
+    ns->extents.clear();
+    ns->partial.clear();
+    ns->lru.clear();
+    ns->counters.blocks = 0;
+    ns->counters.bytes = 0;
+  }
+  used_bytes_ = 0;
+  live_blocks_ = 0;
+  free_ranges_.clear();
   auto* ph = reinterpret_cast<PoolHeader*>(base_);
   std::memset(ph, 0, sizeof(PoolHeader));
-  ph->magic = kPoolMagic;
+  if (bytes_ <= meta_bytes_) return;
+  std::memset(directory_, 0, directory_entries_ * sizeof(ExtentDirEntry));
+  free_dir_slots_.clear();
+  for (uint64_t i = directory_entries_; i-- > 0;) free_dir_slots_.push_back(static_cast<uint32_t>(i));
+  free_ranges_[meta_bytes_] = bytes_ - meta_bytes_;
   ph->version = kPoolFormatVersion;
-  ph->pool_bytes = bytes;
-  if (bytes_ > kPoolHeaderBytes) free_ranges_[kPoolHeaderBytes] = bytes_ - kPoolHeaderBytes;
+  ph->directory_entries = static_cast<uint32_t>(directory_entries_);
+  ph->pool_bytes = bytes_;
+  std::atomic_ref<uint64_t>(ph->magic).store(kPoolMagic, std::memory_order_release);
+}
+
+bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
+  const auto* ph = reinterpret_cast<const PoolHeader*>(base_);
+  if (bytes_ <= meta_bytes_ || ph->magic != kPoolMagic) {
+    report->reason = "no pool header (new pool)";
+    return false;
+  }
+  if (ph->version != kPoolFormatVersion || ph->pool_bytes != bytes_ ||
+      ph->directory_entries != directory_entries_) {
+    report->reason = "pool header of another format or size";
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Extents named by the directory, checked against the pool bounds and each other.
+  std::vector<std::pair<uint64_t, uint32_t>> order;  // offset, dir slot
+  for (uint64_t i = 0; i < directory_entries_; ++i) {
+    const ExtentDirEntry& d = directory_[i];
+    if (d.bytes == 0) {
+      free_dir_slots_.push_back(static_cast<uint32_t>(i));
+      continue;
+    }
+    order.emplace_back(d.offset, static_cast<uint32_t>(i));
+  }
+  std::reverse(free_dir_slots_.begin(), free_dir_slots_.end());
+  std::sort(order.begin(), order.end());
+  std::map<std::array<uint8_t, 16>, NsState*> by_hash;
+  std::vector<BlockEntry*> candidates;
+  uint64_t cursor = meta_bytes_;
+  for (const auto& [offset, slot] : order) {
+    ExtentDirEntry& d = directory_[slot];
+    const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
+    const bool sane = offset >= cursor && offset % kSlotAlign == 0 && d.bytes <= bytes_ &&
+                      offset <= bytes_ - d.bytes && eh->magic == kExtentMagic &&
+                      eh->extent_bytes == d.bytes && eh->num_slots > 0 &&
+                      eh->slot_bytes == SlotBytesFor(eh->payload_bytes) &&
+                      kExtentHeaderBytes + uint64_t{eh->num_slots} * eh->slot_bytes == d.bytes;
+    if (!sane) {
+      report->blocks_corrupt += 1;
+      d = ExtentDirEntry{};
+      free_dir_slots_.push_back(slot);
+      continue;
+    }
+    std::array<uint8_t, 16> hash;
+    std::memcpy(hash.data(), eh->namespace_hash, 16);
+    NsState*& ns = by_hash[hash];
+    if (ns == nullptr) {
+      auto created = std::make_unique<NsState>();
+      created->id = next_orphan_id_++;
+      created->hash = hash;
+      created->payload_bytes = eh->payload_bytes;
+      created->slot_bytes = eh->slot_bytes;
+      created->slots_per_extent = static_cast<uint32_t>(
+          std::max<uint64_t>(1, kTargetExtentBytes / created->slot_bytes));
+      created->text.assign(eh->namespace_text,
+                           strnlen(eh->namespace_text, sizeof(eh->namespace_text)));
+      created->counters.capacity_blocks = CapacityBlocks(created->payload_bytes);
+      ns = created.get();
+      namespaces_.emplace(created->id, std::move(created));
+    } else if (ns->slot_bytes != eh->slot_bytes) {
+      report->blocks_corrupt += 1;
+      d = ExtentDirEntry{};
+      free_dir_slots_.push_back(slot);
+      continue;
+    }
+    if (offset > cursor) free_ranges_[cursor] = offset - cursor;
+    cursor = offset + d.bytes;
+    auto ext = std::make_unique<StoreExtent>();
+    ext->offset = offset;
+    ext->bytes = d.bytes;
+    ext->dir_slot = slot;
+    ext->ns = ns->id;
+    ext->entries.resize(eh->num_slots);
+    for (uint32_t i = 0; i < eh->num_slots; ++i) {
+      BlockEntry& e = ext->entries[i];
+      e.extent = ext.get();
+      e.slot = i;
+      e.ns = ns->id;
+      e.offset = offset + kExtentHeaderBytes + uint64_t{i} * eh->slot_bytes;
+      const BlockHeader* bh = HeaderOf(&e);
+      const auto state = static_cast<BlockState>(bh->state);
+      if (bh->magic == kBlockMagic && state == BlockState::kCommitted &&
+          bh->payload_bytes == ns->payload_bytes &&
+          std::memcmp(&bh->namespace_tag, hash.data(), 8) == 0) {
+        candidates.push_back(&e);
+      } else if (bh->magic == kBlockMagic && state == BlockState::kWriting) {
+        report->blocks_incomplete += 1;
+      } else if (bh->magic != kBlockMagic || state != BlockState::kFree) {
+        report->blocks_corrupt += 1;
+      }
+    }
+    Extent* raw = ext.get();
+    extents_.push_front(std::move(ext));
+    raw->self = extents_.begin();
+    ns->extents.push_back(raw);
+    report->extents += 1;
+  }
+  if (cursor < bytes_) free_ranges_[cursor] = bytes_ - cursor;
+
+  // Verify payload checksums in parallel: a pool of hundreds of GiB is read once at start.
+  std::vector<uint8_t> good(candidates.size(), 0);
+  {
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> workers;
+    for (unsigned t = 0; t < std::max(1u, threads); ++t) {
+      workers.emplace_back([&] {
+        for (size_t i = next++; i < candidates.size(); i = next++) {
+          const BlockHeader* bh = HeaderOf(candidates[i]);
+          good[i] = XXH3_64bits(reinterpret_cast<const uint8_t*>(bh) + kBlockHeaderBytes,
+                                bh->payload_bytes) == bh->checksum;
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+  }
+  std::vector<BlockEntry*> kept;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    BlockEntry* e = candidates[i];
+    const BlockHeader* bh = HeaderOf(e);
+    BlockKey key;
+    std::memcpy(key.data(), bh->key, 16);
+    if (!good[i] || index_.count({e->ns, key})) {
+      report->blocks_corrupt += 1;
+      continue;
+    }
+    e->key = key;
+    e->state = BlockState::kCommitted;
+    e->indexed = true;
+    e->last_use = bh->commit_seq;
+    clock_ = std::max(clock_, bh->commit_seq);
+    index_.emplace(std::make_pair(e->ns, key), e);
+    kept.push_back(e);
+  }
+  // Recency: most recently committed first.
+  std::sort(kept.begin(), kept.end(),
+            [](const BlockEntry* a, const BlockEntry* b) { return a->last_use > b->last_use; });
+  for (BlockEntry* e : kept) {
+    NsState& ns = *namespaces_.at(e->ns);
+    ns.lru.push_back(e);
+    e->lru_it = std::prev(ns.lru.end());
+    e->in_lru = true;
+    ns.counters.blocks += 1;
+    ns.counters.bytes += ns.slot_bytes;
+    used_bytes_ += ns.slot_bytes;
+    ++live_blocks_;
+  }
+  // Every other slot is free (headers of dropped blocks say so from now on).
+  for (auto& ext : extents_) {
+    NsState& ns = *namespaces_.at(ext->ns);
+    for (uint32_t i = ext->entries.size(); i-- > 0;) {
+      BlockEntry& e = ext->entries[i];
+      if (e.state == BlockState::kCommitted) continue;
+      BlockHeader* bh = HeaderOf(&e);
+      if (bh->magic != kBlockMagic || bh->state != static_cast<uint32_t>(BlockState::kFree)) {
+        std::memset(bh, 0, sizeof(BlockHeader));
+        bh->magic = kBlockMagic;
+      }
+      ext->free_slots.push_back(i);
+    }
+    if (!ext->free_slots.empty()) {
+      ext->in_partial = true;
+      ns.partial.push_back(ext.get());
+    }
+  }
+  report->blocks_kept = kept.size();
+  report->namespaces = by_hash.size();
+  return true;
 }
 
 BlockStore::~BlockStore() = default;
@@ -80,9 +288,39 @@ BlockHeader* BlockStore::HeaderOf(const BlockEntry* e) const {
   return reinterpret_cast<BlockHeader*>(base_ + e->offset);
 }
 
+void BlockStore::IndexEntryLocked(NsState& ns, BlockEntry* e) {
+  e->ns = ns.id;
+  if (e->indexed) index_.emplace(std::make_pair(ns.id, e->key), e);
+}
+
+BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
+  for (auto it = namespaces_.begin(); it != namespaces_.end(); ++it) {
+    NsState& orphan = *it->second;
+    if (orphan.id < 0x80000000u || orphan.hash != info.hash) continue;
+    if (orphan.payload_bytes != info.desc.layout.BlockBytes()) return nullptr;
+    auto owned = std::move(it->second);
+    namespaces_.erase(it);
+    const uint32_t old_id = owned->id;
+    owned->id = info.id;
+    owned->text = info.desc.CanonicalText();
+    for (Extent* ext : owned->extents) {
+      ext->ns = info.id;
+      for (auto& e : ext->entries) {
+        if (e.indexed) index_.erase({old_id, e.key});
+        IndexEntryLocked(*owned, &e);
+      }
+    }
+    NsState* raw = owned.get();
+    namespaces_.emplace(info.id, std::move(owned));
+    return raw;
+  }
+  return nullptr;
+}
+
 void BlockStore::AddNamespace(const NamespaceInfo& info) {
   std::lock_guard<std::mutex> lock(mu_);
   if (namespaces_.count(info.id)) return;
+  if (AdoptOrphanLocked(info) != nullptr) return;
   auto ns = std::make_unique<NsState>();
   ns->id = info.id;
   ns->payload_bytes = info.desc.layout.BlockBytes();
@@ -99,8 +337,8 @@ uint64_t BlockStore::CapacityBlocks(size_t payload_bytes) const {
   const uint64_t slot = SlotBytesFor(payload_bytes);
   const uint64_t per_extent = std::max<uint64_t>(1, kTargetExtentBytes / slot);
   const uint64_t extent_bytes = kExtentHeaderBytes + per_extent * slot;
-  if (bytes_ <= kPoolHeaderBytes) return 0;
-  const uint64_t usable = bytes_ - kPoolHeaderBytes;
+  if (bytes_ <= meta_bytes_) return 0;
+  const uint64_t usable = bytes_ - meta_bytes_;
   const uint64_t full = usable / extent_bytes;
   const uint64_t rem = usable % extent_bytes;
   uint64_t blocks = full * per_extent;
@@ -160,7 +398,7 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
       pick = it;
     }
   }
-  if (pick == free_ranges_.end()) return false;
+  if (pick == free_ranges_.end() || free_dir_slots_.empty()) return false;
   const uint64_t offset = pick->first;
   const uint64_t avail = pick->second;
   const uint32_t slots = static_cast<uint32_t>(
@@ -195,6 +433,11 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
     ext->free_slots.push_back(slots - 1 - i);
   }
   std::atomic_ref<uint64_t>(eh->magic).store(kExtentMagic, std::memory_order_release);
+  ext->dir_slot = free_dir_slots_.back();
+  free_dir_slots_.pop_back();
+  directory_[ext->dir_slot].offset = offset;
+  std::atomic_ref<uint64_t>(directory_[ext->dir_slot].bytes)
+      .store(bytes, std::memory_order_release);
   Extent* raw = ext.get();
   extents_.push_front(std::move(ext));
   raw->self = extents_.begin();
@@ -208,6 +451,8 @@ void BlockStore::FreeExtentLocked(Extent* ext) {
   NsState& ns = *namespaces_.at(ext->ns);
   std::erase(ns.extents, ext);
   std::erase(ns.partial, ext);
+  std::atomic_ref<uint64_t>(directory_[ext->dir_slot].bytes).store(0, std::memory_order_release);
+  free_dir_slots_.push_back(ext->dir_slot);
   std::atomic_ref<uint64_t>(reinterpret_cast<ExtentHeader*>(base_ + ext->offset)->magic)
       .store(0, std::memory_order_release);
   uint64_t off = ext->offset;
@@ -423,7 +668,7 @@ StoreStats BlockStore::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   StoreStats s;
   s.pool_bytes = bytes_;
-  s.capacity_bytes = bytes_ > kPoolHeaderBytes ? bytes_ - kPoolHeaderBytes : 0;
+  s.capacity_bytes = bytes_ > meta_bytes_ ? bytes_ - meta_bytes_ : 0;
   s.used_bytes = used_bytes_;
   s.blocks = live_blocks_;
   for (const auto& [id, ns] : namespaces_) s.namespaces[id] = ns->counters;

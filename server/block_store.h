@@ -57,10 +57,27 @@ struct StoreStats {
   std::map<uint32_t, NamespaceCounters> namespaces;
 };
 
+// What a store found in a pool it reattached to.
+struct RebuildReport {
+  bool reattached = false;  // false: the pool was (re)formatted
+  std::string reason;       // why it was formatted, when it was
+  uint64_t extents = 0;
+  uint64_t blocks_kept = 0;        // committed, checksum verified
+  uint64_t blocks_incomplete = 0;  // being written when the previous daemon stopped: dropped
+  uint64_t blocks_corrupt = 0;     // bad header or checksum: dropped
+  uint64_t namespaces = 0;
+};
+
 class BlockStore {
  public:
   // Formats the pool at `base` (`bytes` long, mapped and writable for the store's lifetime).
   BlockStore(uint8_t* base, size_t bytes);
+  // With `reattach`, keeps the blocks a previous daemon left in the pool: every committed block
+  // whose header and checksum verify is indexed again (recency from its commit order) under its
+  // namespace, which registrations adopt by namespace hash; anything else is dropped. Falls back
+  // to formatting when the pool header does not match. `threads` verify checksums in parallel.
+  BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
+             RebuildReport* report);
   ~BlockStore();
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
@@ -118,9 +135,18 @@ class BlockStore {
   void FreeExtentLocked(Extent* ext);
   void TouchLocked(BlockEntry* e);
   BlockHeader* HeaderOf(const BlockEntry* e) const;
+  void Format();
+  bool Rebuild(unsigned threads, RebuildReport* report);
+  NsState* AdoptOrphanLocked(const NamespaceInfo& info);
+  void IndexEntryLocked(NsState& ns, BlockEntry* e);
 
   uint8_t* const base_;
   const size_t bytes_;
+  const uint64_t meta_bytes_;  // header + extent directory
+  ExtentDirEntry* const directory_;
+  const uint64_t directory_entries_;
+  std::vector<uint32_t> free_dir_slots_;  // GUARDED_BY(mu_)
+  uint32_t next_orphan_id_ = 0x80000000u;  // GUARDED_BY(mu_): namespaces found by Rebuild
   mutable std::mutex mu_;
   uint64_t clock_ = 0;  // GUARDED_BY(mu_): recency stamps and commit sequence
   std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced

@@ -109,7 +109,20 @@ int Run(int argc, char** argv) {
                               " ms"
                         : std::string());
 
-  BlockStore store((*region)->data(), (*region)->size());
+  // Reattach: blocks a previous daemon completed stay cached across a restart (or a crash).
+  RebuildReport rebuild;
+  auto t2 = std::chrono::steady_clock::now();
+  BlockStore store((*region)->data(), (*region)->size(), /*reattach=*/true, cores, &rebuild);
+  auto t3 = std::chrono::steady_clock::now();
+  if (rebuild.reattached) {
+    HIQ_LOG(INFO) << "reattached pool in "
+                  << std::chrono::duration_cast<std::chrono::milliseconds>(t3 - t2).count()
+                  << " ms: " << rebuild.blocks_kept << " blocks kept in " << rebuild.namespaces
+                  << " namespace(s), " << rebuild.blocks_incomplete << " incomplete and "
+                  << rebuild.blocks_corrupt << " corrupt dropped";
+  } else {
+    HIQ_LOG(INFO) << "formatted pool (" << rebuild.reason << ")";
+  }
   kernels::CpuCodec codec(config.codec_threads);
   HostBackend host(&codec, std::chrono::milliseconds(config.wait_timeout_ms));
   CoreOptions options;

@@ -2,8 +2,9 @@
 //
 // Everything a restarted daemon needs to rebuild its index lives in these headers; no allocator
 // state has to survive a crash (DESIGN.md "Pool and durability"). The daemon is the only writer.
-// Layout: [PoolHeader, 4 KiB][extent]...; an extent is [ExtentHeader, 256 B][slot]...; a slot is
-// [BlockHeader, 64 B][payload, rounded up to 64 B].
+// Layout: [PoolHeader, 4 KiB][extent directory][extent]...; an extent is [ExtentHeader, 256 B]
+// [slot]...; a slot is [BlockHeader, 64 B][payload, rounded up to 64 B]. The directory lists
+// where the live extents are, so a restarted daemon finds them without scanning the pool.
 #pragma once
 
 #include <cstddef>
@@ -30,12 +31,23 @@ enum class BlockState : uint32_t {
 struct PoolHeader {
   uint64_t magic;
   uint32_t version;
-  uint32_t reserved0;
+  uint32_t directory_entries;  // ExtentDirEntry slots after the header
   uint64_t pool_bytes;
   uint64_t created_unix;
   uint64_t boot_count;
 };
 static_assert(sizeof(PoolHeader) <= kPoolHeaderBytes);
+
+// One directory slot: an extent's place in the pool (bytes == 0: unused).
+struct ExtentDirEntry {
+  uint64_t offset;
+  uint64_t bytes;
+};
+
+// Directory slots for a pool: one per 16 MiB (extents are ~64 MiB or one block), at least 4,096.
+inline constexpr uint64_t DirectoryEntriesFor(uint64_t pool_bytes) {
+  return pool_bytes / (16ull << 20) > 4096 ? pool_bytes / (16ull << 20) : 4096;
+}
 
 // Namespace descriptor text is stored (truncated to fit) for diagnostics and rebuild.
 struct ExtentHeader {
@@ -63,6 +75,12 @@ struct BlockHeader {
 static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);
 
 inline constexpr size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Bytes before the first extent: the header and the directory, page aligned.
+inline constexpr uint64_t PoolMetaBytes(uint64_t pool_bytes) {
+  return AlignUp(kPoolHeaderBytes + DirectoryEntriesFor(pool_bytes) * sizeof(ExtentDirEntry),
+                 4096);
+}
 
 inline constexpr size_t SlotBytesFor(size_t payload_bytes) {
   return kBlockHeaderBytes + AlignUp(payload_bytes, kSlotAlign);

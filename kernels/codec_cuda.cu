@@ -1,0 +1,786 @@
+// CUDA kernels of the codecs and their launchers (see codec_cuda.h for the contract).
+//
+// Work decomposition: a unit is one head of one stored row, i.e. one (block, layer, plane, token,
+// head); units are numbered in payload order (cuda_detail::UnitShape), so consecutive groups of
+// lanes read/write consecutive payload bytes. A group of G lanes (G = a power of two <= 32,
+// cuda_detail::PlanGroups) owns a head; each lane holds chunks of 8 elements (one 16-byte load
+// of BF16/FP16, 8 bytes of codes). Encode: load the head's chunks, reduce amax over the
+// sign-cleared 16-bit patterns inside the lane (__vmaxu2) and across the group (xor shuffles),
+// derive the scale with ScaleBf16FromAmaxBits and quantize every element with QuantizeElement
+// (IEEE fp32 division: this file must never be built with --use_fast_math / -prec-div=false).
+// Decode: load codes and the head's scale, DequantizeElement, store 16 bytes per lane.
+// Each lane keeps kUnits units in flight (all loads before any use) to hide memory latency.
+//
+// Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
+// warp-uniform grid-stride loop, so the daemon never floods the GPU it shares with the engine.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <string>
+
+#include "codec_cuda.h"
+
+namespace hiqcache::kernels {
+namespace {
+
+using cuda_detail::FastDivmod;
+using cuda_detail::GroupPlan;
+using cuda_detail::kChunkElems;
+using cuda_detail::UnitShape;
+
+constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+constexpr uint32_t kMaxThreadsPerCta = 512;
+
+struct EncodeParams {
+  BlockLayout layout;
+  UnitShape shape;
+  const LayerViews* layers;
+  const uint32_t* rows;    // this launch's first block
+  uint8_t* const* blocks;  // this launch's first block
+  uint8_t* nonfinite;      // this launch's first block, or null
+  uint32_t total_units;
+  uint32_t group_log2;  // lanes per head = 1 << group_log2
+};
+
+struct DecodeParams {
+  BlockLayout layout;
+  UnitShape shape;
+  const LayerViews* layers;
+  const uint32_t* rows;
+  const uint8_t* const* blocks;
+  uint32_t first_layer;
+  uint32_t total_units;
+  uint32_t group_log2;
+};
+
+// Eight 16-bit elements; element i is in the (i & 1) half of w[i / 2] (little endian).
+struct Chunk {
+  uint32_t w[4];
+};
+
+__device__ __forceinline__ uint16_t ChunkElem(const Chunk& c, int i) {
+  return static_cast<uint16_t>(c.w[i >> 1] >> ((i & 1) * 16));
+}
+
+__device__ __forceinline__ uint16_t LoadU16Unaligned(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | (static_cast<uint32_t>(p[1]) << 8));
+}
+
+__device__ __forceinline__ void StoreU16Unaligned(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+
+__device__ __forceinline__ bool Aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+// StridedView::Head with a 32-bit page division (row < 2^32, so page_rows >= 2^32 means page 0).
+__device__ __forceinline__ uint8_t* HeadPtr(const StridedView& v, uint32_t row, uint32_t head) {
+  uint64_t off;
+  if (v.page_rows == 0 || v.page_rows > 0xFFFFFFFFull) {
+    off = static_cast<uint64_t>(row) * v.row_stride;
+  } else {
+    const uint32_t page_rows = static_cast<uint32_t>(v.page_rows);
+    const uint32_t page = row / page_rows;
+    const uint32_t t = row - page * page_rows;
+    off = static_cast<uint64_t>(page) * v.page_stride + static_cast<uint64_t>(t) * v.row_stride;
+  }
+  return v.base + off + static_cast<uint64_t>(head) * v.head_stride;
+}
+
+// Loads elements [e0, e0 + 8) of a head (zeros past d). `aligned16`: the head starts 16-aligned.
+__device__ __forceinline__ void LoadHalfChunk(const uint8_t* head, uint32_t e0, uint32_t d,
+                                              bool aligned16, Chunk* c) {
+  if (aligned16 && e0 + kChunkElems <= d) {
+    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(head + 2 * e0));
+    c->w[0] = v.x;
+    c->w[1] = v.y;
+    c->w[2] = v.z;
+    c->w[3] = v.w;
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t e = e0 + 2 * k;
+    const uint32_t lo = e < d ? LoadU16Unaligned(head + 2 * e) : 0u;
+    const uint32_t hi = e + 1 < d ? LoadU16Unaligned(head + 2 * e + 2) : 0u;
+    c->w[k] = lo | (hi << 16);
+  }
+}
+
+// Stores `n` (<= 8) bytes held little-endian in lo|hi at dst, with the widest aligned stores.
+__device__ __forceinline__ void StoreBytes8(uint8_t* dst, uint32_t lo, uint32_t hi, uint32_t n) {
+  if (n == 8) {
+    if (Aligned(dst, 8)) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+      return;
+    }
+    if (Aligned(dst, 4)) {
+      reinterpret_cast<uint32_t*>(dst)[0] = lo;
+      reinterpret_cast<uint32_t*>(dst)[1] = hi;
+      return;
+    }
+    if (Aligned(dst, 2)) {
+      uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+      d16[0] = static_cast<uint16_t>(lo);
+      d16[1] = static_cast<uint16_t>(lo >> 16);
+      d16[2] = static_cast<uint16_t>(hi);
+      d16[3] = static_cast<uint16_t>(hi >> 16);
+      return;
+    }
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<uint8_t>((i < 4 ? lo >> (8 * i) : hi >> (8 * (i - 4))));
+  }
+}
+
+// Loads `n` (<= 8) bytes at src into lo|hi (little endian, zeros past n).
+__device__ __forceinline__ void LoadBytes8(const uint8_t* src, uint32_t n, uint32_t* lo,
+                                           uint32_t* hi) {
+  if (n == 8 && Aligned(src, 8)) {
+    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(src));
+    *lo = v.x;
+    *hi = v.y;
+    return;
+  }
+  uint32_t l = 0, h = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (i < 4) {
+      l |= static_cast<uint32_t>(src[i]) << (8 * i);
+    } else {
+      h |= static_cast<uint32_t>(src[i]) << (8 * (i - 4));
+    }
+  }
+  *lo = l;
+  *hi = h;
+}
+
+// Stores elements [e0, e0 + min(8, d - e0)) of a head from c.
+__device__ __forceinline__ void StoreHalfChunk(uint8_t* head, uint32_t e0, uint32_t d,
+                                               const Chunk& c) {
+  uint8_t* dst = head + 2 * e0;
+  if (e0 + kChunkElems <= d && Aligned(dst, 16)) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
+    return;
+  }
+  const uint32_t n = min(kChunkElems, d - e0);
+  const bool aligned2 = Aligned(dst, 2);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // constant indices keep c in registers
+    if (static_cast<uint32_t>(i) >= n) break;
+    if (aligned2) {
+      reinterpret_cast<uint16_t*>(dst)[i] = ChunkElem(c, i);
+    } else {
+      StoreU16Unaligned(dst + 2 * i, ChunkElem(c, i));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encode (INT8 per head).
+
+template <DType kDType, int kChunks, int kUnits>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeInt8Kernel(const EncodeParams p) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t group_lanes = 1u << p.group_log2;
+  const uint32_t gl = lane & (group_lanes - 1u);
+  const uint32_t group = lane >> p.group_log2;
+  const uint32_t groups_per_warp = 32u >> p.group_log2;
+  const uint32_t units_per_iter = groups_per_warp * kUnits;
+  const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const uint64_t num_warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t elems_per_row = p.layout.row.ElementsPerRow();
+
+  // The loop bound depends on the warp only, so every lane reaches the shuffles below.
+  for (uint64_t base = warp * units_per_iter; base < p.total_units;
+       base += num_warps * units_per_iter) {
+    Chunk c[kUnits][kChunks];
+    bool valid[kUnits];
+    uint32_t block[kUnits];
+    uint32_t head[kUnits];
+    uint8_t* dst_row[kUnits];
+
+    // Phase 1: issue every load of this iteration.
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const uint64_t u = base + static_cast<uint64_t>(j) * groups_per_warp + group;
+      valid[j] = u < p.total_units;
+      block[j] = 0;
+      head[j] = 0;
+      dst_row[j] = nullptr;
+      const uint8_t* src = nullptr;
+      bool aligned16 = false;
+      if (valid[j]) {
+        uint32_t l, pl, t;
+        p.shape.Decompose(static_cast<uint32_t>(u), &block[j], &l, &pl, &t, &head[j]);
+        const uint32_t row = p.rows[static_cast<size_t>(block[j]) * tokens + t];
+        src = HeadPtr(p.layers[l].planes[pl], row, head[j]);
+        aligned16 = Aligned(src, 16);
+        dst_row[j] = p.blocks[block[j]] + p.layout.RowOffset(l, pl, t);
+      }
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+        if (valid[j] && e0 < d) {
+          LoadHalfChunk(src, e0, d, aligned16, &c[j][k]);
+        } else {
+          c[j][k] = Chunk{{0u, 0u, 0u, 0u}};
+        }
+      }
+    }
+
+    // Phase 2: amax per head over the sign-cleared bit patterns (|x| orders like them).
+    uint32_t amax[kUnits];
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      uint32_t acc = 0;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) acc = __vmaxu2(acc, c[j][k].w[w] & 0x7FFF7FFFu);
+      }
+      amax[j] = max(acc & 0xFFFFu, acc >> 16);
+      for (uint32_t off = group_lanes >> 1; off > 0; off >>= 1) {
+        amax[j] = max(amax[j], __shfl_xor_sync(kFullMask, amax[j], off));
+      }
+    }
+
+    // Phase 3: scale, quantize, store.
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      if (!valid[j]) continue;
+      if (amax[j] >= InfBits(kDType)) {
+        if (gl == 0 && p.nonfinite != nullptr) p.nonfinite[block[j]] = 1;
+        continue;
+      }
+      const uint16_t s_bits = ScaleBf16FromAmaxBits(static_cast<uint16_t>(amax[j]), kDType);
+      const float s = Bf16ToFloat(s_bits);
+      uint8_t* codes = dst_row[j] + static_cast<size_t>(head[j]) * d;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+        if (e0 >= d) continue;
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float x = HalfToFloat(ChunkElem(c[j][k], i), kDType);
+          const uint32_t q = static_cast<uint8_t>(QuantizeElement(x, s));
+          if (i < 4) {
+            lo |= q << (8 * i);
+          } else {
+            hi |= q << (8 * (i - 4));
+          }
+        }
+        StoreBytes8(codes + e0, lo, hi, min(kChunkElems, d - e0));
+      }
+      if (gl == 0) StoreU16Unaligned(dst_row[j] + elems_per_row + 2u * head[j], s_bits);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (INT8 per head).
+
+template <DType kDType, int kChunks, int kUnits>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeInt8Kernel(const DecodeParams p) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t group_lanes = 1u << p.group_log2;
+  const uint32_t gl = lane & (group_lanes - 1u);
+  const uint32_t group = lane >> p.group_log2;
+  const uint32_t groups_per_warp = 32u >> p.group_log2;
+  const uint32_t units_per_iter = groups_per_warp * kUnits;
+  const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const uint64_t num_warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t elems_per_row = p.layout.row.ElementsPerRow();
+
+  for (uint64_t base = warp * units_per_iter; base < p.total_units;
+       base += num_warps * units_per_iter) {
+    uint32_t lo[kUnits][kChunks];
+    uint32_t hi[kUnits][kChunks];
+    uint16_t s_bits[kUnits];
+    bool valid[kUnits];
+    uint8_t* dst[kUnits];
+
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const uint64_t u = base + static_cast<uint64_t>(j) * groups_per_warp + group;
+      valid[j] = u < p.total_units;
+      dst[j] = nullptr;
+      s_bits[j] = 0;
+      const uint8_t* codes = nullptr;
+      if (valid[j]) {
+        uint32_t b, l, pl, t, h;
+        p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
+        l += p.first_layer;
+        const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
+        codes = src_row + static_cast<size_t>(h) * d;
+        s_bits[j] = LoadU16Unaligned(src_row + elems_per_row + 2u * h);
+        const uint32_t row = p.rows[static_cast<size_t>(b) * tokens + t];
+        dst[j] = HeadPtr(p.layers[l].planes[pl], row, h);
+      }
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+        lo[j][k] = 0;
+        hi[j][k] = 0;
+        if (valid[j] && e0 < d)
+          LoadBytes8(codes + e0, min(kChunkElems, d - e0), &lo[j][k], &hi[j][k]);
+      }
+    }
+
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      if (!valid[j]) continue;
+      const float s = Bf16ToFloat(s_bits[j]);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+        if (e0 >= d) continue;
+        Chunk out;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t word = i < 2 ? lo[j][k] : hi[j][k];
+          const int sh = (i & 1) * 16;
+          const int8_t q0 = static_cast<int8_t>(word >> sh);
+          const int8_t q1 = static_cast<int8_t>(word >> (sh + 8));
+          out.w[i] = static_cast<uint32_t>(DequantizeElement(q0, s, kDType)) |
+                     (static_cast<uint32_t>(DequantizeElement(q1, s, kDType)) << 16);
+        }
+        StoreHalfChunk(dst[j], e0, d, out);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RAW: the input dtype's bytes as-is, in both directions. Same unit order; no reductions.
+
+struct RawParams {
+  BlockLayout layout;
+  UnitShape shape;
+  const LayerViews* layers;
+  const uint32_t* rows;
+  uint8_t* const* blocks;  // const-cast for decode; only read when !kEncode
+  uint32_t first_layer;
+  uint32_t total_units;
+  uint32_t group_log2;
+};
+
+template <bool kEncode>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) RawKernel(const RawParams p) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t group_lanes = 1u << p.group_log2;
+  const uint32_t gl = lane & (group_lanes - 1u);
+  const uint32_t groups_per_warp = 32u >> p.group_log2;
+  const uint64_t first_group =
+      ((static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * groups_per_warp +
+      (lane >> p.group_log2);
+  const uint64_t num_groups =
+      ((static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5) * groups_per_warp;
+  const uint32_t d = p.layout.row.head_dim;
+  for (uint64_t u = first_group; u < p.total_units; u += num_groups) {
+    uint32_t b, l, pl, t, h;
+    p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
+    l += p.first_layer;
+    uint8_t* stored = p.blocks[b] + p.layout.RowOffset(l, pl, t) + static_cast<size_t>(h) * d * 2;
+    uint8_t* engine = HeadPtr(p.layers[l].planes[pl],
+                              p.rows[static_cast<size_t>(b) * p.layout.block_tokens + t], h);
+    const uint8_t* src = kEncode ? engine : stored;
+    uint8_t* dst = kEncode ? stored : engine;
+    const bool aligned = Aligned(src, 16) && Aligned(dst, 16);
+    for (uint32_t e0 = gl * kChunkElems; e0 < d; e0 += group_lanes * kChunkElems) {
+      if (aligned && e0 + kChunkElems <= d) {
+        *reinterpret_cast<uint4*>(dst + 2 * e0) =
+            __ldcs(reinterpret_cast<const uint4*>(src + 2 * e0));
+      } else {
+        const uint32_t n = 2 * min(kChunkElems, d - e0);
+        for (uint32_t i = 0; i < n; ++i) dst[2 * e0 + i] = src[2 * e0 + i];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+std::string CudaErrorText(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+}
+
+Status CheckLaunch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::Ok();
+  return Internal(std::string(what) + ": " + CudaErrorText(err));
+}
+
+// SM count of the current device, cached per device (attribute queries are cheap but not free).
+StatusOr<uint32_t> CurrentDeviceSmCount() {
+  constexpr int kMaxCachedDevices = 64;
+  static std::atomic<uint32_t> cache[kMaxCachedDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Internal("cudaGetDevice: " + CudaErrorText(err));
+  }
+  if (device >= 0 && device < kMaxCachedDevices) {
+    const uint32_t cached = cache[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached;
+  }
+  int sms = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    return Internal("cudaDeviceGetAttribute(MultiProcessorCount): " + CudaErrorText(err));
+  }
+  if (device >= 0 && device < kMaxCachedDevices) {
+    cache[device].store(static_cast<uint32_t>(sms), std::memory_order_relaxed);
+  }
+  return static_cast<uint32_t>(sms);
+}
+
+Status ValidateLayout(const BlockLayout& lay, const char* what) {
+  const std::string w(what);
+  if (lay.row.num_heads == 0) return InvalidArgument(w + ": layout.row.num_heads is 0");
+  if (lay.row.head_dim == 0 || lay.row.head_dim > cuda_detail::kMaxHeadDim) {
+    return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
+                           " outside [1, " + std::to_string(cuda_detail::kMaxHeadDim) + "]");
+  }
+  if (lay.row.dtype != DType::kBF16 && lay.row.dtype != DType::kFP16) {
+    return InvalidArgument(w + ": layout.row.dtype is not BF16 or FP16");
+  }
+  if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw) {
+    return InvalidArgument(w + ": layout.row.codec is unknown");
+  }
+  if (lay.kv_planes != 1 && lay.kv_planes != 2) {
+    return InvalidArgument(w + ": layout.kv_planes must be 1 or 2");
+  }
+  if (lay.block_tokens == 0) return InvalidArgument(w + ": layout.block_tokens is 0");
+  if (lay.num_layers == 0) return InvalidArgument(w + ": layout.num_layers is 0");
+  return Status::Ok();
+}
+
+Status ValidateConfig(const CudaLaunchConfig& cfg, const char* what) {
+  if (cfg.threads_per_cta == 0 || cfg.threads_per_cta % 32 != 0 ||
+      cfg.threads_per_cta > kMaxThreadsPerCta) {
+    return InvalidArgument(std::string(what) + ": config.threads_per_cta must be a multiple of " +
+                           "32 in [32, " + std::to_string(kMaxThreadsPerCta) + "]");
+  }
+  return Status::Ok();
+}
+
+uint32_t Log2(uint32_t pow2) {
+  uint32_t l = 0;
+  while ((1u << l) < pow2) ++l;
+  return l;
+}
+
+// Grid size: enough CTAs for the units, at most the configured bound.
+StatusOr<uint32_t> GridFor(uint64_t total_units, uint32_t units_per_cta,
+                           const CudaLaunchConfig& cfg) {
+  uint64_t max_ctas = cfg.max_ctas;
+  if (max_ctas == 0) {
+    HIQ_ASSIGN_OR_RETURN(uint32_t sms, CurrentDeviceSmCount());
+    max_ctas = static_cast<uint64_t>(std::max(1u, cfg.ctas_per_sm)) * sms;
+  }
+  const uint64_t needed = (total_units + units_per_cta - 1) / units_per_cta;
+  return static_cast<uint32_t>(std::max<uint64_t>(1, std::min(needed, max_ctas)));
+}
+
+// Kernel variants per chunks_per_lane (cuda_detail::PlanGroups): a lane holds kChunks chunks of
+// each of kUnits units, all loaded before any is used, so ~16-32 bytes of loads are outstanding
+// per lane (decode holds 8-byte code chunks, so it keeps more units in flight).
+template <typename Params>
+using KernelFn = void (*)(Params);
+
+template <DType kDType>
+KernelFn<EncodeParams> PickEncodeKernel(uint32_t chunks_per_lane, uint32_t* units) {
+  switch (chunks_per_lane) {
+    case 1:
+      *units = 2;
+      return EncodeInt8Kernel<kDType, 1, 2>;
+    case 2:
+      *units = 1;
+      return EncodeInt8Kernel<kDType, 2, 1>;
+    case 4:
+      *units = 1;
+      return EncodeInt8Kernel<kDType, 4, 1>;
+    case 8:
+      *units = 1;
+      return EncodeInt8Kernel<kDType, 8, 1>;
+    default:
+      return nullptr;
+  }
+}
+
+template <DType kDType>
+KernelFn<DecodeParams> PickDecodeKernel(uint32_t chunks_per_lane, uint32_t* units) {
+  switch (chunks_per_lane) {
+    case 1:
+      *units = 4;
+      return DecodeInt8Kernel<kDType, 1, 4>;
+    case 2:
+      *units = 2;
+      return DecodeInt8Kernel<kDType, 2, 2>;
+    case 4:
+      *units = 1;
+      return DecodeInt8Kernel<kDType, 4, 1>;
+    case 8:
+      *units = 1;
+      return DecodeInt8Kernel<kDType, 8, 1>;
+    default:
+      return nullptr;
+  }
+}
+
+// Splits [0, num_blocks) into launches of at most kMaxUnitsPerLaunch units and calls
+// launch(first_block, blocks_in_launch, units_in_launch) for each.
+template <typename Fn>
+Status ForEachLaunch(uint32_t num_blocks, uint64_t units_per_block, const char* what, Fn launch) {
+  if (units_per_block > cuda_detail::kMaxUnitsPerLaunch) {
+    return InvalidArgument(std::string(what) + ": one block has " +
+                           std::to_string(units_per_block) + " heads, more than one launch takes");
+  }
+  const uint32_t blocks_per_launch =
+      static_cast<uint32_t>(cuda_detail::kMaxUnitsPerLaunch / units_per_block);
+  for (uint64_t b0 = 0; b0 < num_blocks; b0 += blocks_per_launch) {
+    const uint32_t n =
+        static_cast<uint32_t>(std::min<uint64_t>(blocks_per_launch, num_blocks - b0));
+    HIQ_RETURN_IF_ERROR(
+        launch(static_cast<uint32_t>(b0), n, static_cast<uint32_t>(n * units_per_block)));
+  }
+  return Status::Ok();
+}
+
+size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
+
+struct ArraysLayout {
+  size_t layers = 0, blocks = 0, rows = 0, total = 0;
+};
+
+ArraysLayout ArraysLayoutFor(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens) {
+  ArraysLayout a;
+  a.layers = 0;
+  a.blocks = Align16(sizeof(LayerViews) * num_layers);
+  a.rows = a.blocks + Align16(sizeof(uint8_t*) * num_blocks);
+  a.total = a.rows + Align16(sizeof(uint32_t) * static_cast<size_t>(num_blocks) * block_tokens);
+  return a;
+}
+
+Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void* blocks,
+                   const uint32_t* rows, uint32_t num_blocks, void* host_scratch,
+                   void* device_scratch, size_t scratch_bytes, CUstream_st* stream,
+                   const char* what, ArraysLayout* out) {
+  const std::string w(what);
+  if (layers == nullptr) return InvalidArgument(w + ": job.layers is null");
+  if (num_blocks > 0 && (blocks == nullptr || rows == nullptr)) {
+    return InvalidArgument(w + ": job.blocks or job.rows is null");
+  }
+  if (host_scratch == nullptr || device_scratch == nullptr) {
+    return InvalidArgument(w + ": scratch buffer is null");
+  }
+  if ((reinterpret_cast<uintptr_t>(host_scratch) & 15) != 0 ||
+      (reinterpret_cast<uintptr_t>(device_scratch) & 15) != 0) {
+    return InvalidArgument(w + ": scratch buffers must be 16-byte aligned");
+  }
+  const ArraysLayout a = ArraysLayoutFor(lay.num_layers, num_blocks, lay.block_tokens);
+  if (scratch_bytes < a.total) {
+    return InvalidArgument(w + ": scratch_bytes " + std::to_string(scratch_bytes) + " < " +
+                           std::to_string(a.total) + " needed");
+  }
+  uint8_t* h = static_cast<uint8_t*>(host_scratch);
+  std::memcpy(h + a.layers, layers, sizeof(LayerViews) * lay.num_layers);
+  if (num_blocks > 0) {
+    std::memcpy(h + a.blocks, blocks, sizeof(uint8_t*) * num_blocks);
+    std::memcpy(h + a.rows, rows,
+                sizeof(uint32_t) * static_cast<size_t>(num_blocks) * lay.block_tokens);
+  }
+  const cudaError_t err =
+      cudaMemcpyAsync(device_scratch, host_scratch, a.total, cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Internal(w + ": cudaMemcpyAsync of the job arrays: " + CudaErrorText(err));
+  }
+  *out = a;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchConfig& config) {
+  constexpr const char* kWhat = "LaunchEncode";
+  HIQ_RETURN_IF_ERROR(ValidateLayout(job.layout, kWhat));
+  HIQ_RETURN_IF_ERROR(ValidateConfig(config, kWhat));
+  if (job.num_blocks == 0) return Status::Ok();
+  if (job.layers == nullptr || job.rows == nullptr || job.blocks == nullptr) {
+    return InvalidArgument("LaunchEncode: job.layers, job.rows and job.blocks must be set");
+  }
+  const BlockLayout& lay = job.layout;
+  if (job.nonfinite != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(job.nonfinite, 0, job.num_blocks, stream);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Internal("LaunchEncode: cudaMemsetAsync(nonfinite): " + CudaErrorText(err));
+    }
+  }
+  const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
+  const uint32_t group_log2 = Log2(plan.group_lanes);
+  const uint64_t units_per_block =
+      static_cast<uint64_t>(lay.num_layers) * lay.kv_planes * lay.block_tokens * lay.row.num_heads;
+
+  if (lay.row.codec == CodecKind::kRaw) {
+    RawParams p{};
+    p.layout = lay;
+    p.shape = UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, lay.num_layers);
+    p.layers = job.layers;
+    p.first_layer = 0;
+    p.group_log2 = group_log2;
+    const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32 / plan.group_lanes);
+    return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
+                         [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+                           p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
+                           p.blocks = job.blocks + b0;
+                           p.total_units = units;
+                           HIQ_ASSIGN_OR_RETURN(uint32_t grid,
+                                                GridFor(units, units_per_cta, config));
+                           RawKernel<true><<<grid, config.threads_per_cta, 0, stream>>>(p);
+                           return CheckLaunch("LaunchEncode (RAW)");
+                         });
+  }
+
+  uint32_t units_per_lane = 0;
+  KernelFn<EncodeParams> kernel =
+      lay.row.dtype == DType::kBF16
+          ? PickEncodeKernel<DType::kBF16>(plan.chunks_per_lane, &units_per_lane)
+          : PickEncodeKernel<DType::kFP16>(plan.chunks_per_lane, &units_per_lane);
+  if (kernel == nullptr) return Internal("LaunchEncode: no kernel for this head_dim");
+  EncodeParams p{};
+  p.layout = lay;
+  p.shape = UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, lay.num_layers);
+  p.layers = job.layers;
+  p.group_log2 = group_log2;
+  const uint32_t units_per_cta =
+      (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;
+  return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
+                       [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+                         p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
+                         p.blocks = job.blocks + b0;
+                         p.nonfinite = job.nonfinite != nullptr ? job.nonfinite + b0 : nullptr;
+                         p.total_units = units;
+                         HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
+                         kernel<<<grid, config.threads_per_cta, 0, stream>>>(p);
+                         return CheckLaunch("LaunchEncode");
+                       });
+}
+
+Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t num_layers,
+                          CUstream_st* stream, const CudaLaunchConfig& config) {
+  constexpr const char* kWhat = "LaunchDecodeLayers";
+  HIQ_RETURN_IF_ERROR(ValidateLayout(job.layout, kWhat));
+  HIQ_RETURN_IF_ERROR(ValidateConfig(config, kWhat));
+  const BlockLayout& lay = job.layout;
+  if (num_layers == 0 || first_layer >= lay.num_layers ||
+      num_layers > lay.num_layers - first_layer) {
+    return InvalidArgument("LaunchDecodeLayers: layers [" + std::to_string(first_layer) + ", " +
+                           std::to_string(uint64_t{first_layer} + num_layers) +
+                           ") not inside [0, " + std::to_string(lay.num_layers) + ")");
+  }
+  if (job.num_blocks == 0) return Status::Ok();
+  if (job.layers == nullptr || job.rows == nullptr || job.blocks == nullptr) {
+    return InvalidArgument("LaunchDecodeLayers: job.layers, job.rows and job.blocks must be set");
+  }
+  const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
+  const uint32_t group_log2 = Log2(plan.group_lanes);
+  const uint64_t units_per_block =
+      static_cast<uint64_t>(num_layers) * lay.kv_planes * lay.block_tokens * lay.row.num_heads;
+  const UnitShape shape =
+      UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, num_layers);
+
+  if (lay.row.codec == CodecKind::kRaw) {
+    RawParams p{};
+    p.layout = lay;
+    p.shape = shape;
+    p.layers = job.layers;
+    p.first_layer = first_layer;
+    p.group_log2 = group_log2;
+    const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32 / plan.group_lanes);
+    return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
+                         [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+                           p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
+                           // RawKernel<false> only reads through blocks.
+                           p.blocks = const_cast<uint8_t* const*>(job.blocks + b0);
+                           p.total_units = units;
+                           HIQ_ASSIGN_OR_RETURN(uint32_t grid,
+                                                GridFor(units, units_per_cta, config));
+                           RawKernel<false><<<grid, config.threads_per_cta, 0, stream>>>(p);
+                           return CheckLaunch("LaunchDecodeLayers (RAW)");
+                         });
+  }
+
+  uint32_t units_per_lane = 0;
+  KernelFn<DecodeParams> kernel =
+      lay.row.dtype == DType::kBF16
+          ? PickDecodeKernel<DType::kBF16>(plan.chunks_per_lane, &units_per_lane)
+          : PickDecodeKernel<DType::kFP16>(plan.chunks_per_lane, &units_per_lane);
+  if (kernel == nullptr) return Internal("LaunchDecodeLayers: no kernel for this head_dim");
+  DecodeParams p{};
+  p.layout = lay;
+  p.shape = shape;
+  p.layers = job.layers;
+  p.first_layer = first_layer;
+  p.group_log2 = group_log2;
+  const uint32_t units_per_cta =
+      (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;
+  return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
+                       [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+                         p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
+                         p.blocks = job.blocks + b0;
+                         p.total_units = units;
+                         HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
+                         kernel<<<grid, config.threads_per_cta, 0, stream>>>(p);
+                         return CheckLaunch("LaunchDecodeLayers");
+                       });
+}
+
+size_t JobArraysBytes(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens) {
+  return ArraysLayoutFor(num_layers, num_blocks, block_tokens).total;
+}
+
+Status StageEncodeJob(const EncodeJob& host_job, void* host_scratch, void* device_scratch,
+                      size_t scratch_bytes, CUstream_st* stream, EncodeJob* device_job) {
+  HIQ_RETURN_IF_ERROR(ValidateLayout(host_job.layout, "StageEncodeJob"));
+  ArraysLayout a;
+  HIQ_RETURN_IF_ERROR(StageArrays(host_job.layout, host_job.layers, host_job.blocks, host_job.rows,
+                                  host_job.num_blocks, host_scratch, device_scratch, scratch_bytes,
+                                  stream, "StageEncodeJob", &a));
+  uint8_t* dev = static_cast<uint8_t*>(device_scratch);
+  *device_job = host_job;
+  device_job->layers = reinterpret_cast<const LayerViews*>(dev + a.layers);
+  device_job->blocks = reinterpret_cast<uint8_t* const*>(dev + a.blocks);
+  device_job->rows = reinterpret_cast<const uint32_t*>(dev + a.rows);
+  return Status::Ok();
+}
+
+Status StageDecodeJob(const DecodeJob& host_job, void* host_scratch, void* device_scratch,
+                      size_t scratch_bytes, CUstream_st* stream, DecodeJob* device_job) {
+  HIQ_RETURN_IF_ERROR(ValidateLayout(host_job.layout, "StageDecodeJob"));
+  ArraysLayout a;
+  HIQ_RETURN_IF_ERROR(StageArrays(host_job.layout, host_job.layers, host_job.blocks, host_job.rows,
+                                  host_job.num_blocks, host_scratch, device_scratch, scratch_bytes,
+                                  stream, "StageDecodeJob", &a));
+  uint8_t* dev = static_cast<uint8_t*>(device_scratch);
+  *device_job = host_job;
+  device_job->layers = reinterpret_cast<const LayerViews*>(dev + a.layers);
+  device_job->blocks = reinterpret_cast<const uint8_t* const*>(dev + a.blocks);
+  device_job->rows = reinterpret_cast<const uint32_t*>(dev + a.rows);
+  return Status::Ok();
+}
+
+}  // namespace hiqcache::kernels
