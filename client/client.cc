@@ -1,0 +1,576 @@
+#include "hiqcache/client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "channel.h"
+#include "hiqcache/host_shm.h"
+#include "hiqcache/log.h"
+#include "hiqcache/v1/cache.grpc.pb.h"
+
+namespace hiqcache {
+namespace {
+
+namespace v1 = ::hiqcache::v1;
+using client_internal::FromGrpc;
+using Clock = std::chrono::steady_clock;
+
+// --- PoolSpec -> proto -------------------------------------------------------------------------
+
+void ToProto(const TensorView& in, v1::TensorView* out) {
+  out->set_buffer(in.buffer);
+  out->set_offset_bytes(in.offset_bytes);
+  out->set_row_stride_bytes(in.row_stride_bytes);
+  out->set_num_rows(in.num_rows);
+  out->set_head_stride_bytes(in.head_stride_bytes);
+  out->set_page_rows(in.page_rows);
+  out->set_page_stride_bytes(in.page_stride_bytes);
+}
+
+v1::RegisterPoolRequest ToProto(const PoolSpec& spec) {
+  v1::RegisterPoolRequest req;
+  req.set_model(spec.model);
+  req.set_tenant(spec.tenant);
+  v1::Geometry* g = req.mutable_geometry();
+  g->set_num_layers(spec.geometry.num_layers);
+  g->set_num_kv_heads(spec.geometry.num_kv_heads);
+  g->set_head_dim(spec.geometry.head_dim);
+  g->set_dtype(spec.geometry.dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+  g->set_attention(spec.geometry.attention == Attention::kMLA ? v1::ATTENTION_MLA
+                                                              : v1::ATTENTION_MHA);
+  g->set_tp_rank(spec.geometry.tp_rank);
+  g->set_tp_size(spec.geometry.tp_size);
+  req.set_block_tokens(spec.block_tokens);
+  req.set_codec(spec.codec == Codec::kRaw ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD);
+  req.mutable_device()->set_kind(spec.device == DeviceKind::kCuda ? v1::DEVICE_KIND_CUDA
+                                                                  : v1::DEVICE_KIND_HOST);
+  req.mutable_device()->set_cuda_device_uuid(spec.cuda_device_uuid);
+  for (const SharedBuffer& b : spec.buffers) {
+    v1::SharedBuffer* out = req.add_buffers();
+    if (!b.cuda_ipc_handle.empty()) {
+      out->set_cuda_ipc_handle(b.cuda_ipc_handle);
+    } else {
+      out->set_host_shm_name(b.host_shm_name);
+    }
+    out->set_size_bytes(b.size_bytes);
+  }
+  for (const LayerView& l : spec.layers) {
+    v1::LayerView* out = req.add_layers();
+    ToProto(l.k, out->mutable_k());
+    if (l.v) ToProto(*l.v, out->mutable_v());
+  }
+  v1::EventPool* ev = req.mutable_events();
+  ev->set_host_shm_name(spec.events.host_shm_name);
+  ev->set_count(spec.events.count);
+  for (const std::string& h : spec.events.cuda_ipc_event_handles) ev->add_cuda_ipc_event_handles(h);
+  req.set_client_pid(static_cast<uint32_t>(::getpid()));
+  return req;
+}
+
+Codec FromProto(v1::Codec c) { return c == v1::CODEC_RAW ? Codec::kRaw : Codec::kInt8PerHead; }
+
+DaemonStats FromProto(const v1::GetStatsResponse& r) {
+  DaemonStats s;
+  s.pool_bytes = r.pool_bytes();
+  s.used_bytes = r.used_bytes();
+  s.capacity_bytes = r.capacity_bytes();
+  s.blocks = r.blocks();
+  s.clients = r.clients();
+  s.uptime_seconds = r.uptime_seconds();
+  s.device = r.device();
+  s.shm_name = r.shm_name();
+  for (const v1::NamespaceStats& n : r.namespaces()) {
+    NamespaceStats o;
+    o.namespace_id = n.namespace_id();
+    o.model = n.model();
+    o.tenant = n.tenant();
+    o.codec = FromProto(n.codec());
+    o.encoded_bytes_per_token = n.encoded_bytes_per_token();
+    o.blocks = n.blocks();
+    o.bytes = n.bytes();
+    o.hits = n.hits();
+    o.misses = n.misses();
+    o.backups = n.backups();
+    o.restores = n.restores();
+    o.evictions = n.evictions();
+    o.rejected = n.rejected();
+    o.pools = n.pools();
+    o.capacity_blocks = n.capacity_blocks();
+    s.namespaces.push_back(std::move(o));
+  }
+  for (const v1::PoolInfo& p : r.pools()) {
+    PoolStats o;
+    o.pool_id = p.pool_id();
+    o.namespace_id = p.namespace_id();
+    o.model = p.model();
+    o.tenant = p.tenant();
+    o.device = p.device() == v1::DEVICE_KIND_CUDA ? DeviceKind::kCuda : DeviceKind::kHost;
+    o.client_pid = p.client_pid();
+    o.backups = p.backups();
+    o.restores = p.restores();
+    o.peer = p.peer();
+    s.pools.push_back(std::move(o));
+  }
+  return s;
+}
+
+BlockStatus FromProto(v1::BlockStatus s) {
+  switch (s) {
+    case v1::BLOCK_STORED:
+      return BlockStatus::kStored;
+    case v1::BLOCK_ALREADY_PRESENT:
+      return BlockStatus::kAlreadyPresent;
+    default:
+      return BlockStatus::kRejected;
+  }
+}
+
+void AddBlocks(std::span<const BlockKey> keys, std::span<const uint32_t> rows,
+               uint32_t block_tokens, google::protobuf::RepeatedPtrField<v1::Block>* blocks) {
+  blocks->Reserve(static_cast<int>(keys.size()));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    v1::Block* b = blocks->Add();
+    b->set_key(reinterpret_cast<const char*>(keys[i].data()), keys[i].size());
+    b->mutable_rows()->Add(rows.begin() + i * block_tokens, rows.begin() + (i + 1) * block_tokens);
+  }
+}
+
+// Errors after which the pool id may no longer name our registration: the daemon is gone or
+// restarted (UNAVAILABLE), or it does not know the id (NOT_FOUND).
+bool IsStalePool(const Status& s) {
+  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound;
+}
+
+// gRPC takes system_clock deadlines; the client keeps steady ones so that clock steps cannot
+// stretch a call.
+std::chrono::system_clock::time_point GrpcDeadline(Clock::time_point deadline) {
+  const auto left = std::max(deadline - Clock::now(), Clock::duration::zero());
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(left);
+}
+
+bool IsUnreachable(const Status& s) {
+  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded;
+}
+
+}  // namespace
+
+uint32_t BackupResult::held() const {
+  uint32_t n = 0;
+  for (BlockStatus b : blocks) n += b == BlockStatus::kStored || b == BlockStatus::kAlreadyPresent;
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class Client::Impl {
+ public:
+  Impl(ClientOptions options, std::string target)
+      : options_(std::move(options)),
+        target_(std::move(target)),
+        channel_(client_internal::MakeChannel(target_)),
+        stub_(v1::Cache::NewStub(channel_)),
+        watcher_([this] { WatchChannel(); }) {}
+
+  ~Impl() {
+    stop_.store(true);
+    watcher_.join();
+  }
+
+  const std::string& target() const { return target_; }
+
+  StatusOr<PoolHandle> RegisterPool(const PoolSpec& spec, bool pending_if_unavailable);
+  StatusOr<RegisteredPool> PoolInfo(PoolHandle h) const;
+  Status ReleasePool(PoolHandle h);
+  LookupResult Lookup(PoolHandle h, std::span<const BlockKey> keys);
+  BackupResult Backup(PoolHandle h, std::span<const BlockKey> keys, std::span<const uint32_t> rows,
+                      const BackupOptions& o);
+  RestoreResult Restore(PoolHandle h, std::span<const BlockKey> keys,
+                        std::span<const uint32_t> rows, const RestoreOptions& o);
+  StatusOr<uint32_t> Evict(PoolHandle h, std::span<const BlockKey> keys);
+  StatusOr<DaemonStats> GetStats();
+
+ private:
+  struct Pool {
+    uint64_t handle = 0;
+    v1::RegisterPoolRequest request;  // kept for re-registration
+    uint32_t block_tokens = 0;
+
+    std::mutex mu;           // serializes (re)registration; guards the fields below
+    uint64_t server_id = 0;  // 0 = not registered
+    uint64_t epoch = 0;      // connection epoch of the registration
+    RegisteredPool info;
+    bool registered_once = false;
+    bool attempted = false;
+    Clock::time_point last_attempt;
+    Status last_error;
+  };
+
+  std::shared_ptr<Pool> Find(PoolHandle h) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(h.id);
+    return it == pools_.end() ? nullptr : it->second;
+  }
+
+  // REQUIRES: pool.mu held.
+  Status RegisterLocked(Pool& pool, Clock::time_point deadline);
+  // The pool's current daemon id, registering it first when needed (rate-limited).
+  StatusOr<uint64_t> EnsureRegistered(Pool& pool, Clock::time_point deadline);
+  // Forgets `stale_id` unless another thread has re-registered already.
+  void Invalidate(Pool& pool, uint64_t stale_id, const Status& why);
+  // Runs rpc(context, server pool id) with the call deadline, re-registering and retrying once
+  // when the id has gone stale.
+  template <typename Rpc>
+  Status WithPool(PoolHandle h, Rpc&& rpc);
+
+  // Counts breaks of the connection: each time the channel leaves READY the daemon may have
+  // restarted, and every pool id it handed out may now name someone else's pool.
+  void WatchChannel() {
+    grpc_connectivity_state state = channel_->GetState(false);
+    while (!stop_.load(std::memory_order_relaxed)) {
+      if (channel_->WaitForStateChange(
+              state, std::chrono::system_clock::now() + std::chrono::milliseconds(100))) {
+        const grpc_connectivity_state next = channel_->GetState(false);
+        if (state == GRPC_CHANNEL_READY && next != GRPC_CHANNEL_READY) {
+          epoch_.fetch_add(1);
+          HIQ_LOG(DEBUG) << "hiqcache client: connection to " << target_ << " broke";
+        }
+        state = next;
+      }
+    }
+  }
+
+  const ClientOptions options_;
+  const std::string target_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Cache::Stub> stub_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> stop_{false};
+
+  mutable std::mutex mu_;
+  uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
+
+  std::thread watcher_;  // last: starts after everything it reads
+};
+
+Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
+  pool.attempted = true;
+  pool.last_attempt = Clock::now();
+  const uint64_t epoch = epoch_.load();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(GrpcDeadline(deadline));
+  v1::RegisterPoolResponse resp;
+  Status s = FromGrpc(stub_->RegisterPool(&ctx, pool.request, &resp), target_);
+  if (!s.ok()) {
+    pool.server_id = 0;
+    pool.last_error = s;
+    return s;
+  }
+  if (pool.registered_once) {
+    // A new registration's tickets start again at 1: stale values in the HOST event slots
+    // would make waiters return before their work is done.
+    const v1::EventPool& ev = pool.request.events();
+    if (pool.request.device().kind() == v1::DEVICE_KIND_HOST && !ev.host_shm_name().empty() &&
+        ev.count() > 0) {
+      auto events = HostEventPool::Open(ev.host_shm_name(), ev.count());
+      if (events.ok()) {
+        events->Reset();
+      } else {
+        HIQ_LOG(WARN) << "hiqcache client: cannot reset event slots " << ev.host_shm_name() << ": "
+                      << events.status().ToString();
+      }
+    }
+    HIQ_LOG(INFO) << "hiqcache client: pool " << pool.handle << " re-registered with " << target_
+                  << " as pool " << resp.pool_id();
+  }
+  pool.server_id = resp.pool_id();
+  pool.epoch = epoch;
+  pool.info.pool_id = resp.pool_id();
+  pool.info.namespace_id = resp.namespace_id();
+  pool.info.encoded_bytes_per_token = resp.encoded_bytes_per_token();
+  pool.info.block_bytes = resp.block_bytes();
+  pool.info.capacity_tokens = resp.capacity_tokens();
+  pool.registered_once = true;
+  pool.last_error = Status::Ok();
+  return Status::Ok();
+}
+
+StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(pool.mu);
+  if (pool.server_id != 0) {
+    if (pool.epoch == epoch_.load()) return pool.server_id;
+    pool.server_id = 0;  // the connection broke since: the id may be stale
+  }
+  const auto now = Clock::now();
+  if (pool.attempted && now - pool.last_attempt < options_.reregister_interval) {
+    return Unavailable("pool not registered with hiqcached at " + target_ +
+                       " (next attempt rate-limited); last error: " + pool.last_error.ToString());
+  }
+  const bool was_registered = pool.registered_once;
+  Status s = RegisterLocked(pool, deadline);
+  if (!s.ok()) {
+    if (was_registered) {
+      HIQ_LOG(DEBUG) << "hiqcache client: re-registering pool " << pool.handle
+                     << " failed: " << s.ToString();
+    }
+    return s;
+  }
+  return pool.server_id;
+}
+
+void Client::Impl::Invalidate(Pool& pool, uint64_t stale_id, const Status& why) {
+  std::lock_guard<std::mutex> lock(pool.mu);
+  if (pool.server_id != stale_id) return;
+  HIQ_LOG(WARN) << "hiqcache client: pool " << pool.handle << " (daemon pool " << stale_id
+                << ") lost: " << why.ToString() << "; will re-register";
+  pool.server_id = 0;
+  pool.last_error = why;
+  // Allow an immediate re-registration unless one was attempted very recently.
+}
+
+template <typename Rpc>
+Status Client::Impl::WithPool(PoolHandle h, Rpc&& rpc) {
+  std::shared_ptr<Pool> pool = Find(h);
+  if (pool == nullptr) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
+  const auto deadline = Clock::now() + options_.call_timeout;
+  Status status;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    StatusOr<uint64_t> id = EnsureRegistered(*pool, deadline);
+    if (!id.ok()) return id.status();
+    grpc::ClientContext ctx;
+    ctx.set_deadline(GrpcDeadline(deadline));
+    status = FromGrpc(rpc(&ctx, *id, pool->block_tokens), target_);
+    if (status.ok() || !IsStalePool(status)) return status;
+    Invalidate(*pool, *id, status);
+  }
+  return status;
+}
+
+StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pending_if_unavailable) {
+  if (spec.block_tokens == 0) return InvalidArgument("block_tokens: must be > 0");
+  auto pool = std::make_shared<Pool>();
+  pool->request = ToProto(spec);
+  pool->block_tokens = spec.block_tokens;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool->handle = next_handle_++;
+  }
+  {
+    std::lock_guard<std::mutex> lock(pool->mu);
+    Status s = RegisterLocked(*pool, Clock::now() + options_.register_timeout);
+    if (!s.ok() && !(pending_if_unavailable && IsUnreachable(s))) return s;
+    if (!s.ok()) {
+      HIQ_LOG(WARN) << "hiqcache client: " << s.ToString()
+                    << "; pool kept pending, registers once the daemon is back";
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pools_.emplace(pool->handle, pool);
+  return PoolHandle{pool->handle};
+}
+
+StatusOr<RegisteredPool> Client::Impl::PoolInfo(PoolHandle h) const {
+  std::shared_ptr<Pool> pool = Find(h);
+  if (pool == nullptr) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
+  std::lock_guard<std::mutex> lock(pool->mu);
+  if (pool->server_id == 0 || pool->epoch != epoch_.load()) {
+    return Unavailable("pool not registered with hiqcached at " + target_ +
+                       (pool->last_error.ok() ? "" : ": " + pool->last_error.ToString()));
+  }
+  return pool->info;
+}
+
+Status Client::Impl::ReleasePool(PoolHandle h) {
+  std::shared_ptr<Pool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(h.id);
+    if (it == pools_.end()) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
+    pool = std::move(it->second);
+    pools_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(pool->mu);
+  if (pool->server_id == 0 || pool->epoch != epoch_.load()) return Status::Ok();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  v1::ReleasePoolRequest req;
+  req.set_pool_id(pool->server_id);
+  v1::ReleasePoolResponse resp;
+  pool->server_id = 0;
+  return FromGrpc(stub_->ReleasePool(&ctx, req, &resp), target_);
+}
+
+LookupResult Client::Impl::Lookup(PoolHandle h, std::span<const BlockKey> keys) {
+  LookupResult result;
+  if (keys.empty()) {
+    result.status = Find(h) ? Status::Ok() : InvalidArgument("unknown pool handle");
+    return result;
+  }
+  v1::LookupResponse resp;
+  result.status = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t) {
+    v1::LookupRequest req;
+    req.set_pool_id(id);
+    for (const BlockKey& k : keys) req.add_keys(reinterpret_cast<const char*>(k.data()), k.size());
+    return stub_->Lookup(ctx, req, &resp);
+  });
+  if (result.status.ok())
+    result.prefix_blocks = std::min<uint32_t>(resp.prefix_blocks(), keys.size());
+  return result;
+}
+
+BackupResult Client::Impl::Backup(PoolHandle h, std::span<const BlockKey> keys,
+                                  std::span<const uint32_t> rows, const BackupOptions& o) {
+  BackupResult result;
+  result.blocks.assign(keys.size(), BlockStatus::kNotStored);
+  v1::BackupResponse resp;
+  result.status = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t block_tokens) {
+    if (rows.size() != keys.size() * block_tokens) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "rows: expected " + std::to_string(keys.size() * block_tokens) +
+                              " (keys * block_tokens), got " + std::to_string(rows.size()));
+    }
+    v1::BackupRequest req;
+    req.set_pool_id(id);
+    AddBlocks(keys, rows, block_tokens, req.mutable_blocks());
+    req.set_wait_event(o.wait_event);
+    req.set_wait_value(o.wait_value);
+    req.set_done_event(o.done_event);
+    req.set_sync(o.sync);
+    return stub_->Backup(ctx, req, &resp);
+  });
+  if (!result.status.ok()) return result;
+  for (int i = 0; i < resp.results_size() && i < static_cast<int>(keys.size()); ++i) {
+    result.blocks[i] = FromProto(resp.results(i));
+  }
+  if (resp.results_size() != static_cast<int>(keys.size())) {
+    result.status = Internal("BackupResponse has " + std::to_string(resp.results_size()) +
+                             " results for " + std::to_string(keys.size()) + " blocks");
+  }
+  result.ticket = resp.ticket();
+  return result;
+}
+
+RestoreResult Client::Impl::Restore(PoolHandle h, std::span<const BlockKey> keys,
+                                    std::span<const uint32_t> rows, const RestoreOptions& o) {
+  RestoreResult result;
+  v1::RestoreResponse resp;
+  result.status = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t block_tokens) {
+    if (rows.size() != keys.size() * block_tokens) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "rows: expected " + std::to_string(keys.size() * block_tokens) +
+                              " (keys * block_tokens), got " + std::to_string(rows.size()));
+    }
+    v1::RestoreRequest req;
+    req.set_pool_id(id);
+    AddBlocks(keys, rows, block_tokens, req.mutable_blocks());
+    req.set_wait_event(o.wait_event);
+    req.set_wait_value(o.wait_value);
+    req.set_layer_event_base(o.layer_event_base);
+    req.set_done_event(o.done_event);
+    req.set_sync(o.sync);
+    return stub_->Restore(ctx, req, &resp);
+  });
+  if (!result.status.ok()) return result;
+  result.restored_blocks = std::min<uint32_t>(resp.restored_blocks(), keys.size());
+  result.ticket = resp.ticket();
+  return result;
+}
+
+StatusOr<uint32_t> Client::Impl::Evict(PoolHandle h, std::span<const BlockKey> keys) {
+  v1::EvictResponse resp;
+  Status s = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t) {
+    v1::EvictRequest req;
+    req.set_pool_id(id);
+    for (const BlockKey& k : keys) req.add_keys(reinterpret_cast<const char*>(k.data()), k.size());
+    return stub_->Evict(ctx, req, &resp);
+  });
+  if (!s.ok()) return s;
+  return resp.evicted();
+}
+
+StatusOr<DaemonStats> Client::Impl::GetStats() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  v1::GetStatsResponse resp;
+  Status s = FromGrpc(stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp), target_);
+  if (!s.ok()) return s;
+  return FromProto(resp);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  auto target = client_internal::NormalizeTarget(options.target);
+  if (!target.ok()) return target.status();
+  // gRPC may throw std::bad_alloc and little else; keep the no-exceptions promise regardless.
+  try {
+    auto impl = std::make_unique<Impl>(std::move(options), std::move(target).value());
+    return std::unique_ptr<Client>(new Client(std::move(impl)));
+  } catch (const std::exception& e) {
+    return Internal(std::string("hiqcache client: ") + e.what());
+  }
+}
+
+StatusOr<std::unique_ptr<Client>> Client::Connect(std::string_view target) {
+  ClientOptions options;
+  options.target = std::string(target);
+  return Connect(std::move(options));
+}
+
+const std::string& Client::target() const { return impl_->target(); }
+
+// The library promises not to throw: gRPC and protobuf can still throw std::bad_alloc.
+#define HIQ_CLIENT_NOTHROW(result_init, expr)                                  \
+  try {                                                                        \
+    return expr;                                                               \
+  } catch (const std::exception& e) {                                          \
+    auto hiq_result = result_init;                                             \
+    hiq_result.status = Internal(std::string("hiqcache client: ") + e.what()); \
+    return hiq_result;                                                         \
+  }
+#define HIQ_CLIENT_NOTHROW_STATUS(expr)                           \
+  try {                                                           \
+    return expr;                                                  \
+  } catch (const std::exception& e) {                             \
+    return Internal(std::string("hiqcache client: ") + e.what()); \
+  }
+
+StatusOr<PoolHandle> Client::RegisterPool(const PoolSpec& spec, bool pending_if_unavailable) {
+  HIQ_CLIENT_NOTHROW_STATUS(impl_->RegisterPool(spec, pending_if_unavailable));
+}
+StatusOr<RegisteredPool> Client::PoolInfo(PoolHandle pool) const {
+  HIQ_CLIENT_NOTHROW_STATUS(impl_->PoolInfo(pool));
+}
+Status Client::ReleasePool(PoolHandle pool) { HIQ_CLIENT_NOTHROW_STATUS(impl_->ReleasePool(pool)); }
+LookupResult Client::Lookup(PoolHandle pool, std::span<const BlockKey> keys) {
+  HIQ_CLIENT_NOTHROW(LookupResult{}, impl_->Lookup(pool, keys));
+}
+BackupResult Client::Backup(PoolHandle pool, std::span<const BlockKey> keys,
+                            std::span<const uint32_t> rows, const BackupOptions& options) {
+  HIQ_CLIENT_NOTHROW(
+      (BackupResult{std::vector<BlockStatus>(keys.size(), BlockStatus::kNotStored), 0, {}}),
+      impl_->Backup(pool, keys, rows, options));
+}
+RestoreResult Client::Restore(PoolHandle pool, std::span<const BlockKey> keys,
+                              std::span<const uint32_t> rows, const RestoreOptions& options) {
+  HIQ_CLIENT_NOTHROW(RestoreResult{}, impl_->Restore(pool, keys, rows, options));
+}
+StatusOr<uint32_t> Client::Evict(PoolHandle pool, std::span<const BlockKey> keys) {
+  HIQ_CLIENT_NOTHROW_STATUS(impl_->Evict(pool, keys));
+}
+StatusOr<DaemonStats> Client::GetStats() { HIQ_CLIENT_NOTHROW_STATUS(impl_->GetStats()); }
+
+#undef HIQ_CLIENT_NOTHROW
+#undef HIQ_CLIENT_NOTHROW_STATUS
+
+}  // namespace hiqcache

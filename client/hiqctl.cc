@@ -1,0 +1,439 @@
+// hiqctl: admin CLI for hiqcached.
+//
+//   hiqctl [--target ADDR] [--timeout SECONDS] <command> [--json]
+//     stats                               daemon and per-namespace statistics
+//     pools                               registered pools
+//     evict --pool-id N --key HEX [...]   drop blocks from pool N's namespace
+//     health [--service NAME]             grpc.health.v1.Health/Check (service "" by default)
+//
+// Exit status: 0 success, 1 daemon unreachable or an error from it, 2 usage.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "channel.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "hiqcache/block_keys.h"
+#include "hiqcache/client.h"
+#include "hiqcache/paths.h"
+#include "hiqcache/v1/cache.grpc.pb.h"
+
+namespace hiqcache {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+
+constexpr char kUsage[] =
+    "usage: hiqctl [--target ADDR] [--timeout SECONDS] <command> [--json]\n"
+    "commands:\n"
+    "  stats                               daemon and per-namespace statistics\n"
+    "  pools                               registered pools\n"
+    "  evict --pool-id N --key HEX [...]   drop blocks (32-hex-digit keys) from pool N's "
+    "namespace\n"
+    "  health [--service NAME]             gRPC health check\n"
+    "ADDR: unix:///path/to.sock, /path/to.sock or host:port (default: ";
+
+struct Args {
+  std::string target;
+  double timeout_s = 3.0;
+  std::string command;
+  bool json = false;
+  uint64_t pool_id = 0;
+  bool has_pool_id = false;
+  std::vector<std::string> keys;
+  std::string service;
+};
+
+int Usage(const std::string& error) {
+  if (!error.empty()) std::cerr << "hiqctl: " << error << "\n";
+  std::cerr << kUsage << DefaultTarget() << ")\n";
+  return kExitUsage;
+}
+
+// Parses argv into `args`; returns an error text, empty on success.
+std::string Parse(int argc, char** argv, Args* args) {
+  bool after_key = false;  // bare words after --key are more keys
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string value;
+    const size_t eq = a.find('=');
+    const bool has_inline = a.starts_with("--") && eq != std::string::npos;
+    if (has_inline) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    auto next = [&](std::string* out) -> bool {
+      if (has_inline) {
+        *out = value;
+        return true;
+      }
+      if (i + 1 >= argc) return false;
+      *out = argv[++i];
+      return true;
+    };
+    if (a == "--target") {
+      if (!next(&args->target)) return "--target needs a value";
+    } else if (a == "--timeout") {
+      std::string v;
+      if (!next(&v)) return "--timeout needs a value";
+      char* end = nullptr;
+      args->timeout_s = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || args->timeout_s <= 0) return "bad --timeout " + v;
+    } else if (a == "--json") {
+      args->json = true;
+    } else if (a == "--pool-id") {
+      std::string v;
+      if (!next(&v)) return "--pool-id needs a value";
+      char* end = nullptr;
+      args->pool_id = std::strtoull(v.c_str(), &end, 10);
+      if (end == v.c_str() || *end != '\0') return "bad --pool-id " + v;
+      args->has_pool_id = true;
+    } else if (a == "--key") {
+      std::string v;
+      if (!next(&v)) return "--key needs a value";
+      args->keys.push_back(v);
+      after_key = true;
+      continue;
+    } else if (a == "--service") {
+      if (!next(&args->service)) return "--service needs a value";
+    } else if (a == "-h" || a == "--help") {
+      return "help";
+    } else if (a.starts_with("-")) {
+      return "unknown flag " + a;
+    } else if (args->command.empty()) {
+      args->command = a;
+    } else if (after_key) {
+      args->keys.push_back(a);
+      continue;
+    } else {
+      return "unexpected argument " + a;
+    }
+    after_key = false;
+  }
+  if (args->command.empty()) return "no command";
+  return "";
+}
+
+int Unreachable(const std::string& target, const std::string& detail) {
+  std::cerr << "hiqctl: cannot reach hiqcached at " << target << ": " << detail << "\n";
+  return kExitError;
+}
+
+// Reports a failed call: unreachable daemon or an error it returned.
+int Fail(const std::string& target, const Status& s) {
+  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
+    std::string detail = s.message();
+    const std::string prefix = "hiqcached at " + target + ": ";
+    if (detail.starts_with(prefix)) detail = detail.substr(prefix.size());
+    return Unreachable(target, detail);
+  }
+  std::cerr << "hiqctl: hiqcached at " << target << ": " << s.ToString() << "\n";
+  return kExitError;
+}
+
+std::string Bytes(uint64_t b) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.2f %s", v, kUnits[u]);
+  return buf;
+}
+
+std::string Duration(uint64_t s) {
+  char buf[48];
+  if (s >= 86400) {
+    std::snprintf(buf, sizeof(buf), "%" PRIu64 "d%02" PRIu64 "h%02" PRIu64 "m", s / 86400,
+                  s / 3600 % 24, s / 60 % 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%" PRIu64 "h%02" PRIu64 "m%02" PRIu64 "s", s / 3600,
+                  s / 60 % 60, s % 60);
+  }
+  return buf;
+}
+
+std::string Percent(uint64_t num, uint64_t den) {
+  if (den == 0) return "-";
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%.1f", 100.0 * static_cast<double>(num) / den);
+  return buf;
+}
+
+// Left-aligned text columns, right-aligned numbers.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void Print(std::ostream& os) const {
+    std::vector<size_t> width(rows_[0].size(), 0);
+    std::vector<bool> numeric(rows_[0].size(), true);
+    std::vector<bool> any_number(rows_[0].size(), false);
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      for (size_t c = 0; c < rows_[r].size(); ++c) {
+        width[c] = std::max(width[c], rows_[r][c].size());
+        if (r > 0 && rows_[r][c] != "-" &&
+            (rows_[r][c].empty() ||
+             rows_[r][c].find_first_not_of("0123456789.") != std::string::npos)) {
+          numeric[c] = false;
+        }
+        if (r > 0 && rows_[r][c] != "-") any_number[c] = true;
+      }
+    }
+    for (size_t c = 0; c < numeric.size(); ++c) numeric[c] = numeric[c] && any_number[c];
+    for (const auto& row : rows_) {
+      std::string line;
+      for (size_t c = 0; c < row.size(); ++c) {
+        const std::string pad(width[c] - row[c].size(), ' ');
+        line += numeric[c] ? pad + row[c] : row[c] + (c + 1 < row.size() ? pad : "");
+        if (c + 1 < row.size()) line += "  ";
+      }
+      os << line << "\n";
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// Minimal JSON writer: numbers stay numbers (proto3's JSON mapping would quote uint64).
+class Json {
+ public:
+  static std::string Str(const std::string& s) {
+    std::string out = "\"";
+    for (unsigned char c : s) {
+      switch (c) {
+        case '"':
+          out += "\\\"";
+          break;
+        case '\\':
+          out += "\\\\";
+          break;
+        case '\n':
+          out += "\\n";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
+        default:
+          if (c < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+            out += buf;
+          } else {
+            out += static_cast<char>(c);
+          }
+      }
+    }
+    return out + "\"";
+  }
+};
+
+const char* CodecEnumName(Codec c) {
+  return c == Codec::kRaw ? "CODEC_RAW" : "CODEC_INT8_PER_HEAD";
+}
+const char* DeviceEnumName(DeviceKind d) {
+  return d == DeviceKind::kCuda ? "DEVICE_KIND_CUDA" : "DEVICE_KIND_HOST";
+}
+
+std::string NamespaceJson(const NamespaceStats& n, const std::string& indent) {
+  std::ostringstream o;
+  o << indent << "{\"namespace_id\": " << Json::Str(n.namespace_id)
+    << ", \"model\": " << Json::Str(n.model) << ", \"tenant\": " << Json::Str(n.tenant)
+    << ", \"codec\": " << Json::Str(CodecEnumName(n.codec))
+    << ", \"encoded_bytes_per_token\": " << n.encoded_bytes_per_token
+    << ", \"blocks\": " << n.blocks << ", \"bytes\": " << n.bytes << ", \"hits\": " << n.hits
+    << ", \"misses\": " << n.misses << ", \"backups\": " << n.backups
+    << ", \"restores\": " << n.restores << ", \"evictions\": " << n.evictions
+    << ", \"rejected\": " << n.rejected << ", \"pools\": " << n.pools
+    << ", \"capacity_blocks\": " << n.capacity_blocks << "}";
+  return o.str();
+}
+
+std::string PoolJson(const PoolStats& p, const std::string& indent) {
+  std::ostringstream o;
+  o << indent << "{\"pool_id\": " << p.pool_id
+    << ", \"namespace_id\": " << Json::Str(p.namespace_id) << ", \"model\": " << Json::Str(p.model)
+    << ", \"tenant\": " << Json::Str(p.tenant)
+    << ", \"device\": " << Json::Str(DeviceEnumName(p.device))
+    << ", \"client_pid\": " << p.client_pid << ", \"backups\": " << p.backups
+    << ", \"restores\": " << p.restores << ", \"peer\": " << Json::Str(p.peer) << "}";
+  return o.str();
+}
+
+template <typename T, typename F>
+std::string JsonArray(const std::vector<T>& items, F element, const std::string& indent) {
+  if (items.empty()) return "[]";
+  std::string out = "[\n";
+  for (size_t i = 0; i < items.size(); ++i) {
+    out += element(items[i], indent + "  ");
+    out += i + 1 < items.size() ? ",\n" : "\n";
+  }
+  return out + indent + "]";
+}
+
+std::unique_ptr<Client> MakeClient(const Args& args, const std::string& target) {
+  ClientOptions options;
+  options.target = target;
+  options.call_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+  auto client = Client::Connect(options);
+  return client.ok() ? std::move(client).value() : nullptr;
+}
+
+int CmdStats(const Args& args, const std::string& target) {
+  auto client = MakeClient(args, target);
+  if (client == nullptr) return Usage("bad target " + target);
+  auto stats = client->GetStats();
+  if (!stats.ok()) return Fail(target, stats.status());
+  const DaemonStats& s = *stats;
+  if (args.json) {
+    std::cout << "{\n  \"target\": " << Json::Str(target) << ",\n  \"pool_bytes\": " << s.pool_bytes
+              << ",\n  \"used_bytes\": " << s.used_bytes
+              << ",\n  \"capacity_bytes\": " << s.capacity_bytes << ",\n  \"blocks\": " << s.blocks
+              << ",\n  \"clients\": " << s.clients
+              << ",\n  \"uptime_seconds\": " << s.uptime_seconds
+              << ",\n  \"device\": " << Json::Str(s.device)
+              << ",\n  \"shm_name\": " << Json::Str(s.shm_name)
+              << ",\n  \"namespaces\": " << JsonArray(s.namespaces, NamespaceJson, "  ")
+              << ",\n  \"pools\": " << JsonArray(s.pools, PoolJson, "  ") << "\n}\n";
+    return kExitOk;
+  }
+  std::cout << "hiqcached at " << target << "\n"
+            << "  device    " << (s.device.empty() ? "-" : s.device) << "\n"
+            << "  shm       " << (s.shm_name.empty() ? "-" : s.shm_name) << "\n"
+            << "  pool      " << Bytes(s.pool_bytes) << " (" << Bytes(s.capacity_bytes)
+            << " for blocks)\n"
+            << "  used      " << Bytes(s.used_bytes) << " ("
+            << Percent(s.used_bytes, s.capacity_bytes ? s.capacity_bytes : s.pool_bytes) << "%), "
+            << s.blocks << " blocks\n"
+            << "  clients   " << s.clients << "\n"
+            << "  uptime    " << Duration(s.uptime_seconds) << "\n\n";
+  if (s.namespaces.empty()) {
+    std::cout << "no namespaces\n";
+    return kExitOk;
+  }
+  Table t({"NAMESPACE", "MODEL", "TENANT", "CODEC", "B/TOKEN", "BLOCKS", "CAPACITY", "BYTES",
+           "HIT%", "HITS", "MISSES", "BACKUPS", "RESTORES", "EVICTIONS", "REJECTED", "POOLS"});
+  for (const NamespaceStats& n : s.namespaces) {
+    t.Add({n.namespace_id, n.model, n.tenant.empty() ? "-" : n.tenant, CodecName(n.codec),
+           std::to_string(n.encoded_bytes_per_token), std::to_string(n.blocks),
+           std::to_string(n.capacity_blocks), Bytes(n.bytes), Percent(n.hits, n.hits + n.misses),
+           std::to_string(n.hits), std::to_string(n.misses), std::to_string(n.backups),
+           std::to_string(n.restores), std::to_string(n.evictions), std::to_string(n.rejected),
+           std::to_string(n.pools)});
+  }
+  t.Print(std::cout);
+  return kExitOk;
+}
+
+int CmdPools(const Args& args, const std::string& target) {
+  auto client = MakeClient(args, target);
+  if (client == nullptr) return Usage("bad target " + target);
+  auto stats = client->GetStats();
+  if (!stats.ok()) return Fail(target, stats.status());
+  if (args.json) {
+    std::cout << JsonArray(stats->pools, PoolJson, "") << "\n";
+    return kExitOk;
+  }
+  if (stats->pools.empty()) {
+    std::cout << "no pools registered\n";
+    return kExitOk;
+  }
+  Table t({"POOL", "NAMESPACE", "MODEL", "TENANT", "DEVICE", "PID", "BACKUPS", "RESTORES", "PEER"});
+  for (const PoolStats& p : stats->pools) {
+    t.Add({std::to_string(p.pool_id), p.namespace_id, p.model, p.tenant.empty() ? "-" : p.tenant,
+           DeviceKindName(p.device), std::to_string(p.client_pid), std::to_string(p.backups),
+           std::to_string(p.restores), p.peer.empty() ? "-" : p.peer});
+  }
+  t.Print(std::cout);
+  return kExitOk;
+}
+
+std::chrono::system_clock::time_point Deadline(const Args& args) {
+  return std::chrono::system_clock::now() +
+         std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+}
+
+int CmdEvict(const Args& args, const std::string& target) {
+  if (!args.has_pool_id) return Usage("evict needs --pool-id N");
+  if (args.keys.empty()) return Usage("evict needs at least one --key HEX");
+  v1::EvictRequest req;
+  req.set_pool_id(args.pool_id);
+  for (const std::string& hex : args.keys) {
+    BlockKey key;
+    if (!BlockKeyFromHex(hex, &key)) return Usage("bad key \"" + hex + "\": need 32 hex digits");
+    req.add_keys(reinterpret_cast<const char*>(key.data()), key.size());
+  }
+  auto stub = v1::Cache::NewStub(client_internal::MakeChannel(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(args));
+  v1::EvictResponse resp;
+  Status s = client_internal::FromGrpc(stub->Evict(&ctx, req, &resp), target);
+  if (!s.ok()) return Fail(target, s);
+  if (args.json) {
+    std::cout << "{\"pool_id\": " << args.pool_id << ", \"requested\": " << args.keys.size()
+              << ", \"evicted\": " << resp.evicted() << "}\n";
+  } else {
+    std::cout << "evicted " << resp.evicted() << " of " << args.keys.size() << " blocks\n";
+  }
+  return kExitOk;
+}
+
+int CmdHealth(const Args& args, const std::string& target) {
+  auto stub = grpc::health::v1::Health::NewStub(client_internal::MakeChannel(target));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(args));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(args.service);
+  grpc::health::v1::HealthCheckResponse resp;
+  Status s = client_internal::FromGrpc(stub->Check(&ctx, req, &resp), target);
+  if (!s.ok()) return Fail(target, s);
+  const std::string status =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  if (args.json) {
+    std::cout << "{\"target\": " << Json::Str(target)
+              << ", \"service\": " << Json::Str(args.service)
+              << ", \"status\": " << Json::Str(status) << "}\n";
+  } else {
+    std::cout << status << "\n";
+  }
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitError;
+}
+
+int Main(int argc, char** argv) {
+  Args args;
+  const std::string error = Parse(argc, argv, &args);
+  if (error == "help") return Usage(""), kExitOk;
+  if (!error.empty()) return Usage(error);
+  auto target = client_internal::NormalizeTarget(args.target);
+  if (!target.ok()) return Usage(target.status().message());
+  if (args.command == "stats") return CmdStats(args, *target);
+  if (args.command == "pools") return CmdPools(args, *target);
+  if (args.command == "evict") return CmdEvict(args, *target);
+  if (args.command == "health") return CmdHealth(args, *target);
+  return Usage("unknown command " + args.command);
+}
+
+}  // namespace
+}  // namespace hiqcache
+
+int main(int argc, char** argv) {
+  try {
+    return hiqcache::Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "hiqctl: " << e.what() << "\n";
+    return 1;
+  }
+}

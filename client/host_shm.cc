@@ -1,0 +1,312 @@
+#include "hiqcache/host_shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace hiqcache {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "HOST event slots are little-endian uint64; big-endian hosts need byte swaps");
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+uint64_t* SlotPtr(void* base, uint32_t slot) {
+  return reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(base) +
+                                     size_t{slot} * HostEventPool::kSlotBytes);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// HostShm
+
+std::string HostShm::NormalizeName(std::string_view name) {
+  if (!name.empty() && name.front() == '/') return std::string(name);
+  return "/" + std::string(name);
+}
+
+std::string HostShm::UniqueName(std::string_view tag) {
+  static std::atomic<uint64_t> counter{0};
+  return "/hiq-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1)) + "-" +
+         std::string(tag);
+}
+
+StatusOr<HostShm> HostShm::Create(std::string_view name, size_t size) {
+  if (size == 0) return InvalidArgument("HostShm::Create: size must be > 0");
+  HostShm shm;
+  shm.name_ = NormalizeName(name);
+  const int fd = ::shm_open(shm.name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EEXIST) {
+      return Status(StatusCode::kAlreadyExists, "shm " + shm.name_ + " already exists");
+    }
+    return Internal("shm_open(" + shm.name_ + ", O_CREAT|O_EXCL): " + ErrnoText(err));
+  }
+  shm.owner_ = true;  // from here on, Reset() unlinks
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ResourceExhausted("ftruncate(" + shm.name_ + ", " + std::to_string(size) +
+                             "): " + ErrnoText(err));
+  }
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (data == MAP_FAILED) return Internal("mmap(" + shm.name_ + "): " + ErrnoText(err));
+  shm.data_ = data;
+  shm.size_ = size;
+  return shm;
+}
+
+StatusOr<HostShm> HostShm::Open(std::string_view name, size_t min_size) {
+  HostShm shm;
+  shm.name_ = NormalizeName(name);
+  const int fd = ::shm_open(shm.name_.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound("shm " + shm.name_ + " does not exist");
+    return Internal("shm_open(" + shm.name_ + "): " + ErrnoText(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Internal("fstat(" + shm.name_ + "): " + ErrnoText(err));
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < min_size || size == 0) {
+    ::close(fd);
+    return FailedPrecondition("shm " + shm.name_ + " has " + std::to_string(size) +
+                              " bytes, need " + std::to_string(std::max<size_t>(min_size, 1)));
+  }
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (data == MAP_FAILED) return Internal("mmap(" + shm.name_ + "): " + ErrnoText(err));
+  shm.data_ = data;
+  shm.size_ = size;
+  return shm;
+}
+
+HostShm::HostShm(HostShm&& other) noexcept
+    : name_(std::move(other.name_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      owner_(std::exchange(other.owner_, false)) {}
+
+HostShm& HostShm::operator=(HostShm&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    owner_ = std::exchange(other.owner_, false);
+  }
+  return *this;
+}
+
+HostShm::~HostShm() { Reset(); }
+
+void HostShm::Reset() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  if (owner_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  data_ = nullptr;
+  size_ = 0;
+  owner_ = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events
+
+Status WaitForTicket(const uint64_t* slot, uint64_t ticket, std::chrono::nanoseconds timeout) {
+  // atomic_ref needs a non-const referent; the loads below never write.
+  std::atomic_ref<uint64_t> value(*const_cast<uint64_t*>(slot));
+  if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int i = 0; i < 4096; ++i) {
+    CpuRelax();
+    if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+  }
+  auto sleep = std::chrono::microseconds(1);
+  while (true) {
+    if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return DeadlineExceeded("event slot holds " + std::to_string(value.load()) + ", waited for " +
+                              std::to_string(ticket));
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(sleep, deadline - now));
+    sleep = std::min<std::chrono::microseconds>(sleep * 2, std::chrono::microseconds(1000));
+  }
+}
+
+StatusOr<HostEventPool> HostEventPool::Create(uint32_t count, std::string_view name) {
+  if (count == 0) return InvalidArgument("HostEventPool: count must be > 0");
+  const std::string shm_name = name.empty() ? HostShm::UniqueName("ev") : std::string(name);
+  HIQ_ASSIGN_OR_RETURN(HostShm shm, HostShm::Create(shm_name, size_t{count} * kSlotBytes));
+  HostEventPool pool;
+  pool.shm_ = std::move(shm);
+  pool.count_ = count;
+  return pool;
+}
+
+StatusOr<HostEventPool> HostEventPool::Open(std::string_view name, uint32_t count) {
+  if (count == 0) return InvalidArgument("HostEventPool: count must be > 0");
+  HIQ_ASSIGN_OR_RETURN(HostShm shm, HostShm::Open(name, size_t{count} * kSlotBytes));
+  HostEventPool pool;
+  pool.shm_ = std::move(shm);
+  pool.count_ = count;
+  return pool;
+}
+
+EventPoolSpec HostEventPool::Spec() const {
+  EventPoolSpec spec;
+  spec.host_shm_name = shm_.name();
+  spec.count = count_;
+  return spec;
+}
+
+uint64_t HostEventPool::Read(uint32_t slot) const {
+  return std::atomic_ref<uint64_t>(*SlotPtr(shm_.data(), slot)).load(std::memory_order_acquire);
+}
+
+void HostEventPool::Store(uint32_t slot, uint64_t value) const {
+  std::atomic_ref<uint64_t>(*SlotPtr(shm_.data(), slot)).store(value, std::memory_order_release);
+}
+
+void HostEventPool::Reset() const {
+  for (uint32_t i = 0; i < count_; ++i) Store(i, 0);
+}
+
+Status HostEventPool::Wait(uint32_t slot, uint64_t ticket, std::chrono::nanoseconds timeout) const {
+  if (slot >= count_) {
+    return InvalidArgument("event slot " + std::to_string(slot) + " out of range (count " +
+                           std::to_string(count_) + ")");
+  }
+  return WaitForTicket(SlotPtr(shm_.data(), slot), ticket, timeout);
+}
+
+// ---------------------------------------------------------------------------------------------
+// HostKvPool
+
+const char* KvLayoutName(KvLayout layout) {
+  switch (layout) {
+    case KvLayout::kSglang:
+      return "sglang";
+    case KvLayout::kVllmPaged:
+      return "vllm_paged";
+    case KvLayout::kVllmPackedKv:
+      return "vllm_packed_kv";
+  }
+  return "unknown";
+}
+
+StatusOr<HostKvPool> HostKvPool::Create(const Geometry& g, KvLayout layout, uint32_t num_rows,
+                                        uint32_t page_rows, std::string_view name) {
+  if (g.num_layers == 0 || g.num_kv_heads == 0 || g.head_dim == 0 || num_rows == 0) {
+    return InvalidArgument("HostKvPool: geometry and num_rows must be non-zero");
+  }
+  if (layout != KvLayout::kSglang && page_rows == 0) {
+    return InvalidArgument("HostKvPool: page_rows must be > 0 for paged layouts");
+  }
+  if (layout == KvLayout::kVllmPackedKv && g.attention == Attention::kMLA) {
+    return InvalidArgument("HostKvPool: MLA has no V to pack");
+  }
+  HostKvPool pool;
+  pool.geometry_ = g;
+  pool.layout_ = layout;
+  uint64_t layer_bytes = 0;
+  uint32_t num_blocks = 0;
+  if (layout == KvLayout::kSglang) {
+    pool.num_rows_ = num_rows;
+    layer_bytes = SlotMajorBytes(g, num_rows) * g.Planes();
+  } else {
+    num_blocks = (num_rows + page_rows - 1) / page_rows;
+    pool.num_rows_ = num_blocks * page_rows;
+    layer_bytes = layout == KvLayout::kVllmPaged ? VllmPagedBytes(g, num_blocks, page_rows) * 2
+                                                 : VllmPackedKvBytes(g, num_blocks, page_rows);
+  }
+  for (uint32_t l = 0; l < g.num_layers; ++l) {
+    const uint64_t base = l * layer_bytes;
+    switch (layout) {
+      case KvLayout::kSglang: {
+        const uint64_t plane = SlotMajorBytes(g, num_rows);
+        pool.layers_.push_back(SglangLayerView(g, num_rows, {0, base}, {0, base + plane}));
+        break;
+      }
+      case KvLayout::kVllmPaged: {
+        const uint64_t plane = VllmPagedBytes(g, num_blocks, page_rows);
+        pool.layers_.push_back(
+            VllmPagedLayerView(g, num_blocks, page_rows, {0, base}, {0, base + plane}));
+        break;
+      }
+      case KvLayout::kVllmPackedKv:
+        pool.layers_.push_back(VllmPackedKvLayerView(g, num_blocks, page_rows, {0, base}));
+        break;
+    }
+  }
+  const std::string shm_name = name.empty()
+                                   ? HostShm::UniqueName(std::string("kv-") + KvLayoutName(layout))
+                                   : std::string(name);
+  HIQ_ASSIGN_OR_RETURN(pool.shm_, HostShm::Create(shm_name, layer_bytes * g.num_layers));
+  return pool;
+}
+
+void HostKvPool::AddTo(PoolSpec* spec) const {
+  const uint32_t index = static_cast<uint32_t>(spec->buffers.size());
+  SharedBuffer buffer;
+  buffer.host_shm_name = shm_.name();
+  buffer.size_bytes = shm_.size();
+  spec->buffers.push_back(std::move(buffer));
+  for (LayerView layer : layers_) {
+    layer.k.buffer += index;
+    if (layer.v) layer.v->buffer += index;
+    spec->layers.push_back(layer);
+  }
+  spec->geometry = geometry_;
+  spec->device = DeviceKind::kHost;
+}
+
+uint16_t* HostKvPool::Head(uint32_t layer, uint32_t plane, uint32_t row, uint32_t head) const {
+  const LayerView& view = layers_[layer];
+  const TensorView& t = plane == 0 ? view.k : *view.v;
+  return reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(shm_.data()) +
+                                     t.HeadOffset(row, head, geometry_.HeadBytes()));
+}
+
+PoolSpec MakeHostPoolSpec(std::string model, const HostKvPool& kv, uint32_t block_tokens,
+                          const HostEventPool* events, Codec codec) {
+  PoolSpec spec;
+  spec.model = std::move(model);
+  spec.block_tokens = block_tokens;
+  spec.codec = codec;
+  kv.AddTo(&spec);
+  if (events != nullptr) spec.events = events->Spec();
+  return spec;
+}
+
+}  // namespace hiqcache

@@ -1,0 +1,184 @@
+// hiqcache::Client: what an inference engine links to talk to hiqcached (DESIGN.md).
+//
+// The client is fail-open: hiqcached is a cache, and its absence must never stop inference.
+// Every call carries a deadline (ClientOptions). When the daemon is unreachable or answers with
+// an error, Lookup reports 0 prefix blocks, Backup reports every block kNotStored and Restore
+// reports 0 restored blocks, each with the Status set so the caller can log it; nothing throws.
+//
+// The client keeps every registration's PoolSpec. PoolHandle is the client's own id and stays
+// valid across daemon restarts: when the connection to the daemon breaks, or a call answers
+// UNAVAILABLE or NOT_FOUND (unknown pool: the daemon restarted and forgot its pool ids), the
+// client registers the pool again (at most once per ClientOptions::reregister_interval per pool)
+// and retries the call once. A pool registered with pending_if_unavailable while the daemon was
+// down is registered by the first call after the daemon is back. A re-registration after a
+// connection break that was not a restart leaves the old registration on the daemon until this
+// process exits (the daemon releases pools by client_pid). After a re-registration of a HOST pool
+// the client zeroes its event slots, because the new registration's tickets start again at 1.
+//
+// Thread-safety: one Client may be shared by any number of threads; all methods are safe to call
+// concurrently. A PoolHandle must not be used after ReleasePool on it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hiqcache/block_keys.h"
+#include "hiqcache/pool_spec.h"
+#include "hiqcache/status.h"
+
+namespace hiqcache {
+
+struct ClientOptions {
+  // "unix:///path/to.sock", "unix:/path", "host:port", or an absolute socket path.
+  // Empty = DefaultTarget() (common/hiqcache/paths.h).
+  std::string target;
+  // Deadline of each data call (Lookup, Backup, Restore, Evict, ReleasePool, GetStats),
+  // re-registration and retry included.
+  std::chrono::milliseconds call_timeout{2000};
+  // Deadline of an explicit RegisterPool (the daemon opens the engine's buffers).
+  std::chrono::milliseconds register_timeout{10000};
+  // Minimum time between two re-registration attempts of one pool.
+  std::chrono::milliseconds reregister_interval{500};
+};
+
+// The client's handle of a registered pool. 0 is never a valid handle.
+struct PoolHandle {
+  uint64_t id = 0;
+  bool valid() const { return id != 0; }
+  friend bool operator==(PoolHandle a, PoolHandle b) { return a.id == b.id; }
+};
+
+enum class BlockStatus : uint8_t {
+  kStored = 0,          // the daemon stored the block
+  kAlreadyPresent = 1,  // the namespace held it already
+  kRejected = 2,        // non-finite input, or no room
+  kNotStored = 3,       // client side: the call failed (see BackupResult::status)
+};
+
+// Event arguments. HOST: indices into the registered EventPool's slots. With sync = true the
+// reply comes after completion; with sync = false once the work is enqueued, and completion is
+// signalled by the events (slot value >= ticket).
+struct BackupOptions {
+  int32_t wait_event = -1;  // start once this slot holds >= wait_value (-1 = none)
+  uint64_t wait_value = 0;  // 0 means 1
+  int32_t done_event = -1;
+  bool sync = true;
+};
+struct RestoreOptions {
+  int32_t wait_event = -1;
+  uint64_t wait_value = 0;
+  int32_t layer_event_base = -1;  // slot base + l gets the ticket once layer l is written
+  int32_t done_event = -1;
+  bool sync = true;
+};
+
+struct LookupResult {
+  uint32_t prefix_blocks = 0;  // 0 on any failure
+  Status status;
+};
+struct BackupResult {
+  std::vector<BlockStatus> blocks;  // one per key; all kNotStored on failure
+  uint64_t ticket = 0;
+  Status status;
+  // Blocks the namespace now holds (stored or already present).
+  uint32_t held() const;
+};
+struct RestoreResult {
+  // Leading blocks restored; 0 on failure. After a failed async call the daemon may still write
+  // the rows: do not hand them to another request before the call's deadline has passed.
+  uint32_t restored_blocks = 0;
+  uint64_t ticket = 0;
+  Status status;
+};
+
+struct NamespaceStats {
+  std::string namespace_id;
+  std::string model;
+  std::string tenant;
+  Codec codec = Codec::kInt8PerHead;
+  uint64_t encoded_bytes_per_token = 0;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t backups = 0;
+  uint64_t restores = 0;
+  uint64_t evictions = 0;
+  uint64_t rejected = 0;
+  uint32_t pools = 0;
+  uint64_t capacity_blocks = 0;
+};
+struct PoolStats {
+  uint64_t pool_id = 0;
+  std::string namespace_id;
+  std::string model;
+  std::string tenant;
+  DeviceKind device = DeviceKind::kHost;
+  uint32_t client_pid = 0;
+  uint64_t backups = 0;
+  uint64_t restores = 0;
+  std::string peer;
+};
+struct DaemonStats {
+  uint64_t pool_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t clients = 0;
+  uint64_t uptime_seconds = 0;
+  std::string device;
+  std::string shm_name;
+  std::vector<NamespaceStats> namespaces;
+  std::vector<PoolStats> pools;
+};
+
+class Client {
+ public:
+  // Creates a client for options.target. Does not wait for the daemon (fail-open): a daemon that
+  // is down makes calls miss, not Connect fail. INVALID_ARGUMENT for a malformed target.
+  static StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options = {});
+  static StatusOr<std::unique_ptr<Client>> Connect(std::string_view target);
+
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // The gRPC target in use ("unix:///...").
+  const std::string& target() const;
+
+  // Registers an engine's KV pool (client_pid = getpid() is added). Errors the daemon reports
+  // (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) are returned. When the daemon is unreachable
+  // and `pending_if_unavailable` is true, the spec is kept and a handle is returned anyway: the
+  // pool registers on first use once the daemon is back (PoolInfo tells whether it has).
+  StatusOr<PoolHandle> RegisterPool(const PoolSpec& spec, bool pending_if_unavailable = false);
+  // The daemon's answer to the pool's current registration; UNAVAILABLE while unregistered.
+  StatusOr<RegisteredPool> PoolInfo(PoolHandle pool) const;
+  // Releases the registration on the daemon (best effort) and forgets the handle.
+  Status ReleasePool(PoolHandle pool);
+
+  // Length of the longest leading run of `keys` the pool's namespace holds.
+  LookupResult Lookup(PoolHandle pool, std::span<const BlockKey> keys);
+  // Stores keys.size() blocks; block i is made of rows[i*block_tokens, (i+1)*block_tokens).
+  // REQUIRES (else INVALID_ARGUMENT, nothing sent): rows.size() == keys.size() * block_tokens.
+  BackupResult Backup(PoolHandle pool, std::span<const BlockKey> keys,
+                      std::span<const uint32_t> rows, const BackupOptions& options = {});
+  // Writes the stored blocks into rows laid out as for Backup; stops at the first missing key.
+  RestoreResult Restore(PoolHandle pool, std::span<const BlockKey> keys,
+                        std::span<const uint32_t> rows, const RestoreOptions& options = {});
+  // Drops blocks from the pool's namespace; returns how many were present.
+  StatusOr<uint32_t> Evict(PoolHandle pool, std::span<const BlockKey> keys);
+  // Daemon-wide statistics.
+  StatusOr<DaemonStats> GetStats();
+
+ private:
+  class Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hiqcache

@@ -1,0 +1,111 @@
+// What an engine tells hiqcached about its KV pool: geometry, shared buffers, per-layer views and
+// events. Plain C++ mirrors of RegisterPoolRequest's pieces (DESIGN.md "Wire contract"), so that
+// engine code includes no protobuf headers. Value types; thread-safe to copy between threads.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace hiqcache {
+
+enum class DType : uint8_t { kBF16 = 0, kFP16 = 1 };
+enum class Attention : uint8_t {
+  kMHA = 0,  // K and V rows per token and layer
+  kMLA = 1,  // one latent row per token and layer, no V
+};
+enum class Codec : uint8_t {
+  kInt8PerHead = 0,  // INT8 codes + one BF16 scale per (token, layer, K|V, head)
+  kRaw = 1,          // input dtype stored as-is (bit-exact control)
+};
+enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
+
+const char* DTypeName(DType dtype);           // "bf16", "fp16"
+const char* CodecName(Codec codec);           // "int8_per_head", "raw"
+const char* DeviceKindName(DeviceKind kind);  // "host", "cuda"
+
+struct Geometry {
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;  // heads local to this rank
+  uint32_t head_dim = 0;
+  DType dtype = DType::kBF16;
+  Attention attention = Attention::kMHA;
+  uint32_t tp_rank = 0;
+  uint32_t tp_size = 1;
+
+  static constexpr uint64_t kElementBytes = 2;  // BF16 and FP16
+  uint64_t HeadBytes() const { return uint64_t{head_dim} * kElementBytes; }
+  uint64_t RowBytes() const { return uint64_t{num_kv_heads} * HeadBytes(); }
+  uint32_t Planes() const { return attention == Attention::kMLA ? 1 : 2; }
+  // Engine-side (BF16/FP16) bytes of one token across all layers: 147,456 for Qwen3-8B.
+  uint64_t BytesPerToken() const { return uint64_t{num_layers} * Planes() * RowBytes(); }
+};
+
+// A strided view of one K, V or latent tensor (DESIGN.md TensorView). Row r is page
+// p = r / page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0, t = r; head h of
+// row r starts at base(buffer) + offset_bytes + p * page_stride_bytes + t * row_stride_bytes +
+// h * head_stride_bytes (head_stride_bytes 0 = head_dim elements) and holds head_dim elements.
+struct TensorView {
+  uint32_t buffer = 0;  // index into PoolSpec::buffers
+  uint64_t offset_bytes = 0;
+  uint64_t row_stride_bytes = 0;
+  uint32_t num_rows = 0;
+  uint64_t head_stride_bytes = 0;
+  uint64_t page_rows = 0;
+  uint64_t page_stride_bytes = 0;
+
+  // Byte offset from the buffer base of head `head` of row `row`. `head_bytes` (head_dim *
+  // element size) is the head stride used when head_stride_bytes is 0.
+  uint64_t HeadOffset(uint32_t row, uint32_t head, uint64_t head_bytes) const;
+  // One past the last byte the view addresses for `num_heads` heads (0 when num_rows is 0):
+  // the buffer must be at least this large.
+  uint64_t EndOffset(uint32_t num_heads, uint64_t head_bytes) const;
+};
+
+struct LayerView {
+  TensorView k;
+  std::optional<TensorView> v;  // unset for MLA
+};
+
+// One registered memory object. Exactly one of host_shm_name (HOST: a POSIX shm name, leading
+// "/" optional) or cuda_ipc_handle (CUDA: the 64-byte cudaIpcMemHandle_t of the allocation base)
+// is set.
+struct SharedBuffer {
+  std::string host_shm_name;
+  std::string cuda_ipc_handle;
+  uint64_t size_bytes = 0;
+};
+
+// Completion events. HOST: a shm object of `count` 64-byte slots (slot i = little-endian uint64
+// at byte 64*i). CUDA: interprocess event handles (64 bytes each).
+struct EventPoolSpec {
+  std::string host_shm_name;
+  uint32_t count = 0;
+  std::vector<std::string> cuda_ipc_event_handles;
+};
+
+// Everything RegisterPool sends. client_pid is filled in by the client library.
+struct PoolSpec {
+  std::string model;   // model name + revision
+  std::string tenant;  // may be empty
+  Geometry geometry;
+  uint32_t block_tokens = 0;
+  Codec codec = Codec::kInt8PerHead;
+  DeviceKind device = DeviceKind::kHost;
+  std::string cuda_device_uuid;
+  std::vector<SharedBuffer> buffers;
+  std::vector<LayerView> layers;  // one per geometry.num_layers
+  EventPoolSpec events;
+};
+
+// The daemon's answer to RegisterPool.
+struct RegisteredPool {
+  uint64_t pool_id = 0;  // the daemon's id; changes when the client re-registers
+  std::string namespace_id;
+  uint64_t encoded_bytes_per_token = 0;
+  uint64_t block_bytes = 0;
+  uint64_t capacity_tokens = 0;
+};
+
+}  // namespace hiqcache

@@ -1,0 +1,226 @@
+#include "hiqcache/host_shm.h"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <cstring>
+#include <thread>
+
+namespace hiqcache {
+namespace {
+
+using std::chrono::milliseconds;
+
+TEST(HostShmTest, CreateOpenUnlink) {
+  const std::string name = HostShm::UniqueName("test");
+  {
+    auto created = HostShm::Create(name, 8192);
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    EXPECT_TRUE(created->owner());
+    EXPECT_EQ(created->size(), 8192u);
+    EXPECT_EQ(created->name(), name);
+    // Zero-filled.
+    const auto* bytes = static_cast<const uint8_t*>(created->data());
+    for (size_t i = 0; i < 8192; ++i) ASSERT_EQ(bytes[i], 0) << i;
+    std::memcpy(created->data(), "hello", 5);
+
+    // A second create of the same name fails.
+    auto again = HostShm::Create(name, 8192);
+    EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists);
+
+    // Open maps the same memory, the whole size; the leading "/" is optional.
+    auto opened = HostShm::Open(name.substr(1), 4096);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    EXPECT_FALSE(opened->owner());
+    EXPECT_EQ(opened->size(), 8192u);
+    EXPECT_EQ(std::memcmp(opened->data(), "hello", 5), 0);
+
+    auto too_small = HostShm::Open(name, 8193);
+    EXPECT_EQ(too_small.status().code(), StatusCode::kFailedPrecondition);
+
+    // Destroying an opener does not unlink.
+    opened = HostShm();
+    EXPECT_TRUE(HostShm::Open(name).ok());
+  }
+  // The creator unlinked it.
+  EXPECT_EQ(HostShm::Open(name).status().code(), StatusCode::kNotFound);
+}
+
+TEST(HostShmTest, MoveTransfersOwnership) {
+  const std::string name = HostShm::UniqueName("move");
+  auto created = HostShm::Create(name, 4096);
+  ASSERT_TRUE(created.ok());
+  HostShm a = std::move(created).value();
+  HostShm b = std::move(a);
+  EXPECT_FALSE(a.valid());  // NOLINT(bugprone-use-after-move): checking the moved-from state
+  EXPECT_TRUE(b.valid());
+  EXPECT_TRUE(b.owner());
+  b = HostShm();
+  EXPECT_EQ(HostShm::Open(name).status().code(), StatusCode::kNotFound);
+}
+
+TEST(HostShmTest, BadArguments) {
+  EXPECT_EQ(HostShm::Create(HostShm::UniqueName("zero"), 0).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(HostShm::NormalizeName("abc"), "/abc");
+  EXPECT_EQ(HostShm::NormalizeName("/abc"), "/abc");
+  EXPECT_NE(HostShm::UniqueName("x"), HostShm::UniqueName("x"));
+}
+
+TEST(HostEventPoolTest, ReadStoreAndLayout) {
+  auto events = HostEventPool::Create(8);
+  ASSERT_TRUE(events.ok()) << events.status().ToString();
+  EXPECT_EQ(events->count(), 8u);
+  EXPECT_EQ(events->Read(3), 0u);
+  events->Store(3, 0x0102030405060708ull);
+  EXPECT_EQ(events->Read(3), 0x0102030405060708ull);
+  // Slot i is a little-endian uint64 at byte 64*i of the shm object.
+  auto raw = HostShm::Open(events->name(), 8 * 64);
+  ASSERT_TRUE(raw.ok());
+  const auto* bytes = static_cast<const uint8_t*>(raw->data());
+  EXPECT_EQ(bytes[3 * 64], 0x08);
+  EXPECT_EQ(bytes[3 * 64 + 7], 0x01);
+  const EventPoolSpec spec = events->Spec();
+  EXPECT_EQ(spec.host_shm_name, events->name());
+  EXPECT_EQ(spec.count, 8u);
+  events->Reset();
+  EXPECT_EQ(events->Read(3), 0u);
+}
+
+TEST(HostEventPoolTest, WaitReturnsWhenAnotherThreadStoresTheTicket) {
+  auto events = HostEventPool::Create(4);
+  ASSERT_TRUE(events.ok());
+  // Signalled through a second mapping, as the daemon would.
+  auto other = HostEventPool::Open(events->name(), 4);
+  ASSERT_TRUE(other.ok());
+  std::thread signaller([&] {
+    std::this_thread::sleep_for(milliseconds(20));
+    other->Store(2, 6);  // lower than the ticket: must not release the waiter
+    std::this_thread::sleep_for(milliseconds(20));
+    other->Store(2, 7);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  Status s = events->Wait(2, 7, std::chrono::seconds(5));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  signaller.join();
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GE(waited, milliseconds(35));
+  EXPECT_LT(waited, milliseconds(2000));
+  // A later ticket already covered returns at once.
+  EXPECT_TRUE(events->Wait(2, 5, milliseconds(0)).ok());
+}
+
+TEST(HostEventPoolTest, WaitTimesOut) {
+  auto events = HostEventPool::Create(2);
+  ASSERT_TRUE(events.ok());
+  events->Store(0, 3);
+  const auto start = std::chrono::steady_clock::now();
+  Status s = events->Wait(0, 4, milliseconds(50));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_GE(waited, milliseconds(50));
+  EXPECT_LT(waited, milliseconds(1000));
+  EXPECT_EQ(events->Wait(2, 1, milliseconds(1)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(HostEventPoolTest, OpenChecksSize) {
+  auto events = HostEventPool::Create(2);
+  ASSERT_TRUE(events.ok());
+  EXPECT_EQ(HostEventPool::Open(events->name(), 3).status().code(),
+            StatusCode::kFailedPrecondition);
+}
+
+Geometry SmallGeometry() {
+  Geometry g;
+  g.num_layers = 3;
+  g.num_kv_heads = 2;
+  g.head_dim = 8;
+  return g;
+}
+
+class HostKvPoolTest : public testing::TestWithParam<KvLayout> {};
+
+TEST_P(HostKvPoolTest, HeadsAreDistinctAndInsideTheBuffer) {
+  const Geometry g = SmallGeometry();
+  auto pool = HostKvPool::Create(g, GetParam(), 40, 16);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  const uint32_t rows = pool->num_rows();
+  EXPECT_EQ(rows, GetParam() == KvLayout::kSglang ? 40u : 48u);
+  EXPECT_EQ(pool->shm().size(), uint64_t{rows} * g.BytesPerToken());
+  ASSERT_EQ(pool->layers().size(), 3u);
+  // Every (layer, plane, row, head) gets its own head_dim elements: stamp then check.
+  auto* base = static_cast<uint8_t*>(pool->shm().data());
+  uint32_t stamp = 0;
+  for (uint32_t l = 0; l < 3; ++l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      for (uint32_t r = 0; r < rows; ++r) {
+        for (uint32_t h = 0; h < 2; ++h) {
+          uint16_t* head = pool->Head(l, p, r, h);
+          const auto* v = p == 0 ? &pool->layers()[l].k : &*pool->layers()[l].v;
+          ASSERT_EQ(reinterpret_cast<uint8_t*>(head) - base,
+                    static_cast<ptrdiff_t>(v->HeadOffset(r, h, g.HeadBytes())));
+          ASSERT_LE(v->EndOffset(2, g.HeadBytes()), pool->shm().size());
+          for (uint32_t d = 0; d < 8; ++d) head[d] = static_cast<uint16_t>(stamp + d);
+          stamp += 8;
+        }
+      }
+    }
+  }
+  stamp = 0;
+  for (uint32_t l = 0; l < 3; ++l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      for (uint32_t r = 0; r < rows; ++r) {
+        for (uint32_t h = 0; h < 2; ++h) {
+          const uint16_t* head = pool->Head(l, p, r, h);
+          for (uint32_t d = 0; d < 8; ++d) {
+            ASSERT_EQ(head[d], static_cast<uint16_t>(stamp + d)) << l << p << r << h << d;
+          }
+          stamp += 8;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, HostKvPoolTest,
+                         testing::Values(KvLayout::kSglang, KvLayout::kVllmPaged,
+                                         KvLayout::kVllmPackedKv),
+                         [](const auto& info) { return std::string(KvLayoutName(info.param)); });
+
+TEST(HostKvPoolSpecTest, AddToRebasesBuffers) {
+  const Geometry g = SmallGeometry();
+  auto kv = HostKvPool::Create(g, KvLayout::kSglang, 64);
+  ASSERT_TRUE(kv.ok());
+  auto events = HostEventPool::Create(8);
+  ASSERT_TRUE(events.ok());
+  PoolSpec spec = MakeHostPoolSpec("m@r1", *kv, 16, &*events);
+  EXPECT_EQ(spec.model, "m@r1");
+  EXPECT_EQ(spec.block_tokens, 16u);
+  EXPECT_EQ(spec.device, DeviceKind::kHost);
+  ASSERT_EQ(spec.buffers.size(), 1u);
+  EXPECT_EQ(spec.buffers[0].host_shm_name, kv->shm().name());
+  EXPECT_EQ(spec.buffers[0].size_bytes, kv->shm().size());
+  EXPECT_EQ(spec.events.host_shm_name, events->name());
+  EXPECT_EQ(spec.events.count, 8u);
+  EXPECT_EQ(spec.layers.size(), 3u);
+  kv->AddTo(&spec);  // a second buffer set: views point at buffer 1
+  ASSERT_EQ(spec.buffers.size(), 2u);
+  EXPECT_EQ(spec.layers[3].k.buffer, 1u);
+  EXPECT_EQ(spec.layers[3].v->buffer, 1u);
+  EXPECT_EQ(spec.layers[0].k.buffer, 0u);
+}
+
+TEST(HostKvPoolSpecTest, RejectsBadArguments) {
+  Geometry g = SmallGeometry();
+  EXPECT_FALSE(HostKvPool::Create(g, KvLayout::kSglang, 0).ok());
+  EXPECT_FALSE(HostKvPool::Create(g, KvLayout::kVllmPaged, 16, 0).ok());
+  g.attention = Attention::kMLA;
+  EXPECT_FALSE(HostKvPool::Create(g, KvLayout::kVllmPackedKv, 16).ok());
+  auto mla = HostKvPool::Create(g, KvLayout::kSglang, 16);
+  ASSERT_TRUE(mla.ok());
+  EXPECT_FALSE(mla->layers()[0].v.has_value());
+  EXPECT_EQ(mla->shm().size(), 16u * g.BytesPerToken());
+}
+
+}  // namespace
+}  // namespace hiqcache
