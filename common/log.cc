@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 
@@ -40,7 +41,9 @@ LogMessage::LogMessage(LogLevel level, const char* file, int line) {
   char stamp[32];
   std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", &tm);
   const char* base = std::strrchr(file, '/');
-  stream_ << kLetters[static_cast<int>(level)] << stamp << '.' << micros << ' '
+  char frac[8];
+  std::snprintf(frac, sizeof(frac), ".%06ld", static_cast<long>(micros));
+  stream_ << kLetters[static_cast<int>(level)] << stamp << frac << ' '
           << (base ? base + 1 : file) << ':' << line << "] ";
 }
 

@@ -57,6 +57,10 @@ class PoolBinding {
   virtual Status RunRestore(RestoreTask& task) = 0;
   // Marks `event` complete for `ticket` (used when work ends early, e.g. nothing to restore).
   virtual void Signal(int32_t event, uint64_t ticket) = 0;
+  // Tickets of this pool start above this value. HOST: the largest value already in the event
+  // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
+  // that is already past a new ticket.
+  virtual uint64_t TicketFloor() const { return 0; }
 };
 
 class DeviceBackend {

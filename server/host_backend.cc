@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -70,6 +71,15 @@ class HostBinding : public PoolBinding {
 
   uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
+
+  uint64_t TicketFloor() const override {
+    uint64_t floor = 0;
+    for (uint32_t i = 0; i < event_count_; ++i) {
+      floor = std::max(floor, std::atomic_ref<uint64_t>(*Slot(static_cast<int32_t>(i)))
+                                  .load(std::memory_order_acquire));
+    }
+    return floor;
+  }
 
   Status RunBackup(BackupTask& task) override {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
