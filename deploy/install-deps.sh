@@ -14,6 +14,12 @@ packages=(
   libhwy-dev
   libxxhash-dev
   procps
+  gnuplot-nox
+  # Node-service pieces: cpp-httplib serves /metrics; the deploy tests run `systemd-analyze
+  # verify` on the unit (package systemd) and `promtool check metrics` (package prometheus).
+  libcpp-httplib-dev
+  systemd
+  prometheus
 )
 
 missing=()

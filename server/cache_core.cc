@@ -32,6 +32,21 @@ std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
   return keys;
 }
 
+TransferSample SampleOf(const NamespaceInfo& ns, const kernels::BlockLayout& l, bool restore,
+                        size_t blocks, std::chrono::steady_clock::duration elapsed, bool ok) {
+  TransferSample s;
+  s.restore = restore;
+  s.namespace_id = ns.hex_id;
+  s.model = ns.desc.model;
+  s.blocks = blocks;
+  s.input_bytes = uint64_t{blocks} * l.num_layers * l.kv_planes * l.block_tokens *
+                  l.row.InputRowBytes();
+  s.stored_bytes = uint64_t{blocks} * l.BlockBytes();
+  s.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
+  s.ok = ok;
+  return s;
+}
+
 }  // namespace
 
 CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBackend* host,
@@ -72,6 +87,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
   pool->peer = spec.peer;
   pool->binding = std::move(binding);
   pool->strand = engine_.NewStrand();
+  pool->next_ticket.store(pool->binding->TicketFloor());
 
   RegisterResult out;
   {
@@ -112,7 +128,9 @@ Status CacheCore::ReleasePool(uint64_t pool_id) {
     pool = std::move(it->second);
     pools_.erase(it);
   }
-  // Queued work holds its own reference: mappings close when the last task finishes.
+  // Queued work holds its own reference: mappings close when the last task finishes. A task
+  // waiting for an event of this pool stops now, so its pins and its worker are freed.
+  pool->binding->Cancel();
   HIQ_LOG(INFO) << "released pool " << pool_id;
   return Status::Ok();
 }
@@ -208,8 +226,16 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
 
   const bool sync = spec.sync;
   if (!sync) done(*result);
-  engine_.Post(pool->strand, [pool, task, result, sync, done = std::move(done)]() mutable {
+  CoreObserver* observer = options_.observer;
+  engine_.Post(pool->strand, [pool, task, result, sync, observer,
+                              done = std::move(done)]() mutable {
+    const auto t0 = std::chrono::steady_clock::now();
     Status run = pool->binding->RunBackup(*task);
+    if (observer != nullptr && !task->payloads.empty()) {
+      observer->OnTransfer(SampleOf(*pool->ns, pool->layout, /*restore=*/false,
+                                    task->payloads.size(), std::chrono::steady_clock::now() - t0,
+                                    run.ok()));
+    }
     pool->backups.fetch_add(task->payloads.size(), std::memory_order_relaxed);
     if (!run.ok()) HIQ_LOG(WARN) << "backup ticket " << task->ticket << " of pool " << pool->id
                                  << " failed: " << run.ToString();
@@ -247,9 +273,15 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
   const bool sync = spec.sync;
   if (!sync) done(result);
   BlockStore* store = store_;
-  engine_.Post(pool->strand, [pool, task, pins = std::move(pins), store, result, sync,
+  CoreObserver* observer = options_.observer;
+  engine_.Post(pool->strand, [pool, task, pins = std::move(pins), store, result, sync, observer,
                               done = std::move(done)]() mutable {
+    const auto t0 = std::chrono::steady_clock::now();
     Status run = pool->binding->RunRestore(*task);
+    if (observer != nullptr && !pins.empty()) {
+      observer->OnTransfer(SampleOf(*pool->ns, pool->layout, /*restore=*/true, pins.size(),
+                                    std::chrono::steady_clock::now() - t0, run.ok()));
+    }
     for (const auto& p : pins) store->Unpin(p.handle);
     pool->restores.fetch_add(pins.size(), std::memory_order_relaxed);
     if (!run.ok()) HIQ_LOG(WARN) << "restore ticket " << task->ticket << " of pool " << pool->id

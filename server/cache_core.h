@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "block_store.h"
@@ -24,9 +25,35 @@
 
 namespace hiqcache::server {
 
+// One finished backup or restore task, as the daemon's metrics (metrics.h) see it.
+struct TransferSample {
+  bool restore = false;
+  std::string_view namespace_id;  // valid for the core's lifetime
+  std::string_view model;
+  uint64_t blocks = 0;
+  uint64_t input_bytes = 0;   // engine-side BF16/FP16 bytes of those blocks
+  uint64_t stored_bytes = 0;  // encoded bytes of those blocks in the pool
+  // Time in the device backend's RunBackup/RunRestore: wait_event, gather/encode/copy (backup)
+  // or copy/decode/scatter (restore), event signalling.
+  std::chrono::nanoseconds duration{0};
+  bool ok = true;
+};
+
+// Hooks through which the daemon observes the core for its metrics. Called from transfer workers
+// and RPC threads concurrently, with no core lock held: implementations are thread-safe and
+// cheap. Tasks that move no block are not reported.
+class CoreObserver {
+ public:
+  virtual ~CoreObserver() = default;
+  virtual void OnTransfer(const TransferSample& sample) = 0;
+  // An RPC answered with an error (`code` != OK), counted by the gRPC adapter.
+  virtual void OnRequestRejected(std::string_view rpc, StatusCode code) = 0;
+};
+
 struct CoreOptions {
   Limits limits;
   unsigned transfer_workers = 2;
+  CoreObserver* observer = nullptr;  // optional; must outlive the core
 };
 
 struct RegisterResult {
@@ -109,6 +136,8 @@ class CacheCore {
   // After this, new work is refused with UNAVAILABLE; queued work still completes.
   void StartDraining() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // The observer of CoreOptions, or null.
+  CoreObserver* observer() const { return options_.observer; }
   void WaitIdle() { engine_.WaitIdle(); }
 
  private:

@@ -81,8 +81,15 @@ std::vector<std::string> ToKeys(const google::protobuf::RepeatedPtrField<std::st
   return std::vector<std::string>(keys.begin(), keys.end());
 }
 
-void Finish(grpc::ServerUnaryReactor* reactor, const Status& st, const char* rpc) {
+// Counts an error answer for the metrics (CoreObserver), if the core has an observer.
+void CountRejection(const CacheCore* core, const Status& st, const char* rpc) {
+  if (!st.ok() && core->observer() != nullptr) core->observer()->OnRequestRejected(rpc, st.code());
+}
+
+void Finish(const CacheCore* core, grpc::ServerUnaryReactor* reactor, const Status& st,
+            const char* rpc) {
   if (!st.ok()) HIQ_LOG(DEBUG) << rpc << " rejected: " << st.ToString();
+  CountRejection(core, st, rpc);
   reactor->Finish(ToGrpcStatus(st));
 }
 
@@ -108,6 +115,7 @@ grpc::ServerUnaryReactor* CacheService::RegisterPool(grpc::CallbackServerContext
     HIQ_LOG(INFO) << "RegisterPool from " << ctx->peer()
                   << " rejected: " << result.status().ToString();
   }
+  CountRejection(core_, result.status(), "RegisterPool");
   reactor->Finish(ToGrpcStatus(result.status()));
   return reactor;
 }
@@ -116,7 +124,7 @@ grpc::ServerUnaryReactor* CacheService::ReleasePool(grpc::CallbackServerContext*
                                                     const v1::ReleasePoolRequest* req,
                                                     v1::ReleasePoolResponse*) {
   auto* reactor = ctx->DefaultReactor();
-  Finish(reactor, core_->ReleasePool(req->pool_id()), "ReleasePool");
+  Finish(core_, reactor, core_->ReleasePool(req->pool_id()), "ReleasePool");
   return reactor;
 }
 
@@ -126,7 +134,7 @@ grpc::ServerUnaryReactor* CacheService::Lookup(grpc::CallbackServerContext* ctx,
   auto* reactor = ctx->DefaultReactor();
   auto result = core_->Lookup(req->pool_id(), ToKeys(req->keys()));
   if (result.ok()) resp->set_prefix_blocks(*result);
-  Finish(reactor, result.status(), "Lookup");
+  Finish(core_, reactor, result.status(), "Lookup");
   return reactor;
 }
 
@@ -136,7 +144,7 @@ grpc::ServerUnaryReactor* CacheService::Evict(grpc::CallbackServerContext* ctx,
   auto* reactor = ctx->DefaultReactor();
   auto result = core_->Evict(req->pool_id(), ToKeys(req->keys()));
   if (result.ok()) resp->set_evicted(*result);
-  Finish(reactor, result.status(), "Evict");
+  Finish(core_, reactor, result.status(), "Evict");
   return reactor;
 }
 
@@ -144,14 +152,15 @@ grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
                                                const v1::BackupRequest* req,
                                                v1::BackupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  core_->Backup(ToTransferSpec(*req), [reactor, resp](StatusOr<BackupResult> result) {
+  CacheCore* core = core_;
+  core_->Backup(ToTransferSpec(*req), [core, reactor, resp](StatusOr<BackupResult> result) {
     if (result.ok()) {
       for (BlockResult r : result->results) {
         resp->add_results(static_cast<v1::BlockStatus>(static_cast<int>(r)));
       }
       resp->set_ticket(result->ticket);
     }
-    Finish(reactor, result.status(), "Backup");
+    Finish(core, reactor, result.status(), "Backup");
   });
   return reactor;
 }
@@ -162,12 +171,13 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
   auto* reactor = ctx->DefaultReactor();
   TransferSpec spec = ToTransferSpec(*req);
   spec.layer_event_base = req->layer_event_base();
-  core_->Restore(std::move(spec), [reactor, resp](StatusOr<RestoreResult> result) {
+  CacheCore* core = core_;
+  core_->Restore(std::move(spec), [core, reactor, resp](StatusOr<RestoreResult> result) {
     if (result.ok()) {
       resp->set_restored_blocks(result->restored_blocks);
       resp->set_ticket(result->ticket);
     }
-    Finish(reactor, result.status(), "Restore");
+    Finish(core, reactor, result.status(), "Restore");
   });
   return reactor;
 }

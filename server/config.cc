@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -112,6 +113,8 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
       return InvalidArgument(where + ": expected an octal mode like \"0660\"");
     }
     c->socket_mode = static_cast<uint32_t>(std::stoul(m, nullptr, 8));
+  } else if (key == "socket_group" || key == "socket-group") {
+    HIQ_ASSIGN_OR_RETURN(c->socket_group, str());
   } else if (key == "transfer_workers" || key == "transfer-workers") {
     HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
     c->transfer_workers = static_cast<uint32_t>(std::min<uint64_t>(v, 256));
@@ -151,6 +154,7 @@ device = "auto"
 metrics_listen = ""
 log_level = "info"
 socket_mode = "0660"
+socket_group = ""
 transfer_workers = 2
 codec_threads = 0
 wait_timeout_ms = 10000
@@ -205,7 +209,8 @@ std::string UsageText() {
   return "usage: hiqcached [--config FILE] [--listen ADDR]... [--pool-bytes SIZE]\n"
          "                 [--shm-name NAME] [--device auto|host|cuda]\n"
          "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
-         "                 [--print-default-config]\n"
+         "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
+         "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
 }
@@ -216,6 +221,7 @@ StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::st
   HIQ_RETURN_IF_ERROR(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded default>", &c));
   // Two passes: --config first, so flags override the file whatever their order.
   std::vector<std::pair<std::string, std::string>> flags;
+  bool check_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -227,6 +233,10 @@ StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::st
       *exit_now = true;
       *message = EmbeddedDefaultConfig();
       return c;
+    }
+    if (arg == "--check-config") {
+      check_only = true;
+      continue;
     }
     if (arg.rfind("--", 0) != 0) return InvalidArgument("unexpected argument '" + arg + "'");
     std::string key = arg.substr(2), value;
@@ -259,7 +269,35 @@ StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::st
   }
   if (c.listen.empty()) c.listen.push_back(DefaultTarget());
   HIQ_RETURN_IF_ERROR(Validate(c));
+  if (check_only) {
+    *exit_now = true;
+    *message = "# hiqcached: configuration OK; effective settings:\n" + RenderConfig(c);
+  }
   return c;
+}
+
+std::string RenderConfig(const DaemonConfig& c) {
+  auto q = [](const std::string& s) { return "\"" + s + "\""; };
+  std::string listen;
+  for (const auto& a : c.listen) listen += (listen.empty() ? "" : ", ") + q(a);
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", c.socket_mode);
+  std::string out;
+  out += "listen = [" + listen + "]\n";
+  out += "pool_bytes = " + std::to_string(c.pool_bytes) + "\n";
+  out += "shm_name = " + q(c.shm_name) + "\n";
+  out += "device = " + q(c.device) + "\n";
+  out += "metrics_listen = " + q(c.metrics_listen) + "\n";
+  out += "log_level = " + q(c.log_level) + "\n";
+  out += "socket_mode = " + q(mode) + "\n";
+  out += "socket_group = " + q(c.socket_group) + "\n";
+  out += "transfer_workers = " + std::to_string(c.transfer_workers) + "\n";
+  out += "codec_threads = " + std::to_string(c.codec_threads) + "\n";
+  out += "wait_timeout_ms = " + std::to_string(c.wait_timeout_ms) + "\n";
+  out += "max_blocks_per_request = " + std::to_string(c.max_blocks_per_request) + "\n";
+  out += "max_message_bytes = " + std::to_string(c.max_message_bytes) + "\n";
+  out += "prefault = " + std::string(c.prefault ? "true" : "false") + "\n";
+  return out;
 }
 
 }  // namespace hiqcache::server

@@ -22,6 +22,7 @@ struct DaemonConfig {
   std::string metrics_listen;
   std::string log_level;
   uint32_t socket_mode = 0660;
+  std::string socket_group;  // group name or number the unix sockets are chowned to; "" = keep
   uint32_t transfer_workers = 0;  // 0 = automatic
   uint32_t codec_threads = 0;     // 0 = every core
   uint32_t wait_timeout_ms = 0;
@@ -40,9 +41,14 @@ StatusOr<uint64_t> ParseSize(const std::string& text);
 Status ApplyConfigText(const std::string& text, const std::string& source, DaemonConfig* config);
 
 // Builds the configuration from argv: the embedded default, then --config FILE, then the other
-// flags. Returns the usage text as an OK-but-exit signal through `*exit_now` for --help.
+// flags. Returns the usage text as an OK-but-exit signal through `*exit_now` for --help, the
+// embedded default for --print-default-config, and the effective configuration for
+// --check-config (after validating it).
 StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::string* message);
 
 std::string UsageText();
+
+// `config` in the config file's syntax (what --check-config prints).
+std::string RenderConfig(const DaemonConfig& config);
 
 }  // namespace hiqcache::server

@@ -61,6 +61,10 @@ class PoolBinding {
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
   virtual uint64_t TicketFloor() const { return 0; }
+  // The pool was released (ReleasePool, or its process exited): a task waiting for one of its
+  // events, which may never come, stops waiting and fails, so that it drops its pins and frees
+  // its worker now. Called from any thread; tasks without a wait still run.
+  virtual void Cancel() {}
 };
 
 class DeviceBackend {

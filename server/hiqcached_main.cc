@@ -1,8 +1,14 @@
 // hiqcached: the per-node KV cache daemon. Wires the configuration, the shared-memory pool, the
 // block store, the device backends, the core and the gRPC service together, then serves until
 // SIGTERM/SIGINT: in-flight work finishes, new work is refused with UNAVAILABLE, exit 0.
+//
+// Service-manager integration (deploy/hiqcached.service): READY=1 goes out only once the pool is
+// pre-faulted, the sockets listen and the health service reports SERVING; STATUS= lines follow
+// each phase; WATCHDOG=1 pings run from start to exit; STOPPING=1 on SIGTERM/SIGINT, when the
+// health service turns NOT_SERVING. Metrics are served on --metrics-listen (metrics.h).
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
+#include <grp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -10,11 +16,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "block_store.h"
 #include "cache_core.h"
@@ -24,7 +35,9 @@
 #include "config.h"
 #include "hiqcache/log.h"
 #include "host_backend.h"
+#include "metrics.h"
 #include "pool_region.h"
+#include "service_notify.h"
 #ifdef HIQ_HAVE_CUDA
 #include "cuda_backend.h"
 #include "cuda_runtime_check.h"
@@ -63,6 +76,53 @@ Status PrepareUnixSocket(const std::string& path) {
   return Status::Ok();
 }
 
+#ifndef HIQ_VERSION
+#define HIQ_VERSION "unknown"
+#endif
+
+// Resolves a group name or number; -1 when unknown.
+gid_t LookupGroup(const std::string& group) {
+  if (!group.empty() && group.find_first_not_of("0123456789") == std::string::npos) {
+    return static_cast<gid_t>(std::stoul(group));
+  }
+  std::vector<char> buf(16384);
+  struct group gr;
+  struct group* found = nullptr;
+  if (::getgrnam_r(group.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    return static_cast<gid_t>(-1);
+  }
+  return found->gr_gid;
+}
+
+std::string HumanBytes(uint64_t b) {
+  char buf[32];
+  if (b >= (1ull << 30)) std::snprintf(buf, sizeof(buf), "%.1f GiB", b / double(1ull << 30));
+  else std::snprintf(buf, sizeof(buf), "%.1f MiB", b / double(1ull << 20));
+  return buf;
+}
+
+// What the watchdog's liveness probe may call; Publish withdraws the core before it is destroyed.
+struct LiveCore {
+  std::mutex mu;
+  CacheCore* core = nullptr;  // GUARDED_BY(mu)
+  class Publish {
+   public:
+    Publish(LiveCore* live, CacheCore* core) : live_(live) { Set(core); }
+    ~Publish() { Set(nullptr); }
+
+   private:
+    void Set(CacheCore* core) {
+      std::lock_guard<std::mutex> lock(live_->mu);
+      live_->core = core;
+    }
+    LiveCore* live_;
+  };
+};
+
+void LogIfError(const Status& st) {
+  if (!st.ok()) HIQ_LOG(WARN) << "sd_notify: " << st.ToString();
+}
+
 int Run(int argc, char** argv) {
   // Signals are taken by sigwait below: block them before any thread starts.
   sigset_t sigs;
@@ -91,6 +151,27 @@ int Run(int argc, char** argv) {
   }
   SetLogLevel(level);
 
+  const double start_time =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  // The watchdog's liveness probe takes the core's lock: a deadlocked core stops the pings.
+  LiveCore live;
+  ServiceNotifier notifier = ServiceNotifier::FromEnvironment();
+  notifier.StartWatchdog([&live] {
+    std::lock_guard<std::mutex> lock(live.mu);
+    if (live.core != nullptr) (void)live.core->ClientPids();
+    return true;
+  });
+  gid_t socket_gid = static_cast<gid_t>(-1);
+  if (!config.socket_group.empty()) {
+    socket_gid = LookupGroup(config.socket_group);
+    if (socket_gid == static_cast<gid_t>(-1)) {
+      HIQ_LOG(ERROR) << "socket_group: unknown group '" << config.socket_group << "'";
+      return 1;
+    }
+  }
+
+  LogIfError(notifier.SetStatus("opening pool " + config.shm_name + " (" +
+                                HumanBytes(config.pool_bytes) + ")"));
   auto region = PoolRegion::Open(config.shm_name, config.pool_bytes);
   if (!region.ok()) {
     HIQ_LOG(ERROR) << region.status().ToString();
@@ -98,7 +179,11 @@ int Run(int argc, char** argv) {
   }
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   auto t0 = std::chrono::steady_clock::now();
-  if (config.prefault) (*region)->Prefault(cores);
+  if (config.prefault) {
+    LogIfError(notifier.SetStatus("pre-faulting pool " + (*region)->name() + " (" +
+                                  HumanBytes((*region)->size()) + ")"));
+    (*region)->Prefault(cores);
+  }
   auto t1 = std::chrono::steady_clock::now();
   HIQ_LOG(INFO) << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes"
                 << (config.prefault ? ", pre-faulted in " : "")
@@ -111,6 +196,7 @@ int Run(int argc, char** argv) {
 
   // Reattach: blocks a previous daemon completed stay cached across a restart (or a crash).
   RebuildReport rebuild;
+  LogIfError(notifier.SetStatus("reading block headers of pool " + (*region)->name()));
   auto t2 = std::chrono::steady_clock::now();
   BlockStore store((*region)->data(), (*region)->size(), /*reattach=*/true, cores, &rebuild);
   auto t3 = std::chrono::steady_clock::now();
@@ -125,7 +211,9 @@ int Run(int argc, char** argv) {
   }
   kernels::CpuCodec codec(config.codec_threads);
   HostBackend host(&codec, std::chrono::milliseconds(config.wait_timeout_ms));
+  DaemonMetrics metrics;
   CoreOptions options;
+  options.observer = &metrics;
   options.transfer_workers = config.transfer_workers != 0 ? config.transfer_workers : 2;
   if (config.max_blocks_per_request != 0) {
     options.limits.max_blocks_per_request = config.max_blocks_per_request;
@@ -161,7 +249,29 @@ int Run(int argc, char** argv) {
 #endif
   }
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
+  LiveCore::Publish publish(&live, core.get());
   CacheService service(core.get(), device_name, (*region)->name());
+
+  // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
+  // listen is a configuration error: the daemon does not start half-observable.
+  std::atomic<bool> serving{false};
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  if (!config.metrics_listen.empty()) {
+    DaemonInfo info;
+    info.version = HIQ_VERSION;
+    info.device = device_name;
+    info.codec_target = kernels::CpuCodec::TargetName();
+    info.start_time_seconds = start_time;
+    auto started = MetricsHttpServer::Start(config.metrics_listen, [&, info]() mutable {
+      info.ready = serving.load();
+      return metrics.Render(core->Snapshot(), info);
+    });
+    if (!started.ok()) {
+      HIQ_LOG(ERROR) << started.status().ToString();
+      return 1;
+    }
+    metrics_server = std::move(started).value();
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -187,33 +297,53 @@ int Run(int argc, char** argv) {
     return 1;
   }
   for (const auto& addr : config.listen) {
-    if (IsUnix(addr) && ::chmod(UnixPath(addr).c_str(), config.socket_mode) != 0) {
-      HIQ_LOG(WARN) << "chmod " << UnixPath(addr) << ": " << std::strerror(errno);
+    if (!IsUnix(addr)) continue;
+    const std::string path = UnixPath(addr);
+    // Group first, then mode: engines in the group may connect once both are set.
+    if (socket_gid != static_cast<gid_t>(-1) && ::chown(path.c_str(), -1, socket_gid) != 0) {
+      HIQ_LOG(ERROR) << "socket_group: chown " << path << " to group " << config.socket_group
+                     << ": " << std::strerror(errno);
+      server->Shutdown();
+      return 1;
+    }
+    if (::chmod(path.c_str(), config.socket_mode) != 0) {
+      HIQ_LOG(WARN) << "chmod " << path << ": " << std::strerror(errno);
     }
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  serving.store(true);
 
-  ClientWatcher watcher([&] { return core->ClientPids(); },
-                        [&](uint32_t pid) { core->ReleasePoolsOfClient(pid); },
-                        std::chrono::milliseconds(200));
+  // Stopped before the core is destroyed (its thread calls into the core).
+  auto watcher = std::make_unique<ClientWatcher>(
+      [&] { return core->ClientPids(); }, [&](uint32_t pid) { core->ReleasePoolsOfClient(pid); },
+      std::chrono::milliseconds(200));
   std::string addrs;
   for (const auto& a : config.listen) addrs += (addrs.empty() ? "" : ", ") + a;
   HIQ_LOG(INFO) << "hiqcached serving on " << addrs << " (device " << device_name << ", codec "
                 << kernels::CpuCodec::TargetName() << " x" << codec.threads() << " threads)";
+  LogIfError(notifier.Ready("serving on " + addrs + "; pool " + (*region)->name() + " " +
+                            HumanBytes((*region)->size()) + ", device " + device_name));
 
   int sig = 0;
   sigwait(&sigs, &sig);
   HIQ_LOG(INFO) << "signal " << sig << ": draining";
-  core->StartDraining();
+  // Health first: a load balancer or probe stops sending work before the core refuses it.
   server->GetHealthCheckService()->SetServingStatus(false);
+  serving.store(false);
+  LogIfError(notifier.Stopping("draining: finishing in-flight transfers"));
+  core->StartDraining();
   core->WaitIdle();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
+  metrics_server.reset();  // its render callback uses the core
+  watcher.reset();
+  { LiveCore::Publish withdraw(&live, nullptr); }
   core.reset();
   cuda.reset();
   for (const auto& addr : config.listen) {
     if (IsUnix(addr)) ::unlink(UnixPath(addr).c_str());
   }
+  notifier.StopWatchdog();
   HIQ_LOG(INFO) << "hiqcached stopped";
   return 0;
 }

@@ -124,6 +124,8 @@ class HostBinding : public PoolBinding {
     return st;
   }
 
+  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+
   void Signal(int32_t event, uint64_t ticket) override {
     if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return;
     std::atomic_ref<uint64_t> slot(*Slot(event));
@@ -147,6 +149,10 @@ class HostBinding : public PoolBinding {
     auto deadline = std::chrono::steady_clock::now() + wait_timeout_;
     auto sleep = std::chrono::microseconds(5);
     while (slot.load(std::memory_order_acquire) < value) {
+      if (cancelled_.load(std::memory_order_acquire)) {
+        return Status(StatusCode::kCancelled,
+                      "wait_event " + std::to_string(event) + ": pool released");
+      }
       if (std::chrono::steady_clock::now() > deadline) {
         return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +
                                 std::to_string(value) + " within " +
@@ -166,6 +172,7 @@ class HostBinding : public PoolBinding {
   uint32_t event_count_;
   std::vector<kernels::LayerViews> views_;
   uint32_t num_rows_;
+  std::atomic<bool> cancelled_{false};
 };
 
 }  // namespace

@@ -1,0 +1,206 @@
+// The real hiqcached under a fake service manager (a datagram socket named by NOTIFY_SOCKET):
+// STATUS= lines while it starts, READY=1 only once its unix socket accepts connections and the
+// health service says SERVING, WATCHDOG=1 every WATCHDOG_USEC/2, STOPPING=1 on SIGTERM (health
+// no longer SERVING), exit 0.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstddef>
+#include <cstring>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "process_util.h"
+
+namespace hiqcache::deploy_test {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+class NotifySocket {
+ public:
+  explicit NotifySocket(std::string address) : address_(std::move(address)) {
+    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path, address_.data(), address_.size());
+    socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());
+    if (address_[0] == '@') {
+      sa.sun_path[0] = '\0';
+    } else {
+      len += 1;
+    }
+    bound_ = ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0;
+  }
+  ~NotifySocket() { ::close(fd_); }
+  bool bound() const { return bound_; }
+  const std::string& address() const { return address_; }
+  std::string Receive(milliseconds timeout) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return "";
+    char buf[4096];
+    ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+  }
+
+ private:
+  std::string address_;
+  int fd_ = -1;
+  bool bound_ = false;
+};
+
+bool Connectable(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// grpc.health.v1 status of service "", or -1 when the call fails.
+int HealthStatus(const std::string& target) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  if (!stub->Check(&ctx, req, &resp).ok()) return -1;
+  return resp.status();
+}
+
+bool HasLine(const std::string& msg, const std::string& line) {
+  for (const auto& l : Lines(msg)) {
+    if (l == line) return true;
+  }
+  return false;
+}
+
+// One daemon started with NOTIFY_SOCKET (and WATCHDOG_USEC) in its environment.
+class NotifiedDaemon {
+ public:
+  NotifiedDaemon(const std::string& notify_address, const std::string& watchdog_usec)
+      : dir_("notify-daemon"),
+        socket_path_(dir_.path() + "/hiqcached.sock"),
+        shm_name_("/hiq-notify-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++)) {
+    std::vector<std::string> env = {"NOTIFY_SOCKET=" + notify_address};
+    if (!watchdog_usec.empty()) env.push_back("WATCHDOG_USEC=" + watchdog_usec);
+    pid_ = SpawnProcess({HIQ_DAEMON_PATH, "--listen", target(), "--pool-bytes", "128MiB",
+                         "--shm-name", shm_name_, "--log-level", "warn"},
+                        EnvWith(env));
+  }
+  ~NotifiedDaemon() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      int st;
+      ::waitpid(pid_, &st, 0);
+    }
+    ::shm_unlink(shm_name_.c_str());
+  }
+  pid_t pid() const { return pid_; }
+  std::string target() const { return "unix://" + socket_path_; }
+  const std::string& socket_path() const { return socket_path_; }
+  // Waits for exit; the exit code, or -1.
+  int Wait(milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      int st = 0;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      }
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  static inline int counter_ = 0;
+  TempDir dir_;
+  std::string socket_path_;
+  std::string shm_name_;
+  pid_t pid_ = -1;
+};
+
+TEST(DaemonNotifyTest, ReadyOnlyWhenServingWatchdogAndStopping) {
+  TempDir dir("notify");
+  NotifySocket manager(dir.path() + "/notify.sock");
+  ASSERT_TRUE(manager.bound());
+  NotifiedDaemon daemon(manager.address(), "200000");
+  ASSERT_GT(daemon.pid(), 0);
+
+  // Until READY=1: STATUS= lines only, and READY=1 finds the socket serving.
+  bool ready = false, saw_status = false;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (!ready && Clock::now() < deadline) {
+    std::string msg = manager.Receive(milliseconds(200));
+    if (msg.empty()) continue;
+    if (HasLine(msg, "READY=1")) {
+      ready = true;
+      EXPECT_TRUE(Connectable(daemon.socket_path())) << "READY=1 before the socket listens";
+      EXPECT_EQ(HealthStatus(daemon.target()), grpc::health::v1::HealthCheckResponse::SERVING)
+          << "READY=1 before the health service serves";
+      EXPECT_NE(msg.find("STATUS=serving on " + daemon.target()), std::string::npos) << msg;
+    } else if (msg.rfind("STATUS=", 0) == 0) {
+      saw_status = true;
+    } else {
+      EXPECT_EQ(msg, "WATCHDOG=1") << "unexpected message before READY=1";
+    }
+  }
+  ASSERT_TRUE(ready) << "no READY=1 within 20 s";
+  EXPECT_TRUE(saw_status) << "no STATUS= line while starting";
+
+  // WATCHDOG_USEC=200000: a ping every 100 ms.
+  int pings = 0;
+  const auto t0 = Clock::now();
+  while (pings < 4 && Clock::now() - t0 < std::chrono::seconds(3)) {
+    if (manager.Receive(milliseconds(500)) == "WATCHDOG=1") ++pings;
+  }
+  EXPECT_EQ(pings, 4);
+  EXPECT_LT(Clock::now() - t0, milliseconds(1500)) << "pings slower than WATCHDOG_USEC/2";
+
+  // SIGTERM: STOPPING=1 once health stops serving; then exit 0.
+  ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);
+  bool stopping = false;
+  const auto stop_deadline = Clock::now() + std::chrono::seconds(10);
+  while (!stopping && Clock::now() < stop_deadline) {
+    std::string msg = manager.Receive(milliseconds(200));
+    if (HasLine(msg, "STOPPING=1")) {
+      stopping = true;
+      EXPECT_NE(HealthStatus(daemon.target()), grpc::health::v1::HealthCheckResponse::SERVING);
+    }
+  }
+  EXPECT_TRUE(stopping) << "no STOPPING=1 after SIGTERM";
+  EXPECT_EQ(daemon.Wait(std::chrono::seconds(10)), 0);
+}
+
+TEST(DaemonNotifyTest, AbstractSocketAndNoWatchdogWithoutWatchdogUsec) {
+  NotifySocket manager("@hiq-notify-test-" + std::to_string(::getpid()));
+  ASSERT_TRUE(manager.bound());
+  NotifiedDaemon daemon(manager.address(), "");
+  ASSERT_GT(daemon.pid(), 0);
+  bool ready = false;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (!ready && Clock::now() < deadline) {
+    std::string msg = manager.Receive(milliseconds(200));
+    EXPECT_NE(msg, "WATCHDOG=1");
+    ready = HasLine(msg, "READY=1");
+  }
+  ASSERT_TRUE(ready);
+  EXPECT_TRUE(Connectable(daemon.socket_path()));
+  // No WATCHDOG_USEC: no pings.
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < milliseconds(300)) {
+    EXPECT_NE(manager.Receive(milliseconds(100)), "WATCHDOG=1");
+  }
+  ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);
+  EXPECT_EQ(daemon.Wait(std::chrono::seconds(10)), 0);
+}
+
+}  // namespace
+}  // namespace hiqcache::deploy_test

@@ -1,0 +1,166 @@
+// ServiceNotifier in-process: datagrams to a path and to an abstract socket, the watchdog's
+// period and its liveness probe, the environment (WATCHDOG_PID), and no-ops without a socket.
+#include "service_notify.h"
+
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hiqcache::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+// A bound SOCK_DGRAM socket standing in for the service manager.
+class FakeManager {
+ public:
+  // `address`: a path, or "@name" for the abstract namespace.
+  explicit FakeManager(std::string address) : address_(std::move(address)) {
+    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path, address_.data(), address_.size());
+    socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());
+    if (address_[0] == '@') {
+      sa.sun_path[0] = '\0';
+    } else {
+      ::unlink(address_.c_str());
+      len += 1;
+    }
+    bound_ = ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0;
+  }
+  ~FakeManager() {
+    ::close(fd_);
+    if (address_[0] == '/') ::unlink(address_.c_str());
+  }
+  bool bound() const { return bound_; }
+  const std::string& address() const { return address_; }
+
+  // The next datagram, or "" after `timeout`.
+  std::string Receive(milliseconds timeout) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return "";
+    char buf[4096];
+    ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+  }
+
+ private:
+  std::string address_;
+  int fd_ = -1;
+  bool bound_ = false;
+};
+
+std::string TempPath(const std::string& leaf) {
+  return (std::filesystem::temp_directory_path() /
+          ("hiq-sn-" + std::to_string(::getpid()) + "-" + leaf))
+      .string();
+}
+
+TEST(ServiceNotifierTest, DisabledWithoutSocketIsANoOp) {
+  ServiceNotifier n("", std::chrono::microseconds(100000));
+  EXPECT_FALSE(n.enabled());
+  EXPECT_EQ(n.watchdog_timeout().count(), 0);
+  EXPECT_TRUE(n.Ready("x").ok());
+  n.StartWatchdog();
+  n.StopWatchdog();
+}
+
+TEST(ServiceNotifierTest, SendsToAPathSocket) {
+  FakeManager m(TempPath("path.sock"));
+  ASSERT_TRUE(m.bound());
+  ServiceNotifier n(m.address(), std::chrono::microseconds(0));
+  ASSERT_TRUE(n.Ready("serving on\nsomewhere").ok());
+  // STATUS= stays one line: the newline would start another assignment.
+  EXPECT_EQ(m.Receive(milliseconds(1000)), "READY=1\nSTATUS=serving on somewhere");
+  ASSERT_TRUE(n.Stopping("draining").ok());
+  EXPECT_EQ(m.Receive(milliseconds(1000)), "STOPPING=1\nSTATUS=draining");
+  ASSERT_TRUE(n.SetStatus("phase").ok());
+  EXPECT_EQ(m.Receive(milliseconds(1000)), "STATUS=phase");
+}
+
+TEST(ServiceNotifierTest, SendsToAnAbstractSocket) {
+  FakeManager m("@hiq-sn-" + std::to_string(::getpid()) + "-abstract");
+  ASSERT_TRUE(m.bound());
+  ServiceNotifier n(m.address(), std::chrono::microseconds(0));
+  ASSERT_TRUE(n.Notify("READY=1").ok());
+  EXPECT_EQ(m.Receive(milliseconds(1000)), "READY=1");
+}
+
+TEST(ServiceNotifierTest, UnreachableSocketIsAnErrorNotACrash) {
+  ServiceNotifier n(TempPath("nobody.sock"), std::chrono::microseconds(0));
+  EXPECT_FALSE(n.Ready("x").ok());
+}
+
+TEST(ServiceNotifierTest, WatchdogPingsAtHalfTheTimeout) {
+  FakeManager m(TempPath("wd.sock"));
+  ASSERT_TRUE(m.bound());
+  ServiceNotifier n(m.address(), std::chrono::microseconds(100000));  // pings every 50 ms
+  const auto t0 = std::chrono::steady_clock::now();
+  n.StartWatchdog();
+  int pings = 0;
+  while (pings < 5) {
+    std::string msg = m.Receive(milliseconds(1000));
+    ASSERT_EQ(msg, "WATCHDOG=1") << "after " << pings << " pings";
+    ++pings;
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - t0;
+  n.StopWatchdog();
+  // 5 pings: the first at once, then 4 periods of 50 ms; far less than 4 timeouts.
+  EXPECT_GE(elapsed, milliseconds(180));
+  EXPECT_LT(elapsed, milliseconds(1000));
+  // Stopped: no more pings.
+  while (!m.Receive(milliseconds(0)).empty()) {
+  }
+  EXPECT_EQ(m.Receive(milliseconds(150)), "");
+}
+
+TEST(ServiceNotifierTest, WatchdogWithholdsPingsWhileNotAlive) {
+  FakeManager m(TempPath("wd-dead.sock"));
+  ASSERT_TRUE(m.bound());
+  ServiceNotifier n(m.address(), std::chrono::microseconds(40000));
+  std::atomic<bool> alive{false};
+  n.StartWatchdog([&] { return alive.load(); });
+  EXPECT_EQ(m.Receive(milliseconds(120)), "");
+  alive = true;
+  EXPECT_EQ(m.Receive(milliseconds(1000)), "WATCHDOG=1");
+}
+
+TEST(ServiceNotifierTest, FromEnvironmentHonoursWatchdogPid) {
+  const std::string path = TempPath("env.sock");
+  ::setenv("NOTIFY_SOCKET", path.c_str(), 1);
+  ::setenv("WATCHDOG_USEC", "200000", 1);
+  ::unsetenv("WATCHDOG_PID");
+  {
+    ServiceNotifier n = ServiceNotifier::FromEnvironment();
+    EXPECT_EQ(n.socket(), path);
+    EXPECT_EQ(n.watchdog_timeout(), std::chrono::microseconds(200000));
+  }
+  ::setenv("WATCHDOG_PID", std::to_string(::getpid()).c_str(), 1);
+  EXPECT_EQ(ServiceNotifier::FromEnvironment().watchdog_timeout().count(), 200000);
+  // Pings are meant for another process (e.g. inherited environment): none from here.
+  ::setenv("WATCHDOG_PID", std::to_string(::getpid() + 1).c_str(), 1);
+  EXPECT_EQ(ServiceNotifier::FromEnvironment().watchdog_timeout().count(), 0);
+  // A relative path is not a valid address.
+  ::setenv("NOTIFY_SOCKET", "relative.sock", 1);
+  EXPECT_FALSE(ServiceNotifier::FromEnvironment().enabled());
+  ::unsetenv("NOTIFY_SOCKET");
+  ::unsetenv("WATCHDOG_USEC");
+  ::unsetenv("WATCHDOG_PID");
+  EXPECT_FALSE(ServiceNotifier::FromEnvironment().enabled());
+}
+
+}  // namespace
+}  // namespace hiqcache::server
