@@ -145,15 +145,28 @@ void HostShm::Reset() {
 Status WaitForTicket(const uint64_t* slot, uint64_t ticket, std::chrono::nanoseconds timeout) {
   // atomic_ref needs a non-const referent; the loads below never write.
   std::atomic_ref<uint64_t> value(*const_cast<uint64_t*>(slot));
-  if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+  // Bits 0..62 hold the latest completed ticket; bit 63 says that ticket's work failed.
+  auto done = [&](Status* out) {
+    const uint64_t v = value.load(std::memory_order_acquire);
+    if ((v & ~kEventFailedBit) < ticket) return false;
+    if ((v & kEventFailedBit) != 0 && (v & ~kEventFailedBit) == ticket) {
+      *out = Aborted("hiqcached reports that work " + std::to_string(ticket) +
+                     " failed: its rows were not written (treat as a miss)");
+    } else {
+      *out = Status::Ok();
+    }
+    return true;
+  };
+  Status result;
+  if (done(&result)) return result;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (int i = 0; i < 4096; ++i) {
     CpuRelax();
-    if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+    if (done(&result)) return result;
   }
   auto sleep = std::chrono::microseconds(1);
   while (true) {
-    if (value.load(std::memory_order_acquire) >= ticket) return Status::Ok();
+    if (done(&result)) return result;
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       return DeadlineExceeded("event slot holds " + std::to_string(value.load()) + ", waited for " +

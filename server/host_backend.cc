@@ -76,7 +76,8 @@ class HostBinding : public PoolBinding {
     uint64_t floor = 0;
     for (uint32_t i = 0; i < event_count_; ++i) {
       floor = std::max(floor, std::atomic_ref<uint64_t>(*Slot(static_cast<int32_t>(i)))
-                                  .load(std::memory_order_acquire));
+                                      .load(std::memory_order_acquire) &
+                                  ~kHostEventFailedBit);
     }
     return floor;
   }
@@ -95,7 +96,7 @@ class HostBinding : public PoolBinding {
       codec_->Encode(job);
     }
     task.on_written(nonfinite, st);
-    Signal(task.done_event, task.ticket);
+    SignalValue(task.done_event, task.ticket, !st.ok());
     return st;
   }
 
@@ -115,29 +116,32 @@ class HostBinding : public PoolBinding {
         }
       }
     } else if (task.layer_event_base >= 0) {
-      // Nothing was written; still release waiters so an engine never stalls on us.
+      // Nothing was written: release the waiters (an engine never stalls on us), but with the
+      // failure bit, so that they do not take the rows for restored KV.
       for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-        Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
+        SignalValue(task.layer_event_base + static_cast<int32_t>(l), task.ticket, true);
       }
     }
-    Signal(task.done_event, task.ticket);
+    SignalValue(task.done_event, task.ticket, !st.ok());
     return st;
   }
 
-  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+  void Signal(int32_t event, uint64_t ticket) override { SignalValue(event, ticket, false); }
 
-  void Signal(int32_t event, uint64_t ticket) override {
+ private:
+  // Stores `ticket` (with kHostEventFailedBit when the work failed) unless the slot already holds
+  // a later ticket: slots never move backwards, waiters compare with >=.
+  void SignalValue(int32_t event, uint64_t ticket, bool failed) {
     if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return;
     std::atomic_ref<uint64_t> slot(*Slot(event));
+    const uint64_t value = ticket | (failed ? kHostEventFailedBit : 0);
     uint64_t cur = slot.load(std::memory_order_relaxed);
-    // Never move a slot backwards: waiters compare with >=.
-    while (cur < ticket &&
-           !slot.compare_exchange_weak(cur, ticket, std::memory_order_release,
+    while ((cur & ~kHostEventFailedBit) < ticket &&
+           !slot.compare_exchange_weak(cur, value, std::memory_order_release,
                                        std::memory_order_relaxed)) {
     }
   }
 
- private:
   uint64_t* Slot(int32_t event) const {
     return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
   }
@@ -148,7 +152,7 @@ class HostBinding : public PoolBinding {
     std::atomic_ref<uint64_t> slot(*Slot(event));
     auto deadline = std::chrono::steady_clock::now() + wait_timeout_;
     auto sleep = std::chrono::microseconds(5);
-    while (slot.load(std::memory_order_acquire) < value) {
+    while ((slot.load(std::memory_order_acquire) & ~kHostEventFailedBit) < value) {
       if (cancelled_.load(std::memory_order_acquire)) {
         return Status(StatusCode::kCancelled,
                       "wait_event " + std::to_string(event) + ": pool released");

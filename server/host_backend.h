@@ -13,6 +13,10 @@
 
 namespace hiqcache::server {
 
+// Bit 63 of a HOST event slot: the work of the ticket in bits 0..62 failed and wrote nothing
+// (e.g. its wait_event never came). Waiters are released, but must not use the rows.
+constexpr uint64_t kHostEventFailedBit = 1ull << 63;
+
 class HostBackend : public DeviceBackend {
  public:
   // `codec` must outlive the backend and every binding it returns.

@@ -90,6 +90,10 @@ class HostEventPool {
   uint32_t count_ = 0;
 };
 
+// Bit 63 of a slot: the work of the ticket in bits 0..62 failed and wrote nothing. Wait() then
+// returns ABORTED for that ticket: the caller must treat its rows as a miss.
+constexpr uint64_t kEventFailedBit = 1ull << 63;
+
 // Waits until the 64-bit slot at `slot` holds a value >= ticket (the algorithm of
 // HostEventPool::Wait), for slots mapped by other means. `slot` must be 8-byte aligned.
 Status WaitForTicket(const uint64_t* slot, uint64_t ticket, std::chrono::nanoseconds timeout);
