@@ -289,5 +289,53 @@ TEST_F(EventsTest, WaitEventGatesBackupAndRestore) {
   EXPECT_TRUE(c.ok()) << "restored data is not what was in the rows at the signal: " << c.first;
 }
 
+// A restore whose wait_event never comes fails after the daemon's wait timeout: its waiters are
+// released (no engine stalls) but told the rows were not written (no engine reads them as KV).
+TEST(EventsFailureTest, FailedRestoreReleasesWaitersWithFailure) {
+  DaemonProcess daemon("64MiB", {"--wait-timeout-ms", "300"});
+  ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
+  auto client = Connect(daemon.target());
+  ASSERT_NE(client, nullptr);
+  PoolOptions o;
+  o.model = "evt-failure";
+  o.geometry = Geom(4, 2, 64);
+  o.block_tokens = 16;
+  o.num_rows = 128;
+  o.event_slots = kSlots;
+  auto p = MakePool(*client, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  TestPool& pool = *p;
+  const uint64_t seed = 77;
+  const std::vector<uint32_t> src = PickRows(128, 32, seed);
+  const std::vector<uint32_t> dst = PickRows(128, 32, seed + 1, src);
+  const std::vector<BlockKey> keys = Keys(seed, 2, 16);
+  FillSentinel(pool.kv);
+  FillRows(pool.kv, seed, src, 16);
+  ASSERT_EQ(client->Backup(pool.handle, keys, src).held(), 2u);
+
+  RestoreOptions ro;
+  ro.wait_event = kWaitSlot;  // never stored
+  ro.layer_event_base = 0;
+  ro.done_event = kDoneSlot;
+  ro.sync = false;
+  RestoreResult r = client->Restore(pool.handle, keys, dst, ro);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_EQ(r.restored_blocks, 2u);
+  Status done = pool.events.Wait(kDoneSlot, r.ticket, 10s);
+  EXPECT_EQ(done.code(), StatusCode::kAborted) << done.ToString();
+  for (uint32_t l = 0; l < 4; ++l) {
+    Status layer = pool.events.Wait(l, r.ticket, 1s);
+    EXPECT_EQ(layer.code(), StatusCode::kAborted) << "layer " << l << ": " << layer.ToString();
+  }
+  EXPECT_EQ(SentinelElements(pool.kv, dst, 0), uint64_t{32} * 2 * 2 * 64)
+      << "a failed restore wrote rows";
+  // The pins are dropped and the next request on the pool works and completes normally.
+  ro.wait_event = -1;
+  r = client->Restore(pool.handle, keys, dst, ro);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_TRUE(pool.events.Wait(kDoneSlot, r.ticket, 10s).ok());
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
 }  // namespace
 }  // namespace hiqcache::it
