@@ -25,6 +25,15 @@ struct CacheCore::Pool {
 
 namespace {
 
+// Whether a task may start without blocking a worker; stamps its first try.
+bool ReadyToRun(PoolBinding& binding, int32_t wait_event, uint64_t wait_value,
+                std::chrono::steady_clock::time_point* first_try) {
+  if (*first_try == std::chrono::steady_clock::time_point{}) {
+    *first_try = std::chrono::steady_clock::now();
+  }
+  return wait_event < 0 || binding.WaitSatisfied(wait_event, wait_value, *first_try);
+}
+
 std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
   std::vector<BlockKey> keys;
   keys.reserve(n);
@@ -227,8 +236,11 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   const bool sync = spec.sync;
   if (!sync) done(*result);
   CoreObserver* observer = options_.observer;
-  engine_.Post(pool->strand, [pool, task, result, sync, observer,
-                              done = std::move(done)]() mutable {
+  engine_.PostRetryable(pool->strand, [pool, task, result, sync, observer,
+                                       done = std::move(done)]() mutable {
+    if (!ReadyToRun(*pool->binding, task->wait_event, task->wait_value, &task->first_try)) {
+      return false;  // its engine has not signalled wait_event yet: the worker serves others
+    }
     const auto t0 = std::chrono::steady_clock::now();
     Status run = pool->binding->RunBackup(*task);
     if (observer != nullptr && !task->payloads.empty()) {
@@ -243,6 +255,7 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
       if (run.ok()) done(*result);
       else done(run);
     }
+    return true;
   });
 }
 
@@ -274,8 +287,11 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
   if (!sync) done(result);
   BlockStore* store = store_;
   CoreObserver* observer = options_.observer;
-  engine_.Post(pool->strand, [pool, task, pins = std::move(pins), store, result, sync, observer,
-                              done = std::move(done)]() mutable {
+  engine_.PostRetryable(pool->strand, [pool, task, pins = std::move(pins), store, result, sync,
+                                       observer, done = std::move(done)]() mutable {
+    if (!ReadyToRun(*pool->binding, task->wait_event, task->wait_value, &task->first_try)) {
+      return false;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     Status run = pool->binding->RunRestore(*task);
     if (observer != nullptr && !pins.empty()) {
@@ -290,6 +306,7 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
       if (run.ok()) done(result);
       else done(run);
     }
+    return true;
   });
 }
 

@@ -95,6 +95,16 @@ void Finish(const CacheCore* core, grpc::ServerUnaryReactor* reactor, const Stat
 
 }  // namespace
 
+RegisterSpec RegisterSpecFromProto(const v1::RegisterPoolRequest& req, const std::string& peer) {
+  return ToRegisterSpec(req, peer);
+}
+TransferSpec BackupSpecFromProto(const v1::BackupRequest& req) { return ToTransferSpec(req); }
+TransferSpec RestoreSpecFromProto(const v1::RestoreRequest& req) {
+  TransferSpec spec = ToTransferSpec(req);
+  spec.layer_event_base = req.layer_event_base();
+  return spec;
+}
+
 grpc::Status ToGrpcStatus(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
@@ -169,8 +179,7 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
                                                 const v1::RestoreRequest* req,
                                                 v1::RestoreResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  TransferSpec spec = ToTransferSpec(*req);
-  spec.layer_event_base = req->layer_event_base();
+  TransferSpec spec = RestoreSpecFromProto(*req);
   CacheCore* core = core_;
   core_->Restore(std::move(spec), [core, reactor, resp](StatusOr<RestoreResult> result) {
     if (result.ok()) {

@@ -47,4 +47,10 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
 
 grpc::Status ToGrpcStatus(const Status& status);
 
+// The handlers' request conversions (field by field, no checks: the core validates), exposed so
+// that the request fuzzer (tests/fuzz) drives the core through exactly the adapter's code.
+RegisterSpec RegisterSpecFromProto(const v1::RegisterPoolRequest& req, const std::string& peer);
+TransferSpec BackupSpecFromProto(const v1::BackupRequest& req);
+TransferSpec RestoreSpecFromProto(const v1::RestoreRequest& req);
+
 }  // namespace hiqcache::server

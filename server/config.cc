@@ -98,7 +98,9 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     if (!from_flag && !v.empty() && v.front() == '"') {
       HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
     }
-    HIQ_ASSIGN_OR_RETURN(c->pool_bytes, ParseSize(v));
+    auto size = ParseSize(v);
+    if (!size.ok()) return InvalidArgument(where + ": " + size.status().message());
+    c->pool_bytes = *size;
   } else if (key == "shm_name" || key == "shm-name") {
     HIQ_ASSIGN_OR_RETURN(c->shm_name, str());
   } else if (key == "device") {
@@ -132,7 +134,9 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     if (!from_flag && !v.empty() && v.front() == '"') {
       HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
     }
-    HIQ_ASSIGN_OR_RETURN(c->max_message_bytes, ParseSize(v));
+    auto size = ParseSize(v);
+    if (!size.ok()) return InvalidArgument(where + ": " + size.status().message());
+    c->max_message_bytes = *size;
   } else if (key == "prefault") {
     HIQ_ASSIGN_OR_RETURN(c->prefault, ParseBool(value, where));
   } else {

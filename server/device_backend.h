@@ -8,6 +8,7 @@
 // issued one at a time (the transfer engine serializes each pool's work), Signal from any thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -23,6 +24,8 @@ namespace hiqcache::server {
 
 struct BackupTask {
   uint64_t ticket = 0;
+  // When the transfer engine first tried the task: the wait_event timeout counts from here.
+  std::chrono::steady_clock::time_point first_try{};
   int32_t wait_event = -1;
   uint64_t wait_value = 1;
   int32_t done_event = -1;
@@ -35,6 +38,7 @@ struct BackupTask {
 
 struct RestoreTask {
   uint64_t ticket = 0;
+  std::chrono::steady_clock::time_point first_try{};
   int32_t wait_event = -1;
   uint64_t wait_value = 1;
   int32_t layer_event_base = -1;
@@ -61,6 +65,16 @@ class PoolBinding {
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
   virtual uint64_t TicketFloor() const { return 0; }
+  // Whether a task waiting for `event` >= `value` (first tried at `first_try`) may run now
+  // without blocking: its event came, it timed out, or the pool was cancelled. Backends whose
+  // waits are enqueued on a device stream (CUDA) never block the host and answer true.
+  virtual bool WaitSatisfied(int32_t event, uint64_t value,
+                             std::chrono::steady_clock::time_point first_try) {
+    (void)event;
+    (void)value;
+    (void)first_try;
+    return true;
+  }
   // The pool was released (ReleasePool, or its process exited): a task waiting for one of its
   // events, which may never come, stops waiting and fails, so that it drops its pins and frees
   // its worker now. Called from any thread; tasks without a wait still run.

@@ -84,7 +84,7 @@ class HostBinding : public PoolBinding {
 
   Status RunBackup(BackupTask& task) override {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
-    Status st = WaitFor(task.wait_event, task.wait_value);
+    Status st = WaitFor(task.wait_event, task.wait_value, task.first_try);
     if (st.ok()) {
       kernels::EncodeJob job;
       job.layout = layout_;
@@ -101,7 +101,7 @@ class HostBinding : public PoolBinding {
   }
 
   Status RunRestore(RestoreTask& task) override {
-    Status st = WaitFor(task.wait_event, task.wait_value);
+    Status st = WaitFor(task.wait_event, task.wait_value, task.first_try);
     if (st.ok()) {
       kernels::DecodeJob job;
       job.layout = layout_;
@@ -128,6 +128,13 @@ class HostBinding : public PoolBinding {
 
   void Signal(int32_t event, uint64_t ticket) override { SignalValue(event, ticket, false); }
 
+  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+
+  bool WaitSatisfied(int32_t event, uint64_t value,
+                     std::chrono::steady_clock::time_point first_try) override {
+    return CheckWait(event, value, first_try).code() != StatusCode::kUnavailable;
+  }
+
  private:
   // Stores `ticket` (with kHostEventFailedBit when the work failed) unless the slot already holds
   // a later ticket: slots never move backwards, waiters compare with >=.
@@ -146,26 +153,39 @@ class HostBinding : public PoolBinding {
     return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
   }
 
-  Status WaitFor(int32_t event, uint64_t value) {
+  // The state of a wait without blocking: OK once the slot holds >= value; CANCELLED once the
+  // pool is released; DEADLINE_EXCEEDED once wait_timeout has passed since `first_try`;
+  // UNAVAILABLE while still waiting.
+  Status CheckWait(int32_t event, uint64_t value,
+                   std::chrono::steady_clock::time_point first_try) const {
     if (event < 0) return Status::Ok();
     if (value == 0) value = 1;
     std::atomic_ref<uint64_t> slot(*Slot(event));
-    auto deadline = std::chrono::steady_clock::now() + wait_timeout_;
+    if ((slot.load(std::memory_order_acquire) & ~kHostEventFailedBit) >= value) {
+      return Status::Ok();
+    }
+    if (cancelled_.load(std::memory_order_acquire)) {
+      return Status(StatusCode::kCancelled,
+                    "wait_event " + std::to_string(event) + ": pool released");
+    }
+    if (std::chrono::steady_clock::now() - first_try > wait_timeout_) {
+      return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +
+                              std::to_string(value) + " within " +
+                              std::to_string(wait_timeout_.count()) + " ms");
+    }
+    return Unavailable("waiting");
+  }
+
+  // Blocks until CheckWait settles (the transfer engine normally calls Run* only once
+  // WaitSatisfied said so, so this returns at once).
+  Status WaitFor(int32_t event, uint64_t value, std::chrono::steady_clock::time_point first_try) {
     auto sleep = std::chrono::microseconds(5);
-    while ((slot.load(std::memory_order_acquire) & ~kHostEventFailedBit) < value) {
-      if (cancelled_.load(std::memory_order_acquire)) {
-        return Status(StatusCode::kCancelled,
-                      "wait_event " + std::to_string(event) + ": pool released");
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +
-                                std::to_string(value) + " within " +
-                                std::to_string(wait_timeout_.count()) + " ms");
-      }
+    for (;;) {
+      Status st = CheckWait(event, value, first_try);
+      if (st.code() != StatusCode::kUnavailable) return st;
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, std::chrono::microseconds(500));
     }
-    return Status::Ok();
   }
 
   kernels::CpuCodec* codec_;

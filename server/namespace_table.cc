@@ -9,8 +9,9 @@ namespace hiqcache::server {
 std::string NamespaceDesc::CanonicalText() const {
   const auto& row = layout.row;
   std::string text = "v1";
-  text += ";model=" + model;
-  text += ";tenant=" + tenant;
+  // Length-prefixed: no model/tenant pair can spell another's text.
+  text += ";model=" + std::to_string(model.size()) + ":" + model;
+  text += ";tenant=" + std::to_string(tenant.size()) + ":" + tenant;
   text += ";layers=" + std::to_string(layout.num_layers);
   text += ";heads=" + std::to_string(row.num_heads);
   text += ";dim=" + std::to_string(row.head_dim);

@@ -1,5 +1,7 @@
 #include "transfer_engine.h"
 
+#include <algorithm>
+
 namespace hiqcache::server {
 
 TransferEngine::TransferEngine(unsigned workers) {
@@ -22,6 +24,13 @@ std::shared_ptr<TransferEngine::Strand> TransferEngine::NewStrand() {
 }
 
 void TransferEngine::Post(const std::shared_ptr<Strand>& strand, Task task) {
+  PostRetryable(strand, [task = std::move(task)] {
+    task();
+    return true;
+  });
+}
+
+void TransferEngine::PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     strand->tasks.push_back(std::move(task));
@@ -34,18 +43,48 @@ void TransferEngine::Post(const std::shared_ptr<Strand>& strand, Task task) {
 }
 
 void TransferEngine::WorkerLoop() {
+  using Clock = std::chrono::steady_clock;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    ready_cv_.wait(lock, [&] { return stop_ || !ready_.empty(); });
-    if (ready_.empty()) return;  // stop_ and nothing left
+    // Parked strands whose retry time has come go back to the ready queue.
+    const auto now = Clock::now();
+    for (auto it = parked_.begin(); it != parked_.end();) {
+      if (it->first <= now) {
+        ready_.push_back(std::move(it->second));
+        it = parked_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (ready_.empty()) {
+      if (stop_ && parked_.empty()) return;
+      if (parked_.empty()) {
+        ready_cv_.wait(lock);
+      } else {
+        auto next = parked_.front().first;
+        for (const auto& p : parked_) next = std::min(next, p.first);
+        ready_cv_.wait_until(lock, next);
+      }
+      continue;
+    }
     std::shared_ptr<Strand> strand = std::move(ready_.front());
     ready_.pop_front();
-    Task task = std::move(strand->tasks.front());
+    RetryableTask task = std::move(strand->tasks.front());
     strand->tasks.pop_front();
     lock.unlock();
-    task();
-    task = nullptr;
+    const bool finished = task();
+    if (finished) task = nullptr;
     lock.lock();
+    if (!finished) {
+      // Not ready: keep it first in its strand and look again after a short, growing delay.
+      strand->tasks.push_front(std::move(task));
+      strand->backoff = std::min(std::chrono::microseconds(1000),
+                                 std::max(std::chrono::microseconds(20), strand->backoff * 2));
+      parked_.emplace_back(Clock::now() + strand->backoff, std::move(strand));
+      ready_cv_.notify_one();  // a worker sleeping without a deadline now needs one
+      continue;
+    }
+    strand->backoff = std::chrono::microseconds(0);
     --pending_;
     if (!strand->tasks.empty()) {
       ready_.push_back(std::move(strand));

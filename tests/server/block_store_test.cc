@@ -1,0 +1,779 @@
+// BlockStore: capacity accounting, LRU eviction, pins, namespaces sharing the pool, and the block
+// headers it writes into the pool memory (pool_format.h).
+#include "block_store.h"
+
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "namespace_table.h"
+#include "pool_format.h"
+#include "record_format.h"
+#include "server_test_util.h"
+
+namespace hiqcache::server {
+namespace {
+
+using testing::AnonBuffer;
+using testing::KeyOf;
+using Outcome = BlockStore::WriteOutcome;
+
+kernels::BlockLayout Layout(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t block_tokens,
+                            kernels::CodecKind codec = kernels::CodecKind::kInt8PerHead) {
+  kernels::BlockLayout l;
+  l.row.num_heads = heads;
+  l.row.head_dim = dim;
+  l.row.dtype = kernels::DType::kBF16;
+  l.row.codec = codec;
+  l.num_layers = layers;
+  l.kv_planes = 2;
+  l.block_tokens = block_tokens;
+  return l;
+}
+
+const NamespaceInfo& Intern(NamespaceTable& table, const std::string& model,
+                            const kernels::BlockLayout& layout) {
+  NamespaceDesc d;
+  d.model = model;
+  d.layout = layout;
+  return table.Intern(d);
+}
+
+BlockState HeaderState(const uint8_t* payload) {
+  const auto* h = reinterpret_cast<const BlockHeader*>(payload - kBlockHeaderBytes);
+  return static_cast<BlockState>(
+      std::atomic_ref<const uint32_t>(h->state).load(std::memory_order_acquire));
+}
+const BlockHeader* HeaderOfPayload(const uint8_t* payload) {
+  return reinterpret_cast<const BlockHeader*>(payload - kBlockHeaderBytes);
+}
+
+// Reserves and commits one key; returns its payload pointer (null on failure).
+uint8_t* Put(BlockStore& store, uint32_t ns, const BlockKey& key, uint64_t checksum = 0) {
+  auto r = store.ReserveWrites(ns, std::span<const BlockKey>(&key, 1));
+  if (r.size() != 1 || r[0].outcome != Outcome::kReserved) return nullptr;
+  store.CommitWrite(r[0].handle, checksum);
+  return r[0].payload;
+}
+
+uint32_t Has(BlockStore& store, uint32_t ns, const BlockKey& key) {
+  return store.LookupPrefix(ns, std::span<const BlockKey>(&key, 1));
+}
+
+// A pool whose single extent holds `slots` slots of `slot` bytes, plus half a slot that is too
+// small to use. Small pools all have the minimum directory, so the metadata size is fixed.
+size_t PoolBytesFor(uint64_t slots, uint64_t slot) {
+  return PoolMetaBytes(1 << 20) + kExtentHeaderBytes + slots * slot + slot / 2;
+}
+
+// used_bytes is the slot bytes of the live blocks and never exceeds what extents can use.
+void ExpectConsistent(const BlockStore& store, uint64_t slot_bytes) {
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.used_bytes, s.blocks * slot_bytes);
+  EXPECT_LE(s.used_bytes, s.capacity_bytes);
+  EXPECT_EQ(s.capacity_bytes, s.pool_bytes - PoolMetaBytes(s.pool_bytes));
+}
+
+TEST(BlockLayoutTest, Qwen3_8BBytes) {
+  kernels::BlockLayout q = Layout(36, 8, 128, 64);
+  EXPECT_EQ(q.row.RowBytes(), 1040u);
+  EXPECT_EQ(q.BytesPerToken(), 74880u);
+  EXPECT_EQ(q.BlockBytes(), 4792320u);
+  EXPECT_EQ(Layout(36, 8, 128, 64, kernels::CodecKind::kRaw).BytesPerToken(), 147456u);
+  EXPECT_EQ(SlotBytesFor(4792320), 4792320u + 64u);
+  EXPECT_EQ(SlotBytesFor(1), 128u);
+}
+
+TEST(BlockStoreTest, PoolHeaderIsFormatted) {
+  AnonBuffer pool(1 << 20);
+  BlockStore store(pool.data(), pool.size());
+  const auto* ph = reinterpret_cast<const PoolHeader*>(pool.data());
+  EXPECT_EQ(ph->magic, kPoolMagic);
+  EXPECT_EQ(ph->version, kPoolFormatVersion);
+  EXPECT_EQ(ph->pool_bytes, pool.size());
+  EXPECT_EQ(ph->directory_entries, DirectoryEntriesFor(pool.size()));
+  EXPECT_EQ(PoolMetaBytes(pool.size()),
+            AlignUp(kPoolHeaderBytes + 4096 * sizeof(ExtentDirEntry), 4096));
+  // Big pools get one directory slot per 16 MiB.
+  EXPECT_EQ(DirectoryEntriesFor(1ull << 40), (1ull << 40) / (16ull << 20));
+}
+
+// Fills exactly CapacityBlocks() blocks: nothing is evicted, >= 98% of the pool holds payload,
+// and the next reservation evicts exactly the least recently used block.
+void FillToCapacity(const kernels::BlockLayout& layout, size_t pool_bytes) {
+  AnonBuffer pool(pool_bytes);
+  ASSERT_NE(pool.data(), nullptr);
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  const NamespaceInfo& ns = Intern(table, "m", layout);
+  store.AddNamespace(ns);
+  const uint64_t payload = layout.BlockBytes();
+  const uint64_t slot = SlotBytesFor(payload);
+  const uint64_t cap = store.CapacityBlocks(payload);
+  ASSERT_GT(cap, 2u);
+  EXPECT_GE(static_cast<double>(cap * payload) / static_cast<double>(pool_bytes), 0.98)
+      << cap << " blocks of " << payload << " B in " << pool_bytes << " B";
+
+  for (uint64_t i = 0; i < cap; ++i) {
+    ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr) << "block " << i << " of " << cap;
+  }
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.blocks, cap);
+  EXPECT_EQ(s.used_bytes, cap * slot);
+  EXPECT_EQ(s.namespaces.at(ns.id).evictions, 0u);
+  EXPECT_EQ(s.namespaces.at(ns.id).blocks, cap);
+  EXPECT_EQ(s.namespaces.at(ns.id).capacity_blocks, cap);
+  ExpectConsistent(store, slot);
+  // Every block is still there.
+  std::vector<BlockKey> all;
+  for (uint64_t i = 0; i < cap; ++i) all.push_back(KeyOf(i));
+  EXPECT_EQ(store.LookupPrefix(ns.id, all), cap);
+
+  // The lookup above touched 0..cap-1 in order, so key 0 is still the LRU one.
+  ASSERT_NE(Put(store, ns.id, KeyOf(cap)), nullptr);
+  s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(ns.id).evictions, 1u);
+  EXPECT_EQ(s.blocks, cap);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(0)), 0u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(1)), 1u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(cap)), 1u);
+  ExpectConsistent(store, slot);
+}
+
+TEST(BlockStoreTest, CapacitySmallGeometryOneExtent) {
+  // 4 layers, 8x128, 16-token blocks: 133,120 B payload; 64 MiB pool.
+  FillToCapacity(Layout(4, 8, 128, 16), 64ull << 20);
+}
+
+TEST(BlockStoreTest, CapacityQwen3_8BManyExtents) {
+  // Qwen3-8B geometry (4,792,320 B blocks) in 1 GiB: 16 full extents plus a truncated tail.
+  // Only headers are written, so the anonymous mapping stays mostly untouched.
+  FillToCapacity(Layout(36, 8, 128, 64), 1ull << 30);
+}
+
+TEST(BlockStoreTest, CapacityBlocksMatchesHandComputation) {
+  AnonBuffer pool(64ull << 20);
+  BlockStore store(pool.data(), pool.size());
+  // One extent (the pool is smaller than the 64 MiB extent target): header + slots.
+  const uint64_t payload = Layout(4, 8, 128, 16).BlockBytes();
+  EXPECT_EQ(payload, 133120u);
+  EXPECT_EQ(
+      store.CapacityBlocks(payload),
+      ((64ull << 20) - PoolMetaBytes(64ull << 20) - kExtentHeaderBytes) / SlotBytesFor(payload));
+  AnonBuffer tiny(PoolMetaBytes(1 << 20));
+  BlockStore none(tiny.data(), tiny.size());
+  EXPECT_EQ(none.CapacityBlocks(payload), 0u);
+}
+
+// A small store that holds exactly kBlocks blocks of a tiny geometry.
+class SmallStoreTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kBlocks = 4;
+  SmallStoreTest()
+      : layout_(Layout(1, 1, 64, 4)),
+        slot_(SlotBytesFor(layout_.BlockBytes())),
+        pool_(PoolBytesFor(kBlocks, slot_)),
+        store_(pool_.data(), pool_.size()) {
+    ns_ = Intern(table_, "small", layout_).id;
+    store_.AddNamespace(table_.Get(ns_));
+  }
+  void FillAll() {
+    ASSERT_EQ(store_.CapacityBlocks(layout_.BlockBytes()), kBlocks);
+    for (uint64_t i = 0; i < kBlocks; ++i) ASSERT_NE(Put(store_, ns_, KeyOf(i)), nullptr);
+    ASSERT_EQ(store_.Stats().blocks, kBlocks);
+  }
+  NamespaceCounters Counters() { return store_.Stats().namespaces.at(ns_); }
+  uint64_t Meta() const { return PoolMetaBytes(pool_.size()); }
+
+  kernels::BlockLayout layout_;
+  uint64_t slot_;
+  AnonBuffer pool_;
+  BlockStore store_;
+  NamespaceTable table_;
+  uint32_t ns_ = 0;
+};
+
+TEST_F(SmallStoreTest, EvictsLeastRecentlyUsed) {
+  FillAll();
+  ASSERT_NE(Put(store_, ns_, KeyOf(10)), nullptr);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(0)), 0u);  // oldest commit
+  for (uint64_t i = 1; i < kBlocks; ++i) EXPECT_EQ(Has(store_, ns_, KeyOf(i)), 1u);
+  EXPECT_EQ(Counters().evictions, 1u);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST_F(SmallStoreTest, LookupRefreshesRecency) {
+  FillAll();
+  EXPECT_EQ(Has(store_, ns_, KeyOf(0)), 1u);  // 0 becomes the most recent: 1 is now LRU
+  ASSERT_NE(Put(store_, ns_, KeyOf(10)), nullptr);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(1)), 0u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(0)), 1u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(2)), 1u);
+}
+
+TEST_F(SmallStoreTest, ReadPinnedBlocksAreNeverEvicted) {
+  FillAll();
+  BlockKey k0 = KeyOf(0), k1 = KeyOf(1);
+  auto pin0 = store_.PinReads(ns_, std::span<const BlockKey>(&k0, 1));
+  auto pin1 = store_.PinReads(ns_, std::span<const BlockKey>(&k1, 1));
+  ASSERT_EQ(pin0.size(), 1u);
+  ASSERT_EQ(pin1.size(), 1u);
+  // 0 and 1 are the two LRU blocks but pinned: 2 and 3 go instead.
+  ASSERT_NE(Put(store_, ns_, KeyOf(10)), nullptr);
+  ASSERT_NE(Put(store_, ns_, KeyOf(11)), nullptr);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(2)), 0u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(3)), 0u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(0)), 1u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(1)), 1u);
+  EXPECT_EQ(HeaderState(pin0[0].payload), BlockState::kCommitted);
+  store_.Unpin(pin0[0].handle);
+  store_.Unpin(pin1[0].handle);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST_F(SmallStoreTest, UncommittedReservationsAreNeverEvicted) {
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(KeyOf(i));
+  auto res = store_.ReserveWrites(ns_, keys);
+  for (const auto& r : res) ASSERT_EQ(r.outcome, Outcome::kReserved);
+  for (const auto& r : res) EXPECT_EQ(HeaderState(r.payload), BlockState::kWriting);
+  EXPECT_EQ(store_.LookupPrefix(ns_, keys), 0u);  // invisible until committed
+  BlockKey extra = KeyOf(10);
+  auto more = store_.ReserveWrites(ns_, std::span<const BlockKey>(&extra, 1));
+  ASSERT_EQ(more.size(), 1u);
+  EXPECT_EQ(more[0].outcome, Outcome::kNoSpace);
+  EXPECT_EQ(more[0].handle, nullptr);
+  EXPECT_EQ(Counters().rejected, 1u);
+  EXPECT_EQ(Counters().evictions, 0u);
+  for (const auto& r : res) store_.CommitWrite(r.handle, 7);
+  EXPECT_EQ(store_.LookupPrefix(ns_, keys), kBlocks);
+}
+
+TEST_F(SmallStoreTest, AllPinnedMeansNoSpace) {
+  FillAll();
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(KeyOf(i));
+  auto pins = store_.PinReads(ns_, keys);
+  ASSERT_EQ(pins.size(), kBlocks);
+  std::vector<BlockKey> fresh = {KeyOf(10), KeyOf(11)};
+  auto res = store_.ReserveWrites(ns_, fresh);
+  ASSERT_EQ(res.size(), 2u);
+  EXPECT_EQ(res[0].outcome, Outcome::kNoSpace);
+  EXPECT_EQ(res[1].outcome, Outcome::kNoSpace);
+  EXPECT_EQ(Counters().rejected, 2u);
+  EXPECT_EQ(Counters().evictions, 0u);
+  EXPECT_EQ(store_.LookupPrefix(ns_, keys), kBlocks);
+  for (const auto& p : pins) store_.Unpin(p.handle);
+  // Unpinned, the same request succeeds by evicting.
+  res = store_.ReserveWrites(ns_, fresh);
+  EXPECT_EQ(res[0].outcome, Outcome::kReserved);
+  EXPECT_EQ(res[1].outcome, Outcome::kReserved);
+  for (const auto& r : res) store_.AbortWrite(r.handle, false);
+}
+
+TEST_F(SmallStoreTest, EvictPinnedBlockFreesSlotOnUnpin) {
+  FillAll();
+  BlockKey k = KeyOf(2);
+  auto pin = store_.PinReads(ns_, std::span<const BlockKey>(&k, 1));
+  ASSERT_EQ(pin.size(), 1u);
+  const StoreStats before = store_.Stats();
+  EXPECT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&k, 1)), 1u);
+  EXPECT_EQ(Has(store_, ns_, k), 0u);  // gone from lookups at once
+  EXPECT_TRUE(store_.PinReads(ns_, std::span<const BlockKey>(&k, 1)).empty());
+  StoreStats mid = store_.Stats();
+  EXPECT_EQ(mid.blocks, before.blocks);  // slot still held by the reader
+  EXPECT_EQ(mid.used_bytes, before.used_bytes);
+  EXPECT_EQ(mid.namespaces.at(ns_).evictions, 1u);
+  // The reader's payload is not reused while pinned: the header still says committed.
+  EXPECT_EQ(HeaderState(pin[0].payload), BlockState::kCommitted);
+  store_.Unpin(pin[0].handle);
+  StoreStats after = store_.Stats();
+  EXPECT_EQ(after.blocks, before.blocks - 1);
+  EXPECT_EQ(after.used_bytes, before.used_bytes - slot_);
+  EXPECT_EQ(HeaderState(pin[0].payload), BlockState::kFree);
+  // The freed slot is reused without evicting anyone.
+  ASSERT_NE(Put(store_, ns_, KeyOf(10)), nullptr);
+  EXPECT_EQ(store_.Stats().namespaces.at(ns_).evictions, 1u);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST_F(SmallStoreTest, EvictedPinnedSlotIsNotHandedOutBeforeUnpin) {
+  FillAll();
+  BlockKey k = KeyOf(0);
+  auto pin = store_.PinReads(ns_, std::span<const BlockKey>(&k, 1));
+  ASSERT_EQ(pin.size(), 1u);
+  std::vector<uint8_t> snapshot(pin[0].payload, pin[0].payload + 16);
+  EXPECT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&k, 1)), 1u);
+  // Pool full: a new block must evict an unpinned one, not take the evicted-but-pinned slot.
+  BlockKey fresh = KeyOf(10);
+  auto res = store_.ReserveWrites(ns_, std::span<const BlockKey>(&fresh, 1));
+  ASSERT_EQ(res[0].outcome, Outcome::kReserved);
+  EXPECT_NE(res[0].payload, pin[0].payload);
+  store_.CommitWrite(res[0].handle, 0);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(1)), 0u);  // the LRU unpinned block made room
+  store_.Unpin(pin[0].handle);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST_F(SmallStoreTest, AbortWriteLeavesNothingVisible) {
+  BlockKey k = KeyOf(5);
+  auto res = store_.ReserveWrites(ns_, std::span<const BlockKey>(&k, 1));
+  ASSERT_EQ(res[0].outcome, Outcome::kReserved);
+  EXPECT_EQ(store_.Stats().blocks, 1u);
+  store_.AbortWrite(res[0].handle, /*rejected=*/true);
+  EXPECT_EQ(Has(store_, ns_, k), 0u);
+  EXPECT_TRUE(store_.PinReads(ns_, std::span<const BlockKey>(&k, 1)).empty());
+  EXPECT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&k, 1)), 0u);
+  StoreStats s = store_.Stats();
+  EXPECT_EQ(s.blocks, 0u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  EXPECT_EQ(s.namespaces.at(ns_).rejected, 1u);
+  EXPECT_EQ(s.namespaces.at(ns_).backups, 0u);
+  EXPECT_EQ(HeaderState(res[0].payload), BlockState::kFree);
+  // The key can be written again (it is not "present").
+  res = store_.ReserveWrites(ns_, std::span<const BlockKey>(&k, 1));
+  EXPECT_EQ(res[0].outcome, Outcome::kReserved);
+  store_.AbortWrite(res[0].handle, /*rejected=*/false);
+  EXPECT_EQ(store_.Stats().namespaces.at(ns_).rejected, 1u);
+}
+
+TEST_F(SmallStoreTest, DuplicateKeyInOneRequestIsPresentTheSecondTime) {
+  std::vector<BlockKey> keys = {KeyOf(1), KeyOf(2), KeyOf(1)};
+  auto res = store_.ReserveWrites(ns_, keys);
+  ASSERT_EQ(res.size(), 3u);
+  EXPECT_EQ(res[0].outcome, Outcome::kReserved);
+  EXPECT_EQ(res[1].outcome, Outcome::kReserved);
+  EXPECT_EQ(res[2].outcome, Outcome::kPresent);
+  EXPECT_EQ(res[2].handle, nullptr);
+  EXPECT_EQ(store_.Stats().blocks, 2u);
+  store_.CommitWrite(res[0].handle, 1);
+  store_.CommitWrite(res[1].handle, 2);
+  // Committed keys are present too.
+  res = store_.ReserveWrites(ns_, keys);
+  for (const auto& r : res) EXPECT_EQ(r.outcome, Outcome::kPresent);
+  EXPECT_EQ(store_.Stats().blocks, 2u);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST_F(SmallStoreTest, LookupPrefixStopsAtFirstMissingKey) {
+  ASSERT_NE(Put(store_, ns_, KeyOf(0)), nullptr);
+  ASSERT_NE(Put(store_, ns_, KeyOf(2)), nullptr);
+  std::vector<BlockKey> keys = {KeyOf(0), KeyOf(1), KeyOf(2)};
+  EXPECT_EQ(store_.LookupPrefix(ns_, keys), 1u);
+  NamespaceCounters c = Counters();
+  EXPECT_EQ(c.hits, 1u);
+  EXPECT_EQ(c.misses, 2u);
+  std::vector<BlockKey> two = {KeyOf(0), KeyOf(2)};
+  EXPECT_EQ(store_.LookupPrefix(ns_, two), 2u);
+  c = Counters();
+  EXPECT_EQ(c.hits, 3u);
+  EXPECT_EQ(c.misses, 2u);
+  // PinReads follows the same rule.
+  auto pins = store_.PinReads(ns_, keys);
+  ASSERT_EQ(pins.size(), 1u);
+  store_.Unpin(pins[0].handle);
+  EXPECT_EQ(store_.LookupPrefix(ns_, {}), 0u);
+  // An unknown namespace has nothing.
+  EXPECT_EQ(store_.LookupPrefix(ns_ + 100, keys), 0u);
+}
+
+TEST_F(SmallStoreTest, KeysAreScopedByNamespace) {
+  const NamespaceInfo& other = Intern(table_, "other-model", layout_);
+  ASSERT_NE(other.id, ns_);
+  store_.AddNamespace(other);
+  ASSERT_NE(Put(store_, ns_, KeyOf(0)), nullptr);
+  EXPECT_EQ(Has(store_, other.id, KeyOf(0)), 0u);
+  EXPECT_EQ(store_.Evict(other.id, std::vector<BlockKey>{KeyOf(0)}), 0u);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(0)), 1u);
+}
+
+TEST_F(SmallStoreTest, HeadersRecordCommitAndEviction) {
+  BlockKey k = KeyOf(3);
+  auto res = store_.ReserveWrites(ns_, std::span<const BlockKey>(&k, 1));
+  ASSERT_EQ(res[0].outcome, Outcome::kReserved);
+  const BlockHeader* h = HeaderOfPayload(res[0].payload);
+  EXPECT_EQ(h->magic, kBlockMagic);
+  EXPECT_EQ(HeaderState(res[0].payload), BlockState::kWriting);
+  EXPECT_EQ(std::memcmp(h->key, k.data(), 16), 0);
+  store_.CommitWrite(res[0].handle, 0x1234567890ABCDEFull);
+  EXPECT_EQ(HeaderState(res[0].payload), BlockState::kCommitted);
+  EXPECT_EQ(std::memcmp(h->key, k.data(), 16), 0);
+  EXPECT_EQ(h->checksum, 0x1234567890ABCDEFull);
+  EXPECT_EQ(h->payload_bytes, layout_.BlockBytes());
+  uint64_t tag;
+  std::memcpy(&tag, table_.Get(ns_).hash.data(), 8);
+  EXPECT_EQ(h->namespace_tag, tag);
+  EXPECT_GT(h->commit_seq, 0u);
+  // The header sits inside the pool, after the pool header and an extent header.
+  const uint8_t* hb = reinterpret_cast<const uint8_t*>(h);
+  EXPECT_GE(hb, pool_.data() + Meta() + kExtentHeaderBytes);
+  EXPECT_LE(res[0].payload + layout_.BlockBytes(), pool_.data() + pool_.size());
+  EXPECT_EQ(static_cast<uint64_t>(hb - pool_.data() - Meta() - kExtentHeaderBytes) % slot_, 0u);
+  const auto* eh = reinterpret_cast<const ExtentHeader*>(pool_.data() + Meta());
+  EXPECT_EQ(eh->magic, kExtentMagic);
+  EXPECT_EQ(eh->slot_bytes, slot_);
+  EXPECT_EQ(eh->payload_bytes, layout_.BlockBytes());
+  EXPECT_EQ(eh->num_slots, kBlocks);
+  // The extent directory after the pool header names the extent.
+  const auto* dir = reinterpret_cast<const ExtentDirEntry*>(pool_.data() + kPoolHeaderBytes);
+  EXPECT_EQ(dir[0].offset, Meta());
+  EXPECT_EQ(dir[0].bytes, kExtentHeaderBytes + kBlocks * slot_);
+  EXPECT_EQ(dir[1].bytes, 0u);
+
+  // A later commit has a larger sequence number.
+  uint8_t* p2 = Put(store_, ns_, KeyOf(4));
+  ASSERT_NE(p2, nullptr);
+  EXPECT_GT(HeaderOfPayload(p2)->commit_seq, h->commit_seq);
+
+  EXPECT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&k, 1)), 1u);
+  EXPECT_EQ(HeaderState(res[0].payload), BlockState::kFree);
+  EXPECT_EQ(HeaderState(p2), BlockState::kCommitted);
+}
+
+TEST_F(SmallStoreTest, LruEvictionMarksHeaderFree) {
+  FillAll();
+  BlockKey k0 = KeyOf(0);
+  auto pin = store_.PinReads(ns_, std::span<const BlockKey>(&k0, 1));
+  ASSERT_EQ(pin.size(), 1u);
+  const uint8_t* p0 = pin[0].payload;
+  store_.Unpin(pin[0].handle);
+  // PinReads touched 0, then 1: order (LRU first) is 2, 3, 0, 1.
+  BlockKey k1 = KeyOf(1);
+  auto pin1 = store_.PinReads(ns_, std::span<const BlockKey>(&k1, 1));
+  const uint8_t* p1 = pin1[0].payload;
+  store_.Unpin(pin1[0].handle);
+  // Touch 0 again: still 2 is the LRU one.
+  EXPECT_EQ(Has(store_, ns_, k0), 1u);
+  uint8_t* p10 = Put(store_, ns_, KeyOf(10));
+  ASSERT_NE(p10, nullptr);
+  EXPECT_EQ(Has(store_, ns_, KeyOf(2)), 0u);
+  EXPECT_EQ(HeaderState(p0), BlockState::kCommitted);
+  EXPECT_EQ(HeaderState(p1), BlockState::kCommitted);
+  EXPECT_EQ(HeaderState(p10), BlockState::kCommitted);
+  // Exactly one committed header per live block.
+  int committed = 0;
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    const uint8_t* slot = pool_.data() + Meta() + kExtentHeaderBytes + i * slot_;
+    if (HeaderState(slot + kBlockHeaderBytes) == BlockState::kCommitted) ++committed;
+  }
+  EXPECT_EQ(committed, static_cast<int>(kBlocks));
+}
+
+TEST_F(SmallStoreTest, EvictCountsOnlyCommittedKeys) {
+  FillAll();
+  BlockKey w = KeyOf(20);
+  std::vector<BlockKey> keys = {KeyOf(0), KeyOf(1), KeyOf(99), KeyOf(0)};
+  EXPECT_EQ(store_.Evict(ns_, keys), 2u);
+  EXPECT_EQ(Counters().evictions, 2u);
+  auto res = store_.ReserveWrites(ns_, std::span<const BlockKey>(&w, 1));
+  ASSERT_EQ(res[0].outcome, Outcome::kReserved);
+  EXPECT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&w, 1)), 0u);  // being written
+  store_.CommitWrite(res[0].handle, 0);
+  EXPECT_EQ(Has(store_, ns_, w), 1u);
+  ExpectConsistent(store_, slot_);
+}
+
+TEST(BlockStoreNamespacesTest, DifferentSlotSizesShareThePool) {
+  // Pool for ~6 slots of A; B's slots are about twice as large.
+  const kernels::BlockLayout la = Layout(1, 1, 64, 4);  // 528 B payload
+  const kernels::BlockLayout lb = Layout(2, 1, 64, 4);  // 1,056 B payload
+  const uint64_t sa = SlotBytesFor(la.BlockBytes());
+  const uint64_t sb = SlotBytesFor(lb.BlockBytes());
+  ASSERT_NE(sa, sb);
+  AnonBuffer pool(PoolBytesFor(6, sa));
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  const uint32_t a = Intern(table, "a", la).id;
+  const uint32_t b = Intern(table, "b", lb).id;
+  store.AddNamespace(table.Get(a));
+  store.AddNamespace(table.Get(b));
+  store.AddNamespace(table.Get(a));  // idempotent
+  const uint64_t cap_a = store.CapacityBlocks(la.BlockBytes());
+  ASSERT_EQ(cap_a, 6u);
+
+  // The pool full of A's idle blocks.
+  for (uint64_t i = 0; i < cap_a; ++i) ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.used_bytes, cap_a * sa);
+  EXPECT_EQ(s.namespaces.at(a).evictions, 0u);
+
+  // B can still store: A's extent is reclaimed.
+  uint8_t* pb = Put(store, b, KeyOf(100));
+  ASSERT_NE(pb, nullptr);
+  EXPECT_EQ(HeaderState(pb), BlockState::kCommitted);
+  s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(b).blocks, 1u);
+  EXPECT_EQ(s.namespaces.at(a).blocks, 0u);
+  EXPECT_EQ(s.namespaces.at(a).evictions, cap_a);
+  EXPECT_EQ(s.used_bytes, s.namespaces.at(a).bytes + s.namespaces.at(b).bytes);
+  EXPECT_EQ(s.used_bytes, sb);
+  EXPECT_LE(s.used_bytes, s.capacity_bytes);
+  for (uint64_t i = 0; i < cap_a; ++i) EXPECT_EQ(Has(store, a, KeyOf(i)), 0u);
+  EXPECT_EQ(Has(store, b, KeyOf(100)), 1u);
+
+  // B's extent takes what the pool has: fill it, then A reclaims the space back the same way.
+  uint64_t nb = 1;
+  while (nb < 100) {
+    StoreStats before = store.Stats();
+    ASSERT_NE(Put(store, b, KeyOf(100 + nb)), nullptr);
+    if (store.Stats().namespaces.at(b).evictions > before.namespaces.at(b).evictions) break;
+    ++nb;
+  }
+  EXPECT_EQ(nb, (pool.size() - PoolMetaBytes(pool.size()) - kExtentHeaderBytes) / sb);
+  ASSERT_NE(Put(store, a, KeyOf(0)), nullptr);
+  s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(a).blocks, 1u);
+  EXPECT_EQ(s.namespaces.at(b).blocks, 0u);
+  EXPECT_EQ(s.used_bytes, sa);
+}
+
+TEST(BlockStoreNamespacesTest, TwoNamespacesCoexistInALargePool) {
+  // Larger than two 64 MiB extents: each namespace gets its own extent, nobody is evicted.
+  const kernels::BlockLayout la = Layout(4, 8, 128, 16);  // 133,120 B
+  const kernels::BlockLayout lb = Layout(2, 8, 128, 16);  // 66,560 B
+  const uint64_t sa = SlotBytesFor(la.BlockBytes());
+  const uint64_t sb = SlotBytesFor(lb.BlockBytes());
+  AnonBuffer pool(256ull << 20);
+  ASSERT_NE(pool.data(), nullptr);
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  const uint32_t a = Intern(table, "a", la).id;
+  const uint32_t b = Intern(table, "b", lb).id;
+  store.AddNamespace(table.Get(a));
+  store.AddNamespace(table.Get(b));
+  for (uint64_t i = 0; i < 10; ++i) {
+    ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
+    ASSERT_NE(Put(store, b, KeyOf(i)), nullptr);  // same key, other namespace
+  }
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(a).blocks, 10u);
+  EXPECT_EQ(s.namespaces.at(b).blocks, 10u);
+  EXPECT_EQ(s.namespaces.at(a).evictions + s.namespaces.at(b).evictions, 0u);
+  EXPECT_EQ(s.used_bytes, 10 * sa + 10 * sb);
+  EXPECT_EQ(s.namespaces.at(a).bytes, 10 * sa);
+  EXPECT_EQ(s.blocks, 20u);
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < 10; ++i) keys.push_back(KeyOf(i));
+  EXPECT_EQ(store.LookupPrefix(a, keys), 10u);
+  EXPECT_EQ(store.LookupPrefix(b, keys), 10u);
+  // Evicting from one namespace leaves the other alone.
+  EXPECT_EQ(store.Evict(a, keys), 10u);
+  EXPECT_EQ(store.LookupPrefix(b, keys), 10u);
+  EXPECT_EQ(store.Stats().used_bytes, 10 * sb);
+}
+
+TEST(BlockStoreNamespacesTest, PinnedExtentIsNotReclaimed) {
+  const kernels::BlockLayout la = Layout(1, 1, 64, 4);
+  const kernels::BlockLayout lb = Layout(2, 1, 64, 4);
+  const uint64_t sa = SlotBytesFor(la.BlockBytes());
+  AnonBuffer pool(PoolBytesFor(6, sa));
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  const uint32_t a = Intern(table, "a", la).id;
+  const uint32_t b = Intern(table, "b", lb).id;
+  store.AddNamespace(table.Get(a));
+  store.AddNamespace(table.Get(b));
+  for (uint64_t i = 0; i < 6; ++i) ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
+  BlockKey k3 = KeyOf(3);
+  auto pin = store.PinReads(a, std::span<const BlockKey>(&k3, 1));
+  ASSERT_EQ(pin.size(), 1u);
+  BlockKey kb = KeyOf(100);
+  auto res = store.ReserveWrites(b, std::span<const BlockKey>(&kb, 1));
+  EXPECT_EQ(res[0].outcome, Outcome::kNoSpace);
+  EXPECT_EQ(store.Stats().namespaces.at(b).rejected, 1u);
+  EXPECT_EQ(store.Stats().namespaces.at(a).blocks, 6u);
+  store.Unpin(pin[0].handle);
+  res = store.ReserveWrites(b, std::span<const BlockKey>(&kb, 1));
+  EXPECT_EQ(res[0].outcome, Outcome::kReserved);
+  store.CommitWrite(res[0].handle, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reattach: a restarted daemon rebuilds the index from the headers in the pool.
+
+// Fills the payload of block `i` with a pattern and commits it with its real checksum.
+void PutWithData(BlockStore& store, uint32_t ns, uint64_t i, size_t payload_bytes) {
+  BlockKey k = KeyOf(i);
+  auto r = store.ReserveWrites(ns, std::span<const BlockKey>(&k, 1));
+  ASSERT_EQ(r[0].outcome, Outcome::kReserved);
+  for (size_t b = 0; b < payload_bytes; ++b) r[0].payload[b] = static_cast<uint8_t>(i * 31 + b);
+  store.CommitWrite(r[0].handle, XXH3_64bits(r[0].payload, payload_bytes));
+}
+
+bool PayloadIntact(const uint8_t* p, uint64_t i, size_t payload_bytes) {
+  for (size_t b = 0; b < payload_bytes; ++b) {
+    if (p[b] != static_cast<uint8_t>(i * 31 + b)) return false;
+  }
+  return true;
+}
+
+class ReattachTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kBlocks = 8;
+  ReattachTest()
+      : layout_(Layout(1, 1, 64, 4)),
+        payload_(layout_.BlockBytes()),
+        slot_(SlotBytesFor(payload_)),
+        pool_(PoolBytesFor(kBlocks, slot_)) {}
+
+  // The first daemon: blocks 0..4 committed with data, 5 left being written, 6 committed with a
+  // wrong checksum (torn payload).
+  void FirstLife() {
+    BlockStore store(pool_.data(), pool_.size());
+    NamespaceTable table;
+    const NamespaceInfo& ns = Intern(table, "m", layout_);
+    store.AddNamespace(ns);
+    for (uint64_t i = 0; i < 5; ++i) PutWithData(store, ns.id, i, payload_);
+    BlockKey writing = KeyOf(5);
+    auto r = store.ReserveWrites(ns.id, std::span<const BlockKey>(&writing, 1));
+    ASSERT_EQ(r[0].outcome, Outcome::kReserved);
+    writing_payload_ = r[0].payload;
+    ASSERT_NE(Put(store, ns.id, KeyOf(6), /*checksum=*/12345), nullptr);
+    // The store goes away without cleanup, as with kill -9.
+  }
+
+  kernels::BlockLayout layout_;
+  size_t payload_;
+  uint64_t slot_;
+  AnonBuffer pool_;
+  uint8_t* writing_payload_ = nullptr;
+};
+
+TEST_F(ReattachTest, KeepsVerifiedBlocksAndDropsTheRest) {
+  FirstLife();
+  RebuildReport report;
+  BlockStore store(pool_.data(), pool_.size(), /*reattach=*/true, 2, &report);
+  EXPECT_TRUE(report.reattached) << report.reason;
+  EXPECT_EQ(report.extents, 1u);
+  EXPECT_EQ(report.blocks_kept, 5u);
+  EXPECT_EQ(report.blocks_incomplete, 1u);
+  EXPECT_EQ(report.blocks_corrupt, 1u);
+  EXPECT_EQ(report.namespaces, 1u);
+  EXPECT_EQ(store.Stats().blocks, 5u);
+  EXPECT_EQ(store.Stats().used_bytes, 5 * slot_);
+  EXPECT_EQ(HeaderState(writing_payload_), BlockState::kFree);
+
+  // A registration of the same namespace (same hash) adopts the blocks, whatever its id.
+  NamespaceTable table;
+  Intern(table, "unrelated", layout_);  // shifts ids: the adopted namespace gets id 1
+  const NamespaceInfo& ns = Intern(table, "m", layout_);
+  ASSERT_EQ(ns.id, 1u);
+  store.AddNamespace(ns);
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < 5; ++i) keys.push_back(KeyOf(i));
+  EXPECT_EQ(store.LookupPrefix(ns.id, keys), 5u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(5)), 0u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(6)), 0u);
+  auto pins = store.PinReads(ns.id, keys);
+  ASSERT_EQ(pins.size(), 5u);
+  for (uint64_t i = 0; i < 5; ++i) {
+    EXPECT_TRUE(PayloadIntact(pins[i].payload, i, payload_)) << i;
+    store.Unpin(pins[i].handle);
+  }
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(ns.id).blocks, 5u);
+  EXPECT_EQ(s.namespaces.size(), 1u);  // the orphan became ns
+  ExpectConsistent(store, slot_);
+
+  // The dropped blocks' slots are free again: 3 more blocks fit without evicting. Then the
+  // least recent block (0: the lookups above touched 0..4 in order) makes room.
+  for (uint64_t i = 10; i < 13; ++i) ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr);
+  EXPECT_EQ(store.Stats().namespaces.at(ns.id).evictions, 0u);
+  ASSERT_NE(Put(store, ns.id, KeyOf(13)), nullptr);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(0)), 0u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(1)), 1u);
+  EXPECT_EQ(store.Stats().namespaces.at(ns.id).evictions, 1u);
+}
+
+TEST_F(ReattachTest, CommitOrderIsTheLruOrder) {
+  FirstLife();
+  BlockStore store(pool_.data(), pool_.size(), /*reattach=*/true, 1, nullptr);
+  NamespaceTable table;
+  const NamespaceInfo& ns = Intern(table, "m", layout_);
+  store.AddNamespace(ns);
+  // 5 blocks kept, 3 slots free: the 4th new block evicts the oldest commit (0), then 1.
+  for (uint64_t i = 10; i < 14; ++i) ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(0)), 0u);
+  for (uint64_t i = 1; i < 5; ++i) EXPECT_EQ(Has(store, ns.id, KeyOf(i)), 1u) << i;
+  ASSERT_NE(Put(store, ns.id, KeyOf(14)), nullptr);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(10)), 0u);  // 1..4 were just touched; 10 is now oldest
+}
+
+TEST_F(ReattachTest, OrphanExtentsCanBeReclaimed) {
+  FirstLife();
+  BlockStore store(pool_.data(), pool_.size(), /*reattach=*/true, 1, nullptr);
+  // Another namespace needs the whole pool; the orphaned extent (never re-registered) yields.
+  NamespaceTable table;
+  const NamespaceInfo& other = Intern(table, "other", layout_);
+  store.AddNamespace(other);
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    ASSERT_NE(Put(store, other.id, KeyOf(i, 7)), nullptr) << i;
+  }
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(other.id).blocks, kBlocks);
+  EXPECT_EQ(s.blocks, kBlocks);
+  ExpectConsistent(store, slot_);
+}
+
+TEST_F(ReattachTest, FormatsWhenThePoolDoesNotMatch) {
+  FirstLife();
+  {
+    // Same memory, announced with another size: the header does not match.
+    RebuildReport report;
+    BlockStore store(pool_.data(), pool_.size() - 4096, /*reattach=*/true, 1, &report);
+    EXPECT_FALSE(report.reattached);
+    EXPECT_FALSE(report.reason.empty());
+    EXPECT_EQ(store.Stats().blocks, 0u);
+  }
+  // That store formatted the pool: nothing is left to reattach to at the old size either.
+  RebuildReport report;
+  BlockStore again(pool_.data(), pool_.size(), /*reattach=*/true, 1, &report);
+  EXPECT_FALSE(report.reattached);
+  EXPECT_EQ(again.Stats().blocks, 0u);
+}
+
+TEST(ReattachFreshPoolTest, ZeroedPoolIsFormatted) {
+  AnonBuffer pool(1 << 20);
+  RebuildReport report;
+  BlockStore store(pool.data(), pool.size(), /*reattach=*/true, 1, &report);
+  EXPECT_FALSE(report.reattached);
+  EXPECT_FALSE(report.reason.empty());
+  EXPECT_EQ(reinterpret_cast<const PoolHeader*>(pool.data())->magic, kPoolMagic);
+  // Without reattach the pool is formatted even when it holds blocks.
+  RebuildReport r2;
+  BlockStore store2(pool.data(), pool.size(), /*reattach=*/false, 1, &r2);
+  EXPECT_FALSE(r2.reattached);
+}
+
+TEST_F(ReattachTest, CorruptPayloadIsDropped) {
+  FirstLife();
+  // Flip a payload byte of block 2 behind the store's back.
+  {
+    BlockStore probe(pool_.data(), pool_.size(), /*reattach=*/true, 1, nullptr);
+    NamespaceTable table;
+    const NamespaceInfo& ns = Intern(table, "m", layout_);
+    probe.AddNamespace(ns);
+    BlockKey k2 = KeyOf(2);
+    auto pin = probe.PinReads(ns.id, std::span<const BlockKey>(&k2, 1));
+    ASSERT_EQ(pin.size(), 1u);
+    const_cast<uint8_t*>(pin[0].payload)[payload_ - 1] ^= 0x40;
+    probe.Unpin(pin[0].handle);
+  }
+  RebuildReport report;
+  BlockStore store(pool_.data(), pool_.size(), /*reattach=*/true, 1, &report);
+  EXPECT_TRUE(report.reattached);
+  EXPECT_EQ(report.blocks_kept, 4u);
+  EXPECT_EQ(report.blocks_corrupt, 1u);
+  NamespaceTable table;
+  const NamespaceInfo& ns = Intern(table, "m", layout_);
+  store.AddNamespace(ns);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(1)), 1u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(2)), 0u);
+  EXPECT_EQ(Has(store, ns.id, KeyOf(3)), 1u);
+}
+
+}  // namespace
+}  // namespace hiqcache::server

@@ -1,0 +1,353 @@
+// hiqcached's configuration (config.h): sizes, the embedded default, config files and flags
+// (DESIGN.md "Command line").
+#include "config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "hiqcache/paths.h"
+#include "server_test_util.h"
+
+namespace hiqcache::server {
+namespace {
+
+// argv for LoadConfig, owning its strings.
+class Args {
+ public:
+  Args(std::initializer_list<std::string> args) : strings_{"hiqcached"} {
+    strings_.insert(strings_.end(), args);
+    for (auto& s : strings_) ptrs_.push_back(s.data());
+    ptrs_.push_back(nullptr);
+  }
+  int argc() const { return static_cast<int>(strings_.size()); }
+  char** argv() { return ptrs_.data(); }
+
+ private:
+  std::vector<std::string> strings_;
+  std::vector<char*> ptrs_;
+};
+
+StatusOr<DaemonConfig> Load(Args args, bool* exit_now = nullptr, std::string* message = nullptr) {
+  bool e = false;
+  std::string m;
+  auto r = LoadConfig(args.argc(), args.argv(), exit_now ? exit_now : &e, message ? message : &m);
+  return r;
+}
+
+class ConfigFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/hiq-config-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    for (const auto& f : files_) ::unlink(f.c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string Write(const std::string& name, const std::string& text) {
+    std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    files_.push_back(path);
+    return path;
+  }
+  std::string dir_;
+  std::vector<std::string> files_;
+};
+
+// Expects INVALID_ARGUMENT whose message contains `where`.
+template <typename T>
+void ExpectErrorNaming(const StatusOr<T>& r, const std::string& where) {
+  ASSERT_FALSE(r.ok()) << "accepted; expected an error naming " << where;
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find(where), std::string::npos)
+      << "'" << r.status().message() << "' does not name " << where;
+}
+void ExpectErrorNaming(const Status& st, const std::string& where) {
+  ASSERT_FALSE(st.ok()) << "accepted; expected an error naming " << where;
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find(where), std::string::npos)
+      << "'" << st.message() << "' does not name " << where;
+}
+
+TEST(ParseSizeTest, BinaryDecimalAndPlain) {
+  EXPECT_EQ(ParseSize("8GiB").value(), 8ull << 30);
+  EXPECT_EQ(ParseSize("8GB").value(), 8000000000ull);
+  EXPECT_EQ(ParseSize("8589934592").value(), 8589934592ull);
+  EXPECT_EQ(ParseSize("512MiB").value(), 512ull << 20);
+  EXPECT_EQ(ParseSize("512mib").value(), 512ull << 20);
+  EXPECT_EQ(ParseSize("4KiB").value(), 4096u);
+  EXPECT_EQ(ParseSize("4kb").value(), 4000u);
+  EXPECT_EQ(ParseSize("2TiB").value(), 2ull << 40);
+  EXPECT_EQ(ParseSize("3TB").value(), 3000000000000ull);
+  EXPECT_EQ(ParseSize("1G").value(), 1ull << 30);
+  EXPECT_EQ(ParseSize("100B").value(), 100u);
+  EXPECT_EQ(ParseSize(" 8 GiB ").value(), 8ull << 30);
+  EXPECT_EQ(ParseSize("0").value(), 0u);
+}
+
+TEST(ParseSizeTest, RejectsBadUnitsAndOverflow) {
+  for (const char* bad :
+       {"", "GiB", "8XB", "8 gigabytes", "1.5GiB", "-1", "0x10", "8GiBs", "99999999999999999999",
+        "17179869184GiB", "18446744073709551616", "20000000TB"}) {
+    auto r = ParseSize(bad);
+    EXPECT_FALSE(r.ok()) << "'" << bad << "' parsed as " << (r.ok() ? r.value() : 0);
+    if (!r.ok()) EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  // The largest values still fit.
+  EXPECT_EQ(ParseSize("16777215TiB").value(), 16777215ull << 40);
+  EXPECT_EQ(ParseSize("9999999999999999999").value(), 9999999999999999999ull);
+}
+
+TEST(EmbeddedDefaultTest, ParsesToTheDocumentedValues) {
+  DaemonConfig c;
+  HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &c));
+  EXPECT_TRUE(c.listen.empty());
+  EXPECT_EQ(c.pool_bytes, 4ull << 30);
+  EXPECT_EQ(c.shm_name, "/hiqcache-pool");
+  EXPECT_EQ(c.device, "auto");
+  EXPECT_EQ(c.max_message_bytes, 64ull << 20);
+  EXPECT_TRUE(c.prefault);
+}
+
+TEST(LoadConfigTest, NoArgumentsGivesTheDefault) {
+  bool exit_now = true;
+  std::string message;
+  auto r = Load({}, &exit_now, &message);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(exit_now);
+  ASSERT_EQ(r->listen.size(), 1u);
+  EXPECT_EQ(r->listen[0], hiqcache::DefaultTarget());
+  EXPECT_EQ(r->listen[0].rfind("unix:///", 0), 0u) << r->listen[0];
+  EXPECT_EQ(r->pool_bytes, 4ull << 30);
+  EXPECT_EQ(r->shm_name, "/hiqcache-pool");
+  EXPECT_EQ(r->device, "auto");
+  EXPECT_EQ(r->log_level, "info");
+  EXPECT_EQ(r->socket_mode, 0660u);
+  EXPECT_EQ(r->transfer_workers, 2u);
+  EXPECT_EQ(r->wait_timeout_ms, 10000u);
+  EXPECT_EQ(r->max_blocks_per_request, 4096u);
+}
+
+TEST(LoadConfigTest, Flags) {
+  auto r = Load({"--pool-bytes", "8GB", "--shm-name=/other", "--device", "host", "--metrics-listen",
+                 "127.0.0.1:9400", "--listen", "unix:///tmp/x.sock", "--listen", "127.0.0.1:7000",
+                 "--log-level", "debug"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->pool_bytes, 8000000000ull);
+  EXPECT_EQ(r->shm_name, "/other");
+  EXPECT_EQ(r->device, "host");
+  EXPECT_EQ(r->metrics_listen, "127.0.0.1:9400");
+  EXPECT_EQ(r->log_level, "debug");
+  EXPECT_EQ(r->listen, (std::vector<std::string>{"unix:///tmp/x.sock", "127.0.0.1:7000"}));
+}
+
+TEST(LoadConfigTest, HelpAndPrintDefaultExitNow) {
+  bool exit_now = false;
+  std::string message;
+  auto r = Load({"--pool-bytes", "1GiB", "--help"}, &exit_now, &message);
+  EXPECT_TRUE(r.ok());
+  EXPECT_TRUE(exit_now);
+  EXPECT_NE(message.find("usage"), std::string::npos) << message;
+  EXPECT_NE(message.find("--listen"), std::string::npos);
+  exit_now = false;
+  r = Load({"-h"}, &exit_now, &message);
+  EXPECT_TRUE(exit_now);
+  exit_now = false;
+  r = Load({"--print-default-config"}, &exit_now, &message);
+  EXPECT_TRUE(exit_now);
+  EXPECT_EQ(message, EmbeddedDefaultConfig());
+}
+
+TEST(LoadConfigTest, CheckConfigPrintsTheEffectiveSettings) {
+  bool exit_now = false;
+  std::string message;
+  auto r = Load({"--check-config", "--pool-bytes", "1GiB", "--socket-group", "hiq"}, &exit_now,
+                &message);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(exit_now);
+  EXPECT_EQ(r->socket_group, "hiq");
+  EXPECT_NE(message.find("pool_bytes = 1073741824"), std::string::npos) << message;
+  EXPECT_NE(message.find("socket_group = \"hiq\""), std::string::npos) << message;
+  // An invalid configuration is an error, not a report.
+  exit_now = false;
+  r = Load({"--check-config", "--pool-bytes", "1KiB"}, &exit_now, &message);
+  EXPECT_FALSE(r.ok());
+}
+
+TEST(RenderConfigTest, RoundTripsThroughTheParser) {
+  auto r = Load({"--listen",
+                 "unix:///tmp/r.sock",
+                 "--listen",
+                 "10.0.0.1:7000",
+                 "--pool-bytes",
+                 "3GiB",
+                 "--shm-name",
+                 "/pool#1",
+                 "--device",
+                 "host",
+                 "--socket-mode",
+                 "0600",
+                 "--socket-group",
+                 "kv",
+                 "--codec-threads",
+                 "5",
+                 "--wait-timeout-ms",
+                 "77",
+                 "--max-message-bytes",
+                 "2MiB",
+                 "--prefault",
+                 "false",
+                 "--log-level",
+                 "warn",
+                 "--metrics-listen",
+                 "127.0.0.1:9400",
+                 "--transfer-workers",
+                 "3",
+                 "--max-blocks-per-request",
+                 "99"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const DaemonConfig& c = *r;
+  DaemonConfig back;
+  HIQ_ASSERT_OK(ApplyConfigText(RenderConfig(c), "<rendered>", &back));
+  EXPECT_EQ(back.listen, c.listen);
+  EXPECT_EQ(back.pool_bytes, c.pool_bytes);
+  EXPECT_EQ(back.shm_name, "/pool#1");
+  EXPECT_EQ(back.device, c.device);
+  EXPECT_EQ(back.metrics_listen, c.metrics_listen);
+  EXPECT_EQ(back.log_level, c.log_level);
+  EXPECT_EQ(back.socket_mode, 0600u);
+  EXPECT_EQ(back.socket_group, "kv");
+  EXPECT_EQ(back.transfer_workers, 3u);
+  EXPECT_EQ(back.codec_threads, 5u);
+  EXPECT_EQ(back.wait_timeout_ms, 77u);
+  EXPECT_EQ(back.max_blocks_per_request, 99u);
+  EXPECT_EQ(back.max_message_bytes, 2ull << 20);
+  EXPECT_FALSE(back.prefault);
+}
+
+TEST(LoadConfigTest, BadFlags) {
+  ExpectErrorNaming(Load({"--bogus", "1"}), "bogus");
+  ExpectErrorNaming(Load({"--listen"}), "--listen");
+  ExpectErrorNaming(Load({"serve"}), "serve");
+  ExpectErrorNaming(Load({"--device", "tpu"}), "device");
+  ExpectErrorNaming(Load({"--pool-bytes", "1MiB"}), "pool_bytes");  // below the 16 MiB floor
+  ExpectErrorNaming(Load({"--config", "/nonexistent/hiq.toml"}), "--config");
+  ExpectErrorNaming(Load({"--transfer-workers", "x"}), "--transfer-workers");
+}
+
+TEST(LoadConfigTest, BadSizeFlagNamesTheFlag) {
+  auto r = Load({"--pool-bytes", "8XB"});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  if (r.status().message().find("--pool-bytes") == std::string::npos) {
+    FAIL() << "regression: config.cc ApplyKey (pool_bytes/max_message_bytes) returns ParseSize's "
+                    "error without `where`: '"
+                 << r.status().message() << "' does not name --pool-bytes";
+  }
+}
+
+TEST_F(ConfigFileTest, FlagsOverrideTheFileInAnyOrder) {
+  std::string path = Write("a.toml",
+                           "# test\n"
+                           "pool_bytes = \"1GiB\"\n"
+                           "shm_name = \"/from-file\"   # trailing comment\n"
+                           "device = \"host\"\n");
+  for (bool config_first : {true, false}) {
+    SCOPED_TRACE(config_first ? "--config first" : "--config last");
+    auto r = config_first ? Load({"--config", path, "--pool-bytes", "2GiB"})
+                          : Load({"--pool-bytes=2GiB", "--config=" + path});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->pool_bytes, 2ull << 30);
+    EXPECT_EQ(r->shm_name, "/from-file");  // not overridden: the file wins over the default
+    EXPECT_EQ(r->device, "host");
+    EXPECT_EQ(r->listen, std::vector<std::string>{hiqcache::DefaultTarget()});
+  }
+}
+
+TEST_F(ConfigFileTest, ListenFlagsReplaceFileListeners) {
+  std::string path = Write("l.toml", "listen = [\"unix:///tmp/hiq-a.sock\", \"127.0.0.1:7001\"]\n");
+  auto r = Load({"--config", path});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->listen, (std::vector<std::string>{"unix:///tmp/hiq-a.sock", "127.0.0.1:7001"}));
+  r = Load({"--listen", "127.0.0.1:7002", "--config", path, "--listen", "unix:///tmp/b.sock"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->listen, (std::vector<std::string>{"127.0.0.1:7002", "unix:///tmp/b.sock"}));
+}
+
+TEST_F(ConfigFileTest, AllKeysOfTheFile) {
+  std::string path = Write("all.toml",
+                           "[hiqcached]\n"
+                           "listen = [\"a:1\"]\n"
+                           "pool_bytes = 33554432\n"
+                           "shm_name = \"/s\"\n"
+                           "device = \"cuda\"\n"
+                           "metrics_listen = \"0.0.0.0:9400\"\n"
+                           "log_level = \"warn\"\n"
+                           "socket_mode = \"0600\"\n"
+                           "transfer_workers = 4\n"
+                           "codec_threads = 3\n"
+                           "wait_timeout_ms = 250\n"
+                           "max_blocks_per_request = 17\n"
+                           "max_message_bytes = \"1MiB\"\n"
+                           "prefault = false\n");
+  auto r = Load({"--config", path});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->listen, std::vector<std::string>{"a:1"});
+  EXPECT_EQ(r->pool_bytes, 32ull << 20);
+  EXPECT_EQ(r->shm_name, "/s");
+  EXPECT_EQ(r->device, "cuda");
+  EXPECT_EQ(r->metrics_listen, "0.0.0.0:9400");
+  EXPECT_EQ(r->log_level, "warn");
+  EXPECT_EQ(r->socket_mode, 0600u);
+  EXPECT_EQ(r->transfer_workers, 4u);
+  EXPECT_EQ(r->codec_threads, 3u);
+  EXPECT_EQ(r->wait_timeout_ms, 250u);
+  EXPECT_EQ(r->max_blocks_per_request, 17u);
+  EXPECT_EQ(r->max_message_bytes, 1ull << 20);
+  EXPECT_FALSE(r->prefault);
+}
+
+TEST_F(ConfigFileTest, ErrorsNameTheLine) {
+  struct Case {
+    std::string text;
+    std::string where;  // file:line
+  };
+  const std::vector<Case> cases = {
+      {"pool_bytes = \"1GiB\"\n\nbogus = 1\n", ":3"},
+      {"# c\ntransfer_workers = abc\n", ":2"},
+      {"shm_name = unquoted\n", ":1"},
+      {"device = \"host\"\nprefault = maybe\n", ":2"},
+      {"listen = \"a:1\"\n", ":1"},
+      {"\n\n\n\njust text\n", ":5"},
+      {"socket_mode = \"0999\"\n", ":1"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].text);
+    std::string path = Write("bad" + std::to_string(i) + ".toml", cases[i].text);
+    ExpectErrorNaming(Load({"--config", path}), path + cases[i].where);
+  }
+  // Without a file: ApplyConfigText names the source it is given.
+  DaemonConfig c;
+  ExpectErrorNaming(ApplyConfigText("a = 1\n", "src", &c), "src:1");
+}
+
+TEST_F(ConfigFileTest, BadSizeValueNamesTheLine) {
+  std::string path = Write("size.toml", "device = \"host\"\npool_bytes = \"8XB\"\n");
+  auto r = Load({"--config", path});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  if (r.status().message().find(path + ":2") == std::string::npos) {
+    FAIL() << "regression: config.cc ApplyKey (pool_bytes/max_message_bytes) returns ParseSize's "
+                    "error without `where`: '"
+                 << r.status().message() << "' does not name " << path << ":2";
+  }
+}
+
+}  // namespace
+}  // namespace hiqcache::server

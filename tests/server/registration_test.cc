@@ -1,0 +1,832 @@
+// Request validation (registration.h): every malformed registration or transfer is rejected with
+// INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size limits) and a message naming the field; the
+// engine layouts DESIGN.md lists are accepted and give the right BlockLayout.
+#include "registration.h"
+
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "server_test_util.h"
+
+namespace hiqcache::server {
+namespace {
+
+constexpr int kBf16 = 1, kFp16 = 2;
+constexpr int kMha = 1, kMla = 2;
+constexpr int kInt8 = 0, kRaw = 1;
+constexpr int kHost = 1, kCuda = 2;
+constexpr uint64_t kBigPool = 64ull << 30;
+
+ViewSpec View(uint32_t buffer, uint64_t offset, uint64_t row_stride, uint32_t rows) {
+  ViewSpec v;
+  v.present = true;
+  v.buffer = buffer;
+  v.offset_bytes = offset;
+  v.row_stride_bytes = row_stride;
+  v.num_rows = rows;
+  return v;
+}
+
+RegisterSpec Base(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t block_tokens) {
+  RegisterSpec s;
+  s.model = "Qwen/Qwen3-8B@main";
+  s.num_layers = layers;
+  s.num_kv_heads = heads;
+  s.head_dim = dim;
+  s.dtype = kBf16;
+  s.attention = kMha;
+  s.tp_rank = 0;
+  s.tp_size = 1;
+  s.block_tokens = block_tokens;
+  s.codec = kInt8;
+  s.device_kind = kHost;
+  return s;
+}
+
+BufferSpec HostBuffer(const std::string& name, uint64_t size) {
+  BufferSpec b;
+  b.has_host_shm_name = true;
+  b.host_shm_name = name;
+  b.size_bytes = size;
+  return b;
+}
+
+// SGLang: per-layer K and V buffers [slots, heads, dim].
+RegisterSpec SglangSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t dim = 128,
+                        uint32_t slots = 1024, uint32_t block_tokens = 64) {
+  RegisterSpec s = Base(layers, heads, dim, block_tokens);
+  const uint64_t row = uint64_t{heads} * dim * 2;
+  for (uint32_t l = 0; l < layers; ++l) {
+    s.buffers.push_back(HostBuffer("/sgl-k" + std::to_string(l), row * slots));
+    s.buffers.push_back(HostBuffer("/sgl-v" + std::to_string(l), row * slots));
+    s.layers.push_back({View(2 * l, 0, row, slots), View(2 * l + 1, 0, row, slots)});
+  }
+  return s;
+}
+
+// vLLM (flash-attn layout): one buffer per layer, [2, blocks, block_size, heads, dim].
+RegisterSpec VllmPagedSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t dim = 128,
+                           uint32_t blocks = 32, uint32_t block_size = 16,
+                           uint32_t block_tokens = 64) {
+  RegisterSpec s = Base(layers, heads, dim, block_tokens);
+  const uint64_t row = uint64_t{heads} * dim * 2;
+  const uint64_t page = row * block_size;
+  for (uint32_t l = 0; l < layers; ++l) {
+    s.buffers.push_back(HostBuffer("vllm-" + std::to_string(l), 2 * page * blocks));
+    ViewSpec k = View(l, 0, row, blocks * block_size);
+    k.page_rows = block_size;
+    k.page_stride_bytes = page;
+    ViewSpec v = k;
+    v.offset_bytes = page * blocks;
+    s.layers.push_back({k, v});
+  }
+  return s;
+}
+
+// vLLM packed: one buffer per layer, [blocks, heads, block_size, 2*dim], V dim elements after K.
+RegisterSpec VllmPackedSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t dim = 128,
+                            uint32_t blocks = 32, uint32_t block_size = 16,
+                            uint32_t block_tokens = 64) {
+  RegisterSpec s = Base(layers, heads, dim, block_tokens);
+  const uint64_t row = uint64_t{dim} * 2 * 2;
+  const uint64_t head = row * block_size;
+  const uint64_t page = head * heads;
+  for (uint32_t l = 0; l < layers; ++l) {
+    s.buffers.push_back(HostBuffer("/packed-" + std::to_string(l), page * blocks));
+    ViewSpec k = View(l, 0, row, blocks * block_size);
+    k.head_stride_bytes = head;
+    k.page_rows = block_size;
+    k.page_stride_bytes = page;
+    ViewSpec v = k;
+    v.offset_bytes = uint64_t{dim} * 2;
+    s.layers.push_back({k, v});
+  }
+  return s;
+}
+
+// MLA (DeepSeek-style): one latent row of 576 per token, one buffer per layer, V unset.
+RegisterSpec MlaSpec(uint32_t layers = 61, uint32_t slots = 512) {
+  RegisterSpec s = Base(layers, 1, 576, 64);
+  s.attention = kMla;
+  s.tp_rank = 3;
+  s.tp_size = 8;
+  for (uint32_t l = 0; l < layers; ++l) {
+    s.buffers.push_back(HostBuffer("/mla-" + std::to_string(l), 576 * 2 * slots));
+    ViewSpec k = View(l, 0, 576 * 2, slots);
+    s.layers.push_back({k, ViewSpec{}});
+  }
+  return s;
+}
+
+// Expects INVALID_ARGUMENT whose message contains `field`.
+void ExpectInvalid(const RegisterSpec& s, const std::string& field, uint64_t pool = kBigPool) {
+  auto r = ValidateRegistration(s, Limits{}, pool);
+  ASSERT_FALSE(r.ok()) << "accepted, expected an error naming " << field;
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(field), std::string::npos)
+      << "message '" << r.status().message() << "' does not name " << field;
+}
+
+void ExpectValid(const RegisterSpec& s, uint64_t pool = kBigPool) {
+  auto r = ValidateRegistration(s, Limits{}, pool);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Valid registrations and their layouts.
+
+TEST(ValidateRegistrationTest, SglangQwen3_8B) {
+  RegisterSpec s = SglangSpec();
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->cuda);
+  EXPECT_EQ(r->layout.BytesPerToken(), 74880u);
+  EXPECT_EQ(r->layout.BlockBytes(), 4792320u);
+  EXPECT_EQ(r->layout.kv_planes, 2u);
+  EXPECT_EQ(r->layout.num_layers, 36u);
+  EXPECT_EQ(r->layout.block_tokens, 64u);
+  EXPECT_EQ(r->layout.row.num_heads, 8u);
+  EXPECT_EQ(r->layout.row.head_dim, 128u);
+  EXPECT_EQ(r->layout.row.dtype, kernels::DType::kBF16);
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt8PerHead);
+  EXPECT_EQ(r->ns.model, s.model);
+  EXPECT_FALSE(r->ns.mla);
+  EXPECT_EQ(MinRows(s), 1024u);
+}
+
+TEST(ValidateRegistrationTest, RawCodecAndFp16) {
+  RegisterSpec s = SglangSpec();
+  s.codec = kRaw;
+  s.dtype = kFp16;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.BytesPerToken(), 147456u);
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kRaw);
+  EXPECT_EQ(r->layout.row.dtype, kernels::DType::kFP16);
+}
+
+TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
+  for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
+    auto r = ValidateRegistration(s, Limits{}, kBigPool);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->layout.BytesPerToken(), 74880u);
+    EXPECT_EQ(MinRows(s), 32u * 16u);
+  }
+}
+
+TEST(ValidateRegistrationTest, MlaOneLatentPlane) {
+  RegisterSpec s = MlaSpec();
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.kv_planes, 1u);
+  EXPECT_EQ(r->layout.row.num_heads, 1u);
+  EXPECT_EQ(r->layout.row.head_dim, 576u);
+  EXPECT_EQ(r->layout.row.RowBytes(), 578u);
+  EXPECT_EQ(r->layout.BytesPerToken(), 61u * 578u);
+  EXPECT_TRUE(r->ns.mla);
+  // MLA rows are the same on every rank: the namespace ignores tp_rank/tp_size.
+  RegisterSpec other = s;
+  other.tp_rank = 0;
+  other.tp_size = 2;
+  auto r2 = ValidateRegistration(other, Limits{}, kBigPool);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r->ns.CanonicalText(), r2->ns.CanonicalText());
+  // MHA keeps them apart.
+  RegisterSpec m0 = SglangSpec(2, 2, 64, 16, 4), m1 = m0;
+  m1.tp_size = 2;
+  m1.tp_rank = 1;
+  auto a = ValidateRegistration(m0, Limits{}, kBigPool);
+  auto b = ValidateRegistration(m1, Limits{}, kBigPool);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(a->ns.CanonicalText(), b->ns.CanonicalText());
+}
+
+TEST(ValidateRegistrationTest, CudaWith64ByteHandles) {
+  RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+  s.device_kind = kCuda;
+  for (auto& b : s.buffers) {
+    b.has_host_shm_name = false;
+    b.host_shm_name.clear();
+    b.has_cuda_ipc_handle = true;
+    b.cuda_ipc_handle = std::string(64, '\x01');
+  }
+  s.events.cuda_ipc_event_handles = {std::string(64, 'e'), std::string(64, 'f')};
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->cuda);
+  s.buffers[3].cuda_ipc_handle.resize(63);
+  ExpectInvalid(s, "buffers[3].cuda_ipc_handle");
+  s.buffers[3].cuda_ipc_handle.resize(65);
+  ExpectInvalid(s, "buffers[3].cuda_ipc_handle");
+  s.buffers[3].cuda_ipc_handle.resize(64);
+  s.buffers[3].has_cuda_ipc_handle = false;
+  ExpectInvalid(s, "buffers[3].cuda_ipc_handle");
+  s.buffers[3].has_cuda_ipc_handle = true;
+  s.events.cuda_ipc_event_handles[1].resize(63);
+  ExpectInvalid(s, "events.cuda_ipc_event_handles[1]");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Geometry and enums.
+
+TEST(ValidateRegistrationTest, RejectsBadGeometry) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  ExpectValid(s);
+  {
+    RegisterSpec t = s;
+    t.model.clear();
+    ExpectInvalid(t, "model");
+  }
+  {
+    RegisterSpec t = s;
+    t.model = std::string(600, 'm');
+    ExpectInvalid(t, "model");
+  }
+  {
+    RegisterSpec t = s;
+    t.tenant = std::string(600, 't');
+    ExpectInvalid(t, "tenant");
+  }
+  {
+    RegisterSpec t = s;
+    t.num_layers = 0;
+    ExpectInvalid(t, "geometry.num_layers");
+  }
+  {
+    RegisterSpec t = s;
+    t.num_layers = 100000;
+    ExpectInvalid(t, "geometry.num_layers");
+  }
+  {
+    RegisterSpec t = s;
+    t.num_kv_heads = 0;
+    ExpectInvalid(t, "geometry.num_kv_heads");
+  }
+  {
+    RegisterSpec t = s;
+    t.num_kv_heads = 1u << 20;
+    ExpectInvalid(t, "geometry.num_kv_heads");
+  }
+  {
+    RegisterSpec t = s;
+    t.head_dim = 0;
+    ExpectInvalid(t, "geometry.head_dim");
+  }
+  {
+    RegisterSpec t = s;
+    t.head_dim = 1u << 20;
+    ExpectInvalid(t, "geometry.head_dim");
+  }
+  {
+    RegisterSpec t = s;
+    t.block_tokens = 0;
+    ExpectInvalid(t, "block_tokens");
+  }
+  {
+    RegisterSpec t = s;
+    t.block_tokens = 1u << 20;
+    ExpectInvalid(t, "block_tokens");
+  }
+  {
+    RegisterSpec t = s;
+    t.tp_size = 0;
+    t.tp_rank = 0;
+    ExpectInvalid(t, "geometry.tp_size");
+  }
+  {
+    RegisterSpec t = s;
+    t.tp_size = 2;
+    t.tp_rank = 2;
+    ExpectInvalid(t, "geometry.tp_rank");
+  }
+  {
+    RegisterSpec t = s;
+    t.tp_size = 2;
+    t.tp_rank = 1;
+    ExpectValid(t);
+  }
+}
+
+TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  {
+    RegisterSpec t = s;
+    t.dtype = 7;
+    ExpectInvalid(t, "geometry.dtype");
+  }
+  {
+    RegisterSpec t = s;
+    t.dtype = 0;
+    ExpectInvalid(t, "geometry.dtype");
+  }
+  {
+    RegisterSpec t = s;
+    t.dtype = -1;
+    ExpectInvalid(t, "geometry.dtype");
+  }
+  {
+    RegisterSpec t = s;
+    t.attention = 7;
+    ExpectInvalid(t, "geometry.attention");
+  }
+  {
+    RegisterSpec t = s;
+    t.attention = 0;
+    ExpectInvalid(t, "geometry.attention");
+  }
+  {
+    RegisterSpec t = s;
+    t.codec = 7;
+    ExpectInvalid(t, "codec");
+  }
+  {
+    RegisterSpec t = s;
+    t.codec = -1;
+    ExpectInvalid(t, "codec");
+  }
+  {
+    RegisterSpec t = s;
+    t.device_kind = 7;
+    ExpectInvalid(t, "device.kind");
+  }
+  {
+    RegisterSpec t = s;
+    t.device_kind = 0;
+    ExpectInvalid(t, "device.kind");
+  }
+}
+
+TEST(ValidateRegistrationTest, BlockMustFitTwiceInThePool) {
+  RegisterSpec s = SglangSpec();
+  const uint64_t block = 4792320;
+  ExpectValid(s, 2 * block);
+  ExpectInvalid(s, "block_tokens", 2 * block - 1);
+  ExpectInvalid(s, "block_tokens", 0);
+}
+
+TEST(ValidateRegistrationTest, LayersMustMatchGeometry) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  {
+    RegisterSpec t = s;
+    t.layers.pop_back();
+    ExpectInvalid(t, "layers");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers.push_back(t.layers[0]);
+    ExpectInvalid(t, "layers");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[1].v.present = false;
+    ExpectInvalid(t, "layers[1].v");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.present = false;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  RegisterSpec m = MlaSpec(2, 16);
+  ExpectValid(m);
+  m.layers[1].v = m.layers[1].k;
+  ExpectInvalid(m, "layers[1].v");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers and views.
+
+TEST(ValidateRegistrationTest, RejectsBadBuffers) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  {
+    RegisterSpec t = s;
+    t.buffers.clear();
+    ExpectInvalid(t, "buffers");
+  }
+  {
+    RegisterSpec t = s;
+    t.buffers[2].has_host_shm_name = false;
+    ExpectInvalid(t, "buffers[2].host_shm_name");
+  }
+  for (const char* bad : {"", "/", "a/b", "/a/b"}) {
+    RegisterSpec t = s;
+    t.buffers[1].host_shm_name = bad;
+    SCOPED_TRACE(std::string("name '") + bad + "'");
+    ExpectInvalid(t, "buffers[1].host_shm_name");
+  }
+  {
+    RegisterSpec t = s;
+    t.buffers[1].host_shm_name = std::string("a\0b", 3);
+    ExpectInvalid(t, "buffers[1].host_shm_name");
+  }
+  for (const char* good : {"name", "/name", "hiq.kv-0_1"}) {
+    RegisterSpec t = s;
+    t.buffers[1].host_shm_name = good;
+    SCOPED_TRACE(good);
+    ExpectValid(t);
+  }
+  {
+    RegisterSpec t = s;
+    t.buffers[0].size_bytes = 0;
+    ExpectInvalid(t, "buffers[0].size_bytes");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[1].v.buffer = static_cast<uint32_t>(t.buffers.size());
+    ExpectInvalid(t, "layers[1].v.buffer");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.buffer = 1000000;
+    ExpectInvalid(t, "layers[0].k.buffer");
+  }
+}
+
+TEST(ValidateRegistrationTest, PlainViewExactFitAndOneByteShort) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  ExpectValid(s);  // every buffer exactly rows * row bytes
+  RegisterSpec t = s;
+  t.buffers[3].size_bytes -= 1;  // layers[1].v
+  ExpectInvalid(t, "layers[1].v");
+  // An offset moves the end: exact fit again with a larger buffer.
+  t = s;
+  t.layers[0].k.offset_bytes = 2;
+  ExpectInvalid(t, "layers[0].k");
+  t.buffers[0].size_bytes += 2;
+  ExpectValid(t);
+  // A larger row stride (padding between rows) counts every row but the last fully.
+  t = s;
+  t.layers[0].v.row_stride_bytes = 2 * 64 * 2 + 64;  // 320
+  t.buffers[1].size_bytes = 15 * 320 + 256;
+  ExpectValid(t);
+  t.buffers[1].size_bytes -= 1;
+  ExpectInvalid(t, "layers[0].v");
+}
+
+TEST(ValidateRegistrationTest, PagedViewExactFitIncludingPartialLastPage) {
+  // 40 rows in pages of 16: the last page holds 8 rows.
+  RegisterSpec s = VllmPagedSpec(1, 8, 128, 3, 16, 16);
+  const uint64_t row = 2048, page = 16 * row;
+  for (ViewSpec* v : {&s.layers[0].k, &s.layers[0].v}) v->num_rows = 40;
+  s.layers[0].v.offset_bytes = 3 * page;
+  // V's farthest byte: offset + 2 pages + 8 rows.
+  s.buffers[0].size_bytes = 3 * page + 2 * page + 8 * row;
+  ExpectValid(s);
+  s.buffers[0].size_bytes -= 1;
+  ExpectInvalid(s, "layers[0].v");
+  // page_stride must be set when rows span pages.
+  RegisterSpec t = VllmPagedSpec(1, 8, 128, 3, 16, 16);
+  t.layers[0].k.page_stride_bytes = 0;
+  ExpectInvalid(t, "layers[0].k.page_stride_bytes");
+}
+
+TEST(ValidateRegistrationTest, PackedKvHeadStrideExactFit) {
+  // [blocks=2, heads=8, block_size=16, 2*128]: V starts 256 bytes after K.
+  RegisterSpec s = VllmPackedSpec(1, 8, 128, 2, 16, 16);
+  const uint64_t total = 2ull * 8 * 16 * 512;
+  EXPECT_EQ(s.buffers[0].size_bytes, total);
+  ExpectValid(s);
+  s.buffers[0].size_bytes = total - 1;
+  ExpectInvalid(s, "layers[0].v");
+  // K alone would still fit: only V reaches the last byte.
+  s.layers[0].v = s.layers[0].k;
+  ExpectValid(s);
+  // A head stride smaller than one head is refused.
+  s = VllmPackedSpec(1, 8, 128, 2, 16, 16);
+  s.layers[0].k.head_stride_bytes = 254;
+  ExpectInvalid(s, "layers[0].k.head_stride_bytes");
+}
+
+TEST(ValidateRegistrationTest, RejectsOddOffsetsAndStrides) {
+  RegisterSpec s = VllmPagedSpec(1, 2, 64, 4, 16, 16);
+  s.buffers[0].size_bytes += 1024;  // room, so only the parity is wrong
+  ExpectValid(s);
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.offset_bytes = 1;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].v.row_stride_bytes += 1;
+    ExpectInvalid(t, "layers[0].v");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.page_stride_bytes += 1;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.head_stride_bytes = 257;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.num_rows = 0;
+    ExpectInvalid(t, "layers[0].k.num_rows");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.row_stride_bytes = 0;
+    ExpectInvalid(t, "layers[0].k.row_stride_bytes");
+  }
+}
+
+TEST(ValidateRegistrationTest, RejectsOverflowingViews) {
+  RegisterSpec s = SglangSpec(1, 2, 64, 16, 4);
+  s.buffers[0].size_bytes = std::numeric_limits<uint64_t>::max();
+  ExpectValid(s);
+  constexpr uint64_t kHuge = 1ull << 63;
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.row_stride_bytes = kHuge;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.offset_bytes = ~1ull;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.head_stride_bytes = ~1ull;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.page_rows = 2;
+    t.layers[0].k.page_stride_bytes = kHuge;
+    ExpectInvalid(t, "layers[0].k");
+  }
+  {
+    RegisterSpec t = s;  // a single page: the huge page stride is never used
+    t.layers[0].k.page_rows = 16;
+    t.layers[0].k.page_stride_bytes = kHuge;
+    ExpectValid(t);
+  }
+}
+
+TEST(ValidateRegistrationTest, EventsNeedAShmName) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  s.events.count = 8;
+  ExpectInvalid(s, "events.host_shm_name");
+  s.events.host_shm_name = "/";
+  ExpectInvalid(s, "events.host_shm_name");
+  s.events.host_shm_name = "/hiq-events";
+  ExpectValid(s);
+  s.events.count = (1u << 20) + 1;
+  ExpectInvalid(s, "events.count");
+  s.events.count = 0;
+  s.events.host_shm_name.clear();
+  ExpectValid(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ViewEnd, by hand.
+
+TEST(ViewEndTest, HandComputedEnds) {
+  const std::string f = "v";
+  // Plain [10 rows, 8 heads, 128]: 10 rows of 2,048 bytes.
+  ViewSpec plain = View(0, 0, 2048, 10);
+  EXPECT_EQ(ViewEnd(plain, 8, 128, f).value(), 20480u);
+  plain.offset_bytes = 100;
+  EXPECT_EQ(ViewEnd(plain, 8, 128, f).value(), 20580u);
+  // One row, no stride needed.
+  ViewSpec one = View(0, 6, 0, 1);
+  EXPECT_EQ(ViewEnd(one, 2, 64, f).value(), 6u + 256u);
+  // Paged, 40 rows in pages of 16 rows, pages back to back: 2 full pages + 8 rows.
+  ViewSpec paged = View(0, 0, 2048, 40);
+  paged.page_rows = 16;
+  paged.page_stride_bytes = 16 * 2048;
+  EXPECT_EQ(ViewEnd(paged, 8, 128, f).value(), 81920u);
+  // Pages with padding: 2 * 40,000 + 7 * 2,048 + 2,048.
+  paged.page_stride_bytes = 40000;
+  EXPECT_EQ(ViewEnd(paged, 8, 128, f).value(), 96384u);
+  // Page stride smaller than a page: the farthest row is the last slot of the page before.
+  ViewSpec overlap = View(0, 0, 2048, 17);
+  overlap.page_rows = 16;
+  overlap.page_stride_bytes = 2048;
+  EXPECT_EQ(ViewEnd(overlap, 8, 128, f).value(), 15u * 2048u + 2048u);
+  // Packed K/V: [2 blocks, 8 heads, 16, 2*128].
+  ViewSpec packed = View(0, 0, 512, 32);
+  packed.head_stride_bytes = 8192;
+  packed.page_rows = 16;
+  packed.page_stride_bytes = 65536;
+  EXPECT_EQ(ViewEnd(packed, 8, 128, f).value(), 65536u + 15u * 512u + 7u * 8192u + 256u);
+  packed.offset_bytes = 256;
+  EXPECT_EQ(ViewEnd(packed, 8, 128, f).value(), 131072u);
+  // Errors name the field passed in.
+  ViewSpec bad = View(0, 0, 1ull << 63, 3);
+  auto r = ViewEnd(bad, 8, 128, "layers[7].k");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("layers[7].k"), std::string::npos);
+}
+
+TEST(ResolveViewsTest, BasesOffsetsAndDefaultHeadStride) {
+  RegisterSpec s = VllmPackedSpec(2, 4, 64, 2, 16, 16);
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::vector<uint8_t> b0(s.buffers[0].size_bytes), b1(s.buffers[1].size_bytes);
+  auto views = ResolveViews(s, r->layout, {b0.data(), b1.data()});
+  ASSERT_EQ(views.size(), 2u);
+  EXPECT_EQ(views[1].planes[0].base, b1.data());
+  EXPECT_EQ(views[1].planes[1].base, b1.data() + 128);
+  EXPECT_EQ(views[0].planes[1].head_stride, 16u * 256u);
+  EXPECT_EQ(views[0].planes[1].page_rows, 16u);
+  EXPECT_EQ(views[0].planes[1].page_stride, 4u * 16u * 256u);
+  EXPECT_EQ(views[0].planes[0].num_rows, 32u);
+  // The last addressable element of V is the last 128 bytes of the buffer.
+  EXPECT_EQ(views[1].planes[1].Head(31, 3) + 128, b1.data() + b1.size());
+
+  RegisterSpec g = SglangSpec(1, 2, 64, 8, 4);
+  auto rg = ValidateRegistration(g, Limits{}, kBigPool);
+  ASSERT_TRUE(rg.ok());
+  std::vector<uint8_t> k(g.buffers[0].size_bytes), v(g.buffers[1].size_bytes);
+  auto gv = ResolveViews(g, rg->layout, {k.data(), v.data()});
+  EXPECT_EQ(gv[0].planes[0].head_stride, 128u);  // 0 = heads contiguous
+  EXPECT_EQ(gv[0].planes[1].Head(7, 1) + 128, v.data() + v.size());
+}
+
+TEST(MinRowsTest, SmallestViewWins) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  s.layers[1].v.num_rows = 9;
+  EXPECT_EQ(MinRows(s), 9u);
+  EXPECT_EQ(MinRows(RegisterSpec{}), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transfers.
+
+class ValidateTransferTest : public ::testing::Test {
+ protected:
+  ValidateTransferTest() {
+    layout_.row = {2, 64, kernels::DType::kBF16, kernels::CodecKind::kInt8PerHead};
+    layout_.num_layers = 3;
+    layout_.block_tokens = 4;
+  }
+  static BlockSpec Block(uint32_t first_row, uint8_t key_byte = 1) {
+    BlockSpec b;
+    b.key = std::string(16, static_cast<char>(key_byte));
+    for (uint32_t i = 0; i < 4; ++i) b.rows.push_back(first_row + i);
+    return b;
+  }
+  TransferSpec Spec() {
+    TransferSpec t;
+    t.pool_id = 1;
+    t.blocks = {Block(0), Block(4, 2)};
+    return t;
+  }
+  Status Check(const TransferSpec& t, bool restore, const Limits& lim = Limits{}) {
+    return ValidateTransfer(t, layout_, kRows, kEvents, restore, lim);
+  }
+  void ExpectInvalid(const TransferSpec& t, bool restore, const std::string& field) {
+    Status st = Check(t, restore);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find(field), std::string::npos)
+        << "'" << st.message() << "' does not name " << field;
+  }
+  static constexpr uint32_t kRows = 32;
+  static constexpr uint32_t kEvents = 8;
+  kernels::BlockLayout layout_;
+};
+
+TEST_F(ValidateTransferTest, ValidRequestsPass) {
+  TransferSpec t = Spec();
+  HIQ_EXPECT_OK(Check(t, false));
+  HIQ_EXPECT_OK(Check(t, true));
+  t.wait_event = 0;
+  t.done_event = kEvents - 1;
+  t.layer_event_base = kEvents - 3;  // 3 layers: slots 5, 6, 7
+  HIQ_EXPECT_OK(Check(t, true));
+  t.blocks[1].rows = {31, 0, 31, 0};  // any rows below num_rows, repeats allowed
+  HIQ_EXPECT_OK(Check(t, false));
+  t.blocks.clear();
+  HIQ_EXPECT_OK(Check(t, false));
+}
+
+TEST_F(ValidateTransferTest, RejectsBadBlocks) {
+  {
+    TransferSpec t = Spec();
+    t.blocks[1].key.resize(15);
+    ExpectInvalid(t, false, "blocks[1].key");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[0].key.resize(17);
+    ExpectInvalid(t, true, "blocks[0].key");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[0].key.clear();
+    ExpectInvalid(t, false, "blocks[0].key");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[1].rows.pop_back();
+    ExpectInvalid(t, false, "blocks[1].rows");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[1].rows.push_back(0);
+    ExpectInvalid(t, true, "blocks[1].rows");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[1].rows[2] = kRows;
+    ExpectInvalid(t, false, "blocks[1].rows[2]");
+  }
+  {
+    TransferSpec t = Spec();
+    t.blocks[0].rows[3] = 0xFFFFFFFFu;
+    ExpectInvalid(t, true, "blocks[0].rows[3]");
+  }
+}
+
+TEST_F(ValidateTransferTest, RejectsBadEvents) {
+  {
+    TransferSpec t = Spec();
+    t.wait_event = kEvents;
+    ExpectInvalid(t, false, "wait_event");
+  }
+  {
+    TransferSpec t = Spec();
+    t.wait_event = -2;
+    ExpectInvalid(t, true, "wait_event");
+  }
+  {
+    TransferSpec t = Spec();
+    t.done_event = kEvents;
+    ExpectInvalid(t, false, "done_event");
+  }
+  {
+    TransferSpec t = Spec();
+    t.done_event = -5;
+    ExpectInvalid(t, true, "done_event");
+  }
+  {
+    TransferSpec t = Spec();
+    t.layer_event_base = kEvents - 2;
+    ExpectInvalid(t, true, "layer_event_base");
+  }
+  {
+    TransferSpec t = Spec();
+    t.layer_event_base = -2;
+    ExpectInvalid(t, true, "layer_event_base");
+  }
+  {
+    TransferSpec t = Spec();
+    t.layer_event_base = std::numeric_limits<int32_t>::max();
+    ExpectInvalid(t, true, "layer_event_base");
+  }
+  {
+    // A pool without events accepts only -1.
+    TransferSpec t = Spec();
+    t.done_event = 0;
+    Status st = ValidateTransfer(t, layout_, kRows, 0, false, Limits{});
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    t.done_event = -1;
+    HIQ_EXPECT_OK(ValidateTransfer(t, layout_, kRows, 0, true, Limits{}));
+  }
+}
+
+TEST_F(ValidateTransferTest, TooManyBlocksIsResourceExhausted) {
+  TransferSpec t = Spec();
+  Limits lim;
+  lim.max_blocks_per_request = 2;
+  HIQ_EXPECT_OK(Check(t, false, lim));
+  t.blocks.push_back(Block(8, 3));
+  Status st = Check(t, false, lim);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_NE(st.message().find("blocks"), std::string::npos);
+  // Default limit: 4096.
+  TransferSpec big;
+  big.blocks.resize(4097);
+  EXPECT_EQ(Check(big, true).code(), StatusCode::kResourceExhausted);
+}
+
+TEST(ValidateKeysTest, LengthAndCount) {
+  std::vector<std::string> keys = {std::string(16, 'a'), std::string(16, 'b')};
+  HIQ_EXPECT_OK(ValidateKeys(keys, 2, "keys"));
+  HIQ_EXPECT_OK(ValidateKeys({}, 2, "keys"));
+  Status st = ValidateKeys(keys, 1, "keys");
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  keys[1].resize(15);
+  st = ValidateKeys(keys, 2, "keys");
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("keys[1]"), std::string::npos) << st.message();
+  keys[1] = std::string(17, 'b');
+  EXPECT_EQ(ValidateKeys(keys, 2, "keys").code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ToBlockKeyTest, CopiesSixteenBytes) {
+  std::string s;
+  for (int i = 0; i < 16; ++i) s.push_back(static_cast<char>(i * 17));
+  BlockKey k = ToBlockKey(s);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(k[i], static_cast<uint8_t>(i * 17));
+}
+
+}  // namespace
+}  // namespace hiqcache::server
