@@ -1,5 +1,7 @@
 #include "registration.h"
 
+#include "pool_format.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -148,7 +150,8 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
   if (lay.row.ElementsPerRow() > (1u << 22)) {
     return InvalidArgument("geometry: num_kv_heads * head_dim is too large");
   }
-  if (lay.BlockBytes() > pool_capacity_bytes / 2) {
+  // Two blocks, each in its own extent (header + slot), must fit: one alone would thrash.
+  if (2 * (kExtentHeaderBytes + SlotBytesFor(lay.BlockBytes())) > pool_capacity_bytes) {
     return InvalidArgument("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +
                            " bytes does not fit twice in the pool (" +
                            std::to_string(pool_capacity_bytes) + " bytes)");

@@ -1,6 +1,7 @@
 // Request validation (registration.h): every malformed registration or transfer is rejected with
 // INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size limits) and a message naming the field; the
 // engine layouts DESIGN.md lists are accepted and give the right BlockLayout.
+#include "pool_format.h"
 #include "registration.h"
 
 #include <gtest/gtest.h>
@@ -361,9 +362,10 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
 
 TEST(ValidateRegistrationTest, BlockMustFitTwiceInThePool) {
   RegisterSpec s = SglangSpec();
-  const uint64_t block = 4792320;
-  ExpectValid(s, 2 * block);
-  ExpectInvalid(s, "block_tokens", 2 * block - 1);
+  // Each block needs its slot (64-byte header + payload) in an extent (256-byte header).
+  const uint64_t per_block = 4792320 + kBlockHeaderBytes + kExtentHeaderBytes;
+  ExpectValid(s, 2 * per_block);
+  ExpectInvalid(s, "block_tokens", 2 * per_block - 1);
   ExpectInvalid(s, "block_tokens", 0);
 }
 
