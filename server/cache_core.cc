@@ -234,7 +234,13 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   };
 
   const bool sync = spec.sync;
-  if (!sync) done(*result);
+  if (!sync && pool->binding->SignalsOnDevice()) {
+    auto reply = std::make_shared<BackupDone>(std::move(done));
+    task->on_enqueued = [reply, result] { (*reply)(*result); };
+    done = [](StatusOr<BackupResult>) {};
+  } else if (!sync) {
+    done(*result);
+  }
   CoreObserver* observer = options_.observer;
   engine_.PostRetryable(pool->strand, [pool, task, result, sync, observer,
                                        done = std::move(done)]() mutable {
@@ -284,7 +290,13 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
     task->rows.insert(task->rows.end(), spec.blocks[i].rows.begin(), spec.blocks[i].rows.end());
   }
   const bool sync = spec.sync;
-  if (!sync) done(result);
+  if (!sync && pool->binding->SignalsOnDevice()) {
+    auto reply = std::make_shared<RestoreDone>(std::move(done));
+    task->on_enqueued = [reply, result] { (*reply)(result); };
+    done = [](StatusOr<RestoreResult>) {};
+  } else if (!sync) {
+    done(result);
+  }
   BlockStore* store = store_;
   CoreObserver* observer = options_.observer;
   engine_.PostRetryable(pool->strand, [pool, task, pins = std::move(pins), store, result, sync,

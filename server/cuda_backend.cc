@@ -120,11 +120,13 @@ class CudaBinding : public PoolBinding {
 
   uint32_t event_count() const override { return static_cast<uint32_t>(events_.size()); }
   uint32_t num_rows() const override { return num_rows_; }
+  bool SignalsOnDevice() const override { return true; }
 
   Status RunBackup(BackupTask& task) override {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
     Status st = EnqueueBackup(task);
     if (task.done_event >= 0) Record(task.done_event, backup_.stream.get());
+    if (task.on_enqueued) task.on_enqueued();
     Status sync = backup_.stream.Synchronize();
     if (st.ok()) st = sync;
     if (st.ok() && !task.payloads.empty()) {
@@ -143,6 +145,7 @@ class CudaBinding : public PoolBinding {
       }
     }
     if (task.done_event >= 0) Record(task.done_event, restore_.stream.get());
+    if (task.on_enqueued) task.on_enqueued();
     Status sync = restore_.stream.Synchronize();
     return st.ok() ? sync : st;
   }

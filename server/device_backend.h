@@ -34,6 +34,9 @@ struct BackupTask {
   // Called once the payloads are written (before the done event is signalled), with one flag
   // per block (1 = held NaN/Inf, not to be published) or with the error that stopped the work.
   std::function<void(const std::vector<uint8_t>& nonfinite, const Status&)> on_written;
+  // Backends that signal on the device (SignalsOnDevice) call this once the work and its event
+  // records are enqueued, before waiting for completion; may be empty.
+  std::function<void()> on_enqueued;
 };
 
 struct RestoreTask {
@@ -45,6 +48,7 @@ struct RestoreTask {
   int32_t done_event = -1;
   std::vector<uint32_t> rows;
   std::vector<const uint8_t*> payloads;
+  std::function<void()> on_enqueued;  // as in BackupTask
 };
 
 class PoolBinding {
@@ -65,6 +69,11 @@ class PoolBinding {
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
   virtual uint64_t TicketFloor() const { return 0; }
+  // True when completion events are recorded on a device stream (CUDA): an asynchronous request
+  // is then answered only after its events are recorded (on_enqueued), so that an engine whose
+  // stream waits on them right after the answer waits for this work, not an earlier record.
+  // HOST events carry tickets and are answered as soon as the work is queued.
+  virtual bool SignalsOnDevice() const { return false; }
   // Whether a task waiting for `event` >= `value` (first tried at `first_try`) may run now
   // without blocking: its event came, it timed out, or the pool was cancelled. Backends whose
   // waits are enqueued on a device stream (CUDA) never block the host and answer true.

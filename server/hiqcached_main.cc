@@ -291,7 +291,12 @@ int Run(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(max_msg);
   builder.SetMaxSendMessageSize(max_msg);
   builder.RegisterService(&service);
+  // BuildAndStart creates the unix sockets with the process umask, and they accept connections
+  // before chown/chmod below give them the configured group and mode: until then they must not
+  // be more open than owner-only.
+  const mode_t saved_umask = ::umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ::umask(saved_umask);
   if (!server) {
     HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
     return 1;

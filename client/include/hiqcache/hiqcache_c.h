@@ -1,0 +1,281 @@
+/* hiqcache C ABI: the client library (hiqcache/client.h) behind opaque handles and flat structs,
+ * so that engines in other languages (a Python engine through ctypes or cffi) can use hiqcached
+ * today. Built as the shared library libhiqcache.so (CMake target hiqcache_c), which exports
+ * the hiq_* symbols below and nothing else.
+ *
+ * Conventions
+ *   - Every int-returning function returns a status code with the gRPC numbering (HIQ_OK = 0,
+ *     HIQ_INVALID_ARGUMENT = 3, HIQ_FAILED_PRECONDITION = 9, HIQ_UNAVAILABLE = 14, ...). After a
+ *     non-zero return, hiq_last_error() holds the message (it names the offending field).
+ *   - The client is fail-open like the C++ one: with the daemon down, lookups report 0 blocks,
+ *     backups report every block HIQ_BLOCK_NOT_STORED, restores report 0 blocks, each with the
+ *     failure's code returned. Nothing aborts or throws across this boundary.
+ *   - Keys are 16-byte block ids, passed as num_keys * 16 contiguous bytes.
+ *   - Strings are NUL-terminated UTF-8; IPC handles are 64 raw bytes each.
+ *   - Out-parameters may be NULL where noted.
+ *
+ * Thread-safety: a hiq_client may be used from any number of threads at once; hiq_last_error is
+ * per thread. hiq_host_pool and hiq_cuda_event_pool objects may be read concurrently (waits,
+ * queries) but must not be destroyed while in use.
+ *
+ * CUDA: the hiq_cuda_* functions work when libhiqcache.so was built with CUDA (the CUDA runtime
+ * is linked statically into it, so it needs only the NVIDIA driver at run time); otherwise they
+ * return HIQ_UNIMPLEMENTED. hiq_register_pool itself needs no CUDA: handles are plain bytes, e.g.
+ * from PyTorch (storage._share_cuda_()) or from hiq_cuda_export_pointer.
+ */
+#ifndef HIQCACHE_HIQCACHE_C_H_
+#define HIQCACHE_HIQCACHE_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(HIQ_C_BUILDING)
+#define HIQ_C_API __attribute__((visibility("default")))
+#else
+#define HIQ_C_API
+#endif
+
+/* Bumped whenever a struct below changes layout or a function changes meaning. */
+#define HIQ_C_ABI_VERSION 1
+
+enum hiq_status_code {
+  HIQ_OK = 0,
+  HIQ_CANCELLED = 1,
+  HIQ_UNKNOWN = 2,
+  HIQ_INVALID_ARGUMENT = 3,
+  HIQ_DEADLINE_EXCEEDED = 4,
+  HIQ_NOT_FOUND = 5,
+  HIQ_ALREADY_EXISTS = 6,
+  HIQ_PERMISSION_DENIED = 7,
+  HIQ_RESOURCE_EXHAUSTED = 8,
+  HIQ_FAILED_PRECONDITION = 9,
+  HIQ_ABORTED = 10,
+  HIQ_OUT_OF_RANGE = 11,
+  HIQ_UNIMPLEMENTED = 12,
+  HIQ_INTERNAL = 13,
+  HIQ_UNAVAILABLE = 14,
+  HIQ_DATA_LOSS = 15
+};
+
+enum hiq_dtype { HIQ_DTYPE_BF16 = 0, HIQ_DTYPE_FP16 = 1 };
+enum hiq_attention { HIQ_ATTENTION_MHA = 0, HIQ_ATTENTION_MLA = 1 };
+enum hiq_codec { HIQ_CODEC_INT8_PER_HEAD = 0, HIQ_CODEC_RAW = 1 };
+enum hiq_device_kind { HIQ_DEVICE_HOST = 0, HIQ_DEVICE_CUDA = 1 };
+enum hiq_kv_layout {
+  HIQ_LAYOUT_SGLANG = 0,
+  HIQ_LAYOUT_VLLM_PAGED = 1,
+  HIQ_LAYOUT_VLLM_PACKED_KV = 2
+};
+enum hiq_block_status {
+  HIQ_BLOCK_STORED = 0,
+  HIQ_BLOCK_ALREADY_PRESENT = 1,
+  HIQ_BLOCK_REJECTED = 2,
+  HIQ_BLOCK_NOT_STORED = 3 /* the call failed */
+};
+
+#define HIQ_KEY_BYTES 16
+#define HIQ_IPC_HANDLE_BYTES 64
+#define HIQ_HOST_EVENT_SLOT_BYTES 64
+
+typedef struct hiq_client hiq_client;                   /* a connection to hiqcached */
+typedef struct hiq_host_pool hiq_host_pool;             /* KV buffers + event slots in shm */
+typedef struct hiq_cuda_event_pool hiq_cuda_event_pool; /* interprocess CUDA events */
+typedef uint64_t hiq_pool;                              /* a registered pool; 0 is never valid */
+
+typedef struct hiq_geometry {
+  uint32_t num_layers;
+  uint32_t num_kv_heads; /* heads local to this rank */
+  uint32_t head_dim;
+  uint32_t dtype;     /* enum hiq_dtype */
+  uint32_t attention; /* enum hiq_attention */
+  uint32_t tp_rank;
+  uint32_t tp_size; /* 0 is taken as 1 */
+} hiq_geometry;
+
+/* One shared memory object. HOST: host_shm_name set. CUDA: cuda_ipc_handle points at the
+ * HIQ_IPC_HANDLE_BYTES bytes of the allocation base's cudaIpcMemHandle_t (cuda_ipc_handle_len
+ * says how many bytes there are; anything but 64 is rejected by the daemon). */
+typedef struct hiq_buffer {
+  const char* host_shm_name;
+  const uint8_t* cuda_ipc_handle;
+  uint32_t cuda_ipc_handle_len;
+  uint32_t reserved;
+  uint64_t size_bytes;
+} hiq_buffer;
+
+/* DESIGN.md TensorView: head h of row r at base(buffer) + offset_bytes + p * page_stride_bytes
+ * + t * row_stride_bytes + h * head_stride_bytes (p, t = r / page_rows, r % page_rows). */
+typedef struct hiq_tensor_view {
+  uint32_t buffer;
+  uint32_t num_rows;
+  uint64_t offset_bytes;
+  uint64_t row_stride_bytes;
+  uint64_t head_stride_bytes; /* 0 = head_dim elements */
+  uint64_t page_rows;         /* 0 = not paged */
+  uint64_t page_stride_bytes;
+} hiq_tensor_view;
+
+typedef struct hiq_layer_view {
+  hiq_tensor_view k;
+  hiq_tensor_view v; /* ignored unless has_v */
+  uint32_t has_v;    /* 0 for MLA */
+  uint32_t reserved;
+} hiq_layer_view;
+
+/* Everything RegisterPool sends (the client's pid is added). */
+typedef struct hiq_pool_desc {
+  const char* model;  /* model name + revision */
+  const char* tenant; /* may be NULL */
+  hiq_geometry geometry;
+  uint32_t block_tokens;
+  uint32_t codec;       /* enum hiq_codec */
+  uint32_t device_kind; /* enum hiq_device_kind */
+  uint32_t num_buffers;
+  const char* cuda_device_uuid; /* CUDA: "GPU-..." (hiq_cuda_device_uuid); else NULL */
+  const hiq_buffer* buffers;
+  const hiq_layer_view* layers; /* geometry.num_layers entries */
+  /* HOST events: a shm object of event_count 64-byte slots (NULL/0 = none). */
+  const char* event_shm_name;
+  uint32_t event_count;
+  /* CUDA events: num_cuda_events handles of HIQ_IPC_HANDLE_BYTES bytes, back to back. */
+  uint32_t num_cuda_events;
+  const uint8_t* cuda_event_handles;
+} hiq_pool_desc;
+
+/* The daemon's answer to a registration. */
+typedef struct hiq_pool_info {
+  uint64_t pool_id; /* the daemon's id (changes if the client re-registers) */
+  uint64_t encoded_bytes_per_token;
+  uint64_t block_bytes;
+  uint64_t capacity_tokens;
+  char namespace_id[72]; /* NUL-terminated */
+} hiq_pool_info;
+
+typedef struct hiq_stats {
+  uint64_t pool_bytes;
+  uint64_t used_bytes;
+  uint64_t capacity_bytes;
+  uint64_t blocks;
+  uint64_t clients;
+  uint64_t uptime_seconds;
+  uint32_t num_namespaces;
+  uint32_t num_pools;
+  char device[16]; /* "host" or "cuda" */
+} hiq_stats;
+
+/* --- library ---------------------------------------------------------------------------- */
+
+HIQ_C_API int hiq_abi_version(void);
+/* The message of the last failed call on this thread ("" when none). Valid until the next
+ * hiq_* call on this thread. */
+HIQ_C_API const char* hiq_last_error(void);
+
+/* --- connection ------------------------------------------------------------------------- */
+
+/* target: "unix:///path.sock", "/path.sock", "host:port", or NULL/"" for the default socket.
+ * timeout_ms: deadline of each call (<= 0: 2000). Does not wait for the daemon (fail-open). */
+HIQ_C_API int hiq_connect(const char* target, int64_t timeout_ms, hiq_client** out);
+HIQ_C_API void hiq_close(hiq_client* client);
+
+/* --- registration ----------------------------------------------------------------------- */
+
+/* pending_if_unavailable != 0: with the daemon down, return a handle anyway that registers on
+ * first use once it is back. info may be NULL. */
+HIQ_C_API int hiq_register_pool(hiq_client* client, const hiq_pool_desc* desc,
+                                int pending_if_unavailable, hiq_pool* out, hiq_pool_info* info);
+HIQ_C_API int hiq_release_pool(hiq_client* client, hiq_pool pool);
+HIQ_C_API int hiq_pool_info_get(hiq_client* client, hiq_pool pool, hiq_pool_info* info);
+
+/* A HOST KV pool the library creates in POSIX shared memory (HostKvPool: one object holding
+ * every layer in `layout`, zero-filled, unlinked on destroy) plus event_count event slots
+ * (0 = none). Paged layouts round num_rows up to whole pages of page_rows. */
+HIQ_C_API int hiq_host_pool_create(const hiq_geometry* geometry, uint32_t layout, uint32_t num_rows,
+                                   uint32_t page_rows, uint32_t event_count, hiq_host_pool** out);
+HIQ_C_API void hiq_host_pool_destroy(hiq_host_pool* pool);
+/* The mapped KV bytes (writable) and their size. */
+HIQ_C_API void* hiq_host_pool_data(const hiq_host_pool* pool, uint64_t* size_bytes);
+HIQ_C_API uint32_t hiq_host_pool_num_rows(const hiq_host_pool* pool);
+/* Byte offset in hiq_host_pool_data of head_dim elements of (layer, plane 0 = K / 1 = V, row,
+ * head); UINT64_MAX for an index out of range. */
+HIQ_C_API uint64_t hiq_host_pool_head_offset(const hiq_host_pool* pool, uint32_t layer,
+                                             uint32_t plane, uint32_t row, uint32_t head);
+/* Waits until event slot `slot` holds a value >= ticket. HIQ_DEADLINE_EXCEEDED after timeout. */
+HIQ_C_API int hiq_host_pool_wait(const hiq_host_pool* pool, uint32_t slot, uint64_t ticket,
+                                 int64_t timeout_ms);
+/* Reads / stores event slot `slot` (acquire / release), e.g. to satisfy a wait_event. */
+HIQ_C_API uint64_t hiq_host_pool_event_read(const hiq_host_pool* pool, uint32_t slot);
+HIQ_C_API void hiq_host_pool_event_store(const hiq_host_pool* pool, uint32_t slot, uint64_t v);
+/* Registers `pool` (buffers, views, events) as a HOST pool. info may be NULL. */
+HIQ_C_API int hiq_register_host_pool(hiq_client* client, const char* model, const char* tenant,
+                                     uint32_t block_tokens, uint32_t codec,
+                                     const hiq_host_pool* pool, hiq_pool* out, hiq_pool_info* info);
+
+/* --- data ------------------------------------------------------------------------------- */
+
+/* prefix_blocks: the longest leading run of keys the pool's namespace holds (0 on failure). */
+HIQ_C_API int hiq_lookup(hiq_client* client, hiq_pool pool, const uint8_t* keys, uint32_t num_keys,
+                         uint32_t* prefix_blocks);
+/* Stores num_keys blocks; block i is rows[i*block_tokens, (i+1)*block_tokens), so num_rows must
+ * be num_keys * block_tokens. wait_event/done_event: -1 = none; wait_value 0 = 1 (HOST).
+ * block_status (num_keys bytes, enum hiq_block_status) and ticket may be NULL. */
+HIQ_C_API int hiq_backup(hiq_client* client, hiq_pool pool, const uint8_t* keys, uint32_t num_keys,
+                         const uint32_t* rows, uint64_t num_rows, int32_t wait_event,
+                         uint64_t wait_value, int32_t done_event, int sync, uint8_t* block_status,
+                         uint64_t* ticket);
+/* Writes the stored blocks into rows (laid out as for hiq_backup), stopping at the first missing
+ * key. layer_event_base: event base + l is signalled once layer l is written (-1 = none).
+ * restored_blocks and ticket may be NULL. */
+HIQ_C_API int hiq_restore(hiq_client* client, hiq_pool pool, const uint8_t* keys, uint32_t num_keys,
+                          const uint32_t* rows, uint64_t num_rows, int32_t wait_event,
+                          uint64_t wait_value, int32_t layer_event_base, int32_t done_event,
+                          int sync, uint32_t* restored_blocks, uint64_t* ticket);
+/* Drops blocks from the pool's namespace; evicted (may be NULL) = how many were present. */
+HIQ_C_API int hiq_evict(hiq_client* client, hiq_pool pool, const uint8_t* keys, uint32_t num_keys,
+                        uint32_t* evicted);
+HIQ_C_API int hiq_get_stats(hiq_client* client, hiq_stats* stats);
+
+/* Keys of the floor(num_tokens / block_tokens) full blocks (hiqcache/block_keys.h: chained
+ * XXH3-128 with `salt`, salt_len bytes, NULL = empty). Writes min(that, max_keys) keys into
+ * keys_out (16 bytes each) and the full count into *num_keys. */
+HIQ_C_API int hiq_compute_block_keys(const uint32_t* tokens, uint64_t num_tokens,
+                                     uint32_t block_tokens, const char* salt, uint64_t salt_len,
+                                     uint8_t* keys_out, uint64_t max_keys, uint64_t* num_keys);
+
+/* --- CUDA (HIQ_UNIMPLEMENTED when built without CUDA) ----------------------------------- */
+
+/* HIQ_OK when a CUDA device is usable; else the reason is in hiq_last_error(). */
+HIQ_C_API int hiq_cuda_available(void);
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of CUDA device `device` into out (>= 41 bytes). */
+HIQ_C_API int hiq_cuda_device_uuid(int device, char* out, uint64_t out_len);
+/* For a device pointer: the IPC handle of its allocation's base (64 bytes into handle_out), the
+ * pointer's offset from that base, the allocation's size and its device. Any out but
+ * handle_out may be NULL. */
+HIQ_C_API int hiq_cuda_export_pointer(const void* device_ptr, uint8_t* handle_out,
+                                      uint64_t* offset_bytes, uint64_t* allocation_bytes,
+                                      int* device);
+/* `count` interprocess events (cudaEventInterprocess | cudaEventDisableTiming) on `device`. */
+HIQ_C_API int hiq_cuda_event_pool_create(int device, uint32_t count, hiq_cuda_event_pool** out);
+HIQ_C_API void hiq_cuda_event_pool_destroy(hiq_cuda_event_pool* pool);
+/* count * 64 bytes of handles, for hiq_pool_desc.cuda_event_handles (valid while pool lives). */
+HIQ_C_API const uint8_t* hiq_cuda_event_pool_handles(const hiq_cuda_event_pool* pool,
+                                                     uint32_t* count);
+/* The cudaEvent_t of event i (NULL when out of range). */
+HIQ_C_API void* hiq_cuda_event_pool_event(const hiq_cuda_event_pool* pool, uint32_t i);
+/* cudaStreamWaitEvent(stream, event i): later work on `stream` (a cudaStream_t; NULL = legacy
+ * default stream) waits for the event's last record. */
+HIQ_C_API int hiq_cuda_event_pool_stream_wait(const hiq_cuda_event_pool* pool, uint32_t i,
+                                              void* stream);
+/* cudaEventRecord(event i, stream). */
+HIQ_C_API int hiq_cuda_event_pool_record(const hiq_cuda_event_pool* pool, uint32_t i, void* stream);
+/* HIQ_OK when the last record of event i has completed, HIQ_UNAVAILABLE while it is pending. */
+HIQ_C_API int hiq_cuda_event_pool_query(const hiq_cuda_event_pool* pool, uint32_t i);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* HIQCACHE_HIQCACHE_C_H_ */

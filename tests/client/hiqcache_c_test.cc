@@ -1,0 +1,427 @@
+// The C ABI (hiqcache/hiqcache_c.h) as a foreign-language engine sees it: libhiqcache.so loaded
+// with dlopen, every entry point resolved by name, only hiq_* symbols exported, codes = gRPC
+// codes with hiq_last_error naming the field, and a HOST pool round trip through the real
+// hiqcached (backup, lookup, restore with per-layer event slots, evict, stats, release). No GPU
+// needed: the hiq_cuda_* entry points must answer cleanly (UNIMPLEMENTED without CUDA in the
+// build, FAILED_PRECONDITION with a reason without a GPU).
+#include "hiqcache/hiqcache_c.h"
+
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hiqcache/block_keys.h"
+#include "integration/daemon_process.h"
+
+#ifndef HIQ_C_LIB_PATH
+#error "HIQ_C_LIB_PATH must name libhiqcache.so"
+#endif
+
+extern "C" int hiq_test_c_header_sizes(void);  // hiqcache_c_header_check.c
+
+namespace hiqcache {
+namespace {
+
+// The entry points, resolved with dlsym as ctypes does.
+struct Api {
+  void* lib = nullptr;
+#define HIQ_FN(name) decltype(&::name) name = nullptr;
+  HIQ_FN(hiq_abi_version)
+  HIQ_FN(hiq_last_error)
+  HIQ_FN(hiq_connect)
+  HIQ_FN(hiq_close)
+  HIQ_FN(hiq_register_pool)
+  HIQ_FN(hiq_release_pool)
+  HIQ_FN(hiq_pool_info_get)
+  HIQ_FN(hiq_host_pool_create)
+  HIQ_FN(hiq_host_pool_destroy)
+  HIQ_FN(hiq_host_pool_data)
+  HIQ_FN(hiq_host_pool_num_rows)
+  HIQ_FN(hiq_host_pool_head_offset)
+  HIQ_FN(hiq_host_pool_wait)
+  HIQ_FN(hiq_host_pool_event_read)
+  HIQ_FN(hiq_host_pool_event_store)
+  HIQ_FN(hiq_register_host_pool)
+  HIQ_FN(hiq_lookup)
+  HIQ_FN(hiq_backup)
+  HIQ_FN(hiq_restore)
+  HIQ_FN(hiq_evict)
+  HIQ_FN(hiq_get_stats)
+  HIQ_FN(hiq_compute_block_keys)
+  HIQ_FN(hiq_cuda_available)
+  HIQ_FN(hiq_cuda_device_uuid)
+  HIQ_FN(hiq_cuda_export_pointer)
+  HIQ_FN(hiq_cuda_event_pool_create)
+  HIQ_FN(hiq_cuda_event_pool_destroy)
+  HIQ_FN(hiq_cuda_event_pool_handles)
+  HIQ_FN(hiq_cuda_event_pool_event)
+  HIQ_FN(hiq_cuda_event_pool_stream_wait)
+  HIQ_FN(hiq_cuda_event_pool_record)
+  HIQ_FN(hiq_cuda_event_pool_query)
+#undef HIQ_FN
+  std::vector<std::string> missing;
+
+  bool Load() {
+    lib = dlopen(HIQ_C_LIB_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      missing.push_back(dlerror());
+      return false;
+    }
+#define HIQ_FN(name)                                          \
+  name = reinterpret_cast<decltype(name)>(dlsym(lib, #name)); \
+  if (name == nullptr) missing.push_back(#name);
+    HIQ_FN(hiq_abi_version)
+    HIQ_FN(hiq_last_error)
+    HIQ_FN(hiq_connect)
+    HIQ_FN(hiq_close)
+    HIQ_FN(hiq_register_pool)
+    HIQ_FN(hiq_release_pool)
+    HIQ_FN(hiq_pool_info_get)
+    HIQ_FN(hiq_host_pool_create)
+    HIQ_FN(hiq_host_pool_destroy)
+    HIQ_FN(hiq_host_pool_data)
+    HIQ_FN(hiq_host_pool_num_rows)
+    HIQ_FN(hiq_host_pool_head_offset)
+    HIQ_FN(hiq_host_pool_wait)
+    HIQ_FN(hiq_host_pool_event_read)
+    HIQ_FN(hiq_host_pool_event_store)
+    HIQ_FN(hiq_register_host_pool)
+    HIQ_FN(hiq_lookup)
+    HIQ_FN(hiq_backup)
+    HIQ_FN(hiq_restore)
+    HIQ_FN(hiq_evict)
+    HIQ_FN(hiq_get_stats)
+    HIQ_FN(hiq_compute_block_keys)
+    HIQ_FN(hiq_cuda_available)
+    HIQ_FN(hiq_cuda_device_uuid)
+    HIQ_FN(hiq_cuda_export_pointer)
+    HIQ_FN(hiq_cuda_event_pool_create)
+    HIQ_FN(hiq_cuda_event_pool_destroy)
+    HIQ_FN(hiq_cuda_event_pool_handles)
+    HIQ_FN(hiq_cuda_event_pool_event)
+    HIQ_FN(hiq_cuda_event_pool_stream_wait)
+    HIQ_FN(hiq_cuda_event_pool_record)
+    HIQ_FN(hiq_cuda_event_pool_query)
+#undef HIQ_FN
+    return missing.empty();
+  }
+};
+
+Api& C() {
+  static Api* api = [] {
+    auto* a = new Api();
+    a->Load();
+    return a;
+  }();
+  return *api;
+}
+
+class HiqcacheCTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_NE(C().lib, nullptr) << (C().missing.empty() ? "" : C().missing[0]);
+    ASSERT_TRUE(C().missing.empty()) << "unresolved: " << C().missing[0];
+  }
+};
+
+TEST_F(HiqcacheCTest, ExportsOnlyTheCAbi) {
+  EXPECT_EQ(C().hiq_abi_version(), HIQ_C_ABI_VERSION);
+  EXPECT_EQ(hiq_test_c_header_sizes(), 1) << "the C view of the structs changed size";
+  // The C++ client linked into the library is hidden: an engine's own copy cannot collide.
+  for (const char* hidden :
+       {"_ZN8hiqcache6Client7ConnectENS_13ClientOptionsE",
+        "_ZN8hiqcache14StatusCodeNameENS_10StatusCodeE", "cudaMalloc", "cudaGetDeviceCount"}) {
+    EXPECT_EQ(dlsym(C().lib, hidden), nullptr) << hidden << " is exported";
+  }
+}
+
+TEST_F(HiqcacheCTest, ComputeBlockKeysMatchesTheCppLibrary) {
+  std::vector<uint32_t> tokens(100);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i * 7919 + 3);
+  const std::string salt = "lora:adapter-7";
+  const std::vector<BlockKey> want = ComputeBlockKeys(tokens, 16, salt);
+  ASSERT_EQ(want.size(), 6u);
+  std::vector<uint8_t> got(16 * 10, 0xEE);
+  uint64_t n = 0;
+  ASSERT_EQ(C().hiq_compute_block_keys(tokens.data(), tokens.size(), 16, salt.data(), salt.size(),
+                                       got.data(), 10, &n),
+            HIQ_OK);
+  ASSERT_EQ(n, 6u);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(std::memcmp(got.data() + 16 * i, want[i].data(), 16), 0) << i;
+  }
+  EXPECT_EQ(got[16 * 6], 0xEE);  // nothing past the keys
+  // Truncated output still reports the full count.
+  ASSERT_EQ(C().hiq_compute_block_keys(tokens.data(), tokens.size(), 16, salt.data(), salt.size(),
+                                       got.data(), 2, &n),
+            HIQ_OK);
+  EXPECT_EQ(n, 6u);
+  EXPECT_EQ(
+      C().hiq_compute_block_keys(tokens.data(), tokens.size(), 0, nullptr, 0, got.data(), 10, &n),
+      HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(C().hiq_last_error()).find("block_tokens"), std::string::npos);
+}
+
+TEST_F(HiqcacheCTest, ErrorsAreGrpcCodesWithMessages) {
+  hiq_client* client = nullptr;
+  EXPECT_EQ(C().hiq_connect("no-port-here", 100, &client), HIQ_INVALID_ARGUMENT);
+  EXPECT_EQ(client, nullptr);
+  EXPECT_NE(std::string(C().hiq_last_error()).find("no-port-here"), std::string::npos);
+  EXPECT_EQ(C().hiq_connect("unix:///nonexistent/hiq.sock", 200, nullptr), HIQ_INVALID_ARGUMENT);
+
+  // Fail-open against no daemon: UNAVAILABLE (or DEADLINE_EXCEEDED), results report misses.
+  ASSERT_EQ(C().hiq_connect("unix:///nonexistent/hiq-c-test.sock", 300, &client), HIQ_OK);
+  hiq_stats stats;
+  const int rc = C().hiq_get_stats(client, &stats);
+  EXPECT_TRUE(rc == HIQ_UNAVAILABLE || rc == HIQ_DEADLINE_EXCEEDED) << rc;
+  EXPECT_STRNE(C().hiq_last_error(), "");
+  uint32_t prefix = 99;
+  uint8_t key[16] = {};
+  EXPECT_EQ(C().hiq_lookup(client, 12345, key, 1, &prefix), HIQ_INVALID_ARGUMENT);  // unknown pool
+  EXPECT_EQ(prefix, 0u);
+  uint8_t status[2] = {0, 0};
+  uint32_t rows[4] = {0, 1, 2, 3};
+  EXPECT_EQ(C().hiq_backup(client, 12345, key, 1, rows, 4, -1, 0, -1, 1, status, nullptr),
+            HIQ_INVALID_ARGUMENT);
+  EXPECT_EQ(status[0], HIQ_BLOCK_NOT_STORED);
+  C().hiq_close(client);
+  C().hiq_close(nullptr);
+}
+
+TEST_F(HiqcacheCTest, CudaEntryPointsAnswerWithoutAGpu) {
+  const int rc = C().hiq_cuda_available();
+  if (rc == HIQ_OK) GTEST_SKIP() << "a CUDA device is usable here: see tests/gpu";
+  EXPECT_TRUE(rc == HIQ_UNIMPLEMENTED || rc == HIQ_FAILED_PRECONDITION) << rc;
+  const std::string why = C().hiq_last_error();
+  EXPECT_FALSE(why.empty());
+  std::printf("hiq_cuda_available: %d (%s)\n", rc, why.c_str());
+  hiq_cuda_event_pool* events = reinterpret_cast<hiq_cuda_event_pool*>(1);
+  EXPECT_NE(C().hiq_cuda_event_pool_create(0, 4, &events), HIQ_OK);
+  EXPECT_EQ(events, nullptr);
+  char uuid[64];
+  EXPECT_NE(C().hiq_cuda_device_uuid(0, uuid, sizeof(uuid)), HIQ_OK);
+  uint8_t handle[64];
+  int host_value = 0;
+  EXPECT_NE(C().hiq_cuda_export_pointer(&host_value, handle, nullptr, nullptr, nullptr), HIQ_OK);
+}
+
+// --- against the real daemon ------------------------------------------------------------------
+
+uint16_t Bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float FromBf16(uint16_t b) {
+  uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+class HiqcacheCDaemonTest : public HiqcacheCTest {
+ protected:
+  void SetUp() override {
+    HiqcacheCTest::SetUp();
+    daemon_ = std::make_unique<testing::DaemonProcess>(
+        "64MiB", std::vector<std::string>{"--device", "host"});
+    ASSERT_TRUE(daemon_->Start());
+    ASSERT_EQ(C().hiq_connect(daemon_->target().c_str(), 5000, &client_), HIQ_OK)
+        << C().hiq_last_error();
+  }
+  void TearDown() override {
+    if (client_ != nullptr) C().hiq_close(client_);
+    daemon_.reset();
+  }
+  std::unique_ptr<testing::DaemonProcess> daemon_;
+  hiq_client* client_ = nullptr;
+};
+
+TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
+  const Api& c = C();
+  hiq_geometry g{};
+  g.num_layers = 3;
+  g.num_kv_heads = 2;
+  g.head_dim = 64;
+  g.dtype = HIQ_DTYPE_BF16;
+  const uint32_t kRows = 64, kBlockTokens = 4, kBlocks = 3;
+  hiq_host_pool* pool = nullptr;
+  ASSERT_EQ(c.hiq_host_pool_create(&g, HIQ_LAYOUT_VLLM_PAGED, kRows, 8, 8, &pool), HIQ_OK)
+      << c.hiq_last_error();
+  ASSERT_EQ(c.hiq_host_pool_num_rows(pool), kRows);
+  uint64_t size = 0;
+  auto* data = static_cast<uint8_t*>(c.hiq_host_pool_data(pool, &size));
+  ASSERT_NE(data, nullptr);
+  EXPECT_EQ(c.hiq_host_pool_head_offset(pool, 3, 0, 0, 0), UINT64_MAX);
+  EXPECT_EQ(c.hiq_host_pool_head_offset(pool, 0, 0, kRows, 0), UINT64_MAX);
+
+  // Rows 10.. hold data; restore targets rows 40.. .
+  std::vector<uint32_t> src_rows, dst_rows;
+  for (uint32_t i = 0; i < kBlocks * kBlockTokens; ++i) {
+    src_rows.push_back(10 + i);
+    dst_rows.push_back(40 + i);
+  }
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto head = [&](uint32_t l, uint32_t p, uint32_t r, uint32_t h) {
+    const uint64_t off = c.hiq_host_pool_head_offset(pool, l, p, r, h);
+    EXPECT_NE(off, UINT64_MAX);
+    EXPECT_LE(off + g.head_dim * 2, size);
+    return reinterpret_cast<uint16_t*>(data + off);
+  };
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (uint32_t r : src_rows)
+        for (uint32_t h = 0; h < g.num_kv_heads; ++h)
+          for (uint32_t d = 0; d < g.head_dim; ++d)
+            head(l, p, r, h)[d] = Bf16(normal(rng) * (h + 1));
+
+  hiq_pool handle = 0;
+  hiq_pool_info info;
+  ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-test", nullptr, kBlockTokens,
+                                     HIQ_CODEC_INT8_PER_HEAD, pool, &handle, &info),
+            HIQ_OK)
+      << c.hiq_last_error();
+  EXPECT_NE(handle, 0u);
+  EXPECT_EQ(info.encoded_bytes_per_token, 3u * 2 * (2 * 64 + 2 * 2));
+  EXPECT_GT(std::strlen(info.namespace_id), 0u);
+
+  std::vector<uint32_t> tokens(kBlocks * kBlockTokens + 2);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i + 100);
+  std::vector<uint8_t> keys(16 * kBlocks);
+  uint64_t nkeys = 0;
+  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBlockTokens, nullptr, 0,
+                                     keys.data(), kBlocks, &nkeys),
+            HIQ_OK);
+  ASSERT_EQ(nkeys, kBlocks);
+
+  // Bad rows count: INVALID_ARGUMENT naming rows, nothing stored.
+  uint8_t status[kBlocks];
+  EXPECT_EQ(c.hiq_backup(client_, handle, keys.data(), kBlocks, src_rows.data(),
+                         src_rows.size() - 1, -1, 0, -1, 1, status, nullptr),
+            HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("rows"), std::string::npos);
+  EXPECT_EQ(status[0], HIQ_BLOCK_NOT_STORED);
+
+  uint64_t ticket = 0;
+  ASSERT_EQ(c.hiq_backup(client_, handle, keys.data(), kBlocks, src_rows.data(), src_rows.size(),
+                         -1, 0, -1, 1, status, &ticket),
+            HIQ_OK)
+      << c.hiq_last_error();
+  for (uint8_t s : status) EXPECT_EQ(s, HIQ_BLOCK_STORED);
+  EXPECT_GT(ticket, 0u);
+  uint32_t prefix = 0;
+  ASSERT_EQ(c.hiq_lookup(client_, handle, keys.data(), kBlocks, &prefix), HIQ_OK);
+  EXPECT_EQ(prefix, kBlocks);
+
+  // Asynchronous restore with per-layer event slots 2.. and done slot 1.
+  uint32_t restored = 0;
+  ASSERT_EQ(c.hiq_restore(client_, handle, keys.data(), kBlocks, dst_rows.data(), dst_rows.size(),
+                          -1, 0, 2, 1, 0, &restored, &ticket),
+            HIQ_OK)
+      << c.hiq_last_error();
+  EXPECT_EQ(restored, kBlocks);
+  ASSERT_EQ(c.hiq_host_pool_wait(pool, 1, ticket, 5000), HIQ_OK) << c.hiq_last_error();
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    EXPECT_GE(c.hiq_host_pool_event_read(pool, 2 + l), ticket);
+
+  // Every element within |x^ - x| <= (0.5 + 2^-8) s + 2^-8 |x^|, s = bf16(amax / 127).
+  uint64_t checked = 0, bad = 0;
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (size_t i = 0; i < src_rows.size(); ++i)
+        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+          const uint16_t* x = head(l, p, src_rows[i], h);
+          const uint16_t* y = head(l, p, dst_rows[i], h);
+          float amax = 0;
+          for (uint32_t d = 0; d < g.head_dim; ++d)
+            amax = std::max(amax, std::fabs(FromBf16(x[d])));
+          const double s = FromBf16(Bf16(std::max(amax, 0x1p-112f) / 127.0f));
+          for (uint32_t d = 0; d < g.head_dim; ++d) {
+            const double xv = FromBf16(x[d]), yv = FromBf16(y[d]);
+            bad += !(std::fabs(yv - xv) <= (0.5 + 0x1p-8) * s + 0x1p-8 * std::fabs(yv));
+            ++checked;
+          }
+        }
+  EXPECT_EQ(bad, 0u) << "of " << checked;
+  EXPECT_EQ(checked, uint64_t{3} * 2 * 12 * 2 * 64);
+
+  hiq_stats stats;
+  ASSERT_EQ(c.hiq_get_stats(client_, &stats), HIQ_OK);
+  EXPECT_EQ(stats.blocks, kBlocks);
+  EXPECT_EQ(stats.num_pools, 1u);
+  EXPECT_STREQ(stats.device, "host");
+
+  uint32_t evicted = 0;
+  ASSERT_EQ(c.hiq_evict(client_, handle, keys.data(), 1, &evicted), HIQ_OK);
+  EXPECT_EQ(evicted, 1u);
+  ASSERT_EQ(c.hiq_lookup(client_, handle, keys.data(), kBlocks, &prefix), HIQ_OK);
+  EXPECT_EQ(prefix, 0u);  // the prefix now misses at block 0
+
+  ASSERT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+  EXPECT_EQ(c.hiq_lookup(client_, handle, keys.data(), 1, &prefix), HIQ_INVALID_ARGUMENT);
+  c.hiq_host_pool_destroy(pool);
+}
+
+// The flat description path, for CUDA pools on a daemon without a CUDA backend: handle sizes are
+// checked (INVALID_ARGUMENT naming the buffer), then the device kind (FAILED_PRECONDITION).
+TEST_F(HiqcacheCDaemonTest, CudaDescriptionsAreValidated) {
+  const Api& c = C();
+  hiq_geometry g{};
+  g.num_layers = 2;
+  g.num_kv_heads = 8;
+  g.head_dim = 128;
+  const uint32_t slots = 32;
+  const uint64_t t = uint64_t{slots} * 8 * 128 * 2;
+  std::vector<uint8_t> handle(64, 0x42);
+  hiq_buffer buffer{};
+  buffer.cuda_ipc_handle = handle.data();
+  buffer.cuda_ipc_handle_len = 64;
+  buffer.size_bytes = 4 * t;
+  std::vector<hiq_layer_view> layers(2);
+  for (uint32_t l = 0; l < 2; ++l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      hiq_tensor_view& v = p == 0 ? layers[l].k : layers[l].v;
+      v.buffer = 0;
+      v.num_rows = slots;
+      v.offset_bytes = (2 * l + p) * t;
+      v.row_stride_bytes = 8 * 128 * 2;
+    }
+    layers[l].has_v = 1;
+  }
+  std::vector<uint8_t> events(64 * 4, 0x17);
+  hiq_pool_desc desc{};
+  desc.model = "c-abi-cuda";
+  desc.geometry = g;
+  desc.block_tokens = 16;
+  desc.device_kind = HIQ_DEVICE_CUDA;
+  desc.cuda_device_uuid = "GPU-00000000-0000-0000-0000-000000000001";
+  desc.num_buffers = 1;
+  desc.buffers = &buffer;
+  desc.layers = layers.data();
+  desc.num_cuda_events = 4;
+  desc.cuda_event_handles = events.data();
+  hiq_pool out = 7;
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_FAILED_PRECONDITION);
+  EXPECT_EQ(out, 0u);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("device.kind"), std::string::npos)
+      << c.hiq_last_error();
+  buffer.cuda_ipc_handle_len = 63;
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("buffers[0].cuda_ipc_handle"), std::string::npos)
+      << c.hiq_last_error();
+  desc.device_kind = 7;
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_INVALID_ARGUMENT);
+  hiq_stats stats;
+  ASSERT_EQ(c.hiq_get_stats(client_, &stats), HIQ_OK);
+  EXPECT_EQ(stats.num_pools, 0u);
+}
+
+}  // namespace
+}  // namespace hiqcache
