@@ -159,23 +159,25 @@ size_t CacheCore::ReleasePoolsOfClient(uint32_t pid) {
   return ids.size();
 }
 
+StatusOr<std::vector<BlockKey>> CacheCore::CheckedKeys(const std::vector<std::string>& keys) const {
+  HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
+  std::vector<BlockKey> out;
+  out.reserve(keys.size());
+  for (const auto& s : keys) out.push_back(ToBlockKey(s));
+  return out;
+}
+
 StatusOr<uint32_t> CacheCore::Lookup(uint64_t pool_id, const std::vector<std::string>& keys) {
   if (draining()) return Unavailable("hiqcached is shutting down");
   HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id));
-  HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
-  std::vector<BlockKey> k;
-  k.reserve(keys.size());
-  for (const auto& s : keys) k.push_back(ToBlockKey(s));
+  HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(keys));
   return store_->LookupPrefix(pool->ns->id, k);
 }
 
 StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::string>& keys) {
   if (draining()) return Unavailable("hiqcached is shutting down");
   HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id));
-  HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
-  std::vector<BlockKey> k;
-  k.reserve(keys.size());
-  for (const auto& s : keys) k.push_back(ToBlockKey(s));
+  HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(keys));
   return store_->Evict(pool->ns->id, k);
 }
 

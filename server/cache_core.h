@@ -143,6 +143,8 @@ class CacheCore {
  private:
   struct Pool;
   StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id) const;
+  // The keys of a Lookup/Evict, validated (16 bytes each, within the per-request limit).
+  StatusOr<std::vector<BlockKey>> CheckedKeys(const std::vector<std::string>& keys) const;
 
   const CoreOptions options_;
   BlockStore* const store_;
