@@ -1,0 +1,331 @@
+// Throughput of the CPU codec against memcpy of the same bytes, in one run.
+//
+// Qwen3-8B geometry (8 KV heads x 128, 36 layers, K and V, BF16), 64-token blocks. Rows are
+// gathered from (encode) or scattered into (decode) a pool of per-layer [slots, heads, dim]
+// buffers in shuffled order, as a SGLang backup/restore would. The working set (~300 MiB of
+// BF16 per pass) is far beyond the L3 cache, so every benchmark streams from and to DRAM.
+// Rates count the BF16 bytes (2 per element) for every benchmark, memcpy included.
+//
+// Two memcpy baselines: "memcpy rows" copies the same gathered rows (2,048-byte memcpy calls,
+// the access pattern of the codec and of CODEC_RAW) and is the one the ratios use; "memcpy flat"
+// copies the same number of bytes in large contiguous chunks (sequential, and glibc uses
+// non-temporal stores at this size), an upper bound no gather reaches.
+//
+// At the end the medians over repetitions are printed with the ratios the design targets:
+// encode and decode each >= 0.8x single-thread memcpy (DESIGN.md "Targets").
+//   codec_bench --benchmark_repetitions=5
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "codec_cpu.h"
+#include "codec_reference.h"
+#include "codec_test_util.h"
+#include "thread_pool.h"
+
+namespace hiqcache::kernels {
+namespace {
+
+using testutil::BlockSet;
+using testutil::KvPool;
+
+constexpr uint32_t kPoolSlots = 3072;
+constexpr uint32_t kBlocks = 32;
+constexpr uint32_t kBlockTokens = 64;
+// The scalar reference is ~10x slower; a smaller (still DRAM-sized) job keeps the run short.
+constexpr uint32_t kReferenceBlocks = 8;
+
+BlockLayout Qwen3Layout(CodecKind codec) {
+  BlockLayout lay;
+  lay.row.num_heads = 8;
+  lay.row.head_dim = 128;
+  lay.row.dtype = DType::kBF16;
+  lay.row.codec = codec;
+  lay.num_layers = 36;
+  lay.kv_planes = 2;
+  lay.block_tokens = kBlockTokens;
+  return lay;
+}
+
+unsigned AllThreads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+struct BenchData {
+  BenchData()
+      : pool(Qwen3Layout(CodecKind::kInt8PerHead), kPoolSlots, testutil::ViewKind::kContiguous),
+        encoded(Qwen3Layout(CodecKind::kInt8PerHead), kBlocks, 1),  // nonzero: touch every page
+        raw(Qwen3Layout(CodecKind::kRaw), kBlocks, 1) {
+    // Gaussian BF16 values with a per-head sigma, copied from a table (generating ~200M values
+    // one by one would dominate the run).
+    testutil::Rng rng(42);
+    std::vector<uint16_t> table(1 << 20);
+    for (size_t i = 0; i < table.size(); i += 128) {
+      testutil::GenHead(testutil::InputClass::kGaussian, DType::kBF16, rng, table.data() + i, 128);
+    }
+    pool.ForEachHead([&](uint32_t, uint32_t, uint32_t, uint32_t, uint16_t* x) {
+      std::memcpy(x, table.data() + rng.Below(static_cast<uint32_t>(table.size() - 128)), 256);
+    });
+    rows = testutil::RandomRows(kPoolSlots, static_cast<size_t>(kBlocks) * kBlockTokens, rng);
+  }
+
+  size_t BF16Bytes(uint32_t blocks) const {
+    return static_cast<size_t>(blocks) * pool.layout().num_layers * pool.layout().kv_planes *
+           kBlockTokens * pool.row_format().InputRowBytes();
+  }
+  EncodeJob Encode(uint32_t blocks) {
+    EncodeJob job = testutil::MakeEncodeJob(pool, rows, encoded, nonfinite);
+    job.num_blocks = blocks;
+    return job;
+  }
+  DecodeJob Decode(uint32_t blocks) {
+    DecodeJob job = testutil::MakeDecodeJob(pool, rows, encoded);
+    job.num_blocks = blocks;
+    return job;
+  }
+
+  KvPool pool;
+  BlockSet encoded;
+  BlockSet raw;
+  std::vector<uint32_t> rows;
+  uint8_t nonfinite[kBlocks] = {};
+};
+
+BenchData& Data() {
+  static BenchData* data = new BenchData();
+  return *data;
+}
+
+// memcpy of the same rows the codec gathers, into the same [layer][plane][token] block order
+// (what CODEC_RAW does), one 2,048-byte row per call.
+void MemcpyRows(ThreadPool& tp, BenchData& d) {
+  const BlockLayout& lay = d.pool.layout();
+  const size_t row_bytes = lay.row.InputRowBytes();
+  tp.ParallelFor(static_cast<size_t>(kBlocks) * lay.num_layers, [&](size_t item) {
+    const uint32_t b = static_cast<uint32_t>(item / lay.num_layers);
+    const uint32_t l = static_cast<uint32_t>(item % lay.num_layers);
+    const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
+    uint8_t* dst =
+        d.raw[b].data() + static_cast<size_t>(l) * lay.kv_planes * kBlockTokens * row_bytes;
+    for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      const StridedView& v = d.pool.view(l, p);
+      for (uint32_t t = 0; t < kBlockTokens; ++t) {
+        std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
+        dst += row_bytes;
+      }
+    }
+  });
+}
+
+void BM_MemcpyRows(benchmark::State& state) {
+  BenchData& d = Data();
+  ThreadPool tp(static_cast<unsigned>(state.range(0)));
+  for (auto _ : state) {
+    MemcpyRows(tp, d);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+}
+
+// One large memcpy per layer of the same total size: plain streaming bandwidth (glibc switches
+// to non-temporal stores at this size).
+void BM_MemcpyFlat(benchmark::State& state) {
+  BenchData& d = Data();
+  const size_t total = d.BF16Bytes(kBlocks);
+  const uint32_t layers = d.pool.layout().num_layers;
+  const size_t chunk = total / layers;
+  for (auto _ : state) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      uint8_t* dst = d.raw[l % kBlocks].data() + (l / kBlocks) * chunk;
+      std::memcpy(dst, d.pool.buffer(l).data(), chunk);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * chunk * layers));
+}
+
+void BM_Encode(benchmark::State& state) {
+  BenchData& d = Data();
+  CpuCodec codec(static_cast<unsigned>(state.range(0)));
+  const EncodeJob job = d.Encode(kBlocks);
+  for (auto _ : state) {
+    codec.Encode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(CpuCodec::TargetName());
+}
+
+void BM_Decode(benchmark::State& state) {
+  BenchData& d = Data();
+  CpuCodec codec(static_cast<unsigned>(state.range(0)));
+  codec.Encode(d.Encode(kBlocks));
+  const DecodeJob job = d.Decode(kBlocks);
+  for (auto _ : state) {
+    codec.Decode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(CpuCodec::TargetName());
+}
+
+void BM_EncodeReference(benchmark::State& state) {
+  BenchData& d = Data();
+  const EncodeJob job = d.Encode(kReferenceBlocks);
+  for (auto _ : state) {
+    EncodeBlocksReference(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kReferenceBlocks)));
+}
+
+void BM_DecodeReference(benchmark::State& state) {
+  BenchData& d = Data();
+  EncodeBlocksReference(d.Encode(kReferenceBlocks));
+  const DecodeJob job = d.Decode(kReferenceBlocks);
+  for (auto _ : state) {
+    DecodeBlocksReference(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kReferenceBlocks)));
+}
+
+// The same codec on a working set that fits in L2 (2 layers, 4 blocks from 256 slots): the
+// compute cost alone, for diagnosing whether the DRAM-sized runs are memory- or compute-bound.
+struct HotData {
+  HotData() : pool(HotLayout(), 256, testutil::ViewKind::kContiguous), encoded(HotLayout(), 4, 1) {
+    pool.Fill(testutil::InputClass::kGaussian, 3);
+    testutil::Rng rng(3);
+    rows = testutil::RandomRows(256, 4 * kBlockTokens, rng);
+  }
+  static BlockLayout HotLayout() {
+    BlockLayout lay = Qwen3Layout(CodecKind::kInt8PerHead);
+    lay.num_layers = 1;
+    return lay;
+  }
+  KvPool pool;
+  BlockSet encoded;
+  std::vector<uint32_t> rows;
+};
+
+void BM_EncodeHot(benchmark::State& state) {
+  static HotData* d = new HotData();
+  CpuCodec codec(1);
+  const EncodeJob job = testutil::MakeEncodeJob(d->pool, d->rows, d->encoded, nullptr);
+  for (auto _ : state) {
+    codec.Encode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d->rows.size() * 2 *
+                                               d->pool.row_format().InputRowBytes()));
+}
+
+void BM_DecodeHot(benchmark::State& state) {
+  static HotData* d = new HotData();
+  CpuCodec codec(1);
+  codec.Encode(testutil::MakeEncodeJob(d->pool, d->rows, d->encoded, nullptr));
+  const DecodeJob job = testutil::MakeDecodeJob(d->pool, d->rows, d->encoded);
+  for (auto _ : state) {
+    codec.Decode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d->rows.size() * 2 *
+                                               d->pool.row_format().InputRowBytes()));
+}
+
+void ThreadArgs(benchmark::internal::Benchmark* b) {
+  b->ArgName("threads")->Arg(1);
+  if (AllThreads() > 1) b->Arg(AllThreads());
+}
+
+BENCHMARK(BM_MemcpyFlat)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MemcpyRows)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Encode)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Decode)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EncodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EncodeHot)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeHot)->Unit(benchmark::kMicrosecond);
+
+// Console output as usual, plus every repetition's BF16 GB/s (from real time) per benchmark.
+class CollectingReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
+      // SetBytesProcessed's counter, already divided by the (real, with UseRealTime) time.
+      auto it = run.counters.find("bytes_per_second");
+      if (it == run.counters.end()) continue;
+      rates_[run.run_name.function_name + (run.run_name.args.empty() ? "" : "/") +
+             run.run_name.args]
+          .push_back(it->second.value / 1e9);
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+
+  // Median GB/s of benchmark `name` ("BM_Encode/threads:1"), or 0 when it did not run.
+  double Median(const std::string& name) const {
+    auto it = rates_.find(name);
+    if (it == rates_.end() || it->second.empty()) return 0.0;
+    std::vector<double> v = it->second;
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  }
+
+ private:
+  std::map<std::string, std::vector<double>> rates_;
+};
+
+void PrintSummary(const CollectingReporter& rep) {
+  const std::string all = "threads:" + std::to_string(AllThreads());
+  const double memcpy1 = rep.Median("BM_MemcpyRows/threads:1");
+  const double flat1 = rep.Median("BM_MemcpyFlat");
+  const double enc1 = rep.Median("BM_Encode/threads:1");
+  const double dec1 = rep.Median("BM_Decode/threads:1");
+  const double memcpyn = rep.Median("BM_MemcpyRows/" + all);
+  const double encn = rep.Median("BM_Encode/" + all);
+  const double decn = rep.Median("BM_Decode/" + all);
+  const double encr = rep.Median("BM_EncodeReference");
+  const double decr = rep.Median("BM_DecodeReference");
+  auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+  std::printf(
+      "\nMedians, GB/s (1e9 B/s; the table's G/s are GiB/s) of BF16 input (Highway target %s, "
+      "%u threads):\n",
+      CpuCodec::TargetName(), AllThreads());
+  std::printf("  memcpy rows 1T  %7.2f   memcpy flat 1T %7.2f   memcpy rows %uT %7.2f\n", memcpy1,
+              flat1, AllThreads(), memcpyn);
+  std::printf("  encode 1T       %7.2f   decode 1T      %7.2f\n", enc1, dec1);
+  std::printf("  encode %uT       %7.2f   decode %uT      %7.2f\n", AllThreads(), encn,
+              AllThreads(), decn);
+  std::printf("  reference encode 1T %5.2f   reference decode 1T %5.2f\n", encr, decr);
+  std::printf("  L2-resident (compute only): encode 1T %5.2f   decode 1T %5.2f\n",
+              rep.Median("BM_EncodeHot"), rep.Median("BM_DecodeHot"));
+  std::printf("encode/memcpy = %.2f\n", ratio(enc1, memcpy1));
+  std::printf("decode/memcpy = %.2f\n", ratio(dec1, memcpy1));
+  std::printf("encode/memcpy_flat = %.2f\n", ratio(enc1, flat1));
+  std::printf("decode/memcpy_flat = %.2f\n", ratio(dec1, flat1));
+  std::printf("encode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(encn, memcpyn));
+  std::printf("decode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(decn, memcpyn));
+  std::printf("reference_encode/memcpy = %.2f\n", ratio(encr, memcpy1));
+  std::printf("reference_decode/memcpy = %.2f\n", ratio(decr, memcpy1));
+  std::printf("target: encode/memcpy >= 0.80 and decode/memcpy >= 0.80 (single thread)\n");
+}
+
+}  // namespace
+}  // namespace hiqcache::kernels
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  hiqcache::kernels::CollectingReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  hiqcache::kernels::PrintSummary(reporter);
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,459 @@
+// The SIMD CPU executor (single rows and CpuCodec with several thread counts) against the
+// float64 model and the scalar reference: same bytes for every input class, geometry, dtype and
+// view shape, on every Highway target this machine can run; the error bound; non-finite
+// flags (vector part and scalar tail); CODEC_RAW; decode writes exactly the requested rows.
+#include "codec_cpu.h"
+
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codec_reference.h"
+#include "codec_test_util.h"
+
+namespace hiqcache::kernels {
+namespace {
+
+using namespace testutil;  // NOLINT: test-only helpers
+
+void ExpectNoErrors(const std::vector<std::string>& errors) {
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
+  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
+}
+
+// Row-at-a-time use of EncodeRowSimd / DecodeRowSimd over a whole job.
+void EncodeRowsSimd(const EncodeJob& job) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    bool finite = true;
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+          finite &= EncodeRowSimd(lay.row, job.layers[l].planes[p],
+                                  job.rows[static_cast<size_t>(b) * lay.block_tokens + t],
+                                  job.blocks[b] + lay.RowOffset(l, p, t));
+        }
+      }
+    }
+    if (job.nonfinite != nullptr) job.nonfinite[b] = finite ? 0 : 1;
+  }
+}
+
+void DecodeRowsSimd(const DecodeJob& job) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+          DecodeRowSimd(lay.row, job.blocks[b] + lay.RowOffset(l, p, t), job.layers[l].planes[p],
+                        job.rows[static_cast<size_t>(b) * lay.block_tokens + t]);
+        }
+      }
+    }
+  }
+}
+
+// The executors under test. The codecs are shared by the returned closures.
+std::vector<Executor> SimdExecutors() {
+  std::vector<Executor> ex;
+  ex.push_back({"simd_rows", EncodeRowsSimd, DecodeRowsSimd});
+  for (unsigned threads : {1u, 2u, 3u}) {
+    auto codec = std::make_shared<CpuCodec>(threads);
+    ex.push_back({"cpu_codec_" + std::to_string(threads) + "t",
+                  [codec](const EncodeJob& j) { codec->Encode(j); },
+                  [codec](const DecodeJob& j) { codec->Decode(j); }});
+  }
+  // DecodeLayer in reverse layer order, as a restore that signals per layer might call it.
+  auto codec = std::make_shared<CpuCodec>(2);
+  ex.push_back({"cpu_codec_2t_by_layer", [codec](const EncodeJob& j) { codec->Encode(j); },
+                [codec](const DecodeJob& j) {
+                  for (uint32_t l = j.layout.num_layers; l-- > 0;) codec->DecodeLayer(j, l);
+                }});
+  return ex;
+}
+
+// Every input class x geometry x dtype (the view shape rotates), all executors.
+TEST(CodecCpu, MatchesFloat64ModelEverywhere) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  const std::vector<Executor> execs = SimdExecutors();
+  uint64_t seed = 1000;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : TestGeometries()) {
+      for (InputClass c : AllInputClasses()) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype);
+        spec.input = c;
+        spec.view = AllViewKinds()[vk++ % AllViewKinds().size()];
+        spec.seed = seed++;
+        if (g.heads * g.dim >= 4096) spec.num_blocks = 2;
+        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.max_err_over_s, 0.4);
+  std::printf("  %llu elements checked, max |x^ - x| / s = %.4f (target %s)\n",
+              static_cast<unsigned long long>(bound.elements), bound.max_err_over_s,
+              CpuCodec::TargetName());
+}
+
+// Every view shape with every dtype for the engine geometry, and odd block sizes.
+TEST(CodecCpu, EveryViewShape) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  const std::vector<Executor> execs = SimdExecutors();
+  uint64_t seed = 2000;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (ViewKind vk : AllViewKinds()) {
+      for (uint32_t tokens : {1u, 5u, 16u}) {
+        CaseSpec spec;
+        spec.layout = MakeLayout({8, 128, 2}, dtype, CodecKind::kInt8PerHead, 2, tokens);
+        spec.input = InputClass::kRowMix;
+        spec.view = vk;
+        spec.seed = seed++;
+        spec.num_blocks = 4;
+        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+}
+
+// Explicit shapes: K and V of a token interleaved in one row ([slots][K|V][heads][dim]), and
+// heads further apart than their rows (head-major [heads][slots][dim]).
+TEST(CodecCpu, ExplicitShapes) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  std::vector<Executor> execs = SimdExecutors();
+  execs.push_back({"reference", [](const EncodeJob& j) { EncodeBlocksReference(j); },
+                   [](const DecodeJob& j) { DecodeBlocksReference(j); }});
+  uint64_t seed = 2500;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : {Geometry{8, 128, 2}, Geometry{3, 72, 2}}) {
+      const uint64_t head_bytes = uint64_t{g.dim} * 2;
+      KvPool::Shape interleaved;
+      interleaved.head_stride = head_bytes;
+      interleaved.plane_offset = g.heads * head_bytes;
+      interleaved.row_stride = 2 * g.heads * head_bytes;
+      KvPool::Shape head_major;
+      head_major.row_stride = head_bytes;
+      head_major.head_stride = 64 * head_bytes;  // pool_rows slots per head
+      head_major.plane_offset = g.heads * head_major.head_stride;
+      for (const KvPool::Shape& shape : {interleaved, head_major}) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype);
+        spec.input = InputClass::kRowMix;
+        spec.shape = shape;
+        spec.seed = seed++;
+        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.elements, 0u);
+}
+
+// Heads holding every finite value of the dtype up to amax (both signs) for many scales,
+// including scales where half the values are exact ties x / s = k + 1/2: the quotient of the
+// vector path must round exactly like the float64 one.
+TEST(CodecCpu, EveryValueAtManyScales) {
+  Rng rng(77);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = FormatOf(dtype).max_bits;
+    std::vector<double> amaxes = {0.0, MaxFinite(dtype)};
+    for (int e = -8; e <= 8; ++e) {
+      for (int m : {1, 3, 5, 7}) amaxes.push_back(127.0 * m * std::ldexp(1.0, e));  // s = m*2^e
+    }
+    std::vector<uint16_t> amax_bits;
+    for (double a : amaxes) amax_bits.push_back(DoubleToHalfBits(a, dtype));
+    for (int i = 0; i < 24; ++i) amax_bits.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+
+    RowFormat fmt;
+    fmt.num_heads = 8;
+    fmt.head_dim = 128;
+    fmt.dtype = dtype;
+    std::vector<uint16_t> row(fmt.ElementsPerRow());
+    std::vector<uint8_t> got(fmt.RowBytes()), want(fmt.RowBytes());
+    StridedView view;
+    view.base = reinterpret_cast<uint8_t*>(row.data());
+    view.row_stride = fmt.InputRowBytes();
+    view.head_stride = fmt.head_dim * 2;
+    view.num_rows = 1;
+    uint64_t rows_checked = 0;
+    int mismatches = 0;
+    for (uint16_t a : amax_bits) {
+      // Values 0..a, alternating signs, 127 per head after the amax element.
+      uint32_t next = 0;
+      while (next <= a) {
+        for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+          uint16_t* x = row.data() + h * fmt.head_dim;
+          x[0] = a;
+          for (uint32_t i = 1; i < fmt.head_dim; ++i) {
+            const uint32_t v = next <= a ? next++ : 0;
+            x[i] = static_cast<uint16_t>(v | ((i & 1) ? 0x8000u : 0u));
+          }
+        }
+        ASSERT_TRUE(EncodeRowSimd(fmt, view, 0, got.data()));
+        const uint8_t* heads[8];
+        for (uint32_t h = 0; h < 8; ++h) heads[h] = view.base + h * view.head_stride;
+        ASSERT_TRUE(ModelEncodeRow(fmt, heads, want.data()));
+        ++rows_checked;
+        if (got != want && mismatches++ < 5) {
+          size_t off = 0;
+          while (got[off] == want[off]) ++off;
+          ADD_FAILURE() << DTypeName(dtype) << " amax 0x" << std::hex << a << ": byte " << std::dec
+                        << off << " got " << int{got[off]} << " want " << int{want[off]};
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << DTypeName(dtype);
+    EXPECT_GT(rows_checked, 1000u);
+  }
+}
+
+// SIMD and scalar reference: identical bytes on a larger job, and identical restored pools,
+// for 1, 2, 3 and 8 threads (more threads than cores, and than some jobs' items).
+TEST(CodecCpu, SameBytesAsReferenceForAnyThreadCount) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = MakeLayout({8, 128, 2}, dtype, CodecKind::kInt8PerHead, 3, 64);
+    KvPool src(lay, 512, ViewKind::kPaged, 5);
+    src.Fill(InputClass::kRowMix, 5);
+    Rng rng(5);
+    const std::vector<uint32_t> rows = RandomRows(512, 5 * lay.block_tokens, rng);
+    BlockSet ref(lay, 5);
+    EncodeBlocksReference(MakeEncodeJob(src, rows, ref, nullptr));
+    KvPool ref_out(lay, 512, ViewKind::kPaged, 5);
+    ref_out.FillBytes(0x3C);
+    DecodeBlocksReference(MakeDecodeJob(ref_out, rows, ref));
+    for (unsigned threads : {1u, 2u, 3u, 8u}) {
+      CpuCodec codec(threads);
+      EXPECT_EQ(codec.threads(), threads);
+      BlockSet got(lay, 5);
+      std::vector<uint8_t> flags(5, 0xEE);
+      codec.Encode(MakeEncodeJob(src, rows, got, flags.data()));
+      EXPECT_TRUE(got == ref) << DTypeName(dtype) << " " << threads << " threads";
+      EXPECT_EQ(flags, std::vector<uint8_t>(5, 0));
+      KvPool out(lay, 512, ViewKind::kPaged, 5);
+      out.FillBytes(0x3C);
+      codec.Decode(MakeDecodeJob(out, rows, got));
+      for (uint32_t l = 0; l < lay.num_layers; ++l) {
+        EXPECT_TRUE(out.buffer(l) == ref_out.buffer(l))
+            << DTypeName(dtype) << " " << threads << " threads, layer " << l;
+      }
+    }
+  }
+}
+
+std::vector<Plant> NonfinitePlants(const BlockLayout& lay, uint16_t bits, uint32_t elem) {
+  const uint32_t last_plane = lay.kv_planes - 1;
+  const uint32_t t = lay.block_tokens;
+  return {
+      {1, last_plane, 1 * t + 2, lay.row.num_heads - 1, elem, bits},  // block 1
+      {0, 0, 3 * t + t - 1, 0, elem, bits},                           // block 3, last row
+      {0, last_plane, 5 * t + 7, 0, elem, bits},                      // a row no block holds
+  };
+}
+
+// NaN (quiet, signaling, both signs) and +-Inf flag exactly the blocks holding them, whether
+// they sit in the vector part of a head or in its scalar tail (head_dim 100: 96 + 4 with 16 or
+// 8 lanes; 7: no vector part); the other blocks' payloads still match the model.
+TEST(CodecCpu, NonfiniteRowsFlagTheirBlocks) {
+  std::vector<std::string> errors;
+  std::vector<Executor> execs = SimdExecutors();
+  execs.push_back({"reference", [](const EncodeJob& j) { EncodeBlocksReference(j); },
+                   [](const DecodeJob& j) { DecodeBlocksReference(j); }});
+  uint64_t seed = 3000;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t inf = InfBits(dtype);
+    const uint16_t quiet = static_cast<uint16_t>(inf | (inf >> 1 & ~inf));
+    const uint16_t values[] = {inf, static_cast<uint16_t>(0x8000u | inf), quiet,
+                               static_cast<uint16_t>(0x8000u | quiet),
+                               static_cast<uint16_t>(inf | 1u)};
+    for (const Geometry& g :
+         {Geometry{2, 100, 2}, Geometry{1, 576, 1}, Geometry{3, 72, 2}, Geometry{1, 7, 1}}) {
+      for (uint32_t elem : {3u, g.dim - 1}) {  // vector part (if any), last element (tail)
+        for (uint16_t v : values) {
+          CaseSpec spec;
+          spec.layout = MakeLayout(g, dtype);
+          spec.num_blocks = 4;
+          spec.view = AllViewKinds()[seed % 4];
+          spec.seed = seed++;
+          for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v, elem), execs)) {
+            errors.push_back(e);
+          }
+        }
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+}
+
+TEST(CodecCpu, NonfiniteFlagsMayBeNull) {
+  const BlockLayout lay = MakeLayout({2, 100, 2}, DType::kBF16);
+  KvPool src(lay, 32, ViewKind::kContiguous, 9);
+  src.Fill(InputClass::kGaussian, 9);
+  src.Head(0, 1, 0, 1)[99] = 0x7FC0;
+  std::vector<uint32_t> rows(lay.block_tokens);
+  for (uint32_t i = 0; i < rows.size(); ++i) rows[i] = i;
+  BlockSet blocks(lay, 1);
+  CpuCodec codec(2);
+  codec.Encode(MakeEncodeJob(src, rows, blocks, nullptr));  // must not crash
+  uint8_t flag = 0;
+  codec.Encode(MakeEncodeJob(src, rows, blocks, &flag));
+  EXPECT_EQ(flag, 1);
+}
+
+TEST(CodecCpu, AllZeroHeadsRestoreExactZeros) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = MakeLayout({4, 72, 2}, dtype);
+    KvPool src(lay, 32, ViewKind::kPackedKV, 3);
+    src.Fill(InputClass::kZero, 3);  // +0 and -0
+    Rng rng(3);
+    const std::vector<uint32_t> rows = RandomRows(32, 2 * lay.block_tokens, rng);
+    BlockSet blocks(lay, 2);
+    CpuCodec codec(2);
+    codec.Encode(MakeEncodeJob(src, rows, blocks, nullptr));
+    KvPool out(lay, 32, ViewKind::kPackedKV, 3);
+    out.FillBytes(0x77);
+    codec.Decode(MakeDecodeJob(out, rows, blocks));
+    int nonzero = 0;
+    for (uint32_t l = 0; l < lay.num_layers; ++l)
+      for (uint32_t p = 0; p < 2; ++p)
+        for (uint32_t r : rows)
+          for (uint32_t h = 0; h < 4; ++h)
+            for (uint32_t i = 0; i < 72; ++i) nonzero += out.Head(l, p, r, h)[i] != 0;
+    EXPECT_EQ(nonzero, 0) << DTypeName(dtype);
+  }
+}
+
+TEST(CodecCpu, RawRoundTripIsBitExact) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  uint64_t seed = 4000;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (ViewKind vk : AllViewKinds()) {
+      for (const Geometry& g : {Geometry{8, 128, 2}, Geometry{1, 576, 1}, Geometry{3, 72, 2}}) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, CodecKind::kRaw);
+        spec.input = InputClass::kRowMix;
+        spec.view = vk;
+        spec.seed = seed++;
+        for (auto& e : RunCase(spec, SimdExecutors(), &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.elements, 0u);
+}
+
+// DecodeLayer(l) writes layer l of the requested rows and no other byte of any layer.
+TEST(CodecCpu, DecodeLayerWritesOnlyThatLayer) {
+  for (ViewKind vk : AllViewKinds()) {
+    for (CodecKind codec_kind : {CodecKind::kInt8PerHead, CodecKind::kRaw}) {
+      const BlockLayout lay = MakeLayout({3, 72, 2}, DType::kBF16, codec_kind, 3, 16);
+      KvPool src(lay, 80, vk, 13);
+      src.Fill(InputClass::kGaussian, 13);
+      Rng rng(13);
+      const std::vector<uint32_t> rows = RandomRows(80, 3 * lay.block_tokens, rng);
+      BlockSet blocks(lay, 3);
+      CpuCodec codec(3);
+      codec.Encode(MakeEncodeJob(src, rows, blocks, nullptr));
+      KvPool want(lay, 80, vk, 13);
+      want.FillBytes(0x5A);
+      DecodeLayerReference(MakeDecodeJob(want, rows, blocks), 1);
+      KvPool out(lay, 80, vk, 13);
+      out.FillBytes(0x5A);
+      codec.DecodeLayer(MakeDecodeJob(out, rows, blocks), 1);
+      for (uint32_t l : {0u, 2u}) {
+        EXPECT_EQ(out.buffer(l), std::vector<uint8_t>(out.buffer(l).size(), 0x5A))
+            << ViewKindName(vk) << " layer " << l;
+      }
+      EXPECT_TRUE(out.buffer(1) == want.buffer(1)) << ViewKindName(vk);
+      const std::vector<uint8_t> mask = out.AddressedMask(1, rows);
+      size_t written = 0, stray = 0;
+      for (size_t i = 0; i < mask.size(); ++i) {
+        if (out.buffer(1)[i] != 0x5A) (mask[i] ? written : stray)++;
+      }
+      EXPECT_EQ(stray, 0u) << ViewKindName(vk);
+      EXPECT_GT(written, mask.size() / 10) << ViewKindName(vk);
+    }
+  }
+}
+
+TEST(CodecCpu, EmptyJobsTouchNothing) {
+  const BlockLayout lay = MakeLayout({8, 128, 2}, DType::kBF16);
+  KvPool pool(lay, 16, ViewKind::kContiguous);
+  pool.FillBytes(0x11);
+  BlockSet blocks(lay, 1, 0x22);
+  std::vector<uint32_t> rows(lay.block_tokens, 0);
+  uint8_t flag = 0x33;
+  CpuCodec codec(2);
+  EncodeJob ej = MakeEncodeJob(pool, rows, blocks, &flag);
+  ej.num_blocks = 0;
+  codec.Encode(ej);
+  DecodeJob dj = MakeDecodeJob(pool, rows, blocks);
+  dj.num_blocks = 0;
+  codec.Decode(dj);
+  codec.DecodeLayer(dj, 0);
+  EXPECT_EQ(flag, 0x33);
+  EXPECT_EQ(blocks[0], std::vector<uint8_t>(lay.BlockBytes(), 0x22));
+  EXPECT_EQ(pool.buffer(0), std::vector<uint8_t>(pool.buffer(0).size(), 0x11));
+}
+
+// Every Highway target compiled in and supported here (e.g. AVX3_ZEN4, AVX3, AVX2, SSE4,
+// SSSE3, EMU128), selected in turn: each must produce the model's bytes. A machine with an
+// older CPU runs one of the lesser targets in production.
+TEST(CodecCpu, EveryHighwayTarget) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  std::vector<std::string> errors;
+  std::string names;
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    names += std::string(hwy::TargetName(target)) + " ";
+    EXPECT_STREQ(CpuCodec::TargetName(), hwy::TargetName(target));
+    const std::vector<Executor> execs = {SimdExecutors()[0], SimdExecutors()[2]};
+    BoundStats bound;
+    uint64_t seed = 5000;
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      for (const Geometry& g : TestGeometries()) {
+        for (InputClass c : {InputClass::kRowMix, InputClass::kGrid, InputClass::kTiny}) {
+          CaseSpec spec;
+          spec.layout = MakeLayout(g, dtype, CodecKind::kInt8PerHead, 1, 4);
+          spec.input = c;
+          spec.view = AllViewKinds()[seed % 4];
+          spec.seed = seed++;
+          spec.num_blocks = 2;
+          for (auto& e : RunCase(spec, execs, &bound)) {
+            errors.push_back(std::string(hwy::TargetName(target)) + ": " + e);
+          }
+        }
+      }
+      CaseSpec spec;
+      spec.layout = MakeLayout({2, 100, 2}, dtype);
+      spec.num_blocks = 4;
+      spec.seed = seed++;
+      for (auto& e : RunNonfiniteCase(
+               spec, NonfinitePlants(spec.layout, static_cast<uint16_t>(InfBits(dtype) | 1u), 99),
+               execs)) {
+        errors.push_back(std::string(hwy::TargetName(target)) + ": " + e);
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  ExpectNoErrors(errors);
+  std::printf("  targets: %s\n", names.c_str());
+}
+
+}  // namespace
+}  // namespace hiqcache::kernels

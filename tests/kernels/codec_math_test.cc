@@ -1,0 +1,271 @@
+// codec_math.h against the independent float64 model in codec_test_util.h: the 16-bit
+// conversions (exhaustively where the domain allows), the scale, and the per-element quantizer.
+#include "codec_math.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "codec_test_util.h"
+
+namespace hiqcache::kernels {
+namespace {
+
+using testutil::DoubleToHalfBits;
+using testutil::HalfBitsToDouble;
+using testutil::Rng;
+
+float F32(uint32_t bits) { return BitsToFloat(bits); }
+
+TEST(CodecMath, Fp16ToFloatExhaustive) {
+  int mismatches = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float got = Fp16ToFloat(static_cast<uint16_t>(h));
+    const double want = HalfBitsToDouble(static_cast<uint16_t>(h), DType::kFP16);
+    bool ok;
+    if (std::isnan(want)) {
+      // NaN stays NaN with its sign and payload (shifted into the fp32 mantissa).
+      ok = std::isnan(got) &&
+           FloatToBits(got) == (((h & 0x8000u) << 16) | 0x7F800000u | ((h & 0x3FFu) << 13));
+    } else {
+      ok = static_cast<double>(got) == want && std::signbit(got) == std::signbit(want);
+    }
+    if (!ok && mismatches++ < 5) ADD_FAILURE() << "fp16 0x" << std::hex << h << " -> " << got;
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+TEST(CodecMath, Bf16ToFloatExhaustive) {
+  int mismatches = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float got = Bf16ToFloat(static_cast<uint16_t>(h));
+    const double want = HalfBitsToDouble(static_cast<uint16_t>(h), DType::kBF16);
+    const bool ok = std::isnan(want) ? std::isnan(got)
+                                     : static_cast<double>(got) == want &&
+                                           std::signbit(got) == std::signbit(want);
+    if (!ok && mismatches++ < 5) ADD_FAILURE() << "bf16 0x" << std::hex << h << " -> " << got;
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+TEST(CodecMath, HalfToFloatPicksTheDtype) {
+  EXPECT_EQ(HalfToFloat(0x3C00, DType::kFP16), 1.0f);
+  EXPECT_EQ(HalfToFloat(0x3F80, DType::kBF16), 1.0f);
+  EXPECT_EQ(FloatToHalfSat(1.0f, DType::kFP16), 0x3C00);
+  EXPECT_EQ(FloatToHalfSat(1.0f, DType::kBF16), 0x3F80);
+  EXPECT_EQ(InfBits(DType::kFP16), 0x7C00);
+  EXPECT_EQ(InfBits(DType::kBF16), 0x7F80);
+}
+
+// Every fp32 value that matters for rounding into `dtype`: each representable value, the exact
+// midpoint to its upper neighbor (a tie), and the fp32 values just below and above each.
+std::vector<float> RoundingProbes(DType dtype) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  std::vector<float> probes;
+  const uint16_t max_bits = testutil::FormatOf(dtype).max_bits;
+  for (uint32_t b = 0; b <= max_bits; ++b) {
+    const double lo = HalfBitsToDouble(static_cast<uint16_t>(b), dtype);
+    const double hi = b < max_bits ? HalfBitsToDouble(static_cast<uint16_t>(b + 1), dtype)
+                                   : 2 * lo - HalfBitsToDouble(static_cast<uint16_t>(b - 1), dtype);
+    const float mid = static_cast<float>(0.5 * (lo + hi));  // exact: one more bit than dtype
+    const float v = static_cast<float>(lo);
+    for (float f :
+         {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, kInf), std::nextafter(v, kInf)}) {
+      probes.push_back(f);
+      probes.push_back(-f);
+    }
+  }
+  return probes;
+}
+
+void ExpectRoundsLikeModel(DType dtype, float f, int* mismatches) {
+  const uint16_t got = FloatToHalfSat(f, dtype);
+  const uint16_t want = DoubleToHalfBits(static_cast<double>(f), dtype);
+  if (got != want && (*mismatches)++ < 5) {
+    ADD_FAILURE() << testutil::DTypeName(dtype) << " of " << std::hexfloat << f << " (0x"
+                  << std::hex << FloatToBits(f) << "): got 0x" << got << ", want 0x" << want;
+  }
+}
+
+TEST(CodecMath, FloatToFp16SatTiesNeighborsAndSubnormals) {
+  int mismatches = 0;
+  const std::vector<float> probes = RoundingProbes(DType::kFP16);
+  for (float f : probes) ExpectRoundsLikeModel(DType::kFP16, f, &mismatches);
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_GT(probes.size(), 300000u);
+  // Spot checks of the model itself, so it cannot be wrong in the same way.
+  EXPECT_EQ(FloatToFp16Sat(0x1.0p-25f), 0x0000);  // tie between 0 and 2^-24
+  EXPECT_EQ(FloatToFp16Sat(std::nextafter(0x1.0p-25f, 1.0f)), 0x0001);
+  EXPECT_EQ(FloatToFp16Sat(0x1.8p-24f), 0x0002);         // tie 1.5 -> 2 (even)
+  EXPECT_EQ(FloatToFp16Sat(0x1.4p-23f), 0x0002);         // tie 2.5 -> 2 (even)
+  EXPECT_EQ(FloatToFp16Sat(0x1.ffcp-15f), 0x0400);       // largest subnormal tie up
+  EXPECT_EQ(FloatToFp16Sat(1.0f + 0x1.0p-11f), 0x3C00);  // tie -> even 1.0
+  EXPECT_EQ(FloatToFp16Sat(1.0f + 0x1.8p-10f), 0x3C02);  // tie -> even
+  EXPECT_EQ(FloatToFp16Sat(-0.0f), 0x8000);
+  EXPECT_EQ(FloatToFp16Sat(-0x1.0p-26f), 0x8000);
+}
+
+TEST(CodecMath, FloatToFp16SatSaturates) {
+  EXPECT_EQ(FloatToFp16Sat(65504.0f), 0x7BFF);
+  EXPECT_EQ(FloatToFp16Sat(65519.996f), 0x7BFF);  // below the tie: rounds to max
+  EXPECT_EQ(FloatToFp16Sat(65520.0f), 0x7BFF);    // tie would round to 65536 = Inf
+  EXPECT_EQ(FloatToFp16Sat(1e9f), 0x7BFF);
+  EXPECT_EQ(FloatToFp16Sat(std::numeric_limits<float>::max()), 0x7BFF);
+  EXPECT_EQ(FloatToFp16Sat(std::numeric_limits<float>::infinity()), 0x7BFF);
+  EXPECT_EQ(FloatToFp16Sat(-std::numeric_limits<float>::infinity()), 0xFBFF);
+  EXPECT_EQ(FloatToFp16Sat(-70000.0f), 0xFBFF);
+}
+
+TEST(CodecMath, FloatToBf16SatTiesNeighborsAndSubnormals) {
+  int mismatches = 0;
+  const std::vector<float> probes = RoundingProbes(DType::kBF16);
+  for (float f : probes) ExpectRoundsLikeModel(DType::kBF16, f, &mismatches);
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(FloatToBf16Sat(1.0f + 0x1.0p-8f), 0x3F80);  // tie -> even
+  EXPECT_EQ(FloatToBf16Sat(1.0f + 0x1.8p-7f), 0x3F82);  // tie -> even
+  EXPECT_EQ(FloatToBf16Sat(F32(0x00008000u)), 0x0000);  // subnormal tie -> even 0
+  EXPECT_EQ(FloatToBf16Sat(F32(0x00018000u)), 0x0002);  // subnormal tie -> even
+  EXPECT_EQ(FloatToBf16Sat(F32(0x00008001u)), 0x0001);
+  EXPECT_EQ(FloatToBf16Sat(F32(0x007FFFFFu)), 0x0080);  // rounds up into the normals
+}
+
+TEST(CodecMath, FloatToBf16SatSaturates) {
+  EXPECT_EQ(FloatToBf16Sat(std::numeric_limits<float>::max()), 0x7F7F);
+  EXPECT_EQ(FloatToBf16Sat(F32(0x7F7F7FFFu)), 0x7F7F);
+  EXPECT_EQ(FloatToBf16Sat(F32(0x7F7F8000u)), 0x7F7F);  // tie would round to Inf
+  EXPECT_EQ(FloatToBf16Sat(std::numeric_limits<float>::infinity()), 0x7F7F);
+  EXPECT_EQ(FloatToBf16Sat(-std::numeric_limits<float>::infinity()), 0xFF7F);
+  EXPECT_EQ(FloatToBf16Sat(-std::numeric_limits<float>::max()), 0xFF7F);
+}
+
+// A stride through every fp32 bit pattern (finite ones), both signs, both dtypes.
+TEST(CodecMath, FloatToHalfSatStrideOverAllFloats) {
+  int mismatches = 0;
+  for (uint64_t b = 0; b < 0x100000000ull; b += 509) {
+    const uint32_t bits = static_cast<uint32_t>(b);
+    if ((bits & 0x7F800000u) == 0x7F800000u) continue;  // Inf/NaN: not finite
+    ExpectRoundsLikeModel(DType::kBF16, F32(bits), &mismatches);
+    ExpectRoundsLikeModel(DType::kFP16, F32(bits), &mismatches);
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+// The scale of every finite amax, both dtypes, against s computed in double.
+TEST(CodecMath, ScaleExhaustive) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    for (uint32_t a = 0; a < InfBits(dtype); ++a) {
+      const double amax = HalfBitsToDouble(static_cast<uint16_t>(a), dtype);
+      const uint16_t want =
+          DoubleToHalfBits(std::max(amax, testutil::kAmaxFloor) / 127.0, DType::kBF16);
+      const uint16_t got = ScaleBf16FromAmaxBits(static_cast<uint16_t>(a), dtype);
+      if (got != want && mismatches++ < 5) {
+        ADD_FAILURE() << testutil::DTypeName(dtype) << " amax 0x" << std::hex << a << ": 0x" << got
+                      << " want 0x" << want;
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+  // The floor keeps s a normal bf16 number; a zero head gets the floor's scale.
+  EXPECT_EQ(ScaleBf16FromAmaxBits(0, DType::kBF16), ScaleBf16FromAmaxBits(0, DType::kFP16));
+  EXPECT_GE(ScaleBf16FromAmaxBits(0, DType::kBF16) & 0x7F80, 0x0080);
+}
+
+// The clamp of q to [-127, 127] never acts: for every finite amax, rne(amax / s) <= 127 with
+// the fp32 quotient (and |x| <= amax gives smaller quotients). The SIMD executor relies on it.
+TEST(CodecMath, ScaleKeepsCodesInRange) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    float worst = 0.0f;
+    for (uint32_t a = 0; a < InfBits(dtype); ++a) {
+      const float amax = HalfToFloat(static_cast<uint16_t>(a), dtype);
+      const float s = Bf16ToFloat(ScaleBf16FromAmaxBits(static_cast<uint16_t>(a), dtype));
+      worst = std::max(worst, amax / s);
+      ASSERT_LE(RoundHalfEven(amax / s), 127.0f)
+          << testutil::DTypeName(dtype) << " 0x" << std::hex << a;
+    }
+    EXPECT_GT(worst, 127.3f) << "the check should come close to the edge";
+    EXPECT_LT(worst, 127.5f);
+  }
+}
+
+TEST(CodecMath, RoundHalfEven) {
+  EXPECT_EQ(RoundHalfEven(0.5f), 0.0f);
+  EXPECT_EQ(RoundHalfEven(1.5f), 2.0f);
+  EXPECT_EQ(RoundHalfEven(2.5f), 2.0f);
+  EXPECT_EQ(RoundHalfEven(-2.5f), -2.0f);
+  EXPECT_EQ(RoundHalfEven(-3.5f), -4.0f);
+  EXPECT_EQ(RoundHalfEven(126.5f), 126.0f);
+  EXPECT_EQ(RoundHalfEven(std::nextafter(126.5f, 200.0f)), 127.0f);
+}
+
+// QuantizeElement against the double quantizer: for many scales (from random amax values and
+// the extremes), every finite x of the dtype with |x| <= amax.
+TEST(CodecMath, QuantizeElementAgainstDouble) {
+  Rng rng(7);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    std::vector<uint16_t> amaxes = {0x0000, 0x0001, testutil::FormatOf(dtype).max_bits};
+    for (int i = 0; i < 40; ++i) {
+      amaxes.push_back(static_cast<uint16_t>(rng.Below(testutil::FormatOf(dtype).max_bits)));
+    }
+    amaxes.push_back(testutil::DoubleToHalfBits(127.0, dtype));  // s = 1: exact ties at k+1/2
+    int mismatches = 0;
+    for (uint16_t a : amaxes) {
+      const float s = Bf16ToFloat(ScaleBf16FromAmaxBits(a, dtype));
+      for (uint32_t xb = 0; xb <= a; ++xb) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          const uint16_t bits = static_cast<uint16_t>(xb | sign);
+          const double x = HalfBitsToDouble(bits, dtype);
+          const double q = std::min(127.0, std::max(-127.0, std::nearbyint(x / s)));
+          const int8_t got = QuantizeElement(HalfToFloat(bits, dtype), s);
+          if (got != static_cast<int8_t>(q) && mismatches++ < 5) {
+            ADD_FAILURE() << testutil::DTypeName(dtype) << " x=" << x << " s=" << s << " got "
+                          << int{got} << " want " << q;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// Every code with every normal bf16 scale, both output dtypes.
+TEST(CodecMath, DequantizeElementAgainstDouble) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    for (uint32_t sb = 0x0080; sb <= 0x7F7F; ++sb) {
+      const float s = Bf16ToFloat(static_cast<uint16_t>(sb));
+      for (int q = -127; q <= 127; ++q) {
+        const uint16_t got = DequantizeElement(static_cast<int8_t>(q), s, dtype);
+        const uint16_t want =
+            testutil::ModelDecodeElement(static_cast<int8_t>(q), static_cast<uint16_t>(sb), dtype);
+        if (got != want && mismatches++ < 5) {
+          ADD_FAILURE() << testutil::DTypeName(dtype) << " q=" << q << " s=" << s << " got 0x"
+                        << std::hex << got << " want 0x" << want;
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// The model's own conversions, checked on values whose answers are known by hand.
+TEST(CodecMath, ModelSanity) {
+  EXPECT_EQ(DoubleToHalfBits(1.0, DType::kFP16), 0x3C00);
+  EXPECT_EQ(DoubleToHalfBits(65504.0, DType::kFP16), 0x7BFF);
+  EXPECT_EQ(DoubleToHalfBits(0x1.0p-24, DType::kFP16), 0x0001);
+  EXPECT_EQ(DoubleToHalfBits(-0x1.0p-14, DType::kFP16), 0x8400);
+  EXPECT_EQ(DoubleToHalfBits(1.0, DType::kBF16), 0x3F80);
+  EXPECT_EQ(DoubleToHalfBits(-2.0, DType::kBF16), 0xC000);
+  EXPECT_EQ(DoubleToHalfBits(0x1.0p-133, DType::kBF16), 0x0001);
+  EXPECT_EQ(HalfBitsToDouble(0x7BFF, DType::kFP16), 65504.0);
+  EXPECT_EQ(HalfBitsToDouble(0x0001, DType::kBF16), 0x1.0p-133);
+  EXPECT_TRUE(std::isinf(HalfBitsToDouble(0xFC00, DType::kFP16)));
+  EXPECT_TRUE(std::isnan(HalfBitsToDouble(0x7FC0, DType::kBF16)));
+}
+
+}  // namespace
+}  // namespace hiqcache::kernels
