@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <thread>
+
 #include "channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hiqcache/block_keys.h"
@@ -40,6 +44,9 @@ constexpr char kUsage[] =
     "  evict --pool-id N --key HEX [...]   drop blocks (32-hex-digit keys) from pool N's "
     "namespace\n"
     "  health [--service NAME]             gRPC health check\n"
+    "  drain [--wait]                      stop taking new work (health NOT_SERVING); with\n"
+    "                                      --wait, return once queued work has finished\n"
+    "  watch [--interval S] [--count N]    stats, refreshed every S seconds (default 2)\n"
     "ADDR: unix:///path/to.sock, /path/to.sock or host:port (default: ";
 
 struct Args {
@@ -51,6 +58,9 @@ struct Args {
   bool has_pool_id = false;
   std::vector<std::string> keys;
   std::string service;
+  bool wait = false;
+  double interval_s = 2.0;
+  uint64_t count = 0;  // watch: 0 = until interrupted
 };
 
 int Usage(const std::string& error) {
@@ -103,6 +113,16 @@ std::string Parse(int argc, char** argv, Args* args) {
       args->keys.push_back(v);
       after_key = true;
       continue;
+    } else if (a == "--wait") {
+      args->wait = true;
+    } else if (a == "--interval" || a == "--count") {
+      std::string v;
+      if (!next(&v)) return a + " needs a value";
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || x <= 0) return "bad " + a + " " + v;
+      if (a == "--interval") args->interval_s = x;
+      else args->count = static_cast<uint64_t>(x);
     } else if (a == "--service") {
       if (!next(&args->service)) return "--service needs a value";
     } else if (a == "-h" || a == "--help") {
@@ -412,6 +432,46 @@ int CmdHealth(const Args& args, const std::string& target) {
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitError;
 }
 
+int CmdDrain(const Args& args, const std::string& target) {
+  auto stub = v1::Cache::NewStub(client_internal::MakeChannel(target));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  for (;;) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(args));
+    v1::DrainRequest req;
+    v1::DrainResponse resp;
+    Status s = client_internal::FromGrpc(stub->Drain(&ctx, req, &resp), target);
+    if (!s.ok()) return Fail(target, s);
+    const bool done = resp.pending_tasks() == 0;
+    if (!args.wait || done || std::chrono::steady_clock::now() > give_up) {
+      if (args.json) {
+        std::cout << "{\"target\": " << Json::Str(target)
+                  << ", \"draining\": true, \"pending_tasks\": " << resp.pending_tasks() << "}\n";
+      } else {
+        std::cout << "draining: new work is refused; " << resp.pending_tasks()
+                  << " queued transfer(s) left\n";
+      }
+      return done || !args.wait ? kExitOk : kExitError;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+int CmdWatch(const Args& args, const std::string& target) {
+  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  for (uint64_t i = 0; args.count == 0 || i < args.count; ++i) {
+    if (i > 0) {
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(static_cast<int64_t>(args.interval_s * 1000)));
+    }
+    if (tty && !args.json) std::cout << "\033[H\033[2J";  // clear the screen
+    const int rc = CmdStats(args, target);
+    std::cout << std::flush;
+    if (rc != kExitOk) return rc;
+  }
+  return kExitOk;
+}
+
 int Main(int argc, char** argv) {
   Args args;
   const std::string error = Parse(argc, argv, &args);
@@ -423,6 +483,8 @@ int Main(int argc, char** argv) {
   if (args.command == "pools") return CmdPools(args, *target);
   if (args.command == "evict") return CmdEvict(args, *target);
   if (args.command == "health") return CmdHealth(args, *target);
+  if (args.command == "drain") return CmdDrain(args, *target);
+  if (args.command == "watch") return CmdWatch(args, *target);
   return Usage("unknown command " + args.command);
 }
 

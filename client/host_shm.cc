@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <random>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -50,8 +52,16 @@ std::string HostShm::NormalizeName(std::string_view name) {
 
 std::string HostShm::UniqueName(std::string_view tag) {
   static std::atomic<uint64_t> counter{0};
-  return "/hiq-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1)) + "-" +
-         std::string(tag);
+  // A per-process random part: a process killed earlier may have left objects under a pid that
+  // the kernel has since given to this process.
+  static const std::string nonce = [] {
+    std::random_device rd;
+    char hex[9];
+    std::snprintf(hex, sizeof(hex), "%08x", static_cast<unsigned>(rd()));
+    return std::string(hex);
+  }();
+  return "/hiq-" + std::to_string(::getpid()) + "-" + nonce + "-" +
+         std::to_string(counter.fetch_add(1)) + "-" + std::string(tag);
 }
 
 StatusOr<HostShm> HostShm::Create(std::string_view name, size_t size) {

@@ -1,9 +1,11 @@
 #include "hiqcache/log.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 
@@ -29,8 +31,35 @@ bool ParseLogLevel(const std::string& text, LogLevel* level) {
   return true;
 }
 
+namespace {
+
+// True when stderr is connected to the systemd journal ($JOURNAL_STREAM names its device and
+// inode): lines then carry a syslog priority prefix and no timestamp of their own.
+bool StderrIsJournal() {
+  static const bool journal = [] {
+    const char* env = std::getenv("JOURNAL_STREAM");
+    if (env == nullptr) return false;
+    unsigned long long dev = 0, ino = 0;
+    if (std::sscanf(env, "%llu:%llu", &dev, &ino) != 2) return false;
+    struct stat st;
+    if (::fstat(STDERR_FILENO, &st) != 0) return false;
+    return static_cast<unsigned long long>(st.st_dev) == dev &&
+           static_cast<unsigned long long>(st.st_ino) == ino;
+  }();
+  return journal;
+}
+
+}  // namespace
+
 LogMessage::LogMessage(LogLevel level, const char* file, int line) {
   static const char kLetters[] = {'D', 'I', 'W', 'E'};
+  const char* base = std::strrchr(file, '/');
+  if (StderrIsJournal()) {
+    static const char* kPriority[] = {"<7>", "<6>", "<4>", "<3>"};
+    stream_ << kPriority[static_cast<int>(level)] << "src=" << (base ? base + 1 : file) << ':'
+            << line << ' ';
+    return;
+  }
   auto now = std::chrono::system_clock::now();
   std::time_t secs = std::chrono::system_clock::to_time_t(now);
   auto micros =
@@ -40,7 +69,6 @@ LogMessage::LogMessage(LogLevel level, const char* file, int line) {
   gmtime_r(&secs, &tm);
   char stamp[32];
   std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", &tm);
-  const char* base = std::strrchr(file, '/');
   char frac[8];
   std::snprintf(frac, sizeof(frac), ".%06ld", static_cast<long>(micros));
   stream_ << kLetters[static_cast<int>(level)] << stamp << frac << ' '

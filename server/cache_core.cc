@@ -109,10 +109,10 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
   out.encoded_bytes_per_token = reg.layout.BytesPerToken();
   out.block_bytes = reg.layout.BlockBytes();
   out.capacity_tokens = store_->CapacityBlocks(reg.layout.BlockBytes()) * reg.layout.block_tokens;
-  HIQ_LOG(INFO) << "registered pool " << out.pool_id << " (" << backend->name() << ", pid "
-                << spec.client_pid << ") in namespace " << ns.hex_id << " ["
-                << ns.desc.CanonicalText() << "], " << out.encoded_bytes_per_token
-                << " B/token, capacity " << out.capacity_tokens << " tokens";
+  HIQ_LOG(INFO) << "event=register_pool pool=" << out.pool_id << " device=" << backend->name()
+                << " pid=" << spec.client_pid << " namespace=" << ns.hex_id << " desc=\""
+                << ns.desc.CanonicalText() << "\" bytes_per_token=" << out.encoded_bytes_per_token
+                << " capacity_tokens=" << out.capacity_tokens;
   return out;
 }
 
@@ -140,7 +140,7 @@ Status CacheCore::ReleasePool(uint64_t pool_id) {
   // Queued work holds its own reference: mappings close when the last task finishes. A task
   // waiting for an event of this pool stops now, so its pins and its worker are freed.
   pool->binding->Cancel();
-  HIQ_LOG(INFO) << "released pool " << pool_id;
+  HIQ_LOG(INFO) << "event=release_pool pool=" << pool_id;
   return Status::Ok();
 }
 
@@ -154,7 +154,7 @@ size_t CacheCore::ReleasePoolsOfClient(uint32_t pid) {
   }
   for (uint64_t id : ids) (void)ReleasePool(id);
   if (!ids.empty()) {
-    HIQ_LOG(INFO) << "client pid " << pid << " exited: released " << ids.size() << " pool(s)";
+    HIQ_LOG(INFO) << "event=client_exit pid=" << pid << " pools_released=" << ids.size();
   }
   return ids.size();
 }
@@ -257,8 +257,11 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
                                     run.ok()));
     }
     pool->backups.fetch_add(task->payloads.size(), std::memory_order_relaxed);
-    if (!run.ok()) HIQ_LOG(WARN) << "backup ticket " << task->ticket << " of pool " << pool->id
-                                 << " failed: " << run.ToString();
+    if (!run.ok()) {
+      HIQ_LOG(WARN) << "event=backup_failed pool=" << pool->id << " ticket=" << task->ticket
+                    << " code=" << StatusCodeName(run.code()) << " error=\"" << run.message()
+                    << "\"";
+    }
     if (sync) {
       if (run.ok()) done(*result);
       else done(run);
@@ -314,8 +317,11 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
     }
     for (const auto& p : pins) store->Unpin(p.handle);
     pool->restores.fetch_add(pins.size(), std::memory_order_relaxed);
-    if (!run.ok()) HIQ_LOG(WARN) << "restore ticket " << task->ticket << " of pool " << pool->id
-                                 << " failed: " << run.ToString();
+    if (!run.ok()) {
+      HIQ_LOG(WARN) << "event=restore_failed pool=" << pool->id << " ticket=" << task->ticket
+                    << " code=" << StatusCodeName(run.code()) << " error=\"" << run.message()
+                    << "\"";
+    }
     if (sync) {
       if (run.ok()) done(result);
       else done(run);

@@ -139,6 +139,8 @@ class CacheCore {
   // The observer of CoreOptions, or null.
   CoreObserver* observer() const { return options_.observer; }
   void WaitIdle() { engine_.WaitIdle(); }
+  // Backups and restores queued or running.
+  size_t PendingTasks() const { return engine_.Pending(); }
 
  private:
   struct Pool;

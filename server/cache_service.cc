@@ -238,4 +238,17 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
   return reactor;
 }
 
+grpc::ServerUnaryReactor* CacheService::Drain(grpc::CallbackServerContext* ctx,
+                                              const v1::DrainRequest*, v1::DrainResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  std::call_once(drain_once_, [&] {
+    HIQ_LOG(INFO) << "event=drain peer=" << ctx->peer();
+    if (drain_hook_) drain_hook_();
+    core_->StartDraining();
+  });
+  resp->set_pending_tasks(core_->PendingTasks());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 }  // namespace hiqcache::server

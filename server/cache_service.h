@@ -4,6 +4,8 @@
 // when `sync` is set, so no gRPC thread waits on codec work. Thread-safe.
 #pragma once
 
+#include <functional>
+#include <mutex>
 #include <string>
 
 #include "cache_core.h"
@@ -38,9 +40,17 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
+                                  v1::DrainResponse* resp) override;
+
+  // Runs once, on the first Drain, before the core starts refusing work (the daemon turns its
+  // health to NOT_SERVING there). Set before the server starts.
+  void SetDrainHook(std::function<void()> hook) { drain_hook_ = std::move(hook); }
 
  private:
   CacheCore* core_;
+  std::function<void()> drain_hook_;
+  std::once_flag drain_once_;
   const std::string device_;
   const std::string shm_name_;
 };

@@ -251,6 +251,7 @@ int Run(int argc, char** argv) {
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
   LiveCore::Publish publish(&live, core.get());
   CacheService service(core.get(), device_name, (*region)->name());
+  std::atomic<grpc::Server*> drain_server{nullptr};
 
   // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
   // listen is a configuration error: the daemon does not start half-observable.
@@ -290,6 +291,13 @@ int Run(int argc, char** argv) {
       std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max()));
   builder.SetMaxReceiveMessageSize(max_msg);
   builder.SetMaxSendMessageSize(max_msg);
+  // `hiqctl drain`: health first, so probes and balancers stop sending work before the core
+  // refuses it; the daemon keeps running until it is stopped.
+  service.SetDrainHook([&] {
+    if (grpc::Server* srv = drain_server.load()) srv->GetHealthCheckService()->SetServingStatus(false);
+    serving.store(false);
+    LogIfError(notifier.SetStatus("draining (hiqctl drain): refusing new work"));
+  });
   builder.RegisterService(&service);
   // BuildAndStart creates the unix sockets with the process umask, and they accept connections
   // before chown/chmod below give them the configured group and mode: until then they must not
@@ -317,6 +325,7 @@ int Run(int argc, char** argv) {
   }
   server->GetHealthCheckService()->SetServingStatus(true);
   serving.store(true);
+  drain_server.store(server.get());
 
   // Stopped before the core is destroyed (its thread calls into the core).
   auto watcher = std::make_unique<ClientWatcher>(

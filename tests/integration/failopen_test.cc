@@ -260,3 +260,50 @@ TEST_F(FailOpenTest, SigtermFinishesInFlightWorkThenRefuses) {
 
 }  // namespace
 }  // namespace hiqcache::it
+
+namespace hiqcache::it {
+namespace {
+
+// `hiqctl drain` (the Drain RPC): health turns NOT_SERVING, new work is refused with UNAVAILABLE
+// (so clients fail open), queued work is reported, and the daemon still stops cleanly.
+TEST(DrainTest, DrainRefusesNewWorkAndTurnsHealthNotServing) {
+  DaemonProcess daemon("64MiB");
+  ASSERT_TRUE(daemon.Start());
+  auto client = Connect(daemon.target());
+  ASSERT_NE(client, nullptr);
+  PoolOptions o;
+  o.geometry = Geom(2, 2, 64);
+  auto p = MakePool(*client, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  const std::vector<BlockKey> keys = Keys(5, 1, o.block_tokens);
+  const std::vector<uint32_t> rows = PickRows(o.num_rows, o.block_tokens, 5);
+  FillRows(p->kv, 5, rows, o.block_tokens);
+  ASSERT_EQ(client->Backup(p->handle, keys, rows).held(), 1u);
+
+  auto channel = grpc::CreateChannel(daemon.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Cache::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    v1::DrainRequest req;
+    v1::DrainResponse resp;
+    ASSERT_TRUE(stub->Drain(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.pending_tasks(), 0u);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::LookupRequest req;
+    req.set_pool_id(p->info.pool_id);
+    req.add_keys(std::string(reinterpret_cast<const char*>(keys[0].data()), 16));
+    v1::LookupResponse resp;
+    grpc::Status st = stub->Lookup(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  }
+  LookupResult miss = client->Lookup(p->handle, keys);
+  EXPECT_EQ(miss.prefix_blocks, 0u);
+  EXPECT_FALSE(miss.status.ok());
+  EXPECT_TRUE(client->GetStats().ok()) << "stats stay readable while draining";
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+}  // namespace
+}  // namespace hiqcache::it
