@@ -20,6 +20,10 @@ packages=(
   libcpp-httplib-dev
   systemd
   prometheus
+  # Sanitizer and fuzzing stages of deploy/run-tests.sh: clang with its compiler-rt runtimes
+  # (ASan, UBSan, TSan, libFuzzer).
+  clang
+  libclang-rt-14-dev
 )
 
 missing=()

@@ -65,11 +65,7 @@ CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBacken
       host_(host),
       cuda_(cuda),
       start_(std::chrono::steady_clock::now()),
-      engine_(options.transfer_workers) {
-  // Random pool ids: an id held by a client from before a restart never names another pool.
-  std::random_device rd;
-  next_pool_id_ = ((uint64_t{rd()} << 32) | rd()) & 0x7FFFFFFFFFFF0000ull;
-}
+      engine_(options.transfer_workers) {}
 
 CacheCore::~CacheCore() { engine_.WaitIdle(); }
 
@@ -101,7 +97,13 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
   RegisterResult out;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pool->id = ++next_pool_id_;
+    // Unguessable ids from the kernel's generator: a pool id is what lets a caller write into
+    // an engine's KV buffers, so one process must not be able to predict another's, and an id
+    // held from before a restart never names another pool.
+    std::random_device rd;
+    do {
+      pool->id = ((uint64_t{rd()} << 32) | rd()) & 0x7FFFFFFFFFFFFFFFull;
+    } while (pool->id == 0 || pools_.count(pool->id) != 0);
     pools_[pool->id] = pool;
   }
   out.pool_id = pool->id;

@@ -158,7 +158,6 @@ class CacheCore {
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
-  uint64_t next_pool_id_;                            // GUARDED_BY(mu_)
 
   TransferEngine engine_;  // last: destroyed (drained) first
 };

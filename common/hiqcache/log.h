@@ -39,8 +39,16 @@ extern std::atomic<int> g_level;
 #define HIQ_LOG_LEVEL_WARN ::hiqcache::LogLevel::kWarn
 #define HIQ_LOG_LEVEL_ERROR ::hiqcache::LogLevel::kError
 
-#define HIQ_LOG(level)                                                          \
-  if (static_cast<int>(HIQ_LOG_LEVEL_##level) <                                 \
-      ::hiqcache::log_internal::g_level.load(std::memory_order_relaxed)) {      \
-  } else                                                                        \
-    ::hiqcache::LogMessage(HIQ_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
+namespace hiqcache::log_internal {
+// Turns `stream << ...` into void so that HIQ_LOG is one expression (safe inside an unbraced if).
+struct Voidify {
+  void operator&(std::ostream&) {}
+};
+}  // namespace hiqcache::log_internal
+
+#define HIQ_LOG(level)                                                               \
+  (static_cast<int>(HIQ_LOG_LEVEL_##level) <                                         \
+   ::hiqcache::log_internal::g_level.load(std::memory_order_relaxed))                \
+      ? (void)0                                                                      \
+      : ::hiqcache::log_internal::Voidify() &                                        \
+            ::hiqcache::LogMessage(HIQ_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
