@@ -27,6 +27,7 @@
 #include "hiqcache/host_shm.h"
 #include "hiqcache/layouts.h"
 #include "hiqcache/paths.h"
+#include "flag_reader.h"
 
 namespace hiqcache {
 namespace {
@@ -63,30 +64,11 @@ void PrintUsage() {
 }
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
+  for (bench::FlagReader r(argc, argv); r.Next();) {
+    const std::string a = r.name();
     std::string v;
-    const size_t eq = a.find('=');
-    bool inline_value = false;
-    if (a.starts_with("--") && eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-      inline_value = true;
-    }
-    auto value = [&]() -> bool {
-      if (inline_value) return true;
-      if (i + 1 >= argc) return false;
-      v = argv[++i];
-      return true;
-    };
-    auto u32 = [&](uint32_t* out) {
-      if (!value()) return false;
-      char* end = nullptr;
-      const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || x > UINT32_MAX) return false;
-      *out = static_cast<uint32_t>(x);
-      return true;
-    };
+    auto value = [&] { return r.Value(&v); };
+    auto u32 = [&](uint32_t* out) { return r.U32(out, &v); };
     bool ok = true;
     if (a == "--target") {
       ok = value() && (f->target = v, true);
@@ -128,7 +110,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "hiq_demo: bad flag %s\n", argv[i]);
+      std::fprintf(stderr, "hiq_demo: bad flag %s\n", a.c_str());
       return false;
     }
   }

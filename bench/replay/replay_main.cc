@@ -21,6 +21,7 @@
 
 #include "replay_report.h"
 #include "replay_runner.h"
+#include "../flag_reader.h"
 
 namespace hiqcache::replay {
 namespace {
@@ -56,29 +57,11 @@ void PrintUsage() {
 }
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
+  for (bench::FlagReader r(argc, argv); r.Next();) {
+    const std::string a = r.name();
     std::string v;
-    bool inline_value = false;
-    if (const size_t eq = a.find('='); a.starts_with("--") && eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-      inline_value = true;
-    }
-    auto value = [&]() {
-      if (inline_value) return true;
-      if (i + 1 >= argc) return false;
-      v = argv[++i];
-      return true;
-    };
-    auto u32 = [&](uint32_t* out) {
-      if (!value()) return false;
-      char* end = nullptr;
-      const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || x > UINT32_MAX) return false;
-      *out = static_cast<uint32_t>(x);
-      return true;
-    };
+    auto value = [&] { return r.Value(&v); };
+    auto u32 = [&](uint32_t* out) { return r.U32(out, &v); };
     bool ok = true;
     if (a == "--help" || a == "-h") {
       PrintUsage();
@@ -141,7 +124,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "replay_bench: bad flag %s\n", argv[i]);
+      std::fprintf(stderr, "replay_bench: bad flag %s\n", a.c_str());
       return false;
     }
   }
