@@ -6,6 +6,7 @@
 // its pool.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "codec_job.h"
@@ -22,6 +23,8 @@ class CpuCodec {
   void Encode(const EncodeJob& job);
   void DecodeLayer(const DecodeJob& job, uint32_t layer);
   void Decode(const DecodeJob& job);
+  // Runs fn(i) for i in [0, n) on the codec's threads (e.g. checksums of the blocks just encoded).
+  void ParallelFor(size_t n, const std::function<void(size_t)>& fn) { pool_->ParallelFor(n, fn); }
 
   // The Highway target chosen for this CPU, e.g. "AVX3_ZEN4".
   static const char* TargetName();

@@ -224,8 +224,13 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   }
   BlockStore* store = store_;
   const size_t payload_bytes = pool->layout.BlockBytes();
+  // `task` outlives the call: on_written runs inside RunBackup(*task). A raw pointer, so that
+  // the task does not own itself.
+  BackupTask* raw_task = task.get();
   task->on_written = [store, reservations = std::move(reservations), reserved_index, result,
-                      payload_bytes](const std::vector<uint8_t>& nonfinite, const Status& st) {
+                      payload_bytes, raw_task](const std::vector<uint8_t>& nonfinite,
+                                               const Status& st) {
+    const std::vector<uint64_t>& sums = raw_task->checksums;
     for (size_t j = 0; j < reserved_index.size(); ++j) {
       const auto& r = reservations[reserved_index[j]];
       if (!st.ok() || nonfinite[j]) {
@@ -233,7 +238,7 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
         result->results[reserved_index[j]] = BlockResult::kRejected;
         continue;
       }
-      store->CommitWrite(r.handle, XXH3_64bits(r.payload, payload_bytes));
+      store->CommitWrite(r.handle, j < sums.size() ? sums[j] : XXH3_64bits(r.payload, payload_bytes));
     }
   };
 

@@ -34,6 +34,9 @@ struct BackupTask {
   // Called once the payloads are written (before the done event is signalled), with one flag
   // per block (1 = held NaN/Inf, not to be published) or with the error that stopped the work.
   std::function<void(const std::vector<uint8_t>& nonfinite, const Status&)> on_written;
+  // Out, optional: XXH3-64 of each block's payload, filled before on_written by backends that
+  // can hash in parallel while the bytes are fresh (HOST); left empty, the core hashes them.
+  std::vector<uint64_t> checksums;
   // Backends that signal on the device (SignalsOnDevice) call this once the work and its event
   // records are enqueued, before waiting for completion; may be empty.
   std::function<void()> on_enqueued;

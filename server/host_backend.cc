@@ -11,6 +11,8 @@
 #include <cstring>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "codec_job.h"
 #include "hiqcache/log.h"
 #include "registration.h"
@@ -94,6 +96,14 @@ class HostBinding : public PoolBinding {
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
       job.nonfinite = nonfinite.data();
       codec_->Encode(job);
+    }
+    if (st.ok() && !task.payloads.empty()) {
+      // Block checksums for the pool headers, on the codec's threads.
+      const size_t bytes = layout_.BlockBytes();
+      task.checksums.assign(task.payloads.size(), 0);
+      codec_->ParallelFor(task.payloads.size(), [&](size_t b) {
+        if (!nonfinite[b]) task.checksums[b] = XXH3_64bits(task.payloads[b], bytes);
+      });
     }
     task.on_written(nonfinite, st);
     SignalValue(task.done_event, task.ticket, !st.ok());
