@@ -10,8 +10,10 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sys/mman.h>
 
 #include <atomic>
+#include <filesystem>
 #include <thread>
 
 #include "daemon_process.h"
@@ -45,10 +47,7 @@ class Child {
     fd_ = fds[0];
   }
   ~Child() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
+    if (pid_ > 0) Kill();
     if (fd_ >= 0) ::close(fd_);
   }
   pid_t pid() const { return pid_; }
@@ -74,9 +73,17 @@ class Child {
     }
   }
   // SIGKILL, then reap.
+  // A killed client cannot unlink its shm objects (HostShm::UniqueName: /hiq-<pid>-...): the
+  // test does, so repeated runs do not fill /dev/shm. Mappings the daemon still holds stay valid.
   void Kill() {
     ::kill(pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
+    const std::string prefix = "hiq-" + std::to_string(pid_) + "-";
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind(prefix, 0) == 0) ::shm_unlink(("/" + name).c_str());
+    }
     pid_ = -1;
   }
 
