@@ -27,42 +27,45 @@ extern "C" int hiq_test_c_header_sizes(void);  // hiqcache_c_header_check.c
 namespace hiqcache {
 namespace {
 
-// The entry points, resolved with dlsym as ctypes does.
+// Every exported entry point, listed once (an X-macro), resolved below with dlsym as ctypes does.
+#define HIQ_C_ABI_FUNCTIONS(X) \
+  X(hiq_abi_version) \
+  X(hiq_last_error) \
+  X(hiq_connect) \
+  X(hiq_close) \
+  X(hiq_register_pool) \
+  X(hiq_release_pool) \
+  X(hiq_pool_info_get) \
+  X(hiq_host_pool_create) \
+  X(hiq_host_pool_destroy) \
+  X(hiq_host_pool_data) \
+  X(hiq_host_pool_num_rows) \
+  X(hiq_host_pool_head_offset) \
+  X(hiq_host_pool_wait) \
+  X(hiq_host_pool_event_read) \
+  X(hiq_host_pool_event_store) \
+  X(hiq_register_host_pool) \
+  X(hiq_lookup) \
+  X(hiq_backup) \
+  X(hiq_restore) \
+  X(hiq_evict) \
+  X(hiq_get_stats) \
+  X(hiq_compute_block_keys) \
+  X(hiq_cuda_available) \
+  X(hiq_cuda_device_uuid) \
+  X(hiq_cuda_export_pointer) \
+  X(hiq_cuda_event_pool_create) \
+  X(hiq_cuda_event_pool_destroy) \
+  X(hiq_cuda_event_pool_handles) \
+  X(hiq_cuda_event_pool_event) \
+  X(hiq_cuda_event_pool_stream_wait) \
+  X(hiq_cuda_event_pool_record) \
+  X(hiq_cuda_event_pool_query)
+
 struct Api {
   void* lib = nullptr;
 #define HIQ_FN(name) decltype(&::name) name = nullptr;
-  HIQ_FN(hiq_abi_version)
-  HIQ_FN(hiq_last_error)
-  HIQ_FN(hiq_connect)
-  HIQ_FN(hiq_close)
-  HIQ_FN(hiq_register_pool)
-  HIQ_FN(hiq_release_pool)
-  HIQ_FN(hiq_pool_info_get)
-  HIQ_FN(hiq_host_pool_create)
-  HIQ_FN(hiq_host_pool_destroy)
-  HIQ_FN(hiq_host_pool_data)
-  HIQ_FN(hiq_host_pool_num_rows)
-  HIQ_FN(hiq_host_pool_head_offset)
-  HIQ_FN(hiq_host_pool_wait)
-  HIQ_FN(hiq_host_pool_event_read)
-  HIQ_FN(hiq_host_pool_event_store)
-  HIQ_FN(hiq_register_host_pool)
-  HIQ_FN(hiq_lookup)
-  HIQ_FN(hiq_backup)
-  HIQ_FN(hiq_restore)
-  HIQ_FN(hiq_evict)
-  HIQ_FN(hiq_get_stats)
-  HIQ_FN(hiq_compute_block_keys)
-  HIQ_FN(hiq_cuda_available)
-  HIQ_FN(hiq_cuda_device_uuid)
-  HIQ_FN(hiq_cuda_export_pointer)
-  HIQ_FN(hiq_cuda_event_pool_create)
-  HIQ_FN(hiq_cuda_event_pool_destroy)
-  HIQ_FN(hiq_cuda_event_pool_handles)
-  HIQ_FN(hiq_cuda_event_pool_event)
-  HIQ_FN(hiq_cuda_event_pool_stream_wait)
-  HIQ_FN(hiq_cuda_event_pool_record)
-  HIQ_FN(hiq_cuda_event_pool_query)
+  HIQ_C_ABI_FUNCTIONS(HIQ_FN)
 #undef HIQ_FN
   std::vector<std::string> missing;
 
@@ -75,38 +78,7 @@ struct Api {
 #define HIQ_FN(name)                                          \
   name = reinterpret_cast<decltype(name)>(dlsym(lib, #name)); \
   if (name == nullptr) missing.push_back(#name);
-    HIQ_FN(hiq_abi_version)
-    HIQ_FN(hiq_last_error)
-    HIQ_FN(hiq_connect)
-    HIQ_FN(hiq_close)
-    HIQ_FN(hiq_register_pool)
-    HIQ_FN(hiq_release_pool)
-    HIQ_FN(hiq_pool_info_get)
-    HIQ_FN(hiq_host_pool_create)
-    HIQ_FN(hiq_host_pool_destroy)
-    HIQ_FN(hiq_host_pool_data)
-    HIQ_FN(hiq_host_pool_num_rows)
-    HIQ_FN(hiq_host_pool_head_offset)
-    HIQ_FN(hiq_host_pool_wait)
-    HIQ_FN(hiq_host_pool_event_read)
-    HIQ_FN(hiq_host_pool_event_store)
-    HIQ_FN(hiq_register_host_pool)
-    HIQ_FN(hiq_lookup)
-    HIQ_FN(hiq_backup)
-    HIQ_FN(hiq_restore)
-    HIQ_FN(hiq_evict)
-    HIQ_FN(hiq_get_stats)
-    HIQ_FN(hiq_compute_block_keys)
-    HIQ_FN(hiq_cuda_available)
-    HIQ_FN(hiq_cuda_device_uuid)
-    HIQ_FN(hiq_cuda_export_pointer)
-    HIQ_FN(hiq_cuda_event_pool_create)
-    HIQ_FN(hiq_cuda_event_pool_destroy)
-    HIQ_FN(hiq_cuda_event_pool_handles)
-    HIQ_FN(hiq_cuda_event_pool_event)
-    HIQ_FN(hiq_cuda_event_pool_stream_wait)
-    HIQ_FN(hiq_cuda_event_pool_record)
-    HIQ_FN(hiq_cuda_event_pool_query)
+    HIQ_C_ABI_FUNCTIONS(HIQ_FN)
 #undef HIQ_FN
     return missing.empty();
   }

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "fake_notify_manager.h"
 #include "process_util.h"
 
 namespace hiqcache::deploy_test {
@@ -20,37 +21,7 @@ namespace {
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
-class NotifySocket {
- public:
-  explicit NotifySocket(std::string address) : address_(std::move(address)) {
-    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_un sa{};
-    sa.sun_family = AF_UNIX;
-    std::memcpy(sa.sun_path, address_.data(), address_.size());
-    socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());
-    if (address_[0] == '@') {
-      sa.sun_path[0] = '\0';
-    } else {
-      len += 1;
-    }
-    bound_ = ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0;
-  }
-  ~NotifySocket() { ::close(fd_); }
-  bool bound() const { return bound_; }
-  const std::string& address() const { return address_; }
-  std::string Receive(milliseconds timeout) {
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return "";
-    char buf[4096];
-    ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
-  }
-
- private:
-  std::string address_;
-  int fd_ = -1;
-  bool bound_ = false;
-};
+using NotifySocket = FakeManager;  // the service manager that hiqcached notifies
 
 bool Connectable(const std::string& path) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

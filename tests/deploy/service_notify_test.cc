@@ -2,6 +2,8 @@
 // period and its liveness probe, the environment (WATCHDOG_PID), and no-ops without a socket.
 #include "service_notify.h"
 
+#include "fake_notify_manager.h"
+
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -23,45 +25,8 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// A bound SOCK_DGRAM socket standing in for the service manager.
-class FakeManager {
- public:
-  // `address`: a path, or "@name" for the abstract namespace.
-  explicit FakeManager(std::string address) : address_(std::move(address)) {
-    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_un sa{};
-    sa.sun_family = AF_UNIX;
-    std::memcpy(sa.sun_path, address_.data(), address_.size());
-    socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());
-    if (address_[0] == '@') {
-      sa.sun_path[0] = '\0';
-    } else {
-      ::unlink(address_.c_str());
-      len += 1;
-    }
-    bound_ = ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0;
-  }
-  ~FakeManager() {
-    ::close(fd_);
-    if (address_[0] == '/') ::unlink(address_.c_str());
-  }
-  bool bound() const { return bound_; }
-  const std::string& address() const { return address_; }
+using deploy_test::FakeManager;
 
-  // The next datagram, or "" after `timeout`.
-  std::string Receive(milliseconds timeout) {
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return "";
-    char buf[4096];
-    ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
-  }
-
- private:
-  std::string address_;
-  int fd_ = -1;
-  bool bound_ = false;
-};
 
 std::string TempPath(const std::string& leaf) {
   return (std::filesystem::temp_directory_path() /
