@@ -33,21 +33,33 @@ void ToProto(const TensorView& in, v1::TensorView* out) {
   out->set_page_stride_bytes(in.page_stride_bytes);
 }
 
+void ToProto(const Geometry& in, v1::Geometry* g) {
+  g->set_num_layers(in.num_layers);
+  g->set_num_kv_heads(in.num_kv_heads);
+  g->set_head_dim(in.head_dim);
+  g->set_dtype(in.dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+  g->set_attention(in.attention == Attention::kMLA ? v1::ATTENTION_MLA : v1::ATTENTION_MHA);
+  g->set_tp_rank(in.tp_rank);
+  g->set_tp_size(in.tp_size);
+}
+
+v1::Codec ToProto(Codec c) { return c == Codec::kRaw ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD; }
+
+void ToProto(const NamespaceRef& in, v1::NamespaceRef* out) {
+  out->set_model(in.model);
+  out->set_tenant(in.tenant);
+  ToProto(in.geometry, out->mutable_geometry());
+  out->set_block_tokens(in.block_tokens);
+  out->set_codec(ToProto(in.codec));
+}
+
 v1::RegisterPoolRequest ToProto(const PoolSpec& spec) {
   v1::RegisterPoolRequest req;
   req.set_model(spec.model);
   req.set_tenant(spec.tenant);
-  v1::Geometry* g = req.mutable_geometry();
-  g->set_num_layers(spec.geometry.num_layers);
-  g->set_num_kv_heads(spec.geometry.num_kv_heads);
-  g->set_head_dim(spec.geometry.head_dim);
-  g->set_dtype(spec.geometry.dtype == DType::kFP16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
-  g->set_attention(spec.geometry.attention == Attention::kMLA ? v1::ATTENTION_MLA
-                                                              : v1::ATTENTION_MHA);
-  g->set_tp_rank(spec.geometry.tp_rank);
-  g->set_tp_size(spec.geometry.tp_size);
+  ToProto(spec.geometry, req.mutable_geometry());
   req.set_block_tokens(spec.block_tokens);
-  req.set_codec(spec.codec == Codec::kRaw ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD);
+  req.set_codec(ToProto(spec.codec));
   req.mutable_device()->set_kind(spec.device == DeviceKind::kCuda ? v1::DEVICE_KIND_CUDA
                                                                   : v1::DEVICE_KIND_HOST);
   req.mutable_device()->set_cuda_device_uuid(spec.cuda_device_uuid);
@@ -189,6 +201,8 @@ class Client::Impl {
   StatusOr<RegisteredPool> PoolInfo(PoolHandle h) const;
   Status ReleasePool(PoolHandle h);
   LookupResult Lookup(PoolHandle h, std::span<const BlockKey> keys);
+  LookupResult LookupGroup(std::span<const NamespaceRef> namespaces,
+                           std::span<const BlockKey> keys);
   BackupResult Backup(PoolHandle h, std::span<const BlockKey> keys, std::span<const uint32_t> rows,
                       const BackupOptions& o);
   RestoreResult Restore(PoolHandle h, std::span<const BlockKey> keys,
@@ -425,6 +439,28 @@ LookupResult Client::Impl::Lookup(PoolHandle h, std::span<const BlockKey> keys) 
   return result;
 }
 
+LookupResult Client::Impl::LookupGroup(std::span<const NamespaceRef> namespaces,
+                                       std::span<const BlockKey> keys) {
+  LookupResult result;
+  if (namespaces.empty()) {
+    result.status = InvalidArgument("namespaces: must not be empty");
+    return result;
+  }
+  if (keys.empty()) return result;
+  // No pool, so nothing to re-register: one call, no retry.
+  v1::LookupRequest req;
+  for (const NamespaceRef& ns : namespaces) ToProto(ns, req.add_namespaces());
+  for (const BlockKey& k : keys) req.add_keys(reinterpret_cast<const char*>(k.data()), k.size());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  v1::LookupResponse resp;
+  result.status = FromGrpc(stub_->Lookup(&ctx, req, &resp), target_);
+  if (result.status.ok()) {
+    result.prefix_blocks = std::min<uint32_t>(resp.prefix_blocks(), keys.size());
+  }
+  return result;
+}
+
 BackupResult Client::Impl::Backup(PoolHandle h, std::span<const BlockKey> keys,
                                   std::span<const uint32_t> rows, const BackupOptions& o) {
   BackupResult result;
@@ -554,6 +590,10 @@ StatusOr<RegisteredPool> Client::PoolInfo(PoolHandle pool) const {
 Status Client::ReleasePool(PoolHandle pool) { HIQ_CLIENT_NOTHROW_STATUS(impl_->ReleasePool(pool)); }
 LookupResult Client::Lookup(PoolHandle pool, std::span<const BlockKey> keys) {
   HIQ_CLIENT_NOTHROW(LookupResult{}, impl_->Lookup(pool, keys));
+}
+LookupResult Client::LookupGroup(std::span<const NamespaceRef> namespaces,
+                                 std::span<const BlockKey> keys) {
+  HIQ_CLIENT_NOTHROW(LookupResult{}, impl_->LookupGroup(namespaces, keys));
 }
 BackupResult Client::Backup(PoolHandle pool, std::span<const BlockKey> keys,
                             std::span<const uint32_t> rows, const BackupOptions& options) {

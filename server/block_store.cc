@@ -354,19 +354,39 @@ void BlockStore::TouchLocked(BlockEntry* e) {
   }
 }
 
-uint32_t BlockStore::LookupPrefix(uint32_t ns, std::span<const BlockKey> keys) {
+uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const BlockKey> keys) {
+  std::vector<uint32_t> ids(ns.begin(), ns.end());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   std::lock_guard<std::mutex> lock(mu_);
-  auto nit = namespaces_.find(ns);
-  if (nit == namespaces_.end()) return 0;
-  uint32_t n = 0;
-  for (const auto& key : keys) {
-    auto it = index_.find({ns, key});
-    if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
-    TouchLocked(it->second);
-    ++n;
+  std::vector<NsState*> known;
+  known.reserve(ids.size());
+  for (uint32_t id : ids) {
+    auto it = namespaces_.find(id);
+    if (it != namespaces_.end()) known.push_back(it->second.get());
   }
-  nit->second->counters.hits += n;
-  nit->second->counters.misses += keys.size() - n;
+  uint32_t n = 0;
+  if (!ids.empty() && known.size() == ids.size()) {
+    std::vector<BlockEntry*> run;  // key-major: run[i * ids.size() + j] is key i in ids[j]
+    for (const auto& key : keys) {
+      const size_t before = run.size();
+      for (uint32_t id : ids) {
+        auto it = index_.find({id, key});
+        if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
+        run.push_back(it->second);
+      }
+      if (run.size() - before != ids.size()) {
+        run.resize(before);
+        break;
+      }
+      ++n;
+    }
+    for (BlockEntry* e : run) TouchLocked(e);
+  }
+  for (NsState* s : known) {
+    s->counters.hits += n;
+    s->counters.misses += keys.size() - n;
+  }
   return n;
 }
 
@@ -668,7 +688,7 @@ StoreStats BlockStore::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   StoreStats s;
   s.pool_bytes = bytes_;
-  s.capacity_bytes = bytes_ > meta_bytes_ ? bytes_ - meta_bytes_ : 0;
+  s.capacity_bytes = CapacityBytes();
   s.used_bytes = used_bytes_;
   s.blocks = live_blocks_;
   for (const auto& [id, ns] : namespaces_) s.namespaces[id] = ns->counters;

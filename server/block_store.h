@@ -84,12 +84,22 @@ class BlockStore {
 
   // Makes `ns` known to the store (payload size, extent sizing). Idempotent.
   void AddNamespace(const NamespaceInfo& ns);
+  // Bytes available to extents (StoreStats::capacity_bytes); constant, lock-free.
+  uint64_t CapacityBytes() const { return bytes_ > meta_bytes_ ? bytes_ - meta_bytes_ : 0; }
   // Blocks of a namespace with this payload size that the whole pool holds, alone.
   uint64_t CapacityBlocks(size_t payload_bytes) const;
 
   // Length of the longest leading run of keys committed in `ns`; refreshes their recency and
   // counts hits (the run) and misses (the rest).
-  uint32_t LookupPrefix(uint32_t ns, std::span<const BlockKey> keys);
+  uint32_t LookupPrefix(uint32_t ns, std::span<const BlockKey> keys) {
+    return LookupPrefix(std::span<const uint32_t>(&ns, 1), keys);
+  }
+  // Length of the longest leading run of keys committed in every namespace of `ns` (a TP group),
+  // seen atomically. An id the store does not know (kNoNamespace) holds nothing, so it makes the
+  // answer 0; an empty `ns` answers 0. In each known namespace (a repeated id counts once),
+  // refreshes the recency of that run only and counts hits (the run) and misses (the rest), as
+  // the one-namespace lookup does.
+  uint32_t LookupPrefix(std::span<const uint32_t> ns, std::span<const BlockKey> keys);
 
   enum class WriteOutcome { kReserved, kPresent, kNoSpace };
   struct WriteReservation {

@@ -71,9 +71,8 @@ CacheCore::~CacheCore() { engine_.WaitIdle(); }
 
 StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
   if (draining()) return Unavailable("hiqcached is shutting down");
-  const uint64_t capacity = store_->Stats().capacity_bytes;
   HIQ_ASSIGN_OR_RETURN(ValidatedRegistration reg,
-                       ValidateRegistration(spec, options_.limits, capacity));
+                       ValidateRegistration(spec, options_.limits, store_->CapacityBytes()));
   DeviceBackend* backend = reg.cuda ? cuda_ : host_;
   if (backend == nullptr) {
     return FailedPrecondition(
@@ -169,11 +168,41 @@ StatusOr<std::vector<BlockKey>> CacheCore::CheckedKeys(const std::vector<std::st
   return out;
 }
 
-StatusOr<uint32_t> CacheCore::Lookup(uint64_t pool_id, const std::vector<std::string>& keys) {
+StatusOr<uint32_t> CacheCore::Lookup(const LookupSpec& spec) {
   if (draining()) return Unavailable("hiqcached is shutting down");
-  HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id));
-  HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(keys));
-  return store_->LookupPrefix(pool->ns->id, k);
+  if (spec.pool_id == 0 && spec.namespaces.empty()) {
+    return InvalidArgument("pool_id: 0 names no pool, and namespaces is empty: set either");
+  }
+  if (spec.namespaces.size() > kMaxLookupNamespaces) {
+    // As for keys: a per-request bound (a caller may split the group and take the minimum).
+    return ResourceExhausted("namespaces: " + std::to_string(spec.namespaces.size()) +
+                             " entries, at most " + std::to_string(kMaxLookupNamespaces) +
+                             " per request");
+  }
+  std::vector<uint32_t> ids;
+  ids.reserve(spec.namespaces.size() + 1);
+  for (size_t i = 0; i < spec.namespaces.size(); ++i) {
+    HIQ_ASSIGN_OR_RETURN(
+        NamespaceDesc desc,
+        ValidateNamespace(spec.namespaces[i], options_.limits, store_->CapacityBytes(),
+                          "namespaces[" + std::to_string(i) + "]."));
+    // Find, not Intern: a lookup must not grow the table. Unknown = holds nothing.
+    const NamespaceInfo* ns = namespaces_.Find(desc);
+    ids.push_back(ns != nullptr ? ns->id : kNoNamespace);
+  }
+  if (spec.pool_id != 0) {
+    HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(spec.pool_id));
+    ids.push_back(pool->ns->id);
+  }
+  HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(spec.keys));
+  return store_->LookupPrefix(ids, k);
+}
+
+StatusOr<uint32_t> CacheCore::Lookup(uint64_t pool_id, const std::vector<std::string>& keys) {
+  LookupSpec spec;
+  spec.pool_id = pool_id;
+  spec.keys = keys;
+  return Lookup(spec);
 }
 
 StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::string>& keys) {

@@ -119,6 +119,13 @@ class CacheCore {
   // Releases every pool registered by process `pid`; returns how many.
   size_t ReleasePoolsOfClient(uint32_t pid);
 
+  // Longest leading run of spec.keys present and readable in every namespace of spec.namespaces
+  // and, when spec.pool_id != 0, in the pool's namespace (LookupSpec). Each entry is validated as
+  // RegisterPool validates those parts (errors name "namespaces[i].<field>"); a namespace no pool
+  // ever registered answers 0 and is not created. Each distinct namespace involved counts the
+  // answer as hits and the other keys as misses, and refreshes the answered run only.
+  StatusOr<uint32_t> Lookup(const LookupSpec& spec);
+  // Lookup of one pool's namespace.
   StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys);
   StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys);
 

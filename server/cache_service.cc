@@ -20,20 +20,26 @@ ViewSpec ToView(bool present, const v1::TensorView& t) {
   return v;
 }
 
+// RegisterPoolRequest and NamespaceRef spell the namespace's parts with the same fields.
+template <typename Req>
+void ToNamespaceSpec(const Req& r, NamespaceSpec* s) {
+  s->model = r.model();
+  s->tenant = r.tenant();
+  const auto& g = r.geometry();
+  s->num_layers = g.num_layers();
+  s->num_kv_heads = g.num_kv_heads();
+  s->head_dim = g.head_dim();
+  s->dtype = g.dtype();
+  s->attention = g.attention();
+  s->tp_rank = g.tp_rank();
+  s->tp_size = g.tp_size();
+  s->block_tokens = r.block_tokens();
+  s->codec = r.codec();
+}
+
 RegisterSpec ToRegisterSpec(const v1::RegisterPoolRequest& r, const std::string& peer) {
   RegisterSpec s;
-  s.model = r.model();
-  s.tenant = r.tenant();
-  const auto& g = r.geometry();
-  s.num_layers = g.num_layers();
-  s.num_kv_heads = g.num_kv_heads();
-  s.head_dim = g.head_dim();
-  s.dtype = g.dtype();
-  s.attention = g.attention();
-  s.tp_rank = g.tp_rank();
-  s.tp_size = g.tp_size();
-  s.block_tokens = r.block_tokens();
-  s.codec = r.codec();
+  ToNamespaceSpec(r, &s);
   s.device_kind = r.device().kind();
   s.cuda_device_uuid = r.device().cuda_device_uuid();
   for (const auto& b : r.buffers()) {
@@ -81,6 +87,15 @@ std::vector<std::string> ToKeys(const google::protobuf::RepeatedPtrField<std::st
   return std::vector<std::string>(keys.begin(), keys.end());
 }
 
+LookupSpec ToLookupSpec(const v1::LookupRequest& r) {
+  LookupSpec s;
+  s.pool_id = r.pool_id();
+  s.keys = ToKeys(r.keys());
+  s.namespaces.resize(r.namespaces_size());
+  for (int i = 0; i < r.namespaces_size(); ++i) ToNamespaceSpec(r.namespaces(i), &s.namespaces[i]);
+  return s;
+}
+
 // Counts an error answer for the metrics (CoreObserver), if the core has an observer.
 void CountRejection(const CacheCore* core, const Status& st, const char* rpc) {
   if (!st.ok() && core->observer() != nullptr) core->observer()->OnRequestRejected(rpc, st.code());
@@ -104,6 +119,7 @@ TransferSpec RestoreSpecFromProto(const v1::RestoreRequest& req) {
   spec.layer_event_base = req.layer_event_base();
   return spec;
 }
+LookupSpec LookupSpecFromProto(const v1::LookupRequest& req) { return ToLookupSpec(req); }
 
 grpc::Status ToGrpcStatus(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -142,7 +158,7 @@ grpc::ServerUnaryReactor* CacheService::Lookup(grpc::CallbackServerContext* ctx,
                                                const v1::LookupRequest* req,
                                                v1::LookupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  auto result = core_->Lookup(req->pool_id(), ToKeys(req->keys()));
+  auto result = core_->Lookup(ToLookupSpec(*req));
   if (result.ok()) resp->set_prefix_blocks(*result);
   Finish(core_, reactor, result.status(), "Lookup");
   return reactor;

@@ -62,5 +62,6 @@ grpc::Status ToGrpcStatus(const Status& status);
 RegisterSpec RegisterSpecFromProto(const v1::RegisterPoolRequest& req, const std::string& peer);
 TransferSpec BackupSpecFromProto(const v1::BackupRequest& req);
 TransferSpec RestoreSpecFromProto(const v1::RestoreRequest& req);
+LookupSpec LookupSpecFromProto(const v1::LookupRequest& req);
 
 }  // namespace hiqcache::server

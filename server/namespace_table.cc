@@ -43,6 +43,13 @@ const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
   return *by_id_.back();
 }
 
+const NamespaceInfo* NamespaceTable::Find(const NamespaceDesc& desc) const {
+  const std::string text = desc.CanonicalText();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_text_.find(text);
+  return it == by_text_.end() ? nullptr : by_id_[it->second].get();
+}
+
 const NamespaceInfo& NamespaceTable::Get(uint32_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return *by_id_.at(id);

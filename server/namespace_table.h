@@ -18,6 +18,9 @@
 
 namespace hiqcache::server {
 
+// An id no namespace has: stands for a namespace that no pool registered (it holds no block).
+inline constexpr uint32_t kNoNamespace = UINT32_MAX;
+
 struct NamespaceDesc {
   std::string model;
   std::string tenant;
@@ -41,6 +44,9 @@ class NamespaceTable {
  public:
   // Returns the namespace for `desc`, creating it on first use.
   const NamespaceInfo& Intern(const NamespaceDesc& desc);
+  // The namespace for `desc` if Intern has created it, else null. Never creates one: lookups of
+  // namespaces no pool ever registered cost no memory.
+  const NamespaceInfo* Find(const NamespaceDesc& desc) const;
   // REQUIRES: id was returned by Intern.
   const NamespaceInfo& Get(uint32_t id) const;
   std::vector<const NamespaceInfo*> All() const;

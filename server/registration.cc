@@ -86,76 +86,87 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
   return end;
 }
 
+StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limits& limits,
+                                          uint64_t pool_capacity_bytes,
+                                          const std::string& field_prefix) {
+  auto invalid = [&](const std::string& field_and_text) {
+    return InvalidArgument(field_prefix + field_and_text);
+  };
+  if (spec.model.empty()) return invalid("model: must not be empty");
+  if (spec.model.size() > limits.max_string_bytes) return invalid("model: too long");
+  if (spec.tenant.size() > limits.max_string_bytes) return invalid("tenant: too long");
+  if (spec.num_layers == 0 || spec.num_layers > limits.max_layers) {
+    return invalid("geometry.num_layers: must be in [1, " + std::to_string(limits.max_layers) +
+                   "], got " + std::to_string(spec.num_layers));
+  }
+  if (spec.num_kv_heads == 0 || spec.num_kv_heads > limits.max_heads) {
+    return invalid("geometry.num_kv_heads: must be in [1, " + std::to_string(limits.max_heads) +
+                   "], got " + std::to_string(spec.num_kv_heads));
+  }
+  if (spec.head_dim == 0 || spec.head_dim > limits.max_head_dim) {
+    return invalid("geometry.head_dim: must be in [1, " + std::to_string(limits.max_head_dim) +
+                   "], got " + std::to_string(spec.head_dim));
+  }
+  if (spec.dtype != kDTypeBf16 && spec.dtype != kDTypeFp16) {
+    return invalid("geometry.dtype: must be DTYPE_BF16 or DTYPE_FP16, got " +
+                   std::to_string(spec.dtype));
+  }
+  if (spec.attention != kAttentionMha && spec.attention != kAttentionMla) {
+    return invalid("geometry.attention: must be ATTENTION_MHA or ATTENTION_MLA, got " +
+                   std::to_string(spec.attention));
+  }
+  if (spec.tp_size == 0 || spec.tp_size > 4096) {
+    return invalid("geometry.tp_size: must be in [1, 4096], got " + std::to_string(spec.tp_size));
+  }
+  if (spec.tp_rank >= spec.tp_size) return invalid("geometry.tp_rank: must be < tp_size");
+  if (spec.block_tokens == 0 || spec.block_tokens > limits.max_block_tokens) {
+    return invalid("block_tokens: must be in [1, " + std::to_string(limits.max_block_tokens) +
+                   "], got " + std::to_string(spec.block_tokens));
+  }
+  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw) {
+    return invalid("codec: unknown value " + std::to_string(spec.codec));
+  }
+  const bool mla = spec.attention == kAttentionMla;
+
+  NamespaceDesc ns;
+  kernels::BlockLayout& lay = ns.layout;
+  lay.row.num_heads = spec.num_kv_heads;
+  lay.row.head_dim = spec.head_dim;
+  lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
+  lay.row.codec =
+      spec.codec == kCodecRaw ? kernels::CodecKind::kRaw : kernels::CodecKind::kInt8PerHead;
+  lay.num_layers = spec.num_layers;
+  lay.kv_planes = mla ? 1 : 2;
+  lay.block_tokens = spec.block_tokens;
+  if (lay.row.ElementsPerRow() > (1u << 22)) {
+    return invalid("geometry: num_kv_heads * head_dim is too large");
+  }
+  // Two blocks, each in its own extent (header + slot), must fit: one alone would thrash.
+  if (2 * (kExtentHeaderBytes + SlotBytesFor(lay.BlockBytes())) > pool_capacity_bytes) {
+    return invalid("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +
+                   " bytes does not fit twice in the pool (" + std::to_string(pool_capacity_bytes) +
+                   " bytes)");
+  }
+  ns.model = spec.model;
+  ns.tenant = spec.tenant;
+  ns.mla = mla;
+  ns.tp_rank = spec.tp_rank;
+  ns.tp_size = spec.tp_size;
+  return ns;
+}
+
 StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
                                                      const Limits& limits,
                                                      uint64_t pool_capacity_bytes) {
   ValidatedRegistration out;
-  if (spec.model.empty()) return InvalidArgument("model: must not be empty");
-  if (spec.model.size() > limits.max_string_bytes) return InvalidArgument("model: too long");
-  if (spec.tenant.size() > limits.max_string_bytes) return InvalidArgument("tenant: too long");
-  if (spec.num_layers == 0 || spec.num_layers > limits.max_layers) {
-    return InvalidArgument("geometry.num_layers: must be in [1, " +
-                           std::to_string(limits.max_layers) + "], got " +
-                           std::to_string(spec.num_layers));
-  }
-  if (spec.num_kv_heads == 0 || spec.num_kv_heads > limits.max_heads) {
-    return InvalidArgument("geometry.num_kv_heads: must be in [1, " +
-                           std::to_string(limits.max_heads) + "], got " +
-                           std::to_string(spec.num_kv_heads));
-  }
-  if (spec.head_dim == 0 || spec.head_dim > limits.max_head_dim) {
-    return InvalidArgument("geometry.head_dim: must be in [1, " +
-                           std::to_string(limits.max_head_dim) + "], got " +
-                           std::to_string(spec.head_dim));
-  }
-  if (spec.dtype != kDTypeBf16 && spec.dtype != kDTypeFp16) {
-    return InvalidArgument("geometry.dtype: must be DTYPE_BF16 or DTYPE_FP16, got " +
-                           std::to_string(spec.dtype));
-  }
-  if (spec.attention != kAttentionMha && spec.attention != kAttentionMla) {
-    return InvalidArgument("geometry.attention: must be ATTENTION_MHA or ATTENTION_MLA, got " +
-                           std::to_string(spec.attention));
-  }
-  if (spec.tp_size == 0 || spec.tp_size > 4096) {
-    return InvalidArgument("geometry.tp_size: must be in [1, 4096], got " +
-                           std::to_string(spec.tp_size));
-  }
-  if (spec.tp_rank >= spec.tp_size) {
-    return InvalidArgument("geometry.tp_rank: must be < tp_size");
-  }
-  if (spec.block_tokens == 0 || spec.block_tokens > limits.max_block_tokens) {
-    return InvalidArgument("block_tokens: must be in [1, " +
-                           std::to_string(limits.max_block_tokens) + "], got " +
-                           std::to_string(spec.block_tokens));
-  }
-  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw) {
-    return InvalidArgument("codec: unknown value " + std::to_string(spec.codec));
-  }
+  HIQ_ASSIGN_OR_RETURN(out.ns, ValidateNamespace(spec, limits, pool_capacity_bytes));
+  out.layout = out.ns.layout;
   if (spec.device_kind != kDeviceHost && spec.device_kind != kDeviceCuda) {
     return InvalidArgument("device.kind: must be DEVICE_KIND_HOST or DEVICE_KIND_CUDA, got " +
                            std::to_string(spec.device_kind));
   }
   out.cuda = spec.device_kind == kDeviceCuda;
-  const bool mla = spec.attention == kAttentionMla;
-
-  kernels::BlockLayout& lay = out.layout;
-  lay.row.num_heads = spec.num_kv_heads;
-  lay.row.head_dim = spec.head_dim;
-  lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
-  lay.row.codec = spec.codec == kCodecRaw ? kernels::CodecKind::kRaw
-                                          : kernels::CodecKind::kInt8PerHead;
-  lay.num_layers = spec.num_layers;
-  lay.kv_planes = mla ? 1 : 2;
-  lay.block_tokens = spec.block_tokens;
-  if (lay.row.ElementsPerRow() > (1u << 22)) {
-    return InvalidArgument("geometry: num_kv_heads * head_dim is too large");
-  }
-  // Two blocks, each in its own extent (header + slot), must fit: one alone would thrash.
-  if (2 * (kExtentHeaderBytes + SlotBytesFor(lay.BlockBytes())) > pool_capacity_bytes) {
-    return InvalidArgument("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +
-                           " bytes does not fit twice in the pool (" +
-                           std::to_string(pool_capacity_bytes) + " bytes)");
-  }
+  const bool mla = out.ns.mla;
 
   if (spec.buffers.empty() || spec.buffers.size() > limits.max_buffers) {
     return InvalidArgument("buffers: must hold 1 to " + std::to_string(limits.max_buffers) +
@@ -219,12 +230,6 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
     return InvalidArgument("events.host_shm_name: needed when events.count > 0");
   }
 
-  out.ns.model = spec.model;
-  out.ns.tenant = spec.tenant;
-  out.ns.layout = lay;
-  out.ns.mla = mla;
-  out.ns.tp_rank = spec.tp_rank;
-  out.ns.tp_size = spec.tp_size;
   return out;
 }
 

@@ -34,8 +34,17 @@ struct ValidatedRegistration {
   bool cuda = false;
 };
 
-// Checks geometry, enums, buffers, views (every addressable element inside its buffer) and events.
-// `pool_capacity_bytes` bounds the block size: a block must fit in the pool.
+// Checks the parts a namespace is derived from (model, tenant, geometry, block_tokens, codec) and
+// derives its descriptor (block layout included). RegisterPool and a Lookup's NamespaceRefs both
+// go through here, so equal parts always name the same namespace (MLA drops tp_rank/tp_size).
+// `pool_capacity_bytes` bounds the block size: a block must fit in the pool. Error text starts
+// with `field_prefix` ("namespaces[1]." -> "namespaces[1].geometry.num_kv_heads: ...").
+StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limits& limits,
+                                          uint64_t pool_capacity_bytes,
+                                          const std::string& field_prefix = "");
+
+// ValidateNamespace, then device, buffers, views (every addressable element inside its buffer)
+// and events.
 StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
                                                      const Limits& limits,
                                                      uint64_t pool_capacity_bytes);

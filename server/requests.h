@@ -43,7 +43,9 @@ struct EventsSpec {
   std::vector<std::string> cuda_ipc_event_handles;
 };
 
-struct RegisterSpec {
+// The parts a namespace is derived from: RegisterPoolRequest's model, tenant, geometry,
+// block_tokens and codec, which a NamespaceRef repeats for callers that hold no pool.
+struct NamespaceSpec {
   std::string model;
   std::string tenant;
   uint32_t num_layers = 0;
@@ -55,6 +57,9 @@ struct RegisterSpec {
   uint32_t tp_size = 0;
   uint32_t block_tokens = 0;
   int codec = 0;  // proto Codec value
+};
+
+struct RegisterSpec : NamespaceSpec {
   int device_kind = 0;
   std::string cuda_device_uuid;
   std::vector<BufferSpec> buffers;
@@ -62,6 +67,17 @@ struct RegisterSpec {
   EventsSpec events;
   uint32_t client_pid = 0;
   std::string peer;  // transport's description of the caller, for logs and stats
+};
+
+// At most this many NamespaceRefs in one LookupRequest (a TP group, with room to spare).
+inline constexpr uint32_t kMaxLookupNamespaces = 64;
+
+// A Lookup: the keys' longest leading run present in every listed namespace, and also in the
+// pool's namespace when pool_id != 0. At least one of pool_id and namespaces must be given.
+struct LookupSpec {
+  uint64_t pool_id = 0;  // 0 = none
+  std::vector<std::string> keys;
+  std::vector<NamespaceSpec> namespaces;
 };
 
 struct BlockSpec {

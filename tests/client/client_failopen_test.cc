@@ -105,6 +105,11 @@ TEST_F(NoDaemonTest, CallsMissQuicklyWhenNothingListens) {
   }
   EXPECT_FALSE((*client)->Evict(*pending, keys).ok());
   EXPECT_FALSE((*client)->GetStats().ok());
+  const NamespaceRef ref{spec_.model, spec_.tenant, spec_.geometry, spec_.block_tokens,
+                         spec_.codec};
+  LookupResult group = (*client)->LookupGroup(std::span(&ref, 1), keys);
+  EXPECT_EQ(group.prefix_blocks, 0u);
+  EXPECT_FALSE(group.status.ok());
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(3));
   EXPECT_TRUE((*client)->ReleasePool(*pending).ok());
   EXPECT_EQ((*client)->Lookup(*pending, keys).status.code(), StatusCode::kInvalidArgument);
@@ -162,6 +167,11 @@ class FakeCache final : public v1::Cache::Service {
                       v1::LookupResponse* resp) override {
     std::lock_guard<std::mutex> lock(mu_);
     log_.push_back("lookup:" + std::to_string(req->pool_id()));
+    last_lookup_ = *req;
+    if (req->pool_id() == 0 && req->namespaces_size() > 0) {  // a group lookup: one less
+      resp->set_prefix_blocks(static_cast<uint32_t>(req->keys_size()) - 1);
+      return grpc::Status::OK;
+    }
     if (!valid_.contains(req->pool_id())) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "pool_id: unknown pool");
     }
@@ -215,6 +225,10 @@ class FakeCache final : public v1::Cache::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return last_register_;
   }
+  v1::LookupRequest last_lookup() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_lookup_;
+  }
   v1::BackupRequest last_backup() {
     std::lock_guard<std::mutex> lock(mu_);
     return last_backup_;
@@ -231,6 +245,7 @@ class FakeCache final : public v1::Cache::Service {
   std::set<uint64_t> valid_;
   std::vector<std::string> log_;
   v1::RegisterPoolRequest last_register_;
+  v1::LookupRequest last_lookup_;
   v1::BackupRequest last_backup_;
   v1::RestoreRequest last_restore_;
 };
@@ -337,6 +352,41 @@ TEST_F(FakeDaemonTest, RequestsCarryTheSpecAndOptions) {
   EXPECT_EQ(rr.done_event(), -1);
   EXPECT_EQ(rr.wait_event(), -1);
   EXPECT_TRUE(rr.sync());
+
+  // A group lookup names namespaces by their parts and no pool.
+  NamespaceRef r0{spec_.model, "t", spec_.geometry, spec_.block_tokens, Codec::kRaw};
+  r0.geometry.tp_size = 2;
+  NamespaceRef r1 = r0;
+  r1.geometry.tp_rank = 1;
+  r1.geometry.attention = Attention::kMLA;
+  r1.geometry.dtype = DType::kFP16;
+  const std::vector<NamespaceRef> refs = {r0, r1};
+  LookupResult group = client_->LookupGroup(refs, keys);
+  ASSERT_TRUE(group.status.ok()) << group.status.ToString();
+  EXPECT_EQ(group.prefix_blocks, 2u);
+  const v1::LookupRequest lr = daemon_->service->last_lookup();
+  EXPECT_EQ(lr.pool_id(), 0u);
+  ASSERT_EQ(lr.keys_size(), 3);
+  EXPECT_EQ(lr.keys(2), std::string(reinterpret_cast<const char*>(keys[2].data()), 16));
+  ASSERT_EQ(lr.namespaces_size(), 2);
+  EXPECT_EQ(lr.namespaces(0).model(), "test-model");
+  EXPECT_EQ(lr.namespaces(0).tenant(), "t");
+  EXPECT_EQ(lr.namespaces(0).block_tokens(), 4u);
+  EXPECT_EQ(lr.namespaces(0).codec(), v1::CODEC_RAW);
+  EXPECT_EQ(lr.namespaces(0).geometry().num_layers(), 2u);
+  EXPECT_EQ(lr.namespaces(0).geometry().num_kv_heads(), spec_.geometry.num_kv_heads);
+  EXPECT_EQ(lr.namespaces(0).geometry().head_dim(), spec_.geometry.head_dim);
+  EXPECT_EQ(lr.namespaces(0).geometry().tp_rank(), 0u);
+  EXPECT_EQ(lr.namespaces(0).geometry().tp_size(), 2u);
+  EXPECT_EQ(lr.namespaces(0).geometry().attention(), v1::ATTENTION_MHA);
+  EXPECT_EQ(lr.namespaces(1).geometry().tp_rank(), 1u);
+  EXPECT_EQ(lr.namespaces(1).geometry().attention(), v1::ATTENTION_MLA);
+  EXPECT_EQ(lr.namespaces(1).geometry().dtype(), v1::DTYPE_FP16);
+  // Nothing to ask about: answered locally.
+  EXPECT_EQ(client_->LookupGroup({}, keys).status.code(), StatusCode::kInvalidArgument);
+  group = client_->LookupGroup(refs, {});
+  EXPECT_TRUE(group.status.ok());
+  EXPECT_EQ(group.prefix_blocks, 0u);
 
   // Row count mismatch: refused, nothing stored.
   BackupResult bad = client_->Backup(*pool, keys, std::span(rows).first(11));

@@ -144,6 +144,34 @@ int main(int argc, char** argv) {
     *in.add_calls()->mutable_restore() = r;
     Write(dir, "events", in);
   }
+  {  // Group lookups: the base pool's namespace by its parts, an unknown one, the pool and a ref.
+    FuzzInput in;
+    *in.add_calls()->mutable_backup() = Backup(1, 0, 3, 0, true);
+    v1::NamespaceRef ref;
+    ref.set_model("fuzz-model");
+    auto* g = ref.mutable_geometry();
+    g->set_num_layers(2);  // the fuzzer's base pool (request_fuzzer.cc BaseRequest)
+    g->set_num_kv_heads(2);
+    g->set_head_dim(32);
+    g->set_dtype(v1::DTYPE_BF16);
+    g->set_attention(v1::ATTENTION_MHA);
+    g->set_tp_size(1);
+    ref.set_block_tokens(kBt);
+    v1::NamespaceRef unknown = ref;
+    unknown.set_model("fuzz-unknown");
+    auto* l = in.add_calls()->mutable_lookup();
+    *l->add_namespaces() = ref;
+    for (int i = 0; i < 4; ++i) l->add_keys(Key(i));
+    l = in.add_calls()->mutable_lookup();
+    *l->add_namespaces() = ref;
+    *l->add_namespaces() = unknown;
+    for (int i = 0; i < 4; ++i) l->add_keys(Key(i));
+    l = in.add_calls()->mutable_lookup();
+    l->set_pool_id(1);
+    *l->add_namespaces() = ref;
+    for (int i = 0; i < 4; ++i) l->add_keys(Key(i));
+    Write(dir, "group_lookup", in);
+  }
   {  // Malformed: short key, rows out of range, unknown pool.
     FuzzInput in;
     auto* l = in.add_calls()->mutable_lookup();

@@ -6,7 +6,8 @@
 // handler would, without a socket. The core serves a HOST pool registered once in
 // LLVMFuzzerInitialize over small shm KV buffers and event slots created here. Mapping of fuzzed
 // values onto real objects, so that mutations reach deep code:
-//   pool_id 1 -> the pool registered at start; 2 -> the last pool this input registered;
+//   pool_id 1 -> the pool registered at start; 2 -> the last pool this input registered
+//   (0 stays 0: a Lookup over LookupRequest.namespaces alone);
 //   host_shm_name "kv" -> the KV shm object, "ev" -> the event shm object; any other name that
 //   shm_open would accept -> a name that does not exist (the fuzzer never opens foreign objects).
 // Every backup and restore completes before the next request (the core is waited idle).
@@ -296,8 +297,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       case FuzzCall::kLookup: {
         what = "Lookup";
-        std::vector<std::string> keys(call.lookup().keys().begin(), call.lookup().keys().end());
-        st = core.Lookup(MapPoolId(call.lookup().pool_id(), last), keys).status();
+        // pool_id 0 stays 0: a group lookup over LookupRequest.namespaces alone.
+        server::LookupSpec spec = server::LookupSpecFromProto(call.lookup());
+        if (spec.pool_id != 0) spec.pool_id = MapPoolId(spec.pool_id, last);
+        st = core.Lookup(spec).status();
         break;
       }
       case FuzzCall::kEvict: {

@@ -239,7 +239,10 @@ TEST_F(BadInputTest, UnknownPoolIsNotFound) {
     l.set_pool_id(id);
     l.add_keys(Bytes(keys_[0]));
     v1::LookupResponse lr;
-    Expect(stub_->Lookup(Ctx().get(), l, &lr), StatusCode::NOT_FOUND, "pool_id", "Lookup" + what);
+    // Pool id 0 names no pool: without namespaces the Lookup is malformed, not a miss.
+    Expect(stub_->Lookup(Ctx().get(), l, &lr),
+           id == 0 ? StatusCode::INVALID_ARGUMENT : StatusCode::NOT_FOUND, "pool_id",
+           "Lookup" + what);
     v1::EvictRequest e;
     e.set_pool_id(id);
     e.add_keys(Bytes(keys_[0]));
@@ -330,6 +333,62 @@ TEST_F(BadInputTest, TooManyBlocksIsRefused) {
         }
       },
       StatusCode::RESOURCE_EXHAUSTED, "blocks", "9 blocks");
+  ExpectStillServing();
+}
+
+TEST_F(BadInputTest, MalformedNamespaceRefsAreRefused) {
+  // A group lookup naming the pool's namespace by its parts (the RegisterPool fields).
+  auto good = [&] {
+    v1::LookupRequest l;
+    v1::NamespaceRef* ref = l.add_namespaces();
+    ref->set_model(valid_register_.model());
+    ref->set_tenant(valid_register_.tenant());
+    *ref->mutable_geometry() = valid_register_.geometry();
+    ref->set_block_tokens(valid_register_.block_tokens());
+    ref->set_codec(valid_register_.codec());
+    *l.add_namespaces() = l.namespaces(0);
+    for (const BlockKey& k : keys_) l.add_keys(Bytes(k));
+    return l;
+  };
+  auto expect = [&](std::function<void(v1::LookupRequest&)> mutate, StatusCode code,
+                    const std::string& field, const std::string& what) {
+    v1::LookupRequest l = good();
+    mutate(l);
+    v1::LookupResponse lr;
+    Expect(stub_->Lookup(Ctx().get(), l, &lr), code, field, "Lookup " + what);
+  };
+  Snapshot();
+  using L = v1::LookupRequest;
+  const StatusCode kInvalid = StatusCode::INVALID_ARGUMENT;
+  expect([](L& l) { l.clear_namespaces(); }, kInvalid, "pool_id", "no pool, no namespaces");
+  expect([](L& l) { l.mutable_namespaces(1)->set_model(""); }, kInvalid, "namespaces[1].model",
+         "empty model");
+  expect([](L& l) { l.mutable_namespaces(1)->mutable_geometry()->set_num_kv_heads(0); }, kInvalid,
+         "namespaces[1].geometry.num_kv_heads", "0 heads");
+  expect([](L& l) { l.mutable_namespaces(0)->mutable_geometry()->set_tp_rank(1); }, kInvalid,
+         "namespaces[0].geometry.tp_rank", "tp_rank = tp_size");
+  expect([](L& l) { l.mutable_namespaces(0)->clear_geometry(); }, kInvalid,
+         "namespaces[0].geometry.num_layers", "no geometry");
+  expect([](L& l) { l.mutable_namespaces(1)->set_block_tokens(32768); }, kInvalid,
+         "namespaces[1].block_tokens", "block larger than half the pool");
+  expect([](L& l) { l.mutable_namespaces(1)->set_codec(static_cast<v1::Codec>(7)); }, kInvalid,
+         "namespaces[1].codec", "codec 7");
+  expect([](L& l) { l.set_keys(1, "short"); }, kInvalid, "keys[1]", "short key");
+  expect(
+      [](L& l) {
+        while (l.namespaces_size() <= 64) *l.add_namespaces() = l.namespaces(0);
+      },
+      StatusCode::RESOURCE_EXHAUSTED, "namespaces", "65 namespaces");
+  expect([&](L& l) { l.set_pool_id(pool_id_ ^ 0x5A5A); }, StatusCode::NOT_FOUND, "pool_id",
+         "unknown pool in a group");
+  // Control (after the comparisons: it counts hits): the unmutated request answers.
+  v1::LookupRequest l = good();
+  v1::LookupResponse lr;
+  ASSERT_TRUE(stub_->Lookup(Ctx().get(), l, &lr).ok());
+  EXPECT_EQ(lr.prefix_blocks(), 2u);
+  l.set_pool_id(pool_id_);
+  ASSERT_TRUE(stub_->Lookup(Ctx().get(), l, &lr).ok());
+  EXPECT_EQ(lr.prefix_blocks(), 2u);
   ExpectStillServing();
 }
 

@@ -1,5 +1,6 @@
-// Prefix lookup semantics, namespace sharing with a second client process (hiq_it_peer), and
-// eviction of a small pool: LRU order, pinned blocks survive, statistics match what was done.
+// Prefix lookup semantics, namespace sharing with a second client process (hiq_it_peer), group
+// lookups over the namespaces of a TP group (LookupGroup), and eviction of a small pool: LRU
+// order, pinned blocks survive, statistics match what was done.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -195,6 +196,118 @@ TEST_F(LookupTest, OtherTenantOrModelIsAnotherNamespace) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_NE(r->info.namespace_id, p->info.namespace_id);
   EXPECT_EQ(client_->Lookup(r->handle, keys).prefix_blocks, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group lookup: a scheduler holds no pool; it asks whether every TP rank of an engine holds a
+// prefix, naming the ranks' namespaces by their parts (LookupGroup). Its own daemon, with room for
+// one extent (64 MiB) per rank: in a smaller pool the ranks' namespaces would take the whole pool
+// from each other.
+
+class GroupLookupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(daemon_.Start()) << "hiqcached did not start";
+    client_ = Connect(daemon_.target());
+    ASSERT_NE(client_, nullptr);
+  }
+  void TearDown() override {
+    client_.reset();
+    EXPECT_EQ(daemon_.Stop(), 0);
+  }
+
+  DaemonProcess daemon_{"192MiB"};
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(GroupLookupTest, AnswersWhatEveryTpRankHolds) {
+  PoolOptions o0;
+  o0.model = "lk-group";
+  o0.geometry = Geom(4, 4, 64);
+  o0.block_tokens = kBt;
+  o0.num_rows = 128;
+  o0.geometry.tp_rank = 0;
+  o0.geometry.tp_size = 2;
+  PoolOptions o1 = o0;
+  o1.geometry.tp_rank = 1;
+  auto r0 = MakePool(*client_, o0);
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  auto r1 = MakePool(*client_, o1);
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  ASSERT_NE(r0->info.namespace_id, r1->info.namespace_id);
+
+  const std::vector<BlockKey> keys = Keys(12, 4, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, 4 * kBt);
+  FillRows(r0->kv, 12, rows, kBt);
+  FillRows(r1->kv, 13, rows, kBt);
+  ASSERT_EQ(client_->Backup(r0->handle, keys, rows).held(), 4u);
+  ASSERT_EQ(
+      client_->Backup(r1->handle, std::span(keys).first(2), std::span(rows).first(2 * kBt)).held(),
+      2u);
+  ASSERT_EQ(client_->Lookup(r0->handle, keys).prefix_blocks, 4u);
+  ASSERT_EQ(client_->Lookup(r1->handle, keys).prefix_blocks, 2u);
+
+  // What a scheduler knows: the parts the workers register with, not their pools.
+  auto ref = [](const PoolSpec& s) {
+    NamespaceRef r;
+    r.model = s.model;
+    r.tenant = s.tenant;
+    r.geometry = s.geometry;
+    r.block_tokens = s.block_tokens;
+    r.codec = s.codec;
+    return r;
+  };
+  const NamespaceRef ref0 = ref(r0->spec), ref1 = ref(r1->spec);
+  auto group = [&](std::vector<NamespaceRef> refs) {
+    LookupResult r = client_->LookupGroup(refs, keys);
+    EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+    return r.prefix_blocks;
+  };
+  const auto before = client_->GetStats();
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  EXPECT_EQ(group({ref0, ref1}), 2u);
+  EXPECT_EQ(group({ref1, ref0}), 2u);
+  EXPECT_EQ(group({ref0}), 4u);
+  EXPECT_EQ(group({ref1}), 2u);
+  NamespaceRef unknown = ref0;
+  unknown.model = "lk-group-never-registered";
+  EXPECT_EQ(group({unknown}), 0u);
+  EXPECT_EQ(group({ref0, unknown}), 0u);
+  NamespaceRef rank2 = ref0;  // rank 0 of another TP size: another namespace
+  rank2.geometry.tp_size = 4;
+  EXPECT_EQ(group({rank2}), 0u);
+
+  // Counted like pool lookups (hits = the answer, misses = the rest, in each namespace), and no
+  // namespace was created by looking up unknown ones.
+  const auto after = client_->GetStats();
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  EXPECT_EQ(after->namespaces.size(), before->namespaces.size());
+  const NamespaceStats* a0 = FindNamespace(*before, r0->info.namespace_id);
+  const NamespaceStats* b0 = FindNamespace(*after, r0->info.namespace_id);
+  const NamespaceStats* a1 = FindNamespace(*before, r1->info.namespace_id);
+  const NamespaceStats* b1 = FindNamespace(*after, r1->info.namespace_id);
+  ASSERT_TRUE(a0 && b0 && a1 && b1);
+  // rank 0: {0,1}x2 -> h4 m4, {0} h4, {1} -, {0,unknown} m4 -> h8 m8.
+  EXPECT_EQ(b0->hits - a0->hits, 8u);
+  EXPECT_EQ(b0->misses - a0->misses, 8u);
+  // rank 1: {0,1}x2 -> h4 m4, {1} h2 m2.
+  EXPECT_EQ(b1->hits - a1->hits, 6u);
+  EXPECT_EQ(b1->misses - a1->misses, 6u);
+
+  // Malformed refs are errors that name the field; the client still answers 0 (fail-open).
+  NamespaceRef bad = ref1;
+  bad.geometry.num_kv_heads = 0;
+  LookupResult r = client_->LookupGroup(std::vector<NamespaceRef>{ref0, bad}, keys);
+  EXPECT_EQ(r.prefix_blocks, 0u);
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument) << r.status.ToString();
+  EXPECT_NE(r.status.message().find("namespaces[1].geometry.num_kv_heads"), std::string::npos)
+      << r.status.message();
+  r = client_->LookupGroup(std::vector<NamespaceRef>(65, ref0), keys);
+  EXPECT_EQ(r.prefix_blocks, 0u);
+  EXPECT_EQ(r.status.code(), StatusCode::kResourceExhausted) << r.status.ToString();
+  r = client_->LookupGroup({}, keys);
+  EXPECT_EQ(r.prefix_blocks, 0u);
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // CacheCore with the HOST backend over real POSIX shared memory: the client's KV buffers and
 // event slots are shm objects this test creates, as an engine would. Covers the backup / lookup /
 // restore round trip (INT8 within the DESIGN.md bound, RAW bit-exact), block statuses, atomic
-// rejection, status codes, HOST event slots and pool release.
+// rejection, status codes, HOST event slots, pool release, and lookups over a TP group of
+// namespaces named by their parts.
 #include "cache_core.h"
 
 #include <fcntl.h>
@@ -34,7 +35,7 @@ using namespace std::chrono_literals;
 using testing::AnonBuffer;
 using testing::KeyString;
 
-constexpr int kBf16 = 1, kMha = 1, kInt8 = 0, kRaw = 1, kHost = 1, kCuda = 2;
+constexpr int kBf16 = 1, kMha = 1, kMla = 2, kInt8 = 0, kRaw = 1, kHost = 1, kCuda = 2;
 constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 32;
 constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
 constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
@@ -540,7 +541,10 @@ TEST_F(CacheCoreTest, UnknownPoolIsNotFound) {
   EXPECT_EQ(core_->Lookup(bogus, {KeyString(1)}).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(core_->Evict(bogus, {KeyString(1)}).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(core_->ReleasePool(bogus).code(), StatusCode::kNotFound);
-  EXPECT_EQ(core_->Lookup(0, {}).status().code(), StatusCode::kNotFound);
+  // Pool id 0 names no pool: a lookup then needs namespaces (LookupSpec).
+  const Status zero = core_->Lookup(0, {}).status();
+  EXPECT_EQ(zero.code(), StatusCode::kInvalidArgument) << zero.ToString();
+  EXPECT_NE(zero.message().find("pool_id"), std::string::npos) << zero.message();
 }
 
 TEST_F(CacheCoreTest, ReleasedPoolIsNotFoundButBlocksStayInTheNamespace) {
@@ -972,6 +976,263 @@ TEST_F(CacheCoreTest, TicketsIncreasePerPool) {
   EXPECT_EQ(Backup(Transfer(b, {Block(1, 0)}))->ticket, 1u);
   EXPECT_EQ(Restore(Transfer(a, {Block(1, 8)}))->ticket, 3u);
   EXPECT_EQ(Restore(Transfer(b, {Block(1, 8)}))->ticket, 2u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lookup over a TP group of namespaces named by their parts (LookupSpec::namespaces).
+
+class GroupLookupTest : public CacheCoreTest {
+ protected:
+  // Room for one 64 MiB extent per namespace: the ranks' blocks do not evict each other.
+  void SetUp() override { Build(2000ms, size_t{256} << 20); }
+
+  // Spec() as rank `rank` of `size`; MLA pools have no V views.
+  RegisterSpec TpSpec(uint32_t rank, uint32_t size, int attention = kMha) const {
+    RegisterSpec s = Spec();
+    s.tp_rank = rank;
+    s.tp_size = size;
+    s.attention = attention;
+    if (attention == kMla) {
+      for (LayerSpec& l : s.layers) l.v = ViewSpec{};
+    }
+    return s;
+  }
+  RegisterResult Reg(const RegisterSpec& s) {
+    auto r = core_->RegisterPool(s);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : RegisterResult{};
+  }
+  static NamespaceSpec Ref(const RegisterSpec& s) { return s; }  // the namespace's parts only
+  static std::vector<std::string> Keys(std::initializer_list<uint64_t> ids) {
+    std::vector<std::string> out;
+    for (uint64_t i : ids) out.push_back(KeyString(i));
+    return out;
+  }
+  StatusOr<uint32_t> Group(std::vector<NamespaceSpec> refs, std::vector<std::string> keys,
+                           uint64_t pool_id = 0) {
+    LookupSpec spec;
+    spec.pool_id = pool_id;
+    spec.keys = std::move(keys);
+    spec.namespaces = std::move(refs);
+    return core_->Lookup(spec);
+  }
+  uint32_t GroupOk(std::vector<NamespaceSpec> refs, std::vector<std::string> keys,
+                   uint64_t pool_id = 0) {
+    auto r = Group(std::move(refs), std::move(keys), pool_id);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : 9999;
+  }
+  NamespaceCounters Counters(const std::string& namespace_id) const {
+    for (const auto& n : core_->Snapshot().namespaces) {
+      if (n.namespace_id == namespace_id) return n.counters;
+    }
+    ADD_FAILURE() << "no namespace " << namespace_id;
+    return {};
+  }
+  // Backs up blocks `keys` (rows 4*i.. of the shared buffers) into `pool`.
+  void Store(uint64_t pool, std::initializer_list<uint64_t> keys) {
+    std::vector<BlockSpec> blocks;
+    uint32_t row = 0;
+    for (uint64_t k : keys) {
+      blocks.push_back(Block(k, row));
+      row += kBlockTokens;
+    }
+    auto r = Backup(Transfer(pool, blocks));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    for (BlockResult b : r->results) ASSERT_EQ(b, BlockResult::kStored);
+  }
+};
+
+TEST_F(GroupLookupTest, AnswerIsTheShortestRunOverTheGroup) {
+  const RegisterSpec r0 = TpSpec(0, 2), r1 = TpSpec(1, 2);
+  const RegisterResult p0 = Reg(r0), p1 = Reg(r1);
+  ASSERT_NE(p0.namespace_id, p1.namespace_id);  // MHA: one namespace per rank
+  Store(p0.pool_id, {1, 2, 3, 4});
+  Store(p1.pool_id, {1, 2, 4});  // rank 1 lacks block 3
+  const std::vector<std::string> k = Keys({1, 2, 3, 4});
+
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, k), 2u);
+  EXPECT_EQ(GroupOk({Ref(r1), Ref(r0)}, k), 2u);
+  EXPECT_EQ(GroupOk({Ref(r0)}, k), 4u);  // a ref and a pool with the same parts agree
+  EXPECT_EQ(Lookup(p0.pool_id, k), 4u);
+  EXPECT_EQ(GroupOk({Ref(r1)}, k), 2u);
+  EXPECT_EQ(GroupOk({Ref(r0)}, Keys({4, 1})), 2u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, Keys({4, 1})), 2u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, Keys({3, 4})), 0u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, {}), 0u);
+  // pool_id joins the group.
+  EXPECT_EQ(GroupOk({Ref(r0)}, k, p1.pool_id), 2u);
+  EXPECT_EQ(GroupOk({Ref(r0)}, k, p0.pool_id), 4u);
+  EXPECT_EQ(Group({Ref(r0)}, k, p0.pool_id + 777).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(GroupLookupTest, CountsTheAnswerInEachNamespaceOnce) {
+  const RegisterSpec r0 = TpSpec(0, 2), r1 = TpSpec(1, 2);
+  const RegisterResult p0 = Reg(r0), p1 = Reg(r1);
+  Store(p0.pool_id, {1, 2, 3, 4});
+  Store(p1.pool_id, {1, 2});
+  const NamespaceCounters a0 = Counters(p0.namespace_id), b0 = Counters(p1.namespace_id);
+  // As a pool lookup: the answer (2) counts as hits, the other keys (3) as misses, in each
+  // namespace; a namespace listed twice, or also named by pool_id, counts once.
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1), Ref(r0)}, Keys({1, 2, 3, 4, 5}), p1.pool_id), 2u);
+  const NamespaceCounters a1 = Counters(p0.namespace_id), b1 = Counters(p1.namespace_id);
+  EXPECT_EQ(a1.hits - a0.hits, 2u);
+  EXPECT_EQ(a1.misses - a0.misses, 3u);
+  EXPECT_EQ(b1.hits - b0.hits, 2u);
+  EXPECT_EQ(b1.misses - b0.misses, 3u);
+  // With a member no pool registered, the answer is 0: every key is a miss in the others.
+  RegisterSpec other = r0;
+  other.model = "never/registered";
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(other)}, Keys({1, 2})), 0u);
+  const NamespaceCounters a2 = Counters(p0.namespace_id);
+  EXPECT_EQ(a2.hits, a1.hits);
+  EXPECT_EQ(a2.misses - a1.misses, 2u);
+}
+
+TEST_F(GroupLookupTest, UnknownOrEmptyNamespaceAnswersZeroAndIsNotCreated) {
+  const RegisterSpec r0 = TpSpec(0, 2);
+  const RegisterResult p0 = Reg(r0);
+  Store(p0.pool_id, {1, 2});
+  const RegisterSpec empty = TpSpec(1, 2);
+  (void)Reg(empty);  // registered, holds nothing
+  const size_t namespaces = core_->Snapshot().namespaces.size();
+  const size_t store_namespaces = store_->Stats().namespaces.size();
+  ASSERT_EQ(namespaces, 2u);
+
+  RegisterSpec model = r0, tenant = r0, tp = r0, codec = r0, block = r0, dtype = r0;
+  model.model = "another/model";
+  tenant.tenant = "another-tenant";
+  tp.tp_size = 4;  // rank 0 of 4 is another namespace than rank 0 of 2
+  codec.codec = kRaw;
+  block.block_tokens = 8;
+  dtype.dtype = 2;  // FP16
+  for (const RegisterSpec* s : {&model, &tenant, &tp, &codec, &block, &dtype}) {
+    EXPECT_EQ(GroupOk({Ref(*s)}, Keys({1, 2})), 0u) << s->model << "/" << s->tenant;
+    EXPECT_EQ(GroupOk({Ref(r0), Ref(*s)}, Keys({1, 2})), 0u);
+  }
+  EXPECT_EQ(GroupOk({Ref(empty)}, Keys({1, 2})), 0u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(empty)}, Keys({1, 2})), 0u);
+  EXPECT_EQ(GroupOk({Ref(r0)}, Keys({1, 2})), 2u);
+  // Lookups of unknown namespaces created nothing, in the table or in the store.
+  EXPECT_EQ(core_->Snapshot().namespaces.size(), namespaces);
+  EXPECT_EQ(store_->Stats().namespaces.size(), store_namespaces);
+  for (int i = 0; i < 200; ++i) {
+    RegisterSpec s = r0;
+    s.model = "unknown/" + std::to_string(i);
+    (void)GroupOk({Ref(s)}, Keys({1}));
+  }
+  EXPECT_EQ(core_->Snapshot().namespaces.size(), namespaces);
+  EXPECT_EQ(store_->Stats().namespaces.size(), store_namespaces);
+}
+
+TEST_F(GroupLookupTest, MlaNamespaceIgnoresTpRankAndSize) {
+  const RegisterSpec m = TpSpec(1, 4, kMla);
+  const RegisterResult p = Reg(m);
+  EXPECT_EQ(Reg(TpSpec(3, 8, kMla)).namespace_id, p.namespace_id);  // as for registration
+  Store(p.pool_id, {1, 2, 3});
+  const std::vector<std::string> k = Keys({1, 2, 3});
+  EXPECT_EQ(GroupOk({Ref(TpSpec(0, 1, kMla))}, k), 3u);
+  EXPECT_EQ(GroupOk({Ref(TpSpec(0, 4, kMla)), Ref(TpSpec(1, 4, kMla)), Ref(TpSpec(2, 4, kMla)),
+                     Ref(TpSpec(3, 4, kMla))},
+                    k),
+            3u);
+  EXPECT_EQ(GroupOk({Ref(TpSpec(5, 8, kMla))}, k, p.pool_id), 3u);
+  // The four refs are one namespace: counted once.
+  const NamespaceCounters before = Counters(p.namespace_id);
+  EXPECT_EQ(GroupOk({Ref(TpSpec(0, 2, kMla)), Ref(TpSpec(1, 2, kMla))}, k), 3u);
+  EXPECT_EQ(Counters(p.namespace_id).hits - before.hits, 3u);
+  // Still validated as a registration: tp_rank < tp_size.
+  EXPECT_EQ(Group({Ref(TpSpec(0, 1, kMla))}, k).status().code(), StatusCode::kOk);
+  NamespaceSpec bad = Ref(TpSpec(0, 1, kMla));
+  bad.tp_rank = 1;
+  EXPECT_EQ(Group({bad}, k).status().code(), StatusCode::kInvalidArgument);
+  // MHA keeps one namespace per rank.
+  EXPECT_EQ(GroupOk({Ref(TpSpec(1, 4, kMha))}, k), 0u);
+}
+
+TEST_F(GroupLookupTest, InvalidRefsNameTheFieldAndChangeNothing) {
+  const RegisterSpec r0 = TpSpec(0, 2), r1 = TpSpec(1, 2);
+  const RegisterResult p0 = Reg(r0), p1 = Reg(r1);
+  Store(p0.pool_id, {1, 2});
+  Store(p1.pool_id, {1, 2});
+  const CoreSnapshot before = core_->Snapshot();
+  const std::vector<std::string> k = Keys({1, 2});
+
+  auto expect = [&](std::vector<NamespaceSpec> refs, std::vector<std::string> keys,
+                    uint64_t pool_id, StatusCode code, const std::string& field) {
+    const Status st = Group(std::move(refs), std::move(keys), pool_id).status();
+    EXPECT_EQ(st.code(), code) << field << ": " << st.ToString();
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
+  };
+  auto mutated = [&](auto mutate) {
+    NamespaceSpec s = Ref(r1);
+    mutate(s);
+    return std::vector<NamespaceSpec>{Ref(r0), s};
+  };
+  const StatusCode kInvalid = StatusCode::kInvalidArgument;
+  expect({}, k, 0, kInvalid, "pool_id");
+  expect(mutated([](NamespaceSpec& s) { s.model.clear(); }), k, 0, kInvalid, "namespaces[1].model");
+  expect(mutated([](NamespaceSpec& s) { s.model.assign(10000, 'm'); }), k, 0, kInvalid,
+         "namespaces[1].model");
+  expect(mutated([](NamespaceSpec& s) { s.tenant.assign(10000, 't'); }), k, 0, kInvalid,
+         "namespaces[1].tenant");
+  expect(mutated([](NamespaceSpec& s) { s.num_layers = 0; }), k, 0, kInvalid,
+         "namespaces[1].geometry.num_layers");
+  expect(mutated([](NamespaceSpec& s) { s.num_kv_heads = 0; }), k, 0, kInvalid,
+         "namespaces[1].geometry.num_kv_heads");
+  expect(mutated([](NamespaceSpec& s) { s.head_dim = 1u << 20; }), k, 0, kInvalid,
+         "namespaces[1].geometry.head_dim");
+  expect(mutated([](NamespaceSpec& s) { s.dtype = 0; }), k, 0, kInvalid,
+         "namespaces[1].geometry.dtype");
+  expect(mutated([](NamespaceSpec& s) { s.attention = 9; }), k, 0, kInvalid,
+         "namespaces[1].geometry.attention");
+  expect(mutated([](NamespaceSpec& s) { s.tp_size = 0; }), k, 0, kInvalid,
+         "namespaces[1].geometry.tp_size");
+  expect(mutated([](NamespaceSpec& s) { s.tp_rank = 2; }), k, 0, kInvalid,
+         "namespaces[1].geometry.tp_rank");
+  expect(mutated([](NamespaceSpec& s) { s.block_tokens = 0; }), k, 0, kInvalid,
+         "namespaces[1].block_tokens");
+  expect(mutated([](NamespaceSpec& s) {
+           s.num_layers = 4096;
+           s.block_tokens = 4096;
+         }),
+         k, 0, kInvalid, "namespaces[1].block_tokens");  // does not fit twice in the pool
+  expect(mutated([](NamespaceSpec& s) { s.codec = 7; }), k, 0, kInvalid, "namespaces[1].codec");
+  expect({Ref(r0), Ref(r1)}, {KeyString(1), "short"}, 0, kInvalid, "keys[1]");
+  expect({Ref(r0)}, k, p0.pool_id ^ 0x5A5A, StatusCode::kNotFound, "pool_id");
+  // The same text as RegisterPool's own check, with the entry in front.
+  {
+    RegisterSpec reg = r1;
+    reg.num_kv_heads = 0;
+    const Status r = core_->RegisterPool(reg).status();
+    const Status g = Group({Ref(r0), Ref(reg)}, k).status();
+    EXPECT_EQ(g.message(), "namespaces[1]." + r.message());
+  }
+  // More than kMaxLookupNamespaces entries.
+  std::vector<NamespaceSpec> many(kMaxLookupNamespaces + 1, Ref(r0));
+  expect(many, k, 0, StatusCode::kResourceExhausted, "namespaces");
+  many.pop_back();
+  EXPECT_EQ(GroupOk(many, k), 2u);  // exactly the limit is fine
+
+  // Nothing changed but that one successful lookup's own counts.
+  const CoreSnapshot after = core_->Snapshot();
+  ASSERT_EQ(after.namespaces.size(), before.namespaces.size());
+  for (size_t i = 0; i < after.namespaces.size(); ++i) {
+    const NamespaceCounters& a = after.namespaces[i].counters;
+    const NamespaceCounters& b = before.namespaces[i].counters;
+    const bool r0_ns = after.namespaces[i].namespace_id == p0.namespace_id;
+    EXPECT_EQ(a.hits, b.hits + (r0_ns ? 2 : 0)) << after.namespaces[i].namespace_id;
+    EXPECT_EQ(a.misses, b.misses);
+    EXPECT_EQ(a.blocks, b.blocks);
+  }
+  EXPECT_EQ(after.store.blocks, before.store.blocks);
+}
+
+TEST_F(GroupLookupTest, DrainingIsUnavailable) {
+  const RegisterSpec r0 = TpSpec(0, 2);
+  (void)Reg(r0);
+  core_->StartDraining();
+  EXPECT_EQ(Group({Ref(r0)}, Keys({1})).status().code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

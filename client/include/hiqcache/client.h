@@ -2,8 +2,9 @@
 //
 // The client is fail-open: hiqcached is a cache, and its absence must never stop inference.
 // Every call carries a deadline (ClientOptions). When the daemon is unreachable or answers with
-// an error, Lookup reports 0 prefix blocks, Backup reports every block kNotStored and Restore
-// reports 0 restored blocks, each with the Status set so the caller can log it; nothing throws.
+// an error, Lookup and LookupGroup report 0 prefix blocks, Backup reports every block kNotStored
+// and Restore reports 0 restored blocks, each with the Status set so the caller can log it;
+// nothing throws.
 //
 // The client keeps every registration's PoolSpec. PoolHandle is the client's own id and stays
 // valid across daemon restarts: when the connection to the daemon breaks, or a call answers
@@ -37,8 +38,8 @@ struct ClientOptions {
   // "unix:///path/to.sock", "unix:/path", "host:port", or an absolute socket path.
   // Empty = DefaultTarget() (common/hiqcache/paths.h).
   std::string target;
-  // Deadline of each data call (Lookup, Backup, Restore, Evict, ReleasePool, GetStats),
-  // re-registration and retry included.
+  // Deadline of each data call (Lookup, LookupGroup, Backup, Restore, Evict, ReleasePool,
+  // GetStats), re-registration and retry included.
   std::chrono::milliseconds call_timeout{2000};
   // Deadline of an explicit RegisterPool (the daemon opens the engine's buffers).
   std::chrono::milliseconds register_timeout{10000};
@@ -163,6 +164,12 @@ class Client {
 
   // Length of the longest leading run of `keys` the pool's namespace holds.
   LookupResult Lookup(PoolHandle pool, std::span<const BlockKey> keys);
+  // For callers that hold no pool: length of the longest leading run of `keys` held by EVERY
+  // namespace of `namespaces` (e.g. one ref per TP rank of an engine). A namespace no pool ever
+  // registered answers 0. At most 64 namespaces per call (else RESOURCE_EXHAUSTED); an empty
+  // `namespaces` is INVALID_ARGUMENT, nothing sent. Fail-open like Lookup.
+  LookupResult LookupGroup(std::span<const NamespaceRef> namespaces,
+                           std::span<const BlockKey> keys);
   // Stores keys.size() blocks; block i is made of rows[i*block_tokens, (i+1)*block_tokens).
   // REQUIRES (else INVALID_ARGUMENT, nothing sent): rows.size() == keys.size() * block_tokens.
   BackupResult Backup(PoolHandle pool, std::span<const BlockKey> keys,

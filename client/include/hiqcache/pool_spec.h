@@ -99,6 +99,19 @@ struct PoolSpec {
   EventPoolSpec events;
 };
 
+// A namespace named by its parts, for callers that hold no pool (a scheduler asking what every TP
+// rank of an engine holds): the model, tenant, geometry, block_tokens and codec a PoolSpec
+// registers with. The daemon maps it to a namespace exactly as it maps a registration, so a ref
+// with a pool's parts names that pool's namespace; for Attention::kMLA, tp_rank and tp_size are
+// not part of the namespace.
+struct NamespaceRef {
+  std::string model;
+  std::string tenant;
+  Geometry geometry;
+  uint32_t block_tokens = 0;
+  Codec codec = Codec::kInt8PerHead;
+};
+
 // The daemon's answer to RegisterPool.
 struct RegisteredPool {
   uint64_t pool_id = 0;  // the daemon's id; changes when the client re-registers
