@@ -14,6 +14,8 @@ packages=(
   libhwy-dev
   libxxhash-dev
   procps
+  # The project venv (deploy/setup-venv.sh)
+  python3 python3-venv
   gnuplot-nox
   # Node-service pieces: cpp-httplib serves /metrics; the deploy tests run `systemd-analyze
   # verify` on the unit (package systemd) and `promtool check metrics` (package prometheus).

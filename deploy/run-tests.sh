@@ -3,7 +3,7 @@
 # (CUDA backend included when nvcc is present) and runs every test. Tests labelled `gpu` skip
 # where no GPU is visible.
 #
-# Then three checking stages, each in its own build directory beside BUILD_DIR (CUDA and
+# Then the Python stage (HIQ_PYTHON_TESTS=0 skips it) and three checking stages, each in its own build directory beside BUILD_DIR (CUDA and
 # benchmarks off, -O1), each timed:
 #   asan  g++ -fsanitize=address,undefined: the daemon core's unit tests, a subset of the
 #         integration tests and the robustness tests, against the ASan daemon of that directory
@@ -36,6 +36,20 @@ bash "$root/deploy/build.sh"
 cd "$build"
 ctest --output-on-failure --timeout 600 -j "${HIQ_TEST_JOBS:-2}"
 stage_done main "$t"
+
+# Python: the project venv (pinned, deploy/setup-venv.sh), then pytest over tests/python: the
+# hiqcache client against the real daemon, and the vLLM connector inside real vLLM engines on
+# real SmolLM2 weights (converted once into .cache/models, or $HIQ_MODEL_CACHE).
+if [ "${HIQ_PYTHON_TESTS:-1}" = 1 ]; then
+  t=$(date +%s)
+  bash "$root/deploy/setup-venv.sh"
+  stage_done python-venv "$t"
+  t=$(date +%s)
+  HIQ_DAEMON_PATH="$build/server/hiqcached" HIQ_C_LIB="$build/client/libhiqcache.so" \
+  HIQ_RESULTS_DIR="$build/python-results" \
+    "${HIQ_VENV:-$root/.venv}/bin/python" -m pytest -q -p no:cacheprovider "$root/tests/python"
+  stage_done python-tests "$t"
+fi
 
 # Configures a checking build directory once: $1 dir, rest: cmake arguments.
 configure_check() {

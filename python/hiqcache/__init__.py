@@ -1,0 +1,26 @@
+"""hiqcache: the Python client of hiqcached, the per-node compressed CPU tier for LLM KV cache.
+
+`import hiqcache` pulls neither torch nor an engine; the engine adapters (`hiqcache.vllm`) import
+their engine themselves.
+"""
+
+from hiqcache.client import (BackupResult, BlockStatus, Client, DaemonStats, LookupResult,
+                             NamespaceStats, PoolStats, RestoreResult, default_socket_path,
+                             normalize_target)
+from hiqcache.host import EVENT_FAILED_BIT, HostEventPool, HostShm
+from hiqcache.keys import BlockKey, chain_block_key, compute_block_keys, root_block_key
+from hiqcache.spec import (Attention, Codec, DeviceKind, DType, EventPoolSpec, Geometry,
+                           LayerView, NamespaceRef, PoolSpec, RegisteredPool, SharedBuffer,
+                           TensorView, slot_major_bytes, slot_major_view)
+from hiqcache.status import HiqError, Status, StatusCode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attention", "BackupResult", "BlockKey", "BlockStatus", "Client", "Codec", "DType",
+    "DaemonStats", "DeviceKind", "EVENT_FAILED_BIT", "EventPoolSpec", "Geometry", "HiqError",
+    "HostEventPool", "HostShm", "LayerView", "LookupResult", "NamespaceRef", "NamespaceStats",
+    "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "SharedBuffer", "Status",
+    "StatusCode", "TensorView", "chain_block_key", "compute_block_keys", "default_socket_path",
+    "normalize_target", "root_block_key", "slot_major_bytes", "slot_major_view",
+]

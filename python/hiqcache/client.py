@@ -1,0 +1,485 @@
+"""hiqcache.Client: what a Python inference engine uses to talk to hiqcached (DESIGN.md).
+
+The semantics are the C++ client's (client/include/hiqcache/client.h):
+
+- Fail-open: hiqcached is a cache, and its absence must never stop inference. Every call has a
+  deadline. When the daemon is unreachable or answers with an error, lookup reports 0 prefix
+  blocks, backup reports every block NOT_STORED and restore 0 restored blocks, each with the
+  Status set so the caller can log it; these calls never raise. register_pool, evict and
+  get_stats raise HiqError, since their callers need the daemon's answer.
+- Re-registration: the client keeps every registration's request. A PoolHandle is the client's
+  own id and stays valid across daemon restarts: when the connection breaks, or a call answers
+  UNAVAILABLE or NOT_FOUND (the daemon restarted and forgot its ids), the client registers the
+  pool again (at most once per reregister_interval per pool) and retries the call once. After
+  re-registering a HOST pool it zeroes the pool's event slots, since the new registration's
+  tickets start again at 1.
+
+Thread-safety: one Client may be shared by any number of threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from hiqcache.host import HostEventPool, HostShm
+from hiqcache.keys import BlockKey
+from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
+                           PoolSpec, RegisteredPool)
+from hiqcache.status import HiqError, Status, StatusCode
+from hiqcache.v1 import cache_pb2 as pb
+from hiqcache.v1 import cache_pb2_grpc as pb_grpc
+
+log = logging.getLogger("hiqcache")
+T = TypeVar("T")
+
+
+def default_socket_path() -> str:
+    """$XDG_RUNTIME_DIR/hiqcache/hiqcached.sock, else /tmp/hiqcache-$UID/hiqcached.sock."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return xdg + "/hiqcache/hiqcached.sock"
+    return f"/tmp/hiqcache-{os.getuid()}/hiqcached.sock"
+
+
+def normalize_target(target: str | None) -> str:
+    """The gRPC target for "unix:///path", an absolute socket path, or host:port."""
+    if not target:
+        return "unix://" + default_socket_path()
+    if target.startswith("/"):
+        return "unix://" + target
+    for scheme in ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            if len(target) == len(scheme):
+                raise ValueError(f'target "{target}" has no address')
+            return target
+    colon = target.rfind(":")
+    if colon <= 0 or colon + 1 == len(target):
+        raise ValueError(f'target "{target}": expected unix:///path/to.sock, /path/to.sock '
+                         "or host:port")
+    return target
+
+
+class BlockStatus(enum.IntEnum):
+    STORED = 0  # the daemon stored the block
+    ALREADY_PRESENT = 1  # the namespace held it already
+    REJECTED = 2  # non-finite input, or no room
+    NOT_STORED = 3  # client side: the call failed (see BackupResult.status)
+
+
+@dataclass
+class LookupResult:
+    prefix_blocks: int = 0  # 0 on any failure
+    status: Status = Status.OK
+
+
+@dataclass
+class BackupResult:
+    blocks: list[BlockStatus] = field(default_factory=list)  # one per key
+    ticket: int = 0
+    status: Status = Status.OK
+
+    @property
+    def held(self) -> int:
+        """Blocks the namespace now holds (stored or already present)."""
+        return sum(b in (BlockStatus.STORED, BlockStatus.ALREADY_PRESENT) for b in self.blocks)
+
+
+@dataclass
+class RestoreResult:
+    # Leading blocks restored; 0 on failure. After a failed async call the daemon may still write
+    # the rows: do not hand them to another request before the call's deadline has passed.
+    restored_blocks: int = 0
+    ticket: int = 0
+    status: Status = Status.OK
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    namespace_id: str
+    model: str
+    tenant: str
+    codec: Codec
+    encoded_bytes_per_token: int
+    blocks: int
+    bytes: int
+    hits: int
+    misses: int
+    backups: int
+    restores: int
+    evictions: int
+    rejected: int
+    pools: int
+    capacity_blocks: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_id: int
+    namespace_id: str
+    model: str
+    tenant: str
+    device: DeviceKind
+    client_pid: int
+    backups: int
+    restores: int
+    peer: str
+
+
+@dataclass(frozen=True)
+class DaemonStats:
+    pool_bytes: int
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    clients: int
+    uptime_seconds: int
+    device: str
+    shm_name: str
+    namespaces: list[NamespaceStats]
+    pools: list[PoolStats]
+
+
+def _status_of(err: grpc.RpcError, target: str) -> Status:
+    code = err.code() if hasattr(err, "code") else StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED):
+        details = f"hiqcached at {target}: {details}"
+    return Status(code, details or code.name)
+
+
+def _is_stale(s: Status) -> bool:
+    return s.code in (StatusCode.UNAVAILABLE, StatusCode.NOT_FOUND)
+
+
+def _is_unreachable(s: Status) -> bool:
+    return s.code in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED)
+
+
+class _Pool:
+    def __init__(self, handle: int, spec: PoolSpec):
+        self.handle = handle
+        self.spec = spec
+        self.request = spec.to_proto(client_pid=os.getpid())
+        self.lock = threading.Lock()  # serializes (re)registration; guards the fields below
+        self.server_id = 0  # 0 = not registered
+        self.epoch = 0
+        self.info: RegisteredPool | None = None
+        self.registered_once = False
+        self.attempted = False
+        self.last_attempt = 0.0
+        self.last_error = Status.OK
+
+
+def _check_keys(keys: Sequence[BlockKey]) -> Status:
+    for i, k in enumerate(keys):
+        if len(k) != 16:
+            return Status(StatusCode.INVALID_ARGUMENT, f"keys[{i}]: {len(k)} bytes, must be 16")
+    return Status.OK
+
+
+class Client:
+    """A fail-open client of one hiqcached (see the module docstring)."""
+
+    def __init__(self, target: str | None = None, *, call_timeout: float = 2.0,
+                 register_timeout: float = 10.0, reregister_interval: float = 0.5):
+        """Does not wait for the daemon: a daemon that is down makes calls miss.
+        ValueError for a malformed target. Timeouts in seconds."""
+        if call_timeout <= 0 or register_timeout <= 0:
+            raise ValueError("call_timeout and register_timeout must be > 0")
+        self.target = normalize_target(target)
+        self.call_timeout = call_timeout
+        self.register_timeout = register_timeout
+        self.reregister_interval = reregister_interval
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self._stub = pb_grpc.CacheStub(self._channel)
+        self._lock = threading.Lock()
+        self._pools: dict[int, _Pool] = {}
+        self._next_handle = 1
+        # Counts breaks of the connection: each time the channel leaves READY the daemon may
+        # have restarted, and every pool id it handed out may now name someone else's pool.
+        self._epoch = 0
+        self._state: grpc.ChannelConnectivity | None = None
+        self._channel.subscribe(self._on_state, try_to_connect=True)
+        self._closed = False
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        if self._state == grpc.ChannelConnectivity.READY and state != self._state:
+            self._epoch += 1
+            log.debug("hiqcache client: connection to %s broke", self.target)
+        self._state = state
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: Any, deadline: float) -> tuple[T | None, Status]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, Status(StatusCode.DEADLINE_EXCEEDED,
+                                f"hiqcached at {self.target}: call deadline passed")
+        try:
+            return method(request, timeout=left), Status.OK
+        except grpc.RpcError as err:
+            return None, _status_of(err, self.target)
+        except ValueError as err:  # e.g. the channel was closed
+            return None, Status(StatusCode.UNAVAILABLE, f"hiqcached at {self.target}: {err}")
+
+    def _register_locked(self, pool: _Pool, deadline: float) -> Status:
+        # REQUIRES: pool.lock held.
+        pool.attempted = True
+        pool.last_attempt = time.monotonic()
+        epoch = self._epoch
+        resp, s = self._call(self._stub.RegisterPool, pool.request, deadline)
+        if not s.ok:
+            pool.server_id = 0
+            pool.last_error = s
+            return s
+        assert resp is not None
+        if pool.registered_once:
+            ev = pool.spec.events
+            if pool.spec.device is DeviceKind.HOST and ev.host_shm_name and ev.count > 0:
+                try:
+                    events = HostEventPool(HostShm.open(ev.host_shm_name), ev.count)
+                    events.reset()
+                    events.close()
+                except (OSError, ValueError) as err:
+                    log.warning("hiqcache client: cannot reset event slots %s: %s",
+                                ev.host_shm_name, err)
+            log.info("hiqcache client: pool %d re-registered with %s as pool %d", pool.handle,
+                     self.target, resp.pool_id)
+        pool.server_id = resp.pool_id
+        pool.epoch = epoch
+        pool.info = RegisteredPool(
+            pool_id=resp.pool_id, namespace_id=resp.namespace_id,
+            encoded_bytes_per_token=resp.encoded_bytes_per_token, block_bytes=resp.block_bytes,
+            capacity_tokens=resp.capacity_tokens)
+        pool.registered_once = True
+        pool.last_error = Status.OK
+        return Status.OK
+
+    def _ensure_registered(self, pool: _Pool, deadline: float) -> tuple[int, Status]:
+        with pool.lock:
+            if pool.server_id != 0:
+                if pool.epoch == self._epoch:
+                    return pool.server_id, Status.OK
+                pool.server_id = 0  # the connection broke since: the id may be stale
+            now = time.monotonic()
+            if pool.attempted and now - pool.last_attempt < self.reregister_interval:
+                return 0, Status(StatusCode.UNAVAILABLE,
+                                 f"pool not registered with hiqcached at {self.target} (next "
+                                 f"attempt rate-limited); last error: {pool.last_error}")
+            s = self._register_locked(pool, deadline)
+            return (pool.server_id, s) if s.ok else (0, s)
+
+    def _invalidate(self, pool: _Pool, stale_id: int, why: Status) -> None:
+        with pool.lock:
+            if pool.server_id != stale_id:
+                return
+            log.warning("hiqcache client: pool %d (daemon pool %d) lost: %s; will re-register",
+                        pool.handle, stale_id, why)
+            pool.server_id = 0
+            pool.last_error = why
+
+    def _with_pool(self, handle: int, rpc: Callable[[int, float], tuple[T | None, Status]]
+                   ) -> tuple[T | None, Status]:
+        with self._lock:
+            pool = self._pools.get(handle)
+        if pool is None:
+            return None, Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        deadline = time.monotonic() + self.call_timeout
+        resp: T | None = None
+        s = Status.OK
+        for _ in range(2):
+            server_id, s = self._ensure_registered(pool, deadline)
+            if not s.ok:
+                return None, s
+            resp, s = rpc(server_id, deadline)
+            if s.ok or not _is_stale(s):
+                return resp, s
+            self._invalidate(pool, server_id, s)
+        return resp, s
+
+    def _block_tokens(self, handle: int) -> int:
+        with self._lock:
+            pool = self._pools.get(handle)
+        return pool.spec.block_tokens if pool else 0
+
+    # --- pools -------------------------------------------------------------------------------
+
+    def register_pool(self, spec: PoolSpec, *, pending_if_unavailable: bool = False) -> int:
+        """Registers an engine's KV pool; returns the client's handle (never 0).
+
+        Raises HiqError with the daemon's status (INVALID_ARGUMENT naming the field, ...). When
+        the daemon is unreachable and pending_if_unavailable is true, the spec is kept and a
+        handle returned anyway: the pool registers on first use once the daemon is back."""
+        if spec.block_tokens <= 0:
+            raise HiqError(Status(StatusCode.INVALID_ARGUMENT, "block_tokens: must be > 0"))
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 1
+        pool = _Pool(handle, spec)
+        with pool.lock:
+            s = self._register_locked(pool, time.monotonic() + self.register_timeout)
+        if not s.ok and not (pending_if_unavailable and _is_unreachable(s)):
+            raise HiqError(s)
+        if not s.ok:
+            log.warning("hiqcache client: %s; pool kept pending, registers once the daemon is "
+                        "back", s)
+        with self._lock:
+            self._pools[handle] = pool
+        return handle
+
+    def pool_info(self, handle: int) -> RegisteredPool | None:
+        """The daemon's answer to the pool's current registration; None while unregistered."""
+        with self._lock:
+            pool = self._pools.get(handle)
+        if pool is None:
+            return None
+        with pool.lock:
+            return pool.info if pool.server_id != 0 else None
+
+    def release_pool(self, handle: int) -> Status:
+        """Releases the registration on the daemon (best effort) and forgets the handle."""
+        with self._lock:
+            pool = self._pools.pop(handle, None)
+        if pool is None:
+            return Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        with pool.lock:
+            server_id = pool.server_id
+        if server_id == 0:
+            return Status.OK
+        _, s = self._call(self._stub.ReleasePool, pb.ReleasePoolRequest(pool_id=server_id),
+                          time.monotonic() + self.call_timeout)
+        return s
+
+    # --- data calls (fail-open) --------------------------------------------------------------
+
+    def lookup(self, handle: int, keys: Sequence[BlockKey]) -> LookupResult:
+        """Length of the longest leading run of `keys` the pool's namespace holds."""
+        s = _check_keys(keys)
+        if not s.ok or not keys:
+            return LookupResult(0, s)
+        resp, s = self._with_pool(handle, lambda pid, dl: self._call(
+            self._stub.Lookup, pb.LookupRequest(pool_id=pid, keys=list(keys)), dl))
+        return LookupResult(resp.prefix_blocks if resp is not None and s.ok else 0, s)
+
+    def lookup_group(self, namespaces: Sequence[NamespaceRef],
+                     keys: Sequence[BlockKey]) -> LookupResult:
+        """Longest leading run of `keys` held in every one of `namespaces` (e.g. one per TP
+        rank of an engine): for callers that hold no pool, such as an engine's scheduler."""
+        s = _check_keys(keys)
+        if s.ok and not namespaces:
+            s = Status(StatusCode.INVALID_ARGUMENT, "namespaces: empty")
+        if not s.ok or not keys:
+            return LookupResult(0, s)
+        req = pb.LookupRequest(keys=list(keys), namespaces=[n.to_proto() for n in namespaces])
+        resp, s = self._call(self._stub.Lookup, req, time.monotonic() + self.call_timeout)
+        return LookupResult(resp.prefix_blocks if resp is not None and s.ok else 0, s)
+
+    def _blocks(self, handle: int, keys: Sequence[BlockKey], rows: Sequence[int]
+                ) -> tuple[list[pb.Block] | None, Status]:
+        s = _check_keys(keys)
+        if not s.ok:
+            return None, s
+        bt = self._block_tokens(handle)
+        if bt == 0:
+            return None, Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        if len(rows) != len(keys) * bt:
+            return None, Status(StatusCode.INVALID_ARGUMENT,
+                                f"rows: {len(rows)} entries, need {len(keys)} keys x {bt}")
+        rows = [int(r) for r in rows]
+        return [pb.Block(key=k, rows=rows[i * bt:(i + 1) * bt]) for i, k in enumerate(keys)], s
+
+    def backup(self, handle: int, keys: Sequence[BlockKey], rows: Sequence[int], *,
+               wait_event: int = -1, wait_value: int = 0, done_event: int = -1,
+               sync: bool = True) -> BackupResult:
+        """Stores len(keys) blocks; block i is made of rows[i*block_tokens:(i+1)*block_tokens].
+        With sync=False the results are provisional (see the proto)."""
+        blocks, s = self._blocks(handle, keys, rows)
+        if blocks is None:
+            return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
+        resp, s = self._with_pool(handle, lambda pid, dl: self._call(self._stub.Backup, pb.BackupRequest(
+            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+            done_event=done_event, sync=sync), dl))
+        if resp is None or not s.ok or len(resp.results) != len(keys):
+            if s.ok:
+                s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
+            return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
+        return BackupResult([BlockStatus(r) for r in resp.results], resp.ticket, s)
+
+    def restore(self, handle: int, keys: Sequence[BlockKey], rows: Sequence[int], *,
+                wait_event: int = -1, wait_value: int = 0, layer_event_base: int = -1,
+                done_event: int = -1, sync: bool = True) -> RestoreResult:
+        """Writes the stored blocks into rows laid out as for backup; stops at the first
+        missing key."""
+        blocks, s = self._blocks(handle, keys, rows)
+        if blocks is None:
+            return RestoreResult(0, 0, s)
+        resp, s = self._with_pool(handle, lambda pid, dl: self._call(self._stub.Restore, pb.RestoreRequest(
+            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl))
+        if resp is None or not s.ok:
+            return RestoreResult(0, 0, s)
+        return RestoreResult(min(resp.restored_blocks, len(keys)), resp.ticket, s)
+
+    # --- not fail-open -----------------------------------------------------------------------
+
+    def evict(self, handle: int, keys: Sequence[BlockKey]) -> int:
+        """Drops blocks from the pool's namespace; returns how many were present."""
+        s = _check_keys(keys)
+        if not s.ok:
+            raise HiqError(s)
+        resp, s = self._with_pool(handle, lambda pid, dl: self._call(
+            self._stub.Evict, pb.EvictRequest(pool_id=pid, keys=list(keys)), dl))
+        if resp is None or not s.ok:
+            raise HiqError(s)
+        return resp.evicted
+
+    def get_stats(self) -> DaemonStats:
+        resp, s = self._call(self._stub.GetStats, pb.GetStatsRequest(),
+                             time.monotonic() + self.call_timeout)
+        if resp is None or not s.ok:
+            raise HiqError(s)
+        return DaemonStats(
+            pool_bytes=resp.pool_bytes, used_bytes=resp.used_bytes,
+            capacity_bytes=resp.capacity_bytes, blocks=resp.blocks, clients=resp.clients,
+            uptime_seconds=resp.uptime_seconds, device=resp.device, shm_name=resp.shm_name,
+            namespaces=[NamespaceStats(
+                namespace_id=n.namespace_id, model=n.model, tenant=n.tenant,
+                codec=CODEC_FROM_PB.get(n.codec, Codec.INT8_PER_HEAD),
+                encoded_bytes_per_token=n.encoded_bytes_per_token, blocks=n.blocks,
+                bytes=n.bytes, hits=n.hits, misses=n.misses, backups=n.backups,
+                restores=n.restores, evictions=n.evictions, rejected=n.rejected, pools=n.pools,
+                capacity_blocks=n.capacity_blocks) for n in resp.namespaces],
+            pools=[PoolStats(
+                pool_id=p.pool_id, namespace_id=p.namespace_id, model=p.model, tenant=p.tenant,
+                device=DEVICE_FROM_PB.get(p.device, DeviceKind.HOST), client_pid=p.client_pid,
+                backups=p.backups, restores=p.restores, peer=p.peer) for p in resp.pools])
+
+    def close(self) -> None:
+        """Closes the channel; pools stay registered until this process exits (the daemon
+        releases them by pid) unless released first."""
+        if not self._closed:
+            self._closed = True
+            self._channel.unsubscribe(self._on_state)
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,168 @@
+"""HOST-backend helpers: POSIX shared memory an engine shares with hiqcached (DESIGN.md "HOST").
+
+  HostShm        a shm object, created (unlinked again by close()) or opened, mapped.
+  HostEventPool  event slots (slot i = little-endian uint64 at byte 64*i); the daemon stores
+                 ticket T with release order when work T completes, T | 2^63 when it failed.
+
+Linux names POSIX shm objects by files under /dev/shm, which is what shm_open(3) opens; this
+module uses those paths directly so that it needs no compiled code. Thread-safety: reads and
+stores of event slots are single aligned 8-byte accesses and safe from any thread; callers
+synchronise their own writes to KV data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import time
+
+import numpy as np
+
+from hiqcache.status import Status, StatusCode
+
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 64
+EVENT_FAILED_BIT = 1 << 63
+
+_names = itertools.count(1)
+
+
+def normalize_name(name: str) -> str:
+    """The name with its leading "/", as shm_open takes it."""
+    return name if name.startswith("/") else "/" + name
+
+
+def unique_name(tag: str) -> str:
+    """"/hiq-<pid>-<n>-<nonce>-<tag>": unique in this process, unlikely to collide elsewhere."""
+    return f"/hiq-{os.getpid()}-{next(_names)}-{os.urandom(4).hex()}-{tag}"
+
+
+class HostShm:
+    """A mapped POSIX shm object. `buf` is a writable memoryview of the whole object."""
+
+    def __init__(self, name: str, size: int, fd: int, owner: bool):
+        self.name = normalize_name(name)
+        self.size = size
+        self.owner = owner  # created here: close() unlinks it
+        self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "HostShm":
+        """A new zero-filled object of `size` bytes, mode 0600. FileExistsError if taken."""
+        if size <= 0:
+            raise ValueError(f"size: must be > 0, got {size}")
+        name = normalize_name(name)
+        path = SHM_DIR + name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, size, fd, owner=True)
+
+    @classmethod
+    def open(cls, name: str, min_size: int = 0) -> "HostShm":
+        """Maps an existing object (its whole size); ValueError when smaller than min_size."""
+        name = normalize_name(name)
+        fd = os.open(SHM_DIR + name, os.O_RDWR)
+        size = os.fstat(fd).st_size
+        if size < max(min_size, 1):
+            os.close(fd)
+            raise ValueError(f"shm object {name} holds {size} bytes, need {min_size}")
+        return cls(name, size, fd, owner=False)
+
+    def array(self, dtype: "np.dtype | str" = np.uint8) -> np.ndarray:
+        """The whole object as a flat numpy array (no copy)."""
+        return np.frombuffer(self._mmap, dtype=dtype)
+
+    def close(self) -> None:
+        """Unmaps; unlinks too when this handle created the object. Idempotent."""
+        if self._mmap is None:
+            return
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # numpy arrays or tensors still view the mapping: it stays until they are gone.
+            pass
+        self._mmap = None
+        if self.owner:
+            try:
+                os.unlink(SHM_DIR + self.name)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "HostShm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HostEventPool:
+    """`count` 64-byte event slots in a shm object."""
+
+    def __init__(self, shm: HostShm, count: int):
+        self.shm = shm
+        self.count = count
+        self._slots = shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1)
+
+    @classmethod
+    def create(cls, count: int, name: str = "") -> "HostEventPool":
+        if count <= 0:
+            raise ValueError(f"count: must be > 0, got {count}")
+        return cls(HostShm.create(name or unique_name("ev"), count * SLOT_BYTES), count)
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def spec(self) -> "EventPoolSpec":
+        from hiqcache.spec import EventPoolSpec
+
+        return EventPoolSpec(host_shm_name=self.name, count=self.count)
+
+    def read(self, slot: int) -> int:
+        return int(self._slots[slot, 0])
+
+    def store(self, slot: int, value: int) -> None:
+        """E.g. to tell the daemon that a request's wait_event is satisfied."""
+        self._slots[slot, 0] = value
+
+    def reset(self) -> None:
+        self._slots[:, 0] = 0
+
+    def wait(self, slot: int, ticket: int, timeout: float) -> Status:
+        """Waits until the slot holds a value >= ticket: spins briefly, then sleeps with growing
+        backoff (up to 1 ms). OK; ABORTED when the daemon marked work `ticket` failed (treat its
+        rows as a miss); DEADLINE_EXCEEDED after `timeout` seconds."""
+        if not 0 <= slot < self.count:
+            return Status(StatusCode.INVALID_ARGUMENT, f"slot {slot} out of range [0, {self.count})")
+        deadline = time.monotonic() + timeout
+        sleep = 0.0
+        spins = 0
+        while True:
+            # Bits 0..62 hold the latest completed ticket; bit 63 says that ticket's work failed.
+            value = int(self._slots[slot, 0])
+            done = value & ~EVENT_FAILED_BIT
+            if done >= ticket:
+                if value & EVENT_FAILED_BIT and done == ticket:
+                    return Status(StatusCode.ABORTED, f"hiqcached reports that work {ticket} "
+                                  "failed: its rows were not written (treat as a miss)")
+                return Status.OK
+            if time.monotonic() >= deadline:
+                return Status(StatusCode.DEADLINE_EXCEEDED,
+                              f"slot {slot} holds {value}, waited {timeout:.3f} s for {ticket}")
+            spins += 1
+            if spins > 64:
+                sleep = min(max(sleep * 2, 20e-6), 1e-3)
+                time.sleep(sleep)
+
+    def close(self) -> None:
+        self._slots = None
+        self.shm.close()

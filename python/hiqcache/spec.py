@@ -1,0 +1,220 @@
+"""What an engine tells hiqcached about its KV pool (DESIGN.md "Wire contract").
+
+Plain Python mirrors of RegisterPoolRequest's pieces, so that engine code never builds protobuf
+messages itself; `hiqcache.client` converts them. Value types, safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hiqcache.v1 import cache_pb2 as pb
+
+ELEMENT_BYTES = 2  # BF16 and FP16
+
+
+class DType(enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Attention(enum.Enum):
+    MHA = "mha"  # K and V rows per token and layer
+    MLA = "mla"  # one latent row per token and layer, no V
+
+
+class Codec(enum.Enum):
+    """Codecs by their contract names: the lower-case enum name without `CODEC_`."""
+
+    INT8_PER_HEAD = "int8_per_head"
+    RAW = "raw"
+
+    @classmethod
+    def parse(cls, name: str) -> "Codec":
+        """The codec called `name`; ValueError naming the accepted names otherwise."""
+        for c in cls:
+            if c.value == name:
+                return c
+        accepted = ", ".join(repr(c.value) for c in cls)
+        raise ValueError(f"unknown codec {name!r}: expected one of {accepted}")
+
+
+class DeviceKind(enum.Enum):
+    HOST = "host"
+    CUDA = "cuda"
+
+
+_DTYPE_PB = {DType.BF16: pb.DTYPE_BF16, DType.FP16: pb.DTYPE_FP16}
+_ATTENTION_PB = {Attention.MHA: pb.ATTENTION_MHA, Attention.MLA: pb.ATTENTION_MLA}
+_CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RAW}
+_DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
+CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
+DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    num_kv_heads: int  # heads local to this rank
+    head_dim: int
+    dtype: DType = DType.BF16
+    attention: Attention = Attention.MHA
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * ELEMENT_BYTES
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_kv_heads * self.head_bytes
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.attention is Attention.MLA else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Engine-side (BF16/FP16) bytes of one token across all layers."""
+        return self.num_layers * self.planes * self.row_bytes
+
+    def to_proto(self) -> pb.Geometry:
+        return pb.Geometry(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            dtype=_DTYPE_PB[self.dtype], attention=_ATTENTION_PB[self.attention],
+            tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A strided view of one K, V or latent tensor (DESIGN.md TensorView).
+
+    Row r is page p = r // page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0,
+    t = r; head h of row r starts at base(buffer) + offset_bytes + p * page_stride_bytes +
+    t * row_stride_bytes + h * head_stride_bytes (0 = head_dim elements) and holds head_dim
+    contiguous elements.
+    """
+
+    buffer: int
+    offset_bytes: int
+    row_stride_bytes: int
+    num_rows: int
+    head_stride_bytes: int = 0
+    page_rows: int = 0
+    page_stride_bytes: int = 0
+
+    def to_proto(self) -> pb.TensorView:
+        return pb.TensorView(
+            buffer=self.buffer, offset_bytes=self.offset_bytes,
+            row_stride_bytes=self.row_stride_bytes, num_rows=self.num_rows,
+            head_stride_bytes=self.head_stride_bytes, page_rows=self.page_rows,
+            page_stride_bytes=self.page_stride_bytes)
+
+
+@dataclass(frozen=True)
+class LayerView:
+    k: TensorView
+    v: TensorView | None = None  # None for MLA
+
+    def to_proto(self) -> pb.LayerView:
+        out = pb.LayerView(k=self.k.to_proto())
+        if self.v is not None:
+            out.v.CopyFrom(self.v.to_proto())
+        return out
+
+
+@dataclass(frozen=True)
+class SharedBuffer:
+    """One registered memory object: a POSIX shm name (HOST) or a CUDA IPC handle (64 bytes)."""
+
+    size_bytes: int
+    host_shm_name: str = ""
+    cuda_ipc_handle: bytes = b""
+
+    def to_proto(self) -> pb.SharedBuffer:
+        if self.cuda_ipc_handle:
+            return pb.SharedBuffer(cuda_ipc_handle=self.cuda_ipc_handle, size_bytes=self.size_bytes)
+        return pb.SharedBuffer(host_shm_name=self.host_shm_name, size_bytes=self.size_bytes)
+
+
+@dataclass(frozen=True)
+class EventPoolSpec:
+    host_shm_name: str = ""
+    count: int = 0
+    cuda_ipc_event_handles: tuple[bytes, ...] = ()
+
+    def to_proto(self) -> pb.EventPool:
+        return pb.EventPool(host_shm_name=self.host_shm_name, count=self.count,
+                            cuda_ipc_event_handles=list(self.cuda_ipc_event_handles))
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Everything RegisterPool sends; the client adds client_pid."""
+
+    model: str  # model name + revision (+ anything else that changes the KV)
+    geometry: Geometry
+    block_tokens: int
+    buffers: tuple[SharedBuffer, ...]
+    layers: tuple[LayerView, ...]  # one per geometry.num_layers
+    tenant: str = ""
+    codec: Codec = Codec.INT8_PER_HEAD
+    device: DeviceKind = DeviceKind.HOST
+    cuda_device_uuid: str = ""
+    events: EventPoolSpec = field(default_factory=EventPoolSpec)
+
+    def namespace(self) -> "NamespaceRef":
+        return NamespaceRef(model=self.model, tenant=self.tenant, geometry=self.geometry,
+                            block_tokens=self.block_tokens, codec=self.codec)
+
+    def to_proto(self, client_pid: int) -> pb.RegisterPoolRequest:
+        return pb.RegisterPoolRequest(
+            model=self.model, tenant=self.tenant, geometry=self.geometry.to_proto(),
+            block_tokens=self.block_tokens, codec=_CODEC_PB[self.codec],
+            device=pb.Device(kind=_DEVICE_PB[self.device], cuda_device_uuid=self.cuda_device_uuid),
+            buffers=[b.to_proto() for b in self.buffers],
+            layers=[v.to_proto() for v in self.layers],
+            events=self.events.to_proto(), client_pid=client_pid)
+
+
+@dataclass(frozen=True)
+class NamespaceRef:
+    """A namespace named by its parts, for callers that hold no pool (an engine's scheduler)."""
+
+    model: str
+    geometry: Geometry
+    block_tokens: int
+    codec: Codec = Codec.INT8_PER_HEAD
+    tenant: str = ""
+
+    def to_proto(self) -> pb.NamespaceRef:
+        return pb.NamespaceRef(model=self.model, tenant=self.tenant,
+                               geometry=self.geometry.to_proto(),
+                               block_tokens=self.block_tokens, codec=_CODEC_PB[self.codec])
+
+
+@dataclass(frozen=True)
+class RegisteredPool:
+    """The daemon's answer to RegisterPool."""
+
+    pool_id: int  # the daemon's id; changes when the client re-registers
+    namespace_id: str
+    encoded_bytes_per_token: int
+    block_bytes: int
+    capacity_tokens: int
+
+
+# --- Layouts (the C++ client's layouts.h) ---------------------------------------------------------
+
+
+def slot_major_view(g: Geometry, num_slots: int, buffer: int, offset_bytes: int) -> TensorView:
+    """SGLang-style [num_slots, heads, head_dim]."""
+    return TensorView(buffer=buffer, offset_bytes=offset_bytes, row_stride_bytes=g.row_bytes,
+                      num_rows=num_slots)
+
+
+def slot_major_bytes(g: Geometry, num_slots: int) -> int:
+    return g.row_bytes * num_slots
+

@@ -1,0 +1,58 @@
+"""HOST KV buffers for Python tests: SGLang-style [layer][K|V][rows][heads][dim] in one shm object,
+bf16 values as uint16 bits, and the INT8 codec's elementwise error bound."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import hiqcache as hq
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+class HostKv:
+    def __init__(self, geometry: hq.Geometry, rows: int):
+        self.g = geometry
+        self.rows = rows
+        plane = hq.slot_major_bytes(geometry, rows)
+        self.shm = hq.HostShm.create(hq.host.unique_name("test-kv"), geometry.num_layers * 2 * plane)
+        self.data = self.shm.array(np.uint16).reshape(geometry.num_layers, 2, rows,
+                                                      geometry.num_kv_heads, geometry.head_dim)
+        self.layers = tuple(
+            hq.LayerView(k=hq.slot_major_view(geometry, rows, 0, 2 * l * plane),
+                         v=hq.slot_major_view(geometry, rows, 0, (2 * l + 1) * plane))
+            for l in range(geometry.num_layers))
+
+    def spec(self, model: str, block_tokens: int, codec: hq.Codec = hq.Codec.INT8_PER_HEAD,
+             events: hq.HostEventPool | None = None) -> hq.PoolSpec:
+        return hq.PoolSpec(model=model, geometry=self.g, block_tokens=block_tokens, codec=codec,
+                           buffers=(hq.SharedBuffer(size_bytes=self.shm.size,
+                                                    host_shm_name=self.shm.name),),
+                           layers=self.layers,
+                           events=events.spec() if events else hq.EventPoolSpec())
+
+    def fill(self, rows: range, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        shape = self.data[:, :, rows.start:rows.stop].shape
+        self.data[:, :, rows.start:rows.stop] = to_bf16_bits(rng.standard_normal(shape) * 3)
+
+    def close(self) -> None:
+        self.data = None
+        self.shm.close()
+
+
+def int8_violations(original: np.ndarray, restored: np.ndarray) -> int:
+    """Elements outside |x̂ - x| <= (0.5 + 2^-8)·s + 2^-8·|x̂|, s = max|x| / 127 per head (the
+    scale rounded up to bf16 precision, so the check never flags a correct encoder)."""
+    x = from_bf16_bits(original).astype(np.float64)
+    y = from_bf16_bits(restored).astype(np.float64)
+    s = np.abs(x).max(axis=-1, keepdims=True) / 127 * (1 + 2 ** -8)
+    bound = (0.5 + 2 ** -8) * s + 2 ** -8 * np.abs(y)
+    return int((np.abs(y - x) > bound).sum())

@@ -1,0 +1,219 @@
+"""hiqcache.Client against the real hiqcached: round trips, prefix semantics, TP-group lookup,
+events, bad input, fail-open and re-registration after a restart."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import time
+
+import numpy as np
+import pytest
+
+import hiqcache as hq
+from daemon import ROOT, Daemon
+from kv_util import HostKv, int8_violations
+
+G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
+BT = 16
+
+
+@pytest.fixture
+def kv():
+    k = HostKv(G, 8 * BT)
+    yield k
+    k.close()
+
+
+def keys_for(tokens, salt="test"):
+    return hq.compute_block_keys(tokens, BT, salt=salt)
+
+
+def test_raw_round_trip_is_bit_exact_and_int8_within_bound(daemon, kv):
+    with hq.Client(daemon.target) as c:
+        for codec in (hq.Codec.RAW, hq.Codec.INT8_PER_HEAD):
+            pool = c.register_pool(kv.spec(f"m-{codec.value}", BT, codec))
+            kv.fill(range(0, 4 * BT), seed=1)
+            keys = keys_for(range(4 * BT))
+            res = c.backup(pool, keys, range(0, 4 * BT))
+            assert res.status.ok, res.status
+            assert res.blocks == [hq.BlockStatus.STORED] * 4
+            again = c.backup(pool, keys[:2], range(0, 2 * BT))
+            assert again.blocks == [hq.BlockStatus.ALREADY_PRESENT] * 2
+            r = c.restore(pool, keys, range(4 * BT, 8 * BT))
+            assert r.status.ok and r.restored_blocks == 4
+            src, dst = kv.data[:, :, :4 * BT], kv.data[:, :, 4 * BT:]
+            if codec is hq.Codec.RAW:
+                assert np.array_equal(src, dst)
+            else:
+                assert not np.array_equal(src, dst)  # it really went through the codec
+                assert int8_violations(src, dst) == 0
+            info = c.pool_info(pool)
+            per_token = G.num_layers * 2 * (G.num_kv_heads * G.head_dim +
+                                            (2 * G.num_kv_heads if codec is hq.Codec.INT8_PER_HEAD
+                                             else G.num_kv_heads * G.head_dim))
+            assert info.encoded_bytes_per_token == per_token
+            assert c.release_pool(pool).ok
+
+
+def test_prefix_semantics_and_restore_stops_at_first_missing(daemon, kv):
+    with hq.Client(daemon.target) as c:
+        pool = c.register_pool(kv.spec("m", BT))
+        kv.fill(range(0, 4 * BT), seed=2)
+        keys = keys_for(range(4 * BT))
+        assert c.backup(pool, [keys[0], keys[1], keys[3]],
+                        [*range(0, 2 * BT), *range(3 * BT, 4 * BT)]).held == 3
+        assert c.lookup(pool, keys).prefix_blocks == 2
+        before = kv.data[:, :, 4 * BT:].copy()
+        r = c.restore(pool, keys, range(4 * BT, 8 * BT))
+        assert r.restored_blocks == 2
+        # Rows of blocks that were not restored are untouched.
+        assert np.array_equal(kv.data[:, :, 6 * BT:], before[:, :, 2 * BT:])
+        assert c.evict(pool, [keys[0]]) == 1
+        assert c.lookup(pool, keys).prefix_blocks == 0
+        stats = c.get_stats()
+        ns = [n for n in stats.namespaces if n.model == "m"]
+        assert len(ns) == 1 and ns[0].blocks == 2 and ns[0].evictions == 1
+
+
+def test_lookup_group_answers_what_every_rank_holds(daemon):
+    geoms = [hq.Geometry(num_layers=2, num_kv_heads=2, head_dim=64, tp_rank=r, tp_size=2)
+             for r in range(2)]
+    kvs = [HostKv(g, 4 * BT) for g in geoms]
+    try:
+        with hq.Client(daemon.target) as c:
+            pools = [c.register_pool(k.spec("tp-model", BT)) for k in kvs]
+            keys = keys_for(range(4 * BT))
+            for k in kvs:
+                k.fill(range(4 * BT), seed=3)
+            assert c.backup(pools[0], keys, range(4 * BT)).held == 4
+            assert c.backup(pools[1], keys[:2], range(2 * BT)).held == 2
+            refs = [hq.NamespaceRef(model="tp-model", geometry=g, block_tokens=BT) for g in geoms]
+            assert c.lookup_group(refs, keys).prefix_blocks == 2
+            assert c.lookup_group(refs[:1], keys).prefix_blocks == 4
+            other = hq.NamespaceRef(model="another-model", geometry=geoms[0], block_tokens=BT)
+            assert c.lookup_group([other], keys).prefix_blocks == 0
+            raw = hq.NamespaceRef(model="tp-model", geometry=geoms[0], block_tokens=BT,
+                                  codec=hq.Codec.RAW)
+            assert c.lookup_group([raw], keys).prefix_blocks == 0  # codecs never share blocks
+            bad = hq.NamespaceRef(model="tp-model", block_tokens=BT,
+                                  geometry=hq.Geometry(num_layers=2, num_kv_heads=0, head_dim=64))
+            res = c.lookup_group([refs[0], bad], keys)
+            assert res.prefix_blocks == 0
+            assert res.status.code == hq.StatusCode.INVALID_ARGUMENT
+            assert "namespaces[1].geometry.num_kv_heads" in res.status.message
+    finally:
+        for k in kvs:
+            k.close()
+
+
+def test_async_restore_signals_layers_and_done(daemon, kv):
+    events = hq.HostEventPool.create(8)
+    try:
+        with hq.Client(daemon.target) as c:
+            pool = c.register_pool(kv.spec("m", BT, events=events))
+            kv.fill(range(0, 2 * BT), seed=4)
+            keys = keys_for(range(2 * BT))
+            b = c.backup(pool, keys, range(2 * BT), done_event=0, sync=False)
+            assert b.status.ok and b.ticket > 0
+            assert events.wait(0, b.ticket, 10).ok
+            # The restore waits for slot 1 to reach 7 before it starts.
+            r = c.restore(pool, keys, range(2 * BT, 4 * BT), wait_event=1, wait_value=7,
+                          layer_event_base=2, done_event=5, sync=False)
+            assert r.status.ok and r.restored_blocks == 2
+            time.sleep(0.2)
+            assert events.read(5) < r.ticket and events.read(2) < r.ticket
+            events.store(1, 7)
+            for layer in range(G.num_layers):
+                assert events.wait(2 + layer, r.ticket, 10).ok
+            assert events.wait(5, r.ticket, 10).ok
+            assert int8_violations(kv.data[:, :, :2 * BT], kv.data[:, :, 2 * BT:4 * BT]) == 0
+    finally:
+        events.close()
+
+
+def test_bad_input_is_refused_and_changes_nothing(daemon, kv):
+    with hq.Client(daemon.target) as c:
+        with pytest.raises(hq.HiqError) as err:
+            c.register_pool(hq.PoolSpec(model="m", geometry=G, block_tokens=BT,
+                                        buffers=kv.spec("m", BT).buffers, layers=kv.layers[:2]))
+        assert err.value.status.code == hq.StatusCode.INVALID_ARGUMENT
+        assert "layers" in err.value.status.message
+        pool = c.register_pool(kv.spec("m", BT))
+        keys = keys_for(range(2 * BT))
+        res = c.backup(pool, keys, range(BT))  # one block's rows for two keys
+        assert res.status.code == hq.StatusCode.INVALID_ARGUMENT
+        assert res.blocks == [hq.BlockStatus.NOT_STORED] * 2
+        res = c.backup(pool, keys, [*range(BT), *range(8 * BT, 9 * BT)])  # row out of range
+        assert res.status.code == hq.StatusCode.INVALID_ARGUMENT and "rows" in res.status.message
+        assert c.lookup(pool, keys).prefix_blocks == 0  # the rejected request stored nothing
+        assert c.lookup(pool, [b"short"]).status.code == hq.StatusCode.INVALID_ARGUMENT
+        assert c.get_stats().blocks == 0
+    with pytest.raises(ValueError):
+        hq.Client("nonsense")
+
+
+def test_fail_open_without_daemon_then_reregisters_after_restart(kv):
+    d = Daemon()
+    try:
+        c = hq.Client(d.target, call_timeout=0.5, reregister_interval=0.05)
+        # Daemon absent: a pending registration and misses, within the deadline, no raise.
+        pool = c.register_pool(kv.spec("m", BT), pending_if_unavailable=True)
+        keys = keys_for(range(2 * BT))
+        t0 = time.monotonic()
+        assert c.lookup(pool, keys).prefix_blocks == 0
+        b = c.backup(pool, keys, range(2 * BT))
+        assert b.blocks == [hq.BlockStatus.NOT_STORED] * 2 and not b.status.ok
+        assert c.restore(pool, keys, range(2 * BT)).restored_blocks == 0
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(hq.HiqError):
+            c.get_stats()
+        # Daemon up: the pending pool registers on first use.
+        d.start()
+        kv.fill(range(2 * BT), seed=5)
+        deadline = time.monotonic() + 10
+        while not c.backup(pool, keys, range(2 * BT)).status.ok:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        first_id = c.pool_info(pool).pool_id
+        assert c.lookup(pool, keys).prefix_blocks == 2
+        # Restart (same pool shm: warm): the handle keeps working under a new registration.
+        assert d.stop() == 0
+        assert c.lookup(pool, keys).prefix_blocks == 0
+        d.start()
+        deadline = time.monotonic() + 10
+        while c.lookup(pool, keys).prefix_blocks != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert c.pool_info(pool).pool_id != first_id
+        assert c.restore(pool, keys, range(2 * BT, 4 * BT)).restored_blocks == 2
+        c.close()
+    finally:
+        d.close()
+
+
+def test_block_keys_match_the_cpp_client():
+    lib_path = os.environ.get("HIQ_C_LIB") or str(ROOT / "build" / "client" / "libhiqcache.so")
+    if not pathlib.Path(lib_path).exists():
+        pytest.fail(f"libhiqcache.so not found at {lib_path}")
+    lib = ctypes.CDLL(lib_path)
+    tokens = list(range(1000, 1000 + 5 * BT + 3)) + [2**31 + 5]
+    arr = (ctypes.c_uint32 * len(tokens))(*[t & 0xFFFFFFFF for t in tokens])
+    out = (ctypes.c_uint8 * (16 * 8))()
+    n = ctypes.c_uint64(0)
+    for salt in (b"", b"model|lora=x"):
+        rc = lib.hiq_compute_block_keys(arr, ctypes.c_uint64(len(tokens)), ctypes.c_uint32(BT),
+                                        ctypes.c_char_p(salt), ctypes.c_uint64(len(salt)), out,
+                                        ctypes.c_uint64(8), ctypes.byref(n))
+        assert rc == 0
+        want = [bytes(out[16 * i:16 * (i + 1)]) for i in range(n.value)]
+        assert len(want) == 5
+        assert hq.compute_block_keys(tokens, BT, salt=salt) == want
+    # Chained one block at a time, the same keys.
+    k = hq.root_block_key(b"s")
+    chained = []
+    for i in range(3):
+        k = hq.chain_block_key(k, tokens[i * BT:(i + 1) * BT])
+        chained.append(k)
+    assert chained == hq.compute_block_keys(tokens, BT, salt=b"s")[:3]
