@@ -296,7 +296,7 @@ void BlockStore::IndexEntryLocked(NsState& ns, BlockEntry* e) {
 BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
   for (auto it = namespaces_.begin(); it != namespaces_.end(); ++it) {
     NsState& orphan = *it->second;
-    if (orphan.id < 0x80000000u || orphan.hash != info.hash) continue;
+    if (orphan.id < kFirstOrphanId || orphan.hash != info.hash) continue;
     if (orphan.payload_bytes != info.desc.layout.BlockBytes()) return nullptr;
     auto owned = std::move(it->second);
     namespaces_.erase(it);
@@ -317,10 +317,20 @@ BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
   return nullptr;
 }
 
-void BlockStore::AddNamespace(const NamespaceInfo& info) {
+bool BlockStore::HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (namespaces_.count(info.id)) return;
-  if (AdoptOrphanLocked(info) != nullptr) return;
+  for (const auto& [id, ns] : namespaces_) {
+    if (id >= kFirstOrphanId && ns->hash == hash) {
+      return ns->payload_bytes == payload_bytes && ns->counters.blocks > 0;
+    }
+  }
+  return false;
+}
+
+bool BlockStore::AddNamespace(const NamespaceInfo& info) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (namespaces_.count(info.id)) return false;
+  if (AdoptOrphanLocked(info) != nullptr) return true;
   auto ns = std::make_unique<NsState>();
   ns->id = info.id;
   ns->payload_bytes = info.desc.layout.BlockBytes();
@@ -331,6 +341,7 @@ void BlockStore::AddNamespace(const NamespaceInfo& info) {
   ns->text = info.desc.CanonicalText();
   ns->counters.capacity_blocks = CapacityBlocks(ns->payload_bytes);
   namespaces_.emplace(info.id, std::move(ns));
+  return false;
 }
 
 uint64_t BlockStore::CapacityBlocks(size_t payload_bytes) const {

@@ -74,7 +74,7 @@ class BlockStore {
   BlockStore(uint8_t* base, size_t bytes);
   // With `reattach`, keeps the blocks a previous daemon left in the pool: every committed block
   // whose header and checksum verify is indexed again (recency from its commit order) under its
-  // namespace, which registrations adopt by namespace hash; anything else is dropped. Falls back
+  // namespace, which AddNamespace adopts by namespace hash; anything else is dropped. Falls back
   // to formatting when the pool header does not match. `threads` verify checksums in parallel.
   BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
              RebuildReport* report);
@@ -82,8 +82,15 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
-  // Makes `ns` known to the store (payload size, extent sizing). Idempotent.
-  void AddNamespace(const NamespaceInfo& ns);
+  // Makes `ns` known to the store (payload size, extent sizing). Idempotent. When the rebuild
+  // found blocks under ns.hash with ns's payload size, `ns` adopts them (and their counters);
+  // returns whether this call did.
+  bool AddNamespace(const NamespaceInfo& ns);
+  // Whether the rebuild found blocks under `hash` with `payload_bytes` payloads that no
+  // AddNamespace has adopted yet, and at least one of them is still held: what AddNamespace of a
+  // namespace with that hash would adopt. Lets a caller that must not create namespaces for
+  // nothing (a lookup) create one only when the pool holds its blocks.
+  bool HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const;
   // Bytes available to extents (StoreStats::capacity_bytes); constant, lock-free.
   uint64_t CapacityBytes() const { return bytes_ > meta_bytes_ ? bytes_ - meta_bytes_ : 0; }
   // Blocks of a namespace with this payload size that the whole pool holds, alone.
@@ -156,7 +163,9 @@ class BlockStore {
   ExtentDirEntry* const directory_;
   const uint64_t directory_entries_;
   std::vector<uint32_t> free_dir_slots_;  // GUARDED_BY(mu_)
-  uint32_t next_orphan_id_ = 0x80000000u;  // GUARDED_BY(mu_): namespaces found by Rebuild
+  // Ids of the namespaces Rebuild finds, until AddNamespace adopts them: above any table id.
+  static constexpr uint32_t kFirstOrphanId = 0x80000000u;
+  uint32_t next_orphan_id_ = kFirstOrphanId;  // GUARDED_BY(mu_)
   mutable std::mutex mu_;
   uint64_t clock_ = 0;  // GUARDED_BY(mu_): recency stamps and commit sequence
   std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced

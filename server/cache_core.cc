@@ -179,23 +179,46 @@ StatusOr<uint32_t> CacheCore::Lookup(const LookupSpec& spec) {
                              " entries, at most " + std::to_string(kMaxLookupNamespaces) +
                              " per request");
   }
-  std::vector<uint32_t> ids;
-  ids.reserve(spec.namespaces.size() + 1);
+  std::vector<NamespaceDesc> descs;
+  descs.reserve(spec.namespaces.size());
   for (size_t i = 0; i < spec.namespaces.size(); ++i) {
     HIQ_ASSIGN_OR_RETURN(
         NamespaceDesc desc,
         ValidateNamespace(spec.namespaces[i], options_.limits, store_->CapacityBytes(),
                           "namespaces[" + std::to_string(i) + "]."));
-    // Find, not Intern: a lookup must not grow the table. Unknown = holds nothing.
-    const NamespaceInfo* ns = namespaces_.Find(desc);
-    ids.push_back(ns != nullptr ? ns->id : kNoNamespace);
+    descs.push_back(std::move(desc));
   }
+  std::shared_ptr<Pool> pool;
   if (spec.pool_id != 0) {
-    HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(spec.pool_id));
-    ids.push_back(pool->ns->id);
+    HIQ_ASSIGN_OR_RETURN(pool, FindPool(spec.pool_id));
   }
   HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(spec.keys));
+  // The whole request is valid: only now may resolving a ref adopt a rebuilt namespace.
+  std::vector<uint32_t> ids;
+  ids.reserve(descs.size() + 1);
+  for (const NamespaceDesc& desc : descs) {
+    const NamespaceInfo* ns = FindOrAdoptNamespace(desc);
+    ids.push_back(ns != nullptr ? ns->id : kNoNamespace);  // unknown = holds nothing
+  }
+  if (pool != nullptr) ids.push_back(pool->ns->id);
   return store_->LookupPrefix(ids, k);
+}
+
+const NamespaceInfo* CacheCore::FindOrAdoptNamespace(const NamespaceDesc& desc) {
+  if (const NamespaceInfo* ns = namespaces_.Find(desc)) return ns;
+  // After a warm restart the pool's blocks sit under namespaces nobody registered yet. A
+  // scheduler's lookup must see them before any of its workers registers again (they register
+  // when they load), so a ref that names such blocks adopts them as RegisterPool would. Any
+  // other ref creates nothing: lookups of arbitrary namespaces cost no memory. Adoptions are
+  // bounded by the namespaces the rebuild found; racing a RegisterPool of the same namespace is
+  // harmless (Intern and AddNamespace are idempotent).
+  if (!store_->HoldsOrphan(desc.Hash(), desc.layout.BlockBytes())) return nullptr;
+  const NamespaceInfo& ns = namespaces_.Intern(desc);
+  if (store_->AddNamespace(ns)) {
+    HIQ_LOG(INFO) << "event=adopt_namespace by=lookup namespace=" << ns.hex_id << " desc=\""
+                  << desc.CanonicalText() << "\"";
+  }
+  return &ns;
 }
 
 StatusOr<uint32_t> CacheCore::Lookup(uint64_t pool_id, const std::vector<std::string>& keys) {

@@ -121,9 +121,12 @@ class CacheCore {
 
   // Longest leading run of spec.keys present and readable in every namespace of spec.namespaces
   // and, when spec.pool_id != 0, in the pool's namespace (LookupSpec). Each entry is validated as
-  // RegisterPool validates those parts (errors name "namespaces[i].<field>"); a namespace no pool
-  // ever registered answers 0 and is not created. Each distinct namespace involved counts the
-  // answer as hits and the other keys as misses, and refreshes the answered run only.
+  // RegisterPool validates those parts (errors name "namespaces[i].<field>"). A namespace whose
+  // blocks a warm restart found in the pool, and that no pool has registered again, is adopted
+  // as RegisterPool adopts it (it then exists as if registered, with no pool) and answers from
+  // those blocks; any other namespace no pool registered answers 0 and is not created. Nothing
+  // is adopted by a rejected request. Each distinct namespace involved counts the answer as hits
+  // and the other keys as misses, and refreshes the answered run only.
   StatusOr<uint32_t> Lookup(const LookupSpec& spec);
   // Lookup of one pool's namespace.
   StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys);
@@ -152,6 +155,9 @@ class CacheCore {
  private:
   struct Pool;
   StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id) const;
+  // The namespace of `desc` if interned; else, when the store holds rebuilt blocks of it, interns
+  // it and lets the store adopt them; else null (and nothing is created).
+  const NamespaceInfo* FindOrAdoptNamespace(const NamespaceDesc& desc);
   // The keys of a Lookup/Evict, validated (16 bytes each, within the per-request limit).
   StatusOr<std::vector<BlockKey>> CheckedKeys(const std::vector<std::string>& keys) const;
 

@@ -24,6 +24,20 @@ std::string NamespaceDesc::CanonicalText() const {
   return text;
 }
 
+namespace {
+
+std::array<uint8_t, 16> HashOfText(const std::string& text) {
+  XXH128_canonical_t canon;
+  XXH128_canonicalFromHash(&canon, XXH3_128bits(text.data(), text.size()));
+  std::array<uint8_t, 16> hash;
+  for (int i = 0; i < 16; ++i) hash[i] = canon.digest[i];
+  return hash;
+}
+
+}  // namespace
+
+std::array<uint8_t, 16> NamespaceDesc::Hash() const { return HashOfText(CanonicalText()); }
+
 const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
   std::string text = desc.CanonicalText();
   std::lock_guard<std::mutex> lock(mu_);
@@ -32,11 +46,9 @@ const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
   auto info = std::make_unique<NamespaceInfo>();
   info->id = static_cast<uint32_t>(by_id_.size());
   info->desc = desc;
-  XXH128_canonical_t canon;
-  XXH128_canonicalFromHash(&canon, XXH3_128bits(text.data(), text.size()));
-  for (int i = 0; i < 16; ++i) info->hash[i] = canon.digest[i];
+  info->hash = HashOfText(text);
   char hex[33];
-  for (int i = 0; i < 16; ++i) std::snprintf(hex + 2 * i, 3, "%02x", canon.digest[i]);
+  for (int i = 0; i < 16; ++i) std::snprintf(hex + 2 * i, 3, "%02x", info->hash[i]);
   info->hex_id = hex;
   by_text_.emplace(std::move(text), info->id);
   by_id_.push_back(std::move(info));

@@ -31,6 +31,9 @@ struct NamespaceDesc {
 
   // Canonical text of every field that defines the namespace.
   std::string CanonicalText() const;
+  // XXH3-128 of CanonicalText(): the namespace's id on the wire and in the pool's extent headers,
+  // by which a restarted daemon's store recognizes the namespace's blocks (block_store.h).
+  std::array<uint8_t, 16> Hash() const;
 };
 
 struct NamespaceInfo {
@@ -45,7 +48,8 @@ class NamespaceTable {
   // Returns the namespace for `desc`, creating it on first use.
   const NamespaceInfo& Intern(const NamespaceDesc& desc);
   // The namespace for `desc` if Intern has created it, else null. Never creates one: lookups of
-  // namespaces no pool ever registered cost no memory.
+  // namespaces nobody registered cost no memory (CacheCore interns a looked-up namespace only
+  // when the pool holds blocks of it that a previous daemon stored).
   const NamespaceInfo* Find(const NamespaceDesc& desc) const;
   // REQUIRES: id was returned by Intern.
   const NamespaceInfo& Get(uint32_t id) const;

@@ -7,6 +7,11 @@
 //
 // CorruptPayloadIsDropped: with the daemon stopped, one payload byte of one committed block is
 // flipped directly in /dev/shm; the restarted daemon drops exactly that block and keeps the rest.
+//
+// GroupLookupAnswersBeforeAnyPoolRegistersAgain: after kill -9, and again after SIGTERM, a
+// scheduler that holds no pool asks LookupGroup what a TP group holds before any worker has
+// registered again: the restarted daemon answers from the blocks it found in the pool, and the
+// workers' re-registrations join the same namespaces.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -262,6 +267,109 @@ TEST(WarmRestartTest, CorruptPayloadByteDropsExactlyThatBlock) {
       static_cast<unsigned long long>(bad));
   EXPECT_EQ(missing, 0u);
   EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+NamespaceRef RefOf(const PoolSpec& s) {
+  NamespaceRef r;
+  r.model = s.model;
+  r.tenant = s.tenant;
+  r.geometry = s.geometry;
+  r.block_tokens = s.block_tokens;
+  r.codec = s.codec;
+  return r;
+}
+
+TEST(WarmRestartTest, GroupLookupAnswersBeforeAnyPoolRegistersAgain) {
+  constexpr uint32_t kBlocks = 8, kRank1Blocks = 6;
+  DaemonProcess daemon("192MiB");  // one ~64 MiB extent per rank: neither evicts the other
+  ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
+  auto workers = RestartingClient(daemon);  // the engine's TP workers, one pool per rank
+  auto scheduler = it::Connect(daemon.target(), 3000ms);  // holds no pool
+  ASSERT_NE(workers, nullptr);
+  ASSERT_NE(scheduler, nullptr);
+  it::PoolOptions o0 = Options(2 * kBlocks * kBt);
+  o0.geometry.tp_size = 2;
+  it::PoolOptions o1 = o0;
+  o1.geometry.tp_rank = 1;
+  auto r0 = it::MakePool(*workers, o0);
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  auto r1 = it::MakePool(*workers, o1);
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  const it::TestPool& p0 = *r0;
+  const it::TestPool& p1 = *r1;
+  ASSERT_NE(p0.info.namespace_id, p1.info.namespace_id);
+
+  const auto src = it::RowRange(0, kBlocks * kBt), dst = it::RowRange(kBlocks * kBt, kBlocks * kBt);
+  const auto keys = IndependentKeys(kSeed, 0, kBlocks);
+  it::FillRows(p0.kv, kSeed, src, kBt);
+  it::FillRows(p1.kv, kSeed, src, kBt);
+  ASSERT_EQ(workers->Backup(p0.handle, keys, src).held(), kBlocks);
+  ASSERT_EQ(workers
+                ->Backup(p1.handle, std::span(keys).first(kRank1Blocks),
+                         std::span(src).first(kRank1Blocks * kBt))
+                .held(),
+            kRank1Blocks);
+  const std::vector<NamespaceRef> group = {RefOf(p0.spec), RefOf(p1.spec)};
+  NamespaceRef unknown = group[0];
+  unknown.model = "rob-restart-never-registered";
+  ASSERT_EQ(scheduler->LookupGroup(group, keys).prefix_blocks, kRank1Blocks);
+
+  for (const bool kill9 : {true, false}) {
+    SCOPED_TRACE(kill9 ? "after kill -9" : "after SIGTERM");
+    if (kill9) {
+      daemon.Kill();
+    } else {
+      ASSERT_EQ(daemon.Stop(), 0);
+    }
+    ASSERT_TRUE(daemon.Start()) << "hiqcached did not restart";
+
+    // No worker has called since the restart, so none has registered again. LookupGroup does not
+    // retry: its first call may meet the scheduler's channel still reconnecting.
+    LookupResult g;
+    ASSERT_TRUE(it::Eventually(
+        [&] {
+          g = scheduler->LookupGroup(group, keys);
+          return g.status.ok();
+        },
+        10s))
+        << g.status.ToString();
+    EXPECT_EQ(g.prefix_blocks, kRank1Blocks);
+    EXPECT_EQ(scheduler->LookupGroup(std::span(group).first(1), keys).prefix_blocks, kBlocks);
+    EXPECT_EQ(scheduler->LookupGroup(std::span(group).last(1), keys).prefix_blocks, kRank1Blocks);
+    EXPECT_EQ(scheduler->LookupGroup(std::vector<NamespaceRef>{unknown}, keys).prefix_blocks, 0u);
+    EXPECT_EQ(
+        scheduler->LookupGroup(std::vector<NamespaceRef>{group[0], unknown}, keys).prefix_blocks,
+        0u);
+    auto stats = scheduler->GetStats();
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    EXPECT_TRUE(stats->pools.empty()) << "a worker registered before the check";
+    // The lookups adopted the two rebuilt namespaces and created nothing for `unknown`.
+    EXPECT_EQ(stats->namespaces.size(), 2u) << it::StatsText(*stats);
+    const NamespaceStats* n0 = it::FindNamespace(*stats, p0.info.namespace_id);
+    const NamespaceStats* n1 = it::FindNamespace(*stats, p1.info.namespace_id);
+    ASSERT_TRUE(n0 != nullptr && n1 != nullptr) << it::StatsText(*stats);
+    EXPECT_EQ(n0->blocks, kBlocks);
+    EXPECT_EQ(n1->blocks, kRank1Blocks);
+
+    // The workers' next calls register them again, into those namespaces: the same blocks.
+    ASSERT_TRUE(it::Eventually(
+        [&] { return workers->Lookup(p1.handle, keys).prefix_blocks == kRank1Blocks; }, 10s));
+    Verified v = VerifyBlocks(*workers, p0, 0, kBlocks, dst);
+    EXPECT_EQ(v.looked_up, kBlocks) << v.status.ToString();
+    EXPECT_EQ(v.restored, kBlocks) << v.status.ToString();
+    EXPECT_EQ(v.bad_heads, 0u) << v.first_bad;
+    auto info0 = workers->PoolInfo(p0.handle);
+    auto info1 = workers->PoolInfo(p1.handle);
+    ASSERT_TRUE(info0.ok() && info1.ok());
+    EXPECT_EQ(info0->namespace_id, p0.info.namespace_id);
+    EXPECT_EQ(info1->namespace_id, p1.info.namespace_id);
+    stats = scheduler->GetStats();
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    EXPECT_EQ(stats->pools.size(), 2u);
+    EXPECT_EQ(stats->namespaces.size(), 2u) << it::StatsText(*stats);
+    EXPECT_EQ(scheduler->LookupGroup(group, keys).prefix_blocks, kRank1Blocks);
+  }
   EXPECT_EQ(daemon.Stop(), 0);
 }
 

@@ -2,7 +2,7 @@
 // event slots are shm objects this test creates, as an engine would. Covers the backup / lookup /
 // restore round trip (INT8 within the DESIGN.md bound, RAW bit-exact), block statuses, atomic
 // rejection, status codes, HOST event slots, pool release, and lookups over a TP group of
-// namespaces named by their parts.
+// namespaces named by their parts (also after a warm restart, before any pool registers again).
 #include "cache_core.h"
 
 #include <fcntl.h>
@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1041,6 +1042,24 @@ class GroupLookupTest : public CacheCoreTest {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     for (BlockResult b : r->results) ASSERT_EQ(b, BlockResult::kStored);
   }
+  // A warm restart, as hiqcached after kill -9: a new store reattaches to the same pool memory
+  // (the index is rebuilt from the block headers) and a new core starts with no pool and no
+  // namespace registered. The engine's shm buffers stay as they are.
+  void Restart() {
+    core_.reset();
+    store_.reset();
+    RebuildReport report;
+    store_ = std::make_unique<BlockStore>(pool_mem_->data(), pool_mem_->size(), /*reattach=*/true,
+                                          1, &report);
+    ASSERT_TRUE(report.reattached) << report.reason;
+    core_ = std::make_unique<CacheCore>(CoreOptions{}, store_.get(), host_.get(), nullptr);
+  }
+  std::vector<std::string> NamespaceIds() const {
+    std::vector<std::string> ids;
+    for (const auto& n : core_->Snapshot().namespaces) ids.push_back(n.namespace_id);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
 };
 
 TEST_F(GroupLookupTest, AnswerIsTheShortestRunOverTheGroup) {
@@ -1226,6 +1245,103 @@ TEST_F(GroupLookupTest, InvalidRefsNameTheFieldAndChangeNothing) {
     EXPECT_EQ(a.blocks, b.blocks);
   }
   EXPECT_EQ(after.store.blocks, before.store.blocks);
+}
+
+// After a warm restart the blocks of every namespace sit under namespaces no pool registered: a
+// scheduler's group lookup must answer from them before any worker registers again (workers
+// register when the scheduler gives them a load), and the worker that registers later joins the
+// namespace the lookup adopted.
+TEST_F(GroupLookupTest, AnswersFromRebuiltBlocksBeforeAnyRegistration) {
+  const RegisterSpec r0 = TpSpec(0, 2), r1 = TpSpec(1, 2);
+  const RegisterResult p0 = Reg(r0), p1 = Reg(r1);
+  Store(p0.pool_id, {1, 2, 3, 4});
+  Store(p1.pool_id, {1, 2, 3});
+  const std::vector<uint8_t> original = ClientBytes();
+  const std::vector<std::string> k = Keys({1, 2, 3, 4});
+  ASSERT_EQ(GroupOk({Ref(r0), Ref(r1)}, k), 3u);
+
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_TRUE(NamespaceIds().empty());
+  ASSERT_EQ(store_->Stats().namespaces.size(), 2u);  // the rebuilt (not yet adopted) ones
+  ASSERT_EQ(store_->Stats().blocks, 7u);
+
+  // Refs that match no rebuilt blocks create nothing, in the table or in the store; nor does a
+  // rejected request that also names a rebuilt namespace.
+  RegisterSpec raw = r0, other_tp = r0;
+  raw.codec = kRaw;      // same geometry, another namespace
+  other_tp.tp_size = 4;  // rank 0 of 4
+  EXPECT_EQ(GroupOk({Ref(raw)}, k), 0u);
+  EXPECT_EQ(GroupOk({Ref(other_tp)}, k), 0u);
+  for (int i = 0; i < 100; ++i) {
+    RegisterSpec s = r0;
+    s.model = "unknown/" + std::to_string(i);
+    EXPECT_EQ(GroupOk({Ref(s)}, k), 0u);
+  }
+  NamespaceSpec bad = Ref(r1);
+  bad.num_kv_heads = 0;
+  EXPECT_EQ(Group({Ref(r0), bad}, k).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Group({Ref(r0)}, {KeyString(1), "short"}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Group({Ref(r0)}, k, /*pool_id=*/12345).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(NamespaceIds().empty());
+  EXPECT_EQ(store_->Stats().namespaces.size(), 2u);
+
+  // The group lookup answers from the rebuilt blocks, with no pool registered.
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, k), 3u);
+  EXPECT_EQ(GroupOk({Ref(r0)}, k), 4u);
+  EXPECT_EQ(GroupOk({Ref(r1)}, k), 3u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(raw)}, k), 0u);
+  // It adopted them: the namespaces exist under their old ids, holding their blocks, and the
+  // store has no extra namespace (the rebuilt ones became these).
+  std::vector<std::string> expected = {p0.namespace_id, p1.namespace_id};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(NamespaceIds(), expected);
+  EXPECT_EQ(store_->Stats().namespaces.size(), 2u);
+  EXPECT_EQ(Counters(p0.namespace_id).blocks, 4u);
+  EXPECT_EQ(Counters(p1.namespace_id).blocks, 3u);
+  // Counted from the adoption on: r0 {r0,r1} h3 m1, {r0} h4, {r0,raw} m4; r1 h3 m1 twice.
+  EXPECT_EQ(Counters(p0.namespace_id).hits, 7u);
+  EXPECT_EQ(Counters(p0.namespace_id).misses, 5u);
+  EXPECT_EQ(Counters(p1.namespace_id).hits, 6u);
+  EXPECT_EQ(Counters(p1.namespace_id).misses, 2u);
+
+  // The workers register again and join those namespaces: their pools see the same blocks.
+  const RegisterResult q0 = Reg(r0);
+  EXPECT_EQ(q0.namespace_id, p0.namespace_id);
+  EXPECT_EQ(Lookup(q0.pool_id, k), 4u);
+  EXPECT_EQ(GroupOk({Ref(r1)}, k, q0.pool_id), 3u);
+  auto restored =
+      Restore(Transfer(q0.pool_id, {Block(1, 16), Block(2, 20), Block(3, 24), Block(4, 28)}));
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  EXPECT_EQ(restored->restored_blocks, 4u);
+  ExpectInt8Restored(original, 0, 16, 16);
+  const RegisterResult q1 = Reg(r1);
+  EXPECT_EQ(q1.namespace_id, p1.namespace_id);
+  EXPECT_EQ(Lookup(q1.pool_id, k), 3u);
+  EXPECT_EQ(GroupOk({Ref(r0), Ref(r1)}, k), 3u);
+  EXPECT_EQ(NamespaceIds(), expected);
+  EXPECT_EQ(store_->Stats().namespaces.size(), 2u);
+  EXPECT_EQ(store_->Stats().blocks, 7u);
+}
+
+// A rebuilt namespace whose blocks have all been reclaimed since holds nothing: a lookup of it
+// answers 0 and creates nothing, as for any namespace nobody registered.
+TEST_F(GroupLookupTest, RebuiltNamespaceWithNoBlocksLeftIsNotAdopted) {
+  Build(2000ms, size_t{1} << 20);  // one extent fills the pool
+  const RegisterSpec r0 = TpSpec(0, 2), r1 = TpSpec(1, 2);
+  const RegisterResult p0 = Reg(r0);
+  Store(p0.pool_id, {1, 2});
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_EQ(store_->Stats().blocks, 2u);
+  // Rank 1 registers first and needs room: the rebuilt extent of rank 0 yields, whole.
+  const RegisterResult p1 = Reg(r1);
+  Store(p1.pool_id, {1});
+  ASSERT_EQ(store_->Stats().blocks, 1u);
+  const size_t store_namespaces = store_->Stats().namespaces.size();
+  EXPECT_EQ(GroupOk({Ref(r0)}, Keys({1, 2})), 0u);
+  EXPECT_EQ(GroupOk({Ref(r1)}, Keys({1, 2})), 1u);
+  EXPECT_EQ(NamespaceIds(), std::vector<std::string>{p1.namespace_id});
+  EXPECT_EQ(store_->Stats().namespaces.size(), store_namespaces);
 }
 
 TEST_F(GroupLookupTest, DrainingIsUnavailable) {

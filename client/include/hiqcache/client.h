@@ -165,9 +165,11 @@ class Client {
   // Length of the longest leading run of `keys` the pool's namespace holds.
   LookupResult Lookup(PoolHandle pool, std::span<const BlockKey> keys);
   // For callers that hold no pool: length of the longest leading run of `keys` held by EVERY
-  // namespace of `namespaces` (e.g. one ref per TP rank of an engine). A namespace no pool ever
-  // registered answers 0. At most 64 namespaces per call (else RESOURCE_EXHAUSTED); an empty
-  // `namespaces` is INVALID_ARGUMENT, nothing sent. Fail-open like Lookup.
+  // namespace of `namespaces` (e.g. one ref per TP rank of an engine). A namespace no pool
+  // registered answers 0, except one whose blocks a restarted daemon kept in its pool: those
+  // answer before any worker registers again. At most 64 namespaces per call (else
+  // RESOURCE_EXHAUSTED); an empty `namespaces` is INVALID_ARGUMENT, nothing sent. Fail-open like
+  // Lookup.
   LookupResult LookupGroup(std::span<const NamespaceRef> namespaces,
                            std::span<const BlockKey> keys);
   // Stores keys.size() blocks; block i is made of rows[i*block_tokens, (i+1)*block_tokens).
