@@ -187,7 +187,11 @@ def _check_keys(keys: Sequence[BlockKey]) -> Status:
 
 
 class Client:
-    """A fail-open client of one hiqcached (see the module docstring)."""
+    """A fail-open client of one hiqcached (see the module docstring).
+
+    Each client has its own connection (no subchannel shared with other channels in the
+    process): a channel backing off after the daemon was unreachable must not fail another
+    client's calls once the daemon is back."""
 
     def __init__(self, target: str | None = None, *, call_timeout: float = 2.0,
                  register_timeout: float = 10.0, reregister_interval: float = 0.5):
@@ -205,6 +209,7 @@ class Client:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.use_local_subchannel_pool", 1),  # see the class docstring
         ])
         self._stub = pb_grpc.CacheStub(self._channel)
         self._lock = threading.Lock()

@@ -209,9 +209,6 @@ class _Load(_Transfer):
 
     reported: bool = False  # its outcome went into the step's loaded or failed blocks
 
-    def __post_init__(self) -> None:
-        self.ids = torch.tensor(self.block_ids, dtype=torch.int64)
-
 
 @dataclass
 class HiqCacheConnectorMetadata(KVConnectorMetadata):
@@ -403,45 +400,109 @@ def probe_tile_order(dtype: torch.dtype, block_size: int, num_heads: int, head_d
     return orders[0], orders[1], isa
 
 
+_T1, _T0, _D1, _D0 = range(4)  # a tile's token and dim indices, each split in two
+
+
+def _factor_order(order: torch.Tensor, block_size: int, head_dim: int
+                  ) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
+    """(sizes of t1, t0, d1, d0; axis order) such that a tile viewed with those axes permuted is
+    the row-major [t][d] block: token t = t1 * t0_size + t0, dim d = d1 * d0_size + d0. The
+    orders vLLM's ISAs use (row-major, K transposed, tokens in groups with dims interleaved in
+    pairs) all factor like this, and then a tile converts with one strided copy instead of an
+    element gather. None when the order is something else."""
+    import itertools
+
+    n = block_size * head_dim
+    ident = torch.arange(n)
+    splits_t = [s for s in (1, 2, 4, 8, 16, 32, 64) if block_size % s == 0]
+    splits_d = [s for s in (1, 2, 4, 8, 16, 32, 64) if head_dim % s == 0]
+    for t0 in splits_t:
+        for d0 in splits_d:
+            sizes = (block_size // t0, t0, head_dim // d0, d0)
+            base = ident.view(sizes)
+            for perm in itertools.permutations(range(4)):
+                if torch.equal(base.permute(perm).reshape(-1), order):
+                    return sizes, perm
+    return None
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first block id, count, index in block_ids) of each run of consecutive ids: a run is
+    converted straight into (or out of) vLLM's cache, with no gather or scatter copy."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            start, count, offset = runs[-1]
+            runs[-1] = (start, count + 1, offset)
+        else:
+            runs.append((b, 1, i))
+    return runs
+
+
 class TileConverter:
     """Moves KV between vLLM CPU attention's (block, head) tiles and row-major token rows.
 
     A tile holds block_size * head_dim K elements, then as many V elements, each plane in the
-    order probe_tile_order found; rows are [token][head][dim]. Planes already stored row-major
-    are copied without a gather."""
+    order probe_tile_order found; rows are [token][head][dim]. An order that factors into
+    permuted token/dim axes (every ISA vLLM has) converts with one strided copy per plane; any
+    other permutation with an element gather (exact, slower)."""
 
     def __init__(self, dtype: torch.dtype, block_size: int, num_heads: int, head_dim: int):
         self.bs, self.heads, self.dim = block_size, num_heads, head_dim
         k_order, v_order, self.isa = probe_tile_order(dtype, block_size, num_heads, head_dim)
-        ident = torch.arange(block_size * head_dim)
+        self.orders = (k_order, v_order)
         # tile[..., p] = rowmajor[..., order[p]]; rowmajor[..., q] = tile[..., inverse[q]]
-        self.orders = [None if torch.equal(o, ident) else o for o in (k_order, v_order)]
-        self.inverse = [None if o is None else torch.argsort(o) for o in self.orders]
+        self.inverse = tuple(torch.argsort(o) for o in self.orders)
+        self.factors = tuple(_factor_order(o, block_size, head_dim) for o in self.orders)
 
     def describe(self) -> str:
-        how = ["converted" if o is not None else "direct" for o in self.orders]
-        return f"{self.isa} (K {how[0]}, V {how[1]})"
+        def how(f: Any) -> str:
+            if f is None:
+                return "gathered"
+            return "direct" if f[1] == (0, 1, 2, 3) else f"axes {f[1]} of {f[0]}"
+
+        return f"{self.isa} (K {how(self.factors[0])}, V {how(self.factors[1])})"
 
     def to_rows(self, tiles: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
         """tiles [b, heads, 2 * bs * dim] -> k_rows, v_rows [b * bs, heads, dim]."""
         n, nb = self.bs * self.dim, tiles.shape[0]
         for plane, out in enumerate((k_rows, v_rows)):
             t = tiles[:, :, plane * n:(plane + 1) * n]
-            if self.inverse[plane] is not None:
+            f = self.factors[plane]
+            if f is None:
                 t = t.index_select(2, self.inverse[plane])
-            rows = t.reshape(nb, self.heads, self.bs, self.dim).transpose(1, 2)
-            out.view(nb, self.bs, self.heads, self.dim).copy_(rows)
+                rows = t.reshape(nb, self.heads, self.bs, self.dim).transpose(1, 2)
+                out.view(nb, self.bs, self.heads, self.dim).copy_(rows)
+                continue
+            sizes, perm = f
+            tv = t.reshape(nb, self.heads, *(sizes[a] for a in perm))
+            at = [2 + perm.index(a) for a in range(4)]
+            out.view(nb, sizes[_T1], sizes[_T0], self.heads, sizes[_D1], sizes[_D0]).copy_(
+                tv.permute(0, at[_T1], at[_T0], 1, at[_D1], at[_D0]))
+
+    def to_tiles_into(self, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                      tiles: torch.Tensor) -> None:
+        """k_rows, v_rows [b * bs, heads, dim] -> tiles [b, heads, 2 * bs * dim] (contiguous)."""
+        n, nb = self.bs * self.dim, k_rows.shape[0] // self.bs
+        for plane, src in enumerate((k_rows, v_rows)):
+            dst = tiles[:, :, plane * n:(plane + 1) * n]
+            f = self.factors[plane]
+            if f is None:
+                t = src.view(nb, self.bs, self.heads, self.dim).transpose(1, 2).reshape(
+                    nb, self.heads, n)
+                dst.copy_(t.index_select(2, self.orders[plane]))
+                continue
+            sizes, perm = f
+            sv = src.view(nb, sizes[_T1], sizes[_T0], self.heads, sizes[_D1], sizes[_D0])
+            axis = {_T1: 1, _T0: 2, _D1: 4, _D0: 5}
+            dst.view(nb, self.heads, *(sizes[a] for a in perm)).copy_(
+                sv.permute(0, 3, *(axis[a] for a in perm)))
 
     def to_tiles(self, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
-        """k_rows, v_rows [b * bs, heads, dim] -> tiles [b, heads, 2 * bs * dim]."""
-        n, nb = self.bs * self.dim, k_rows.shape[0] // self.bs
-        planes = []
-        for plane, src in enumerate((k_rows, v_rows)):
-            t = src.view(nb, self.bs, self.heads, self.dim).transpose(1, 2).reshape(
-                nb, self.heads, n)
-            order = self.orders[plane]
-            planes.append(t.index_select(2, order) if order is not None else t)
-        return torch.cat(planes, dim=2)
+        nb = k_rows.shape[0] // self.bs
+        tiles = torch.empty(nb, self.heads, 2 * self.bs * self.dim, dtype=k_rows.dtype)
+        self.to_tiles_into(k_rows, v_rows, tiles)
+        return tiles
 
 
 class _Worker:
@@ -529,17 +590,31 @@ class _Worker:
 
     # -- tile conversion --
 
-    def _tiles_to_rows(self, layer: int, block_ids: torch.Tensor, first_row: int) -> None:
-        """Copies vLLM blocks of one layer into staging rows."""
-        end = first_row + block_ids.numel() * self.bs
-        self.tiles.to_rows(self.layers[layer].index_select(0, block_ids),
-                           self.staging[layer, 0, first_row:end], self.staging[layer, 1, first_row:end])
+    def _tiles_to_rows(self, layer: int, block_ids: list[int], first_row: int) -> None:
+        """Copies vLLM blocks of one layer into staging rows (first_row on)."""
+        kv, st = self.layers[layer], self.staging[layer]
+        runs = _runs(block_ids)
+        if len(runs) * 4 > len(block_ids):  # fragmented: one gather beats many small copies
+            end = first_row + len(block_ids) * self.bs
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            self.tiles.to_rows(kv.index_select(0, ids), st[0, first_row:end], st[1, first_row:end])
+            return
+        for start, count, offset in runs:
+            rows = slice(first_row + offset * self.bs, first_row + (offset + count) * self.bs)
+            self.tiles.to_rows(kv[start:start + count], st[0, rows], st[1, rows])
 
-    def _rows_to_tiles(self, layer: int, block_ids: torch.Tensor, first_row: int) -> None:
-        """Writes staging rows of one layer into vLLM blocks in the attention's tile order."""
-        end = first_row + block_ids.numel() * self.bs
-        self.layers[layer].index_copy_(0, block_ids, self.tiles.to_tiles(
-            self.staging[layer, 0, first_row:end], self.staging[layer, 1, first_row:end]))
+    def _rows_to_tiles(self, layer: int, block_ids: list[int], first_row: int) -> None:
+        """Writes staging rows of one layer into vLLM blocks, in the attention's tile order."""
+        kv, st = self.layers[layer], self.staging[layer]
+        runs = _runs(block_ids)
+        if len(runs) * 4 > len(block_ids):
+            end = first_row + len(block_ids) * self.bs
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            kv.index_copy_(0, ids, self.tiles.to_tiles(st[0, first_row:end], st[1, first_row:end]))
+            return
+        for start, count, offset in runs:
+            rows = slice(first_row + offset * self.bs, first_row + (offset + count) * self.bs)
+            self.tiles.to_tiles_into(st[0, rows], st[1, rows], kv[start:start + count])
 
     # -- loads --
 
@@ -620,7 +695,7 @@ class _Worker:
             self.layers_done.discard(layer)
             return
         for tr, first_row, _ in self.loads:
-            self._rows_to_tiles(layer, tr.ids, first_row)
+            self._rows_to_tiles(layer, tr.block_ids, first_row)
         self.stats["load_seconds"] += time.perf_counter() - t0
 
     def take_load_errors(self) -> set[int]:
@@ -655,9 +730,8 @@ class _Worker:
             self.stats["dropped_saves"] += len(tr.keys) - take
         if not keys:
             return
-        block_ids = torch.tensor(ids, dtype=torch.int64)
         for layer in range(self.geometry.num_layers):
-            self._tiles_to_rows(layer, block_ids, self.load_rows)
+            self._tiles_to_rows(layer, ids, self.load_rows)
         rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
         res = self.client.backup(self.pool, keys, rows, done_event=_SLOT_BACKUP_DONE, sync=False)
         if not res.status.ok:

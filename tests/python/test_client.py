@@ -217,3 +217,20 @@ def test_block_keys_match_the_cpp_client():
         k = hq.chain_block_key(k, tokens[i * BT:(i + 1) * BT])
         chained.append(k)
     assert chained == hq.compute_block_keys(tokens, BT, salt=b"s")[:3]
+
+
+def test_a_new_client_is_not_held_back_by_another_clients_reconnect_backoff(kv):
+    """Each client has its own connection: one whose channel backs off after failing to reach
+    an absent daemon must not make a client created once the daemon is up fail (gRPC shares
+    subchannels between channels unless told otherwise)."""
+    d = Daemon()
+    try:
+        early = hq.Client(d.target, call_timeout=0.3)
+        assert not early.lookup_group([hq.NamespaceRef(model="m", geometry=G, block_tokens=BT)],
+                                      keys_for(range(BT))).status.ok
+        d.start()
+        with hq.Client(d.target) as late:
+            late.register_pool(kv.spec("m", BT))  # raises if it shared the backed-off connection
+        early.close()
+    finally:
+        d.close()

@@ -240,6 +240,9 @@ def test_daemon_absent_killed_and_restarted_never_fails_a_request(model, prompts
             (tmp_path / "go-2").touch()  # batch 2: the daemon is gone
             wait_for(lambda: (tmp_path / "done-3").exists(), 120, "batch 2")
             d.start()  # same socket, same pool: warm
+            # The engine's channel retries with backoff (at most 1 s, as the C++ client's):
+            # until it reconnects, lookups miss at once rather than wait.
+            time.sleep(1.5)
             (tmp_path / "go-3").touch()  # batch 3: restored from the pool stored before the kill
             out = finish_engine("e", e, tmp_path)
         finally:

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""vLLM through hiqcached, on real weights (SmolLM2-135M-Instruct, vLLM on CPU), same run:
+
+  ttft      time to first token of prompts with a 2,048-token shared prefix: recomputed (no
+            cache), restored from hiqcached by a fresh engine (int8_per_head and raw), and
+            vLLM's own prefix cache hit (the floor); medians and ratios.
+  layout    the connector's conversion between vLLM's CPU attention tiles and the staging rows
+            the daemon reads and writes, for one 2,048-token restore and backup of SmolLM2,
+            against a copy of the same bytes (consecutive and fragmented block ids).
+  workload  the shared-prefix workload of the seed's experiment B at this machine's scale: many
+            prefix groups, more prefix tokens than vLLM's own KV cache keeps, requests in
+            concurrent batches, hiqcached's pool fixed at one byte budget; vLLM alone vs
+            hiqcached raw vs int8: prefix hit rate, TTFT, and prefix tokens held per GiB.
+
+    .venv/bin/python bench/vllm/bench_vllm.py [--only ttft|workload] [--reps 7] [--out FILE]
+
+Every engine is its own process (tests/python/vllm_engine.py); the daemon is the real hiqcached
+(build/server/hiqcached, or $HIQ_DAEMON_PATH). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+
+from daemon import Daemon  # noqa: E402
+from real_model import model_dir  # noqa: E402
+from vllm_engine import engine_env  # noqa: E402
+
+import hiqcache as hq  # noqa: E402
+
+BS = 32
+
+
+def text_ids(model: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return tok(open("/usr/share/common-licenses/GPL-3").read())["input_ids"]
+
+
+def rotation(ids: list[int], start: int, n: int) -> list[int]:
+    """n tokens of the text starting at `start`, wrapping around: distinct starts give prefixes
+    that share no block key."""
+    out = []
+    while len(out) < n:
+        out.extend(ids[start:start + n - len(out)])
+        start = 0
+    return out
+
+
+def engine(name: str, job: dict, tmp: pathlib.Path) -> dict:
+    jp, op = tmp / f"{name}.job.json", tmp / f"{name}.out.json"
+    jp.write_text(json.dumps(job))
+    with open(tmp / f"{name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, str(ROOT / "tests" / "python" / "vllm_engine.py"),
+                             str(jp), str(op)], env=engine_env(), stdout=log,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"engine {name} failed ({rc}); log: {tmp / (name + '.log')}")
+    return json.loads(op.read_text())
+
+
+def ttft_of(r: dict) -> float:
+    return r["ttft"] if r.get("ttft") else r["batch_seconds"]
+
+
+def bench_ttft(model: str, ids: list[int], reps: int, tmp: pathlib.Path) -> dict:
+    prefix_len, tail = 2048, 16
+    prefixes = [rotation(ids, 997 * i + 13, prefix_len) for i in range(reps)]
+    writes = [p + rotation(ids, 7000 + 31 * i, tail) for i, p in enumerate(prefixes)]
+    reads = [p + rotation(ids, 7300 + 29 * i, tail) for i, p in enumerate(prefixes)]
+    warm = [rotation(ids, 5000, 64)]  # the first request of an engine pays one-time set-up
+    base = {"model": model, "max_tokens": 1, "log_stats": True, "max_model_len": 4096}
+    out: dict = {"prefix_tokens": prefix_len, "prompt_tokens": prefix_len + tail, "reps": reps}
+    runs = {}
+    runs["recompute"] = engine("ttft-recompute", {**base, "connector": None,
+                                                  "prefix_caching": False,
+                                                  "batches": [warm] + [[p] for p in reads]}, tmp)
+    local = engine("ttft-local", {**base, "connector": None, "batches": [warm] + [
+        [p] for pair in zip(writes, reads) for p in pair]}, tmp)
+    runs["vllm_prefix_cache"] = {"results": [None] + local["results"][2::2]}
+    with Daemon(pool_bytes="2GiB") as d:
+        for codec in ("int8_per_head", "raw"):
+            conn = {"target": d.target, "codec": codec}
+            engine(f"ttft-write-{codec}", {**base, "connector": conn,
+                                           "batches": [[p] for p in writes]}, tmp)
+            runs[codec] = engine(f"ttft-read-{codec}", {**base, "connector": conn,
+                                                         "batches": [warm] + [[p] for p in reads]},
+                                 tmp)
+            c = runs[codec]["connector"]
+            out[f"{codec}_connector"] = c
+    for name, run in runs.items():
+        res = run["results"][1:]
+        t = [ttft_of(r) for r in res]
+        out[name] = {"ttft_median_s": statistics.median(t), "ttft_s": t,
+                     "cached_tokens": [r["num_cached_tokens"] for r in res]}
+    rec = out["recompute"]["ttft_median_s"]
+    for name in ("int8_per_head", "raw", "vllm_prefix_cache"):
+        out[name]["speedup_vs_recompute"] = rec / out[name]["ttft_median_s"]
+    return out
+
+
+def bench_layout(reps: int) -> dict:
+    import torch
+
+    from hiqcache.vllm import TileConverter, _Worker
+
+    bs, heads, dim, layers, nb = BS, 3, 64, 30, 64  # SmolLM2-135M, 2,048 tokens
+    w = _Worker.__new__(_Worker)
+    w.bs, w.tiles = bs, TileConverter(torch.bfloat16, bs, heads, dim)
+    w.layers = [torch.zeros(4 * nb, heads, 2 * bs * dim, dtype=torch.bfloat16)
+                for _ in range(layers)]
+    w.staging = torch.randn(layers, 2, nb * bs, heads, dim).to(torch.bfloat16)
+    nbytes = layers * 2 * nb * bs * heads * dim * 2
+
+    def median_s(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for layer in range(layers):
+                fn(layer)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    out: dict = {"isa": w.tiles.describe(), "bytes": nbytes, "threads": torch.get_num_threads()}
+    copy = median_s(lambda l: w.layers[l][nb:2 * nb].view(-1).copy_(w.staging[l].view(-1)))
+    out["memcpy_ms"] = copy * 1000
+    for name, ids in (("consecutive", list(range(nb, 2 * nb))),
+                      ("fragmented", list(range(0, 2 * nb, 2)))):
+        for op, fn in (("restore", w._rows_to_tiles), ("backup", w._tiles_to_rows)):
+            t = median_s(lambda l: fn(l, ids, 0))
+            out[f"{op}_{name}_ms"] = t * 1000
+            out[f"{op}_{name}_vs_memcpy"] = copy / t
+    return out
+
+
+def bench_workload(model: str, ids: list[int], args: argparse.Namespace, tmp: pathlib.Path) -> dict:
+    rng = random.Random(7)
+    prefixes = [rotation(ids, 613 * g + 5, args.prefix_tokens) for g in range(args.groups)]
+    requests = []
+    for r in range(args.rounds):
+        order = list(range(args.groups))
+        rng.shuffle(order)
+        for g in order:
+            requests.append((r, g, prefixes[g] + rotation(ids, 7000 + 17 * len(requests), 24)))
+    batches = [[p for _, _, p in requests[i:i + args.concurrency]]
+               for i in range(0, len(requests), args.concurrency)]
+    vllm_kv = args.vllm_kv_mib << 20
+    base = {"model": model, "max_tokens": 4, "log_stats": True, "kv_cache_bytes": vllm_kv,
+            "max_model_len": 2048, "max_num_seqs": args.concurrency, "batches": batches}
+    g = hq.Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
+    out: dict = {"groups": args.groups, "rounds": args.rounds, "prefix_tokens": args.prefix_tokens,
+                 "requests": len(requests), "concurrency": args.concurrency,
+                 "vllm_kv_bytes": vllm_kv, "pool_bytes": args.pool_mib << 20,
+                 "bf16_bytes_per_token": g.bytes_per_token,
+                 "vllm_tokens": vllm_kv // g.bytes_per_token}
+    configs = [("vllm_only", None), ("hiqcached_raw", "raw"), ("hiqcached_int8", "int8_per_head")]
+    for name, codec in configs:
+        conn = None
+        with Daemon(pool_bytes=f"{args.pool_mib}MiB") as d:
+            if codec:
+                conn = {"target": d.target, "codec": codec}
+            t = time.monotonic()
+            run = engine(f"workload-{name}", {**base, "connector": conn}, tmp)
+            wall = time.monotonic() - t
+            held = None
+            if codec:
+                ns = [n for n in hq.Client(d.target).get_stats().namespaces]
+                held = {"capacity_tokens": ns[0].capacity_blocks * BS,
+                        "encoded_bytes_per_token": ns[0].encoded_bytes_per_token,
+                        "tokens_per_gib": ns[0].capacity_blocks * BS / (args.pool_mib / 1024)}
+        res = run["results"]
+        warm = [i for i, (r, _, _) in enumerate(requests) if r > 0]
+        cached = sum(res[i]["num_cached_tokens"] for i in warm)
+        shareable = sum((len(requests[i][2]) - 1) // BS * BS for i in warm)
+        ttft = [ttft_of(res[i]) for i in warm]
+        out[name] = {"hit_rate_warm_rounds": cached / shareable,
+                     "ttft_median_s": statistics.median(ttft), "engine_wall_s": wall,
+                     "connector": run["connector"], "held": held}
+    out["vllm_tokens_per_gib"] = (1 << 30) // g.bytes_per_token
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", choices=("ttft", "layout", "workload"))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--groups", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prefix-tokens", type=int, default=1024)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--vllm-kv-mib", type=int, default=128)
+    ap.add_argument("--pool-mib", type=int, default=192)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm.json"))
+    args = ap.parse_args()
+    model = str(model_dir())
+    ids = text_ids(model)
+    result: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="hiq-vllm-bench-") as tmp:
+        if args.only in (None, "ttft"):
+            result["ttft"] = bench_ttft(model, ids, args.reps, pathlib.Path(tmp))
+            t = result["ttft"]
+            print(f"TTFT, {t['prompt_tokens']}-token prompts with a {t['prefix_tokens']}-token "
+                  f"shared prefix, median of {t['reps']}:")
+            for name in ("recompute", "int8_per_head", "raw", "vllm_prefix_cache"):
+                r = t[name]
+                ratio = r.get("speedup_vs_recompute")
+                print(f"  {name:18s} {r['ttft_median_s'] * 1000:8.1f} ms" +
+                      (f"  {ratio:5.2f}x faster than recompute" if ratio else ""))
+        if args.only in (None, "layout"):
+            result["layout"] = lay = bench_layout(max(args.reps, 9))
+            print(f"Layout conversion, {lay['bytes'] / 1e6:.1f} MB per 2,048-token transfer, "
+                  f"{lay['isa']}, {lay['threads']} thread(s): memcpy {lay['memcpy_ms']:.2f} ms")
+            for name in ("consecutive", "fragmented"):
+                print(f"  {name:12s} restore {lay[f'restore_{name}_ms']:6.2f} ms "
+                      f"({lay[f'restore_{name}_vs_memcpy']:.2f}x memcpy)  backup "
+                      f"{lay[f'backup_{name}_ms']:6.2f} ms "
+                      f"({lay[f'backup_{name}_vs_memcpy']:.2f}x memcpy)")
+        if args.only in (None, "workload"):
+            result["workload"] = bench_workload(model, ids, args, pathlib.Path(tmp))
+            w = result["workload"]
+            print(f"Workload: {w['groups']} groups x {w['prefix_tokens']}-token prefixes, "
+                  f"{w['rounds']} rounds shuffled, {w['requests']} requests in batches of "
+                  f"{w['concurrency']}; vLLM KV {w['vllm_tokens']} tokens, pool "
+                  f"{w['pool_bytes'] >> 20} MiB")
+            for name in ("vllm_only", "hiqcached_raw", "hiqcached_int8"):
+                r = w[name]
+                held = r["held"]
+                print(f"  {name:15s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%  TTFT median "
+                      f"{r['ttft_median_s'] * 1000:7.1f} ms" +
+                      (f"  holds {held['tokens_per_gib']:,.0f} tokens/GiB "
+                       f"({held['encoded_bytes_per_token']} B/token)" if held else
+                       f"  (vLLM holds {w['vllm_tokens_per_gib']:,} tokens/GiB)"))
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    existing = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
+    existing.update(result)
+    pathlib.Path(args.out).write_text(json.dumps(existing, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

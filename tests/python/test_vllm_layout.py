@@ -1,0 +1,99 @@
+"""The connector's view of vLLM's CPU KV cache: the tile order probed from vLLM's own
+cpu_attn_reshape_and_cache, conversion both ways checked element by element against that op for
+several geometries (and so several ISAs), and the extra-config validation."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import _custom_ops as ops  # noqa: E402
+
+from hiqcache.spec import Codec  # noqa: E402
+from hiqcache.vllm import ConnectorOptions, TileConverter  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs,heads,dim", [(32, 3, 64), (64, 2, 128), (32, 1, 80), (16, 2, 64)])
+def test_tiles_and_rows_round_trip_through_vllms_own_cache_op(dtype, bs, heads, dim):
+    conv = TileConverter(dtype, bs, heads, dim)
+    nb = 3
+    g = torch.Generator().manual_seed(bs * dim + heads)
+    k = torch.randn(nb * bs, heads, dim, generator=g).to(dtype)
+    v = torch.randn(nb * bs, heads, dim, generator=g).to(dtype)
+    # vLLM writes the blocks in its own order (blocks 2, 0, 4 of a 5-block cache).
+    cache = torch.zeros(5, heads, 2 * bs, dim, dtype=dtype)
+    kc, vc = cache.chunk(2, dim=2)
+    block_ids = torch.tensor([2, 0, 4])
+    slots = (block_ids.view(-1, 1) * bs + torch.arange(bs)).flatten()
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, conv.isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    tiles = cache.view(5, heads, -1)
+    k_out = torch.empty_like(k)
+    v_out = torch.empty_like(v)
+    conv.to_rows(tiles.index_select(0, block_ids), k_out, v_out)
+    assert torch.equal(k_out.view(torch.int16), k.view(torch.int16))
+    assert torch.equal(v_out.view(torch.int16), v.view(torch.int16))
+    back = torch.zeros_like(tiles)
+    back.index_copy_(0, block_ids, conv.to_tiles(k, v))
+    assert torch.equal(back.view(torch.int16), tiles.view(torch.int16))
+
+
+def test_this_machines_isa_is_converted_by_strided_copies():
+    # On x86 without AMX vLLM picks "vec": K [dim][tokens], V [tokens][dim]; the connector must
+    # have found that by itself, and as permuted axes (no element gather).
+    conv = TileConverter(torch.bfloat16, 32, 3, 64)
+    assert all(f is not None for f in conv.factors), conv.describe()
+    if conv.isa == "vec":
+        assert conv.factors[0][1] != (0, 1, 2, 3) and conv.factors[1][1] == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("block_ids", [[4, 5, 6, 7], [9, 2, 5, 0], [1, 2, 3, 8]])
+def test_worker_moves_exactly_the_named_blocks(block_ids):
+    """The worker's staging <-> cache copies (runs of consecutive blocks straight, fragmented
+    ones through a gather) against vLLM's own op, leaving every other block untouched."""
+    from hiqcache.vllm import _Worker
+
+    bs, heads, dim, nb = 32, 3, 64, len(block_ids)
+    w = _Worker.__new__(_Worker)
+    w.bs, w.tiles = bs, TileConverter(torch.bfloat16, bs, heads, dim)
+    g = torch.Generator().manual_seed(len(block_ids))
+    k = torch.randn(nb * bs, heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(nb * bs, heads, dim, generator=g).to(torch.bfloat16)
+    want = torch.zeros(10, heads, 2 * bs, dim, dtype=torch.bfloat16)
+    kc, vc = want.chunk(2, dim=2)
+    slots = (torch.tensor(block_ids).view(-1, 1) * bs + torch.arange(bs)).flatten()
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, w.tiles.isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    cache = torch.full((10, heads, 2 * bs * dim), 7.0, dtype=torch.bfloat16)
+    untouched = [b for b in range(10) if b not in block_ids]
+    w.layers = [cache]
+    w.staging = torch.zeros(1, 2, (nb + 2) * bs, heads, dim, dtype=torch.bfloat16)
+    w.staging[0, 0, bs:(nb + 1) * bs] = k
+    w.staging[0, 1, bs:(nb + 1) * bs] = v
+    w._rows_to_tiles(0, block_ids, bs)
+    assert torch.equal(cache[block_ids].view(torch.int16),
+                       want.view(10, heads, -1)[block_ids].view(torch.int16))
+    assert bool((cache[untouched] == 7.0).all())
+    w.staging.zero_()
+    w._tiles_to_rows(0, block_ids, 2 * bs)
+    assert torch.equal(w.staging[0, 0, 2 * bs:(nb + 2) * bs].view(torch.int16), k.view(torch.int16))
+    assert torch.equal(w.staging[0, 1, 2 * bs:(nb + 2) * bs].view(torch.int16), v.view(torch.int16))
+    assert bool((w.staging[0, :, :2 * bs] == 0).all())
+
+
+def test_extra_config_is_validated():
+    assert ConnectorOptions.parse({}) == ConnectorOptions()
+    o = ConnectorOptions.parse({"target": "/run/hiq.sock", "codec": "raw", "tenant": "t",
+                                "timeout_ms": 250, "staging_tokens": 4096})
+    assert o.codec is Codec.RAW and o.timeout_ms == 250 and o.staging_tokens == 4096
+    bad = [({"codecs": "raw"}, "'codecs'"), ({"codec": "int4"}, "unknown codec 'int4'"),
+           ({"codec": 1}, "'codec'"), ({"target": "nonsense"}, "'target'"),
+           ({"timeout_ms": 0}, "'timeout_ms'"), ({"timeout_ms": True}, "'timeout_ms'"),
+           ({"staging_tokens": -1}, "'staging_tokens'"), ({"tenant": "a\nb"}, "'tenant'")]
+    for extra, needle in bad:
+        with pytest.raises(ValueError) as err:
+            ConnectorOptions.parse(extra)
+        assert needle in str(err.value), (extra, str(err.value))
