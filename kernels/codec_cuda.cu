@@ -13,7 +13,17 @@
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
 // warp-uniform grid-stride loop, so the daemon never floods the GPU it shares with the engine.
+#if defined(HIQ_CUDA_EMULATION)
+// The host build for tests without a GPU (codec_cuda_emulated.cc, cuda_emulation.h): the same
+// kernels and launchers, each CTA's lanes run as fibers on the calling thread.
+#include "cuda_runtime_emulation.h"
+#define HIQ_LAUNCH(kernel, grid, block, stream) \
+  ::hiqcache::cuda_emulation::Launch(kernel, grid, block, stream)
+#else
 #include <cuda_runtime.h>
+// HIQ_LAUNCH(k, grid, block, stream)(args) is k<<<grid, block, 0, stream>>>(args).
+#define HIQ_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -650,7 +660,7 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
                            p.total_units = units;
                            HIQ_ASSIGN_OR_RETURN(uint32_t grid,
                                                 GridFor(units, units_per_cta, config));
-                           RawKernel<true><<<grid, config.threads_per_cta, 0, stream>>>(p);
+                           HIQ_LAUNCH(RawKernel<true>, grid, config.threads_per_cta, stream)(p);
                            return CheckLaunch("LaunchEncode (RAW)");
                          });
   }
@@ -675,7 +685,7 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
                          p.nonfinite = job.nonfinite != nullptr ? job.nonfinite + b0 : nullptr;
                          p.total_units = units;
                          HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
-                         kernel<<<grid, config.threads_per_cta, 0, stream>>>(p);
+                         HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
                          return CheckLaunch("LaunchEncode");
                        });
 }
@@ -719,7 +729,7 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
                            p.total_units = units;
                            HIQ_ASSIGN_OR_RETURN(uint32_t grid,
                                                 GridFor(units, units_per_cta, config));
-                           RawKernel<false><<<grid, config.threads_per_cta, 0, stream>>>(p);
+                           HIQ_LAUNCH(RawKernel<false>, grid, config.threads_per_cta, stream)(p);
                            return CheckLaunch("LaunchDecodeLayers (RAW)");
                          });
   }
@@ -744,7 +754,7 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
                          p.blocks = job.blocks + b0;
                          p.total_units = units;
                          HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
-                         kernel<<<grid, config.threads_per_cta, 0, stream>>>(p);
+                         HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
                          return CheckLaunch("LaunchDecodeLayers");
                        });
 }
