@@ -38,7 +38,7 @@ namespace hiqcache::kernels {
 // Bounds the grid so the daemon leaves the GPU to the engine: the kernels use grid-stride loops
 // over at most max_ctas CTAs (0 = ctas_per_sm x the device's SM count).
 struct CudaLaunchConfig {
-  uint32_t threads_per_cta = 256;  // a multiple of 32, at most 1024
+  uint32_t threads_per_cta = 256;  // a multiple of 32, at most 512 (the kernels' launch bound)
   uint32_t ctas_per_sm = 4;
   uint32_t max_ctas = 0;
 };

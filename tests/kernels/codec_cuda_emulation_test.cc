@@ -1,0 +1,569 @@
+// The CUDA kernels of kernels/codec_cuda.cu, run on the CPU emulator (hiq_kernels_cuda_emulated,
+// cuda_emulation.h), against the scalar reference byte for byte: the geometries of the codec
+// tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries), BF16 and FP16,
+// INT8 and RAW, contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte
+// views, misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several
+// launch shapes (one warp walking everything through the grid-stride loop up to the default
+// grid). The same launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are
+// called; only the execution underneath is emulated. A broken kernel shows: with the emulator's
+// wrong-lane shuffle fault the comparison must fail.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codec_cuda.h"
+#include "codec_reference.h"
+#include "codec_test_util.h"
+#include "cuda_emulation.h"
+
+namespace hiqcache::kernels {
+namespace {
+
+using testutil::BlockSet;
+using testutil::InputClass;
+using testutil::KvPool;
+using testutil::Rng;
+using testutil::ViewKind;
+
+#define HIQ_ASSERT_OK(expr)                                         \
+  do {                                                              \
+    const ::hiqcache::Status hiq_s_ = (expr);                       \
+    ASSERT_TRUE(hiq_s_.ok()) << #expr << ": " << hiq_s_.ToString(); \
+  } while (0)
+
+constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
+constexpr CodecKind kRaw = CodecKind::kRaw;
+constexpr uint8_t kSentinel = 0xA5;
+constexpr uint8_t kStagingFill = 0xCD;
+constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
+
+BlockLayout Layout(DType dtype, CodecKind codec, uint32_t heads, uint32_t dim, uint32_t layers,
+                   uint32_t planes, uint32_t block_tokens) {
+  BlockLayout lay;
+  lay.row.num_heads = heads;
+  lay.row.head_dim = dim;
+  lay.row.dtype = dtype;
+  lay.row.codec = codec;
+  lay.num_layers = layers;
+  lay.kv_planes = planes;
+  lay.block_tokens = block_tokens;
+  return lay;
+}
+
+// 16-byte aligned host memory (the emulated device memory).
+struct AlignedBuffer {
+  explicit AlignedBuffer(size_t n)
+      : bytes(n), ptr(static_cast<uint8_t*>(std::aligned_alloc(16, (n + 15) / 16 * 16))) {}
+  ~AlignedBuffer() { std::free(ptr); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  size_t bytes;
+  uint8_t* ptr;
+};
+
+// Block b lives in slot num_blocks-1-b of one staging buffer (so the kernels must follow the
+// pointer array), `misalign` bytes past a 16-byte boundary, each slot followed by a sentinel gap.
+struct Staging {
+  Staging(const BlockLayout& lay, uint32_t num_blocks, size_t misalign)
+      : slot(lay.BlockBytes() + kGapBytes), mem(misalign + slot * num_blocks) {
+    std::memset(mem.ptr, kStagingFill, mem.bytes);
+    for (uint32_t b = 0; b < num_blocks; ++b) {
+      ptrs.push_back(mem.ptr + misalign + (num_blocks - 1 - b) * slot);
+    }
+  }
+  bool GapsIntact(const BlockLayout& lay) const {
+    for (uint8_t* p : ptrs) {
+      for (size_t i = 0; i < kGapBytes; ++i) {
+        if (p[lay.BlockBytes() + i] != kStagingFill) return false;
+      }
+    }
+    return true;
+  }
+  size_t slot;
+  AlignedBuffer mem;
+  std::vector<uint8_t*> ptrs;
+};
+
+struct EncodeResult {
+  EncodeResult(const BlockLayout& lay, uint32_t n) : blocks(lay, n), flags(n, 0) {}
+  BlockSet blocks;
+  std::vector<uint8_t> flags;
+  bool gaps_intact = true;
+};
+
+// Encodes `rows` of `pool` as the daemon does on a GPU: the job arrays through StageEncodeJob,
+// then LaunchEncode into a staging buffer, the nonfinite flags pre-filled with garbage.
+Status EmulatedEncode(const KvPool& pool, const std::vector<uint32_t>& rows, uint32_t num_blocks,
+                      const CudaLaunchConfig& cfg, size_t misalign, EncodeResult* out) {
+  const BlockLayout& lay = pool.layout();
+  Staging staging(lay, num_blocks, misalign);
+  AlignedBuffer flags(num_blocks);
+  std::memset(flags.ptr, 0x77, num_blocks);  // the launcher must clear it
+  const size_t scratch_bytes = JobArraysBytes(lay.num_layers, num_blocks, lay.block_tokens);
+  AlignedBuffer host_scratch(scratch_bytes), device_scratch(scratch_bytes);
+  EncodeJob host_job;
+  host_job.layout = lay;
+  host_job.layers = pool.views();
+  host_job.rows = rows.data();
+  host_job.blocks = staging.ptrs.data();
+  host_job.num_blocks = num_blocks;
+  host_job.nonfinite = flags.ptr;
+  EncodeJob job;
+  HIQ_RETURN_IF_ERROR(
+      StageEncodeJob(host_job, host_scratch.ptr, device_scratch.ptr, scratch_bytes, nullptr, &job));
+  std::memset(host_scratch.ptr, 0xEE, scratch_bytes);  // the kernels read the "device" copy
+  HIQ_RETURN_IF_ERROR(LaunchEncode(job, nullptr, cfg));
+  for (uint32_t b = 0; b < num_blocks; ++b) {
+    std::memcpy(out->blocks[b].data(), staging.ptrs[b], lay.BlockBytes());
+    out->flags[b] = flags.ptr[b];
+  }
+  out->gaps_intact = staging.GapsIntact(lay);
+  return Status::Ok();
+}
+
+enum class DecodeMode { kWhole, kPerLayerReversed, kLastLayers };
+
+// Decodes `payloads` into `dest` (layers as `mode` says) through StageDecodeJob and
+// LaunchDecodeLayers; returns the first layer decoded.
+Status EmulatedDecode(KvPool* dest, const std::vector<uint32_t>& rows, const BlockSet& payloads,
+                      DecodeMode mode, const CudaLaunchConfig& cfg, size_t misalign,
+                      uint32_t* first_layer) {
+  const BlockLayout& lay = dest->layout();
+  const uint32_t n = payloads.size();
+  Staging staging(lay, n, misalign);
+  for (uint32_t b = 0; b < n; ++b)
+    std::memcpy(staging.ptrs[b], payloads[b].data(), lay.BlockBytes());
+  std::vector<const uint8_t*> ptrs(staging.ptrs.begin(), staging.ptrs.end());
+  const size_t scratch_bytes = JobArraysBytes(lay.num_layers, n, lay.block_tokens);
+  AlignedBuffer host_scratch(scratch_bytes), device_scratch(scratch_bytes);
+  DecodeJob host_job;
+  host_job.layout = lay;
+  host_job.layers = dest->views();
+  host_job.rows = rows.data();
+  host_job.blocks = ptrs.data();
+  host_job.num_blocks = n;
+  DecodeJob job;
+  HIQ_RETURN_IF_ERROR(
+      StageDecodeJob(host_job, host_scratch.ptr, device_scratch.ptr, scratch_bytes, nullptr, &job));
+  *first_layer = 0;
+  switch (mode) {
+    case DecodeMode::kWhole:
+      return LaunchDecode(job, nullptr, cfg);
+    case DecodeMode::kPerLayerReversed:
+      for (uint32_t l = lay.num_layers; l-- > 0;) {
+        HIQ_RETURN_IF_ERROR(LaunchDecodeLayer(job, l, nullptr, cfg));
+      }
+      return Status::Ok();
+    case DecodeMode::kLastLayers:
+      *first_layer = lay.num_layers > 1 ? 1 : 0;
+      return LaunchDecodeLayers(job, *first_layer, lay.num_layers - *first_layer, nullptr, cfg);
+  }
+  return Status::Ok();
+}
+
+// "block 2 layer 1 plane 0 token 5 ..." for the first payload byte that differs ("" = equal),
+// skipping blocks flagged in skip_flags.
+std::string FirstPayloadDiff(const BlockLayout& lay, const BlockSet& want, const BlockSet& got,
+                             const std::vector<uint8_t>* skip_flags = nullptr) {
+  for (uint32_t b = 0; b < want.size(); ++b) {
+    if (skip_flags != nullptr && (*skip_flags)[b] != 0) continue;
+    for (size_t i = 0; i < lay.BlockBytes(); ++i) {
+      if (want[b][i] == got[b][i]) continue;
+      size_t count = 0;
+      for (size_t j = 0; j < lay.BlockBytes(); ++j) count += want[b][j] != got[b][j];
+      return "block " + std::to_string(b) + ": " + std::to_string(count) +
+             " bytes differ, first at " + testutil::DescribePayloadOffset(lay, i) + ": want " +
+             std::to_string(want[b][i]) + " got " + std::to_string(got[b][i]);
+    }
+  }
+  return "";
+}
+
+std::string FirstBufferDiff(const KvPool& want, const KvPool& got) {
+  for (uint32_t l = 0; l < want.layout().num_layers; ++l) {
+    const std::vector<uint8_t>& w = want.buffer(l);
+    const std::vector<uint8_t>& g = got.buffer(l);
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (w[i] != g[i]) {
+        return "layer " + std::to_string(l) + " byte " + std::to_string(i) + ": want " +
+               std::to_string(w[i]) + " got " + std::to_string(g[i]);
+      }
+    }
+  }
+  return "";
+}
+
+CudaLaunchConfig Config(uint32_t threads, uint32_t max_ctas) {
+  CudaLaunchConfig c;
+  c.threads_per_cta = threads;
+  c.max_ctas = max_ctas;
+  return c;
+}
+
+// Launch shapes: one warp in one CTA walking every unit, a few small CTAs, one CTA of the most
+// threads the kernels take, and the default (256 threads, 4 CTAs per emulated SM; the emulator
+// reports 2 SMs).
+std::vector<std::pair<std::string, CudaLaunchConfig>> LaunchShapes() {
+  return {{"1x32", Config(32, 1)},
+          {"3x96", Config(96, 3)},
+          {"1x512", Config(512, 1)},
+          {"default", CudaLaunchConfig{}}};
+}
+
+// One case: a source pool, its rows, reference payloads and decode.
+struct Case {
+  const char* name;
+  DType dtype;
+  CodecKind codec;
+  uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
+  ViewKind kind;
+  bool odd_bytes = false;  // views at odd byte addresses instead of `kind`'s shape
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// Views whose heads start at odd byte addresses: every 16-bit access is unaligned.
+KvPool::Shape OddByteShape(const BlockLayout& lay, uint32_t num_rows) {
+  KvPool::Shape sh;
+  sh.base_offset = 1;
+  sh.head_stride = uint64_t{lay.row.head_dim} * 2 + 3;
+  sh.row_stride = lay.row.num_heads * sh.head_stride + 5;
+  sh.plane_offset = sh.row_stride * num_rows + 7;
+  return sh;
+}
+
+class CodecCudaEmulationTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case& c = GetParam();
+    layout_ = Layout(c.dtype, c.codec, c.heads, c.dim, c.layers, c.planes, c.block_tokens);
+    num_rows_ = c.num_blocks * c.block_tokens * 2 + 3;
+    Rng rng(11);
+    rows_ =
+        testutil::RandomRows(num_rows_, static_cast<size_t>(c.num_blocks) * c.block_tokens, rng);
+  }
+  KvPool MakePool() const {
+    const Case& c = GetParam();
+    if (c.odd_bytes) return KvPool(layout_, num_rows_, OddByteShape(layout_, num_rows_));
+    return KvPool(layout_, num_rows_, c.kind, /*seed=*/5);
+  }
+  KvPool MakeSource() const {
+    KvPool pool = MakePool();
+    if (!GetParam().odd_bytes) {
+      pool.Fill(InputClass::kRowMix, /*seed=*/9);
+      return pool;
+    }
+    // KvPool::Fill writes through uint16_t*: fill an aligned twin and copy the bytes over.
+    KvPool twin(layout_, num_rows_, ViewKind::kContiguous);
+    twin.Fill(InputClass::kRowMix, /*seed=*/9);
+    const size_t head_bytes = size_t{layout_.row.head_dim} * 2;
+    twin.ForEachHead([&](uint32_t l, uint32_t p, uint32_t r, uint32_t h, uint16_t*) {
+      std::memcpy(pool.HeadAddr(l, p, r, h), twin.HeadAddr(l, p, r, h), head_bytes);
+    });
+    return pool;
+  }
+  KvPool MakeSentinelDest() const {
+    KvPool pool = MakePool();
+    pool.FillBytes(kSentinel);
+    return pool;
+  }
+  BlockSet ReferencePayloads(const KvPool& src, std::vector<uint8_t>* flags) const {
+    BlockSet ref(layout_, GetParam().num_blocks);
+    flags->assign(GetParam().num_blocks, 0xEE);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows_, ref, flags->data()));
+    return ref;
+  }
+
+  BlockLayout layout_;
+  uint32_t num_rows_ = 0;
+  std::vector<uint32_t> rows_;
+};
+
+TEST_P(CodecCudaEmulationTest, EncodeMatchesReference) {
+  const Case& c = GetParam();
+  const KvPool src = MakeSource();
+  std::vector<uint8_t> ref_flags;
+  const BlockSet ref = ReferencePayloads(src, &ref_flags);
+  ASSERT_EQ(ref_flags, std::vector<uint8_t>(c.num_blocks, 0));
+  size_t misalign = 0;
+  for (const auto& [shape, cfg] : LaunchShapes()) {
+    SCOPED_TRACE("launch " + shape + ", staging misaligned by " + std::to_string(misalign));
+    EncodeResult got(layout_, c.num_blocks);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows_, c.num_blocks, cfg, misalign, &got));
+    EXPECT_EQ(FirstPayloadDiff(layout_, ref, got.blocks), "");
+    EXPECT_EQ(got.flags, ref_flags) << "the launcher must zero the flags of finite blocks";
+    EXPECT_TRUE(got.gaps_intact) << "encode wrote past a block payload";
+    misalign = misalign == 0 ? 2 : misalign == 2 ? 4 : 1;  // 0, 2, 4, 1: every store width
+  }
+}
+
+TEST_P(CodecCudaEmulationTest, DecodeMatchesReferenceAndWritesNothingElse) {
+  const KvPool src = MakeSource();
+  std::vector<uint8_t> flags;
+  const BlockSet payloads = ReferencePayloads(src, &flags);
+  const std::vector<std::pair<std::string, CudaLaunchConfig>> shapes = LaunchShapes();
+  size_t i = 0;
+  for (DecodeMode mode :
+       {DecodeMode::kWhole, DecodeMode::kPerLayerReversed, DecodeMode::kLastLayers}) {
+    const auto& [shape, cfg] = shapes[i % shapes.size()];
+    const size_t misalign = i == 1 ? 1 : 0;  // payloads at odd addresses once
+    ++i;
+    SCOPED_TRACE("mode " + std::to_string(static_cast<int>(mode)) + " launch " + shape);
+    KvPool got = MakeSentinelDest();
+    uint32_t first = 0;
+    HIQ_ASSERT_OK(EmulatedDecode(&got, rows_, payloads, mode, cfg, misalign, &first));
+    KvPool want = MakeSentinelDest();
+    const DecodeJob ref_job = testutil::MakeDecodeJob(want, rows_, payloads);
+    for (uint32_t l = first; l < layout_.num_layers; ++l) DecodeLayerReference(ref_job, l);
+    EXPECT_EQ(FirstBufferDiff(want, got), "");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Geometries, CodecCudaEmulationTest,
+    ::testing::Values(
+        // tests/gpu/codec_cuda_test.cc's cases.
+        Case{"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5,
+             ViewKind::kContiguous},
+        Case{"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5,
+             ViewKind::kContiguous},
+        Case{"bf16_8x128_paged", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
+        Case{"fp16_8x128_packed_kv", DType::kFP16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
+        Case{"bf16_8x128_strided", DType::kBF16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kStrided},
+        Case{"bf16_1x576_mla_contiguous", DType::kBF16, kInt8, 1, 576, 3, 1, 16, 4,
+             ViewKind::kContiguous},
+        Case{"fp16_1x576_mla_strided", DType::kFP16, kInt8, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
+        Case{"bf16_1x576_mla_paged", DType::kBF16, kInt8, 1, 576, 2, 1, 16, 3, ViewKind::kPaged},
+        Case{"bf16_2x96_contiguous", DType::kBF16, kInt8, 2, 96, 3, 2, 16, 5,
+             ViewKind::kContiguous},
+        Case{"fp16_2x96_strided", DType::kFP16, kInt8, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
+        Case{"bf16_4x64_packed_kv", DType::kBF16, kInt8, 4, 64, 2, 2, 16, 4, ViewKind::kPackedKV},
+        Case{"fp16_3x36_strided", DType::kFP16, kInt8, 3, 36, 2, 2, 5, 5, ViewKind::kStrided},
+        Case{"bf16_2x512_paged", DType::kBF16, kInt8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
+        Case{"fp16_1x1100_contiguous", DType::kFP16, kInt8, 1, 1100, 2, 1, 4, 3,
+             ViewKind::kContiguous},
+        Case{"raw_bf16_8x128_paged", DType::kBF16, kRaw, 8, 128, 2, 2, 16, 4, ViewKind::kPaged},
+        Case{"raw_fp16_2x96_strided", DType::kFP16, kRaw, 2, 96, 2, 2, 7, 4, ViewKind::kStrided},
+        // The remaining TestGeometries() head_dims (scalar tails for 16, 8 and 4 lanes; no vector
+        // part at all), and every 16-bit access unaligned.
+        Case{"bf16_32x128_paged", DType::kBF16, kInt8, 32, 128, 2, 2, 8, 2, ViewKind::kPaged},
+        Case{"fp16_3x72_packed_kv", DType::kFP16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kPackedKV},
+        Case{"bf16_2x100_strided", DType::kBF16, kInt8, 2, 100, 2, 2, 8, 3, ViewKind::kStrided},
+        Case{"fp16_5x40_paged", DType::kFP16, kInt8, 5, 40, 2, 2, 8, 3, ViewKind::kPaged},
+        Case{"bf16_1x7_mla_strided", DType::kBF16, kInt8, 1, 7, 2, 1, 8, 3, ViewKind::kStrided},
+        Case{"fp16_8x128_odd_bytes", DType::kFP16, kInt8, 8, 128, 2, 2, 8, 3, ViewKind::kContiguous,
+             true},
+        Case{"bf16_3x72_odd_bytes", DType::kBF16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kContiguous,
+             true},
+        Case{"raw_bf16_1x7_odd_bytes", DType::kBF16, kRaw, 1, 7, 2, 1, 8, 3, ViewKind::kContiguous,
+             true},
+        Case{"raw_fp16_3x72_odd_bytes", DType::kFP16, kRaw, 3, 72, 2, 2, 8, 3,
+             ViewKind::kContiguous, true}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------------------------
+// Every input class (zeros, subnormals, near-max, exact ties, ...) of every TestGeometries()
+// geometry in both dtypes, through testutil::RunCase: the emulated kernels against the float64
+// model of DESIGN.md (which the reference matches: codec_reference_test), so a bug shared by the
+// kernels and codec_math.h shows too, plus the elementwise error bound.
+TEST(CodecCudaEmulation, EveryInputClassMatchesTheModel) {
+  testutil::Executor emulated{"cuda_emulated",
+                              [](const EncodeJob& j) {
+                                const Status s = LaunchEncode(j, nullptr, Config(64, 2));
+                                ASSERT_TRUE(s.ok()) << s.ToString();
+                              },
+                              [](const DecodeJob& j) {
+                                const Status s = LaunchDecode(j, nullptr, Config(64, 2));
+                                ASSERT_TRUE(s.ok()) << s.ToString();
+                              }};
+  testutil::BoundStats bound;
+  std::vector<std::string> errors;
+  uint64_t seed = 3000;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const testutil::Geometry& g : testutil::TestGeometries()) {
+      for (InputClass cls : testutil::AllInputClasses()) {
+        testutil::CaseSpec spec;
+        spec.layout = testutil::MakeLayout(g, dtype, kInt8, /*layers=*/1, /*block_tokens=*/4);
+        spec.input = cls;
+        spec.view = testutil::AllViewKinds()[vk++ % testutil::AllViewKinds().size()];
+        spec.seed = seed++;
+        spec.pool_rows = 24;
+        spec.num_blocks = 2;
+        for (auto& e : testutil::RunCase(spec, {emulated}, &bound)) errors.push_back(e);
+      }
+    }
+  }
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
+  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.max_err_over_s, 0.4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NaN / Inf: exactly the blocks holding one are flagged (in a lane's full chunk, its scalar tail,
+// a high chunk of a multi-chunk lane, the last head of the last token), the others encoded as
+// the reference encodes them; non-finite values in rows no block references change nothing.
+
+struct NonfiniteCase {
+  const char* name;
+  DType dtype;
+  uint32_t heads, dim, planes;
+  ViewKind kind;
+};
+
+TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
+  const std::vector<NonfiniteCase> cases = {
+      {"8x128_paged", DType::kBF16, 8, 128, 2, ViewKind::kPaged},
+      {"8x128_paged", DType::kFP16, 8, 128, 2, ViewKind::kPaged},
+      {"2x100_strided", DType::kBF16, 2, 100, 2, ViewKind::kStrided},
+      {"1x576_mla", DType::kFP16, 1, 576, 1, ViewKind::kContiguous},
+      {"3x72_packed", DType::kBF16, 3, 72, 2, ViewKind::kPackedKV},
+      {"1x7_mla", DType::kFP16, 1, 7, 1, ViewKind::kStrided},
+      {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
+      {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
+  };
+  for (const NonfiniteCase& c : cases) {
+    SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype));
+    const bool bf16 = c.dtype == DType::kBF16;
+    const uint32_t tokens = 4, layers = 2, num_blocks = 6, pool_rows = 40;
+    const BlockLayout lay = Layout(c.dtype, kInt8, c.heads, c.dim, layers, c.planes, tokens);
+    KvPool src(lay, pool_rows, c.kind, 2);
+    src.Fill(InputClass::kGaussian, 4);
+    Rng rng(5);
+    const std::vector<uint32_t> all = testutil::RandomRows(pool_rows, pool_rows, rng);
+    const std::vector<uint32_t> rows(all.begin(), all.begin() + num_blocks * tokens);
+    const uint32_t last_plane = c.planes - 1, last_head = c.heads - 1, d = c.dim;
+    const uint16_t nan = bf16 ? 0x7FC1 : 0x7E01, inf = bf16 ? 0x7F80 : 0x7C00;
+    const uint16_t ninf = bf16 ? 0xFF80 : 0xFC00;
+    // Block 1: NaN in the last element (a lane's tail when d % 8 != 0) of the last plane.
+    src.Head(1, last_plane, rows[1 * tokens + 2], last_head)[d - 1] = nan;
+    // Block 3: +Inf in element 0 of layer 0.
+    src.Head(0, 0, rows[3 * tokens + 0], 0)[0] = inf;
+    // Block 4: -Inf in the middle (a high chunk for multi-chunk lanes) and a negative NaN.
+    src.Head(1, 0, rows[4 * tokens + tokens - 1], last_head)[d / 2] = ninf;
+    src.Head(1, 0, rows[4 * tokens + tokens - 1], last_head)[d - 1 - d / 3] = 0xFFFF;
+    // A row no block references: must not flag anything.
+    src.Head(0, 0, all[pool_rows - 1], 0)[0] = nan;
+
+    BlockSet ref(lay, num_blocks);
+    std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+    ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 1, 0, 1, 1, 0}));
+    for (const auto& [shape, cfg] : LaunchShapes()) {
+      SCOPED_TRACE("launch " + shape);
+      EncodeResult got(lay, num_blocks);
+      HIQ_ASSERT_OK(EmulatedEncode(src, rows, num_blocks, cfg, 0, &got));
+      EXPECT_EQ(got.flags, ref_flags);
+      EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks, &ref_flags), "");
+      EXPECT_TRUE(got.gaps_intact);
+    }
+  }
+}
+
+// RAW never flags (it stores NaN/Inf bit-exactly) but still clears the flags it is given.
+TEST(CodecCudaEmulation, RawStoresNonfiniteBitExactAndClearsFlags) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = Layout(dtype, kRaw, 8, 128, 2, 2, 4);
+    KvPool src(lay, 20, ViewKind::kPaged, 3);
+    src.Fill(InputClass::kGaussian, 1);
+    Rng rng(2);
+    const std::vector<uint32_t> rows = testutil::RandomRows(20, 8, rng);
+    src.Head(1, 1, rows[5], 7)[127] = 0x7FFF;
+    BlockSet ref(lay, 2);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, nullptr));
+    EncodeResult got(lay, 2);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &got));
+    EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks), "");
+    EXPECT_EQ(got.flags, (std::vector<uint8_t>{0, 0}));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch shapes and the negative control.
+
+TEST(CodecCudaEmulation, GridsStayWithinTheConfiguredBound) {
+  const BlockLayout lay = Layout(DType::kBF16, kInt8, 8, 128, 2, 2, 16);
+  KvPool src(lay, 64, ViewKind::kContiguous, 1);
+  src.Fill(InputClass::kGaussian, 1);
+  Rng rng(1);
+  const std::vector<uint32_t> rows = testutil::RandomRows(64, 48, rng);
+  // 3 blocks x 2 layers x 2 planes x 16 tokens x 8 heads = 1,536 units; a 256-thread CTA holds
+  // 8 warps x 2 groups x 2 units = 32, so 48 CTAs would be "needed".
+  struct Shape {
+    CudaLaunchConfig cfg;
+    uint64_t max_grid;
+  };
+  CudaLaunchConfig per_sm;
+  per_sm.ctas_per_sm = 3;
+  for (const Shape& s : {Shape{Config(256, 1), 1}, Shape{Config(32, 5), 5},
+                         Shape{CudaLaunchConfig{}, 4u * cuda_emulation::SmCount()},
+                         Shape{per_sm, 3u * cuda_emulation::SmCount()}}) {
+    cuda_emulation::ResetStats();
+    EncodeResult got(lay, 3);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows, 3, s.cfg, 0, &got));
+    const cuda_emulation::Stats st = cuda_emulation::GetStats();
+    EXPECT_EQ(st.launches, 1u);
+    EXPECT_EQ(st.max_grid, s.max_grid);
+    EXPECT_GT(st.shuffles, 0u);
+  }
+}
+
+// Malformed launch shapes are refused before anything runs.
+TEST(CodecCudaEmulation, LaunchersRejectBadConfigsBeforeLaunching) {
+  const BlockLayout lay = Layout(DType::kFP16, kInt8, 2, 96, 1, 2, 4);
+  KvPool src(lay, 8, ViewKind::kContiguous, 1);
+  const std::vector<uint32_t> rows = {0, 1, 2, 3};
+  BlockSet blocks(lay, 1);
+  const EncodeJob job = testutil::MakeEncodeJob(src, rows, blocks, nullptr);
+  cuda_emulation::ResetStats();
+  for (uint32_t threads : {0u, 48u, 544u, 1024u}) {
+    EXPECT_EQ(LaunchEncode(job, nullptr, Config(threads, 1)).code(), StatusCode::kInvalidArgument)
+        << threads;
+  }
+  EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+  HIQ_ASSERT_OK(LaunchEncode(job, nullptr, Config(512, 1)));
+  EXPECT_EQ(cuda_emulation::GetStats().launches, 1u);
+}
+
+// Sets an emulator fault for one scope.
+class ScopedFault {
+ public:
+  explicit ScopedFault(cuda_emulation::Fault f) { cuda_emulation::SetFault(f); }
+  ~ScopedFault() { cuda_emulation::SetFault(cuda_emulation::Fault::kNone); }
+};
+
+// A kernel whose amax reduction reads the wrong lane (the emulator's fault) must be caught by the
+// same comparison the tests above make: it is what proves they can fail.
+TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
+  for (uint32_t dim : {128u, 576u}) {  // 16-lane and 32-lane groups
+    const BlockLayout lay = Layout(DType::kBF16, kInt8, 1024 / dim + 1, dim, 1, 2, 4);
+    KvPool src(lay, 16, ViewKind::kContiguous, 1);
+    src.Fill(InputClass::kOutlier, 7);  // one large element per head: a missed lane changes s
+    Rng rng(3);
+    const std::vector<uint32_t> rows = testutil::RandomRows(16, 8, rng);
+    BlockSet ref(lay, 2);
+    std::vector<uint8_t> flags(2);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, flags.data()));
+    {
+      EncodeResult good(lay, 2);
+      HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &good));
+      ASSERT_EQ(FirstPayloadDiff(lay, ref, good.blocks), "");
+    }
+    ScopedFault fault(cuda_emulation::Fault::kShuffleWrongLane);
+    EncodeResult bad(lay, 2);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &bad));
+    const std::string diff = FirstPayloadDiff(lay, ref, bad.blocks);
+    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (dim " << dim << ")";
+    std::printf("  dim %u, wrong-lane shuffle: %s\n", dim, diff.c_str());
+  }
+}
+
+}  // namespace
+}  // namespace hiqcache::kernels
