@@ -1,10 +1,15 @@
 #include "pool_region.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -13,6 +18,44 @@
 namespace hiqcache::server {
 
 namespace bip = boost::interprocess;
+
+namespace {
+
+// Where glibc's shm_open (and so Boost.Interprocess's POSIX shared_memory_object) keeps objects.
+constexpr const char* kShmDir = "/dev/shm";
+
+std::string GiB(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1ull << 30));
+  return buf;
+}
+
+}  // namespace
+
+Status CheckShmRoom(const std::string& shm_dir, const std::string& bare_name, uint64_t bytes) {
+  struct statvfs fs {};
+  if (::statvfs(shm_dir.c_str(), &fs) != 0) {
+    return FailedPrecondition("shm_name: cannot statvfs " + shm_dir + ": " + std::strerror(errno));
+  }
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  const uint64_t fs_bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+  uint64_t held = 0;
+  struct stat st {};
+  if (::stat((shm_dir + "/" + bare_name).c_str(), &st) == 0) {
+    held = static_cast<uint64_t>(st.st_blocks) * 512;  // allocated, not apparent, size
+  }
+  const uint64_t needed = bytes > held ? bytes - held : 0;
+  if (needed <= free_bytes) return Status::Ok();
+  std::string msg = "pool_bytes " + std::to_string(bytes) + " (" + GiB(bytes) +
+                    ") does not fit in " + shm_dir + ": " + std::to_string(free_bytes) +
+                    " bytes (" + GiB(free_bytes) + ") free of " + std::to_string(fs_bytes) + " (" +
+                    GiB(fs_bytes) + ")";
+  if (held > 0) msg += ", plus " + std::to_string(held) + " bytes the existing object holds";
+  msg += "; the pool would SIGBUS when pre-faulted or written. Lower pool_bytes (--pool-bytes) ";
+  msg += "or enlarge " + shm_dir + " (docker run --shm-size; Kubernetes: an emptyDir of medium ";
+  msg += "Memory mounted there)";
+  return FailedPrecondition(std::move(msg));
+}
 
 struct PoolRegion::Impl {
   bip::shared_memory_object shm;
@@ -33,6 +76,7 @@ StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, 
   if (bare.empty() || bare.find('/') != std::string::npos) {
     return InvalidArgument("shm_name: '" + name + "' is not a valid POSIX shm name");
   }
+  HIQ_RETURN_IF_ERROR(CheckShmRoom(kShmDir, bare, bytes));
   try {
     auto impl = std::make_unique<Impl>();
     impl->shm = bip::shared_memory_object(bip::open_or_create, bare.c_str(), bip::read_write,

@@ -15,7 +15,9 @@ namespace hiqcache::server {
 
 class PoolRegion {
  public:
-  // Creates (or resizes) shm object `name` to `bytes` and maps it.
+  // Creates (or resizes) shm object `name` to `bytes` and maps it. First checks that the
+  // filesystem holding POSIX shm objects (/dev/shm) has room for it (CheckShmRoom): a sparse
+  // object larger than that maps fine and SIGBUSes on the first write past the free space.
   static StatusOr<std::unique_ptr<PoolRegion>> Open(const std::string& name, uint64_t bytes);
   ~PoolRegion();
   PoolRegion(const PoolRegion&) = delete;
@@ -35,5 +37,11 @@ class PoolRegion {
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
 };
+
+// FAILED_PRECONDITION, naming pool_bytes and the free space, when the filesystem at `shm_dir`
+// cannot hold an object `bare_name` (a file in shm_dir) of `bytes` bytes: the pages that object
+// already has allocated (a pool being reattached) count as held, the rest must be free
+// (statvfs f_bavail). OK when it fits. Open calls it with "/dev/shm".
+Status CheckShmRoom(const std::string& shm_dir, const std::string& bare_name, uint64_t bytes);
 
 }  // namespace hiqcache::server

@@ -3,6 +3,7 @@
 // configuration is accepted by the daemon and lists every setting; `cmake --install` puts
 // binaries, unit and configuration where packagers expect them.
 #include <gtest/gtest.h>
+#include <sys/statvfs.h>
 
 #include <filesystem>
 #include <regex>
@@ -137,6 +138,27 @@ TEST(ConfigFileTest, RejectsAnUnknownSocketGroupAtStart) {
                   "--prefault", "false", "--socket-group", "no-such-group-hiq"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("no-such-group-hiq"), std::string::npos) << r.output;
+}
+
+// A pool larger than /dev/shm can hold (a 64 MB Docker /dev/shm) used to map as a sparse object
+// and SIGBUS when pre-faulted; the daemon refuses it at start, naming pool_bytes and the free
+// space. Asked for more than the whole filesystem, so nothing is ever filled.
+TEST(ConfigFileTest, RefusesAPoolLargerThanDevShm) {
+  struct statvfs fs {};
+  ASSERT_EQ(::statvfs("/dev/shm", &fs), 0);
+  const uint64_t bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize + (uint64_t{1} << 30);
+  TempDir dir("shm");
+  const std::string shm = "hiq-shm-room-test-" + std::to_string(::getpid());
+  RunResult r =
+      RunProgram({HIQ_DAEMON_PATH, "--listen", "unix://" + dir.path() + "/s.sock", "--pool-bytes",
+                  std::to_string(bytes), "--shm-name", "/" + shm, "--prefault", "true"});
+  const bool created = std::filesystem::exists("/dev/shm/" + shm);
+  std::filesystem::remove("/dev/shm/" + shm);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("pool_bytes " + std::to_string(bytes)), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("does not fit in /dev/shm"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("free of"), std::string::npos) << r.output;
+  EXPECT_FALSE(created) << "the refused pool's shm object was left in /dev/shm";
 }
 
 TEST(InstallTest, PutsFilesWherePackagersExpect) {
