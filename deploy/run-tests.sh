@@ -68,7 +68,8 @@ asan_dir=${HIQ_ASAN_DIR:-$root/build-asan}
 asan_tests=(block_store_test registration_test config_test transfer_engine_test cache_core_test
             client_watcher_test namespace_table_test
             roundtrip_test bad_input_test
-            warm_restart_test client_death_test security_test)
+            warm_restart_test client_death_test security_test
+            codec_cuda_emulation_test)
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 if has asan; then

@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -193,6 +194,44 @@ def bench_workload(model: str, ids: list[int], args: argparse.Namespace, tmp: pa
     return out
 
 
+def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
+        result: dict) -> None:
+    if args.only in (None, "ttft"):
+        result["ttft"] = bench_ttft(model, ids, args.reps, tmp)
+        t = result["ttft"]
+        print(f"TTFT, {t['prompt_tokens']}-token prompts with a {t['prefix_tokens']}-token "
+              f"shared prefix, median of {t['reps']}:")
+        for name in ("recompute", "int8_per_head", "raw", "vllm_prefix_cache"):
+            r = t[name]
+            ratio = r.get("speedup_vs_recompute")
+            print(f"  {name:18s} {r['ttft_median_s'] * 1000:8.1f} ms" +
+                  (f"  {ratio:5.2f}x faster than recompute" if ratio else ""))
+    if args.only in (None, "layout"):
+        result["layout"] = lay = bench_layout(max(args.reps, 9))
+        print(f"Layout conversion, {lay['bytes'] / 1e6:.1f} MB per 2,048-token transfer, "
+              f"{lay['isa']}, {lay['threads']} thread(s): memcpy {lay['memcpy_ms']:.2f} ms")
+        for name in ("consecutive", "fragmented"):
+            print(f"  {name:12s} restore {lay[f'restore_{name}_ms']:6.2f} ms "
+                  f"({lay[f'restore_{name}_vs_memcpy']:.2f}x memcpy)  backup "
+                  f"{lay[f'backup_{name}_ms']:6.2f} ms "
+                  f"({lay[f'backup_{name}_vs_memcpy']:.2f}x memcpy)")
+    if args.only in (None, "workload"):
+        result["workload"] = bench_workload(model, ids, args, tmp)
+        w = result["workload"]
+        print(f"Workload: {w['groups']} groups x {w['prefix_tokens']}-token prefixes, "
+              f"{w['rounds']} rounds shuffled, {w['requests']} requests in batches of "
+              f"{w['concurrency']}; vLLM KV {w['vllm_tokens']} tokens, pool "
+              f"{w['pool_bytes'] >> 20} MiB")
+        for name in ("vllm_only", "hiqcached_raw", "hiqcached_int8"):
+            r = w[name]
+            held = r["held"]
+            print(f"  {name:15s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%  TTFT median "
+                  f"{r['ttft_median_s'] * 1000:7.1f} ms" +
+                  (f"  holds {held['tokens_per_gib']:,.0f} tokens/GiB "
+                   f"({held['encoded_bytes_per_token']} B/token)" if held else
+                   f"  (vLLM holds {w['vllm_tokens_per_gib']:,} tokens/GiB)"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("ttft", "layout", "workload"))
@@ -208,41 +247,9 @@ def main() -> None:
     model = str(model_dir())
     ids = text_ids(model)
     result: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count()}
-    with tempfile.TemporaryDirectory(prefix="hiq-vllm-bench-") as tmp:
-        if args.only in (None, "ttft"):
-            result["ttft"] = bench_ttft(model, ids, args.reps, pathlib.Path(tmp))
-            t = result["ttft"]
-            print(f"TTFT, {t['prompt_tokens']}-token prompts with a {t['prefix_tokens']}-token "
-                  f"shared prefix, median of {t['reps']}:")
-            for name in ("recompute", "int8_per_head", "raw", "vllm_prefix_cache"):
-                r = t[name]
-                ratio = r.get("speedup_vs_recompute")
-                print(f"  {name:18s} {r['ttft_median_s'] * 1000:8.1f} ms" +
-                      (f"  {ratio:5.2f}x faster than recompute" if ratio else ""))
-        if args.only in (None, "layout"):
-            result["layout"] = lay = bench_layout(max(args.reps, 9))
-            print(f"Layout conversion, {lay['bytes'] / 1e6:.1f} MB per 2,048-token transfer, "
-                  f"{lay['isa']}, {lay['threads']} thread(s): memcpy {lay['memcpy_ms']:.2f} ms")
-            for name in ("consecutive", "fragmented"):
-                print(f"  {name:12s} restore {lay[f'restore_{name}_ms']:6.2f} ms "
-                      f"({lay[f'restore_{name}_vs_memcpy']:.2f}x memcpy)  backup "
-                      f"{lay[f'backup_{name}_ms']:6.2f} ms "
-                      f"({lay[f'backup_{name}_vs_memcpy']:.2f}x memcpy)")
-        if args.only in (None, "workload"):
-            result["workload"] = bench_workload(model, ids, args, pathlib.Path(tmp))
-            w = result["workload"]
-            print(f"Workload: {w['groups']} groups x {w['prefix_tokens']}-token prefixes, "
-                  f"{w['rounds']} rounds shuffled, {w['requests']} requests in batches of "
-                  f"{w['concurrency']}; vLLM KV {w['vllm_tokens']} tokens, pool "
-                  f"{w['pool_bytes'] >> 20} MiB")
-            for name in ("vllm_only", "hiqcached_raw", "hiqcached_int8"):
-                r = w[name]
-                held = r["held"]
-                print(f"  {name:15s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%  TTFT median "
-                      f"{r['ttft_median_s'] * 1000:7.1f} ms" +
-                      (f"  holds {held['tokens_per_gib']:,.0f} tokens/GiB "
-                       f"({held['encoded_bytes_per_token']} B/token)" if held else
-                       f"  (vLLM holds {w['vllm_tokens_per_gib']:,} tokens/GiB)"))
+    tmp = tempfile.mkdtemp(prefix="hiq-vllm-bench-")  # engine logs: kept if a run fails
+    run(args, model, ids, pathlib.Path(tmp), result)
+    shutil.rmtree(tmp, ignore_errors=True)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
     existing.update(result)

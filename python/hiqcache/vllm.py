@@ -515,7 +515,9 @@ class _Worker:
         self.pool = 0
         self.layers: list[torch.Tensor] = []  # per layer [num_blocks, heads, 2 * bs * dim]
         self.layer_index: dict[str, int] = {}
-        self.loads: list[tuple[_Load, int, int]] = []  # (transfer, first staging row, ticket)
+        # Restores in flight: (transfer, first staging row, ticket, done slot).
+        self.loads: list[tuple[_Load, int, int, int]] = []
+        self.layers_failed = False  # a layer of this step's restores failed: stop waiting
         self.load_ticket = 0  # last Restore ticket of this step (per-layer slots)
         self.layers_done: set[int] = set()
         self.load_errors: set[int] = set()
@@ -624,8 +626,9 @@ class _Worker:
         this step. Restores still running stay listed (their staging rows are not reused); true
         when none is left."""
         pending = []
-        for i, (tr, first_row, ticket) in enumerate(self.loads):
-            s = self.events.wait(self._done_slot(i), ticket, timeout)
+        deadline = time.monotonic() + timeout
+        for tr, first_row, ticket, slot in self.loads:
+            s = self.events.wait(slot, ticket, max(0.0, deadline - time.monotonic()))
             if not tr.reported and (not s.ok or len(self.layers_done) < self.geometry.num_layers):
                 if s.code.name != "ABORTED" and s.ok:
                     self.warn("layers", "the forward pass skipped layers of a restore; recomputing")
@@ -636,9 +639,10 @@ class _Worker:
                 self.stats["loaded_blocks"] += len(tr.block_ids)
                 tr.reported = True
             if s.code.name == "DEADLINE_EXCEEDED":
-                pending.append((tr, first_row, ticket))
+                pending.append((tr, first_row, ticket, slot))
         self.loads = pending
         self.layers_done = set()
+        self.layers_failed = False
         return not pending
 
     def _done_slot(self, i: int) -> int:
@@ -677,14 +681,14 @@ class _Worker:
             if res.restored_blocks > 0:
                 part = _Load(tr.req_id, tr.keys[:res.restored_blocks],
                              tr.block_ids[:res.restored_blocks])
-                self.loads.append((part, row, res.ticket))
+                self.loads.append((part, row, res.ticket, self._done_slot(len(self.loads))))
                 self.load_ticket = res.ticket
                 row += need
         self.stats["load_seconds"] += time.perf_counter() - t0
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
-        if layer is None or not self.loads or layer in self.layers_done:
+        if layer is None or not self.loads or layer in self.layers_done or self.layers_failed:
             return
         t0 = time.perf_counter()
         self.layers_done.add(layer)
@@ -693,8 +697,9 @@ class _Worker:
             # Reported when the step's restores are finished (their done slots say which).
             self.warn("layer", "layer %d of this step's restores failed (%s): recomputing", layer, s)
             self.layers_done.discard(layer)
+            self.layers_failed = True  # one deadline per step, not one per layer
             return
-        for tr, first_row, _ in self.loads:
+        for tr, first_row, _, _ in self.loads:
             self._rows_to_tiles(layer, tr.block_ids, first_row)
         self.stats["load_seconds"] += time.perf_counter() - t0
 
@@ -806,8 +811,9 @@ class HiqCacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, HiqCacheConnectorMetadata)
 
         def fail_all() -> None:
-            self._worker.loads = []
+            # Restores already sent stay listed: their staging rows are not reused until done.
             self._worker.load_errors.update(b for t in meta.loads for b in t.block_ids)
+            self._worker.layers_failed = True
 
         try:
             self._worker.start_load(meta)

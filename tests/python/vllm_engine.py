@@ -68,6 +68,9 @@ def run(job: dict) -> dict:
         kv_cfg = KVTransferConfig(kv_connector="HiqCacheConnector",
                                   kv_connector_module_path="hiqcache.vllm", kv_role="kv_both",
                                   kv_connector_extra_config=job["connector"])
+    if job.get("kv_cache_bytes"):
+        # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     t0 = time.monotonic()
     llm = LLM(model=job["model"], dtype="bfloat16", block_size=job.get("block_size", 32),
               max_model_len=job.get("max_model_len", 4096), enforce_eager=True,

@@ -343,7 +343,7 @@ class PoolInfo(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[_Union[DeviceKind, str]] = ..., client_pid: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes")
+    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,7 @@ class GetStatsResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     used_bytes: int
     blocks: int
@@ -364,4 +365,5 @@ class GetStatsResponse(_message.Message):
     device: str
     shm_name: str
     capacity_bytes: int
-    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    cuda_staging_bytes: int
+    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ...) -> None: ...

@@ -87,7 +87,12 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleasePool(self, request, context):
-        """Releases a registration; blocks stay cached in the namespace.
+        """Releases a registration; blocks stay cached in the namespace. Queued work of the pool is
+        cancelled (its requests answer CANCELLED); the call returns once the pool's work already on
+        the device has completed and its buffer mappings and events are closed: only then may the
+        engine free its KV buffers or destroy its events. DEADLINE_EXCEEDED (after the daemon's
+        release_timeout_ms) means device work was still pending, e.g. behind a wait_event that was
+        never recorded: the mappings close when it completes, so keep the buffers until then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
