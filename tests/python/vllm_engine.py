@@ -6,7 +6,7 @@ JOB: {"model": dir, "connector": {extra config} | null, "batches": [[prompt, ...
       "max_tokens": 8, "prefix_caching": true, "before_batch": "path-{n}" (wait for that file
       before batch n), "after_batch": "path-{n}" (create it after n batches),
       "evict_before_load": k (see _evict_before_load), "kv_cache_bytes": vLLM's own KV cache
-      size, "log_stats": true (per-request time to first token)}
+      size, "log_stats": true (per-request time to first token), "tp": tensor parallel size}
 where each prompt is a list of token ids; the prompts of one batch are submitted together
 (concurrency), the batches one after another. OUT: per prompt the greedy token ids, their
 logprobs and the time to first token of its batch, plus the worker connector's counters.
@@ -76,6 +76,7 @@ def run(job: dict) -> dict:
               max_model_len=job.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=job.get("prefix_caching", True), seed=0,
               max_num_seqs=job.get("max_num_seqs", 8), kv_transfer_config=kv_cfg,
+              tensor_parallel_size=job.get("tp", 1),
               max_num_batched_tokens=job.get("max_num_batched_tokens", 4096),
               kv_cache_memory_bytes=job.get("kv_cache_bytes"),
               disable_log_stats=not job.get("log_stats", False))
@@ -108,7 +109,8 @@ def run(job: dict) -> dict:
         if job.get("after_batch"):
             pathlib.Path(job["after_batch"].format(n=index + 1)).touch()
     stats = {}
-    if kv_cfg is not None:
+    if kv_cfg is not None and job.get("tp", 1) == 1:
+        # In-process worker (single process mode); with TP the workers are other processes.
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group()._worker
