@@ -24,22 +24,47 @@ std::shared_ptr<TransferEngine::Strand> TransferEngine::NewStrand() {
 }
 
 void TransferEngine::Post(const std::shared_ptr<Strand>& strand, Task task) {
-  PostRetryable(strand, [task = std::move(task)] {
+  PostStep(strand, [task = std::move(task)] {
     task();
-    return true;
+    return StepResult::kDone;
   });
 }
 
 void TransferEngine::PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    strand->tasks.push_back(std::move(task));
-    ++pending_;
-    if (strand->scheduled) return;
-    strand->scheduled = true;
-    ready_.push_back(strand);
-  }
+  PostStep(strand, [task = std::move(task)] {
+    return task() ? StepResult::kDone : StepResult::kNotReady;
+  });
+}
+
+void TransferEngine::ScheduleLocked(std::shared_ptr<Strand> strand) {
+  strand->scheduled = true;
+  ready_.push_back(std::move(strand));
   ready_cv_.notify_one();
+}
+
+void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  strand->tasks.push_back(std::move(task));
+  ++pending_;
+  if (!strand->scheduled) ScheduleLocked(strand);
+}
+
+void TransferEngine::Resume(const std::shared_ptr<Strand>& strand, Task continuation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (strand->running) {
+    // The detaching task has not returned yet: its worker picks the continuation up.
+    strand->early_continuation = std::move(continuation);
+    strand->has_early_continuation = true;
+    return;
+  }
+  strand->detached = false;
+  // The continuation finishes the detached task: it takes that task's place (and its pending
+  // count) at the front of the strand.
+  strand->tasks.push_front([c = std::move(continuation)] {
+    c();
+    return StepResult::kDone;
+  });
+  ScheduleLocked(strand);
 }
 
 void TransferEngine::WorkerLoop() {
@@ -69,13 +94,15 @@ void TransferEngine::WorkerLoop() {
     }
     std::shared_ptr<Strand> strand = std::move(ready_.front());
     ready_.pop_front();
-    RetryableTask task = std::move(strand->tasks.front());
+    StepTask task = std::move(strand->tasks.front());
     strand->tasks.pop_front();
+    strand->running = true;
     lock.unlock();
-    const bool finished = task();
-    if (finished) task = nullptr;
+    const StepResult result = task();
+    if (result != StepResult::kNotReady) task = nullptr;
     lock.lock();
-    if (!finished) {
+    strand->running = false;
+    if (result == StepResult::kNotReady) {
       // Not ready: keep it first in its strand and look again after a short, growing delay.
       strand->tasks.push_front(std::move(task));
       strand->backoff = std::min(std::chrono::microseconds(1000),
@@ -85,6 +112,22 @@ void TransferEngine::WorkerLoop() {
       continue;
     }
     strand->backoff = std::chrono::microseconds(0);
+    if (result == StepResult::kDetached) {
+      if (!strand->has_early_continuation) {
+        strand->detached = true;  // busy until Resume; still pending
+        continue;
+      }
+      strand->has_early_continuation = false;
+      Task c = std::move(strand->early_continuation);
+      strand->early_continuation = nullptr;
+      strand->tasks.push_front([c = std::move(c)] {
+        c();
+        return StepResult::kDone;
+      });
+      ready_.push_back(std::move(strand));
+      ready_cv_.notify_one();
+      continue;
+    }
     --pending_;
     if (!strand->tasks.empty()) {
       ready_.push_back(std::move(strand));
@@ -99,6 +142,11 @@ void TransferEngine::WorkerLoop() {
 void TransferEngine::WaitIdle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_cv_.wait(lock, [&] { return pending_ == 0; });
+}
+
+bool TransferEngine::WaitIdleFor(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_for(lock, timeout, [&] { return pending_ == 0; });
 }
 
 size_t TransferEngine::Pending() const {

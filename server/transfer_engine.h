@@ -2,9 +2,17 @@
 //
 // Each pool gets a Strand: tasks posted to one strand run one at a time in FIFO order (tickets of
 // a pool complete in order, so a slot reaching T means every earlier ticket of it is done too);
-// different strands run concurrently. A task that is not ready yet (its pool waits for an engine's
-// event) returns false: its strand is parked and retried shortly, and the worker serves other
-// strands meanwhile, so pools waiting on events never hold workers. Thread-safe.
+// different strands run concurrently. A step task answers how far it got:
+//   - kDone: finished; the strand's next task may start.
+//   - kNotReady: it cannot start yet (its pool waits for an engine's HOST event, or for device
+//     staging): its strand is parked and the task retried shortly, still first in its strand;
+//     the worker serves other strands meanwhile, so pools that wait never hold workers.
+//   - kDetached: it enqueued device work and returned; the strand stays busy (its next task does
+//     not start) until someone (a device completion thread) calls Resume(strand, continuation).
+//     The continuation then runs on a worker as the end of that task. No worker waits for the
+//     device in between.
+// A detached task counts as pending (WaitIdle, Pending) until its continuation has run.
+// Thread-safe.
 #pragma once
 
 #include <chrono>
@@ -23,10 +31,13 @@ class TransferEngine {
   using Task = std::function<void()>;
   // Returns false when it cannot start yet; it is then run again later, still first in its strand.
   using RetryableTask = std::function<bool()>;
+  enum class StepResult { kDone, kNotReady, kDetached };
+  using StepTask = std::function<StepResult()>;
   class Strand;
 
   explicit TransferEngine(unsigned workers);
-  // Runs every task already posted, then stops the workers.
+  // Runs every task already posted (detached ones included: it waits for their Resume), then
+  // stops the workers.
   ~TransferEngine();
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
@@ -34,13 +45,22 @@ class TransferEngine {
   std::shared_ptr<Strand> NewStrand();
   void Post(const std::shared_ptr<Strand>& strand, Task task);
   void PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task);
-  // Blocks until no task is queued or running.
+  void PostStep(const std::shared_ptr<Strand>& strand, StepTask task);
+  // Ends the detached task of `strand`: `continuation` runs on a worker, then the strand's next
+  // task may start. REQUIRES: called exactly once per kDetached answer; may be called from any
+  // thread, even before the detaching task has returned. Never blocks on a worker.
+  void Resume(const std::shared_ptr<Strand>& strand, Task continuation);
+  // Blocks until no task is queued, running or detached.
   void WaitIdle();
-  // Tasks queued or running now.
+  // Like WaitIdle, for at most `timeout`; returns whether the engine is idle.
+  bool WaitIdleFor(std::chrono::milliseconds timeout);
+  // Tasks queued, running or detached now.
   size_t Pending() const;
 
  private:
   void WorkerLoop();
+  // REQUIRES: mu_ held. Puts `strand` (not scheduled) on the ready queue.
+  void ScheduleLocked(std::shared_ptr<Strand> strand);
 
   mutable std::mutex mu_;
   std::condition_variable ready_cv_;
@@ -57,9 +77,15 @@ class TransferEngine {
 class TransferEngine::Strand {
  private:
   friend class TransferEngine;
-  std::deque<RetryableTask> tasks;  // GUARDED_BY(engine mu_)
+  std::deque<StepTask> tasks;  // GUARDED_BY(engine mu_)
   std::chrono::microseconds backoff{0};  // GUARDED_BY(engine mu_): retry delay of the first task
-  bool scheduled = false;  // GUARDED_BY(engine mu_): in ready_ or running
+  // GUARDED_BY(engine mu_): in ready_, parked_ or running, or detached (busy until Resume).
+  bool scheduled = false;
+  bool running = false;   // GUARDED_BY(engine mu_): a worker is inside its first task
+  bool detached = false;  // GUARDED_BY(engine mu_): its task returned kDetached, no Resume yet
+  // GUARDED_BY(engine mu_): a Resume that came while the detaching task was still running.
+  Task early_continuation;
+  bool has_early_continuation = false;
 };
 
 }  // namespace hiqcache::server

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -162,6 +163,63 @@ TEST(TransferEngineTest, DestructorRunsQueuedTasks) {
     release = true;
   }
   EXPECT_EQ(done.load(), 51);
+}
+
+// A detached task frees its worker at once; its strand's next task starts only after Resume, and
+// the continuation runs first. The engine counts it as pending until then.
+TEST(TransferEngineTest, DetachedTaskHoldsItsStrandButNoWorker) {
+  TransferEngine engine(1);
+  auto device = engine.NewStrand();
+  auto other = engine.NewStrand();
+  std::mutex mu;
+  std::vector<std::string> order;
+  auto log = [&](std::string s) {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back(std::move(s));
+  };
+  engine.PostStep(device, [&] {
+    log("enqueue 1");
+    return TransferEngine::StepResult::kDetached;
+  });
+  engine.Post(device, [&] { log("task 2"); });
+  std::atomic<int> other_done{0};
+  for (int i = 0; i < 5; ++i) engine.Post(other, [&] { other_done.fetch_add(1); });
+  // One worker: the other strand runs although task 1's device work has not completed.
+  EXPECT_TRUE(WaitUntil([&] { return other_done.load() == 5; }, 5000ms));
+  std::this_thread::sleep_for(20ms);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(order, std::vector<std::string>{"enqueue 1"});  // task 2 waits for the Resume
+  }
+  EXPECT_EQ(engine.Pending(), 2u);
+  EXPECT_FALSE(engine.WaitIdleFor(20ms));
+  std::thread completion([&] { engine.Resume(device, [&] { log("complete 1"); }); });
+  completion.join();
+  engine.WaitIdle();
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"enqueue 1", "complete 1", "task 2"}));
+}
+
+// Resume may come before the detaching task has returned (the device finished at once, or the
+// enqueue failed and completion was reported inline).
+TEST(TransferEngineTest, ResumeBeforeTheDetachingTaskReturned) {
+  TransferEngine engine(2);
+  auto s = engine.NewStrand();
+  std::atomic<int> step{0};
+  for (int i = 0; i < 100; ++i) {
+    engine.PostStep(s, [&, i] {
+      EXPECT_EQ(step.load(), 2 * i);
+      step.fetch_add(1);
+      engine.Resume(s, [&, i] {
+        EXPECT_EQ(step.load(), 2 * i + 1);
+        step.fetch_add(1);
+      });
+      return TransferEngine::StepResult::kDetached;
+    });
+  }
+  engine.WaitIdle();
+  EXPECT_EQ(step.load(), 200);
+  EXPECT_EQ(engine.Pending(), 0u);
 }
 
 TEST(TransferEngineTest, ZeroWorkersStillRuns) {
