@@ -70,9 +70,10 @@ size_t BlockStore::KeyHash::operator()(const std::pair<uint32_t, BlockKey>& k) c
 BlockStore::BlockStore(uint8_t* base, size_t bytes) : BlockStore(base, bytes, false, 1, nullptr) {}
 
 BlockStore::BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
-                       RebuildReport* report)
+                       RebuildReport* report, uint64_t granule)
     : base_(base),
       bytes_(bytes),
+      granule_(granule != 0 ? granule : kPoolRegisterChunkBytes),
       meta_bytes_(PoolMetaBytes(bytes)),
       directory_(reinterpret_cast<ExtentDirEntry*>(base + kPoolHeaderBytes)),
       directory_entries_(DirectoryEntriesFor(bytes)) {
@@ -108,7 +109,7 @@ void BlockStore::Format() {
   std::memset(directory_, 0, directory_entries_ * sizeof(ExtentDirEntry));
   free_dir_slots_.clear();
   for (uint64_t i = directory_entries_; i-- > 0;) free_dir_slots_.push_back(static_cast<uint32_t>(i));
-  free_ranges_[meta_bytes_] = bytes_ - meta_bytes_;
+  InsertFreeLocked(meta_bytes_, bytes_ - meta_bytes_);
   ph->version = kPoolFormatVersion;
   ph->directory_entries = static_cast<uint32_t>(directory_entries_);
   ph->pool_bytes = bytes_;
@@ -149,7 +150,9 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
                       offset <= bytes_ - d.bytes && eh->magic == kExtentMagic &&
                       eh->extent_bytes == d.bytes && eh->num_slots > 0 &&
                       eh->slot_bytes == SlotBytesFor(eh->payload_bytes) &&
-                      kExtentHeaderBytes + uint64_t{eh->num_slots} * eh->slot_bytes == d.bytes;
+                      kExtentHeaderBytes + uint64_t{eh->num_slots} * eh->slot_bytes == d.bytes &&
+                      // An extent across a registration chunk (granule_) cannot be one DMA copy.
+                      offset / granule_ == (offset + d.bytes - 1) / granule_;
     if (!sane) {
       report->blocks_corrupt += 1;
       d = ExtentDirEntry{};
@@ -178,7 +181,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       free_dir_slots_.push_back(slot);
       continue;
     }
-    if (offset > cursor) free_ranges_[cursor] = offset - cursor;
+    if (offset > cursor) InsertFreeLocked(cursor, offset - cursor);
     cursor = offset + d.bytes;
     auto ext = std::make_unique<StoreExtent>();
     ext->offset = offset;
@@ -210,7 +213,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
     ns->extents.push_back(raw);
     report->extents += 1;
   }
-  if (cursor < bytes_) free_ranges_[cursor] = bytes_ - cursor;
+  if (cursor < bytes_) InsertFreeLocked(cursor, bytes_ - cursor);
 
   // Verify payload checksums in parallel: a pool of hundreds of GiB is read once at start.
   std::vector<uint8_t> good(candidates.size(), 0);
@@ -478,6 +481,15 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   return true;
 }
 
+void BlockStore::InsertFreeLocked(uint64_t offset, uint64_t length) {
+  while (length > 0) {
+    const uint64_t piece = std::min(length, (offset / granule_ + 1) * granule_ - offset);
+    free_ranges_[offset] = piece;
+    offset += piece;
+    length -= piece;
+  }
+}
+
 void BlockStore::FreeExtentLocked(Extent* ext) {
   NsState& ns = *namespaces_.at(ext->ns);
   std::erase(ns.extents, ext);
@@ -488,14 +500,15 @@ void BlockStore::FreeExtentLocked(Extent* ext) {
       .store(0, std::memory_order_release);
   uint64_t off = ext->offset;
   uint64_t len = ext->bytes;
+  // Coalesces with its neighbours, but never across a granule boundary.
   auto next = free_ranges_.lower_bound(off);
-  if (next != free_ranges_.end() && off + len == next->first) {
+  if (next != free_ranges_.end() && off + len == next->first && next->first % granule_ != 0) {
     len += next->second;
     next = free_ranges_.erase(next);
   }
   if (next != free_ranges_.begin()) {
     auto prev = std::prev(next);
-    if (prev->first + prev->second == off) {
+    if (prev->first + prev->second == off && off % granule_ != 0) {
       off = prev->first;
       len += prev->second;
       free_ranges_.erase(prev);

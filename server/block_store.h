@@ -76,8 +76,10 @@ class BlockStore {
   // whose header and checksum verify is indexed again (recency from its commit order) under its
   // namespace, which AddNamespace adopts by namespace hash; anything else is dropped. Falls back
   // to formatting when the pool header does not match. `threads` verify checksums in parallel.
+  // No extent crosses a multiple of `granule` bytes from `base` (kPoolRegisterChunkBytes: the
+  // CUDA backend's registration chunks); a rebuilt extent that does is dropped.
   BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
-             RebuildReport* report);
+             RebuildReport* report, uint64_t granule = kPoolRegisterChunkBytes);
   ~BlockStore();
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
@@ -144,6 +146,8 @@ class BlockStore {
 
   // REQUIRES: mu_ held. Each returns a free slot's entry, or null.
   BlockEntry* AllocateSlotLocked(NsState& ns);
+  // Adds [offset, offset + length) to the free ranges, split at granule boundaries.
+  void InsertFreeLocked(uint64_t offset, uint64_t length);
   BlockEntry* TakeFreeSlotLocked(NsState& ns);
   bool AllocateExtentLocked(NsState& ns);
   bool ReclaimLocked(NsState& ns);
@@ -159,6 +163,7 @@ class BlockStore {
 
   uint8_t* const base_;
   const size_t bytes_;
+  const uint64_t granule_;
   const uint64_t meta_bytes_;  // header + extent directory
   ExtentDirEntry* const directory_;
   const uint64_t directory_entries_;

@@ -22,6 +22,11 @@ constexpr size_t kExtentHeaderBytes = 256;
 constexpr size_t kBlockHeaderBytes = 64;
 constexpr size_t kSlotAlign = 64;
 
+// The pool is page-locked for DMA (cudaHostRegister) in chunks of this many bytes from its base,
+// and no extent crosses a multiple of it, so that no block straddles two registered ranges (a
+// copy spanning two registrations is not one DMA transfer). A block's extent must fit in one.
+constexpr uint64_t kPoolRegisterChunkBytes = 64ull << 30;
+
 enum class BlockState : uint32_t {
   kFree = 0,
   kWriting = 1,    // reserved, payload being written: never served, dropped on rebuild

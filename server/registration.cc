@@ -147,6 +147,11 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    " bytes does not fit twice in the pool (" + std::to_string(pool_capacity_bytes) +
                    " bytes)");
   }
+  if (kExtentHeaderBytes + SlotBytesFor(lay.BlockBytes()) > kPoolRegisterChunkBytes) {
+    return invalid("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +
+                   " bytes does not fit one pool registration chunk (" +
+                   std::to_string(kPoolRegisterChunkBytes) + " bytes)");
+  }
   ns.model = spec.model;
   ns.tenant = spec.tenant;
   ns.mla = mla;

@@ -777,3 +777,46 @@ TEST_F(ReattachTest, CorruptPayloadIsDropped) {
 
 }  // namespace
 }  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+// No extent, and so no block slot, crosses a multiple of the registration granule (the CUDA
+// backend page-locks the pool in chunks of it), also after extents are freed and coalesced;
+// a rebuilt pool keeps the rule.
+TEST(BlockStoreGranuleTest, NoBlockStraddlesAGranuleBoundary) {
+  constexpr uint64_t kGranule = 256 << 10;
+  AnonBuffer mem(4 << 20);
+  NamespaceTable table;
+  const NamespaceInfo& a = Intern(table, "a", Layout(3, 2, 64, 4));   // 3,168-byte payloads
+  const NamespaceInfo& b = Intern(table, "b", Layout(5, 2, 64, 16));  // 21,120-byte payloads
+  auto check = [&](const uint8_t* payload, size_t bytes) {
+    const uint64_t lo = payload - kBlockHeaderBytes - mem.data();
+    const uint64_t hi = payload + bytes - 1 - mem.data();
+    EXPECT_EQ(lo / kGranule, hi / kGranule) << "slot at " << lo << " crosses a granule boundary";
+  };
+  {
+    BlockStore store(mem.data(), mem.size(), false, 1, nullptr, kGranule);
+    store.AddNamespace(a);
+    store.AddNamespace(b);
+    uint64_t stored = 0;
+    // Fill the pool from both namespaces (evicting), so that extents are freed and reused.
+    for (uint64_t i = 0; i < 3000; ++i) {
+      const NamespaceInfo& ns = i % 3 == 0 ? b : a;
+      uint8_t* p = Put(store, ns.id, KeyOf(i), 0);
+      if (p == nullptr) continue;
+      ++stored;
+      check(p, ns.desc.layout.BlockBytes());
+    }
+    EXPECT_GT(stored, 1000u);
+  }
+  BlockStore again(mem.data(), mem.size(), true, 1, nullptr, kGranule);
+  again.AddNamespace(a);
+  for (uint64_t i = 10000; i < 10500; ++i) {
+    uint8_t* p = Put(again, a.id, KeyOf(i), 0);
+    if (p != nullptr) check(p, a.desc.layout.BlockBytes());
+  }
+}
+
+}  // namespace
+}  // namespace hiqcache::server
