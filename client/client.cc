@@ -92,6 +92,7 @@ DaemonStats FromProto(const v1::GetStatsResponse& r) {
   s.pool_bytes = r.pool_bytes();
   s.used_bytes = r.used_bytes();
   s.capacity_bytes = r.capacity_bytes();
+  s.cuda_staging_bytes = r.cuda_staging_bytes();
   s.blocks = r.blocks();
   s.clients = r.clients();
   s.uptime_seconds = r.uptime_seconds();

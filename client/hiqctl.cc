@@ -322,6 +322,7 @@ int CmdStats(const Args& args, const std::string& target) {
     std::cout << "{\n  \"target\": " << Json::Str(target) << ",\n  \"pool_bytes\": " << s.pool_bytes
               << ",\n  \"used_bytes\": " << s.used_bytes
               << ",\n  \"capacity_bytes\": " << s.capacity_bytes << ",\n  \"blocks\": " << s.blocks
+              << ",\n  \"cuda_staging_bytes\": " << s.cuda_staging_bytes
               << ",\n  \"clients\": " << s.clients
               << ",\n  \"uptime_seconds\": " << s.uptime_seconds
               << ",\n  \"device\": " << Json::Str(s.device)
@@ -338,8 +339,11 @@ int CmdStats(const Args& args, const std::string& target) {
             << "  used      " << Bytes(s.used_bytes) << " ("
             << Percent(s.used_bytes, s.capacity_bytes ? s.capacity_bytes : s.pool_bytes) << "%), "
             << s.blocks << " blocks\n"
-            << "  clients   " << s.clients << "\n"
-            << "  uptime    " << Duration(s.uptime_seconds) << "\n\n";
+            << "  clients   " << s.clients << "\n";
+  if (s.cuda_staging_bytes > 0) {
+    std::cout << "  staging   " << Bytes(s.cuda_staging_bytes) << " of GPU memory\n";
+  }
+  std::cout << "  uptime    " << Duration(s.uptime_seconds) << "\n\n";
   if (s.namespaces.empty()) {
     std::cout << "no namespaces\n";
     return kExitOk;

@@ -129,6 +129,7 @@ struct DaemonStats {
   uint64_t pool_bytes = 0;
   uint64_t used_bytes = 0;
   uint64_t capacity_bytes = 0;
+  uint64_t cuda_staging_bytes = 0;  // GPU memory of the CUDA backend's staging (GetStats)
   uint64_t blocks = 0;
   uint64_t clients = 0;
   uint64_t uptime_seconds = 0;
