@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <random>
 
 #include "hiqcache/log.h"
@@ -21,17 +22,54 @@ struct CacheCore::Pool {
   std::atomic<uint64_t> next_ticket{0};
   std::atomic<uint64_t> backups{0};
   std::atomic<uint64_t> restores{0};
+
+  // Tasks of this pool posted and not yet completed, so that a release can wait for them.
+  std::mutex mu;
+  std::condition_variable idle_cv;
+  uint32_t outstanding = 0;     // GUARDED_BY(mu)
+  bool released = false;        // GUARDED_BY(mu): no task may begin any more
+  bool close_when_idle = false;  // GUARDED_BY(mu): a release gave up waiting; the last task closes
+
+  // Counts a new task, unless the pool was released (then the caller answers NOT_FOUND).
+  bool BeginTask() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (released) return false;
+    ++outstanding;
+    return true;
+  }
+  // The end of a task begun with BeginTask (its on_complete). Closes the binding when a release
+  // timed out waiting for this.
+  void EndTask() {
+    bool close = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      close = --outstanding == 0 && close_when_idle;
+      if (close) close_when_idle = false;
+    }
+    idle_cv.notify_all();
+    if (close) {
+      binding->Close();
+      HIQ_LOG(INFO) << "event=release_pool_closed pool=" << id << " (its last device work completed)";
+    }
+  }
 };
 
 namespace {
 
-// Whether a task may start without blocking a worker; stamps its first try.
-bool ReadyToRun(PoolBinding& binding, int32_t wait_event, uint64_t wait_value,
-                std::chrono::steady_clock::time_point* first_try) {
-  if (*first_try == std::chrono::steady_clock::time_point{}) {
-    *first_try = std::chrono::steady_clock::now();
+TransferEngine::StepResult StepOf(StartResult r) {
+  switch (r) {
+    case StartResult::kNotReady:
+      return TransferEngine::StepResult::kNotReady;
+    case StartResult::kCompleted:
+      return TransferEngine::StepResult::kDone;
+    case StartResult::kPending:
+      break;
   }
-  return wait_event < 0 || binding.WaitSatisfied(wait_event, wait_value, *first_try);
+  return TransferEngine::StepResult::kDetached;
+}
+
+Status ReleasedPool(uint64_t pool_id) {
+  return NotFound("pool_id: unknown pool " + std::to_string(pool_id) + " (released)");
 }
 
 std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
@@ -68,6 +106,11 @@ CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBacken
       engine_(options.transfer_workers) {}
 
 CacheCore::~CacheCore() { engine_.WaitIdle(); }
+
+std::function<void(std::function<void()>)> CacheCore::DeferOnStrand(
+    const std::shared_ptr<TransferEngine::Strand>& strand) {
+  return [this, strand](std::function<void()> work) { engine_.Resume(strand, std::move(work)); };
+}
 
 StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
   if (draining()) return Unavailable("hiqcached is shutting down");
@@ -138,10 +181,38 @@ Status CacheCore::ReleasePool(uint64_t pool_id) {
     pool = std::move(it->second);
     pools_.erase(it);
   }
-  // Queued work holds its own reference: mappings close when the last task finishes. A task
-  // waiting for an event of this pool stops now, so its pins and its worker are freed.
+  {
+    std::lock_guard<std::mutex> lock(pool->mu);
+    pool->released = true;  // a request that found the pool just before cannot begin now
+  }
+  // Queued work stops touching the engine's buffers and events (CUDA), and a HOST task waiting
+  // for an event of this pool stops now, so its pins and its worker are freed. Work already on
+  // the device completes: the mappings are closed only after it did (DESIGN.md "CUDA completion
+  // and event rules": the engine may free its buffers once this returns OK).
   pool->binding->Cancel();
-  HIQ_LOG(INFO) << "event=release_pool pool=" << pool_id;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool drained;
+  {
+    std::unique_lock<std::mutex> lock(pool->mu);
+    drained = pool->idle_cv.wait_for(lock, options_.release_timeout,
+                                     [&] { return pool->outstanding == 0; });
+    if (!drained) pool->close_when_idle = true;
+  }
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - t0);
+  if (!drained) {
+    HIQ_LOG(WARN) << "event=release_pool_pending pool=" << pool_id
+                  << " waited_ms=" << waited.count()
+                  << " (device work still pending: its mappings and events stay open until it "
+                     "completes)";
+    return DeadlineExceeded(
+        "pool_id: pool " + std::to_string(pool_id) + " is released, but its device work was "
+        "still pending after " + std::to_string(options_.release_timeout.count()) +
+        " ms (a wait_event never completed?): its buffers and events stay open until that work "
+        "completes, so the engine must not free them yet");
+  }
+  pool->binding->Close();
+  HIQ_LOG(INFO) << "event=release_pool pool=" << pool_id << " waited_ms=" << waited.count();
   return Status::Ok();
 }
 
@@ -243,6 +314,7 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
                                pool->binding->event_count(), /*restore=*/false, options_.limits);
   if (!st.ok()) return done(st);
+  if (!pool->BeginTask()) return done(ReleasedPool(spec.pool_id));
 
   const size_t n = spec.blocks.size();
   std::vector<BlockKey> keys = KeysOf(spec.blocks, n);
@@ -276,8 +348,9 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   }
   BlockStore* store = store_;
   const size_t payload_bytes = pool->layout.BlockBytes();
-  // `task` outlives the call: on_written runs inside RunBackup(*task). A raw pointer, so that
-  // the task does not own itself.
+  const size_t moved = task->payloads.size();
+  // The callbacks live in the task: they hold a raw pointer to it, never a reference that would
+  // make the task own itself. The backend keeps the task alive while it calls them.
   BackupTask* raw_task = task.get();
   task->on_written = [store, reservations = std::move(reservations), reserved_index, result,
                       payload_bytes, raw_task](const std::vector<uint8_t>& nonfinite,
@@ -294,38 +367,45 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
     }
   };
 
+  // `reply` runs exactly once: at once (HOST, asynchronous), once the device work is enqueued
+  // (CUDA, asynchronous: an enqueue failure answers the error, never STORED), or on completion.
+  auto reply = std::make_shared<BackupDone>(std::move(done));
   const bool sync = spec.sync;
   if (!sync && pool->binding->SignalsOnDevice()) {
-    auto reply = std::make_shared<BackupDone>(std::move(done));
-    task->on_enqueued = [reply, result] { (*reply)(*result); };
-    done = [](StatusOr<BackupResult>) {};
+    task->on_enqueued = [reply, result](const Status& enqueued) {
+      if (enqueued.ok()) (*reply)(*result);
+      else (*reply)(enqueued);
+    };
   } else if (!sync) {
-    done(*result);
+    (*reply)(*result);
   }
   CoreObserver* observer = options_.observer;
-  engine_.PostRetryable(pool->strand, [pool, task, result, sync, observer,
-                                       done = std::move(done)]() mutable {
-    if (!ReadyToRun(*pool->binding, task->wait_event, task->wait_value, &task->first_try)) {
-      return false;  // its engine has not signalled wait_event yet: the worker serves others
+  // on_complete holds the pool (and so its binding) until the task ends: a released pool's
+  // binding outlives the device work of its last task.
+  Pool* raw_pool = pool.get();
+  auto started = std::make_shared<std::chrono::steady_clock::time_point>();
+  task->defer = DeferOnStrand(pool->strand);
+  task->on_complete = [pool, raw_pool, result, sync, observer, reply, moved, started,
+                       ticket = task->ticket](const Status& run) {
+    if (observer != nullptr && moved > 0) {
+      observer->OnTransfer(SampleOf(*raw_pool->ns, raw_pool->layout, /*restore=*/false, moved,
+                                    std::chrono::steady_clock::now() - *started, run.ok()));
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    Status run = pool->binding->RunBackup(*task);
-    if (observer != nullptr && !task->payloads.empty()) {
-      observer->OnTransfer(SampleOf(*pool->ns, pool->layout, /*restore=*/false,
-                                    task->payloads.size(), std::chrono::steady_clock::now() - t0,
-                                    run.ok()));
-    }
-    pool->backups.fetch_add(task->payloads.size(), std::memory_order_relaxed);
+    raw_pool->backups.fetch_add(moved, std::memory_order_relaxed);
     if (!run.ok()) {
-      HIQ_LOG(WARN) << "event=backup_failed pool=" << pool->id << " ticket=" << task->ticket
+      HIQ_LOG(WARN) << "event=backup_failed pool=" << raw_pool->id << " ticket=" << ticket
                     << " code=" << StatusCodeName(run.code()) << " error=\"" << run.message()
                     << "\"";
     }
     if (sync) {
-      if (run.ok()) done(*result);
-      else done(run);
+      if (run.ok()) (*reply)(*result);
+      else (*reply)(run);
     }
-    return true;
+    raw_pool->EndTask();
+  };
+  engine_.PostStep(pool->strand, [pool, task, started] {
+    *started = std::chrono::steady_clock::now();
+    return StepOf(pool->binding->StartBackup(task));
   });
 }
 
@@ -337,6 +417,7 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
   Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
                                pool->binding->event_count(), /*restore=*/true, options_.limits);
   if (!st.ok()) return done(st);
+  if (!pool->BeginTask()) return done(ReleasedPool(spec.pool_id));
 
   std::vector<BlockKey> keys = KeysOf(spec.blocks, spec.blocks.size());
   std::vector<BlockStore::ReadPin> pins = store_->PinReads(pool->ns->id, keys);
@@ -353,39 +434,47 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
     task->payloads.push_back(pins[i].payload);
     task->rows.insert(task->rows.end(), spec.blocks[i].rows.begin(), spec.blocks[i].rows.end());
   }
+  // As for Backup: an asynchronous CUDA restore whose enqueue failed answers the error (the rows
+  // hold garbage), never restored_blocks = n.
+  auto reply = std::make_shared<RestoreDone>(std::move(done));
   const bool sync = spec.sync;
   if (!sync && pool->binding->SignalsOnDevice()) {
-    auto reply = std::make_shared<RestoreDone>(std::move(done));
-    task->on_enqueued = [reply, result] { (*reply)(result); };
-    done = [](StatusOr<RestoreResult>) {};
+    task->on_enqueued = [reply, result](const Status& enqueued) {
+      if (enqueued.ok()) (*reply)(result);
+      else (*reply)(enqueued);
+    };
   } else if (!sync) {
-    done(result);
+    (*reply)(result);
   }
   BlockStore* store = store_;
   CoreObserver* observer = options_.observer;
-  engine_.PostRetryable(pool->strand, [pool, task, pins = std::move(pins), store, result, sync,
-                                       observer, done = std::move(done)]() mutable {
-    if (!ReadyToRun(*pool->binding, task->wait_event, task->wait_value, &task->first_try)) {
-      return false;
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    Status run = pool->binding->RunRestore(*task);
+  Pool* raw_pool = pool.get();
+  auto started = std::make_shared<std::chrono::steady_clock::time_point>();
+  task->defer = DeferOnStrand(pool->strand);
+  task->on_complete = [pool, raw_pool, pins = std::move(pins), store, result, sync, observer, reply,
+                       started, ticket = task->ticket](const Status& run) {
     if (observer != nullptr && !pins.empty()) {
-      observer->OnTransfer(SampleOf(*pool->ns, pool->layout, /*restore=*/true, pins.size(),
-                                    std::chrono::steady_clock::now() - t0, run.ok()));
+      observer->OnTransfer(SampleOf(*raw_pool->ns, raw_pool->layout, /*restore=*/true,
+                                    pins.size(), std::chrono::steady_clock::now() - *started,
+                                    run.ok()));
     }
+    // The device has finished reading the payloads: they may be evicted from now on.
     for (const auto& p : pins) store->Unpin(p.handle);
-    pool->restores.fetch_add(pins.size(), std::memory_order_relaxed);
+    raw_pool->restores.fetch_add(pins.size(), std::memory_order_relaxed);
     if (!run.ok()) {
-      HIQ_LOG(WARN) << "event=restore_failed pool=" << pool->id << " ticket=" << task->ticket
+      HIQ_LOG(WARN) << "event=restore_failed pool=" << raw_pool->id << " ticket=" << ticket
                     << " code=" << StatusCodeName(run.code()) << " error=\"" << run.message()
                     << "\"";
     }
     if (sync) {
-      if (run.ok()) done(result);
-      else done(run);
+      if (run.ok()) (*reply)(result);
+      else (*reply)(run);
     }
-    return true;
+    raw_pool->EndTask();
+  };
+  engine_.PostStep(pool->strand, [pool, task, started] {
+    *started = std::chrono::steady_clock::now();
+    return StepOf(pool->binding->StartRestore(task));
   });
 }
 
@@ -427,6 +516,7 @@ CoreSnapshot CacheCore::Snapshot() const {
     }
   }
   snap.clients = clients.size();
+  snap.staging_device_bytes = cuda_ != nullptr ? cuda_->StagingDeviceBytes() : 0;
   for (const NamespaceInfo* ns : namespaces_.All()) {
     NamespaceSnapshot n;
     n.namespace_id = ns->hex_id;

@@ -33,8 +33,8 @@ struct TransferSample {
   uint64_t blocks = 0;
   uint64_t input_bytes = 0;   // engine-side BF16/FP16 bytes of those blocks
   uint64_t stored_bytes = 0;  // encoded bytes of those blocks in the pool
-  // Time in the device backend's RunBackup/RunRestore: wait_event, gather/encode/copy (backup)
-  // or copy/decode/scatter (restore), event signalling.
+  // From the start of the task to its completion: wait_event, gather/encode/copy (backup) or
+  // copy/decode/scatter (restore), event signalling (CUDA: until the completion thread saw it).
   std::chrono::nanoseconds duration{0};
   bool ok = true;
 };
@@ -54,6 +54,9 @@ struct CoreOptions {
   Limits limits;
   unsigned transfer_workers = 2;
   CoreObserver* observer = nullptr;  // optional; must outlive the core
+  // How long ReleasePool waits for a pool's queued and device work before it answers
+  // DEADLINE_EXCEEDED (the mappings then close once that work completes).
+  std::chrono::milliseconds release_timeout{5000};
 };
 
 struct RegisterResult {
@@ -104,6 +107,8 @@ struct CoreSnapshot {
   std::vector<NamespaceSnapshot> namespaces;
   uint64_t clients = 0;
   uint64_t uptime_seconds = 0;
+  // GPU memory the CUDA backend holds for staging and job arrays (0 without CUDA).
+  uint64_t staging_device_bytes = 0;
 };
 
 class CacheCore {
@@ -115,6 +120,11 @@ class CacheCore {
   ~CacheCore();
 
   StatusOr<RegisterResult> RegisterPool(const RegisterSpec& spec);
+  // Removes the pool (new requests naming it get NOT_FOUND), stops its queued work from touching
+  // the engine's buffers and events, waits (at most options.release_timeout) until its work
+  // queued before and on the device has completed, then closes its mappings and events. OK means
+  // they are closed; DEADLINE_EXCEEDED that device work was still pending (they close when it
+  // completes). Blocks the caller: never call it from a transfer worker.
   Status ReleasePool(uint64_t pool_id);
   // Releases every pool registered by process `pid`; returns how many.
   size_t ReleasePoolsOfClient(uint32_t pid);
@@ -133,7 +143,8 @@ class CacheCore {
   StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys);
 
   // `done` runs exactly once: with the error if the request is rejected (nothing changed), else
-  // after the work is queued (sync = false) or completed (sync = true), possibly on a worker.
+  // after the work is queued (sync = false, HOST), enqueued on the device (sync = false, CUDA:
+  // an enqueue failure answers the error) or completed (sync = true), possibly on a worker.
   using BackupDone = std::function<void(StatusOr<BackupResult>)>;
   using RestoreDone = std::function<void(StatusOr<RestoreResult>)>;
   void Backup(TransferSpec spec, BackupDone done);
@@ -149,6 +160,7 @@ class CacheCore {
   // The observer of CoreOptions, or null.
   CoreObserver* observer() const { return options_.observer; }
   void WaitIdle() { engine_.WaitIdle(); }
+  bool WaitIdleFor(std::chrono::milliseconds timeout) { return engine_.WaitIdleFor(timeout); }
   // Backups and restores queued or running.
   size_t PendingTasks() const { return engine_.Pending(); }
 
@@ -158,6 +170,9 @@ class CacheCore {
   // The namespace of `desc` if interned; else, when the store holds rebuilt blocks of it, interns
   // it and lets the store adopt them; else null (and nothing is created).
   const NamespaceInfo* FindOrAdoptNamespace(const NamespaceDesc& desc);
+  // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.
+  std::function<void(std::function<void()>)> DeferOnStrand(
+      const std::shared_ptr<TransferEngine::Strand>& strand);
   // The keys of a Lookup/Evict, validated (16 bytes each, within the per-request limit).
   StatusOr<std::vector<BlockKey>> CheckedKeys(const std::vector<std::string>& keys) const;
 

@@ -218,6 +218,7 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
   resp->set_clients(snap.clients);
   resp->set_uptime_seconds(snap.uptime_seconds);
   resp->set_capacity_bytes(snap.store.capacity_bytes);
+  resp->set_cuda_staging_bytes(snap.staging_device_bytes);
   resp->set_device(device_);
   resp->set_shm_name(shm_name_);
   for (const auto& n : snap.namespaces) {

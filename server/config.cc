@@ -77,6 +77,10 @@ Status Validate(const DaemonConfig& c) {
   if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
     return InvalidArgument("device: must be auto, host or cuda, got " + c.device);
   }
+  if (c.cuda_staging_bytes < (4ull << 20) || c.cuda_staging_bytes > (64ull << 30)) {
+    return InvalidArgument("cuda_staging_bytes: must be in [4MiB, 64GiB], got " +
+                           std::to_string(c.cuda_staging_bytes));
+  }
   return Status::Ok();
 }
 
@@ -137,6 +141,17 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     auto size = ParseSize(v);
     if (!size.ok()) return InvalidArgument(where + ": " + size.status().message());
     c->max_message_bytes = *size;
+  } else if (key == "cuda_staging_bytes" || key == "cuda-staging-bytes") {
+    std::string v = value;
+    if (!from_flag && !v.empty() && v.front() == '"') {
+      HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
+    }
+    auto size = ParseSize(v);
+    if (!size.ok()) return InvalidArgument(where + ": " + size.status().message());
+    c->cuda_staging_bytes = *size;
+  } else if (key == "release_timeout_ms" || key == "release-timeout-ms") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->release_timeout_ms = static_cast<uint32_t>(std::min<uint64_t>(v, 600000));
   } else if (key == "prefault") {
     HIQ_ASSIGN_OR_RETURN(c->prefault, ParseBool(value, where));
   } else {
@@ -165,6 +180,8 @@ wait_timeout_ms = 10000
 max_blocks_per_request = 4096
 max_message_bytes = "64MiB"
 prefault = true
+cuda_staging_bytes = "128MiB"
+release_timeout_ms = 5000
 )";
 }
 
@@ -214,6 +231,7 @@ std::string UsageText() {
          "                 [--shm-name NAME] [--device auto|host|cuda]\n"
          "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
          "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
+         "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
          "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
@@ -301,6 +319,8 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "max_blocks_per_request = " + std::to_string(c.max_blocks_per_request) + "\n";
   out += "max_message_bytes = " + std::to_string(c.max_message_bytes) + "\n";
   out += "prefault = " + std::string(c.prefault ? "true" : "false") + "\n";
+  out += "cuda_staging_bytes = " + std::to_string(c.cuda_staging_bytes) + "\n";
+  out += "release_timeout_ms = " + std::to_string(c.release_timeout_ms) + "\n";
   return out;
 }
 

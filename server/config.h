@@ -29,6 +29,11 @@ struct DaemonConfig {
   uint32_t max_blocks_per_request = 0;
   uint64_t max_message_bytes = 0;
   bool prefault = true;
+  // GPU memory per device for the CUDA backend's staging slabs, allocated when the first pool
+  // binds to the device (CudaBackendOptions::staging_bytes).
+  uint64_t cuda_staging_bytes = 0;
+  // How long ReleasePool (and a client's death) waits for the pool's device work.
+  uint32_t release_timeout_ms = 0;
 };
 
 // The configuration compiled into the binary: `hiqcached` with no arguments uses it.

@@ -1,51 +1,33 @@
 #include "cuda_backend.h"
 
-#include <cuda_runtime_api.h>
-
 #include <algorithm>
 #include <cctype>
-#include <cstdio>
 #include <cstring>
+#include <optional>
 
-#include "codec_cuda.h"
-#include "cuda_handles.h"
+#include "device_completion.h"
 #include "hiqcache/log.h"
 #include "registration.h"
 
 namespace hiqcache::server {
 namespace {
 
-constexpr uint64_t kRegisterChunk = 64ull << 30;
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr size_t kArenaAlign = 256;
+// A pool's row indices of one request live in its job arrays: bounded so that a registration
+// with huge blocks cannot pin gigabytes of device memory per pool.
+constexpr size_t kMaxRowsArrayBytes = 256ull << 20;
 
-Status CudaError(cudaError_t err, const std::string& what) {
-  (void)cudaGetLastError();
-  return Internal(what + ": " + cudaGetErrorString(err));
+size_t AlignUp256(size_t v) { return (v + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
+
+// `st` with `what` in front of its message, same code.
+Status Ctx(const Status& st, const std::string& what) {
+  if (st.ok()) return st;
+  return Status(st.code(), what + ": " + st.message());
 }
 
-#define HIQ_CUDA_RETURN(call, what)                        \
-  do {                                                     \
-    cudaError_t hiq_err_ = (call);                         \
-    if (hiq_err_ != cudaSuccess) return CudaError(hiq_err_, what); \
-  } while (0)
-
-// Copies count chunks on `stream` with the copy engines: one batched call where available.
-Status CopyChunks(std::vector<void*>& dst, std::vector<const void*>& src,
-                  std::vector<size_t>& sizes, cudaStream_t stream, cudaMemcpyKind kind) {
-  if (dst.empty()) return Status::Ok();
-#if CUDART_VERSION >= 13000
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_idx = 0;
-  cudaError_t err = cudaMemcpyBatchAsync(dst.data(), const_cast<const void* const*>(src.data()),
-                                         sizes.data(), dst.size(), &attr, &attr_idx, 1, stream);
-  if (err == cudaSuccess) return Status::Ok();
-  (void)cudaGetLastError();  // fall back to one call per chunk
-#endif
-  for (size_t i = 0; i < dst.size(); ++i) {
-    HIQ_CUDA_RETURN(cudaMemcpyAsync(dst[i], src[i], sizes[i], kind, stream), "cudaMemcpyAsync");
-  }
-  return Status::Ok();
-}
+// The first error of the two.
+Status Merge(const Status& a, const Status& b) { return a.ok() ? b : a; }
 
 }  // namespace
 
@@ -63,285 +45,654 @@ bool NormalizeCudaUuid(const std::string& in, std::string* out) {
   return true;
 }
 
+StagingPlan StagingPlan::For(uint64_t staging_bytes) {
+  StagingPlan p;
+  // Pairs of at least 16 MiB slabs, up to 8 pairs (8 pools of one device on it at once).
+  p.pairs = static_cast<uint32_t>(std::clamp<uint64_t>(staging_bytes / (32 * kMiB), 1, 8));
+  p.slab_bytes = staging_bytes / (2ull * p.pairs) / kArenaAlign * kArenaAlign;
+  if (p.slab_bytes == 0) p.pairs = 0;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+
 struct CudaBackend::Mapping {
-  kernels::CudaIpcMapping mapping;
+  DeviceApi* api = nullptr;
+  int device = -1;
+  uint8_t* data = nullptr;
+  uint64_t size = 0;
+  ~Mapping() {
+    if (data != nullptr) api->CloseIpcBuffer(device, data);
+  }
+};
+
+struct CudaBackend::DeviceState {
+  // Device and page-locked host memory of one pool's job arrays.
+  struct Arena {
+    uint8_t* device = nullptr;
+    uint8_t* host = nullptr;
+    size_t bytes = 0;
+  };
+
+  DeviceApi* api = nullptr;
+  int device = -1;
+  std::string uuid;
+  StagingPlan plan;
+  uint8_t* staging = nullptr;
+  std::function<void(int, const Status&)> on_failed;
+  std::unique_ptr<CompletionThread> completion;
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> device_bytes{0};  // staging + arenas
+
+  std::mutex mu;
+  std::vector<uint32_t> free_pairs;  // GUARDED_BY(mu)
+  std::vector<Arena> spare;          // GUARDED_BY(mu): arenas of released pools, for reuse
+  Status failure;                    // GUARDED_BY(mu)
+
+  ~DeviceState() {
+    completion.reset();
+    for (const Arena& a : spare) {
+      api->FreeDevice(device, a.device);
+      api->FreePinned(a.host);
+    }
+    if (staging != nullptr) api->FreeDevice(device, staging);
+  }
+
+  uint8_t* Slab(uint32_t pair, uint32_t s) const {
+    return staging + (2ull * pair + s) * plan.slab_bytes;
+  }
+
+  std::optional<uint32_t> TryAcquire() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (free_pairs.empty()) return std::nullopt;
+    uint32_t p = free_pairs.back();
+    free_pairs.pop_back();
+    return p;
+  }
+  void Release(uint32_t pair) {
+    std::lock_guard<std::mutex> lock(mu);
+    free_pairs.push_back(pair);
+  }
+
+  // Marks the device failed (first call: logs, fails its pending completions, tells the daemon)
+  // and returns the status its requests fail with.
+  Status Fail(const Status& cause) {
+    Status out;
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (failure.ok()) {
+        failure = Unavailable("CUDA device " + std::to_string(device) + " (GPU-" + uuid +
+                              ") failed: " + cause.message() +
+                              "; hiqcached exits so that its service manager restarts it (the "
+                              "cached blocks survive in the shared-memory pool)");
+        failed.store(true, std::memory_order_release);
+        first = true;
+      }
+      out = failure;
+    }
+    if (first) {
+      HIQ_LOG(ERROR) << "event=device_failed device=" << device << " error=\"" << cause.message()
+                     << "\"";
+      if (completion) completion->FailAll(out);
+      if (on_failed) on_failed(device, cause);
+    }
+    return out;
+  }
+  Status Failure() {
+    std::lock_guard<std::mutex> lock(mu);
+    return failure;
+  }
+  // What a request sees of a device call's error: a sticky one fails the device.
+  Status Reported(const Status& st) { return IsStickyDeviceError(st) ? Fail(st) : st; }
+
+  StatusOr<Arena> TakeArena(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto best = spare.end();
+      for (auto it = spare.begin(); it != spare.end(); ++it) {
+        if (it->bytes >= bytes && (best == spare.end() || it->bytes < best->bytes)) best = it;
+      }
+      if (best != spare.end()) {
+        Arena a = *best;
+        spare.erase(best);
+        return a;
+      }
+    }
+    Arena a;
+    a.bytes = bytes;
+    HIQ_ASSIGN_OR_RETURN(a.device, api->AllocDevice(device, bytes));
+    auto host = api->AllocPinned(bytes);
+    if (!host.ok()) {
+      api->FreeDevice(device, a.device);
+      return host.status();
+    }
+    a.host = *host;
+    device_bytes.fetch_add(bytes);
+    return a;
+  }
+  // Kept for a later bind: freeing device memory would synchronize the device.
+  void ReturnArena(const Arena& a) {
+    std::lock_guard<std::mutex> lock(mu);
+    spare.push_back(a);
+  }
 };
 
 namespace {
 
-// Device and pinned buffers of one direction of one pool, grown on demand. Work using them has
-// completed whenever Run* returns (it waits for its stream), so growing never frees memory that
-// queued work still uses.
-struct DirectionBuffers {
-  kernels::CudaStream stream;
-  kernels::DeviceBuffer staging;
-  kernels::DeviceBuffer scratch;
-  kernels::PinnedHostBuffer host_scratch;
-  kernels::DeviceBuffer flags;
-  kernels::PinnedHostBuffer host_flags;
+using DeviceState = CudaBackend::DeviceState;
+using Mapping = CudaBackend::Mapping;
 
-  Status Ensure(int device, size_t staging_bytes, size_t scratch_bytes, size_t flag_bytes) {
-    if (staging.size() < staging_bytes) {
-      staging.Reset();
-      HIQ_ASSIGN_OR_RETURN(staging, kernels::DeviceBuffer::Create(device, staging_bytes));
+// How a pool's tasks are cut into staging chunks, and where its job arrays sit in its arena.
+struct ChunkPlan {
+  size_t layer_bytes = 0;       // one layer of one block
+  uint32_t backup_layers = 0;   // layers per backup chunk
+  uint32_t layer_chunks = 0;    // backup chunks per block range
+  uint32_t backup_blocks = 0;   // blocks per backup chunk
+  uint32_t restore_blocks = 0;  // blocks per restore unit (one layer each)
+  size_t views_off = 0, rows_off = 0, ptrs_off = 0, flags_off = 0, arena_bytes = 0;
+
+  static StatusOr<ChunkPlan> For(const kernels::BlockLayout& layout, const StagingPlan& staging,
+                                 uint32_t max_blocks) {
+    ChunkPlan p;
+    const uint32_t layers = layout.num_layers;
+    p.layer_bytes = layout.LayerBytes();
+    if (staging.slab_bytes < p.layer_bytes) {
+      return InvalidArgument(
+          "block_tokens: one layer of a block is " + std::to_string(p.layer_bytes) +
+          " bytes, more than a CUDA staging slab (" + std::to_string(staging.slab_bytes) +
+          " bytes): use smaller blocks, or raise hiqcached's cuda_staging_bytes");
     }
-    if (scratch.size() < scratch_bytes) {
-      scratch.Reset();
-      host_scratch.Reset();
-      HIQ_ASSIGN_OR_RETURN(scratch, kernels::DeviceBuffer::Create(device, scratch_bytes));
-      HIQ_ASSIGN_OR_RETURN(host_scratch, kernels::PinnedHostBuffer::Create(scratch_bytes));
+    const uint64_t per_slab_layers = staging.slab_bytes / p.layer_bytes;
+    p.backup_layers = static_cast<uint32_t>(std::min<uint64_t>(layers, per_slab_layers));
+    p.layer_chunks = (layers + p.backup_layers - 1) / p.backup_layers;
+    const uint64_t chunk_bytes = uint64_t{p.backup_layers} * p.layer_bytes;
+    p.backup_blocks = static_cast<uint32_t>(
+        std::clamp<uint64_t>(staging.slab_bytes / chunk_bytes, 1, max_blocks));
+    p.restore_blocks = static_cast<uint32_t>(std::clamp<uint64_t>(per_slab_layers, 1, max_blocks));
+    const size_t rows_bytes = size_t{max_blocks} * layout.block_tokens * sizeof(uint32_t);
+    if (rows_bytes > kMaxRowsArrayBytes) {
+      return InvalidArgument("block_tokens: " + std::to_string(layout.block_tokens) + " tokens x " +
+                             std::to_string(max_blocks) + " blocks per request need " +
+                             std::to_string(rows_bytes >> 20) +
+                             " MiB of row indices on the GPU per pool (at most " +
+                             std::to_string(kMaxRowsArrayBytes >> 20) +
+                             " MiB): use smaller blocks or a lower max_blocks_per_request");
     }
-    if (flag_bytes > 0 && flags.size() < flag_bytes) {
-      flags.Reset();
-      host_flags.Reset();
-      HIQ_ASSIGN_OR_RETURN(flags, kernels::DeviceBuffer::Create(device, flag_bytes));
-      HIQ_ASSIGN_OR_RETURN(host_flags, kernels::PinnedHostBuffer::Create(flag_bytes));
+    const uint32_t max_ptrs = std::max(p.backup_blocks, p.restore_blocks);
+    p.views_off = 0;
+    p.rows_off = AlignUp256(p.views_off + size_t{layers} * sizeof(kernels::LayerViews));
+    p.ptrs_off = AlignUp256(p.rows_off + rows_bytes);
+    p.flags_off = AlignUp256(p.ptrs_off + 2 * size_t{max_ptrs} * sizeof(uint8_t*));
+    p.arena_bytes = AlignUp256(p.flags_off + size_t{max_blocks} * p.layer_chunks);
+    return p;
+  }
+};
+
+// Everything a binding holds on the device; released (never waiting) by Release().
+struct BindingResources {
+  DeviceApi* api = nullptr;
+  std::shared_ptr<DeviceState> dev;
+  std::vector<std::shared_ptr<Mapping>> buffers;
+  std::vector<DeviceEvent> engine_events;  // opened from the engine's handles
+  DeviceStream compute, copy;
+  // Daemon-owned: completion of a task; per slab, "filled" (producer done) and "freed"
+  // (consumer done); the copy stream's tail, joined into the compute stream.
+  DeviceEvent complete, filled[2], freed[2], tail;
+  DeviceState::Arena arena;
+  bool has_arena = false;
+
+  ~BindingResources() { Release(); }
+  void Release() {
+    if (api == nullptr) return;
+    const int d = dev->device;
+    if (compute) api->DestroyStream(d, std::exchange(compute, DeviceStream{}));
+    if (copy) api->DestroyStream(d, std::exchange(copy, DeviceStream{}));
+    for (DeviceEvent* e : {&complete, &filled[0], &filled[1], &freed[0], &freed[1], &tail}) {
+      if (*e) api->DestroyEvent(d, std::exchange(*e, DeviceEvent{}));
     }
-    return Status::Ok();
+    for (DeviceEvent& e : engine_events) {
+      if (e) api->DestroyEvent(d, e);
+    }
+    engine_events.clear();
+    buffers.clear();  // a mapping closes with its last binding
+    if (has_arena) dev->ReturnArena(arena);
+    has_arena = false;
+    api = nullptr;
   }
 };
 
 class CudaBinding : public PoolBinding {
  public:
-  CudaBinding(int device, kernels::BlockLayout layout,
-              std::vector<std::shared_ptr<CudaBackend::Mapping>> buffers,
-              std::vector<kernels::CudaEvent> events, std::vector<kernels::LayerViews> views,
-              uint32_t num_rows, kernels::CudaStream backup_stream,
-              kernels::CudaStream restore_stream)
-      : device_(device),
+  CudaBinding(std::unique_ptr<BindingResources> res, kernels::BlockLayout layout, ChunkPlan plan,
+              uint32_t num_rows)
+      : res_(std::move(res)),
+        api_(res_->api),
+        dev_(res_->dev),
+        device_(dev_->device),
         layout_(layout),
-        buffers_(std::move(buffers)),
-        events_(std::move(events)),
-        views_(std::move(views)),
-        num_rows_(num_rows) {
-    backup_.stream = std::move(backup_stream);
-    restore_.stream = std::move(restore_stream);
-  }
+        plan_(plan),
+        num_rows_(num_rows),
+        event_count_(static_cast<uint32_t>(res_->engine_events.size())) {}
+  ~CudaBinding() override { Close(); }
 
-  uint32_t event_count() const override { return static_cast<uint32_t>(events_.size()); }
+  // Constant (requests racing a release validate against it while Close runs).
+  uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
   bool SignalsOnDevice() const override { return true; }
-
-  Status RunBackup(BackupTask& task) override {
-    std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
-    Status st = EnqueueBackup(task);
-    if (task.done_event >= 0) Record(task.done_event, backup_.stream.get());
-    if (task.on_enqueued) task.on_enqueued();
-    Status sync = backup_.stream.Synchronize();
-    if (st.ok()) st = sync;
-    if (st.ok() && !task.payloads.empty()) {
-      std::memcpy(nonfinite.data(), backup_.host_flags.data(), nonfinite.size());
-    }
-    task.on_written(nonfinite, st);
-    return st;
+  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+  void Close() override {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    res_->Release();
   }
 
-  Status RunRestore(RestoreTask& task) override {
-    Status st = EnqueueRestore(task);
-    if (!st.ok() && task.layer_event_base >= 0) {
-      // Never leave an engine waiting on a layer that will not come.
-      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-        Record(task.layer_event_base + static_cast<int32_t>(l), restore_.stream.get());
+  // Uploads the views (constant for the binding's life) into its job arrays.
+  Status UploadViews(const std::vector<kernels::LayerViews>& views) {
+    const size_t bytes = views.size() * sizeof(kernels::LayerViews);
+    std::memcpy(res_->arena.host + plan_.views_off, views.data(), bytes);
+    DeviceApi::Copy c{res_->arena.device + plan_.views_off, res_->arena.host + plan_.views_off,
+                      bytes};
+    return api_->CopyAsync(device_, {&c, 1}, res_->compute);
+  }
+
+  StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
+    Status refused = Refusal();
+    if (!refused.ok()) {
+      if (task->on_enqueued) task->on_enqueued(refused);
+      FinishBackup(*task, refused);
+      return StartResult::kCompleted;
+    }
+    std::optional<uint32_t> pair = dev_->TryAcquire();
+    if (!pair) return StartResult::kNotReady;  // every slab pair is on the device: retry
+    Status st = Ctx(EnqueueBackup(*task, *pair), "backup");
+    if (!st.ok()) st = Merge(st, JoinCopyStream());
+    st = Merge(st, RecordEngine(task->done_event, "done_event"));
+    return Submit(task, *pair, st, [this](BackupTask& t, const Status& s) { FinishBackup(t, s); });
+  }
+
+  StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
+    Status refused = Refusal();
+    if (!refused.ok()) {
+      if (task->on_enqueued) task->on_enqueued(refused);
+      task->on_complete(refused);
+      return StartResult::kCompleted;
+    }
+    std::optional<uint32_t> pair = dev_->TryAcquire();
+    if (!pair) return StartResult::kNotReady;
+    uint32_t signalled = 0;  // layer events recorded after their layer
+    Status st = Ctx(EnqueueRestore(*task, *pair, &signalled), "restore");
+    if (!st.ok()) st = Merge(st, JoinCopyStream());
+    if (task->layer_event_base >= 0) {
+      // Never leave an engine waiting on a layer that will not come: on error the remaining
+      // layer events are recorded too (the error reply says those rows are garbage).
+      for (uint32_t l = signalled; l < layout_.num_layers; ++l) {
+        st = Merge(
+            st, RecordEngine(task->layer_event_base + static_cast<int32_t>(l), "layer_event_base"));
       }
     }
-    if (task.done_event >= 0) Record(task.done_event, restore_.stream.get());
-    if (task.on_enqueued) task.on_enqueued();
-    Status sync = restore_.stream.Synchronize();
-    return st.ok() ? sync : st;
-  }
-
-  void Signal(int32_t event, uint64_t) override {
-    // CUDA events carry no value: recording one on the idle restore stream completes it.
-    Record(event, restore_.stream.get());
+    st = Merge(st, RecordEngine(task->done_event, "done_event"));
+    return Submit(task, *pair, st, [](RestoreTask& t, const Status& s) { t.on_complete(s); });
   }
 
  private:
-  void Record(int32_t event, CUstream_st* stream) {
-    if (event < 0 || static_cast<size_t>(event) >= events_.size()) return;
-    Status st = events_[event].Record(stream);
-    if (!st.ok()) HIQ_LOG(WARN) << "recording event " << event << ": " << st.ToString();
-  }
-
-  Status Wait(int32_t event, CUstream_st* stream) {
-    if (event < 0) return Status::Ok();
-    return events_[event].EnqueueWait(stream);
-  }
-
-  Status EnqueueBackup(BackupTask& task) {
-    kernels::DeviceGuard guard(device_);
-    HIQ_RETURN_IF_ERROR(guard.status());
-    const uint32_t n = static_cast<uint32_t>(task.payloads.size());
-    HIQ_RETURN_IF_ERROR(Wait(task.wait_event, backup_.stream.get()));
-    if (n == 0) return Status::Ok();
-    const size_t block_bytes = layout_.BlockBytes();
-    const size_t scratch =
-        kernels::JobArraysBytes(layout_.num_layers, n, layout_.block_tokens);
-    HIQ_RETURN_IF_ERROR(backup_.Ensure(device_, block_bytes * n, scratch, n));
-    std::vector<uint8_t*> staging(n);
-    for (uint32_t b = 0; b < n; ++b) staging[b] = backup_.staging.data() + b * block_bytes;
-    kernels::EncodeJob host_job;
-    host_job.layout = layout_;
-    host_job.layers = views_.data();
-    host_job.rows = task.rows.data();
-    host_job.blocks = staging.data();
-    host_job.num_blocks = n;
-    host_job.nonfinite = backup_.flags.data();
-    kernels::EncodeJob dev_job;
-    HIQ_RETURN_IF_ERROR(kernels::StageEncodeJob(host_job, backup_.host_scratch.data(),
-                                                backup_.scratch.data(), scratch,
-                                                backup_.stream.get(), &dev_job));
-    HIQ_RETURN_IF_ERROR(kernels::LaunchEncode(dev_job, backup_.stream.get()));
-    std::vector<void*> dst(n);
-    std::vector<const void*> src(n);
-    std::vector<size_t> sizes(n, block_bytes);
-    for (uint32_t b = 0; b < n; ++b) {
-      dst[b] = task.payloads[b];
-      src[b] = staging[b];
+  Status Refusal() const {
+    if (cancelled_.load(std::memory_order_acquire)) {
+      return Status(StatusCode::kCancelled, "pool released: its queued work was cancelled");
     }
-    auto stream = reinterpret_cast<cudaStream_t>(backup_.stream.get());
-    HIQ_RETURN_IF_ERROR(CopyChunks(dst, src, sizes, stream, cudaMemcpyDeviceToHost));
-    HIQ_CUDA_RETURN(cudaMemcpyAsync(backup_.host_flags.data(), backup_.flags.data(), n,
-                                    cudaMemcpyDeviceToHost, stream),
-                    "copying non-finite flags");
+    if (dev_->failed.load(std::memory_order_acquire)) return dev_->Failure();
     return Status::Ok();
   }
 
-  Status EnqueueRestore(RestoreTask& task) {
-    kernels::DeviceGuard guard(device_);
-    HIQ_RETURN_IF_ERROR(guard.status());
-    const uint32_t n = static_cast<uint32_t>(task.payloads.size());
-    HIQ_RETURN_IF_ERROR(Wait(task.wait_event, restore_.stream.get()));
-    if (n == 0) {
-      if (task.layer_event_base >= 0) {
-        for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-          Record(task.layer_event_base + static_cast<int32_t>(l), restore_.stream.get());
-        }
+  // Records the completion event after everything the task enqueued, answers an asynchronous
+  // request, and hands the rest to the device's completion thread.
+  template <typename Task, typename Finish>
+  StartResult Submit(const std::shared_ptr<Task>& task, uint32_t pair, Status st, Finish finish) {
+    Status rec = api_->RecordEvent(device_, res_->complete, res_->compute);
+    if (!rec.ok()) {
+      // Nothing would tell when the device is done with the slabs, the pool's payloads and the
+      // engine's buffers: the device's state is unknown, so it is failed.
+      Status failed = dev_->Fail(Ctx(rec, "recording the completion event"));
+      dev_->Release(pair);
+      if (task->on_enqueued) task->on_enqueued(failed);
+      finish(*task, failed);
+      return StartResult::kCompleted;
+    }
+    st = dev_->Reported(st);
+    if (!st.ok()) {
+      HIQ_LOG(WARN) << "event=enqueue_failed device=" << device_ << " ticket=" << task->ticket
+                    << " code=" << StatusCodeName(st.code()) << " error=\"" << st.message()
+                    << "\" (its events are recorded; the request is answered with the error)";
+    }
+    if (task->on_enqueued) task->on_enqueued(st);
+    dev_->completion->Watch(res_->complete, [this, task, pair, st, finish](const Status& q) {
+      dev_->Release(pair);
+      Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
+      task->defer([this, task, out, finish] { finish(*task, out); });
+    });
+    return StartResult::kPending;
+  }
+
+  void FinishBackup(BackupTask& task, const Status& st) {
+    const size_t n = task.payloads.size();
+    std::vector<uint8_t> nonfinite(n, 0);
+    if (st.ok() && n > 0) {
+      const uint8_t* flags = res_->arena.host + plan_.flags_off;
+      for (uint32_t c = 0; c < plan_.layer_chunks; ++c) {
+        for (size_t b = 0; b < n; ++b) nonfinite[b] |= flags[c * n + b];
       }
+    }
+    task.on_written(nonfinite, st);
+    task.on_complete(st);
+  }
+
+  Status RecordEngine(int32_t event, const char* field) {
+    if (event < 0 || static_cast<size_t>(event) >= res_->engine_events.size()) {
       return Status::Ok();
     }
-    const size_t block_bytes = layout_.BlockBytes();
-    const size_t layer_bytes = layout_.LayerBytes();
-    const size_t scratch =
-        kernels::JobArraysBytes(layout_.num_layers, n, layout_.block_tokens);
-    HIQ_RETURN_IF_ERROR(restore_.Ensure(device_, block_bytes * n, scratch, 0));
-    std::vector<const uint8_t*> staging(n);
-    for (uint32_t b = 0; b < n; ++b) staging[b] = restore_.staging.data() + b * block_bytes;
-    kernels::DecodeJob host_job;
-    host_job.layout = layout_;
-    host_job.layers = views_.data();
-    host_job.rows = task.rows.data();
-    host_job.blocks = staging.data();
-    host_job.num_blocks = n;
-    kernels::DecodeJob dev_job;
-    HIQ_RETURN_IF_ERROR(kernels::StageDecodeJob(host_job, restore_.host_scratch.data(),
-                                                restore_.scratch.data(), scratch,
-                                                restore_.stream.get(), &dev_job));
-    auto stream = reinterpret_cast<cudaStream_t>(restore_.stream.get());
-    std::vector<void*> dst(n);
-    std::vector<const void*> src(n);
-    std::vector<size_t> sizes(n, layer_bytes);
+    return Ctx(api_->RecordEvent(device_, res_->engine_events[event], res_->compute),
+               std::string("recording ") + field + " event " + std::to_string(event));
+  }
+
+  // Makes the compute stream wait for everything enqueued on the copy stream so far.
+  Status JoinCopyStream() {
+    HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->tail, res_->copy));
+    return api_->StreamWaitEvent(device_, res_->compute, res_->tail);
+  }
+
+  const uint32_t* DeviceRows(uint32_t first_block) const {
+    return reinterpret_cast<const uint32_t*>(res_->arena.device + plan_.rows_off) +
+           size_t{first_block} * layout_.block_tokens;
+  }
+  const kernels::LayerViews* DeviceViews(uint32_t layer) const {
+    return reinterpret_cast<const kernels::LayerViews*>(res_->arena.device + plan_.views_off) +
+           layer;
+  }
+  // Uploads the task's rows and, per slab of `pair`, the staging address of each of `per_slab`
+  // blocks `stride` bytes apart; returns the device array of slab 0 (slab 1's follows it).
+  StatusOr<uint8_t**> UploadJobArrays(const std::vector<uint32_t>& rows, uint32_t pair,
+                                      uint32_t per_slab, size_t stride) {
+    uint8_t* host = res_->arena.host;
+    uint8_t* dev = res_->arena.device;
+    const size_t rows_bytes = rows.size() * sizeof(uint32_t);
+    std::memcpy(host + plan_.rows_off, rows.data(), rows_bytes);
+    auto** ptrs = reinterpret_cast<uint8_t**>(host + plan_.ptrs_off);
+    for (uint32_t s = 0; s < 2; ++s) {
+      for (uint32_t i = 0; i < per_slab; ++i)
+        ptrs[s * per_slab + i] = dev_->Slab(pair, s) + i * stride;
+    }
+    const DeviceApi::Copy up[2] = {
+        {dev + plan_.rows_off, host + plan_.rows_off, rows_bytes},
+        {dev + plan_.ptrs_off, host + plan_.ptrs_off, 2 * size_t{per_slab} * sizeof(uint8_t*)}};
+    HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, up, res_->compute), "uploading job arrays"));
+    return reinterpret_cast<uint8_t**>(dev + plan_.ptrs_off);
+  }
+
+  Status EnqueueBackup(BackupTask& t, uint32_t pair) {
+    const uint32_t n = static_cast<uint32_t>(t.payloads.size());
+    if (t.wait_event >= 0) {
+      HIQ_RETURN_IF_ERROR(
+          Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->engine_events[t.wait_event]),
+              "waiting for wait_event"));
+    }
+    if (n == 0) return Status::Ok();
+    const uint32_t cb = plan_.backup_blocks;
+    const uint32_t lc = plan_.backup_layers;
+    const size_t stride = size_t{lc} * plan_.layer_bytes;  // one block's chunk in a slab
+    HIQ_ASSIGN_OR_RETURN(uint8_t * *dev_ptrs, UploadJobArrays(t.rows, pair, cb, stride));
+    uint8_t* dev_flags = res_->arena.device + plan_.flags_off;
+    std::vector<DeviceApi::Copy> copies;
+    uint32_t k = 0;  // chunk number: slab k % 2
+    for (uint32_t b0 = 0; b0 < n; b0 += cb) {
+      const uint32_t bc = std::min(cb, n - b0);
+      for (uint32_t c = 0; c < plan_.layer_chunks; ++c, ++k) {
+        const uint32_t l0 = c * lc;
+        const uint32_t lcount = std::min(lc, layout_.num_layers - l0);
+        const uint32_t s = k % 2;
+        if (k >= 2) {
+          // The D2H copies of chunk k - 2 read this slab: encode into it only after them.
+          HIQ_RETURN_IF_ERROR(
+              Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->freed[s]), "staging ring"));
+        }
+        kernels::EncodeJob job;
+        job.layout = layout_;
+        job.layout.num_layers = lcount;
+        job.layers = DeviceViews(l0);
+        job.rows = DeviceRows(b0);
+        job.blocks = dev_ptrs + s * cb;
+        job.num_blocks = bc;
+        job.nonfinite = dev_flags + size_t{c} * n + b0;
+        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchEncode(device_, job, res_->compute), "encode"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->filled[s], res_->compute));
+        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, res_->copy, res_->filled[s]));
+        copies.clear();
+        for (uint32_t j = 0; j < bc; ++j) {
+          copies.push_back({t.payloads[b0 + j] + size_t{l0} * plan_.layer_bytes,
+                            dev_->Slab(pair, s) + j * stride, size_t{lcount} * plan_.layer_bytes});
+        }
+        HIQ_RETURN_IF_ERROR(
+            Ctx(api_->CopyAsync(device_, copies, res_->copy), "copying into the pool"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->freed[s], res_->copy));
+      }
+    }
+    HIQ_RETURN_IF_ERROR(JoinCopyStream());
+    const DeviceApi::Copy flags{res_->arena.host + plan_.flags_off, dev_flags,
+                                size_t{n} * plan_.layer_chunks};
+    return Ctx(api_->CopyAsync(device_, {&flags, 1}, res_->compute), "copying non-finite flags");
+  }
+
+  Status EnqueueRestore(RestoreTask& t, uint32_t pair, uint32_t* signalled) {
+    const uint32_t n = static_cast<uint32_t>(t.payloads.size());
+    uint8_t** dev_ptrs = nullptr;
+    const uint32_t cr = plan_.restore_blocks;
+    if (n > 0) {
+      HIQ_ASSIGN_OR_RETURN(dev_ptrs, UploadJobArrays(t.rows, pair, cr, plan_.layer_bytes));
+    }
+    if (t.wait_event >= 0) {
+      // Gates the decodes, which write the engine's KV; the copies into staging need no wait.
+      HIQ_RETURN_IF_ERROR(
+          Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->engine_events[t.wait_event]),
+              "waiting for wait_event"));
+    }
+    if (n == 0) return Status::Ok();
+    std::vector<DeviceApi::Copy> copies;
+    uint32_t k = 0;  // unit number: slab k % 2
     for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      for (uint32_t b0 = 0; b0 < n; b0 += cr, ++k) {
+        const uint32_t bc = std::min(cr, n - b0);
+        const uint32_t s = k % 2;
+        if (k >= 2) {
+          // The decode of unit k - 2 reads this slab: copy into it only after that decode.
+          HIQ_RETURN_IF_ERROR(
+              Ctx(api_->StreamWaitEvent(device_, res_->copy, res_->freed[s]), "staging ring"));
+        }
+        copies.clear();
+        for (uint32_t j = 0; j < bc; ++j) {
+          copies.push_back({dev_->Slab(pair, s) + j * plan_.layer_bytes,
+                            t.payloads[b0 + j] + size_t{l} * plan_.layer_bytes, plan_.layer_bytes});
+        }
+        HIQ_RETURN_IF_ERROR(
+            Ctx(api_->CopyAsync(device_, copies, res_->copy), "copying into staging"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->filled[s], res_->copy));
+        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, res_->compute, res_->filled[s]));
+        kernels::DecodeJob job;
+        job.layout = layout_;
+        job.layout.num_layers = 1;
+        job.layers = DeviceViews(l);
+        job.rows = DeviceRows(b0);
+        job.blocks = dev_ptrs + s * cr;
+        job.num_blocks = bc;
+        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, 0, 1, res_->compute), "decode"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->freed[s], res_->compute));
+      }
       // Copy, decode and scatter of layer l are enqueued before its event is recorded.
-      for (uint32_t b = 0; b < n; ++b) {
-        dst[b] = const_cast<uint8_t*>(staging[b]) + l * layer_bytes;
-        src[b] = task.payloads[b] + l * layer_bytes;
+      if (t.layer_event_base >= 0) {
+        HIQ_RETURN_IF_ERROR(
+            RecordEngine(t.layer_event_base + static_cast<int32_t>(l), "layer_event_base"));
       }
-      HIQ_RETURN_IF_ERROR(CopyChunks(dst, src, sizes, stream, cudaMemcpyHostToDevice));
-      HIQ_RETURN_IF_ERROR(kernels::LaunchDecodeLayer(dev_job, l, restore_.stream.get()));
-      if (task.layer_event_base >= 0) {
-        Record(task.layer_event_base + static_cast<int32_t>(l), restore_.stream.get());
-      }
+      *signalled = l + 1;
     }
     return Status::Ok();
   }
 
+  std::unique_ptr<BindingResources> res_;
+  DeviceApi* const api_;
+  const std::shared_ptr<DeviceState> dev_;
   const int device_;
   const kernels::BlockLayout layout_;
-  std::vector<std::shared_ptr<CudaBackend::Mapping>> buffers_;
-  std::vector<kernels::CudaEvent> events_;
-  std::vector<kernels::LayerViews> views_;
+  const ChunkPlan plan_;
   const uint32_t num_rows_;
-  DirectionBuffers backup_;
-  DirectionBuffers restore_;
+  const uint32_t event_count_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex close_mu_;
 };
 
 }  // namespace
 
-CudaBackend::CudaBackend(uint8_t* pool, std::vector<std::pair<uint8_t*, uint64_t>> registered)
-    : pool_(pool), registered_(std::move(registered)) {}
+// ---------------------------------------------------------------------------------------------
 
-StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint8_t* pool, uint64_t pool_bytes) {
+CudaBackend::CudaBackend(DeviceApi* api, CudaBackendOptions options,
+                         std::vector<std::pair<uint8_t*, uint64_t>> registered)
+    : api_(api), options_(std::move(options)), registered_(std::move(registered)) {}
+
+StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8_t* pool,
+                                                           uint64_t pool_bytes,
+                                                           CudaBackendOptions options) {
+  if (options.register_chunk_bytes == 0) options.register_chunk_bytes = 64ull << 30;
   std::vector<std::pair<uint8_t*, uint64_t>> done;
-  for (uint64_t off = 0; off < pool_bytes; off += kRegisterChunk) {
-    const uint64_t len = std::min(kRegisterChunk, pool_bytes - off);
-    cudaError_t err = cudaHostRegister(pool + off, len, cudaHostRegisterPortable);
-    if (err != cudaSuccess) {
-      Status st = CudaError(err, "cudaHostRegister of the pool (is LimitMEMLOCK unlimited?)");
-      for (auto& [p, l] : done) (void)cudaHostUnregister(p);
-      return FailedPrecondition(st.message());
+  for (uint64_t off = 0; off < pool_bytes; off += options.register_chunk_bytes) {
+    const uint64_t len = std::min(options.register_chunk_bytes, pool_bytes - off);
+    Status st = api->RegisterHost(pool + off, len);
+    if (!st.ok()) {
+      for (auto& [p, l] : done) api->UnregisterHost(p);
+      return FailedPrecondition("page-locking the pool for DMA (is LimitMEMLOCK unlimited?): " +
+                                st.message());
     }
     done.emplace_back(pool + off, len);
   }
-  return std::unique_ptr<CudaBackend>(new CudaBackend(pool, std::move(done)));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(api, std::move(options), std::move(done)));
 }
 
 CudaBackend::~CudaBackend() {
-  for (auto& [p, l] : registered_) {
-    cudaError_t err = cudaHostUnregister(p);
-    if (err != cudaSuccess) {
-      HIQ_LOG(WARN) << "cudaHostUnregister: " << cudaGetErrorString(err);
-      (void)cudaGetLastError();
-    }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    devices_.clear();  // stops the completion threads, frees staging and arenas
   }
+  for (auto& [p, l] : registered_) api_->UnregisterHost(p);
 }
 
-StatusOr<int> CudaBackend::DeviceForUuid(const std::string& uuid) const {
+uint64_t CudaBackend::StagingDeviceBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t total = 0;
+  for (const auto& [d, state] : devices_) total += state->device_bytes.load();
+  return total;
+}
+
+Status CudaBackend::DeviceFailure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [d, state] : devices_) {
+    Status st = state->Failure();
+    if (!st.ok()) return st;
+  }
+  return Status::Ok();
+}
+
+StatusOr<int> CudaBackend::DeviceForUuid(const std::string& uuid) {
   std::string want;
   if (!NormalizeCudaUuid(uuid, &want)) {
-    return InvalidArgument("device.cuda_device_uuid: expected a GPU UUID like GPU-xxxxxxxx-..., "
-                           "got '" + uuid.substr(0, 64) + "'");
+    return InvalidArgument(
+        "device.cuda_device_uuid: expected a GPU UUID like GPU-xxxxxxxx-..., "
+        "got '" +
+        uuid.substr(0, 64) + "'");
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return FailedPrecondition("device.kind: no CUDA device is visible to hiqcached");
-  }
-  for (int d = 0; d < count; ++d) {
-    cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
-      (void)cudaGetLastError();
-      continue;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (uuids_.empty()) {
+    auto listed = api_->DeviceUuids();
+    if (!listed.ok() || listed->empty()) {
+      return FailedPrecondition("device.kind: no CUDA device is visible to hiqcached" +
+                                (listed.ok() ? std::string() : ": " + listed.status().message()));
     }
-    char hex[33];
-    for (int i = 0; i < 16; ++i) {
-      std::snprintf(hex + 2 * i, 3, "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
-    }
-    if (want == hex) return d;
+    uuids_ = std::move(listed).value();
   }
-  return FailedPrecondition("device.cuda_device_uuid: no visible GPU has UUID " + uuid.substr(0, 64));
+  for (size_t d = 0; d < uuids_.size(); ++d) {
+    if (uuids_[d] == want) return static_cast<int>(d);
+  }
+  return FailedPrecondition("device.cuda_device_uuid: no GPU visible to hiqcached has UUID " +
+                            uuid.substr(0, 64));
 }
 
-StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(
-    int device, const std::string& handle, uint64_t size_bytes, const std::string& field) {
+StatusOr<std::shared_ptr<CudaBackend::DeviceState>> CudaBackend::Device(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = devices_.find(device);
+  if (it != devices_.end()) return it->second;
+  auto state = std::make_shared<DeviceState>();
+  state->api = api_;
+  state->device = device;
+  state->uuid = uuids_[device];
+  state->plan = StagingPlan::For(options_.staging_bytes);
+  state->on_failed = options_.on_device_failed;
+  if (state->plan.pairs == 0) {
+    return FailedPrecondition("cuda_staging_bytes: " + std::to_string(options_.staging_bytes) +
+                              " bytes is too small for two staging slabs");
+  }
+  const uint64_t bytes = 2ull * state->plan.pairs * state->plan.slab_bytes;
+  auto staging = api_->AllocDevice(device, bytes);
+  if (!staging.ok()) {
+    return ResourceExhausted("allocating " + std::to_string(bytes >> 20) +
+                             " MiB of CUDA staging (cuda_staging_bytes) on device " +
+                             std::to_string(device) + ": " + staging.status().message());
+  }
+  state->staging = *staging;
+  state->device_bytes.store(bytes);
+  for (uint32_t p = state->plan.pairs; p-- > 0;) state->free_pairs.push_back(p);
+  DeviceState* raw = state.get();
+  state->completion = std::make_unique<CompletionThread>(
+      api_, device, [raw](const Status& st) { return raw->Fail(st); });
+  HIQ_LOG(INFO) << "event=cuda_device_bound device=" << device << " staging_bytes=" << bytes
+                << " slab_pairs=" << state->plan.pairs << " slab_bytes=" << state->plan.slab_bytes;
+  devices_[device] = state;
+  return state;
+}
+
+StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(int device,
+                                                                         const std::string& handle,
+                                                                         uint64_t size_bytes,
+                                                                         const std::string& field) {
   std::lock_guard<std::mutex> lock(mu_);
   auto key = std::make_pair(device, handle);
   auto it = mappings_.find(key);
   if (it != mappings_.end()) {
     if (auto existing = it->second.lock()) {
-      if (existing->mapping.size() < size_bytes) {
+      if (existing->size < size_bytes) {
         return InvalidArgument(field + ": size_bytes exceeds the allocation opened earlier");
       }
       return existing;
     }
     mappings_.erase(it);
   }
-  auto opened = kernels::CudaIpcMapping::Open(device, handle, size_bytes);
+  auto opened = api_->OpenIpcBuffer(device, handle, size_bytes);
   if (!opened.ok()) {
-    return FailedPrecondition(field + ": cannot open the CUDA IPC handle: " +
-                              opened.status().message());
+    return FailedPrecondition(
+        field + ": cannot open the CUDA IPC handle: " + opened.status().message() +
+        " (the handle must be of a cudaMalloc allocation's base; memory from cuMemCreate/VMM, "
+        "cudaMallocAsync pools or PyTorch's expandable segments cannot be shared: with PyTorch "
+        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)");
   }
   auto m = std::make_shared<Mapping>();
-  m->mapping = std::move(opened).value();
+  m->api = api_;
+  m->device = device;
+  m->data = opened->data;
+  m->size = size_bytes;
+  if (opened->memory_device != device) {
+    // Opened as a peer mapping of another GPU's memory (e.g. over NVLink): the engine named
+    // the wrong GPU. `m` closes the mapping.
+    const std::string other =
+        opened->memory_device >= 0 && static_cast<size_t>(opened->memory_device) < uuids_.size()
+            ? "GPU-" + uuids_[opened->memory_device]
+            : "device " + std::to_string(opened->memory_device);
+    return InvalidArgument("device.cuda_device_uuid: names GPU-" + uuids_[device] + ", but " +
+                           field + " is memory of " + other +
+                           ": set cuda_device_uuid to the GPU that holds the KV buffers");
+  }
   mappings_[key] = m;
   return m;
 }
@@ -349,30 +700,48 @@ StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(
 StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spec,
                                                          const kernels::BlockLayout& layout) {
   HIQ_ASSIGN_OR_RETURN(int device, DeviceForUuid(spec.cuda_device_uuid));
-  std::vector<std::shared_ptr<Mapping>> buffers;
+  HIQ_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> dev, Device(device));
+  if (dev->failed.load()) return dev->Failure();
+  HIQ_ASSIGN_OR_RETURN(ChunkPlan plan,
+                       ChunkPlan::For(layout, dev->plan, options_.max_blocks_per_request));
+  auto res = std::make_unique<BindingResources>();
+  res->api = api_;
+  res->dev = dev;
   std::vector<uint8_t*> bases;
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
     const std::string field = "buffers[" + std::to_string(i) + "].cuda_ipc_handle";
     HIQ_ASSIGN_OR_RETURN(auto m, OpenMapping(device, spec.buffers[i].cuda_ipc_handle,
                                              spec.buffers[i].size_bytes, field));
-    bases.push_back(m->mapping.data());
-    buffers.push_back(std::move(m));
+    bases.push_back(m->data);
+    res->buffers.push_back(std::move(m));
   }
-  std::vector<kernels::CudaEvent> events;
   for (size_t i = 0; i < spec.events.cuda_ipc_event_handles.size(); ++i) {
-    auto ev = kernels::CudaEvent::OpenIpc(device, spec.events.cuda_ipc_event_handles[i]);
+    auto ev = api_->OpenIpcEvent(device, spec.events.cuda_ipc_event_handles[i]);
     if (!ev.ok()) {
       return FailedPrecondition("events.cuda_ipc_event_handles[" + std::to_string(i) +
                                 "]: cannot open: " + ev.status().message());
     }
-    events.push_back(std::move(ev).value());
+    res->engine_events.push_back(*ev);
   }
-  HIQ_ASSIGN_OR_RETURN(auto backup_stream, kernels::CudaStream::Create(device));
-  HIQ_ASSIGN_OR_RETURN(auto restore_stream, kernels::CudaStream::Create(device));
+  HIQ_ASSIGN_OR_RETURN(res->compute, api_->CreateStream(device));
+  HIQ_ASSIGN_OR_RETURN(res->copy, api_->CreateStream(device));
+  for (DeviceEvent* e : {&res->complete, &res->filled[0], &res->filled[1], &res->freed[0],
+                         &res->freed[1], &res->tail}) {
+    HIQ_ASSIGN_OR_RETURN(*e, api_->CreateEvent(device));
+  }
+  auto arena = dev->TakeArena(plan.arena_bytes);
+  if (!arena.ok()) {
+    return ResourceExhausted("allocating " + std::to_string(plan.arena_bytes) +
+                             " bytes of job arrays on device " + std::to_string(device) + ": " +
+                             arena.status().message());
+  }
+  res->arena = *arena;
+  res->has_arena = true;
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
-  return std::unique_ptr<PoolBinding>(new CudaBinding(
-      device, layout, std::move(buffers), std::move(events), std::move(views), MinRows(spec),
-      std::move(backup_stream), std::move(restore_stream)));
+  auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec));
+  Status up = binding->UploadViews(views);
+  if (!up.ok()) return dev->Reported(Ctx(up, "uploading the views"));
+  return std::unique_ptr<PoolBinding>(std::move(binding));
 }
 
 }  // namespace hiqcache::server

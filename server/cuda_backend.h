@@ -1,28 +1,54 @@
 // CudaBackend: the CUDA device kind. Engines share their GPU KV buffers through cudaIpcMemHandles
 // of the allocation base (plus view offsets) and their completion events through IPC event
-// handles; the daemon quantizes and dequantizes on its own streams (one per direction per pool)
-// and moves the compressed bytes between a device staging buffer and the page-locked pool with
-// the copy engines, so the engine's SMs are held only for the short codec kernels.
+// handles; the daemon quantizes and dequantizes on its own streams (a compute and a copy stream
+// per pool) and moves the compressed bytes between a device staging slab and the page-locked
+// pool with the copy engines, so the engine's SMs are held only for the short codec kernels.
 //
-//   Backup:  stream waits wait_event -> gather+encode kernel into staging -> D2H copies into the
-//            pool payloads (+ non-finite flags) -> done_event recorded -> the worker waits for the
-//            stream, then the core publishes the blocks (never before the device finished).
-//   Restore: stream waits wait_event -> for each layer l: H2D copies of layer l of every block
-//            into staging -> decode+scatter kernel for layer l -> layer event base+l recorded ->
-//            done_event; pins are held until the stream completes.
+// Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
+// a fake device in the unit tests. This file includes no CUDA header.
 //
-// Built only with CUDA (HIQ_HAVE_CUDA); the header includes no CUDA header. Thread-safe as
-// DeviceBackend says: each binding is used by one pool's strand at a time.
+// A task of a pool (DESIGN.md "CUDA completion and event rules"):
+//   1. A transfer worker takes one staging slab pair of the pool's device (if none is free the
+//      task is retried later; the worker moves on), then enqueues, without waiting:
+//        Backup:  compute waits wait_event; per chunk k (blocks x layers that fit a slab):
+//                 encode kernel into slab k%2 -> copy stream waits for it -> D2H copies into
+//                 the reserved pool payloads; slab k%2 is encoded into again only after the
+//                 copy stream finished reading it (events) -> non-finite flags D2H ->
+//                 done_event.
+//        Restore: per (layer, chunk of blocks): copy stream H2D copies into slab k%2 (after
+//                 the decode that last read it) -> compute waits for them (and, before the first
+//                 decode, for wait_event) -> decode+scatter kernel -> after the last chunk of
+//                 layer l, event layer_event_base + l -> done_event.
+//      then records the pool's completion event on the compute stream and answers an
+//      asynchronous request (on_enqueued). A failed enqueue still records every engine event
+//      it names, and answers with the error: the rows are garbage, never "restored".
+//   2. The device's CompletionThread sees the completion event complete, returns the slabs and
+//      defers the rest to a worker: publish the backed-up blocks (visible to Lookup only from
+//      then on) or drop the restore's pins, then the pool's next task starts. A pool therefore
+//      has at most one task on the device, and its tasks run in request order.
+// Staging is a fixed budget per device (CudaBackendOptions::staging_bytes), allocated when the
+// first pool binds to the device; per-pool job arrays are allocated at bind. Nothing is
+// allocated or freed on the request path, and nothing freed while the daemon runs (cudaFree
+// synchronizes the device): released pools' arrays are kept for later binds.
+//
+// A sticky device error (DeviceApi kDataLoss) fails the device: its requests fail with
+// UNAVAILABLE from then on, and on_device_failed runs once, so that hiqcached exits and its
+// service manager restarts it (the pool survives in shared memory). Any other error fails the
+// one request.
+//
+// Thread-safety: as DeviceBackend says; Bind may run concurrently with tasks of other pools.
 #pragma once
 
-#include <chrono>
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "device_api.h"
 #include "device_backend.h"
 
 namespace hiqcache::server {
@@ -31,28 +57,61 @@ namespace hiqcache::server {
 // hex digits. Returns false for anything else. Pure; used for cuda_device_uuid.
 bool NormalizeCudaUuid(const std::string& in, std::string* out);
 
+struct CudaBackendOptions {
+  // Device memory for staging slabs, per device that has a pool (see StagingPlan).
+  uint64_t staging_bytes = 128ull << 20;
+  // Sizes the per-pool job arrays (rows and flags of one request).
+  uint32_t max_blocks_per_request = 4096;
+  // The pool is page-locked in chunks of this many bytes (the block store never lets an extent
+  // cross a multiple of it, so no block straddles two registrations).
+  uint64_t register_chunk_bytes = 64ull << 30;
+  // Runs once, on the thread that saw it, when a device reports a sticky error. Must not block.
+  std::function<void(int device, const Status&)> on_device_failed;
+};
+
+// How a device's staging budget is cut: `pairs` pairs of slabs of `slab_bytes` each (every task
+// holds one pair while it is on the device). Pure.
+struct StagingPlan {
+  uint32_t pairs = 0;
+  uint64_t slab_bytes = 0;
+  static StagingPlan For(uint64_t staging_bytes);
+};
+
 class CudaBackend : public DeviceBackend {
  public:
-  // Registers [pool, pool + pool_bytes) for DMA with every device (cudaHostRegister, chunks of at
-  // most 64 GiB; rolled back on failure) and unregisters it on destruction.
-  static StatusOr<std::unique_ptr<CudaBackend>> Create(uint8_t* pool, uint64_t pool_bytes);
+  // Page-locks [pool, pool + pool_bytes) for DMA with every device (RegisterHost in chunks of
+  // options.register_chunk_bytes; rolled back on failure) and unregisters it on destruction.
+  // `api` must outlive the backend.
+  static StatusOr<std::unique_ptr<CudaBackend>> Create(DeviceApi* api, uint8_t* pool,
+                                                       uint64_t pool_bytes,
+                                                       CudaBackendOptions options);
+  // REQUIRES: every binding was destroyed (the core is gone).
   ~CudaBackend() override;
 
   const char* name() const override { return "cuda"; }
   StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
                                               const kernels::BlockLayout& layout) override;
+  uint64_t StagingDeviceBytes() const override;
+  // OK, or the failure of the first device that failed.
+  Status DeviceFailure() const;
 
-  struct Mapping;  // an opened IPC allocation, shared by every binding that names it
+  struct Mapping;      // an opened IPC allocation, shared by every binding that names it
+  struct DeviceState;  // staging, completion thread and failure state of one device
 
  private:
-  CudaBackend(uint8_t* pool, std::vector<std::pair<uint8_t*, uint64_t>> registered);
-  StatusOr<int> DeviceForUuid(const std::string& uuid) const;
+  CudaBackend(DeviceApi* api, CudaBackendOptions options,
+              std::vector<std::pair<uint8_t*, uint64_t>> registered);
+  StatusOr<int> DeviceForUuid(const std::string& uuid);
+  StatusOr<std::shared_ptr<DeviceState>> Device(int device);
   StatusOr<std::shared_ptr<Mapping>> OpenMapping(int device, const std::string& handle,
                                                  uint64_t size_bytes, const std::string& field);
 
-  uint8_t* pool_;
+  DeviceApi* const api_;
+  const CudaBackendOptions options_;
   std::vector<std::pair<uint8_t*, uint64_t>> registered_;  // host-registered chunks
-  std::mutex mu_;
+  mutable std::mutex mu_;
+  std::vector<std::string> uuids_;                       // GUARDED_BY(mu_): filled on first Bind
+  std::map<int, std::shared_ptr<DeviceState>> devices_;  // GUARDED_BY(mu_)
   // Each handle is opened once per device (opening it twice fails); bindings share it.
   std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>> mappings_;  // GUARDED_BY(mu_)
 };

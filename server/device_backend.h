@@ -3,9 +3,25 @@
 //
 // Bind() opens the buffers and events of a validated registration and resolves its views into
 // kernels::LayerViews; the returned PoolBinding executes backup and restore tasks. Implementations:
-// HostBackend (POSIX shm buffers, shm counter events, CPU codec) and, when built with CUDA, the
-// CUDA backend. Thread-safety: Bind may be called concurrently; a PoolBinding's Run* calls are
-// issued one at a time (the transfer engine serializes each pool's work), Signal from any thread.
+// HostBackend (POSIX shm buffers, shm counter events, CPU codec) and CudaBackend (CUDA IPC
+// buffers and events, codec kernels on the daemon's streams, completion observed by a thread per
+// device: cuda_backend.h).
+//
+// A task's life (both kinds):
+//   Start*(task)        on a transfer worker, one task of a pool at a time. Answers kNotReady
+//                       (nothing done, try again later: HOST wait_event not reached yet, no CUDA
+//                       staging free), kCompleted (done, on_complete already called), or
+//                       kPending (the device has the work; the worker is free).
+//   on_enqueued(st)     CUDA: once the stream waits and event records are enqueued, or the
+//                       enqueue failed (st): the moment an asynchronous request is answered.
+//   defer(work)         CUDA: called by the device's completion thread once the device finished;
+//                       `work` must then run on a worker (it ends the task: on_written,
+//                       on_complete). The caller keeps the pool's next task waiting until then.
+//   on_written(..)      backup: the payloads are final (or the error that stopped the work).
+//   on_complete(st)     last, exactly once: the task's outcome.
+// Thread-safety: Bind may be called concurrently; a PoolBinding's Start* calls are issued one at a
+// time (the transfer engine serializes each pool's work, and a pool's next task starts only after
+// the previous one completed), Cancel and Close from any thread.
 #pragma once
 
 #include <chrono>
@@ -22,7 +38,16 @@
 
 namespace hiqcache::server {
 
-struct BackupTask {
+enum class StartResult { kNotReady, kCompleted, kPending };
+
+// Callbacks shared by both task kinds (see the header comment).
+struct TaskHooks {
+  std::function<void(const Status&)> on_enqueued;  // may be empty
+  std::function<void(std::function<void()>)> defer;
+  std::function<void(const Status&)> on_complete;
+};
+
+struct BackupTask : TaskHooks {
   uint64_t ticket = 0;
   // When the transfer engine first tried the task: the wait_event timeout counts from here.
   std::chrono::steady_clock::time_point first_try{};
@@ -31,18 +56,15 @@ struct BackupTask {
   int32_t done_event = -1;
   std::vector<uint32_t> rows;       // block_tokens per block, block-major
   std::vector<uint8_t*> payloads;   // one per block: where its encoded payload goes
-  // Called once the payloads are written (before the done event is signalled), with one flag
+  // Called once the payloads are final (HOST: before the done event is signalled), with one flag
   // per block (1 = held NaN/Inf, not to be published) or with the error that stopped the work.
   std::function<void(const std::vector<uint8_t>& nonfinite, const Status&)> on_written;
   // Out, optional: XXH3-64 of each block's payload, filled before on_written by backends that
   // can hash in parallel while the bytes are fresh (HOST); left empty, the core hashes them.
   std::vector<uint64_t> checksums;
-  // Backends that signal on the device (SignalsOnDevice) call this once the work and its event
-  // records are enqueued, before waiting for completion; may be empty.
-  std::function<void()> on_enqueued;
 };
 
-struct RestoreTask {
+struct RestoreTask : TaskHooks {
   uint64_t ticket = 0;
   std::chrono::steady_clock::time_point first_try{};
   int32_t wait_event = -1;
@@ -51,7 +73,6 @@ struct RestoreTask {
   int32_t done_event = -1;
   std::vector<uint32_t> rows;
   std::vector<const uint8_t*> payloads;
-  std::function<void()> on_enqueued;  // as in BackupTask
 };
 
 class PoolBinding {
@@ -60,14 +81,15 @@ class PoolBinding {
   virtual uint32_t event_count() const = 0;
   // Smallest num_rows over every view: a valid row index is below it.
   virtual uint32_t num_rows() const = 0;
-  // Runs the task to completion: waits for wait_event, encodes, calls on_written, signals
-  // done_event. Returns the error that stopped it, if any (on_written has then been called).
-  virtual Status RunBackup(BackupTask& task) = 0;
+  // Waits for wait_event (HOST: by answering kNotReady until it came; CUDA: on the device),
+  // encodes, calls on_written, signals done_event, then on_complete. An error fails the task
+  // (on_written and on_complete see it); it still signals done_event, so no engine hangs.
+  virtual StartResult StartBackup(const std::shared_ptr<BackupTask>& task) = 0;
   // Waits for wait_event, decodes layer by layer, signalling layer_event_base + l after each
-  // layer and done_event after the last.
-  virtual Status RunRestore(RestoreTask& task) = 0;
-  // Marks `event` complete for `ticket` (used when work ends early, e.g. nothing to restore).
-  virtual void Signal(int32_t event, uint64_t ticket) = 0;
+  // layer and done_event after the last. On error every layer event and done_event are still
+  // signalled (HOST: with the failure bit), and on_enqueued / on_complete report the error: the
+  // rows hold garbage.
+  virtual StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) = 0;
   // Tickets of this pool start above this value. HOST: the largest value already in the event
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
@@ -77,20 +99,16 @@ class PoolBinding {
   // stream waits on them right after the answer waits for this work, not an earlier record.
   // HOST events carry tickets and are answered as soon as the work is queued.
   virtual bool SignalsOnDevice() const { return false; }
-  // Whether a task waiting for `event` >= `value` (first tried at `first_try`) may run now
-  // without blocking: its event came, it timed out, or the pool was cancelled. Backends whose
-  // waits are enqueued on a device stream (CUDA) never block the host and answer true.
-  virtual bool WaitSatisfied(int32_t event, uint64_t value,
-                             std::chrono::steady_clock::time_point first_try) {
-    (void)event;
-    (void)value;
-    (void)first_try;
-    return true;
-  }
-  // The pool was released (ReleasePool, or its process exited): a task waiting for one of its
-  // events, which may never come, stops waiting and fails, so that it drops its pins and frees
-  // its worker now. Called from any thread; tasks without a wait still run.
+  // The pool was released (ReleasePool, or its process exited). HOST: a task waiting for one of
+  // its events, which may never come, stops waiting and fails (its events get the failure bit),
+  // so that it drops its pins and frees its worker now; tasks without a wait still run. CUDA:
+  // tasks started from now on fail with CANCELLED without touching the engine's buffers or
+  // events; work already on the device completes. Any thread.
   virtual void Cancel() {}
+  // REQUIRES: Cancel was called and no task is pending (every on_complete has returned).
+  // Closes the engine's mappings and events and the binding's device resources now, instead of
+  // at destruction. Idempotent; never waits for device work.
+  virtual void Close() {}
 };
 
 class DeviceBackend {
@@ -100,6 +118,8 @@ class DeviceBackend {
   // REQUIRES: `spec` passed ValidateRegistration. Opens everything or nothing.
   virtual StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
                                                       const kernels::BlockLayout& layout) = 0;
+  // Device memory this backend holds for staging and job arrays (GetStats), in bytes.
+  virtual uint64_t StagingDeviceBytes() const { return 0; }
 };
 
 }  // namespace hiqcache::server

@@ -38,8 +38,9 @@
 #include "metrics.h"
 #include "pool_region.h"
 #include "service_notify.h"
-#ifdef HIQ_HAVE_CUDA
 #include "cuda_backend.h"
+#ifdef HIQ_HAVE_CUDA
+#include "cuda_device_api.h"
 #include "cuda_runtime_check.h"
 #endif
 
@@ -122,6 +123,11 @@ struct LiveCore {
 void LogIfError(const Status& st) {
   if (!st.ok()) HIQ_LOG(WARN) << "sd_notify: " << st.ToString();
 }
+
+// Exit status after a CUDA device reported a sticky error: the service manager restarts the
+// daemon (deploy/hiqcached.service: Restart=on-failure); the pool survives in shared memory.
+constexpr int kExitDeviceFailed = 3;
+std::atomic<bool> g_device_failed{false};
 
 int Run(int argc, char** argv) {
   // Signals are taken by sigwait below: block them before any thread starts.
@@ -215,23 +221,45 @@ int Run(int argc, char** argv) {
   CoreOptions options;
   options.observer = &metrics;
   options.transfer_workers = config.transfer_workers != 0 ? config.transfer_workers : 2;
+  options.release_timeout = std::chrono::milliseconds(config.release_timeout_ms);
   if (config.max_blocks_per_request != 0) {
     options.limits.max_blocks_per_request = config.max_blocks_per_request;
   }
   // CUDA pools are served where the build has the CUDA backend and a GPU is visible; HOST pools
   // always are.
-  std::unique_ptr<DeviceBackend> cuda;
+  std::unique_ptr<DeviceApi> cuda_api;
+  std::unique_ptr<CudaBackend> cuda;
   std::string device_name = "host";
   if (config.device != "host") {
 #ifdef HIQ_HAVE_CUDA
     std::string why;
     if (kernels::CudaDeviceAvailable(&why)) {
-      auto created = CudaBackend::Create((*region)->data(), (*region)->size());
-      if (created.ok()) {
-        cuda = std::move(created).value();
-        device_name = "cuda";
+      auto api = CreateCudaDeviceApi();
+      if (api.ok()) {
+        cuda_api = std::move(api).value();
+        CudaBackendOptions cuda_options;
+        cuda_options.staging_bytes = config.cuda_staging_bytes;
+        cuda_options.max_blocks_per_request = options.limits.max_blocks_per_request;
+        cuda_options.register_chunk_bytes = kPoolRegisterChunkBytes;
+        // A sticky error leaves the device unusable for this process: stop (draining HOST
+        // work), exit non-zero, and let the service manager start a fresh daemon.
+        cuda_options.on_device_failed = [](int device, const Status& st) {
+          if (g_device_failed.exchange(true)) return;
+          HIQ_LOG(ERROR) << "CUDA device " << device << " failed (" << st.message()
+                         << "): hiqcached stops and exits " << kExitDeviceFailed
+                         << " to be restarted";
+          ::kill(::getpid(), SIGTERM);
+        };
+        auto created = CudaBackend::Create(cuda_api.get(), (*region)->data(),
+                                           (*region)->size(), std::move(cuda_options));
+        if (created.ok()) {
+          cuda = std::move(created).value();
+          device_name = "cuda";
+        } else {
+          why = created.status().message();
+        }
       } else {
-        why = created.status().message();
+        why = api.status().message();
       }
     }
     if (!cuda) {
@@ -346,7 +374,13 @@ int Run(int argc, char** argv) {
   serving.store(false);
   LogIfError(notifier.Stopping("draining: finishing in-flight transfers"));
   core->StartDraining();
-  core->WaitIdle();
+  // Bounded: device work that waits for an event its engine never records cannot be drained.
+  if (!core->WaitIdleFor(std::chrono::seconds(30))) {
+    HIQ_LOG(ERROR) << "device work still pending after 30 s: exiting without waiting for it "
+                      "(blocks it was writing are dropped when the pool is reattached)";
+    notifier.StopWatchdog();
+    std::_Exit(g_device_failed.load() ? kExitDeviceFailed : 1);
+  }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   metrics_server.reset();  // its render callback uses the core
@@ -358,6 +392,10 @@ int Run(int argc, char** argv) {
     if (IsUnix(addr)) ::unlink(UnixPath(addr).c_str());
   }
   notifier.StopWatchdog();
+  if (g_device_failed.load()) {
+    HIQ_LOG(ERROR) << "hiqcached stopped after a CUDA device failure";
+    return kExitDeviceFailed;
+  }
   HIQ_LOG(INFO) << "hiqcached stopped";
   return 0;
 }

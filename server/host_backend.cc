@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <thread>
 
 #include <xxhash.h>
 
@@ -84,9 +83,42 @@ class HostBinding : public PoolBinding {
     return floor;
   }
 
-  Status RunBackup(BackupTask& task) override {
+  StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
+    Status wait = Waited(task->wait_event, task->wait_value, &task->first_try);
+    if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
+    Status st = RunBackup(*task, wait);
+    task->on_complete(st);
+    return StartResult::kCompleted;
+  }
+
+  StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
+    Status wait = Waited(task->wait_event, task->wait_value, &task->first_try);
+    if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
+    Status st = RunRestore(*task, wait);
+    task->on_complete(st);
+    return StartResult::kCompleted;
+  }
+
+  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+
+  // event_count_ stays: a request racing the release may still validate against it.
+  void Close() override {
+    buffers_.clear();
+    events_.reset();
+  }
+
+ private:
+  // Where the wait of a task stands, without blocking (CheckWait); stamps its first try.
+  Status Waited(int32_t event, uint64_t value, std::chrono::steady_clock::time_point* first_try) {
+    if (*first_try == std::chrono::steady_clock::time_point{}) {
+      *first_try = std::chrono::steady_clock::now();
+    }
+    return CheckWait(event, value, *first_try);
+  }
+
+  // REQUIRES: the wait settled (`wait` is not UNAVAILABLE).
+  Status RunBackup(BackupTask& task, Status st) {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
-    Status st = WaitFor(task.wait_event, task.wait_value, task.first_try);
     if (st.ok()) {
       kernels::EncodeJob job;
       job.layout = layout_;
@@ -110,8 +142,7 @@ class HostBinding : public PoolBinding {
     return st;
   }
 
-  Status RunRestore(RestoreTask& task) override {
-    Status st = WaitFor(task.wait_event, task.wait_value, task.first_try);
+  Status RunRestore(RestoreTask& task, Status st) {
     if (st.ok()) {
       kernels::DecodeJob job;
       job.layout = layout_;
@@ -136,16 +167,8 @@ class HostBinding : public PoolBinding {
     return st;
   }
 
-  void Signal(int32_t event, uint64_t ticket) override { SignalValue(event, ticket, false); }
+  void Signal(int32_t event, uint64_t ticket) { SignalValue(event, ticket, false); }
 
-  void Cancel() override { cancelled_.store(true, std::memory_order_release); }
-
-  bool WaitSatisfied(int32_t event, uint64_t value,
-                     std::chrono::steady_clock::time_point first_try) override {
-    return CheckWait(event, value, first_try).code() != StatusCode::kUnavailable;
-  }
-
- private:
   // Stores `ticket` (with kHostEventFailedBit when the work failed) unless the slot already holds
   // a later ticket: slots never move backwards, waiters compare with >=.
   void SignalValue(int32_t event, uint64_t ticket, bool failed) {
@@ -159,6 +182,7 @@ class HostBinding : public PoolBinding {
     }
   }
 
+  // REQUIRES: event < event_count_ (the mapping is open).
   uint64_t* Slot(int32_t event) const {
     return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
   }
@@ -184,18 +208,6 @@ class HostBinding : public PoolBinding {
                               std::to_string(wait_timeout_.count()) + " ms");
     }
     return Unavailable("waiting");
-  }
-
-  // Blocks until CheckWait settles (the transfer engine normally calls Run* only once
-  // WaitSatisfied said so, so this returns at once).
-  Status WaitFor(int32_t event, uint64_t value, std::chrono::steady_clock::time_point first_try) {
-    auto sleep = std::chrono::microseconds(5);
-    for (;;) {
-      Status st = CheckWait(event, value, first_try);
-      if (st.code() != StatusCode::kUnavailable) return st;
-      std::this_thread::sleep_for(sleep);
-      sleep = std::min(sleep * 2, std::chrono::microseconds(500));
-    }
   }
 
   kernels::CpuCodec* codec_;

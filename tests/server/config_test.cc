@@ -113,6 +113,8 @@ TEST(EmbeddedDefaultTest, ParsesToTheDocumentedValues) {
   EXPECT_EQ(c.device, "auto");
   EXPECT_EQ(c.max_message_bytes, 64ull << 20);
   EXPECT_TRUE(c.prefault);
+  EXPECT_EQ(c.cuda_staging_bytes, 128ull << 20);
+  EXPECT_EQ(c.release_timeout_ms, 5000u);
 }
 
 TEST(LoadConfigTest, NoArgumentsGivesTheDefault) {
@@ -229,6 +231,19 @@ TEST(RenderConfigTest, RoundTripsThroughTheParser) {
   EXPECT_EQ(back.max_blocks_per_request, 99u);
   EXPECT_EQ(back.max_message_bytes, 2ull << 20);
   EXPECT_FALSE(back.prefault);
+}
+
+TEST(LoadConfigTest, CudaStagingAndReleaseTimeout) {
+  auto r = Load({"--cuda-staging-bytes", "64MiB", "--release-timeout-ms", "1500"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->cuda_staging_bytes, 64ull << 20);
+  EXPECT_EQ(r->release_timeout_ms, 1500u);
+  DaemonConfig back;
+  HIQ_ASSERT_OK(ApplyConfigText(RenderConfig(*r), "<rendered>", &back));
+  EXPECT_EQ(back.cuda_staging_bytes, 64ull << 20);
+  EXPECT_EQ(back.release_timeout_ms, 1500u);
+  ExpectErrorNaming(Load({"--cuda-staging-bytes", "1MiB"}), "cuda_staging_bytes");
+  ExpectErrorNaming(Load({"--cuda-staging-bytes", "lots"}), "--cuda-staging-bytes");
 }
 
 TEST(LoadConfigTest, BadFlags) {

@@ -1,0 +1,109 @@
+// DeviceApi: the CUDA runtime as the CUDA backend uses it, behind a narrow interface: streams,
+// events (the daemon's own and those opened from engines' IPC handles), IPC buffers, staging
+// memory, pool registration, and the enqueue of copies and codec launches.
+//
+// It is the backend's test seam (STYLE.md #3): CudaBackend's scheduling (what is enqueued on
+// which stream, in which order, when completion is observed, what an error does) runs against
+// the real runtime in hiqcached (cuda_device_api.h, built with CUDA) and against a fake device
+// whose streams complete only when a test says so (tests/server/fake_device.h), in CI.
+//
+// Semantics are the CUDA runtime's, in particular: StreamWaitEvent captures the most recent
+// record of the event at the time of the call (a record made later is not waited for; an event
+// never recorded is no wait at all), and QueryEvent reports on that most recent record.
+// Nothing here waits for device work: enqueue calls return once the work is queued.
+//
+// Errors: a failed call returns its Status. An error after which the device's context is unusable
+// for the rest of the process (illegal address, launch failure, uncorrectable ECC, ... : CUDA's
+// "sticky" errors) comes back as StatusCode::kDataLoss, see IsStickyDeviceError; any other code
+// means the call failed and the device is still usable.
+//
+// Thread-safety: every method may be called from any thread; no call changes the calling
+// thread's current device on return. This header includes no CUDA header.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "codec_job.h"
+#include "hiqcache/status.h"
+
+namespace hiqcache::server {
+
+// Opaque handles (cudaStream_t / cudaEvent_t in the real runtime). Empty = null.
+struct DeviceStream {
+  void* ptr = nullptr;
+  explicit operator bool() const { return ptr != nullptr; }
+};
+struct DeviceEvent {
+  void* ptr = nullptr;
+  explicit operator bool() const { return ptr != nullptr; }
+};
+
+// Whether `st` (from a DeviceApi call) says the device's context is lost for good.
+inline bool IsStickyDeviceError(const Status& st) { return st.code() == StatusCode::kDataLoss; }
+
+class DeviceApi {
+ public:
+  virtual ~DeviceApi() = default;
+
+  // The visible devices' UUIDs (32 lowercase hex digits), by ordinal.
+  virtual StatusOr<std::vector<std::string>> DeviceUuids() = 0;
+
+  // A non-blocking stream (no implicit synchronization with the legacy default stream).
+  virtual StatusOr<DeviceStream> CreateStream(int device) = 0;
+  // Pending work still completes; never waits for it.
+  virtual void DestroyStream(int device, DeviceStream stream) = 0;
+  // A daemon-owned event (cudaEventDisableTiming).
+  virtual StatusOr<DeviceEvent> CreateEvent(int device) = 0;
+  // An engine's event from its 64-byte IPC handle. The engine owns the event.
+  virtual StatusOr<DeviceEvent> OpenIpcEvent(int device, std::string_view handle) = 0;
+  // Destroys an event created or opened here (an opened one: drops this process's reference).
+  virtual void DestroyEvent(int device, DeviceEvent event) = 0;
+
+  // Captures the work enqueued on `stream` so far.
+  virtual Status RecordEvent(int device, DeviceEvent event, DeviceStream stream) = 0;
+  // Work enqueued on `stream` later waits for the event's most recent record (see above).
+  virtual Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) = 0;
+  // true once the most recent record has completed (or there was none), false while pending.
+  virtual StatusOr<bool> QueryEvent(int device, DeviceEvent event) = 0;
+
+  // An engine's device allocation opened from its 64-byte IPC handle.
+  struct IpcBuffer {
+    uint8_t* data = nullptr;
+    // Ordinal of the device whose memory it is (may differ from the device it was opened on:
+    // then it is a peer mapping, e.g. over NVLink).
+    int memory_device = -1;
+  };
+  // Opens `handle` on `device` and checks that the allocation holds `size_bytes` from its base.
+  virtual StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,
+                                            uint64_t size_bytes) = 0;
+  virtual void CloseIpcBuffer(int device, uint8_t* data) = 0;
+
+  // Device memory (cudaMalloc). Only at bind time: never on the request path.
+  virtual StatusOr<uint8_t*> AllocDevice(int device, size_t bytes) = 0;
+  virtual void FreeDevice(int device, uint8_t* data) = 0;
+  // Page-locked host memory (cudaMallocHost), for asynchronous copies of job arrays and flags.
+  virtual StatusOr<uint8_t*> AllocPinned(size_t bytes) = 0;
+  virtual void FreePinned(uint8_t* data) = 0;
+  // Page-locks [data, data + bytes) for DMA with every device (cudaHostRegister, portable).
+  virtual Status RegisterHost(uint8_t* data, size_t bytes) = 0;
+  virtual void UnregisterHost(uint8_t* data) = 0;
+
+  struct Copy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+  };
+  // Enqueues the copies on `stream` (copy engines; the direction follows from the addresses).
+  virtual Status CopyAsync(int device, std::span<const Copy> copies, DeviceStream stream) = 0;
+  // The codec kernels (kernels/codec_cuda.h): every array of `job` must be device-accessible.
+  virtual Status LaunchEncode(int device, const kernels::EncodeJob& job, DeviceStream stream) = 0;
+  virtual Status LaunchDecode(int device, const kernels::DecodeJob& job, uint32_t first_layer,
+                              uint32_t num_layers, DeviceStream stream) = 0;
+};
+
+}  // namespace hiqcache::server

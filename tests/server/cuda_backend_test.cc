@@ -1,0 +1,920 @@
+// The CUDA backend's scheduling against a fake device (fake_device.h), through CacheCore as the
+// daemon runs it: no GPU needed. The fake's streams run only what CUDA would let run (stream
+// order, event waits capturing the most recent record) and report races on staging, use of
+// closed mappings and pageable copies. Engines are played by the test: their "GPU" KV buffers
+// are host memory, their wait_events are recorded "late" (pending until the test completes
+// them), as an engine's stream that has not reached its record yet.
+//
+// Covers DESIGN.md "CUDA completion and event rules" and issue 11: no transfer worker waits on
+// device work (TP ranks whose wait_events complete only after every request was answered),
+// HOST pools keep working while CUDA pools wait, per-pool order, an enqueue failure answers an
+// error and still records the events, sticky errors fail the device, release waits for device
+// work and never touches a cancelled pool's mappings, staging runs in chunks through a fixed
+// budget with slabs never reused while queued work reads them, no allocation on the request
+// path, device/UUID mismatch and VMM hints, registration chunks.
+#include "cuda_backend.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "block_store.h"
+#include "cache_core.h"
+#include "codec_cpu.h"
+#include "codec_reference.h"
+#include "fake_device.h"
+#include "host_backend.h"
+#include "server_test_util.h"
+
+namespace hiqcache::server {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::AnonBuffer;
+using testing::FakeDevice;
+using testing::KeyString;
+using Call = FakeDevice::Call;
+
+constexpr int kBf16 = 1, kMha = 1, kInt8 = 0, kRaw = 1, kCuda = 2;
+constexpr uint32_t kLayers = 3, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 64;
+constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
+constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
+constexpr uint32_t kEvents = 8;  // 0 wait, 1 done, 2.. layer events
+constexpr int32_t kWait = 0, kDone = 1, kLayerBase = 2;
+// Stored bytes of one layer of one block: 2 planes x 4 tokens x (128 codes + 4 scale bytes).
+constexpr uint64_t kLayerBytes = 2ull * kBlockTokens * (kHeads * kDim + 2 * kHeads);  // 1,056
+constexpr uint64_t kBlockBytes = kLayers * kLayerBytes;                               // 3,168
+
+float Bf16ToFloat(uint16_t b) {
+  uint32_t bits = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+StatusOr<T> Await(std::future<StatusOr<T>>& f, std::chrono::milliseconds timeout = 10s) {
+  if (f.wait_for(timeout) != std::future_status::ready) return DeadlineExceeded("test: no reply");
+  return f.get();
+}
+
+template <typename Pred>
+bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return pred();
+    std::this_thread::sleep_for(200us);
+  }
+  return true;
+}
+
+// One engine process (a TP rank): K and V "device" buffers on `device`, and its events.
+struct Engine {
+  int device = 0;
+  std::vector<uint8_t> k, v;
+  std::string k_handle, v_handle;
+  std::vector<std::string> events;
+
+  Engine(FakeDevice* fake, int dev, uint64_t seed) : device(dev), k(kPlaneBytes), v(kPlaneBytes) {
+    uint64_t state = seed * 7919 + 12345;
+    auto next = [&] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<double>(state >> 11) * 0x1.0p-53;
+    };
+    for (auto* plane : {&k, &v}) {
+      auto* e = reinterpret_cast<uint16_t*>(plane->data());
+      for (size_t i = 0; i < plane->size() / 2; ++i) {
+        e[i] = FloatToBf16(
+            static_cast<float>((2 * next() - 1) * std::ldexp(1.0, int(next() * 8) - 4)));
+      }
+    }
+    k_handle = fake->ExportBuffer(k.data(), k.size(), dev);
+    v_handle = fake->ExportBuffer(v.data(), v.size(), dev);
+    for (uint32_t i = 0; i < kEvents; ++i) events.push_back(fake->ExportEvent());
+  }
+
+  std::vector<uint8_t> Bytes() const {
+    std::vector<uint8_t> out(k);
+    out.insert(out.end(), v.begin(), v.end());
+    return out;
+  }
+};
+
+std::string UuidOf(FakeDevice& fake, int device) { return "GPU-" + (*fake.DeviceUuids())[device]; }
+
+struct Options {
+  int devices = 5;
+  uint64_t staging_bytes = 1 << 20;
+  unsigned workers = 2;
+  uint64_t register_chunk = 0;  // 0 = one registration
+  std::chrono::milliseconds release_timeout{5000};
+  bool auto_run = true;
+};
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Build(); }
+  void TearDown() override {
+    if (core_) {
+      fake_->SetAutoRun(true);
+      for (auto& [id, r] : pending_records_) fake_->CompleteEngineRecord(id);
+      core_->WaitIdle();
+    }
+    core_.reset();
+    cuda_.reset();
+    if (fake_) {
+      EXPECT_TRUE(fake_->Violations().empty()) << Joined(fake_->Violations());
+    }
+  }
+
+  static std::string Joined(const std::vector<std::string>& v) {
+    std::string out;
+    for (size_t i = 0; i < v.size() && i < 10; ++i) out += v[i] + "\n";
+    return out;
+  }
+
+  void Build() { Build(Options()); }
+  void Build(Options o) {
+    core_.reset();
+    cuda_.reset();
+    engines_.clear();
+    fake_ = std::make_unique<FakeDevice>(o.devices);
+    fake_->SetAutoRun(o.auto_run);
+    const size_t pool_bytes = size_t{512} << 20;
+    pool_mem_ = std::make_unique<AnonBuffer>(pool_bytes);
+    store_ = std::make_unique<BlockStore>(
+        pool_mem_->data(), pool_mem_->size(), false, 1, nullptr,
+        o.register_chunk != 0 ? o.register_chunk : kPoolRegisterChunkBytes);
+    codec_ = std::make_unique<kernels::CpuCodec>(1);
+    host_ = std::make_unique<HostBackend>(codec_.get(), 2000ms);
+    CudaBackendOptions co;
+    co.staging_bytes = o.staging_bytes;
+    co.max_blocks_per_request = 64;
+    if (o.register_chunk != 0) co.register_chunk_bytes = o.register_chunk;
+    co.on_device_failed = [this](int device, const Status& st) {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_devices_.push_back(device);
+      failure_ = st;
+    };
+    auto created = CudaBackend::Create(fake_.get(), pool_mem_->data(), pool_bytes, co);
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    cuda_ = std::move(created).value();
+    CoreOptions opts;
+    opts.transfer_workers = o.workers;
+    opts.release_timeout = o.release_timeout;
+    opts.limits.max_blocks_per_request = 64;
+    core_ = std::make_unique<CacheCore>(opts, store_.get(), host_.get(), cuda_.get());
+  }
+
+  Engine& NewEngine(int device = 0) {
+    engines_.push_back(std::make_unique<Engine>(fake_.get(), device, engines_.size() + 1));
+    return *engines_.back();
+  }
+
+  RegisterSpec Spec(const Engine& e, int codec = kInt8, uint32_t tp_rank = 0,
+                    uint32_t tp_size = 1) {
+    RegisterSpec s;
+    s.model = "test/model";
+    s.num_layers = kLayers;
+    s.num_kv_heads = kHeads;
+    s.head_dim = kDim;
+    s.dtype = kBf16;
+    s.attention = kMha;
+    s.tp_rank = tp_rank;
+    s.tp_size = tp_size;
+    s.block_tokens = kBlockTokens;
+    s.codec = codec;
+    s.device_kind = kCuda;
+    s.cuda_device_uuid = UuidOf(*fake_, e.device);
+    for (const std::string* h : {&e.k_handle, &e.v_handle}) {
+      BufferSpec b;
+      b.has_cuda_ipc_handle = true;
+      b.cuda_ipc_handle = *h;
+      b.size_bytes = kPlaneBytes;
+      s.buffers.push_back(b);
+    }
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      LayerSpec ls;
+      for (uint32_t p = 0; p < 2; ++p) {
+        ViewSpec& v = p == 0 ? ls.k : ls.v;
+        v.present = true;
+        v.buffer = p;
+        v.offset_bytes = uint64_t{l} * kRows * kRowBytes;
+        v.row_stride_bytes = kRowBytes;
+        v.num_rows = kRows;
+      }
+      s.layers.push_back(ls);
+    }
+    s.events.cuda_ipc_event_handles = e.events;
+    return s;
+  }
+
+  uint64_t Register(const Engine& e, int codec = kInt8, uint32_t tp_rank = 0,
+                    uint32_t tp_size = 1) {
+    auto r = core_->RegisterPool(Spec(e, codec, tp_rank, tp_size));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->pool_id : 0;
+  }
+
+  static BlockSpec Block(uint64_t key, uint32_t first_row) {
+    BlockSpec b;
+    b.key = KeyString(key);
+    for (uint32_t i = 0; i < kBlockTokens; ++i) b.rows.push_back(first_row + i);
+    return b;
+  }
+  // Blocks key0.., rows first_row.. (kBlockTokens each).
+  static std::vector<BlockSpec> Blocks(uint64_t key0, uint32_t n, uint32_t first_row) {
+    std::vector<BlockSpec> out;
+    for (uint32_t i = 0; i < n; ++i) out.push_back(Block(key0 + i, first_row + i * kBlockTokens));
+    return out;
+  }
+  static TransferSpec Transfer(uint64_t pool, std::vector<BlockSpec> blocks, bool sync = true) {
+    TransferSpec t;
+    t.pool_id = pool;
+    t.blocks = std::move(blocks);
+    t.sync = sync;
+    return t;
+  }
+
+  std::future<StatusOr<BackupResult>> BackupAsync(TransferSpec t) {
+    auto p = std::make_shared<std::promise<StatusOr<BackupResult>>>();
+    auto f = p->get_future();
+    core_->Backup(std::move(t), [p](StatusOr<BackupResult> r) { p->set_value(std::move(r)); });
+    return f;
+  }
+  std::future<StatusOr<RestoreResult>> RestoreAsync(TransferSpec t) {
+    auto p = std::make_shared<std::promise<StatusOr<RestoreResult>>>();
+    auto f = p->get_future();
+    core_->Restore(std::move(t), [p](StatusOr<RestoreResult> r) { p->set_value(std::move(r)); });
+    return f;
+  }
+  StatusOr<BackupResult> Backup(TransferSpec t) {
+    auto f = BackupAsync(std::move(t));
+    auto r = Await(f);
+    core_->WaitIdle();
+    return r;
+  }
+  StatusOr<RestoreResult> Restore(TransferSpec t) {
+    auto f = RestoreAsync(std::move(t));
+    auto r = Await(f);
+    core_->WaitIdle();
+    return r;
+  }
+  uint32_t Lookup(uint64_t pool, uint64_t key0, uint32_t n) {
+    std::vector<std::string> keys;
+    for (uint32_t i = 0; i < n; ++i) keys.push_back(KeyString(key0 + i));
+    auto r = core_->Lookup(pool, keys);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : 0;
+  }
+
+  // The engine records its wait_event behind work that has not run yet.
+  uint64_t RecordLate(const Engine& e, int32_t event = kWait) {
+    const uint64_t id = fake_->EngineRecordPending(e.events[event]);
+    pending_records_[id] = true;
+    return id;
+  }
+  void Complete(uint64_t record) {
+    pending_records_.erase(record);
+    fake_->CompleteEngineRecord(record);
+  }
+
+  // Rows [dst, dst + n) of `e` hold what the reference codec makes of rows [src, src + n) of
+  // `original` (bit-exact: the fake runs the reference kernels).
+  void ExpectRestored(const Engine& e, const std::vector<uint8_t>& original, uint32_t src,
+                      uint32_t dst, uint32_t n, int codec) {
+    std::vector<uint8_t> scratch(original);
+    kernels::BlockLayout lay;
+    lay.row.num_heads = kHeads;
+    lay.row.head_dim = kDim;
+    lay.row.codec = codec == kRaw ? kernels::CodecKind::kRaw : kernels::CodecKind::kInt8PerHead;
+    lay.num_layers = kLayers;
+    lay.kv_planes = 2;
+    lay.block_tokens = n;
+    std::vector<kernels::LayerViews> views(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& v = views[l].planes[p];
+        v.base = scratch.data() + p * kPlaneBytes + uint64_t{l} * kRows * kRowBytes;
+        v.row_stride = kRowBytes;
+        v.head_stride = kDim * 2;
+        v.num_rows = kRows;
+      }
+    }
+    std::vector<uint8_t> payload(lay.BlockBytes());
+    std::vector<uint32_t> src_rows, dst_rows;
+    for (uint32_t i = 0; i < n; ++i) {
+      src_rows.push_back(src + i);
+      dst_rows.push_back(dst + i);
+    }
+    uint8_t* blocks[1] = {payload.data()};
+    kernels::EncodeJob enc{lay, views.data(), src_rows.data(), blocks, 1, nullptr};
+    kernels::EncodeBlocksReference(enc);
+    const uint8_t* cblocks[1] = {payload.data()};
+    kernels::DecodeJob dec{lay, views.data(), dst_rows.data(), cblocks, 1};
+    kernels::DecodeBlocksReference(dec);
+    const std::vector<uint8_t> now = e.Bytes();
+    int bad = 0;
+    for (uint32_t p = 0; p < 2; ++p)
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        const uint64_t off = p * kPlaneBytes + uint64_t{l} * kRows * kRowBytes + dst * kRowBytes;
+        if (std::memcmp(scratch.data() + off, now.data() + off, n * kRowBytes) != 0 && ++bad < 4) {
+          ADD_FAILURE() << "plane " << p << " layer " << l << " rows " << dst << ".." << dst + n - 1
+                        << " differ from the reference decode";
+        }
+      }
+    if (codec == kRaw) {
+      for (uint32_t p = 0; p < 2; ++p)
+        for (uint32_t l = 0; l < kLayers; ++l) {
+          const uint64_t base = p * kPlaneBytes + uint64_t{l} * kRows * kRowBytes;
+          EXPECT_EQ(std::memcmp(original.data() + base + src * kRowBytes,
+                                now.data() + base + dst * kRowBytes, n * kRowBytes),
+                    0);
+        }
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<int> failed_devices_;  // GUARDED_BY(mu_)
+  Status failure_;                   // GUARDED_BY(mu_)
+  std::map<uint64_t, bool> pending_records_;
+  std::unique_ptr<FakeDevice> fake_;
+  std::unique_ptr<AnonBuffer> pool_mem_;
+  std::unique_ptr<BlockStore> store_;
+  std::unique_ptr<kernels::CpuCodec> codec_;
+  std::unique_ptr<HostBackend> host_;
+  std::unique_ptr<CudaBackend> cuda_;
+  std::unique_ptr<CacheCore> core_;
+  std::vector<std::unique_ptr<Engine>> engines_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Data path and staging
+
+TEST_F(CudaBackendTest, RoundTripIsTheReferenceCodecsBytes) {
+  for (int codec : {kInt8, kRaw}) {
+    Engine& e = NewEngine();
+    const uint64_t pool = Register(e, codec);
+    const std::vector<uint8_t> original = e.Bytes();
+    auto b = Backup(Transfer(pool, Blocks(100, 4, 0)));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    for (BlockResult r : b->results) EXPECT_EQ(r, BlockResult::kStored);
+    EXPECT_EQ(Lookup(pool, 100, 4), 4u);
+    auto r = Restore(Transfer(pool, Blocks(100, 4, 32)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->restored_blocks, 4u);
+    ExpectRestored(e, original, 0, 32, 16, codec);
+  }
+}
+
+// A request larger than the staging budget runs in chunks through the slab pair; slabs are
+// never written while a queued copy or kernel still reads them (the fake checks every pair of
+// overlapping accesses for an order, and runs the most recently enqueued work first).
+TEST_F(CudaBackendTest, RequestsLargerThanTheBudgetRunInChunksAndNeverReuseBusySlabs) {
+  struct Case {
+    uint64_t staging;
+    uint32_t encodes_per_block;  // backup chunks per block
+    const char* what;
+  };
+  // Slabs of 4,096 bytes hold one block (3,168): one block per backup chunk, three blocks per
+  // restore unit. Slabs of 2,304 hold two layers: each block is backed up in two chunks.
+  for (const Case& c : {Case{2 * 4096, 1, "whole blocks"}, Case{2 * 2304, 2, "layer chunks"}}) {
+    SCOPED_TRACE(c.what);
+    Options o;
+    o.staging_bytes = c.staging;
+    o.auto_run = false;
+    Build(o);
+    Engine& e = NewEngine();
+    const uint64_t pool = Register(e);
+    const std::vector<uint8_t> original = e.Bytes();
+    const uint64_t allocs = fake_->AllocCalls();
+    constexpr uint32_t kN = 9;
+    auto bf = BackupAsync(Transfer(pool, Blocks(1, kN, 0), /*sync=*/false));
+    // Adversarial order: whatever is runnable and enqueued last runs first.
+    while (bf.wait_for(1ms) != std::future_status::ready) fake_->RunReady();
+    ASSERT_TRUE(Await(bf).ok());
+    while (core_->PendingTasks() > 0) {
+      fake_->RunReady();
+      std::this_thread::sleep_for(100us);
+    }
+    EXPECT_EQ(fake_->Executed(Call::kEncode), kN * c.encodes_per_block);
+    EXPECT_EQ(Lookup(pool, 1, kN), kN);
+    auto rf = RestoreAsync(Transfer(pool, Blocks(1, kN, 28), /*sync=*/true));
+    while (rf.wait_for(1ms) != std::future_status::ready) fake_->RunReady();
+    auto r = Await(rf);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->restored_blocks, kN);
+    const uint32_t per_unit = c.staging / 2 / kLayerBytes;  // blocks per restore unit
+    EXPECT_EQ(fake_->Executed(Call::kDecode), kLayers * ((kN + per_unit - 1) / per_unit));
+    ExpectRestored(e, original, 0, 28, kN * kBlockTokens, kInt8);
+    EXPECT_EQ(fake_->AllocCalls(), allocs)
+        << "device or pinned memory allocated on the request path";
+    EXPECT_TRUE(fake_->Violations().empty()) << Joined(fake_->Violations());
+  }
+}
+
+TEST_F(CudaBackendTest, StagingIsAllocatedAtBindAndShownInStats) {
+  EXPECT_EQ(core_->Snapshot().staging_device_bytes, 0u);
+  Engine& e = NewEngine();
+  Register(e);
+  const uint64_t after_one = core_->Snapshot().staging_device_bytes;
+  EXPECT_GE(after_one, 1u << 20);  // the budget, plus the pool's job arrays
+  EXPECT_LT(after_one, (1u << 20) + (1u << 20));
+  Engine& e2 = NewEngine(1);
+  Register(e2);
+  EXPECT_GT(core_->Snapshot().staging_device_bytes, 2 * (1u << 20));  // one budget per device
+}
+
+TEST_F(CudaBackendTest, LayerLargerThanASlabIsRefusedAtRegistration) {
+  Options o;
+  o.staging_bytes = 2 * 512;  // slabs of 512 bytes: a layer of a block is 1,056
+  Build(o);
+  Engine& e = NewEngine();
+  auto r = core_->RegisterPool(Spec(e));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("cuda_staging_bytes"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(fake_->OpenIpcBuffers(), 0u);
+  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// No worker waits on device work
+
+// TP=4 ranks on four GPUs, two transfer workers. Each rank records its wait_event on its stream
+// and sends an asynchronous Backup and an asynchronous Restore; its stream reaches the record
+// only after every rank's requests were answered (ranks wait for each other in an all-reduce).
+// A daemon whose workers wait for the device deadlocks here: two workers held by two ranks,
+// the other two never answered.
+TEST_F(CudaBackendTest, TpRanksWhoseWaitEventsCompleteAfterAllRepliesDoNotDeadlock) {
+  constexpr uint32_t kTp = 4;
+  std::vector<uint64_t> pools;
+  for (uint32_t r = 0; r < kTp; ++r) pools.push_back(Register(NewEngine(r), kInt8, r, kTp));
+  // Blocks to restore later, backed up while nothing waits.
+  for (uint32_t r = 0; r < kTp; ++r) ASSERT_TRUE(Backup(Transfer(pools[r], Blocks(50, 2, 0))).ok());
+  const uint64_t encodes = fake_->Executed(Call::kEncode);
+  const uint64_t decodes = fake_->Executed(Call::kDecode);
+  std::vector<uint64_t> records;
+  std::vector<std::future<StatusOr<BackupResult>>> backups;
+  for (uint32_t r = 0; r < kTp; ++r) {
+    records.push_back(RecordLate(*engines_[r]));
+    TransferSpec t = Transfer(pools[r], Blocks(10, 2, 16), /*sync=*/false);
+    t.wait_event = kWait;
+    t.done_event = kDone;
+    backups.push_back(BackupAsync(std::move(t)));
+  }
+  for (uint32_t r = 0; r < kTp; ++r) {
+    auto b = Await(backups[r], 3s);
+    ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b.status().ToString()
+                        << " (a transfer worker waits for the rank's device)";
+    for (BlockResult res : b->results) EXPECT_EQ(res, BlockResult::kStored);
+  }
+  // Answered, and the daemon did not run early: its stream waits for the late record.
+  EXPECT_EQ(fake_->Executed(Call::kEncode), encodes);
+  for (uint32_t r = 0; r < kTp; ++r) {
+    EXPECT_FALSE(fake_->EventComplete(engines_[r]->events[kDone]));
+    EXPECT_EQ(Lookup(pools[r], 10, 2), 0u) << "published before the device wrote it";
+  }
+  // A restore per rank, queued behind its backup: no worker is held meanwhile either.
+  std::vector<std::future<StatusOr<RestoreResult>>> restores;
+  for (uint32_t r = 0; r < kTp; ++r) {
+    TransferSpec t = Transfer(pools[r], Blocks(50, 2, 40), /*sync=*/true);
+    restores.push_back(RestoreAsync(std::move(t)));
+  }
+  // The workers are free: a CUDA pool on a fifth GPU runs meanwhile. (On a GPU whose staging
+  // pairs are all held by waiting tasks it would wait for a pair, without holding a worker.)
+  Engine& free_rank = NewEngine(4);
+  const uint64_t other = Register(free_rank, kRaw);
+  auto b = BackupAsync(Transfer(other, Blocks(70, 1, 0)));
+  ASSERT_TRUE(Await(b, 3s).ok()) << "a pool with no wait was stalled by pools that wait";
+  for (uint64_t rec : records) Complete(rec);
+  for (uint32_t r = 0; r < kTp; ++r) {
+    auto res = Await(restores[r]);
+    ASSERT_TRUE(res.ok()) << res.status().ToString();
+    EXPECT_EQ(res->restored_blocks, 2u);
+  }
+  core_->WaitIdle();
+  for (uint32_t r = 0; r < kTp; ++r) {
+    EXPECT_EQ(Lookup(pools[r], 10, 2), 2u);
+    EXPECT_TRUE(fake_->EventComplete(engines_[r]->events[kDone]));
+  }
+  EXPECT_GT(fake_->Executed(Call::kEncode), encodes);
+  EXPECT_GT(fake_->Executed(Call::kDecode), decodes);
+}
+
+// HOST pools share the transfer workers with CUDA pools: CUDA pools whose devices wait (several
+// queued requests each) must not stall them.
+TEST_F(CudaBackendTest, HostPoolsKeepWorkingWhileCudaPoolsWait) {
+  std::vector<uint64_t> records;
+  std::vector<std::future<StatusOr<BackupResult>>> queued;
+  for (int d = 0; d < 3; ++d) {
+    Engine& e = NewEngine(d);
+    const uint64_t pool = Register(e);
+    records.push_back(RecordLate(e));
+    for (uint32_t i = 0; i < 3; ++i) {
+      TransferSpec t = Transfer(pool, Blocks(100 * (d + 1) + i, 1, 4 * i), /*sync=*/i == 2);
+      t.wait_event = kWait;
+      queued.push_back(BackupAsync(std::move(t)));
+    }
+  }
+  // A HOST pool over POSIX shm, as an engine on the CPU registers it.
+  const std::string name = "/hiq-cuda-test-" + std::to_string(::getpid());
+  ::shm_unlink(name.c_str());
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 2 * kPlaneBytes), 0);
+  ::close(fd);
+  RegisterSpec hs = Spec(*engines_[0]);
+  hs.device_kind = 1;
+  hs.cuda_device_uuid.clear();
+  hs.events = EventsSpec{};
+  for (uint32_t p = 0; p < 2; ++p) {
+    hs.buffers[p] = BufferSpec{};
+    hs.buffers[p].has_host_shm_name = true;
+    hs.buffers[p].host_shm_name = name;
+    hs.buffers[p].size_bytes = 2 * kPlaneBytes;
+  }
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    hs.layers[l].k.buffer = 0;
+    hs.layers[l].v.buffer = 1;
+    hs.layers[l].v.offset_bytes += 0;
+  }
+  auto host_pool = core_->RegisterPool(hs);
+  ::shm_unlink(name.c_str());
+  ASSERT_TRUE(host_pool.ok()) << host_pool.status().ToString();
+  auto hb = BackupAsync(Transfer(host_pool->pool_id, Blocks(900, 2, 0)));
+  auto hbr = Await(hb, 3s);
+  ASSERT_TRUE(hbr.ok()) << hbr.status().ToString() << " (HOST work stalled by waiting CUDA pools)";
+  auto hr = RestoreAsync(Transfer(host_pool->pool_id, Blocks(900, 2, 32)));
+  auto hrr = Await(hr, 3s);
+  ASSERT_TRUE(hrr.ok()) << hrr.status().ToString();
+  EXPECT_EQ(hrr->restored_blocks, 2u);
+  for (uint64_t rec : records) Complete(rec);
+  for (auto& f : queued) EXPECT_TRUE(Await(f).ok());
+}
+
+// A pool's requests complete in request order, each after the one before it.
+TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrder) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  Engine& e2 = NewEngine(1);
+  const uint64_t pool2 = Register(e2);
+  const uint64_t first = RecordLate(e);
+  std::mutex mu;
+  std::vector<uint64_t> order, order2;
+  std::atomic<int> replies{0};
+  constexpr int kTasks = 12;
+  for (int i = 0; i < kTasks; ++i) {
+    for (uint64_t p : {pool, pool2}) {
+      TransferSpec t = Transfer(p, Blocks(1000 + i, 1, 4 * (i % 8)), /*sync=*/true);
+      if (i == 0 && p == pool) t.wait_event = kWait;
+      auto* out = p == pool ? &order : &order2;
+      if (i % 3 == 2) {
+        core_->Restore(t, [&, out](StatusOr<RestoreResult> r) {
+          ASSERT_TRUE(r.ok()) << r.status().ToString();
+          std::lock_guard<std::mutex> lock(mu);
+          out->push_back(r->ticket);
+          ++replies;
+        });
+      } else {
+        core_->Backup(t, [&, out](StatusOr<BackupResult> r) {
+          ASSERT_TRUE(r.ok()) << r.status().ToString();
+          std::lock_guard<std::mutex> lock(mu);
+          out->push_back(r->ticket);
+          ++replies;
+        });
+      }
+    }
+  }
+  // pool2 proceeds while pool waits for its first task's wait_event.
+  ASSERT_TRUE(WaitUntil([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return order2.size() == kTasks;
+  }));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_TRUE(order.empty());
+  }
+  Complete(first);
+  ASSERT_TRUE(WaitUntil([&] { return replies.load() == 2 * kTasks; }));
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto* o : {&order, &order2}) {
+    ASSERT_EQ(o->size(), static_cast<size_t>(kTasks));
+    for (int i = 0; i < kTasks; ++i) EXPECT_EQ((*o)[i], static_cast<uint64_t>(i + 1));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+// A failed enqueue (here a copy the runtime refuses, as with a device out of memory) answers
+// with an error, never restored_blocks = n or STORED, and still records every event the request
+// names, so that the engine's stream never hangs; the next request works.
+TEST_F(CudaBackendTest, FailedEnqueueAnswersAnErrorAndStillRecordsItsEvents) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 4, 0))).ok());
+  const std::vector<uint8_t> before = e.Bytes();
+  for (bool sync : {false, true}) {
+    SCOPED_TRACE(sync ? "sync" : "async");
+    // The second copy of the restore fails (the first uploads its job arrays).
+    fake_->FailCall(Call::kCopy, ResourceExhausted("cudaErrorMemoryAllocation (out of memory)"),
+                    /*skip=*/1);
+    TransferSpec t = Transfer(pool, Blocks(1, 4, 32), sync);
+    t.layer_event_base = kLayerBase;
+    t.done_event = kDone;
+    const uint64_t layer_records = fake_->DaemonRecords(e.events[kLayerBase + kLayers - 1]);
+    const uint64_t done_records = fake_->DaemonRecords(e.events[kDone]);
+    auto f = RestoreAsync(t);
+    auto r = Await(f);
+    ASSERT_FALSE(r.ok()) << "an enqueue failure answered restored_blocks = " << r->restored_blocks;
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+    core_->WaitIdle();
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(fake_->EventComplete(e.events[kLayerBase + l])) << "layer " << l;
+    }
+    EXPECT_EQ(fake_->DaemonRecords(e.events[kLayerBase + kLayers - 1]), layer_records + 1);
+    EXPECT_EQ(fake_->DaemonRecords(e.events[kDone]), done_records + 1);
+    EXPECT_TRUE(fake_->EventComplete(e.events[kDone]));
+  }
+  // Backup: an encode launch failure answers the error; nothing is published.
+  fake_->FailCall(Call::kEncode, Internal("cudaErrorLaunchOutOfResources"));
+  TransferSpec bt = Transfer(pool, Blocks(20, 2, 8), /*sync=*/false);
+  bt.done_event = kDone;
+  auto bf = BackupAsync(bt);
+  auto b = Await(bf);
+  ASSERT_FALSE(b.ok()) << "an enqueue failure answered STORED";
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 20, 2), 0u);
+  EXPECT_TRUE(fake_->EventComplete(e.events[kDone]));
+  // A non-sticky error fails one request only.
+  auto ok = Restore(Transfer(pool, Blocks(1, 4, 32)));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->restored_blocks, 4u);
+  ExpectRestored(e, before, 0, 32, 16, kInt8);
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPECT_TRUE(failed_devices_.empty());
+}
+
+// A sticky error (the context is lost) fails the device: its requests fail with UNAVAILABLE and
+// a clear message from then on, the daemon is told once (it exits to be restarted), HOST work
+// and the block store are unaffected.
+TEST_F(CudaBackendTest, StickyErrorOnEnqueueFailsTheDevice) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
+  fake_->FailCall(Call::kEncode, DataLoss("cudaErrorIllegalAddress (an illegal memory access)"));
+  auto b = Backup(Transfer(pool, Blocks(10, 2, 8)));
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().ToString();
+  EXPECT_NE(b.status().message().find("restart"), std::string::npos) << b.status().message();
+  auto r = Restore(Transfer(pool, Blocks(1, 2, 32)));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_FALSE(cuda_->DeviceFailure().ok());
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPECT_EQ(failed_devices_, std::vector<int>{0});
+}
+
+TEST_F(CudaBackendTest, StickyErrorSeenByTheCompletionThreadFailsTheDevice) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  fake_->FailExecution(Call::kEncode);  // the kernel faults on the device, after the enqueue
+  auto f = BackupAsync(Transfer(pool, Blocks(1, 2, 0), /*sync=*/true));
+  auto b = Await(f);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().ToString();
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 1, 2), 0u);
+  auto again = Backup(Transfer(pool, Blocks(5, 1, 0), /*sync=*/false));
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kUnavailable);
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPECT_EQ(failed_devices_.size(), 1u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Release
+
+// ReleasePool while the pool's first task waits on the device (its wait_event is late) and two
+// more are queued: the queued ones never reach the device (no kernel names the buffers after
+// the release began), the release returns only once the device work drained, and then every
+// mapping and event of the pool is closed.
+TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
+  const uint64_t late = RecordLate(e);
+  TransferSpec t1 = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
+  t1.wait_event = kWait;
+  auto f1 = BackupAsync(t1);
+  ASSERT_TRUE(Await(f1).ok());  // enqueued and answered; its device work waits
+  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/false));
+  auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/false));
+  const uint64_t k_kernels = fake_->KernelsTouching(e.k_handle);
+  std::atomic<bool> returned{false};
+  Status released;
+  std::thread releaser([&] {
+    released = core_->ReleasePool(pool);
+    returned = true;
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(returned.load()) << "ReleasePool returned while the pool's device work was queued";
+  EXPECT_TRUE(fake_->BufferOpen(e.k_handle));
+  Complete(late);
+  releaser.join();
+  HIQ_EXPECT_OK(released);
+  EXPECT_FALSE(fake_->BufferOpen(e.k_handle));
+  EXPECT_FALSE(fake_->BufferOpen(e.v_handle));
+  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
+  EXPECT_EQ(fake_->LiveStreams(), 0u);
+  EXPECT_EQ(fake_->KernelsTouching(e.k_handle), k_kernels)
+      << "queued work of a released pool reached the device";
+  auto r2 = Await(f2);
+  auto r3 = Await(f3);
+  EXPECT_EQ(r2.status().code(), StatusCode::kCancelled) << r2.status().ToString();
+  EXPECT_EQ(r3.status().code(), StatusCode::kCancelled) << r3.status().ToString();
+  // The completed backup was published; the cancelled one left nothing behind.
+  Engine& again = NewEngine();
+  const uint64_t p2 = Register(again);
+  EXPECT_EQ(Lookup(p2, 10, 2), 2u);
+  EXPECT_EQ(Lookup(p2, 30, 1), 0u);
+  EXPECT_EQ(core_->ReleasePool(pool).code(), StatusCode::kNotFound);
+}
+
+// Device work that never completes (the engine died with its record pending, say): the release
+// gives up after release_timeout and says so; the mappings stay open until that work completes,
+// then close.
+TEST_F(CudaBackendTest, ReleaseIsBoundedAndClosesOnceTheWorkCompletes) {
+  Options o;
+  o.release_timeout = 150ms;
+  Build(o);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const uint64_t late = RecordLate(e);
+  TransferSpec t = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
+  t.wait_event = kWait;
+  auto f = BackupAsync(t);
+  ASSERT_TRUE(Await(f).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = core_->ReleasePool(pool);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
+  EXPECT_TRUE(fake_->BufferOpen(e.k_handle)) << "closed while device work still uses it";
+  Complete(late);
+  EXPECT_TRUE(WaitUntil([&] { return !fake_->BufferOpen(e.k_handle); }));
+  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
+}
+
+TEST_F(CudaBackendTest, ReleasePoolsOfClientWaitsTheSameWay) {
+  Engine& e = NewEngine();
+  RegisterSpec s = Spec(e);
+  s.client_pid = 777;
+  auto reg = core_->RegisterPool(s);
+  ASSERT_TRUE(reg.ok());
+  const uint64_t late = RecordLate(e);
+  TransferSpec t = Transfer(reg->pool_id, Blocks(10, 2, 8), /*sync=*/false);
+  t.wait_event = kWait;
+  auto f = BackupAsync(t);
+  ASSERT_TRUE(Await(f).ok());
+  std::thread completer([&] {
+    std::this_thread::sleep_for(100ms);
+    fake_->CompleteEngineRecord(late);
+  });
+  EXPECT_EQ(core_->ReleasePoolsOfClient(777), 1u);
+  pending_records_.erase(late);
+  EXPECT_FALSE(fake_->BufferOpen(e.k_handle));
+  completer.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration
+
+TEST_F(CudaBackendTest, BufferOnAnotherGpuThanTheUuidIsRejectedNamingTheField) {
+  Engine& e = NewEngine(1);  // its memory is on device 1
+  RegisterSpec s = Spec(e);
+  s.cuda_device_uuid = UuidOf(*fake_, 0);
+  auto r = core_->RegisterPool(s);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("device.cuda_device_uuid"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("buffers[0]"), std::string::npos) << r.status().message();
+  EXPECT_EQ(fake_->OpenIpcBuffers(), 0u);
+}
+
+TEST_F(CudaBackendTest, UnopenableHandleSaysWhatToChange) {
+  Engine& e = NewEngine();
+  fake_->FailCall(Call::kOpenIpcBuffer, InvalidArgument("cudaErrorInvalidValue"));
+  auto r = core_->RegisterPool(Spec(e));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("buffers[0].cuda_ipc_handle"), std::string::npos);
+  EXPECT_NE(r.status().message().find("expandable_segments:False"), std::string::npos)
+      << r.status().message();
+}
+
+// The pool is page-locked in chunks, and no block straddles two of them: every copy between a
+// slab and the pool lies inside one registration (the fake reports any other).
+TEST_F(CudaBackendTest, PoolRegistrationChunksHoldWholeBlocks) {
+  Options o;
+  o.register_chunk = 1 << 20;  // 512 chunks of 1 MiB; a block's slot is 3,232 bytes
+  Build(o);
+  EXPECT_EQ(fake_->Registered().size(), 512u);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  // Enough blocks (5 MiB) to fill extents across several chunk boundaries.
+  for (uint32_t round = 0; round < 100; ++round) {
+    auto b = Backup(Transfer(pool, Blocks(round * 16, 16, 0)));
+    ASSERT_TRUE(b.ok()) << round << ": " << b.status().ToString();
+  }
+  EXPECT_TRUE(fake_->Violations().empty()) << Joined(fake_->Violations());
+  auto r = Restore(Transfer(pool, Blocks(99 * 16, 8, 0)));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->restored_blocks, 8u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake's own checks have teeth.
+
+TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
+  FakeDevice fake(1);
+  auto slab = fake.AllocDevice(0, 256);
+  auto host = fake.AllocPinned(256);
+  auto compute = fake.CreateStream(0);
+  auto copy = fake.CreateStream(0);
+  auto filled = fake.CreateEvent(0);
+  ASSERT_TRUE(slab.ok() && host.ok() && compute.ok() && copy.ok() && filled.ok());
+  // Producer writes the slab on `compute`; the consumer copies it out on `copy` after a wait.
+  DeviceApi::Copy fill{*slab, *host, 256}, drain{*host, *slab, 256};
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&fill, 1}, *compute));
+  HIQ_ASSERT_OK(fake.RecordEvent(0, *filled, *compute));
+  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *copy, *filled));
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&drain, 1}, *copy));
+  fake.RunReady();
+  EXPECT_TRUE(fake.Violations().empty());
+  // Reusing the slab on `compute` without waiting for the consumer's read is a race.
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&drain, 1}, *copy));
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&fill, 1}, *compute));
+  fake.RunReady();
+  EXPECT_FALSE(fake.Violations().empty());
+}
+
+TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
+  FakeDevice fake(1);
+  const std::string ev = fake.ExportEvent();
+  auto opened = fake.OpenIpcEvent(0, ev);
+  auto stream = fake.CreateStream(0);
+  auto mine = fake.CreateEvent(0);
+  ASSERT_TRUE(opened.ok() && stream.ok() && mine.ok());
+  // Waiting before the engine records: no wait at all.
+  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *opened));
+  HIQ_ASSERT_OK(fake.RecordEvent(0, *mine, *stream));
+  fake.RunReady();
+  EXPECT_TRUE(*fake.QueryEvent(0, *mine));
+  // Waiting after a late record: stays queued until it completes.
+  const uint64_t rec = fake.EngineRecordPending(ev);
+  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *opened));
+  HIQ_ASSERT_OK(fake.RecordEvent(0, *mine, *stream));
+  fake.RunReady();
+  EXPECT_FALSE(*fake.QueryEvent(0, *mine));
+  fake.CompleteEngineRecord(rec);
+  fake.RunReady();
+  EXPECT_TRUE(*fake.QueryEvent(0, *mine));
+}
+
+TEST(StagingPlanTest, CutsTheBudgetIntoSlabPairs) {
+  StagingPlan p = StagingPlan::For(128ull << 20);
+  EXPECT_EQ(p.pairs, 4u);
+  EXPECT_EQ(p.slab_bytes, 16ull << 20);
+  p = StagingPlan::For(64ull << 20);
+  EXPECT_EQ(p.pairs, 2u);
+  EXPECT_EQ(p.slab_bytes, 16ull << 20);
+  p = StagingPlan::For(4ull << 30);
+  EXPECT_EQ(p.pairs, 8u);
+  EXPECT_EQ(p.slab_bytes, 256ull << 20);
+  p = StagingPlan::For(8192);
+  EXPECT_EQ(p.pairs, 1u);
+  EXPECT_EQ(p.slab_bytes, 4096u);
+}
+
+}  // namespace
+}  // namespace hiqcache::server

@@ -1,0 +1,711 @@
+#include "fake_device.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "codec_reference.h"
+
+namespace hiqcache::server::testing {
+
+struct FakeDevice::Record {
+  uint64_t id = 0;
+  bool done = false;
+  VClock vc;  // what the record captures (daemon records); empty for engine records
+};
+
+struct FakeDevice::Event {
+  bool destroyed = false;
+  Event* target = nullptr;  // an opened IPC event: the engine's event it stands for
+  std::string handle;       // engine events
+  std::shared_ptr<Record> latest;
+  uint64_t daemon_records = 0;
+  std::vector<std::shared_ptr<Record>> daemon_record_list;
+};
+
+struct FakeDevice::Op {
+  Call kind = Call::kCopy;
+  uint64_t seq = 0;
+  uint64_t own = 0;
+  VClock vc;
+  int device = 0;
+  std::vector<Copy> copies;
+  kernels::EncodeJob enc;
+  kernels::DecodeJob dec;
+  uint32_t first = 0, count = 0;
+  std::shared_ptr<Record> record;  // kRecord: completes it; kWait: waits for it (may be null)
+  bool fail = false;               // fails when it runs (sticky)
+};
+
+struct FakeDevice::Stream {
+  int id = 0;
+  int device = 0;
+  bool destroyed = false;
+  uint64_t count = 0;
+  VClock tail;
+  std::deque<Op> ops;
+};
+
+struct FakeDevice::Buffer {
+  std::string handle;
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
+  int device = 0;
+  int opens = 0;
+};
+
+namespace {
+
+std::string HandleOf(const char* kind, uint64_t id) {
+  std::string h(64, '\0');
+  std::snprintf(h.data(), h.size(), "%s:%llu", kind, static_cast<unsigned long long>(id));
+  return h;
+}
+
+const char* CallName(FakeDevice::Call c) {
+  static const char* kNames[] = {"CreateStream",    "CreateEvent",  "OpenIpcEvent",  "RecordEvent",
+                                 "StreamWaitEvent", "QueryEvent",   "OpenIpcBuffer", "AllocDevice",
+                                 "AllocPinned",     "RegisterHost", "Copy",          "Encode",
+                                 "Decode"};
+  return kNames[static_cast<int>(c)];
+}
+
+}  // namespace
+
+FakeDevice::FakeDevice(int devices) : devices_(devices) {
+  runner_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || auto_run_; });
+      if (stop_) return;
+      if (RunReadyLocked() == 0) cv_.wait_for(lock, std::chrono::milliseconds(5));
+    }
+  });
+}
+
+FakeDevice::~FakeDevice() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  runner_.join();
+  for (const Alloc& a : allocs_) std::free(a.data);
+}
+
+void FakeDevice::Join(VClock* into, const VClock& from) {
+  if (into->size() < from.size()) into->resize(from.size(), 0);
+  for (size_t i = 0; i < from.size(); ++i) (*into)[i] = std::max((*into)[i], from[i]);
+}
+
+void FakeDevice::ViolationLocked(std::string what) { violations_.push_back(std::move(what)); }
+
+// --- the engine's side -------------------------------------------------------------------------
+
+std::string FakeDevice::ExportBuffer(uint8_t* data, size_t bytes, int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto b = std::make_unique<Buffer>();
+  b->handle = HandleOf("FAKEBUF", buffers_.size() + 1);
+  b->data = data;
+  b->bytes = bytes;
+  b->device = device;
+  std::string h = b->handle;
+  buffers_[h] = std::move(b);
+  return h;
+}
+
+std::string FakeDevice::ExportEvent() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto e = std::make_unique<Event>();
+  e->handle = HandleOf("FAKEEVT", engine_events_.size() + 1);
+  engine_events_[e->handle] = e.get();
+  std::string h = e->handle;
+  events_.push_back(std::move(e));
+  return h;
+}
+
+uint64_t FakeDevice::EngineRecordPending(const std::string& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = std::make_shared<Record>();
+  r->id = ++next_record_;
+  engine_events_.at(event)->latest = r;
+  engine_records_[r->id] = r;
+  return r->id;
+}
+
+void FakeDevice::CompleteEngineRecord(uint64_t record) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    engine_records_.at(record)->done = true;
+  }
+  cv_.notify_all();
+}
+
+bool FakeDevice::EventComplete(const std::string& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Event* e = engine_events_.at(event);
+  return e->latest == nullptr || e->latest->done;
+}
+
+uint64_t FakeDevice::DaemonRecords(const std::string& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_events_.at(event)->daemon_records;
+}
+
+uint64_t FakeDevice::DaemonRecordsCompleted(const std::string& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = 0;
+  for (const auto& r : engine_events_.at(event)->daemon_record_list) n += r->done ? 1 : 0;
+  return n;
+}
+
+bool FakeDevice::BufferOpen(const std::string& buffer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return buffers_.at(buffer)->opens > 0;
+}
+
+uint64_t FakeDevice::KernelsTouching(const std::string& buffer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Counted at enqueue (below) would need the views then; recount over the log and queues.
+  uint64_t n = 0;
+  const Buffer* want = buffers_.at(buffer).get();
+  for (auto& s : streams_) {
+    for (const Op& op : s->ops) {
+      if (op.kind != Call::kEncode && op.kind != Call::kDecode) continue;
+      for (const Buffer* b : KernelBuffersLocked(op)) n += b == want ? 1 : 0;
+    }
+  }
+  // Executed kernels: their accesses of the engine buffer are in the log.
+  for (const Access& a : log_) {
+    if ((a.kind == Call::kEncode || a.kind == Call::kDecode) && a.lo == want->data &&
+        a.hi == want->data + want->bytes) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+// --- progress ----------------------------------------------------------------------------------
+
+void FakeDevice::SetAutoRun(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto_run_ = on;
+  }
+  cv_.notify_all();
+}
+
+bool FakeDevice::RunnableLocked(const Stream& s) const {
+  if (s.ops.empty()) return false;
+  const Op& op = s.ops.front();
+  if (op.kind == Call::kWait) return op.record == nullptr || op.record->done;
+  return true;
+}
+
+size_t FakeDevice::RunReady() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunReadyLocked();
+}
+
+size_t FakeDevice::RunReadyLocked() {
+  size_t ran = 0;
+  for (;;) {
+    // The most recently enqueued runnable operation first: adversarial for missing waits.
+    Stream* pick = nullptr;
+    for (auto& s : streams_) {
+      if (RunnableLocked(*s) && (pick == nullptr || s->ops.front().seq > pick->ops.front().seq)) {
+        pick = s.get();
+      }
+    }
+    if (pick == nullptr) return ran;
+    ExecuteLocked(pick);
+    ++ran;
+  }
+}
+
+size_t FakeDevice::PendingOps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto& s : streams_) n += s->ops.size();
+  return n;
+}
+
+const FakeDevice::Buffer* FakeDevice::BufferAtLocked(const uint8_t* p) const {
+  for (const auto& [h, b] : buffers_) {
+    if (p >= b->data && p < b->data + b->bytes) return b.get();
+  }
+  return nullptr;
+}
+
+std::vector<const FakeDevice::Buffer*> FakeDevice::KernelBuffersLocked(const Op& op) {
+  std::vector<const Buffer*> out;
+  const kernels::BlockLayout& lay = op.kind == Call::kEncode ? op.enc.layout : op.dec.layout;
+  const kernels::LayerViews* layers = op.kind == Call::kEncode ? op.enc.layers : op.dec.layers;
+  const uint32_t first = op.kind == Call::kEncode ? 0 : op.first;
+  const uint32_t count = op.kind == Call::kEncode ? lay.num_layers : op.count;
+  for (uint32_t l = first; l < first + count; ++l) {
+    for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      const Buffer* b = BufferAtLocked(layers[l].planes[p].base);
+      if (b != nullptr && std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+    }
+  }
+  return out;
+}
+
+std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
+  std::vector<Access> out;
+  auto add = [&](const void* p, size_t n, bool write) {
+    if (p == nullptr || n == 0) return;
+    const uint8_t* lo = static_cast<const uint8_t*>(p);
+    out.push_back({lo, lo + n, write, 0, op.own, op.seq, op.kind});
+  };
+  switch (op.kind) {
+    case Call::kCopy:
+      for (const Copy& c : op.copies) {
+        add(c.src, c.bytes, false);
+        add(c.dst, c.bytes, true);
+      }
+      break;
+    case Call::kEncode: {
+      const kernels::EncodeJob& j = op.enc;
+      add(j.layers, j.layout.num_layers * sizeof(kernels::LayerViews), false);
+      add(j.rows, size_t{j.num_blocks} * j.layout.block_tokens * 4, false);
+      add(j.blocks, size_t{j.num_blocks} * sizeof(uint8_t*), false);
+      for (const Buffer* b : KernelBuffersLocked(op)) add(b->data, b->bytes, false);
+      for (uint32_t b = 0; b < j.num_blocks; ++b) add(j.blocks[b], j.layout.BlockBytes(), true);
+      add(j.nonfinite, j.num_blocks, true);
+      break;
+    }
+    case Call::kDecode: {
+      const kernels::DecodeJob& j = op.dec;
+      add(j.layers, (op.first + op.count) * sizeof(kernels::LayerViews), false);
+      add(j.rows, size_t{j.num_blocks} * j.layout.block_tokens * 4, false);
+      add(j.blocks, size_t{j.num_blocks} * sizeof(uint8_t*), false);
+      for (uint32_t b = 0; b < j.num_blocks; ++b) {
+        add(j.blocks[b] + op.first * j.layout.LayerBytes(), op.count * j.layout.LayerBytes(),
+            false);
+      }
+      for (const Buffer* b : KernelBuffersLocked(op)) add(b->data, b->bytes, true);
+      break;
+    }
+    default:
+      break;
+  }
+  return out;
+}
+
+void FakeDevice::ExecuteLocked(Stream* s) {
+  Op op = std::move(s->ops.front());
+  s->ops.pop_front();
+  if (op.fail) {
+    lost_ = DataLoss(std::string("fake device: ") + CallName(op.kind) +
+                     " failed on the device (illegal address)");
+  }
+  if (!lost_.ok()) {
+    // A lost context runs nothing; records never complete (queries fail instead).
+    return;
+  }
+  std::vector<Access> acc = AccessesLocked(op);
+  for (Access& a : acc) a.stream = s->id;
+  for (const Access& a : acc) {
+    for (const auto& [lo, hi] : dead_ranges_) {
+      if (a.lo < hi && lo < a.hi) {
+        ViolationLocked(std::string(CallName(op.kind)) + " #" + std::to_string(op.seq) +
+                        " touches closed or freed memory");
+      }
+    }
+    for (const Access& b : log_) {
+      if (b.stream == a.stream || !(a.write || b.write) || !(a.lo < b.hi && b.lo < a.hi)) continue;
+      const uint64_t known = static_cast<size_t>(b.stream) < op.vc.size() ? op.vc[b.stream] : 0;
+      if (known < b.own) {
+        ViolationLocked(std::string("race: ") + CallName(op.kind) + " #" + std::to_string(op.seq) +
+                        " (stream " + std::to_string(a.stream) + ", " +
+                        (a.write ? "writes" : "reads") + ") and " + CallName(b.kind) + " #" +
+                        std::to_string(b.seq) + " (stream " + std::to_string(b.stream) + ", " +
+                        (b.write ? "writes" : "reads") + ") overlap with no order between them");
+      }
+    }
+  }
+  switch (op.kind) {
+    case Call::kCopy:
+      for (const Copy& c : op.copies) std::memmove(c.dst, c.src, c.bytes);
+      break;
+    case Call::kEncode:
+      kernels::EncodeBlocksReference(op.enc);
+      break;
+    case Call::kDecode:
+      for (uint32_t l = op.first; l < op.first + op.count; ++l) {
+        kernels::DecodeLayerReference(op.dec, l);
+      }
+      break;
+    case Call::kRecord:
+      op.record->done = true;
+      break;
+    default:
+      break;
+  }
+  executed_[static_cast<int>(op.kind)] += 1;
+  log_.insert(log_.end(), acc.begin(), acc.end());
+}
+
+// --- faults and observation --------------------------------------------------------------------
+
+void FakeDevice::FailCall(Call call, Status status, uint32_t skip) {
+  std::lock_guard<std::mutex> lock(mu_);
+  faults_.push_back({call, std::move(status), skip, false});
+}
+
+void FakeDevice::FailExecution(Call call, uint32_t skip) {
+  std::lock_guard<std::mutex> lock(mu_);
+  faults_.push_back({call, Status::Ok(), skip, true});
+}
+
+Status FakeDevice::InjectedLocked(Call call) {
+  if (!lost_.ok()) return lost_;
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (it->call != call || it->on_execute) continue;
+    if (it->skip > 0) {
+      --it->skip;
+      return Status::Ok();
+    }
+    Status st = it->status;
+    faults_.erase(it);
+    if (IsStickyDeviceError(st)) lost_ = st;
+    return st;
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> FakeDevice::Violations() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return violations_;
+}
+
+uint64_t FakeDevice::Enqueued(Call call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return enqueued_[static_cast<int>(call)];
+}
+
+uint64_t FakeDevice::Executed(Call call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return executed_[static_cast<int>(call)];
+}
+
+uint64_t FakeDevice::AllocCalls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return alloc_calls_;
+}
+
+size_t FakeDevice::OpenIpcBuffers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [h, b] : buffers_) n += b->opens;
+  return n;
+}
+
+size_t FakeDevice::OpenIpcEvents() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_ipc_events_;
+}
+
+size_t FakeDevice::LiveStreams() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& s : streams_) n += s->destroyed ? 0 : 1;
+  return n;
+}
+
+std::vector<std::pair<uint8_t*, size_t>> FakeDevice::Registered() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return registered_;
+}
+
+// --- DeviceApi ---------------------------------------------------------------------------------
+
+StatusOr<std::vector<std::string>> FakeDevice::DeviceUuids() {
+  std::vector<std::string> out;
+  for (int d = 0; d < devices_; ++d) {
+    char hex[33];
+    std::snprintf(hex, sizeof(hex), "%032x", 0xfa4e0000 + d);
+    out.emplace_back(hex);
+  }
+  return out;
+}
+
+FakeDevice::Stream* FakeDevice::StreamLocked(DeviceStream s) {
+  auto* stream = static_cast<Stream*>(s.ptr);
+  if (stream->destroyed) ViolationLocked("a destroyed stream was used");
+  return stream;
+}
+
+FakeDevice::Event* FakeDevice::EventLocked(DeviceEvent e, const char* what) {
+  auto* ev = static_cast<Event*>(e.ptr);
+  if (ev->destroyed) ViolationLocked(std::string(what) + " on a destroyed event");
+  return ev->target != nullptr ? ev->target : ev;
+}
+
+StatusOr<DeviceStream> FakeDevice::CreateStream(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCreateStream));
+  auto s = std::make_unique<Stream>();
+  s->id = static_cast<int>(streams_.size()) + 1;
+  s->device = device;
+  Stream* raw = s.get();
+  streams_.push_back(std::move(s));
+  return DeviceStream{raw};
+}
+
+void FakeDevice::DestroyStream(int, DeviceStream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  static_cast<Stream*>(stream.ptr)->destroyed = true;  // queued work still runs
+}
+
+StatusOr<DeviceEvent> FakeDevice::CreateEvent(int) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCreateEvent));
+  events_.push_back(std::make_unique<Event>());
+  return DeviceEvent{events_.back().get()};
+}
+
+StatusOr<DeviceEvent> FakeDevice::OpenIpcEvent(int, std::string_view handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kOpenIpcEvent));
+  auto it = engine_events_.find(std::string(handle));
+  if (it == engine_events_.end()) return InvalidArgument("fake: unknown IPC event handle");
+  auto proxy = std::make_unique<Event>();
+  proxy->target = it->second;
+  events_.push_back(std::move(proxy));
+  ++open_ipc_events_;
+  return DeviceEvent{events_.back().get()};
+}
+
+void FakeDevice::DestroyEvent(int, DeviceEvent event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto* ev = static_cast<Event*>(event.ptr);
+  if (ev->destroyed) ViolationLocked("an event was destroyed twice");
+  ev->destroyed = true;
+  if (ev->target != nullptr) --open_ipc_events_;
+}
+
+void FakeDevice::EnqueueLocked(Stream* s, Op op) {
+  op.seq = ++next_seq_;
+  op.device = s->device;
+  Join(&op.vc, s->tail);
+  Join(&op.vc, host_vc_);
+  if (op.kind == Call::kWait && op.record != nullptr) Join(&op.vc, op.record->vc);
+  op.own = ++s->count;
+  if (op.vc.size() <= static_cast<size_t>(s->id)) op.vc.resize(s->id + 1, 0);
+  op.vc[s->id] = op.own;
+  s->tail = op.vc;
+  if (op.kind == Call::kRecord) op.record->vc = op.vc;
+  enqueued_[static_cast<int>(op.kind)] += 1;
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (it->call != op.kind || !it->on_execute) continue;
+    if (it->skip > 0) {
+      --it->skip;
+      continue;
+    }
+    op.fail = true;
+    faults_.erase(it);
+    break;
+  }
+  s->ops.push_back(std::move(op));
+  cv_.notify_all();
+}
+
+Status FakeDevice::RecordEvent(int, DeviceEvent event, DeviceStream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kRecord));
+  Event* ev = EventLocked(event, "RecordEvent");
+  Op op;
+  op.kind = Call::kRecord;
+  op.record = std::make_shared<Record>();
+  op.record->id = ++next_record_;
+  ev->latest = op.record;
+  if (!ev->handle.empty()) {
+    ev->daemon_records += 1;
+    ev->daemon_record_list.push_back(op.record);
+  }
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+Status FakeDevice::StreamWaitEvent(int, DeviceStream stream, DeviceEvent event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kWait));
+  Event* ev = EventLocked(event, "StreamWaitEvent");
+  Op op;
+  op.kind = Call::kWait;
+  op.record = ev->latest;  // the most recent record at the time of the call
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+StatusOr<bool> FakeDevice::QueryEvent(int, DeviceEvent event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kQuery));
+  Event* ev = EventLocked(event, "QueryEvent");
+  if (ev->latest == nullptr) return true;
+  if (!ev->latest->done) return false;
+  Join(&host_vc_, ev->latest->vc);  // the host now knows that work completed
+  return true;
+}
+
+StatusOr<DeviceApi::IpcBuffer> FakeDevice::OpenIpcBuffer(int, std::string_view handle,
+                                                         uint64_t size_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kOpenIpcBuffer));
+  auto it = buffers_.find(std::string(handle));
+  if (it == buffers_.end()) return InvalidArgument("fake: unknown IPC memory handle");
+  Buffer* b = it->second.get();
+  if (size_bytes > b->bytes) return InvalidArgument("fake: size_bytes exceeds the allocation");
+  if (b->opens > 0) return InvalidArgument("fake: handle already open in this process");
+  b->opens += 1;
+  // Reopened after a close: no longer dead.
+  std::erase_if(dead_ranges_, [&](const auto& r) { return r.first == b->data; });
+  return IpcBuffer{b->data, b->device};
+}
+
+void FakeDevice::CloseIpcBuffer(int, uint8_t* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Buffer* found = nullptr;
+  for (auto& [h, b] : buffers_) {
+    if (b->data == data && b->opens > 0) {
+      b->opens -= 1;
+      found = b.get();
+    }
+  }
+  if (found == nullptr) {
+    ViolationLocked("CloseIpcBuffer of a buffer that is not open");
+    return;
+  }
+  for (auto& s : streams_) {
+    for (const Op& op : s->ops) {
+      if (op.kind != Call::kEncode && op.kind != Call::kDecode) continue;
+      for (const Buffer* b : KernelBuffersLocked(op)) {
+        if (b == found) {
+          ViolationLocked("IPC buffer closed while a queued " + std::string(CallName(op.kind)) +
+                          " #" + std::to_string(op.seq) + " still uses it");
+        }
+      }
+    }
+  }
+  dead_ranges_.emplace_back(found->data, found->data + found->bytes);
+}
+
+StatusOr<uint8_t*> FakeDevice::AllocDevice(int, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kAllocDevice));
+  ++alloc_calls_;
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
+  std::memset(p, 0xA5, bytes);  // not zeroed, as cudaMalloc
+  allocs_.push_back({p, bytes, false, false});
+  return p;
+}
+
+void FakeDevice::FreeDevice(int, uint8_t* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Alloc& a : allocs_) {
+    if (a.data == data && !a.freed) {
+      a.freed = true;
+      dead_ranges_.emplace_back(a.data, a.data + a.bytes);
+      for (auto& s : streams_) {
+        if (!s->ops.empty() && lost_.ok()) {
+          ViolationLocked("device memory freed while work is queued");
+        }
+      }
+      return;
+    }
+  }
+  ViolationLocked("FreeDevice of memory not allocated here");
+}
+
+StatusOr<uint8_t*> FakeDevice::AllocPinned(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kAllocPinned));
+  ++alloc_calls_;
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
+  std::memset(p, 0x5A, bytes);
+  allocs_.push_back({p, bytes, true, false});
+  return p;
+}
+
+void FakeDevice::FreePinned(uint8_t* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Alloc& a : allocs_) {
+    if (a.data == data && !a.freed) {
+      a.freed = true;
+      dead_ranges_.emplace_back(a.data, a.data + a.bytes);
+      return;
+    }
+  }
+  ViolationLocked("FreePinned of memory not allocated here");
+}
+
+Status FakeDevice::RegisterHost(uint8_t* data, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kRegisterHost));
+  registered_.emplace_back(data, bytes);
+  return Status::Ok();
+}
+
+void FakeDevice::UnregisterHost(uint8_t* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(registered_, [&](const auto& r) { return r.first == data; });
+}
+
+bool FakeDevice::HostMemoryOkLocked(const uint8_t* p, size_t n) const {
+  for (const Alloc& a : allocs_) {
+    if (p >= a.data && p + n <= a.data + a.bytes) return true;  // device or pinned memory
+  }
+  for (const auto& [d, b] : buffers_) {
+    if (p >= b->data && p + n <= b->data + b->bytes) return true;  // an engine's device buffer
+  }
+  for (const auto& [r, len] : registered_) {
+    if (p >= r && p + n <= r + len) return true;  // inside one registration
+  }
+  return false;
+}
+
+Status FakeDevice::CopyAsync(int, std::span<const Copy> copies, DeviceStream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCopy));
+  for (const Copy& c : copies) {
+    if (!HostMemoryOkLocked(static_cast<const uint8_t*>(c.src), c.bytes) ||
+        !HostMemoryOkLocked(static_cast<const uint8_t*>(c.dst), c.bytes)) {
+      ViolationLocked("a copy of " + std::to_string(c.bytes) +
+                      " bytes touches pageable host memory or spans two registrations");
+    }
+  }
+  Op op;
+  op.kind = Call::kCopy;
+  op.copies.assign(copies.begin(), copies.end());
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+Status FakeDevice::LaunchEncode(int, const kernels::EncodeJob& job, DeviceStream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kEncode));
+  Op op;
+  op.kind = Call::kEncode;
+  op.enc = job;
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+Status FakeDevice::LaunchDecode(int, const kernels::DecodeJob& job, uint32_t first_layer,
+                                uint32_t num_layers, DeviceStream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kDecode));
+  Op op;
+  op.kind = Call::kDecode;
+  op.dec = job;
+  op.first = first_layer;
+  op.count = num_layers;
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+}  // namespace hiqcache::server::testing

@@ -1,0 +1,201 @@
+// FakeDevice: a DeviceApi whose "GPU" is host memory and whose streams complete only when the
+// test lets them: the seam on which the CUDA backend's scheduling runs in CI (no GPU needed).
+//
+// Model (the CUDA runtime's semantics, device_api.h): each stream is a FIFO of operations
+// (copies, encode/decode kernels, event records, event waits). RecordEvent makes the record the
+// event's most recent one at the time of the call; StreamWaitEvent captures the most recent
+// record at the time of the call (none: no wait); QueryEvent reports on the most recent record.
+// An operation runs once it is first in its stream and, for a wait, once the captured record
+// completed. RunReady() runs every runnable operation, in an adversarial order (the most recently
+// enqueued runnable operation first, so that whatever the host did not order is reordered);
+// SetAutoRun(true) runs them on a thread as they become runnable. Copies move bytes; kernels run
+// the scalar reference codec (codec_reference.h) on the job, so data round trips are real.
+//
+// The engine's side is played by the test: ExportBuffer / ExportEvent give IPC handles;
+// EngineRecordPending records an engine event behind work that has not finished (it completes
+// when the test calls CompleteEngineRecord): a wait_event "recorded late".
+//
+// Checks, reported by Violations():
+//   - races: two operations touching overlapping memory (one writing) that no stream order,
+//     event wait or host-observed completion orders (vector clocks): e.g. a staging slab reused
+//     while a queued copy still reads it;
+//   - use after close/free: an operation touching a closed IPC buffer or freed memory, or an
+//     IPC buffer closed while queued work still uses it, or a destroyed event used;
+//   - copies from or to pageable host memory, or across two host registrations.
+// Faults: FailCall makes the n-th next call of a kind fail (a kDataLoss failure is sticky: the
+// context is lost and every later call fails too); FailExecution makes an operation fail when it
+// runs (sticky: later queries report kDataLoss).
+// Thread-safe (one mutex; operations run under it).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device_api.h"
+
+namespace hiqcache::server::testing {
+
+class FakeDevice : public DeviceApi {
+ public:
+  enum class Call {
+    kCreateStream,
+    kCreateEvent,
+    kOpenIpcEvent,
+    kRecord,
+    kWait,
+    kQuery,
+    kOpenIpcBuffer,
+    kAllocDevice,
+    kAllocPinned,
+    kRegisterHost,
+    kCopy,
+    kEncode,
+    kDecode,
+    kCount
+  };
+
+  explicit FakeDevice(int devices = 1);
+  ~FakeDevice() override;
+  FakeDevice(const FakeDevice&) = delete;
+  FakeDevice& operator=(const FakeDevice&) = delete;
+
+  // --- the engine's side ---
+  // `data` (host memory the test owns, `bytes` long) as an allocation of `device`.
+  std::string ExportBuffer(uint8_t* data, size_t bytes, int device);
+  // An interprocess event owned by the engine.
+  std::string ExportEvent();
+  // The engine records `event` behind work that has not finished: the record completes only at
+  // CompleteEngineRecord(returned id). Work of the daemon waiting on it stays queued until then.
+  uint64_t EngineRecordPending(const std::string& event);
+  void CompleteEngineRecord(uint64_t record);
+  // Whether the event's most recent record has completed (true when never recorded).
+  bool EventComplete(const std::string& event);
+  // How many times the daemon recorded the engine's event, and how many of those completed.
+  uint64_t DaemonRecords(const std::string& event);
+  uint64_t DaemonRecordsCompleted(const std::string& event);
+  // Whether the daemon currently has `buffer` open.
+  bool BufferOpen(const std::string& buffer);
+  // Kernels enqueued so far whose views lie in `buffer` (read from the views they point to).
+  uint64_t KernelsTouching(const std::string& buffer);
+
+  // --- progress ---
+  void SetAutoRun(bool on);
+  // Runs every runnable operation; returns how many ran.
+  size_t RunReady();
+  size_t PendingOps();
+
+  // --- faults ---
+  void FailCall(Call call, Status status, uint32_t skip = 0);
+  void FailExecution(Call call, uint32_t skip = 0);
+
+  // --- observation ---
+  std::vector<std::string> Violations();
+  uint64_t Enqueued(Call call);
+  uint64_t Executed(Call call);
+  uint64_t AllocCalls();
+  size_t OpenIpcBuffers();
+  size_t OpenIpcEvents();
+  size_t LiveStreams();
+  std::vector<std::pair<uint8_t*, size_t>> Registered();
+
+  // --- DeviceApi ---
+  StatusOr<std::vector<std::string>> DeviceUuids() override;
+  StatusOr<DeviceStream> CreateStream(int device) override;
+  void DestroyStream(int device, DeviceStream stream) override;
+  StatusOr<DeviceEvent> CreateEvent(int device) override;
+  StatusOr<DeviceEvent> OpenIpcEvent(int device, std::string_view handle) override;
+  void DestroyEvent(int device, DeviceEvent event) override;
+  Status RecordEvent(int device, DeviceEvent event, DeviceStream stream) override;
+  Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) override;
+  StatusOr<bool> QueryEvent(int device, DeviceEvent event) override;
+  StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,
+                                    uint64_t size_bytes) override;
+  void CloseIpcBuffer(int device, uint8_t* data) override;
+  StatusOr<uint8_t*> AllocDevice(int device, size_t bytes) override;
+  void FreeDevice(int device, uint8_t* data) override;
+  StatusOr<uint8_t*> AllocPinned(size_t bytes) override;
+  void FreePinned(uint8_t* data) override;
+  Status RegisterHost(uint8_t* data, size_t bytes) override;
+  void UnregisterHost(uint8_t* data) override;
+  Status CopyAsync(int device, std::span<const Copy> copies, DeviceStream stream) override;
+  Status LaunchEncode(int device, const kernels::EncodeJob& job, DeviceStream stream) override;
+  Status LaunchDecode(int device, const kernels::DecodeJob& job, uint32_t first_layer,
+                      uint32_t num_layers, DeviceStream stream) override;
+
+ private:
+  using VClock = std::vector<uint64_t>;  // per stream id: the last op of it known to happen before
+  struct Record;
+  struct Event;
+  struct Op;
+  struct Stream;
+  struct Buffer;
+  struct Access {
+    const uint8_t* lo;
+    const uint8_t* hi;
+    bool write;
+    int stream;
+    uint64_t own;  // the op's position in its stream
+    uint64_t seq;
+    Call kind;
+  };
+
+  // REQUIRES: mu_ held.
+  Status InjectedLocked(Call call);
+  Stream* StreamLocked(DeviceStream s);
+  Event* EventLocked(DeviceEvent e, const char* what);
+  void EnqueueLocked(Stream* s, Op op);
+  bool RunnableLocked(const Stream& s) const;
+  size_t RunReadyLocked();
+  void ExecuteLocked(Stream* s);
+  std::vector<Access> AccessesLocked(const Op& op);
+  const Buffer* BufferAtLocked(const uint8_t* p) const;
+  std::vector<const Buffer*> KernelBuffersLocked(const Op& op);
+  bool HostMemoryOkLocked(const uint8_t* p, size_t n) const;
+  void ViolationLocked(std::string what);
+  static void Join(VClock* into, const VClock& from);
+
+  const int devices_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Stream>> streams_;  // index = stream id - 1
+  std::vector<std::unique_ptr<Event>> events_;
+  std::map<std::string, Event*> engine_events_;  // by handle
+  std::map<uint64_t, std::shared_ptr<Record>> engine_records_;
+  std::map<std::string, std::unique_ptr<Buffer>> buffers_;  // exported, by handle
+  struct Alloc {
+    uint8_t* data;
+    size_t bytes;
+    bool pinned;
+    bool freed;
+  };
+  std::vector<Alloc> allocs_;
+  std::vector<std::pair<uint8_t*, size_t>> registered_;
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_;  // closed or freed
+  std::vector<Access> log_;  // accesses of executed operations
+  VClock host_vc_;           // what the host has seen complete
+  uint64_t next_seq_ = 0, next_record_ = 0;
+  struct Fault {
+    Call call;
+    Status status;
+    uint32_t skip;
+    bool on_execute;
+  };
+  std::vector<Fault> faults_;
+  Status lost_;  // set once a sticky failure happened: every call fails with it
+  std::vector<std::string> violations_;
+  uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
+  uint64_t executed_[static_cast<int>(Call::kCount)] = {};
+  uint64_t alloc_calls_ = 0;
+  size_t open_ipc_events_ = 0;
+  bool auto_run_ = false, stop_ = false;
+  std::thread runner_;
+};
+
+}  // namespace hiqcache::server::testing
