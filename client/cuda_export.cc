@@ -89,6 +89,38 @@ StatusOr<MemGetAddressRangeFn> MemGetAddressRange() {
   return reinterpret_cast<MemGetAddressRangeFn>(fn);
 }
 
+// cuPointerGetAttribute, the same way.
+using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+
+PointerGetAttributeFn PointerGetAttribute() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
+                                                           cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<PointerGetAttributeFn>(fn);
+}
+
+// Memory that cudaIpcGetMemHandle cannot export (VMM: cuMemCreate, PyTorch's expandable
+// segments), refused with what to change before anything tries to share it. A driver that does
+// not know the attribute answers nothing, and the export itself reports the error later.
+Status CheckLegacyIpcCapable(uint64_t ptr) {
+  static const PointerGetAttributeFn get = PointerGetAttribute();
+  if (get == nullptr) return Status::Ok();
+  int capable = 1;
+  const CUresult res = get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                           static_cast<CUdeviceptr>(ptr));
+  if (res != CUDA_SUCCESS || capable != 0) return Status::Ok();
+  return FailedPrecondition(
+      "CUDA tensor: its memory is a VMM allocation (cuMemCreate, e.g. PyTorch's expandable "
+      "segments), which CUDA IPC (cudaIpcGetMemHandle) cannot share with hiqcached: allocate the "
+      "KV cache with cudaMalloc; with PyTorch start the engine with "
+      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False");
+}
+
 class RuntimeMemory final : public CudaMemoryInfo {
  public:
   StatusOr<CudaAllocation> Find(uint64_t ptr) const override {
@@ -105,6 +137,7 @@ class RuntimeMemory final : public CudaMemoryInfo {
     HIQ_ASSIGN_OR_RETURN(MemGetAddressRangeFn range, MemGetAddressRange());
     ScopedDevice guard(attr.device);
     HIQ_RETURN_IF_ERROR(guard.status());
+    HIQ_RETURN_IF_ERROR(CheckLegacyIpcCapable(ptr));
     CUdeviceptr base = 0;
     size_t size = 0;
     const CUresult res = range(&base, &size, static_cast<CUdeviceptr>(ptr));

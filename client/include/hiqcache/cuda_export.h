@@ -12,11 +12,40 @@
 //                        their handles go into EventPoolSpec; the engine's stream waits on event
 //                        i (cudaStreamWaitEvent) before reading what the daemon wrote.
 //
+// Event rules (DESIGN.md "CUDA completion and event rules"). A CUDA event carries no ticket:
+// cudaStreamWaitEvent and cudaEventQuery see the event's most recent record at the time of the
+// call, so the order of records and waits is the whole protocol.
+//   1. wait_event: record it on the stream whose work must precede the daemon's (Record) BEFORE
+//      sending the request, and do not record it again until the reply has arrived. The daemon
+//      never waits for it on the host: its own stream waits for it on the device, so a record
+//      that completes late (the stream is behind, or waits for another TP rank) holds no daemon
+//      thread.
+//   2. Layer and done events: an asynchronous request (sync = false) is answered once the
+//      daemon's stream waits and event records are enqueued (after the pool's previous request
+//      completed on the device: a pool's requests run in order, one at a time). Right after an
+//      OK reply, make the consuming streams wait on them (StreamWait), then launch what reads
+//      the restored layer. Make every stream that must see this request's records wait before
+//      sending another request that names the same events: the next request's records replace
+//      them.
+//   3. Do not poll Query() to decide when to wait: before the reply it reports the PREVIOUS
+//      record (or "complete" for an event never recorded). After a sync = true reply the work is
+//      complete; Query then reports this request's records.
+//   4. An error reply (also for an asynchronous request whose enqueue failed) means the rows it
+//      names hold garbage: the daemon still records every event it names, so nothing waiting on
+//      them hangs, and the engine must treat those tokens as a miss (recompute).
+//   5. Free KV buffers or destroy events only after ReleasePool returned OK (the daemon closes
+//      its mappings once its device work on them has completed); a process that exits is
+//      released the same way.
+//
 // Library hiq_client_cuda, which exists only when hiqcache is built with CUDA; it defines
 // HIQ_CLIENT_HAVE_CUDA=1 for its users. The header includes no CUDA header: cudaStream_t is
 // CUstream_st*, cudaEvent_t is CUevent_st*. Memory must come from cudaMalloc (or an allocator
 // on top of it, such as PyTorch's caching allocator without expandable_segments): IPC cannot
-// export cudaMallocAsync pools, VMM (cuMemCreate) or managed memory.
+// export cudaMallocAsync pools, VMM (cuMemCreate) or managed memory. FindCudaAllocation refuses
+// such memory up front (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE), saying what to change
+// (PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False). cuda_device_uuid must name the
+// GPU that holds the buffers: the daemon rejects a registration whose buffers live on another
+// GPU (it would otherwise map them as peer memory, over NVLink).
 //
 // Thread-safety: free functions are thread-safe. CudaKvPool and CudaEventPool are move-only
 // owners; their const methods may be called from any thread. No call changes the calling
@@ -55,8 +84,8 @@ Status ExportCudaTensors(std::span<const CudaTensor> tensors, PoolSpec* spec);
 
 class CudaEventPool {
  public:
-  // `count` interprocess events on `device`. The pool owns them; the daemon's opened copies stay
-  // valid until the daemon releases the registration.
+  // `count` interprocess events on `device`. The pool owns them; destroy them only after
+  // ReleasePool returned OK (the daemon's opened copies stay valid until then).
   static StatusOr<CudaEventPool> Create(int device, uint32_t count);
 
   CudaEventPool() = default;
@@ -75,14 +104,17 @@ class CudaEventPool {
   // REQUIRES: i < count().
   CUevent_st* event(uint32_t i) const { return events_[i]; }
 
-  // Makes work enqueued later on `stream` wait until the last record of event i has completed
-  // (cudaStreamWaitEvent). A CUDA event carries no ticket: call this after the daemon has
-  // recorded the event, i.e. after a sync=true Restore returned, or once Query says the record
-  // the daemon made is complete. INVALID_ARGUMENT for a bad index.
+  // Makes work enqueued later on `stream` wait until the most recent record of event i, at the
+  // time of this call, has completed (cudaStreamWaitEvent). A CUDA event carries no ticket:
+  // call this after the reply to the request that named the event (rule 2 above), never
+  // earlier, or it waits for the previous record. INVALID_ARGUMENT for a bad index.
   Status StreamWait(CUstream_st* stream, uint32_t i) const;
-  // Records event i on `stream`, e.g. as a request's wait_event (the daemon's stream waits on it).
+  // Records event i on `stream`, e.g. as a request's wait_event, before sending the request
+  // (the daemon's stream waits on it; rule 1 above).
   Status Record(uint32_t i, CUstream_st* stream) const;
-  // True once the last record of event i has completed (also true if it was never recorded).
+  // True once the most recent record of event i has completed (also true if it was never
+  // recorded). Before a request's reply this is the PREVIOUS record: not a way to learn that the
+  // daemon's work is done (rule 3 above).
   StatusOr<bool> Query(uint32_t i) const;
   Status Synchronize(uint32_t i) const;
 
