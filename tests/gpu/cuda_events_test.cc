@@ -1,0 +1,526 @@
+// CUDA completion and event rules on a real GPU (label gpu; skips, with the reason, where no
+// CUDA device is usable). DESIGN.md "CUDA completion and event rules"; issue 11.
+//
+// As cuda_client_test, the test process starts hiqcached --device cuda and re-executes this
+// binary as client processes (gtest filter CudaEventsChild.*, which skip unless
+// HIQ_GPU_CHILD_TARGET is set): a process cannot open its own IPC handles. Pools are small
+// (4 layers, 2 heads of 128, RAW codec, so restores are checked bit for bit).
+//
+//   WaitEventRecordedLate        the engine's wait_event completes only when the test opens a
+//                                gate kernel: the asynchronous Restore is answered at once, the
+//                                daemon writes nothing before the gate opens (it neither runs
+//                                early nor holds a worker: another pool's sync backup completes
+//                                meanwhile), and the restore is correct after it.
+//   ClientKilledWithARecordPending  a client dies with its wait_event record pending behind a
+//                                gate that never opens: the daemon survives, drops the pool,
+//                                and serves a new client.
+//   TwoClientsWaitingOnEachOther the daemon has ONE transfer worker. Two clients (TP ranks)
+//                                each record their wait_event behind a kernel that waits for a
+//                                flag the other client sets only once its own request has been
+//                                answered, as ranks wait for each other in an all-reduce. A
+//                                worker that waited for the device would deadlock both.
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_handles.h"
+#include "cuda_runtime_check.h"
+#include "hiqcache/block_keys.h"
+#include "hiqcache/client.h"
+#include "hiqcache/cuda_export.h"
+#include "kv_check.h"
+
+extern char** environ;
+
+namespace hiqcache {
+inline const char* EventsDaemonPath() {
+  const char* env = std::getenv("HIQ_DAEMON_PATH");
+  return env != nullptr && env[0] != '\0' ? env : HIQ_DAEMON_BUILD_PATH;
+}
+}  // namespace hiqcache
+#define HIQ_DAEMON_PATH ::hiqcache::EventsDaemonPath()
+#include "integration/daemon_process.h"
+
+namespace hiqcache {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr uint32_t kLayers = 4, kHeads = 2, kDim = 128, kSlots = 256, kBlockTokens = 16;
+constexpr uint32_t kBlocks = 4, kTokens = kBlocks * kBlockTokens;  // 64
+constexpr uint32_t kRowElems = kHeads * kDim;
+constexpr int32_t kWait = kLayers, kDone = kLayers + 1;
+constexpr uint32_t kNumEvents = kLayers + 2;
+constexpr uint32_t kSrc = 0, kDst = 128;  // first rows backed up from / restored into
+
+#define HIQ_ASSERT_OK(expr)                                         \
+  do {                                                              \
+    const ::hiqcache::Status hiq_s_ = (expr);                       \
+    ASSERT_TRUE(hiq_s_.ok()) << #expr << ": " << hiq_s_.ToString(); \
+  } while (0)
+#define HIQ_ASSERT_CUDA(expr)                                                      \
+  do {                                                                             \
+    const cudaError_t hiq_e_ = (expr);                                             \
+    ASSERT_EQ(hiq_e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(hiq_e_); \
+  } while (0)
+
+struct ChildEnv {
+  std::string target, dir, shm;
+  uint64_t seed = 0;
+  uint32_t role = 0;
+  bool ok = false;
+};
+
+ChildEnv GetChildEnv() {
+  ChildEnv env;
+  const char* target = std::getenv("HIQ_GPU_CHILD_TARGET");
+  const char* dir = std::getenv("HIQ_GPU_CHILD_DIR");
+  const char* seed = std::getenv("HIQ_GPU_CHILD_SEED");
+  if (target == nullptr || dir == nullptr || seed == nullptr) return env;
+  env.target = target;
+  env.dir = dir;
+  env.seed = std::strtoull(seed, nullptr, 10);
+  if (const char* role = std::getenv("HIQ_GPU_CHILD_ROLE")) env.role = std::atoi(role);
+  if (const char* shm = std::getenv("HIQ_GPU_CHILD_SHM")) env.shm = shm;
+  env.ok = true;
+  return env;
+}
+
+void Touch(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0600);
+  if (fd >= 0) ::close(fd);
+}
+
+std::vector<uint32_t> RowsFrom(uint32_t first) {
+  std::vector<uint32_t> rows(kTokens);
+  for (uint32_t i = 0; i < kTokens; ++i) rows[i] = first + i;
+  return rows;
+}
+
+// A mapped pinned host word the GPU can spin on (the gate of a late record).
+class Gate {
+ public:
+  void Init() {
+    HIQ_ASSERT_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), 4, cudaHostAllocMapped));
+    *host_ = 0;
+    HIQ_ASSERT_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_), host_, 0));
+  }
+  ~Gate() {
+    if (host_ != nullptr) {
+      Open();
+      cudaFreeHost(host_);
+    }
+  }
+  const volatile uint32_t* device() const { return dev_; }
+  void Open() { *reinterpret_cast<volatile uint32_t*>(host_) = 1; }
+
+ private:
+  uint32_t* host_ = nullptr;
+  uint32_t* dev_ = nullptr;
+};
+
+// One engine process's KV pool in GPU memory, its events and its stream.
+class EventsClient {
+ public:
+  void Init(const ChildEnv& env, const std::string& model, uint32_t tp_rank = 0,
+            uint32_t tp_size = 1) {
+    std::string why;
+    ASSERT_TRUE(CudaClientAvailable(&why)) << why;
+    HIQ_ASSERT_CUDA(cudaSetDevice(0));
+    Geometry g;
+    g.num_layers = kLayers;
+    g.num_kv_heads = kHeads;
+    g.head_dim = kDim;
+    g.tp_rank = tp_rank;
+    g.tp_size = tp_size;
+    auto kv = CudaKvPool::Allocate(0, g, KvLayout::kSglang, kSlots);
+    HIQ_ASSERT_OK(kv.status());
+    kv_ = std::move(kv).value();
+    auto events = CudaEventPool::Create(0, kNumEvents);
+    HIQ_ASSERT_OK(events.status());
+    events_ = std::move(events).value();
+    auto stream = kernels::CudaStream::Create(0);
+    HIQ_ASSERT_OK(stream.status());
+    stream_ = std::move(stream).value();
+    ClientOptions options;
+    options.target = env.target;
+    options.call_timeout = milliseconds(30000);
+    auto client = Client::Connect(options);
+    HIQ_ASSERT_OK(client.status());
+    client_ = std::move(client).value();
+    auto handle =
+        client_->RegisterPool(MakeCudaPoolSpec(model, kv_, kBlockTokens, &events_, Codec::kRaw));
+    HIQ_ASSERT_OK(handle.status());
+    pool_ = *handle;
+    std::vector<uint32_t> tokens(kTokens);
+    for (uint32_t i = 0; i < kTokens; ++i) tokens[i] = i * 17 + 3;
+    keys_ = ComputeBlockKeys(tokens, kBlockTokens, model + "-" + std::to_string(env.seed));
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        HIQ_ASSERT_OK(gputest::LaunchFillPattern(kv_.Head(l, p, 0, 0), uint64_t{kSlots} * kRowElems,
+                                                 env.seed, l * 2 + p, stream_.get()));
+      }
+    }
+    HIQ_ASSERT_OK(stream_.Synchronize());
+  }
+
+  void BackupSync() {
+    BackupOptions o;
+    o.sync = true;
+    BackupResult r = client_->Backup(pool_, keys_, RowsFrom(kSrc), o);
+    HIQ_ASSERT_OK(r.status);
+    for (BlockStatus s : r.blocks) ASSERT_EQ(s, BlockStatus::kStored);
+  }
+
+  // Rows [kDst, kDst + kTokens) of every layer and plane = 0xFFFF.
+  void ClearDestination() {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        HIQ_ASSERT_CUDA(cudaMemset(kv_.Head(l, p, kDst, 0), 0xFF, size_t{kTokens} * kRowElems * 2));
+      }
+    }
+  }
+
+  // How many rows of the destination differ from the source rows (RAW: bit-exact) and how many
+  // still hold the 0xFFFF sentinel.
+  void Compare(uint64_t* differ, uint64_t* sentinel) {
+    std::vector<uint16_t> src(size_t{kTokens} * kRowElems), dst(src.size());
+    *differ = *sentinel = 0;
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        HIQ_ASSERT_CUDA(cudaMemcpy(src.data(), kv_.Head(l, p, kSrc, 0), src.size() * 2,
+                                   cudaMemcpyDeviceToHost));
+        HIQ_ASSERT_CUDA(cudaMemcpy(dst.data(), kv_.Head(l, p, kDst, 0), dst.size() * 2,
+                                   cudaMemcpyDeviceToHost));
+        for (uint32_t t = 0; t < kTokens; ++t) {
+          const size_t off = size_t{t} * kRowElems;
+          *differ += std::memcmp(src.data() + off, dst.data() + off, kRowElems * 2) != 0;
+          bool all_ff = true;
+          for (uint32_t i = 0; i < kRowElems; ++i) all_ff &= dst[off + i] == 0xFFFF;
+          *sentinel += all_ff;
+        }
+      }
+    }
+  }
+
+  // Waits (polling, bounded) until the most recent record of `event` has completed.
+  bool AwaitEvent(uint32_t event, std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      auto q = events_.Query(event);
+      if (q.ok() && *q) return true;
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return false;
+  }
+
+  Client& client() { return *client_; }
+  PoolHandle pool() const { return pool_; }
+  const std::vector<BlockKey>& keys() const { return keys_; }
+  CudaEventPool& events() { return events_; }
+  CUstream_st* stream() const { return stream_.get(); }
+  void Release() {
+    if (client_ && pool_.valid()) HIQ_ASSERT_OK(client_->ReleasePool(pool_));
+    pool_ = {};
+  }
+
+ private:
+  CudaKvPool kv_;
+  CudaEventPool events_;
+  kernels::CudaStream stream_;
+  std::unique_ptr<Client> client_;
+  PoolHandle pool_;
+  std::vector<BlockKey> keys_;
+};
+
+#define HIQ_CHILD_PRELUDE(env)        \
+  const ChildEnv env = GetChildEnv(); \
+  if (!env.ok) GTEST_SKIP() << "runs only as a client process of CudaEventsGpu.*";
+
+TEST(CudaEventsChild, WaitEventRecordedLate) {
+  HIQ_CHILD_PRELUDE(env);
+  EventsClient a, b;
+  ASSERT_NO_FATAL_FAILURE(a.Init(env, "gpu-events/late-a"));
+  ASSERT_NO_FATAL_FAILURE(b.Init(env, "gpu-events/late-b"));
+  ASSERT_NO_FATAL_FAILURE(a.BackupSync());
+  ASSERT_NO_FATAL_FAILURE(a.ClearDestination());
+  Gate gate;
+  ASSERT_NO_FATAL_FAILURE(gate.Init());
+  // The engine's stream is behind: its wait_event completes only when the gate opens.
+  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(gate.device(), 60'000'000'000ull, a.stream()));
+  HIQ_ASSERT_OK(a.events().Record(kWait, a.stream()));
+  RestoreOptions o;
+  o.wait_event = kWait;
+  o.layer_event_base = 0;
+  o.done_event = kDone;
+  o.sync = false;
+  const auto t0 = Clock::now();
+  RestoreResult r = a.client().Restore(a.pool(), a.keys(), RowsFrom(kDst), o);
+  const double reply_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  HIQ_ASSERT_OK(r.status);
+  ASSERT_EQ(r.restored_blocks, kBlocks);
+  EXPECT_LT(reply_ms, 2000.0) << "the asynchronous restore was answered only after " << reply_ms
+                              << " ms: a daemon thread waited for the engine's stream";
+  // No worker is held: another pool's synchronous backup completes while the gate is shut.
+  const auto t1 = Clock::now();
+  ASSERT_NO_FATAL_FAILURE(b.BackupSync());
+  EXPECT_LT(Clock::now() - t1, std::chrono::seconds(5));
+  // The daemon has not run early: nothing written, its done record still pending.
+  std::this_thread::sleep_for(milliseconds(300));
+  uint64_t differ = 0, sentinel = 0;
+  ASSERT_NO_FATAL_FAILURE(a.Compare(&differ, &sentinel));
+  EXPECT_EQ(sentinel, uint64_t{kLayers} * 2 * kTokens)
+      << "rows written before wait_event completed";
+  auto q = a.events().Query(kDone);
+  HIQ_ASSERT_OK(q.status());
+  EXPECT_FALSE(*q) << "done_event complete before wait_event";
+  gate.Open();
+  ASSERT_TRUE(a.AwaitEvent(kDone, std::chrono::seconds(20))) << "done_event never completed";
+  ASSERT_NO_FATAL_FAILURE(a.Compare(&differ, &sentinel));
+  EXPECT_EQ(differ, 0u) << "restored rows differ from the backed-up rows";
+  std::printf("late wait_event: async restore answered in %.2f ms with the gate shut\n", reply_ms);
+  a.Release();
+  b.Release();
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-late");
+}
+
+// Records its wait_event behind a gate that never opens, sends an asynchronous restore and a
+// backup that wait for it, says "ready" and waits to be killed.
+TEST(CudaEventsChild, RecordPendingUntilKilled) {
+  HIQ_CHILD_PRELUDE(env);
+  EventsClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/killed"));
+  ASSERT_NO_FATAL_FAILURE(c.BackupSync());
+  Gate gate;
+  ASSERT_NO_FATAL_FAILURE(gate.Init());
+  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(gate.device(), 600'000'000'000ull, c.stream()));
+  HIQ_ASSERT_OK(c.events().Record(kWait, c.stream()));
+  RestoreOptions o;
+  o.wait_event = kWait;
+  o.layer_event_base = 0;
+  o.done_event = kDone;
+  o.sync = false;
+  RestoreResult r = c.client().Restore(c.pool(), c.keys(), RowsFrom(kDst), o);
+  HIQ_ASSERT_OK(r.status);
+  Touch(env.dir + "/ready");
+  std::this_thread::sleep_for(std::chrono::seconds(600));
+  FAIL() << "was not killed";
+}
+
+// A plain round trip, to show the daemon still serves CUDA clients.
+TEST(CudaEventsChild, RoundTrip) {
+  HIQ_CHILD_PRELUDE(env);
+  EventsClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/roundtrip"));
+  ASSERT_NO_FATAL_FAILURE(c.BackupSync());
+  ASSERT_NO_FATAL_FAILURE(c.ClearDestination());
+  RestoreOptions o;
+  o.sync = true;
+  RestoreResult r = c.client().Restore(c.pool(), c.keys(), RowsFrom(kDst), o);
+  HIQ_ASSERT_OK(r.status);
+  ASSERT_EQ(r.restored_blocks, kBlocks);
+  uint64_t differ = 0, sentinel = 0;
+  ASSERT_NO_FATAL_FAILURE(c.Compare(&differ, &sentinel));
+  EXPECT_EQ(differ, 0u);
+  c.Release();
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-roundtrip-" + std::to_string(env.seed));
+}
+
+// TP rank `role` of 2. Flags: a shared memory object of two words, word r set by the OTHER rank
+// once its request was answered; this rank's wait_event is recorded behind a kernel spinning on
+// word `role`.
+TEST(CudaEventsChild, PeerRank) {
+  HIQ_CHILD_PRELUDE(env);
+  ASSERT_FALSE(env.shm.empty());
+  const int fd = ::shm_open(env.shm.c_str(), O_RDWR, 0600);
+  ASSERT_GE(fd, 0) << env.shm;
+  void* mem = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* words = static_cast<volatile uint32_t*>(mem);
+  HIQ_ASSERT_CUDA(cudaHostRegister(mem, 4096, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  uint32_t* dev_words = nullptr;
+  HIQ_ASSERT_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words), mem, 0));
+  EventsClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/tp", env.role, 2));
+  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(dev_words + env.role, 60'000'000'000ull, c.stream()));
+  HIQ_ASSERT_OK(c.events().Record(kWait, c.stream()));
+  BackupOptions o;
+  o.wait_event = kWait;
+  o.done_event = kDone;
+  o.sync = false;
+  const auto t0 = Clock::now();
+  BackupResult r = c.client().Backup(c.pool(), c.keys(), RowsFrom(kSrc), o);
+  HIQ_ASSERT_OK(r.status);
+  const double reply_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  words[1 - env.role] = 1;  // answered: the peer's all-reduce may proceed
+  ASSERT_TRUE(c.AwaitEvent(kDone, std::chrono::seconds(30)))
+      << "rank " << env.role << ": done_event never completed (deadlock between the ranks?)";
+  // Published once the device work completed: poll Lookup briefly.
+  uint32_t found = 0;
+  for (int i = 0; i < 200 && found != kBlocks; ++i) {
+    LookupResult l = c.client().Lookup(c.pool(), c.keys());
+    HIQ_ASSERT_OK(l.status);
+    found = l.prefix_blocks;
+    if (found != kBlocks) std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(found, kBlocks);
+  std::printf("rank %u: async backup answered in %.2f ms while its wait_event was pending\n",
+              env.role, reply_ms);
+  c.Release();
+  HIQ_ASSERT_CUDA(cudaHostUnregister(mem));
+  ::munmap(mem, 4096);
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-peer-" + std::to_string(env.role));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test process.
+
+class CudaEventsGpu : public ::testing::Test {
+ protected:
+  void StartDaemon(std::vector<std::string> flags) {
+    std::string why;
+    if (!kernels::CudaDeviceAvailable(&why)) GTEST_SKIP() << "no usable CUDA device: " << why;
+    const char* pool_bytes = std::getenv("HIQ_GPU_POOL_BYTES");
+    flags.insert(flags.begin(), {"--device", "cuda"});
+    daemon_ = std::make_unique<testing::DaemonProcess>(
+        pool_bytes != nullptr && pool_bytes[0] != '\0' ? pool_bytes : "256MiB", flags);
+    ASSERT_TRUE(daemon_->Start(std::chrono::seconds(60)))
+        << "hiqcached --device cuda did not start";
+    dir_ = "/tmp/hiq-gpu-events-" + std::to_string(::getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::create_directories(dir_);
+    auto client = Client::Connect(daemon_->target());
+    HIQ_ASSERT_OK(client.status());
+    client_ = std::move(client).value();
+  }
+  void TearDown() override {
+    client_.reset();
+    if (daemon_) daemon_->Stop();
+    if (!shm_.empty()) ::shm_unlink(shm_.c_str());
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+
+  pid_t Spawn(const std::string& test, uint64_t seed, int role = 0) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    env_strings.push_back("HIQ_GPU_CHILD_TARGET=" + daemon_->target());
+    env_strings.push_back("HIQ_GPU_CHILD_DIR=" + dir_);
+    env_strings.push_back("HIQ_GPU_CHILD_SEED=" + std::to_string(seed));
+    env_strings.push_back("HIQ_GPU_CHILD_ROLE=" + std::to_string(role));
+    if (!shm_.empty()) env_strings.push_back("HIQ_GPU_CHILD_SHM=" + shm_);
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string exe = "/proc/self/exe";
+    std::string filter = "--gtest_filter=CudaEventsChild." + test;
+    char* argv[] = {exe.data(), filter.data(), nullptr};
+    pid_t pid = -1;
+    const int rc = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data());
+    EXPECT_EQ(rc, 0) << "posix_spawn: " << std::strerror(rc);
+    return rc == 0 ? pid : -1;
+  }
+
+  static int Wait(pid_t pid, std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    int status = 0;
+    while (Clock::now() < deadline) {
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return -1;
+  }
+
+  bool DaemonAlive() const {
+    int status;
+    return daemon_->pid() > 0 && ::waitpid(daemon_->pid(), &status, WNOHANG) == 0;
+  }
+
+  std::unique_ptr<testing::DaemonProcess> daemon_;
+  std::unique_ptr<Client> client_;
+  std::string dir_, shm_;
+};
+
+TEST_F(CudaEventsGpu, WaitEventRecordedLate) {
+  StartDaemon({});
+  const pid_t pid = Spawn("WaitEventRecordedLate", 1);
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(Wait(pid, std::chrono::seconds(120)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-late"));
+}
+
+TEST_F(CudaEventsGpu, ClientKilledWithARecordPending) {
+  StartDaemon({"--release-timeout-ms", "2000"});
+  const pid_t pid = Spawn("RecordPendingUntilKilled", 2);
+  ASSERT_GT(pid, 0);
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (!std::filesystem::exists(dir_ + "/ready") && Clock::now() < deadline) {
+    int status;
+    ASSERT_NE(::waitpid(pid, &status, WNOHANG), pid) << "client exited before it was killed";
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir_ + "/ready"));
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  int status;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const auto killed = Clock::now();
+  bool gone = false;
+  while (!gone && Clock::now() - killed < std::chrono::seconds(10)) {
+    auto stats = client_->GetStats();
+    ASSERT_TRUE(stats.ok()) << "the daemon stopped answering: " << stats.status().ToString();
+    gone = true;
+    for (const PoolStats& p : stats->pools) gone &= p.client_pid != static_cast<uint32_t>(pid);
+    if (!gone) std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(gone) << "the dead client's pool is still registered";
+  std::printf("pool of the client killed with a record pending dropped after %.0f ms\n",
+              std::chrono::duration<double, std::milli>(Clock::now() - killed).count());
+  EXPECT_TRUE(DaemonAlive());
+  const pid_t next = Spawn("RoundTrip", 3);
+  ASSERT_GT(next, 0);
+  EXPECT_EQ(Wait(next, std::chrono::seconds(120)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-3"))
+      << "a new client could not use the daemon after the death";
+  EXPECT_TRUE(DaemonAlive());
+}
+
+TEST_F(CudaEventsGpu, TwoClientsWaitingOnEachOther) {
+  StartDaemon({"--transfer-workers", "1"});
+  shm_ = "/hiq-gpu-events-flags-" + std::to_string(::getpid());
+  ::shm_unlink(shm_.c_str());
+  const int fd = ::shm_open(shm_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  ::close(fd);
+  const pid_t r0 = Spawn("PeerRank", 4, 0);
+  const pid_t r1 = Spawn("PeerRank", 4, 1);
+  ASSERT_GT(r0, 0);
+  ASSERT_GT(r1, 0);
+  EXPECT_EQ(Wait(r0, std::chrono::seconds(120)), 0) << "rank 0";
+  EXPECT_EQ(Wait(r1, std::chrono::seconds(120)), 0) << "rank 1";
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-peer-0"));
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-peer-1"));
+  EXPECT_TRUE(DaemonAlive());
+}
+
+}  // namespace
+}  // namespace hiqcache
