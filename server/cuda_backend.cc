@@ -364,11 +364,16 @@ class CudaBinding : public PoolBinding {
                     << "\" (its events are recorded; the request is answered with the error)";
     }
     if (task->on_enqueued) task->on_enqueued(st);
-    dev_->completion->Watch(res_->complete, [this, task, pair, st, finish](const Status& q) {
-      dev_->Release(pair);
-      Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
-      task->defer([this, task, out, finish] { finish(*task, out); });
-    });
+    // The callback hands its reference to the task (and through it to the pool and this
+    // binding) over to the worker: the last one is never dropped on the completion thread.
+    dev_->completion->Watch(
+        res_->complete, [this, task, pair, st, finish](const Status& q) mutable {
+          dev_->Release(pair);
+          Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
+          // A copy: the task, and `defer` in it, may be gone as soon as the work has run.
+          auto defer = task->defer;
+          defer([this, task = std::move(task), out, finish] { finish(*task, out); });
+        });
     return StartResult::kPending;
   }
 

@@ -24,13 +24,16 @@ CompletionThread::~CompletionThread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    if (!entries_.empty()) {
-      HIQ_LOG(WARN) << "device " << device_ << ": completion thread stops with " << entries_.size()
-                    << " completion(s) still pending";
-    }
   }
   cv_.notify_all();
   thread_.join();
+  if (!entries_.empty()) {
+    HIQ_LOG(WARN) << "device " << device_ << ": completion thread stops with " << entries_.size()
+                  << " completion(s) still pending (device work that never completed)";
+    // Their callbacks hold tasks whose pools use this device: destroying them here would tear
+    // those down in the middle of the backend's destruction. They are left to the process exit.
+    new std::vector<Entry>(std::move(entries_));
+  }
 }
 
 void CompletionThread::Watch(DeviceEvent event, Done done) {

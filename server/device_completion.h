@@ -29,7 +29,8 @@ class CompletionThread {
   // returns the status the failed entries complete with.
   CompletionThread(DeviceApi* api, int device, std::function<Status(const Status&)> on_sticky);
   // REQUIRES: no entry is watched any more (the pools of this device are closed). Entries still
-  // watched are dropped with a warning, their callbacks never run.
+  // watched (device work that never completed) are leaked with a warning: their callbacks never
+  // run, and what they hold is left to the process's exit.
   ~CompletionThread();
   CompletionThread(const CompletionThread&) = delete;
   CompletionThread& operator=(const CompletionThread&) = delete;
