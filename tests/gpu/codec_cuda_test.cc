@@ -9,22 +9,20 @@
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
-#include <sys/wait.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "child_process.h"
 #include "codec_cpu.h"
 #include "codec_reference.h"
 #include "cuda_handles.h"
 #include "cuda_runtime_check.h"
 #include "kernels/codec_test_util.h"
-
-extern char** environ;
 
 namespace hiqcache::kernels {
 namespace {
@@ -748,19 +746,12 @@ TEST_F(CudaFixture, IpcMappingAndEventInChildProcess) {
   auto eh = event->ExportIpcHandle();
   ASSERT_TRUE(mh.ok() && eh.ok());
 
-  setenv("HIQ_TEST_IPC_MEM", ToHex(*mh).c_str(), 1);
-  setenv("HIQ_TEST_IPC_EVENT", ToHex(*eh).c_str(), 1);
-  std::string filter = "--gtest_filter=CudaIpcChild.OpensTheParentsHandles";
-  char* argv[] = {const_cast<char*>("/proc/self/exe"), filter.data(), nullptr};
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ);
-  unsetenv("HIQ_TEST_IPC_MEM");
-  unsetenv("HIQ_TEST_IPC_EVENT");
-  ASSERT_EQ(rc, 0);
-  int wstatus = 0;
-  ASSERT_EQ(waitpid(pid, &wstatus, 0), pid);
-  ASSERT_TRUE(WIFEXITED(wstatus));
-  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the child's checks failed (see its output above)";
+  const pid_t pid =
+      gpu_test::SpawnSelf("CudaIpcChild.OpensTheParentsHandles",
+                          {"HIQ_TEST_IPC_MEM=" + ToHex(*mh), "HIQ_TEST_IPC_EVENT=" + ToHex(*eh)});
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(gpu_test::WaitChild(pid, std::chrono::seconds(120)), 0)
+      << "the child's checks failed (see its output above)";
 
   std::vector<uint8_t> host(kIpcBytes);
   ASSERT_EQ(cudaMemcpy(host.data(), buf->data(), kIpcBytes, cudaMemcpyDeviceToHost), cudaSuccess);

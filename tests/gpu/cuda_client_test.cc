@@ -22,7 +22,6 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "child_process.h"
 #include "codec_cpu.h"
 #include "codec_reference.h"
 #include "cuda_handles.h"
@@ -44,8 +44,6 @@
 #include "hiqcache/cuda_export.h"
 #include "kernels/codec_test_util.h"
 #include "kv_check.h"
-
-extern char** environ;
 
 namespace hiqcache {
 // The daemon binary: $HIQ_DAEMON_PATH when set (binaries carried to another machine, see
@@ -649,36 +647,15 @@ class CudaClientGpu : public ::testing::Test {
   }
 
   pid_t Spawn(const std::string& test, uint64_t seed) {
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    env_strings.push_back("HIQ_GPU_CHILD_TARGET=" + daemon_->target());
-    env_strings.push_back("HIQ_GPU_CHILD_DIR=" + dir_);
-    env_strings.push_back("HIQ_GPU_CHILD_SEED=" + std::to_string(seed));
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string exe = "/proc/self/exe";
-    std::string filter = "--gtest_filter=CudaClientChild." + test;
-    char* argv[] = {exe.data(), filter.data(), nullptr};
-    pid_t pid = -1;
-    const int rc = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data());
-    EXPECT_EQ(rc, 0) << "posix_spawn: " << std::strerror(rc);
-    return rc == 0 ? pid : -1;
+    return gpu_test::SpawnSelf(
+        "CudaClientChild." + test,
+        {"HIQ_GPU_CHILD_TARGET=" + daemon_->target(), "HIQ_GPU_CHILD_DIR=" + dir_,
+         "HIQ_GPU_CHILD_SEED=" + std::to_string(seed)});
   }
 
   // The child's exit status (-1 on timeout, after killing it).
   static int Wait(pid_t pid, std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    int status = 0;
-    while (Clock::now() < deadline) {
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    return -1;
+    return gpu_test::WaitChild(pid, timeout);
   }
 
   void RunChild(const std::string& test, uint64_t seed, const std::string& marker) {
@@ -689,10 +666,7 @@ class CudaClientGpu : public ::testing::Test {
         << "client process " << test << " did not complete (skipped?)";
   }
 
-  bool DaemonAlive() const {
-    int status;
-    return daemon_->pid() > 0 && ::waitpid(daemon_->pid(), &status, WNOHANG) == 0;
-  }
+  bool DaemonAlive() const { return gpu_test::ChildAlive(daemon_->pid()); }
 
   std::unique_ptr<testing::DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;

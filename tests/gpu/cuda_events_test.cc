@@ -23,7 +23,6 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,14 +35,13 @@
 #include <thread>
 #include <vector>
 
+#include "child_process.h"
 #include "cuda_handles.h"
 #include "cuda_runtime_check.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/cuda_export.h"
 #include "kv_check.h"
-
-extern char** environ;
 
 namespace hiqcache {
 inline const char* EventsDaemonPath() {
@@ -392,9 +390,12 @@ TEST(CudaEventsChild, PeerRank) {
 
 class CudaEventsGpu : public ::testing::Test {
  protected:
-  void StartDaemon(std::vector<std::string> flags) {
+  void SetUp() override {
     std::string why;
     if (!kernels::CudaDeviceAvailable(&why)) GTEST_SKIP() << "no usable CUDA device: " << why;
+  }
+  // Call as ASSERT_NO_FATAL_FAILURE(StartDaemon(...)): the test cannot go on without it.
+  void StartDaemon(std::vector<std::string> flags) {
     const char* pool_bytes = std::getenv("HIQ_GPU_POOL_BYTES");
     flags.insert(flags.begin(), {"--device", "cuda"});
     daemon_ = std::make_unique<testing::DaemonProcess>(
@@ -417,43 +418,18 @@ class CudaEventsGpu : public ::testing::Test {
   }
 
   pid_t Spawn(const std::string& test, uint64_t seed, int role = 0) {
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    env_strings.push_back("HIQ_GPU_CHILD_TARGET=" + daemon_->target());
-    env_strings.push_back("HIQ_GPU_CHILD_DIR=" + dir_);
-    env_strings.push_back("HIQ_GPU_CHILD_SEED=" + std::to_string(seed));
-    env_strings.push_back("HIQ_GPU_CHILD_ROLE=" + std::to_string(role));
-    if (!shm_.empty()) env_strings.push_back("HIQ_GPU_CHILD_SHM=" + shm_);
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string exe = "/proc/self/exe";
-    std::string filter = "--gtest_filter=CudaEventsChild." + test;
-    char* argv[] = {exe.data(), filter.data(), nullptr};
-    pid_t pid = -1;
-    const int rc = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data());
-    EXPECT_EQ(rc, 0) << "posix_spawn: " << std::strerror(rc);
-    return rc == 0 ? pid : -1;
+    std::vector<std::string> env = {
+        "HIQ_GPU_CHILD_TARGET=" + daemon_->target(), "HIQ_GPU_CHILD_DIR=" + dir_,
+        "HIQ_GPU_CHILD_SEED=" + std::to_string(seed), "HIQ_GPU_CHILD_ROLE=" + std::to_string(role)};
+    if (!shm_.empty()) env.push_back("HIQ_GPU_CHILD_SHM=" + shm_);
+    return gpu_test::SpawnSelf("CudaEventsChild." + test, env);
   }
 
   static int Wait(pid_t pid, std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    int status = 0;
-    while (Clock::now() < deadline) {
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    return -1;
+    return gpu_test::WaitChild(pid, timeout);
   }
 
-  bool DaemonAlive() const {
-    int status;
-    return daemon_->pid() > 0 && ::waitpid(daemon_->pid(), &status, WNOHANG) == 0;
-  }
+  bool DaemonAlive() const { return gpu_test::ChildAlive(daemon_->pid()); }
 
   std::unique_ptr<testing::DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
@@ -461,7 +437,7 @@ class CudaEventsGpu : public ::testing::Test {
 };
 
 TEST_F(CudaEventsGpu, WaitEventRecordedLate) {
-  StartDaemon({});
+  ASSERT_NO_FATAL_FAILURE(StartDaemon({}));
   const pid_t pid = Spawn("WaitEventRecordedLate", 1);
   ASSERT_GT(pid, 0);
   EXPECT_EQ(Wait(pid, std::chrono::seconds(120)), 0);
@@ -469,7 +445,7 @@ TEST_F(CudaEventsGpu, WaitEventRecordedLate) {
 }
 
 TEST_F(CudaEventsGpu, ClientKilledWithARecordPending) {
-  StartDaemon({"--release-timeout-ms", "2000"});
+  ASSERT_NO_FATAL_FAILURE(StartDaemon({"--release-timeout-ms", "2000"}));
   const pid_t pid = Spawn("RecordPendingUntilKilled", 2);
   ASSERT_GT(pid, 0);
   const auto deadline = Clock::now() + std::chrono::seconds(120);
@@ -504,7 +480,7 @@ TEST_F(CudaEventsGpu, ClientKilledWithARecordPending) {
 }
 
 TEST_F(CudaEventsGpu, TwoClientsWaitingOnEachOther) {
-  StartDaemon({"--transfer-workers", "1"});
+  ASSERT_NO_FATAL_FAILURE(StartDaemon({"--transfer-workers", "1"}));
   shm_ = "/hiq-gpu-events-flags-" + std::to_string(::getpid());
   ::shm_unlink(shm_.c_str());
   const int fd = ::shm_open(shm_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
