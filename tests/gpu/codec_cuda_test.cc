@@ -22,14 +22,18 @@
 #include "codec_reference.h"
 #include "cuda_handles.h"
 #include "cuda_runtime_check.h"
+#include "kernels/codec_cuda_cases.h"
 #include "kernels/codec_test_util.h"
 
 namespace hiqcache::kernels {
 namespace {
 
 using testutil::BlockSet;
+using testutil::FirstBufferDiff;
+using testutil::FirstPayloadDiff;
 using testutil::InputClass;
 using testutil::KvPool;
+using testutil::MakeLayout;
 using testutil::Rng;
 using testutil::ViewKind;
 
@@ -121,23 +125,10 @@ TEST(CodecCudaHost, PlanGroupsCoversEveryElement) {
   }
 }
 
-BlockLayout Layout(DType dtype, CodecKind codec, uint32_t heads, uint32_t dim, uint32_t layers,
-                   uint32_t planes, uint32_t block_tokens) {
-  BlockLayout lay;
-  lay.row.num_heads = heads;
-  lay.row.head_dim = dim;
-  lay.row.dtype = dtype;
-  lay.row.codec = codec;
-  lay.num_layers = layers;
-  lay.kv_planes = planes;
-  lay.block_tokens = block_tokens;
-  return lay;
-}
-
 // Shape validation happens before any CUDA call, so it is checked without a device.
 TEST(CodecCudaHost, LaunchersRejectMalformedShapes) {
   EncodeJob enc;
-  enc.layout = Layout(DType::kBF16, CodecKind::kInt8PerHead, 8, 128, 4, 2, 16);
+  enc.layout = MakeLayout(DType::kBF16, CodecKind::kInt8PerHead, 8, 128, 4, 2, 16);
   enc.num_blocks = 0;
   EXPECT_TRUE(LaunchEncode(enc, nullptr).ok());  // nothing to do
 
@@ -347,44 +338,6 @@ Status RunGpuDecode(const KvPool& dest, const std::vector<uint32_t>& rows, const
   return DownloadPool(dev, out);
 }
 
-// "block 2 layer 1 plane 0 token 5 byte 17 of the row" for the first differing payload byte.
-std::string FirstPayloadDiff(const BlockLayout& lay, const BlockSet& want, const BlockSet& got,
-                             const std::vector<uint8_t>* skip_flags = nullptr) {
-  for (uint32_t b = 0; b < want.size(); ++b) {
-    if (skip_flags != nullptr && (*skip_flags)[b] != 0) continue;
-    for (size_t i = 0; i < lay.BlockBytes(); ++i) {
-      if (want[b][i] == got[b][i]) continue;
-      const size_t row_bytes = lay.row.RowBytes();
-      const size_t l = i / lay.LayerBytes();
-      const size_t p = i % lay.LayerBytes() / lay.PlaneBytes();
-      const size_t t = i % lay.PlaneBytes() / row_bytes;
-      const size_t o = i % row_bytes;
-      char buf[200];
-      std::snprintf(buf, sizeof(buf),
-                    "block %u layer %zu plane %zu token %zu row byte %zu (%s): want 0x%02x got "
-                    "0x%02x",
-                    b, l, p, t, o, o < lay.row.ElementsPerRow() ? "code" : "scale", want[b][i],
-                    got[b][i]);
-      return buf;
-    }
-  }
-  return "";
-}
-
-std::string FirstBufferDiff(const KvPool& want, const std::vector<std::vector<uint8_t>>& got) {
-  for (uint32_t l = 0; l < want.layout().num_layers; ++l) {
-    const std::vector<uint8_t>& w = want.buffer(l);
-    if (got[l].size() != w.size()) return "layer " + std::to_string(l) + ": size differs";
-    for (size_t i = 0; i < w.size(); ++i) {
-      if (w[i] != got[l][i]) {
-        return "layer " + std::to_string(l) + " byte " + std::to_string(i) + ": want " +
-               std::to_string(w[i]) + " got " + std::to_string(got[l][i]);
-      }
-    }
-  }
-  return "";
-}
-
 class CudaFixture : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -402,15 +355,7 @@ class CudaFixture : public ::testing::Test {
 // ---------------------------------------------------------------------------------------------
 // Byte equality with the CPU executors, per geometry and view kind.
 
-struct Case {
-  const char* name;
-  DType dtype;
-  CodecKind codec;
-  uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
-  ViewKind kind;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+using Case = testutil::CudaCase;
 
 class CodecCudaTest : public CudaFixture, public ::testing::WithParamInterface<Case> {
  protected:
@@ -418,11 +363,9 @@ class CodecCudaTest : public CudaFixture, public ::testing::WithParamInterface<C
     CudaFixture::SetUp();
     if (IsSkipped() || HasFatalFailure()) return;
     const Case& c = GetParam();
-    layout_ = Layout(c.dtype, c.codec, c.heads, c.dim, c.layers, c.planes, c.block_tokens);
-    num_rows_ = c.num_blocks * c.block_tokens * 2 + 3;
-    Rng rng(11);
-    rows_ =
-        testutil::RandomRows(num_rows_, static_cast<size_t>(c.num_blocks) * c.block_tokens, rng);
+    layout_ = c.layout();
+    num_rows_ = c.num_rows();
+    rows_ = c.rows();
   }
 
   KvPool MakeSource() const {
@@ -540,33 +483,12 @@ TEST_P(CodecCudaTest, PerLayerDecodeMatchesWholeDecode) {
 }
 
 constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
-constexpr CodecKind kRaw = CodecKind::kRaw;
 
-INSTANTIATE_TEST_SUITE_P(
-    Geometries, CodecCudaTest,
-    ::testing::Values(
-        Case{"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"bf16_8x128_paged", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
-        Case{"fp16_8x128_packed_kv", DType::kFP16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
-        Case{"bf16_8x128_strided", DType::kBF16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kStrided},
-        Case{"bf16_1x576_mla_contiguous", DType::kBF16, kInt8, 1, 576, 3, 1, 16, 4,
-             ViewKind::kContiguous},
-        Case{"fp16_1x576_mla_strided", DType::kFP16, kInt8, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
-        Case{"bf16_1x576_mla_paged", DType::kBF16, kInt8, 1, 576, 2, 1, 16, 3, ViewKind::kPaged},
-        Case{"bf16_2x96_contiguous", DType::kBF16, kInt8, 2, 96, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"fp16_2x96_strided", DType::kFP16, kInt8, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
-        Case{"bf16_4x64_packed_kv", DType::kBF16, kInt8, 4, 64, 2, 2, 16, 4, ViewKind::kPackedKV},
-        Case{"fp16_3x36_strided", DType::kFP16, kInt8, 3, 36, 2, 2, 5, 5, ViewKind::kStrided},
-        Case{"bf16_2x512_paged", DType::kBF16, kInt8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
-        Case{"fp16_1x1100_contiguous", DType::kFP16, kInt8, 1, 1100, 2, 1, 4, 3,
-             ViewKind::kContiguous},
-        Case{"raw_bf16_8x128_paged", DType::kBF16, kRaw, 8, 128, 2, 2, 16, 4, ViewKind::kPaged},
-        Case{"raw_fp16_2x96_strided", DType::kFP16, kRaw, 2, 96, 2, 2, 7, 4, ViewKind::kStrided}),
-    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
+                         ::testing::ValuesIn(testutil::CudaGeometryCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Every input class (zeros, subnormals, near-max, exact ties, ...) in both dtypes.
@@ -575,7 +497,7 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
     for (InputClass cls : testutil::AllInputClasses()) {
       SCOPED_TRACE(std::string(testutil::DTypeName(dtype)) + " " + testutil::InputClassName(cls));
-      const BlockLayout lay = Layout(dtype, kInt8, 8, 128, 2, 2, 16);
+      const BlockLayout lay = MakeLayout(dtype, kInt8, 8, 128, 2, 2, 16);
       const uint32_t num_blocks = 4;
       KvPool src(lay, 200, ViewKind::kContiguous, 1);
       src.Fill(cls, 100 + static_cast<int>(cls));
@@ -608,7 +530,7 @@ TEST_F(CudaFixture, NonfiniteBlocksAreFlagged) {
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
     SCOPED_TRACE(testutil::DTypeName(dtype));
     const bool bf16 = dtype == DType::kBF16;
-    const BlockLayout lay = Layout(dtype, kInt8, 8, 128, 3, 2, 16);
+    const BlockLayout lay = MakeLayout(dtype, kInt8, 8, 128, 3, 2, 16);
     const uint32_t num_blocks = 6;
     KvPool src(lay, 300, ViewKind::kPaged, 2);
     src.Fill(InputClass::kGaussian, 4);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "codec_cuda.h"
+#include "codec_cuda_cases.h"
 #include "codec_reference.h"
 #include "codec_test_util.h"
 #include "cuda_emulation.h"
@@ -26,8 +27,11 @@ namespace hiqcache::kernels {
 namespace {
 
 using testutil::BlockSet;
+using testutil::FirstBufferDiff;
+using testutil::FirstPayloadDiff;
 using testutil::InputClass;
 using testutil::KvPool;
+using testutil::MakeLayout;
 using testutil::Rng;
 using testutil::ViewKind;
 
@@ -42,19 +46,6 @@ constexpr CodecKind kRaw = CodecKind::kRaw;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
-
-BlockLayout Layout(DType dtype, CodecKind codec, uint32_t heads, uint32_t dim, uint32_t layers,
-                   uint32_t planes, uint32_t block_tokens) {
-  BlockLayout lay;
-  lay.row.num_heads = heads;
-  lay.row.head_dim = dim;
-  lay.row.dtype = dtype;
-  lay.row.codec = codec;
-  lay.num_layers = layers;
-  lay.kv_planes = planes;
-  lay.block_tokens = block_tokens;
-  return lay;
-}
 
 // 16-byte aligned host memory (the emulated device memory).
 struct AlignedBuffer {
@@ -167,38 +158,6 @@ Status EmulatedDecode(KvPool* dest, const std::vector<uint32_t>& rows, const Blo
   return Status::Ok();
 }
 
-// "block 2 layer 1 plane 0 token 5 ..." for the first payload byte that differs ("" = equal),
-// skipping blocks flagged in skip_flags.
-std::string FirstPayloadDiff(const BlockLayout& lay, const BlockSet& want, const BlockSet& got,
-                             const std::vector<uint8_t>* skip_flags = nullptr) {
-  for (uint32_t b = 0; b < want.size(); ++b) {
-    if (skip_flags != nullptr && (*skip_flags)[b] != 0) continue;
-    for (size_t i = 0; i < lay.BlockBytes(); ++i) {
-      if (want[b][i] == got[b][i]) continue;
-      size_t count = 0;
-      for (size_t j = 0; j < lay.BlockBytes(); ++j) count += want[b][j] != got[b][j];
-      return "block " + std::to_string(b) + ": " + std::to_string(count) +
-             " bytes differ, first at " + testutil::DescribePayloadOffset(lay, i) + ": want " +
-             std::to_string(want[b][i]) + " got " + std::to_string(got[b][i]);
-    }
-  }
-  return "";
-}
-
-std::string FirstBufferDiff(const KvPool& want, const KvPool& got) {
-  for (uint32_t l = 0; l < want.layout().num_layers; ++l) {
-    const std::vector<uint8_t>& w = want.buffer(l);
-    const std::vector<uint8_t>& g = got.buffer(l);
-    for (size_t i = 0; i < w.size(); ++i) {
-      if (w[i] != g[i]) {
-        return "layer " + std::to_string(l) + " byte " + std::to_string(i) + ": want " +
-               std::to_string(w[i]) + " got " + std::to_string(g[i]);
-      }
-    }
-  }
-  return "";
-}
-
 CudaLaunchConfig Config(uint32_t threads, uint32_t max_ctas) {
   CudaLaunchConfig c;
   c.threads_per_cta = threads;
@@ -217,16 +176,7 @@ std::vector<std::pair<std::string, CudaLaunchConfig>> LaunchShapes() {
 }
 
 // One case: a source pool, its rows, reference payloads and decode.
-struct Case {
-  const char* name;
-  DType dtype;
-  CodecKind codec;
-  uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
-  ViewKind kind;
-  bool odd_bytes = false;  // views at odd byte addresses instead of `kind`'s shape
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+using Case = testutil::CudaCase;
 
 // Views whose heads start at odd byte addresses: every 16-bit access is unaligned.
 KvPool::Shape OddByteShape(const BlockLayout& lay, uint32_t num_rows) {
@@ -242,11 +192,9 @@ class CodecCudaEmulationTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     const Case& c = GetParam();
-    layout_ = Layout(c.dtype, c.codec, c.heads, c.dim, c.layers, c.planes, c.block_tokens);
-    num_rows_ = c.num_blocks * c.block_tokens * 2 + 3;
-    Rng rng(11);
-    rows_ =
-        testutil::RandomRows(num_rows_, static_cast<size_t>(c.num_blocks) * c.block_tokens, rng);
+    layout_ = c.layout();
+    num_rows_ = c.num_rows();
+    rows_ = c.rows();
   }
   KvPool MakePool() const {
     const Case& c = GetParam();
@@ -325,47 +273,32 @@ TEST_P(CodecCudaEmulationTest, DecodeMatchesReferenceAndWritesNothingElse) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Geometries, CodecCudaEmulationTest,
-    ::testing::Values(
-        // tests/gpu/codec_cuda_test.cc's cases.
-        Case{"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"bf16_8x128_paged", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
-        Case{"fp16_8x128_packed_kv", DType::kFP16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
-        Case{"bf16_8x128_strided", DType::kBF16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kStrided},
-        Case{"bf16_1x576_mla_contiguous", DType::kBF16, kInt8, 1, 576, 3, 1, 16, 4,
-             ViewKind::kContiguous},
-        Case{"fp16_1x576_mla_strided", DType::kFP16, kInt8, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
-        Case{"bf16_1x576_mla_paged", DType::kBF16, kInt8, 1, 576, 2, 1, 16, 3, ViewKind::kPaged},
-        Case{"bf16_2x96_contiguous", DType::kBF16, kInt8, 2, 96, 3, 2, 16, 5,
-             ViewKind::kContiguous},
-        Case{"fp16_2x96_strided", DType::kFP16, kInt8, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
-        Case{"bf16_4x64_packed_kv", DType::kBF16, kInt8, 4, 64, 2, 2, 16, 4, ViewKind::kPackedKV},
-        Case{"fp16_3x36_strided", DType::kFP16, kInt8, 3, 36, 2, 2, 5, 5, ViewKind::kStrided},
-        Case{"bf16_2x512_paged", DType::kBF16, kInt8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
-        Case{"fp16_1x1100_contiguous", DType::kFP16, kInt8, 1, 1100, 2, 1, 4, 3,
-             ViewKind::kContiguous},
-        Case{"raw_bf16_8x128_paged", DType::kBF16, kRaw, 8, 128, 2, 2, 16, 4, ViewKind::kPaged},
-        Case{"raw_fp16_2x96_strided", DType::kFP16, kRaw, 2, 96, 2, 2, 7, 4, ViewKind::kStrided},
-        // The remaining TestGeometries() head_dims (scalar tails for 16, 8 and 4 lanes; no vector
-        // part at all), and every 16-bit access unaligned.
-        Case{"bf16_32x128_paged", DType::kBF16, kInt8, 32, 128, 2, 2, 8, 2, ViewKind::kPaged},
-        Case{"fp16_3x72_packed_kv", DType::kFP16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kPackedKV},
-        Case{"bf16_2x100_strided", DType::kBF16, kInt8, 2, 100, 2, 2, 8, 3, ViewKind::kStrided},
-        Case{"fp16_5x40_paged", DType::kFP16, kInt8, 5, 40, 2, 2, 8, 3, ViewKind::kPaged},
-        Case{"bf16_1x7_mla_strided", DType::kBF16, kInt8, 1, 7, 2, 1, 8, 3, ViewKind::kStrided},
-        Case{"fp16_8x128_odd_bytes", DType::kFP16, kInt8, 8, 128, 2, 2, 8, 3, ViewKind::kContiguous,
-             true},
-        Case{"bf16_3x72_odd_bytes", DType::kBF16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kContiguous,
-             true},
-        Case{"raw_bf16_1x7_odd_bytes", DType::kBF16, kRaw, 1, 7, 2, 1, 8, 3, ViewKind::kContiguous,
-             true},
-        Case{"raw_fp16_3x72_odd_bytes", DType::kFP16, kRaw, 3, 72, 2, 2, 8, 3,
-             ViewKind::kContiguous, true}),
-    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+// tests/gpu/codec_cuda_test.cc's cases, the remaining TestGeometries() head_dims (scalar tails
+// for 16, 8 and 4 lanes; no vector part at all), and every 16-bit access unaligned.
+std::vector<Case> EmulationCases() {
+  std::vector<Case> cases = testutil::CudaGeometryCases();
+  cases.insert(
+      cases.end(),
+      {Case{"bf16_32x128_paged", DType::kBF16, kInt8, 32, 128, 2, 2, 8, 2, ViewKind::kPaged},
+       Case{"fp16_3x72_packed_kv", DType::kFP16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kPackedKV},
+       Case{"bf16_2x100_strided", DType::kBF16, kInt8, 2, 100, 2, 2, 8, 3, ViewKind::kStrided},
+       Case{"fp16_5x40_paged", DType::kFP16, kInt8, 5, 40, 2, 2, 8, 3, ViewKind::kPaged},
+       Case{"bf16_1x7_mla_strided", DType::kBF16, kInt8, 1, 7, 2, 1, 8, 3, ViewKind::kStrided},
+       Case{"fp16_8x128_odd_bytes", DType::kFP16, kInt8, 8, 128, 2, 2, 8, 3, ViewKind::kContiguous,
+            true},
+       Case{"bf16_3x72_odd_bytes", DType::kBF16, kInt8, 3, 72, 2, 2, 8, 3, ViewKind::kContiguous,
+            true},
+       Case{"raw_bf16_1x7_odd_bytes", DType::kBF16, kRaw, 1, 7, 2, 1, 8, 3, ViewKind::kContiguous,
+            true},
+       Case{"raw_fp16_3x72_odd_bytes", DType::kFP16, kRaw, 3, 72, 2, 2, 8, 3, ViewKind::kContiguous,
+            true}});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaEmulationTest, ::testing::ValuesIn(EmulationCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Every input class (zeros, subnormals, near-max, exact ties, ...) of every TestGeometries()
@@ -433,7 +366,7 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
     SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype));
     const bool bf16 = c.dtype == DType::kBF16;
     const uint32_t tokens = 4, layers = 2, num_blocks = 6, pool_rows = 40;
-    const BlockLayout lay = Layout(c.dtype, kInt8, c.heads, c.dim, layers, c.planes, tokens);
+    const BlockLayout lay = MakeLayout(c.dtype, kInt8, c.heads, c.dim, layers, c.planes, tokens);
     KvPool src(lay, pool_rows, c.kind, 2);
     src.Fill(InputClass::kGaussian, 4);
     Rng rng(5);
@@ -470,7 +403,7 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
 // RAW never flags (it stores NaN/Inf bit-exactly) but still clears the flags it is given.
 TEST(CodecCudaEmulation, RawStoresNonfiniteBitExactAndClearsFlags) {
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    const BlockLayout lay = Layout(dtype, kRaw, 8, 128, 2, 2, 4);
+    const BlockLayout lay = MakeLayout(dtype, kRaw, 8, 128, 2, 2, 4);
     KvPool src(lay, 20, ViewKind::kPaged, 3);
     src.Fill(InputClass::kGaussian, 1);
     Rng rng(2);
@@ -489,7 +422,7 @@ TEST(CodecCudaEmulation, RawStoresNonfiniteBitExactAndClearsFlags) {
 // Launch shapes and the negative control.
 
 TEST(CodecCudaEmulation, GridsStayWithinTheConfiguredBound) {
-  const BlockLayout lay = Layout(DType::kBF16, kInt8, 8, 128, 2, 2, 16);
+  const BlockLayout lay = MakeLayout(DType::kBF16, kInt8, 8, 128, 2, 2, 16);
   KvPool src(lay, 64, ViewKind::kContiguous, 1);
   src.Fill(InputClass::kGaussian, 1);
   Rng rng(1);
@@ -517,7 +450,7 @@ TEST(CodecCudaEmulation, GridsStayWithinTheConfiguredBound) {
 
 // Malformed launch shapes are refused before anything runs.
 TEST(CodecCudaEmulation, LaunchersRejectBadConfigsBeforeLaunching) {
-  const BlockLayout lay = Layout(DType::kFP16, kInt8, 2, 96, 1, 2, 4);
+  const BlockLayout lay = MakeLayout(DType::kFP16, kInt8, 2, 96, 1, 2, 4);
   KvPool src(lay, 8, ViewKind::kContiguous, 1);
   const std::vector<uint32_t> rows = {0, 1, 2, 3};
   BlockSet blocks(lay, 1);
@@ -543,7 +476,7 @@ class ScopedFault {
 // same comparison the tests above make: it is what proves they can fail.
 TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
   for (uint32_t dim : {128u, 576u}) {  // 16-lane and 32-lane groups
-    const BlockLayout lay = Layout(DType::kBF16, kInt8, 1024 / dim + 1, dim, 1, 2, 4);
+    const BlockLayout lay = MakeLayout(DType::kBF16, kInt8, 1024 / dim + 1, dim, 1, 2, 4);
     KvPool src(lay, 16, ViewKind::kContiguous, 1);
     src.Fill(InputClass::kOutlier, 7);  // one large element per head: a missed lane changes s
     Rng rng(3);

@@ -1,0 +1,120 @@
+// The cases and byte comparisons shared by the two tests of codec_cuda.cu's kernels: on a GPU
+// (tests/gpu/codec_cuda_test.cc) and on the CPU emulator (codec_cuda_emulation_test.cc), so both
+// run the same geometries and report a difference in the same words. Header-only and CUDA-free;
+// every helper is deterministic.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "codec_test_util.h"
+
+namespace hiqcache::kernels::testutil {
+
+inline BlockLayout MakeLayout(DType dtype, CodecKind codec, uint32_t heads, uint32_t dim,
+                              uint32_t layers, uint32_t planes, uint32_t block_tokens) {
+  BlockLayout lay;
+  lay.row.num_heads = heads;
+  lay.row.head_dim = dim;
+  lay.row.dtype = dtype;
+  lay.row.codec = codec;
+  lay.num_layers = layers;
+  lay.kv_planes = planes;
+  lay.block_tokens = block_tokens;
+  return lay;
+}
+
+// One parameterized case: a geometry, its codec and view, and how many blocks to move.
+struct CudaCase {
+  const char* name;
+  DType dtype;
+  CodecKind codec;
+  uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
+  ViewKind kind;
+  bool odd_bytes = false;  // views at odd byte addresses instead of `kind`'s shape
+
+  BlockLayout layout() const {
+    return MakeLayout(dtype, codec, heads, dim, layers, planes, block_tokens);
+  }
+  // Room for twice the rows moved, and a few more, so the rows are scattered.
+  uint32_t num_rows() const { return num_blocks * block_tokens * 2 + 3; }
+  // The rows moved, block-major: num_blocks * block_tokens distinct rows below num_rows().
+  std::vector<uint32_t> rows() const {
+    Rng rng(11);
+    return RandomRows(num_rows(), static_cast<size_t>(num_blocks) * block_tokens, rng);
+  }
+};
+
+inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
+
+// The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
+// tails, every view kind, INT8 and RAW.
+inline std::vector<CudaCase> CudaGeometryCases() {
+  constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
+  constexpr CodecKind kRaw = CodecKind::kRaw;
+  return {
+      {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
+      {"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
+      {"bf16_8x128_paged", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
+      {"fp16_8x128_packed_kv", DType::kFP16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
+      {"bf16_8x128_strided", DType::kBF16, kInt8, 8, 128, 2, 2, 16, 4, ViewKind::kStrided},
+      {"bf16_1x576_mla_contiguous", DType::kBF16, kInt8, 1, 576, 3, 1, 16, 4,
+       ViewKind::kContiguous},
+      {"fp16_1x576_mla_strided", DType::kFP16, kInt8, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
+      {"bf16_1x576_mla_paged", DType::kBF16, kInt8, 1, 576, 2, 1, 16, 3, ViewKind::kPaged},
+      {"bf16_2x96_contiguous", DType::kBF16, kInt8, 2, 96, 3, 2, 16, 5, ViewKind::kContiguous},
+      {"fp16_2x96_strided", DType::kFP16, kInt8, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
+      {"bf16_4x64_packed_kv", DType::kBF16, kInt8, 4, 64, 2, 2, 16, 4, ViewKind::kPackedKV},
+      {"fp16_3x36_strided", DType::kFP16, kInt8, 3, 36, 2, 2, 5, 5, ViewKind::kStrided},
+      {"bf16_2x512_paged", DType::kBF16, kInt8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
+      {"fp16_1x1100_contiguous", DType::kFP16, kInt8, 1, 1100, 2, 1, 4, 3, ViewKind::kContiguous},
+      {"raw_bf16_8x128_paged", DType::kBF16, kRaw, 8, 128, 2, 2, 16, 4, ViewKind::kPaged},
+      {"raw_fp16_2x96_strided", DType::kFP16, kRaw, 2, 96, 2, 2, 7, 4, ViewKind::kStrided},
+  };
+}
+
+// "block 2: 3 bytes differ, first at layer 1 plane 0 token 5 ...: want 17 got 18" for the first
+// payload byte that differs ("" when equal), skipping blocks flagged in `skip_flags`.
+inline std::string FirstPayloadDiff(const BlockLayout& lay, const BlockSet& want,
+                                    const BlockSet& got,
+                                    const std::vector<uint8_t>* skip_flags = nullptr) {
+  for (uint32_t b = 0; b < want.size(); ++b) {
+    if (skip_flags != nullptr && (*skip_flags)[b] != 0) continue;
+    for (size_t i = 0; i < lay.BlockBytes(); ++i) {
+      if (want[b][i] == got[b][i]) continue;
+      size_t count = 0;
+      for (size_t j = 0; j < lay.BlockBytes(); ++j) count += want[b][j] != got[b][j];
+      return "block " + std::to_string(b) + ": " + std::to_string(count) +
+             " bytes differ, first at " + DescribePayloadOffset(lay, i) + ": want " +
+             std::to_string(want[b][i]) + " got " + std::to_string(got[b][i]);
+    }
+  }
+  return "";
+}
+
+// "layer 1 byte 17: want 165 got 0" for the first byte of the per-layer buffers `got` that
+// differs from `want`'s ("" when equal).
+inline std::string FirstBufferDiff(const KvPool& want,
+                                   const std::vector<std::vector<uint8_t>>& got) {
+  for (uint32_t l = 0; l < want.layout().num_layers; ++l) {
+    const std::vector<uint8_t>& w = want.buffer(l);
+    if (got[l].size() != w.size()) return "layer " + std::to_string(l) + ": size differs";
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (w[i] != got[l][i]) {
+        return "layer " + std::to_string(l) + " byte " + std::to_string(i) + ": want " +
+               std::to_string(w[i]) + " got " + std::to_string(got[l][i]);
+      }
+    }
+  }
+  return "";
+}
+
+inline std::string FirstBufferDiff(const KvPool& want, const KvPool& got) {
+  std::vector<std::vector<uint8_t>> buffers;
+  for (uint32_t l = 0; l < got.layout().num_layers; ++l) buffers.push_back(got.buffer(l));
+  return FirstBufferDiff(want, buffers);
+}
+
+}  // namespace hiqcache::kernels::testutil
