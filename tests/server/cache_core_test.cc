@@ -27,6 +27,7 @@
 #include "codec_cpu.h"
 #include "host_backend.h"
 #include "pool_format.h"
+#include "register_spec_util.h"
 #include "server_test_util.h"
 
 namespace hiqcache::server {
@@ -36,7 +37,7 @@ using namespace std::chrono_literals;
 using testing::AnonBuffer;
 using testing::KeyString;
 
-constexpr int kBf16 = 1, kMha = 1, kMla = 2, kInt8 = 0, kRaw = 1, kHost = 1, kCuda = 2;
+constexpr int kMha = 1, kMla = 2, kInt8 = 0, kRaw = 1, kCuda = 2;
 constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 32;
 constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
 constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
@@ -125,19 +126,9 @@ class CacheCoreTest : public ::testing::Test {
   }
 
   RegisterSpec Spec(int codec = kInt8) const {
-    RegisterSpec s;
-    s.model = "test/model";
+    RegisterSpec s = testing::BaseSpec("test/model", kLayers, kHeads, kDim, kBlockTokens);
     s.tenant = "t";
-    s.num_layers = kLayers;
-    s.num_kv_heads = kHeads;
-    s.head_dim = kDim;
-    s.dtype = kBf16;
-    s.attention = kMha;
-    s.tp_rank = 0;
-    s.tp_size = 1;
-    s.block_tokens = kBlockTokens;
     s.codec = codec;
-    s.device_kind = kHost;
     for (const ShmObject* b : {k_.get(), v_.get()}) {
       BufferSpec bs;
       bs.has_host_shm_name = true;
@@ -145,18 +136,7 @@ class CacheCoreTest : public ::testing::Test {
       bs.size_bytes = b->size();
       s.buffers.push_back(bs);
     }
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      LayerSpec ls;
-      for (uint32_t p = 0; p < 2; ++p) {
-        ViewSpec& v = p == 0 ? ls.k : ls.v;
-        v.present = true;
-        v.buffer = p;
-        v.offset_bytes = uint64_t{l} * kRows * kRowBytes;
-        v.row_stride_bytes = kRowBytes;
-        v.num_rows = kRows;
-      }
-      s.layers.push_back(ls);
-    }
+    testing::AddLayerMajorLayers(&s, kRows, kRowBytes);
     s.events.host_shm_name = events_->name();
     s.events.count = kEventSlots;
     s.client_pid = 4242;
@@ -826,8 +806,8 @@ TEST_F(CacheCoreTest, ReleasePoolCancelsTasksWaitingForEvents) {
   core_->WaitIdle();
   if (!cancelled) {
     FAIL() << "regression: HostBinding has no Cancel() override (host_backend.cc; dropped in "
-                    "6c4c724), so ReleasePool does not stop a HOST task waiting for its "
-                    "wait_event: it keeps its pins and a transfer worker until wait_timeout_ms";
+              "6c4c724), so ReleasePool does not stop a HOST task waiting for its "
+              "wait_event: it keeps its pins and a transfer worker until wait_timeout_ms";
   }
   EXPECT_EQ(Slot(1).load(), 2u | kHostEventFailedBit);
   EXPECT_EQ(Slot(2).load(), 3u | kHostEventFailedBit);
@@ -943,9 +923,9 @@ TEST_F(CacheCoreTest, PoolsWaitingOnEventsDoNotStallOtherPools) {
   EXPECT_EQ(Lookup(a, {KeyString(10), KeyString(11)}), 2u);
   if (!finished_while_others_wait) {
     FAIL() << "regression: HostBinding::WaitFor (host_backend.cc) blocks a TransferEngine worker "
-                    "while it polls the wait_event slot, so two pools waiting on their events "
-                    "stall every other pool's work until the events fire or wait_timeout_ms "
-                    "passes";
+              "while it polls the wait_event slot, so two pools waiting on their events "
+              "stall every other pool's work until the events fire or wait_timeout_ms "
+              "passes";
   }
 }
 

@@ -36,6 +36,7 @@
 #include "codec_reference.h"
 #include "fake_device.h"
 #include "host_backend.h"
+#include "register_spec_util.h"
 #include "server_test_util.h"
 
 namespace hiqcache::server {
@@ -47,7 +48,7 @@ using testing::FakeDevice;
 using testing::KeyString;
 using Call = FakeDevice::Call;
 
-constexpr int kBf16 = 1, kMha = 1, kInt8 = 0, kRaw = 1, kCuda = 2;
+constexpr int kInt8 = 0, kRaw = 1, kCuda = 2;
 constexpr uint32_t kLayers = 3, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 64;
 constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
 constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
@@ -191,16 +192,9 @@ class CudaBackendTest : public ::testing::Test {
 
   RegisterSpec Spec(const Engine& e, int codec = kInt8, uint32_t tp_rank = 0,
                     uint32_t tp_size = 1) {
-    RegisterSpec s;
-    s.model = "test/model";
-    s.num_layers = kLayers;
-    s.num_kv_heads = kHeads;
-    s.head_dim = kDim;
-    s.dtype = kBf16;
-    s.attention = kMha;
+    RegisterSpec s = testing::BaseSpec("test/model", kLayers, kHeads, kDim, kBlockTokens);
     s.tp_rank = tp_rank;
     s.tp_size = tp_size;
-    s.block_tokens = kBlockTokens;
     s.codec = codec;
     s.device_kind = kCuda;
     s.cuda_device_uuid = UuidOf(*fake_, e.device);
@@ -211,18 +205,7 @@ class CudaBackendTest : public ::testing::Test {
       b.size_bytes = kPlaneBytes;
       s.buffers.push_back(b);
     }
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      LayerSpec ls;
-      for (uint32_t p = 0; p < 2; ++p) {
-        ViewSpec& v = p == 0 ? ls.k : ls.v;
-        v.present = true;
-        v.buffer = p;
-        v.offset_bytes = uint64_t{l} * kRows * kRowBytes;
-        v.row_stride_bytes = kRowBytes;
-        v.num_rows = kRows;
-      }
-      s.layers.push_back(ls);
-    }
+    testing::AddLayerMajorLayers(&s, kRows, kRowBytes);
     s.events.cuda_ipc_event_handles = e.events;
     return s;
   }

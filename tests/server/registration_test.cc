@@ -1,7 +1,6 @@
 // Request validation (registration.h): every malformed registration or transfer is rejected with
 // INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size limits) and a message naming the field; the
 // engine layouts DESIGN.md lists are accepted and give the right BlockLayout.
-#include "pool_format.h"
 #include "registration.h"
 
 #include <gtest/gtest.h>
@@ -10,41 +9,24 @@
 #include <string>
 #include <vector>
 
+#include "pool_format.h"
+#include "register_spec_util.h"
 #include "server_test_util.h"
 
 namespace hiqcache::server {
 namespace {
 
-constexpr int kBf16 = 1, kFp16 = 2;
-constexpr int kMha = 1, kMla = 2;
-constexpr int kInt8 = 0, kRaw = 1;
-constexpr int kHost = 1, kCuda = 2;
+// Proto enum values other than BaseSpec's (BF16, MHA, INT8, HOST).
+constexpr int kFp16 = 2;
+constexpr int kMla = 2;
+constexpr int kRaw = 1;
+constexpr int kCuda = 2;
 constexpr uint64_t kBigPool = 64ull << 30;
 
-ViewSpec View(uint32_t buffer, uint64_t offset, uint64_t row_stride, uint32_t rows) {
-  ViewSpec v;
-  v.present = true;
-  v.buffer = buffer;
-  v.offset_bytes = offset;
-  v.row_stride_bytes = row_stride;
-  v.num_rows = rows;
-  return v;
-}
+using testing::RowView;
 
 RegisterSpec Base(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t block_tokens) {
-  RegisterSpec s;
-  s.model = "Qwen/Qwen3-8B@main";
-  s.num_layers = layers;
-  s.num_kv_heads = heads;
-  s.head_dim = dim;
-  s.dtype = kBf16;
-  s.attention = kMha;
-  s.tp_rank = 0;
-  s.tp_size = 1;
-  s.block_tokens = block_tokens;
-  s.codec = kInt8;
-  s.device_kind = kHost;
-  return s;
+  return testing::BaseSpec("Qwen/Qwen3-8B@main", layers, heads, dim, block_tokens);
 }
 
 BufferSpec HostBuffer(const std::string& name, uint64_t size) {
@@ -63,7 +45,7 @@ RegisterSpec SglangSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t dim =
   for (uint32_t l = 0; l < layers; ++l) {
     s.buffers.push_back(HostBuffer("/sgl-k" + std::to_string(l), row * slots));
     s.buffers.push_back(HostBuffer("/sgl-v" + std::to_string(l), row * slots));
-    s.layers.push_back({View(2 * l, 0, row, slots), View(2 * l + 1, 0, row, slots)});
+    s.layers.push_back({RowView(2 * l, 0, row, slots), RowView(2 * l + 1, 0, row, slots)});
   }
   return s;
 }
@@ -77,7 +59,7 @@ RegisterSpec VllmPagedSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t di
   const uint64_t page = row * block_size;
   for (uint32_t l = 0; l < layers; ++l) {
     s.buffers.push_back(HostBuffer("vllm-" + std::to_string(l), 2 * page * blocks));
-    ViewSpec k = View(l, 0, row, blocks * block_size);
+    ViewSpec k = RowView(l, 0, row, blocks * block_size);
     k.page_rows = block_size;
     k.page_stride_bytes = page;
     ViewSpec v = k;
@@ -97,7 +79,7 @@ RegisterSpec VllmPackedSpec(uint32_t layers = 36, uint32_t heads = 8, uint32_t d
   const uint64_t page = head * heads;
   for (uint32_t l = 0; l < layers; ++l) {
     s.buffers.push_back(HostBuffer("/packed-" + std::to_string(l), page * blocks));
-    ViewSpec k = View(l, 0, row, blocks * block_size);
+    ViewSpec k = RowView(l, 0, row, blocks * block_size);
     k.head_stride_bytes = head;
     k.page_rows = block_size;
     k.page_stride_bytes = page;
@@ -116,7 +98,7 @@ RegisterSpec MlaSpec(uint32_t layers = 61, uint32_t slots = 512) {
   s.tp_size = 8;
   for (uint32_t l = 0; l < layers; ++l) {
     s.buffers.push_back(HostBuffer("/mla-" + std::to_string(l), 576 * 2 * slots));
-    ViewSpec k = View(l, 0, 576 * 2, slots);
+    ViewSpec k = RowView(l, 0, 576 * 2, slots);
     s.layers.push_back({k, ViewSpec{}});
   }
   return s;
@@ -592,15 +574,15 @@ TEST(ValidateRegistrationTest, EventsNeedAShmName) {
 TEST(ViewEndTest, HandComputedEnds) {
   const std::string f = "v";
   // Plain [10 rows, 8 heads, 128]: 10 rows of 2,048 bytes.
-  ViewSpec plain = View(0, 0, 2048, 10);
+  ViewSpec plain = RowView(0, 0, 2048, 10);
   EXPECT_EQ(ViewEnd(plain, 8, 128, f).value(), 20480u);
   plain.offset_bytes = 100;
   EXPECT_EQ(ViewEnd(plain, 8, 128, f).value(), 20580u);
   // One row, no stride needed.
-  ViewSpec one = View(0, 6, 0, 1);
+  ViewSpec one = RowView(0, 6, 0, 1);
   EXPECT_EQ(ViewEnd(one, 2, 64, f).value(), 6u + 256u);
   // Paged, 40 rows in pages of 16 rows, pages back to back: 2 full pages + 8 rows.
-  ViewSpec paged = View(0, 0, 2048, 40);
+  ViewSpec paged = RowView(0, 0, 2048, 40);
   paged.page_rows = 16;
   paged.page_stride_bytes = 16 * 2048;
   EXPECT_EQ(ViewEnd(paged, 8, 128, f).value(), 81920u);
@@ -608,12 +590,12 @@ TEST(ViewEndTest, HandComputedEnds) {
   paged.page_stride_bytes = 40000;
   EXPECT_EQ(ViewEnd(paged, 8, 128, f).value(), 96384u);
   // Page stride smaller than a page: the farthest row is the last slot of the page before.
-  ViewSpec overlap = View(0, 0, 2048, 17);
+  ViewSpec overlap = RowView(0, 0, 2048, 17);
   overlap.page_rows = 16;
   overlap.page_stride_bytes = 2048;
   EXPECT_EQ(ViewEnd(overlap, 8, 128, f).value(), 15u * 2048u + 2048u);
   // Packed K/V: [2 blocks, 8 heads, 16, 2*128].
-  ViewSpec packed = View(0, 0, 512, 32);
+  ViewSpec packed = RowView(0, 0, 512, 32);
   packed.head_stride_bytes = 8192;
   packed.page_rows = 16;
   packed.page_stride_bytes = 65536;
@@ -621,7 +603,7 @@ TEST(ViewEndTest, HandComputedEnds) {
   packed.offset_bytes = 256;
   EXPECT_EQ(ViewEnd(packed, 8, 128, f).value(), 131072u);
   // Errors name the field passed in.
-  ViewSpec bad = View(0, 0, 1ull << 63, 3);
+  ViewSpec bad = RowView(0, 0, 1ull << 63, 3);
   auto r = ViewEnd(bad, 8, 128, "layers[7].k");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("layers[7].k"), std::string::npos);
