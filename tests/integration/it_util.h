@@ -373,6 +373,17 @@ inline StatusOr<TestPool> MakePool(Client& client, const PoolOptions& o) {
   return p;
 }
 
+// The namespace `s` registers in, named by its parts, as a scheduler that holds no pool names it.
+inline NamespaceRef RefOf(const PoolSpec& s) {
+  NamespaceRef r;
+  r.model = s.model;
+  r.tenant = s.tenant;
+  r.geometry = s.geometry;
+  r.block_tokens = s.block_tokens;
+  r.codec = s.codec;
+  return r;
+}
+
 inline std::unique_ptr<Client> Connect(
     const std::string& target,
     std::chrono::milliseconds call_timeout = std::chrono::milliseconds(5000)) {

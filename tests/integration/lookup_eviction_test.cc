@@ -204,8 +204,10 @@ TEST_F(LookupTest, OtherTenantOrModelIsAnotherNamespace) {
 // one extent (64 MiB) per rank: in a smaller pool the ranks' namespaces would take the whole pool
 // from each other.
 
-class GroupLookupTest : public ::testing::Test {
+// A test with a daemon of its own, of `pool_bytes`, and a client connected to it.
+class OwnDaemonTest : public ::testing::Test {
  protected:
+  explicit OwnDaemonTest(const char* pool_bytes) : daemon_(pool_bytes) {}
   void SetUp() override {
     ASSERT_TRUE(daemon_.Start()) << "hiqcached did not start";
     client_ = Connect(daemon_.target());
@@ -216,8 +218,13 @@ class GroupLookupTest : public ::testing::Test {
     EXPECT_EQ(daemon_.Stop(), 0);
   }
 
-  DaemonProcess daemon_{"192MiB"};
+  DaemonProcess daemon_;
   std::unique_ptr<Client> client_;
+};
+
+class GroupLookupTest : public OwnDaemonTest {
+ protected:
+  GroupLookupTest() : OwnDaemonTest("192MiB") {}
 };
 
 TEST_F(GroupLookupTest, AnswersWhatEveryTpRankHolds) {
@@ -248,16 +255,7 @@ TEST_F(GroupLookupTest, AnswersWhatEveryTpRankHolds) {
   ASSERT_EQ(client_->Lookup(r1->handle, keys).prefix_blocks, 2u);
 
   // What a scheduler knows: the parts the workers register with, not their pools.
-  auto ref = [](const PoolSpec& s) {
-    NamespaceRef r;
-    r.model = s.model;
-    r.tenant = s.tenant;
-    r.geometry = s.geometry;
-    r.block_tokens = s.block_tokens;
-    r.codec = s.codec;
-    return r;
-  };
-  const NamespaceRef ref0 = ref(r0->spec), ref1 = ref(r1->spec);
+  const NamespaceRef ref0 = RefOf(r0->spec), ref1 = RefOf(r1->spec);
   auto group = [&](std::vector<NamespaceRef> refs) {
     LookupResult r = client_->LookupGroup(refs, keys);
     EXPECT_TRUE(r.status.ok()) << r.status.ToString();
@@ -317,17 +315,9 @@ TEST_F(GroupLookupTest, AnswersWhatEveryTpRankHolds) {
 constexpr uint32_t kEvBt = 16;
 constexpr uint32_t kGroupRows = 4 * kEvBt;  // rows a batch of 4 blocks is backed up from
 
-class EvictionTest : public ::testing::Test {
+class EvictionTest : public OwnDaemonTest {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(daemon_.Start()) << "hiqcached did not start";
-    client_ = Connect(daemon_.target());
-    ASSERT_NE(client_, nullptr);
-  }
-  void TearDown() override {
-    client_.reset();
-    EXPECT_EQ(daemon_.Stop(), 0);
-  }
+  EvictionTest() : OwnDaemonTest("16MiB") {}
   PoolOptions Options(const std::string& model, uint32_t rows, uint32_t events = 0) {
     PoolOptions o;
     o.model = model;
@@ -379,9 +369,6 @@ class EvictionTest : public ::testing::Test {
     }
     return s;
   }
-
-  DaemonProcess daemon_{"16MiB"};
-  std::unique_ptr<Client> client_;
 };
 
 TEST_F(EvictionTest, LeastRecentlyUsedGoesFirst) {

@@ -270,16 +270,6 @@ TEST(WarmRestartTest, CorruptPayloadByteDropsExactlyThatBlock) {
   EXPECT_EQ(daemon.Stop(), 0);
 }
 
-NamespaceRef RefOf(const PoolSpec& s) {
-  NamespaceRef r;
-  r.model = s.model;
-  r.tenant = s.tenant;
-  r.geometry = s.geometry;
-  r.block_tokens = s.block_tokens;
-  r.codec = s.codec;
-  return r;
-}
-
 TEST(WarmRestartTest, GroupLookupAnswersBeforeAnyPoolRegistersAgain) {
   constexpr uint32_t kBlocks = 8, kRank1Blocks = 6;
   DaemonProcess daemon("192MiB");  // one ~64 MiB extent per rank: neither evicts the other
@@ -310,7 +300,7 @@ TEST(WarmRestartTest, GroupLookupAnswersBeforeAnyPoolRegistersAgain) {
                          std::span(src).first(kRank1Blocks * kBt))
                 .held(),
             kRank1Blocks);
-  const std::vector<NamespaceRef> group = {RefOf(p0.spec), RefOf(p1.spec)};
+  const std::vector<NamespaceRef> group = {it::RefOf(p0.spec), it::RefOf(p1.spec)};
   NamespaceRef unknown = group[0];
   unknown.model = "rob-restart-never-registered";
   ASSERT_EQ(scheduler->LookupGroup(group, keys).prefix_blocks, kRank1Blocks);
