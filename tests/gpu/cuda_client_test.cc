@@ -39,22 +39,12 @@
 #include "codec_reference.h"
 #include "cuda_handles.h"
 #include "cuda_runtime_check.h"
+#include "gpu_daemon_process.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/cuda_export.h"
 #include "kernels/codec_test_util.h"
 #include "kv_check.h"
-
-namespace hiqcache {
-// The daemon binary: $HIQ_DAEMON_PATH when set (binaries carried to another machine, see
-// tests/gpu/DEVELOPERS.md), else the one this build made.
-inline const char* DaemonPath() {
-  const char* env = std::getenv("HIQ_DAEMON_PATH");
-  return env != nullptr && env[0] != '\0' ? env : HIQ_DAEMON_BUILD_PATH;
-}
-}  // namespace hiqcache
-#define HIQ_DAEMON_PATH ::hiqcache::DaemonPath()
-#include "integration/daemon_process.h"
 
 namespace hiqcache {
 namespace {

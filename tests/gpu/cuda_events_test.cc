@@ -38,19 +38,11 @@
 #include "child_process.h"
 #include "cuda_handles.h"
 #include "cuda_runtime_check.h"
+#include "gpu_daemon_process.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/cuda_export.h"
 #include "kv_check.h"
-
-namespace hiqcache {
-inline const char* EventsDaemonPath() {
-  const char* env = std::getenv("HIQ_DAEMON_PATH");
-  return env != nullptr && env[0] != '\0' ? env : HIQ_DAEMON_BUILD_PATH;
-}
-}  // namespace hiqcache
-#define HIQ_DAEMON_PATH ::hiqcache::EventsDaemonPath()
-#include "integration/daemon_process.h"
 
 namespace hiqcache {
 namespace {
