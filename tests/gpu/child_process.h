@@ -4,6 +4,7 @@
 // are thread-compatible (they read `environ`; do not setenv concurrently).
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -11,6 +12,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -19,6 +22,47 @@
 extern char** environ;
 
 namespace hiqcache::gpu_test {
+
+// What the test process tells a child through its environment (HIQ_GPU_CHILD_*): the daemon to
+// connect to, a directory for marker files, a data seed, the child's rank among several, and a
+// shm object they share ("" for none).
+struct ChildEnv {
+  std::string target, dir, shm;
+  uint64_t seed = 0;
+  uint32_t role = 0;
+  bool ok = false;  // GetChildEnv found target, dir and seed: this process is a child
+
+  // "VAR=value" strings for SpawnSelf.
+  std::vector<std::string> Vars() const {
+    std::vector<std::string> vars = {"HIQ_GPU_CHILD_TARGET=" + target, "HIQ_GPU_CHILD_DIR=" + dir,
+                                     "HIQ_GPU_CHILD_SEED=" + std::to_string(seed),
+                                     "HIQ_GPU_CHILD_ROLE=" + std::to_string(role)};
+    if (!shm.empty()) vars.push_back("HIQ_GPU_CHILD_SHM=" + shm);
+    return vars;
+  }
+};
+
+// This process's ChildEnv; ok is false in the test process itself.
+inline ChildEnv GetChildEnv() {
+  ChildEnv env;
+  const char* target = std::getenv("HIQ_GPU_CHILD_TARGET");
+  const char* dir = std::getenv("HIQ_GPU_CHILD_DIR");
+  const char* seed = std::getenv("HIQ_GPU_CHILD_SEED");
+  if (target == nullptr || dir == nullptr || seed == nullptr) return env;
+  env.target = target;
+  env.dir = dir;
+  env.seed = std::strtoull(seed, nullptr, 10);
+  if (const char* role = std::getenv("HIQ_GPU_CHILD_ROLE")) env.role = std::atoi(role);
+  if (const char* shm = std::getenv("HIQ_GPU_CHILD_SHM")) env.shm = shm;
+  env.ok = true;
+  return env;
+}
+
+// Creates the (empty) marker file `path`: how a child tells the test process it got to the end.
+inline void Touch(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0600);
+  if (fd >= 0) ::close(fd);
+}
 
 // Starts this binary again with `--gtest_filter=<gtest_filter>` and this process's environment
 // plus `extra_env` ("VAR=value", appended). Returns the child's pid, or -1 (with a failed

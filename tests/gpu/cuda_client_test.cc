@@ -243,30 +243,9 @@ kernels::StridedView DeviceView(const CudaKvPool& kv, uint32_t l, uint32_t p) {
 // ---------------------------------------------------------------------------------------------
 // The client process.
 
-struct ChildEnv {
-  std::string target;
-  std::string dir;
-  uint64_t seed = 0;
-  bool ok = false;
-};
-
-ChildEnv GetChildEnv() {
-  ChildEnv env;
-  const char* target = std::getenv("HIQ_GPU_CHILD_TARGET");
-  const char* dir = std::getenv("HIQ_GPU_CHILD_DIR");
-  const char* seed = std::getenv("HIQ_GPU_CHILD_SEED");
-  if (target == nullptr || dir == nullptr || seed == nullptr) return env;
-  env.target = target;
-  env.dir = dir;
-  env.seed = std::strtoull(seed, nullptr, 10);
-  env.ok = true;
-  return env;
-}
-
-void Touch(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0600);
-  if (fd >= 0) ::close(fd);
-}
+using gpu_test::ChildEnv;
+using gpu_test::GetChildEnv;
+using gpu_test::Touch;
 
 // Everything a client process holds.
 class GpuClient {
@@ -637,10 +616,8 @@ class CudaClientGpu : public ::testing::Test {
   }
 
   pid_t Spawn(const std::string& test, uint64_t seed) {
-    return gpu_test::SpawnSelf(
-        "CudaClientChild." + test,
-        {"HIQ_GPU_CHILD_TARGET=" + daemon_->target(), "HIQ_GPU_CHILD_DIR=" + dir_,
-         "HIQ_GPU_CHILD_SEED=" + std::to_string(seed)});
+    gpu_test::ChildEnv env{daemon_->target(), dir_, "", seed};
+    return gpu_test::SpawnSelf("CudaClientChild." + test, env.Vars());
   }
 
   // The child's exit status (-1 on timeout, after killing it).

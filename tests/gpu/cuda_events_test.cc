@@ -68,32 +68,9 @@ constexpr uint32_t kSrc = 0, kDst = 128;  // first rows backed up from / restore
     ASSERT_EQ(hiq_e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(hiq_e_); \
   } while (0)
 
-struct ChildEnv {
-  std::string target, dir, shm;
-  uint64_t seed = 0;
-  uint32_t role = 0;
-  bool ok = false;
-};
-
-ChildEnv GetChildEnv() {
-  ChildEnv env;
-  const char* target = std::getenv("HIQ_GPU_CHILD_TARGET");
-  const char* dir = std::getenv("HIQ_GPU_CHILD_DIR");
-  const char* seed = std::getenv("HIQ_GPU_CHILD_SEED");
-  if (target == nullptr || dir == nullptr || seed == nullptr) return env;
-  env.target = target;
-  env.dir = dir;
-  env.seed = std::strtoull(seed, nullptr, 10);
-  if (const char* role = std::getenv("HIQ_GPU_CHILD_ROLE")) env.role = std::atoi(role);
-  if (const char* shm = std::getenv("HIQ_GPU_CHILD_SHM")) env.shm = shm;
-  env.ok = true;
-  return env;
-}
-
-void Touch(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0600);
-  if (fd >= 0) ::close(fd);
-}
+using gpu_test::ChildEnv;
+using gpu_test::GetChildEnv;
+using gpu_test::Touch;
 
 std::vector<uint32_t> RowsFrom(uint32_t first) {
   std::vector<uint32_t> rows(kTokens);
@@ -409,12 +386,9 @@ class CudaEventsGpu : public ::testing::Test {
     if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
   }
 
-  pid_t Spawn(const std::string& test, uint64_t seed, int role = 0) {
-    std::vector<std::string> env = {
-        "HIQ_GPU_CHILD_TARGET=" + daemon_->target(), "HIQ_GPU_CHILD_DIR=" + dir_,
-        "HIQ_GPU_CHILD_SEED=" + std::to_string(seed), "HIQ_GPU_CHILD_ROLE=" + std::to_string(role)};
-    if (!shm_.empty()) env.push_back("HIQ_GPU_CHILD_SHM=" + shm_);
-    return gpu_test::SpawnSelf("CudaEventsChild." + test, env);
+  pid_t Spawn(const std::string& test, uint64_t seed, uint32_t role = 0) {
+    gpu_test::ChildEnv env{daemon_->target(), dir_, shm_, seed, role};
+    return gpu_test::SpawnSelf("CudaEventsChild." + test, env.Vars());
   }
 
   static int Wait(pid_t pid, std::chrono::seconds timeout) {
