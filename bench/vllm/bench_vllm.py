@@ -4,6 +4,8 @@
   ttft      time to first token of prompts with a 2,048-token shared prefix: recomputed (no
             cache), restored from hiqcached by a fresh engine (int8_per_head and raw), and
             vLLM's own prefix cache hit (the floor); medians and ratios.
+  fidelity  greedy agreement and logprob deltas of int8_per_head restores against vLLM's own
+            prefix cache over many prompt pairs (prefixes of real text, 200-1,500 tokens).
   layout    the connector's conversion between vLLM's CPU attention tiles and the staging rows
             the daemon reads and writes, for one 2,048-token restore and backup of SmolLM2,
             against a copy of the same bytes (consecutive and fragmented block ids).
@@ -113,6 +115,45 @@ def bench_ttft(model: str, ids: list[int], reps: int, tmp: pathlib.Path) -> dict
     return out
 
 
+def bench_fidelity(model: str, ids: list[int], pairs: int, tmp: pathlib.Path) -> dict:
+    rng = random.Random(11)
+    groups = []
+    for i in range(pairs):
+        n = rng.randrange(200, 1500)
+        prefix = rotation(ids, rng.randrange(len(ids)), n)
+        groups.append((prefix + rotation(ids, rng.randrange(len(ids)), 24),
+                       prefix + rotation(ids, rng.randrange(len(ids)), 24)))
+    base = {"model": model, "max_tokens": 16}
+    ref = engine("fid-ref", {**base, "connector": None,
+                             "batches": [[p] for pair in groups for p in pair]}, tmp)["results"]
+    out: dict = {"pairs": pairs, "max_tokens": 16}
+    with Daemon(pool_bytes="2GiB") as d:
+        conn = {"target": d.target, "codec": "int8_per_head"}
+        engine("fid-write", {**base, "connector": conn, "batches": [[a] for a, _ in groups]}, tmp)
+        got = engine("fid-read", {**base, "connector": conn,
+                                  "batches": [[b] for _, b in groups]}, tmp)
+    first, before, compared, deltas, identical = 0, 0, 0, [], 0
+    for i, r in enumerate(got["results"]):
+        want = ref[2 * i + 1]
+        assert r["num_cached_tokens"] == want["num_cached_tokens"]
+        first += r["tokens"][0] == want["tokens"][0]
+        identical += r["tokens"] == want["tokens"]
+        for a, b, la, lb in zip(r["tokens"], want["tokens"], r["logprobs"], want["logprobs"]):
+            compared += 1
+            if a != b:
+                break
+            before += 1
+            deltas.append(abs(la - lb))
+    deltas.sort()
+    out.update({"first_token_agreement": first / pairs, "identical_sequences": identical / pairs,
+                "tokens_equal_before_divergence": before, "tokens_compared": compared,
+                "logprob_delta_median": statistics.median(deltas),
+                "logprob_delta_p90": deltas[int(0.9 * (len(deltas) - 1))],
+                "logprob_delta_max": deltas[-1],
+                "restored_blocks": got["connector"]["loaded_blocks"]})
+    return out
+
+
 def bench_layout(reps: int) -> dict:
     import torch
 
@@ -206,6 +247,14 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
             ratio = r.get("speedup_vs_recompute")
             print(f"  {name:18s} {r['ttft_median_s'] * 1000:8.1f} ms" +
                   (f"  {ratio:5.2f}x faster than recompute" if ratio else ""))
+    if args.only in (None, "fidelity"):
+        result["fidelity"] = f = bench_fidelity(model, ids, args.pairs, tmp)
+        print(f"int8_per_head vs vLLM's prefix cache, {f['pairs']} prompt pairs, {f['max_tokens']} "
+              f"greedy tokens: first token {f['first_token_agreement'] * 100:.1f}% equal, whole "
+              f"sequence {f['identical_sequences'] * 100:.1f}%, {f['tokens_equal_before_divergence']}"
+              f"/{f['tokens_compared']} tokens before divergence; |dlogprob| median "
+              f"{f['logprob_delta_median']:.4f}, p90 {f['logprob_delta_p90']:.4f}, max "
+              f"{f['logprob_delta_max']:.4f}")
     if args.only in (None, "layout"):
         result["layout"] = lay = bench_layout(max(args.reps, 9))
         print(f"Layout conversion, {lay['bytes'] / 1e6:.1f} MB per 2,048-token transfer, "
@@ -234,7 +283,8 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("ttft", "layout", "workload"))
+    ap.add_argument("--only", choices=("ttft", "fidelity", "layout", "workload"))
+    ap.add_argument("--pairs", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--groups", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=4)
