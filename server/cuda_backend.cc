@@ -286,13 +286,15 @@ class CudaBinding : public PoolBinding {
     res_->Release();
   }
 
-  // Uploads the views (constant for the binding's life) into its job arrays.
-  Status UploadViews(const std::vector<kernels::LayerViews>& views) {
-    const size_t bytes = views.size() * sizeof(kernels::LayerViews);
-    std::memcpy(res_->arena.host + plan_.views_off, views.data(), bytes);
-    DeviceApi::Copy c{res_->arena.device + plan_.views_off, res_->arena.host + plan_.views_off,
-                      bytes};
-    return api_->CopyAsync(device_, {&c, 1}, res_->compute);
+  // Writes the views (constant for the binding's life) into the host side of its job arrays.
+  // Host memory only: binding enqueues no device work. The device copy goes with the first job
+  // arrays a task uploads (UploadJobArrays), so that every device access to the arena belongs to
+  // a task, whose completion is observed before the binding can be closed and its arena reused
+  // or freed. (A copy enqueued here would be ordered before nothing: a pool released, or a
+  // backend torn down, before any task ran would return or free the arena under it.)
+  void StageViews(const std::vector<kernels::LayerViews>& views) {
+    std::memcpy(res_->arena.host + plan_.views_off, views.data(),
+                views.size() * sizeof(kernels::LayerViews));
   }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
@@ -366,8 +368,11 @@ class CudaBinding : public PoolBinding {
     if (task->on_enqueued) task->on_enqueued(st);
     // The callback hands its reference to the task (and through it to the pool and this
     // binding) over to the worker: the last one is never dropped on the completion thread.
+    // `task = task`, not `task`: a by-copy capture of the const reference would be a const
+    // member, and std::move of it below a copy, leaving a reference here that the completion
+    // thread drops after the worker ran the continuation (the last one, once the core let go).
     dev_->completion->Watch(
-        res_->complete, [this, task, pair, st, finish](const Status& q) mutable {
+        res_->complete, [this, task = task, pair, st, finish](const Status& q) mutable {
           dev_->Release(pair);
           Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
           // A copy: the task, and `defer` in it, may be gone as soon as the work has run.
@@ -425,10 +430,17 @@ class CudaBinding : public PoolBinding {
       for (uint32_t i = 0; i < per_slab; ++i)
         ptrs[s * per_slab + i] = dev_->Slab(pair, s) + i * stride;
     }
-    const DeviceApi::Copy up[2] = {
+    const DeviceApi::Copy up[3] = {
         {dev + plan_.rows_off, host + plan_.rows_off, rows_bytes},
-        {dev + plan_.ptrs_off, host + plan_.ptrs_off, 2 * size_t{per_slab} * sizeof(uint8_t*)}};
-    HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, up, res_->compute), "uploading job arrays"));
+        {dev + plan_.ptrs_off, host + plan_.ptrs_off, 2 * size_t{per_slab} * sizeof(uint8_t*)},
+        {dev + plan_.views_off, host + plan_.views_off,
+         size_t{layout_.num_layers} * sizeof(kernels::LayerViews)}};
+    // The views once, with the first task's arrays (StageViews): later tasks run behind that
+    // copy on the same stream.
+    const size_t n = views_uploaded_ ? 2 : 3;
+    HIQ_RETURN_IF_ERROR(
+        Ctx(api_->CopyAsync(device_, {up, n}, res_->compute), "uploading job arrays"));
+    views_uploaded_ = true;
     return reinterpret_cast<uint8_t**>(dev + plan_.ptrs_off);
   }
 
@@ -547,6 +559,8 @@ class CudaBinding : public PoolBinding {
   const ChunkPlan plan_;
   const uint32_t num_rows_;
   const uint32_t event_count_;
+  // Whether the views were copied to the device. Only Start* (one call at a time) use it.
+  bool views_uploaded_ = false;
   std::atomic<bool> cancelled_{false};
   std::mutex close_mu_;
 };
@@ -744,8 +758,7 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spe
   res->has_arena = true;
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec));
-  Status up = binding->UploadViews(views);
-  if (!up.ok()) return dev->Reported(Ctx(up, "uploading the views"));
+  binding->StageViews(views);
   return std::unique_ptr<PoolBinding>(std::move(binding));
 }
 

@@ -29,7 +29,10 @@
 // Staging is a fixed budget per device (CudaBackendOptions::staging_bytes), allocated when the
 // first pool binds to the device; per-pool job arrays are allocated at bind. Nothing is
 // allocated or freed on the request path, and nothing freed while the daemon runs (cudaFree
-// synchronizes the device): released pools' arrays are kept for later binds.
+// synchronizes the device): released pools' arrays are kept for later binds. Bind enqueues no
+// device work (the pool's views reach the device with its first task's job arrays): all device
+// work of a pool belongs to a task, so once its tasks completed (what ReleasePool and shutdown
+// wait for) nothing queued touches its arrays, and they may be reused or freed.
 //
 // A sticky device error (DeviceApi kDataLoss) fails the device: its requests fail with
 // UNAVAILABLE from then on, and on_device_failed runs once, so that hiqcached exits and its

@@ -11,7 +11,8 @@
 // error and still records the events, sticky errors fail the device, release waits for device
 // work and never touches a cancelled pool's mappings, staging runs in chunks through a fixed
 // budget with slabs never reused while queued work reads them, no allocation on the request
-// path, device/UUID mismatch and VMM hints, registration chunks.
+// path, registration leaves nothing queued on the device, device/UUID mismatch and VMM hints,
+// registration chunks.
 #include "cuda_backend.h"
 
 #include <fcntl.h>
@@ -424,6 +425,32 @@ TEST_F(CudaBackendTest, StagingIsAllocatedAtBindAndShownInStats) {
   Engine& e2 = NewEngine(1);
   Register(e2);
   EXPECT_GT(core_->Snapshot().staging_device_bytes, 2 * (1u << 20));  // one budget per device
+}
+
+// Registration leaves nothing queued on the device: a pool released (or a backend torn down)
+// before its first task would otherwise return or free its job arrays under a queued upload,
+// and the next bind would reuse them. The views reach the device with the first task, be it a
+// restore into an arena another pool used before.
+TEST_F(CudaBackendTest, BindingEnqueuesNoDeviceWork) {
+  Options o;
+  o.auto_run = false;
+  Build(o);
+  Engine& e = NewEngine();
+  const std::vector<uint8_t> original = e.Bytes();
+  const uint64_t pool = Register(e);
+  EXPECT_EQ(fake_->PendingOps(), 0u) << "registration enqueued device work";
+  fake_->SetAutoRun(true);
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
+  HIQ_EXPECT_OK(core_->ReleasePool(pool));
+  fake_->SetAutoRun(false);
+  Engine& e2 = NewEngine();
+  const uint64_t p2 = Register(e2);  // takes the released pool's job arrays
+  EXPECT_EQ(fake_->PendingOps(), 0u) << "registration enqueued device work";
+  fake_->SetAutoRun(true);
+  auto r = Restore(Transfer(p2, Blocks(1, 2, 32)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->restored_blocks, 2u);
+  ExpectRestored(e2, original, 0, 32, 2 * kBlockTokens, kInt8);
 }
 
 TEST_F(CudaBackendTest, LayerLargerThanASlabIsRefusedAtRegistration) {
