@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import re
 import time
 
 import numpy as np
@@ -36,6 +37,42 @@ def normalize_name(name: str) -> str:
 def unique_name(tag: str) -> str:
     """"/hiq-<pid>-<n>-<nonce>-<tag>": unique in this process, unlikely to collide elsewhere."""
     return f"/hiq-{os.getpid()}-{next(_names)}-{os.urandom(4).hex()}-{tag}"
+
+
+_UNIQUE = re.compile(r"^hiq-(\d+)-\d+-[0-9a-f]{8}-[A-Za-z0-9_.-]+$")
+
+
+def reap_stale(tags: tuple[str, ...]) -> list[str]:
+    """Unlinks this user's shm objects named by unique_name(tag) for one of `tags` whose
+    process is gone (an engine killed before it could unlink its own). Returns their names.
+    Objects of live processes, other users' objects and other names are left alone."""
+    reaped = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return reaped
+    for entry in entries:
+        m = _UNIQUE.match(entry)
+        if m is None or not entry.endswith(tuple("-" + t for t in tags)):
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid():
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, entry)).st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # not ours to judge (EPERM: alive under another user)
+        try:
+            os.unlink(os.path.join(SHM_DIR, entry))
+            reaped.append("/" + entry)
+        except OSError:
+            pass
+    return reaped
 
 
 class HostShm:

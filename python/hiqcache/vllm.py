@@ -54,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from hiqcache.client import Client
-from hiqcache.host import SLOT_BYTES, HostEventPool, HostShm, unique_name
+from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
 from hiqcache.keys import BlockKey, chain_block_key, root_block_key
 from hiqcache.spec import (Codec, DeviceKind, DType, Geometry, LayerView, NamespaceRef, PoolSpec,
                            SharedBuffer, slot_major_bytes, slot_major_view)
@@ -78,6 +78,7 @@ _TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 _SLOT_BACKUP_DONE = 0
 _SLOT_LAYER_BASE = 1  # + layer index
 _MAX_LOADS_PER_STEP = 64  # done slots for loads follow the layer slots
+_STAGING_TAG, _EVENTS_TAG = "vllm-kv", "vllm-ev"  # shm names: hiqcache.host.unique_name(tag)
 
 
 @dataclass(frozen=True)
@@ -561,11 +562,16 @@ class _Worker:
         self.save_rows = rows
         total = self.load_rows + self.save_rows
         plane_bytes = slot_major_bytes(g, total)
-        self.shm = HostShm.create(unique_name("vllm-kv"), g.num_layers * 2 * plane_bytes)
+        # Staging objects of engines that were killed before they could unlink them.
+        stale = reap_stale((_STAGING_TAG, _EVENTS_TAG))
+        if stale:
+            log.info("hiqcache: removed %d shm objects of dead engine processes", len(stale))
+        self.shm = HostShm.create(unique_name(_STAGING_TAG), g.num_layers * 2 * plane_bytes)
         torch_dtype = first.dtype
         self.staging = torch.frombuffer(self.shm.buf, dtype=torch_dtype).view(
             g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
-        self.events = HostEventPool.create(_SLOT_LAYER_BASE + g.num_layers + _MAX_LOADS_PER_STEP)
+        self.events = HostEventPool.create(_SLOT_LAYER_BASE + g.num_layers + _MAX_LOADS_PER_STEP,
+                                           unique_name(_EVENTS_TAG))
         views = tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
                                 v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
                       for l in range(g.num_layers))

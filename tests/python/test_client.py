@@ -234,3 +234,29 @@ def test_a_new_client_is_not_held_back_by_another_clients_reconnect_backoff(kv):
         early.close()
     finally:
         d.close()
+
+
+def test_shm_objects_of_dead_processes_are_reaped_and_live_ones_kept():
+    """An engine killed before it unlinks its staging objects leaves them in /dev/shm; the next
+    engine removes those of dead processes (its own user's, its own tags) and nothing else."""
+    import subprocess
+    import sys
+
+    from hiqcache.host import reap_stale, unique_name
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = f"/hiq-{dead_pid}-1-0123abcd-reaptest"
+    other_tag = f"/hiq-{dead_pid}-2-0123abcd-othertag"
+    mine = hq.HostShm.create(unique_name("reaptest"), 4096)  # this live process
+    created = [hq.HostShm.create(n, 4096) for n in (stale, other_tag)]
+    try:
+        reaped = reap_stale(("reaptest",))
+        assert reaped == [stale]
+        assert not os.path.exists("/dev/shm" + stale)
+        assert os.path.exists("/dev/shm" + other_tag)
+        assert os.path.exists("/dev/shm" + mine.name)
+    finally:
+        for s in (mine, *created):
+            s.close()
