@@ -24,6 +24,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" >"$stamp"
   echo "setup-venv: done in $(( $(date +%s) - t ))s" >&2
 fi
-"$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/python" 2>&1 \
-  | grep -v "BuildBackendWarning\|^ *!!\|^ *\*\*\*\|^$" >&2 || true
-"$py" -c "import hiqcache" 
+# Quiet unless it fails: setuptools' warnings about the build are noise here.
+out=$("$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/python" 2>&1) \
+  || { echo "$out" >&2; echo "setup-venv: installing python/ failed" >&2; exit 1; }
+"$py" -c "import hiqcache"
