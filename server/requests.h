@@ -11,6 +11,18 @@
 
 namespace hiqcache::server {
 
+// Who sent a request, as the kernel reported it: SO_PEERCRED of the caller's session socket
+// (session_listener.h), named on each RPC by the session token in its metadata. A caller without
+// a valid session is anonymous: it owns no pool and may register none.
+struct Caller {
+  uint64_t session = 0;  // daemon-local session id; 0 = anonymous
+  uint32_t pid = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  bool admin = false;  // uid 0, the daemon's own uid, or a configured admin uid/group
+  bool authenticated() const { return session != 0; }
+};
+
 enum class DeviceKind : uint8_t { kUnspecified = 0, kHost = 1, kCuda = 2, kInvalid = 255 };
 
 struct BufferSpec {
@@ -18,6 +30,12 @@ struct BufferSpec {
   std::string host_shm_name;
   bool has_cuda_ipc_handle = false;
   std::string cuda_ipc_handle;
+  // HOST: an fd the caller passed over its session (SharedBuffer.host_fd_id). The transport
+  // resolves the id into `fd`, borrowed for the duration of RegisterPool (a binding dups or maps
+  // it; it never closes it); -1 when the id named no fd of the caller's session.
+  bool has_host_fd = false;
+  uint64_t host_fd_id = 0;
+  int fd = -1;
   uint64_t size_bytes = 0;
 };
 
@@ -39,6 +57,9 @@ struct LayerSpec {
 
 struct EventsSpec {
   std::string host_shm_name;
+  // As BufferSpec's: EventPool.host_fd_id (0 = none) and the fd it resolved to (-1 = none).
+  uint64_t host_fd_id = 0;
+  int fd = -1;
   uint32_t count = 0;
   std::vector<std::string> cuda_ipc_event_handles;
 };
@@ -65,8 +86,9 @@ struct RegisterSpec : NamespaceSpec {
   std::vector<BufferSpec> buffers;
   std::vector<LayerSpec> layers;
   EventsSpec events;
-  uint32_t client_pid = 0;
+  uint32_t client_pid = 0;  // as the client reported it; ownership uses caller.pid
   std::string peer;  // transport's description of the caller, for logs and stats
+  Caller caller;
 };
 
 // At most this many NamespaceRefs in one LookupRequest (a TP group, with room to spare).
@@ -78,6 +100,7 @@ struct LookupSpec {
   uint64_t pool_id = 0;  // 0 = none
   std::vector<std::string> keys;
   std::vector<NamespaceSpec> namespaces;
+  Caller caller;
 };
 
 struct BlockSpec {
@@ -93,6 +116,7 @@ struct TransferSpec {
   int32_t layer_event_base = -1;  // restore only
   int32_t done_event = -1;
   bool sync = false;
+  Caller caller;
 };
 
 }  // namespace hiqcache::server

@@ -77,14 +77,16 @@ class Device(_message.Message):
     def __init__(self, kind: _Optional[_Union[DeviceKind, str]] = ..., cuda_device_uuid: _Optional[str] = ...) -> None: ...
 
 class SharedBuffer(_message.Message):
-    __slots__ = ("host_shm_name", "cuda_ipc_handle", "size_bytes")
+    __slots__ = ("host_shm_name", "cuda_ipc_handle", "host_fd_id", "size_bytes")
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FD_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     host_shm_name: str
     cuda_ipc_handle: bytes
+    host_fd_id: int
     size_bytes: int
-    def __init__(self, host_shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, host_shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., host_fd_id: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorView(_message.Message):
     __slots__ = ("buffer", "offset_bytes", "row_stride_bytes", "num_rows", "head_stride_bytes", "page_rows", "page_stride_bytes")
@@ -113,14 +115,16 @@ class LayerView(_message.Message):
     def __init__(self, k: _Optional[_Union[TensorView, _Mapping]] = ..., v: _Optional[_Union[TensorView, _Mapping]] = ...) -> None: ...
 
 class EventPool(_message.Message):
-    __slots__ = ("host_shm_name", "count", "cuda_ipc_event_handles")
+    __slots__ = ("host_shm_name", "count", "cuda_ipc_event_handles", "host_fd_id")
     HOST_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FD_ID_FIELD_NUMBER: _ClassVar[int]
     host_shm_name: str
     count: int
     cuda_ipc_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, host_shm_name: _Optional[str] = ..., count: _Optional[int] = ..., cuda_ipc_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_fd_id: int
+    def __init__(self, host_shm_name: _Optional[str] = ..., count: _Optional[int] = ..., cuda_ipc_event_handles: _Optional[_Iterable[bytes]] = ..., host_fd_id: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("model", "tenant", "geometry", "block_tokens", "codec", "device", "buffers", "layers", "events", "client_pid")
@@ -273,8 +277,12 @@ class EvictResponse(_message.Message):
     def __init__(self, evicted: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("namespaces_offset", "namespaces_limit")
+    NAMESPACES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    namespaces_offset: int
+    namespaces_limit: int
+    def __init__(self, namespaces_offset: _Optional[int] = ..., namespaces_limit: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
@@ -321,7 +329,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., encoded_bytes_per_token: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., evictions: _Optional[int] = ..., tenant: _Optional[str] = ..., rejected: _Optional[int] = ..., pools: _Optional[int] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "namespace_id", "model", "tenant", "device", "client_pid", "backups", "restores", "peer")
+    __slots__ = ("pool_id", "namespace_id", "model", "tenant", "device", "client_pid", "backups", "restores", "peer", "uid", "owned")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +339,8 @@ class PoolInfo(_message.Message):
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     namespace_id: str
     model: str
@@ -340,10 +350,12 @@ class PoolInfo(_message.Message):
     backups: int
     restores: int
     peer: str
-    def __init__(self, pool_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[_Union[DeviceKind, str]] = ..., client_pid: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
+    uid: int
+    owned: bool
+    def __init__(self, pool_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[_Union[DeviceKind, str]] = ..., client_pid: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., peer: _Optional[str] = ..., uid: _Optional[int] = ..., owned: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes")
+    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes", "namespaces_total", "caller_uid", "caller_admin")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +367,9 @@ class GetStatsResponse(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CUDA_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CALLER_UID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADMIN_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     used_bytes: int
     blocks: int
@@ -366,4 +381,7 @@ class GetStatsResponse(_message.Message):
     shm_name: str
     capacity_bytes: int
     cuda_staging_bytes: int
-    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ...) -> None: ...
+    namespaces_total: int
+    caller_uid: int
+    caller_admin: bool
+    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ...) -> None: ...
