@@ -29,6 +29,7 @@ enum class StatusCode : int {
   kInternal = 13,
   kUnavailable = 14,
   kDataLoss = 15,
+  kUnauthenticated = 16,
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -59,6 +60,12 @@ inline Status ResourceExhausted(std::string m) {
   return {StatusCode::kResourceExhausted, std::move(m)};
 }
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
+inline Status PermissionDenied(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
+}
+inline Status Unauthenticated(std::string m) {
+  return {StatusCode::kUnauthenticated, std::move(m)};
+}
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
