@@ -330,6 +330,39 @@ bool BlockStore::HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t paylo
   return false;
 }
 
+bool BlockStore::RemoveNamespace(uint32_t ns_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = namespaces_.find(ns_id);
+  if (it == namespaces_.end()) return true;
+  NsState& ns = *it->second;
+  if (ns.counters.blocks != 0) return false;
+  // Every slot is free, so no entry is indexed, in an LRU or pinned.
+  while (!ns.extents.empty()) FreeExtentLocked(ns.extents.back());
+  emptied_.erase(ns_id);
+  namespaces_.erase(it);
+  return true;
+}
+
+std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint32_t> out;
+  out.reserve(emptied_.size());
+  for (uint32_t id : emptied_) {
+    auto it = namespaces_.find(id);
+    if (it == namespaces_.end()) continue;
+    if (id >= kFirstOrphanId) {
+      NsState& orphan = *it->second;
+      if (orphan.counters.blocks != 0) continue;
+      while (!orphan.extents.empty()) FreeExtentLocked(orphan.extents.back());
+      namespaces_.erase(it);
+      continue;
+    }
+    out.push_back(id);
+  }
+  emptied_.clear();
+  return out;
+}
+
 bool BlockStore::AddNamespace(const NamespaceInfo& info) {
   std::lock_guard<std::mutex> lock(mu_);
   if (namespaces_.count(info.id)) return false;
@@ -527,6 +560,7 @@ void BlockStore::FreeSlotLocked(BlockEntry* e) {
   --live_blocks_;
   ns.counters.blocks -= 1;
   ns.counters.bytes -= ns.slot_bytes;
+  if (ns.counters.blocks == 0) emptied_.insert(ns.id);
   Extent* ext = e->extent;
   ext->free_slots.push_back(e->slot);
   if (!ext->in_partial) {
@@ -604,7 +638,9 @@ std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
     uint32_t ns_id, std::span<const BlockKey> keys) {
   std::vector<WriteReservation> out(keys.size());
   std::lock_guard<std::mutex> lock(mu_);
-  NsState& ns = *namespaces_.at(ns_id);
+  auto nit = namespaces_.find(ns_id);
+  if (nit == namespaces_.end()) return out;  // unknown (or removed): every key kNoSpace
+  NsState& ns = *nit->second;
   for (size_t i = 0; i < keys.size(); ++i) {
     auto it = index_.find({ns_id, keys[i]});
     if (it != index_.end()) {

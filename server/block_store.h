@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "namespace_table.h"
@@ -93,6 +94,23 @@ class BlockStore {
   // namespace with that hash would adopt. Lets a caller that must not create namespaces for
   // nothing (a lookup) create one only when the pool holds its blocks.
   bool HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const;
+  // Forgets namespace `ns_id` (the entry AddNamespace created, with its counters) when it holds
+  // no block: none committed, none reserved for a write, none evicted but still pinned. Its
+  // extents, all slots free, go back to the pool's free space, so the id may later be added
+  // again with another geometry. Returns true when the namespace is gone (also when the store
+  // never knew `ns_id`); false, changing nothing, while it holds a block. A namespace whose
+  // blocks are all evicted is not removed by the store itself: its owner (the namespace table's
+  // keeper) decides, since only it knows whether pools still use the namespace.
+  bool RemoveNamespace(uint32_t ns_id);
+  // The namespaces (ids AddNamespace was given) whose block count dropped to 0 since the last
+  // call, each once, in no particular order: how the owner of a namespace that no pool uses any
+  // more learns that RemoveNamespace would now succeed. A namespace listed may have gained
+  // blocks again since (RemoveNamespace then returns false; it is listed again when it next
+  // empties); one removed since is not listed. Namespaces the rebuild found and no AddNamespace
+  // adopted are removed by this call itself once empty (they have no pools) and never listed.
+  // Calling it lazily (e.g. after ReleasePool, or once a second) is enough: the list is bounded
+  // by the number of namespaces.
+  std::vector<uint32_t> TakeEmptiedNamespaces();
   // Bytes available to extents (StoreStats::capacity_bytes); constant, lock-free.
   uint64_t CapacityBytes() const { return bytes_ > meta_bytes_ ? bytes_ - meta_bytes_ : 0; }
   // Blocks of a namespace with this payload size that the whole pool holds, alone.
@@ -117,7 +135,8 @@ class BlockStore {
     uint8_t* payload = nullptr;
   };
   // Reserves a slot for every key not yet present (a key repeated in `keys` is kPresent the
-  // second time). Reserved blocks are invisible to lookups until CommitWrite.
+  // second time). Reserved blocks are invisible to lookups until CommitWrite. A namespace the
+  // store does not know (never added, or removed) gets every key kNoSpace.
   std::vector<WriteReservation> ReserveWrites(uint32_t ns, std::span<const BlockKey> keys);
   // Publishes a fully written block (checksum of its payload) and unpins it.
   void CommitWrite(BlockHandle handle, uint64_t checksum);
@@ -179,6 +198,7 @@ class BlockStore {
   std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
   uint64_t used_bytes_ = 0;   // GUARDED_BY(mu_)
   uint64_t live_blocks_ = 0;  // GUARDED_BY(mu_)
+  std::unordered_set<uint32_t> emptied_;  // GUARDED_BY(mu_): block count dropped to 0
 };
 
 }  // namespace hiqcache::server

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "namespace_table.h"
@@ -51,11 +53,15 @@ const BlockHeader* HeaderOfPayload(const uint8_t* payload) {
   return reinterpret_cast<const BlockHeader*>(payload - kBlockHeaderBytes);
 }
 
-// Reserves and commits one key; returns its payload pointer (null on failure).
-uint8_t* Put(BlockStore& store, uint32_t ns, const BlockKey& key, uint64_t checksum = 0) {
+// Reserves and commits one key, with the checksum of whatever its payload holds unless told
+// another one; returns its payload pointer (null on failure).
+uint8_t* Put(BlockStore& store, uint32_t ns, const BlockKey& key,
+             std::optional<uint64_t> checksum = std::nullopt) {
   auto r = store.ReserveWrites(ns, std::span<const BlockKey>(&key, 1));
   if (r.size() != 1 || r[0].outcome != Outcome::kReserved) return nullptr;
-  store.CommitWrite(r[0].handle, checksum);
+  const uint64_t payload_bytes =
+      reinterpret_cast<const BlockHeader*>(r[0].payload - kBlockHeaderBytes)->payload_bytes;
+  store.CommitWrite(r[0].handle, checksum ? *checksum : XXH3_64bits(r[0].payload, payload_bytes));
   return r[0].payload;
 }
 
@@ -816,6 +822,121 @@ TEST(BlockStoreGranuleTest, NoBlockStraddlesAGranuleBoundary) {
     uint8_t* p = Put(again, a.id, KeyOf(i), 0);
     if (p != nullptr) check(p, a.desc.layout.BlockBytes());
   }
+}
+
+}  // namespace
+}  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+// RemoveNamespace forgets a namespace only while it holds no block, and gives its extents back;
+// TakeEmptiedNamespaces says when the last block went.
+TEST(BlockStoreRemoveNamespaceTest, OnlyWhenEmptyAndTheSpaceComesBack) {
+  const kernels::BlockLayout layout = Layout(1, 1, 64, 4);
+  const uint64_t slot = SlotBytesFor(layout.BlockBytes());
+  AnonBuffer pool(PoolBytesFor(4, slot));
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  const NamespaceInfo& a = Intern(table, "a", layout);
+  const NamespaceInfo& b = Intern(table, "b", layout);
+  store.AddNamespace(a);
+  store.AddNamespace(b);
+  EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());
+  EXPECT_TRUE(store.RemoveNamespace(12345));  // unknown: nothing held
+
+  ASSERT_NE(Put(store, a.id, KeyOf(0)), nullptr);
+  ASSERT_NE(Put(store, a.id, KeyOf(1)), nullptr);
+  EXPECT_FALSE(store.RemoveNamespace(a.id));  // committed blocks
+  EXPECT_EQ(store.Stats().namespaces.count(a.id), 1u);
+  EXPECT_EQ(Has(store, a.id, KeyOf(0)), 1u);  // unchanged
+
+  // A reserved block holds the namespace too.
+  BlockKey k2 = KeyOf(2);
+  EXPECT_EQ(store.Evict(a.id, std::vector<BlockKey>{KeyOf(0), KeyOf(1)}), 2u);
+  auto r = store.ReserveWrites(a.id, std::span<const BlockKey>(&k2, 1));
+  ASSERT_EQ(r[0].outcome, Outcome::kReserved);
+  // It emptied (the evictions) and holds a block again: listed, but not removable.
+  EXPECT_EQ(store.TakeEmptiedNamespaces(), std::vector<uint32_t>{a.id});
+  EXPECT_FALSE(store.RemoveNamespace(a.id));
+  store.CommitWrite(r[0].handle, 0);
+
+  // A block evicted while pinned still holds it, until the last unpin.
+  auto pin = store.PinReads(a.id, std::span<const BlockKey>(&k2, 1));
+  ASSERT_EQ(pin.size(), 1u);
+  EXPECT_EQ(store.Evict(a.id, std::span<const BlockKey>(&k2, 1)), 1u);
+  EXPECT_EQ(Has(store, a.id, k2), 0u);
+  EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());
+  EXPECT_FALSE(store.RemoveNamespace(a.id));
+  store.Unpin(pin[0].handle);
+  EXPECT_EQ(store.TakeEmptiedNamespaces(), std::vector<uint32_t>{a.id});
+  EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());  // each emptying is reported once
+
+  EXPECT_TRUE(store.RemoveNamespace(a.id));
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.namespaces.count(a.id), 0u);
+  EXPECT_EQ(s.namespaces.count(b.id), 1u);
+  EXPECT_EQ(s.blocks, 0u);
+  EXPECT_TRUE(store.RemoveNamespace(a.id));  // idempotent
+  // A removed namespace takes no writes, and holds nothing.
+  BlockKey k9 = KeyOf(9);
+  auto none = store.ReserveWrites(a.id, std::span<const BlockKey>(&k9, 1));
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_EQ(none[0].outcome, Outcome::kNoSpace);
+  EXPECT_EQ(Has(store, a.id, k9), 0u);
+  EXPECT_TRUE(store.PinReads(a.id, std::span<const BlockKey>(&k9, 1)).empty());
+
+  // Its extent went back: b fills the whole pool without evicting anything of a's.
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_NE(Put(store, b.id, KeyOf(i, 1)), nullptr) << i;
+  EXPECT_EQ(store.Stats().namespaces.at(b.id).evictions, 0u);
+  ExpectConsistent(store, slot);
+
+  // Added again (the table may reuse the id), it starts from zero counters.
+  store.AddNamespace(a);
+  EXPECT_EQ(store.Stats().namespaces.at(a.id).backups, 0u);
+  ASSERT_NE(Put(store, a.id, KeyOf(0)), nullptr);  // evicts one of b's
+  EXPECT_EQ(Has(store, a.id, KeyOf(0)), 1u);
+  ExpectConsistent(store, slot);
+}
+
+// Namespaces created and emptied over and over do not accumulate in the store.
+TEST(BlockStoreRemoveNamespaceTest, ChurnLeavesNothingBehind) {
+  const kernels::BlockLayout layout = Layout(1, 1, 64, 4);
+  AnonBuffer pool(PoolBytesFor(4, SlotBytesFor(layout.BlockBytes())));
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  for (int i = 0; i < 200; ++i) {
+    const NamespaceInfo& ns = Intern(table, "m" + std::to_string(i), layout);
+    store.AddNamespace(ns);
+    ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr) << i;  // evicts the previous one's block
+    for (uint32_t id : store.TakeEmptiedNamespaces()) EXPECT_TRUE(store.RemoveNamespace(id));
+  }
+  StoreStats s = store.Stats();
+  EXPECT_LE(s.namespaces.size(), 2u);
+  EXPECT_EQ(s.blocks, s.namespaces.size());
+}
+
+// An orphan the rebuild found (never adopted) is removed once its last block goes.
+TEST(BlockStoreRemoveNamespaceTest, EmptiedOrphansAreRemovedByTheStore) {
+  const kernels::BlockLayout layout = Layout(1, 1, 64, 4);
+  const uint64_t slot = SlotBytesFor(layout.BlockBytes());
+  AnonBuffer pool(PoolBytesFor(4, slot));
+  NamespaceTable table;
+  const NamespaceInfo& old_ns = Intern(table, "old", layout);
+  const NamespaceInfo& fresh = Intern(table, "fresh", layout);
+  {
+    BlockStore first(pool.data(), pool.size());
+    first.AddNamespace(old_ns);
+    PutWithData(first, old_ns.id, 0, layout.BlockBytes());
+  }
+  BlockStore store(pool.data(), pool.size(), /*reattach=*/true, 1, nullptr);
+  EXPECT_EQ(store.Stats().namespaces.size(), 1u);  // the orphan
+  store.AddNamespace(fresh);
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_NE(Put(store, fresh.id, KeyOf(i, 2)), nullptr);
+  EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());  // the orphan is not listed...
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.namespaces.size(), 1u);  // ...but gone
+  EXPECT_EQ(s.namespaces.count(fresh.id), 1u);
 }
 
 }  // namespace
