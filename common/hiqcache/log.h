@@ -32,6 +32,29 @@ namespace log_internal {
 extern std::atomic<int> g_level;
 }
 
+// `text` as a log line may show it: bytes outside printable ASCII, backslash and double quote
+// become \xNN escapes, and it is cut at 256 bytes. Every string a client chose (model, tenant,
+// shm names, peers) goes through this before it reaches a log line, so that no client can forge
+// or break log lines (newlines, terminal escapes).
+inline std::string LogSafe(const std::string& text) {
+  static const char* kHex = "0123456789abcdef";
+  constexpr size_t kMax = 256;
+  std::string out;
+  out.reserve(text.size() < kMax ? text.size() : kMax);
+  for (size_t i = 0; i < text.size() && i < kMax; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '"') {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  if (text.size() > kMax) out += "...";
+  return out;
+}
+
 }  // namespace hiqcache
 
 #define HIQ_LOG_LEVEL_DEBUG ::hiqcache::LogLevel::kDebug
