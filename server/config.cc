@@ -64,6 +64,21 @@ StatusOr<uint64_t> ParseUint(const std::string& v, const std::string& where) {
   return out;
 }
 
+// "a, b,c" -> {"a", "b", "c"}; empty items dropped.
+std::vector<std::string> SplitList(const std::string& list) {
+  std::vector<std::string> out;
+  std::string item;
+  for (char ch : list + ",") {
+    if (ch == ',') {
+      if (!item.empty()) out.push_back(item);
+      item.clear();
+    } else if (ch != ' ' && ch != '\t') {
+      item += ch;
+    }
+  }
+  return out;
+}
+
 StatusOr<bool> ParseBool(const std::string& v, const std::string& where) {
   if (v == "true") return true;
   if (v == "false") return false;
@@ -154,6 +169,19 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     c->release_timeout_ms = static_cast<uint32_t>(std::min<uint64_t>(v, 600000));
   } else if (key == "prefault") {
     HIQ_ASSIGN_OR_RETURN(c->prefault, ParseBool(value, where));
+  } else if (key == "allow_anonymous" || key == "allow-anonymous") {
+    HIQ_ASSIGN_OR_RETURN(c->allow_anonymous, ParseBool(value, where));
+  } else if (key == "admin_uids" || key == "admin-uids") {
+    HIQ_ASSIGN_OR_RETURN(std::string list, str());
+    c->admin_uids.clear();
+    for (const std::string& item : SplitList(list)) {
+      HIQ_ASSIGN_OR_RETURN(uint64_t uid, ParseUint(item, where));
+      if (uid > 0xFFFFFFFEull) return InvalidArgument(where + ": uid " + item + " out of range");
+      c->admin_uids.push_back(static_cast<uint32_t>(uid));
+    }
+  } else if (key == "admin_groups" || key == "admin-groups") {
+    HIQ_ASSIGN_OR_RETURN(std::string list, str());
+    c->admin_groups = SplitList(list);
   } else {
     return InvalidArgument(where + ": unknown setting '" + key + "'");
   }
@@ -182,6 +210,11 @@ max_message_bytes = "64MiB"
 prefault = true
 cuda_staging_bytes = "128MiB"
 release_timeout_ms = 5000
+# Admins besides root and the daemon's own user (comma-separated uids / group names).
+admin_uids = ""
+admin_groups = ""
+# Callers without a session may register pools (no isolation between them): off.
+allow_anonymous = false
 )";
 }
 
@@ -231,6 +264,7 @@ std::string UsageText() {
          "                 [--shm-name NAME] [--device auto|host|cuda]\n"
          "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
          "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
+         "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous true|false]\n"
          "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
          "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
@@ -321,6 +355,12 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "prefault = " + std::string(c.prefault ? "true" : "false") + "\n";
   out += "cuda_staging_bytes = " + std::to_string(c.cuda_staging_bytes) + "\n";
   out += "release_timeout_ms = " + std::to_string(c.release_timeout_ms) + "\n";
+  std::string uids, groups;
+  for (uint32_t u : c.admin_uids) uids += (uids.empty() ? "" : ",") + std::to_string(u);
+  for (const auto& g : c.admin_groups) groups += (groups.empty() ? "" : ",") + g;
+  out += "admin_uids = " + q(uids) + "\n";
+  out += "admin_groups = " + q(groups) + "\n";
+  out += "allow_anonymous = " + std::string(c.allow_anonymous ? "true" : "false") + "\n";
   return out;
 }
 

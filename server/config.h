@@ -34,6 +34,14 @@ struct DaemonConfig {
   uint64_t cuda_staging_bytes = 0;
   // How long ReleasePool (and a client's death) waits for the pool's device work.
   uint32_t release_timeout_ms = 0;
+  // Admins (Drain, and any pool's ReleasePool) besides uid 0 and the daemon's own uid: uids, and
+  // groups (names or numbers) whose members are admins. Comma-separated in file and flags.
+  std::vector<uint32_t> admin_uids;
+  std::vector<std::string> admin_groups;
+  // Whether callers without a session (session_protocol.h) may register and use pools. Off: every
+  // caller must be identified by the kernel. On: anonymous pools are shared by every anonymous
+  // caller (and TCP listeners serve them), which is no isolation at all.
+  bool allow_anonymous = false;
 };
 
 // The configuration compiled into the binary: `hiqcached` with no arguments uses it.

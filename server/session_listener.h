@@ -1,0 +1,131 @@
+// SessionListener: the daemon's end of the session sockets (hiqcache/session_protocol.h), where
+// the kernel tells who a client is and a client hands the daemon file descriptors.
+//
+// gRPC names no process: a call's peer on a unix socket is just the socket's path. So each unix
+// gRPC socket PATH has a SOCK_SEQPACKET socket PATH.session beside it. A client connects once;
+// SO_PEERCRED of that connection (pid, uid, gid, as the kernel saw them at connect time) is the
+// caller of every RPC that carries the session's token, and the connection closing (the client
+// exited or died: the kernel closes its fds) ends the session: its unconsumed fds are closed and
+// `on_end` releases the pools registered through it, on a thread of its own so that a slow
+// release never delays accepting or serving other sessions.
+//
+// Admins: uid 0, the daemon's effective uid, and the configured uids and groups (a session is an
+// admin when its uid, primary gid or any supplementary group of its user is listed).
+//
+// Bounds: at most max_sessions sessions, max_sessions_per_uid per uid, and
+// kMaxHeldFdsPerSession unconsumed fds per session; a connection over a bound is answered "ERR"
+// and closed, an FDS message over it is answered "ERR" and its fds closed. Thread-safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "hiqcache/status.h"
+#include "requests.h"
+
+namespace hiqcache::server {
+
+struct SessionOptions {
+  std::vector<uid_t> admin_uids;  // besides 0 and the daemon's euid
+  std::vector<gid_t> admin_gids;
+  uint32_t socket_mode = 0660;
+  gid_t socket_gid = static_cast<gid_t>(-1);  // -1: keep the daemon's group
+  size_t max_sessions = 8192;
+  size_t max_sessions_per_uid = 1024;
+};
+
+class SessionListener {
+ public:
+  using EndFn = std::function<void(uint64_t session)>;
+
+  // Listens on each of `paths` (absolute session socket paths; a stale socket file there is
+  // replaced), with the options' mode and group. `on_end` runs once per ended session, on the
+  // listener's release thread; it must be thread-safe and may block.
+  static StatusOr<std::unique_ptr<SessionListener>> Start(const std::vector<std::string>& paths,
+                                                          const SessionOptions& options,
+                                                          EndFn on_end);
+  // Stops accepting, closes every session (without calling on_end for them) and unlinks the
+  // socket files.
+  ~SessionListener();
+  SessionListener(const SessionListener&) = delete;
+  SessionListener& operator=(const SessionListener&) = delete;
+
+  // The caller `token` (32 lower-case hex digits) names, or nullopt-like Caller{} with session 0
+  // when it names no live session.
+  Caller Authenticate(std::string_view token) const;
+
+  // The fds of one RegisterPool, taken out of their session: the holder owns them and closes them
+  // when it is destroyed (the daemon's mappings keep the objects alive).
+  class TakenFds {
+   public:
+    TakenFds() = default;
+    TakenFds(TakenFds&& other) noexcept : fds_(std::move(other.fds_)) { other.fds_.clear(); }
+    TakenFds& operator=(TakenFds&&) = delete;
+    TakenFds(const TakenFds&) = delete;
+    ~TakenFds();
+    // The fd taken for `id`, or -1 when the session held no fd with that id.
+    int Get(uint64_t id) const;
+
+   private:
+    friend class SessionListener;
+    std::map<uint64_t, int> fds_;
+  };
+  // Takes the fds `ids` of `session` (ids it does not hold are skipped: Get answers -1).
+  TakenFds TakeFds(uint64_t session, const std::vector<uint64_t>& ids);
+
+  size_t SessionCount() const;
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    int fd = -1;
+    Caller caller;
+    std::string token;
+    uint64_t next_fd_id = 1;
+    std::map<uint64_t, int> fds;  // GUARDED_BY(mu_)
+  };
+
+  SessionListener(SessionOptions options, EndFn on_end);
+  void Loop();
+  void ReleaseLoop();
+  void Accept(int listen_fd);
+  // Reads one message of `s`; false when the session ended (or must end).
+  bool Serve(Session* s);
+  void Reply(int fd, const std::string& text);
+  // REQUIRES: mu_ held. Forgets `s`, closes its fds and queues its end.
+  void EndLocked(uint64_t id);
+  bool IsAdmin(uid_t uid, gid_t gid) const;
+
+  const SessionOptions options_;
+  const EndFn on_end_;
+  std::vector<std::string> paths_;
+  std::vector<int> listen_fds_;
+  int wake_fd_ = -1;  // eventfd: stops the loop
+
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_;    // GUARDED_BY(mu_)
+  std::unordered_map<std::string, uint64_t> by_token_;       // GUARDED_BY(mu_)
+  std::map<uid_t, size_t> per_uid_;                          // GUARDED_BY(mu_)
+  uint64_t next_session_ = 1;                                // GUARDED_BY(mu_)
+  std::deque<uint64_t> ended_;                               // GUARDED_BY(mu_)
+  std::condition_variable ended_cv_;
+  bool stop_ = false;  // GUARDED_BY(mu_)
+
+  std::thread loop_;
+  std::thread releaser_;
+};
+
+}  // namespace hiqcache::server
