@@ -8,6 +8,7 @@
 #include <climits>
 
 #include "hiqcache/paths.h"
+#include "hiqcache/session_protocol.h"
 
 namespace hiqcache::client_internal {
 
@@ -48,6 +49,10 @@ Status FromGrpc(const grpc::Status& status, const std::string& target) {
     return Status(code, "hiqcached at " + target + ": " + status.error_message());
   }
   return Status(code, status.error_message());
+}
+
+void AttachSession(const Session* session, grpc::ClientContext* ctx) {
+  if (session != nullptr) ctx->AddMetadata(std::string(kSessionMetadataKey), session->token());
 }
 
 }  // namespace hiqcache::client_internal

@@ -1,14 +1,16 @@
-// Internal to the client library and hiqctl: gRPC target parsing and channel creation.
-// Pure functions; thread-safe.
+// Internal to the client library and hiqctl: gRPC target parsing, channel creation and the
+// session token on calls. Pure functions; thread-safe.
 #pragma once
 
 #include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>
 
 #include <memory>
 #include <string>
 #include <string_view>
 
+#include "hiqcache/session.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::client_internal {
@@ -23,5 +25,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
 
 // gRPC status -> hiqcache::Status (same codes). Transport failures name the target.
 Status FromGrpc(const grpc::Status& status, const std::string& target);
+
+// Names the caller on a call: adds `session`'s token as metadata kSessionMetadataKey. Call before
+// the RPC starts; a null `session` adds nothing (an anonymous call).
+void AttachSession(const Session* session, grpc::ClientContext* ctx);
 
 }  // namespace hiqcache::client_internal
