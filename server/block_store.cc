@@ -16,6 +16,18 @@ namespace {
 // headers cost nothing, small enough that namespaces can trade space at a useful granularity.
 constexpr uint64_t kTargetExtentBytes = 64ull << 20;
 
+// Slots an extent of `slot_bytes` slots holds at most: what AllocateExtentLocked ever makes.
+uint64_t MaxSlotsPerExtent(uint64_t slot_bytes) {
+  return std::max<uint64_t>(1, kTargetExtentBytes / slot_bytes);
+}
+
+// Above any commit sequence a store reaches (2^56 commits), so that the clock cannot wrap: a
+// header claiming more is not one this format wrote.
+constexpr uint64_t kMaxCommitSeq = 1ull << 56;
+
+// Dropped extents logged one by one at rebuild; the rest only in the count.
+constexpr uint64_t kMaxLoggedDrops = 8;
+
 void StoreState(BlockHeader* h, BlockState s) {
   std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(s), std::memory_order_release);
 }
@@ -69,20 +81,35 @@ size_t BlockStore::KeyHash::operator()(const std::pair<uint32_t, BlockKey>& k) c
 
 BlockStore::BlockStore(uint8_t* base, size_t bytes) : BlockStore(base, bytes, false, 1, nullptr) {}
 
+namespace {
+StoreOptions OptionsOf(bool reattach, unsigned threads, uint64_t granule) {
+  StoreOptions o;
+  o.reattach = reattach;
+  o.rebuild_threads = threads;
+  o.granule = granule;
+  return o;
+}
+}  // namespace
+
 BlockStore::BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
                        RebuildReport* report, uint64_t granule)
+    : BlockStore(base, bytes, OptionsOf(reattach, threads, granule), report) {}
+
+BlockStore::BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options,
+                       RebuildReport* report)
     : base_(base),
       bytes_(bytes),
-      granule_(granule != 0 ? granule : kPoolRegisterChunkBytes),
+      granule_(options.granule != 0 ? options.granule : kPoolRegisterChunkBytes),
+      verify_reads_one_in_(options.verify_reads_one_in),
       meta_bytes_(PoolMetaBytes(bytes)),
       directory_(reinterpret_cast<ExtentDirEntry*>(base + kPoolHeaderBytes)),
       directory_entries_(DirectoryEntriesFor(bytes)) {
   RebuildReport local;
   if (report == nullptr) report = &local;
   *report = RebuildReport();
-  if (!reattach) {
+  if (!options.reattach) {
     report->reason = "not asked to reattach";
-  } else if (Rebuild(threads, report)) {
+  } else if (Rebuild(options.rebuild_threads, report)) {
     report->reattached = true;
     return;
   }
@@ -116,6 +143,46 @@ void BlockStore::Format() {
   std::atomic_ref<uint64_t>(ph->magic).store(kPoolMagic, std::memory_order_release);
 }
 
+const char* BlockStore::CheckExtent(const ExtentDirEntry& d, uint64_t offset,
+                                    uint64_t cursor) const {
+  // The directory entry first: the extent lies in the pool, after the metadata and the extent
+  // before it, within one registration granule, and holds at least its header.
+  if (offset < cursor) return "offset overlaps the pool metadata or the previous extent";
+  if (offset % kSlotAlign != 0) return "offset not 64-byte aligned";
+  if (offset >= bytes_ || d.bytes > bytes_ - offset) return "extent past the end of the pool";
+  if (d.bytes < kExtentHeaderBytes + kBlockHeaderBytes + kSlotAlign) return "extent too small";
+  // An extent across a registration chunk (granule_) cannot be one DMA copy.
+  if (offset / granule_ != (offset + d.bytes - 1) / granule_) return "extent crosses a granule";
+  // Then its header, now known to be inside the pool. Every product and sum below is bounded by
+  // d.bytes (< pool size), so none wraps.
+  const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
+  if (eh->magic != kExtentMagic) return "bad extent magic";
+  if (eh->extent_bytes != d.bytes) return "extent_bytes differs from the directory";
+  const uint64_t room = d.bytes - kExtentHeaderBytes;
+  if (eh->payload_bytes == 0 || eh->payload_bytes > room - kBlockHeaderBytes) {
+    return "payload_bytes does not fit in the extent";
+  }
+  if (eh->slot_bytes != SlotBytesFor(eh->payload_bytes)) return "slot_bytes != its payload's";
+  if (eh->slot_bytes > room) return "slot_bytes does not fit in the extent";
+  if (eh->num_slots == 0 || eh->num_slots > room / eh->slot_bytes) {
+    return "num_slots does not fit in the extent";
+  }
+  if (uint64_t{eh->num_slots} * eh->slot_bytes != room) return "num_slots * slot_bytes != size";
+  if (eh->num_slots > MaxSlotsPerExtent(eh->slot_bytes)) return "more slots than extents hold";
+  return nullptr;
+}
+
+void BlockStore::DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset,
+                                  const char* why) {
+  if (report->extents_corrupt < kMaxLoggedDrops) {
+    HIQ_LOG(WARN) << "event=pool_extent_dropped dir_slot=" << dir_slot << " offset=" << offset
+                  << " bytes=" << directory_[dir_slot].bytes << " reason=\"" << why << "\"";
+  }
+  report->extents_corrupt += 1;
+  directory_[dir_slot] = ExtentDirEntry{};
+  free_dir_slots_.push_back(dir_slot);
+}
+
 bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
   const auto* ph = reinterpret_cast<const PoolHeader*>(base_);
   if (bytes_ <= meta_bytes_ || ph->magic != kPoolMagic) {
@@ -145,20 +212,12 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
   uint64_t cursor = meta_bytes_;
   for (const auto& [offset, slot] : order) {
     ExtentDirEntry& d = directory_[slot];
-    const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
-    const bool sane = offset >= cursor && offset % kSlotAlign == 0 && d.bytes <= bytes_ &&
-                      offset <= bytes_ - d.bytes && eh->magic == kExtentMagic &&
-                      eh->extent_bytes == d.bytes && eh->num_slots > 0 &&
-                      eh->slot_bytes == SlotBytesFor(eh->payload_bytes) &&
-                      kExtentHeaderBytes + uint64_t{eh->num_slots} * eh->slot_bytes == d.bytes &&
-                      // An extent across a registration chunk (granule_) cannot be one DMA copy.
-                      offset / granule_ == (offset + d.bytes - 1) / granule_;
-    if (!sane) {
-      report->blocks_corrupt += 1;
-      d = ExtentDirEntry{};
-      free_dir_slots_.push_back(slot);
+    const char* why = CheckExtent(d, offset, cursor);
+    if (why != nullptr) {
+      DropExtentLocked(report, slot, offset, why);
       continue;
     }
+    const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
     std::array<uint8_t, 16> hash;
     std::memcpy(hash.data(), eh->namespace_hash, 16);
     NsState*& ns = by_hash[hash];
@@ -168,17 +227,18 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       created->hash = hash;
       created->payload_bytes = eh->payload_bytes;
       created->slot_bytes = eh->slot_bytes;
-      created->slots_per_extent = static_cast<uint32_t>(
-          std::max<uint64_t>(1, kTargetExtentBytes / created->slot_bytes));
+      created->slots_per_extent = static_cast<uint32_t>(MaxSlotsPerExtent(created->slot_bytes));
+      // Shown in stats and logs until a registration adopts it: printable ASCII only.
       created->text.assign(eh->namespace_text,
                            strnlen(eh->namespace_text, sizeof(eh->namespace_text)));
+      for (char& c : created->text) {
+        if (c < 0x20 || c > 0x7e) c = '?';
+      }
       created->counters.capacity_blocks = CapacityBlocks(created->payload_bytes);
       ns = created.get();
       namespaces_.emplace(created->id, std::move(created));
-    } else if (ns->slot_bytes != eh->slot_bytes) {
-      report->blocks_corrupt += 1;
-      d = ExtentDirEntry{};
-      free_dir_slots_.push_back(slot);
+    } else if (ns->payload_bytes != eh->payload_bytes) {
+      DropExtentLocked(report, slot, offset, "payload_bytes differs from its namespace's");
       continue;
     }
     if (offset > cursor) InsertFreeLocked(cursor, offset - cursor);
@@ -198,7 +258,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       const BlockHeader* bh = HeaderOf(&e);
       const auto state = static_cast<BlockState>(bh->state);
       if (bh->magic == kBlockMagic && state == BlockState::kCommitted &&
-          bh->payload_bytes == ns->payload_bytes &&
+          bh->payload_bytes == ns->payload_bytes && bh->commit_seq <= kMaxCommitSeq &&
           std::memcmp(&bh->namespace_tag, hash.data(), 8) == 0) {
         candidates.push_back(&e);
       } else if (bh->magic == kBlockMagic && state == BlockState::kWriting) {
@@ -238,7 +298,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
     BlockKey key;
     std::memcpy(key.data(), bh->key, 16);
     if (!good[i] || index_.count({e->ns, key})) {
-      report->blocks_corrupt += 1;
+      report->blocks_corrupt += 1;  // payload torn or altered, or a key held twice
       continue;
     }
     e->key = key;
@@ -569,17 +629,20 @@ void BlockStore::FreeSlotLocked(BlockEntry* e) {
   }
 }
 
-void BlockStore::EvictEntryLocked(BlockEntry* e) {
-  NsState& ns = *namespaces_.at(e->ns);
+void BlockStore::UnindexLocked(BlockEntry* e) {
   if (e->indexed) {
     index_.erase({e->ns, e->key});
     e->indexed = false;
   }
   if (e->in_lru) {
-    ns.lru.erase(e->lru_it);
+    namespaces_.at(e->ns)->lru.erase(e->lru_it);
     e->in_lru = false;
   }
-  ns.counters.evictions += 1;
+}
+
+void BlockStore::EvictEntryLocked(BlockEntry* e) {
+  UnindexLocked(e);
+  namespaces_.at(e->ns)->counters.evictions += 1;
   // A pinned block leaves the index now and frees its slot on the last unpin.
   if (e->pins == 0) FreeSlotLocked(e);
 }
@@ -712,18 +775,53 @@ void BlockStore::AbortWrite(BlockHandle e, bool rejected) {
 std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
                                                       std::span<const BlockKey> keys) {
   std::vector<ReadPin> out;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto nit = namespaces_.find(ns_id);
-  if (nit == namespaces_.end()) return out;
-  for (const auto& key : keys) {
-    auto it = index_.find({ns_id, key});
-    if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
-    BlockEntry* e = it->second;
-    ++e->pins;
-    TouchLocked(e);
-    out.push_back({e, base_ + e->offset + kBlockHeaderBytes});
+  std::vector<uint8_t> verify;  // per pin: hash it before handing it out
+  NsState* ns = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto nit = namespaces_.find(ns_id);
+    if (nit == namespaces_.end()) return out;
+    ns = nit->second.get();
+    for (const auto& key : keys) {
+      auto it = index_.find({ns_id, key});
+      if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
+      BlockEntry* e = it->second;
+      ++e->pins;
+      TouchLocked(e);
+      out.push_back({e, base_ + e->offset + kBlockHeaderBytes});
+      ++reads_;
+      verify.push_back(verify_reads_one_in_ != 0 && reads_ % verify_reads_one_in_ == 0);
+    }
+    ns->counters.restores += out.size();
+    if (std::find(verify.begin(), verify.end(), 1) == verify.end()) return out;
   }
-  nit->second->counters.restores += out.size();
+  // Hashed without the lock: a committed, pinned block's payload and header do not change (the
+  // pin keeps its slot from reuse; a namespace holding a pinned block is never removed).
+  const uint64_t payload_bytes = ns->payload_bytes;
+  size_t good = out.size();
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (verify[i] &&
+        XXH3_64bits(out[i].payload, payload_bytes) != HeaderOf(out[i].handle)->checksum) {
+      good = i;
+      break;
+    }
+  }
+  if (good == out.size()) return out;
+  std::lock_guard<std::mutex> lock(mu_);
+  BlockEntry* bad = out[good].handle;
+  if (bad->indexed) {  // a concurrent read of the same block may have dropped it already
+    HIQ_LOG(WARN) << "event=pool_block_corrupt ns=" << ns_id << " offset=" << bad->offset
+                  << " reason=\"payload does not match its checksum\"";
+    UnindexLocked(bad);
+    corrupt_ += 1;
+    ns->counters.corrupt += 1;
+  }
+  for (size_t i = good; i < out.size(); ++i) {
+    BlockEntry* e = out[i].handle;
+    if (--e->pins == 0 && !e->indexed) FreeSlotLocked(e);
+  }
+  ns->counters.restores -= out.size() - good;
+  out.resize(good);
   return out;
 }
 
@@ -751,6 +849,7 @@ StoreStats BlockStore::Stats() const {
   s.capacity_bytes = CapacityBytes();
   s.used_bytes = used_bytes_;
   s.blocks = live_blocks_;
+  s.corrupt = corrupt_;
   for (const auto& [id, ns] : namespaces_) s.namespaces[id] = ns->counters;
   return s;
 }

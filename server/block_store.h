@@ -47,7 +47,22 @@ struct NamespaceCounters {
   uint64_t restores = 0;
   uint64_t evictions = 0;
   uint64_t rejected = 0;
+  uint64_t corrupt = 0;  // as StoreStats::corrupt, for this namespace
   uint64_t capacity_blocks = 0;
+};
+
+struct StoreOptions {
+  // Keep the blocks a previous daemon left in the pool (see the constructor); false formats it.
+  bool reattach = false;
+  unsigned rebuild_threads = 1;  // verify checksums at rebuild in parallel
+  // No extent crosses a multiple of `granule` bytes from the pool base (kPoolRegisterChunkBytes:
+  // the CUDA backend's registration chunks); a rebuilt extent that does is dropped.
+  uint64_t granule = kPoolRegisterChunkBytes;
+  // PinReads hashes a block's payload (XXH3-64) and compares it with its header's checksum
+  // before handing it out, for one block read in `verify_reads_one_in`: 1 = every read (the
+  // default), N > 1 = every Nth block read store-wide, 0 = never. A block that fails is dropped
+  // from the index and counted (StoreStats::corrupt); the read stops before it.
+  uint32_t verify_reads_one_in = 1;
 };
 
 struct StoreStats {
@@ -55,6 +70,8 @@ struct StoreStats {
   uint64_t capacity_bytes = 0;  // bytes available to extents
   uint64_t used_bytes = 0;      // slot bytes of live blocks
   uint64_t blocks = 0;
+  // Blocks PinReads found whose payload no longer matches its checksum: dropped, never read.
+  uint64_t corrupt = 0;
   std::map<uint32_t, NamespaceCounters> namespaces;
 };
 
@@ -66,6 +83,10 @@ struct RebuildReport {
   uint64_t blocks_kept = 0;        // committed, checksum verified
   uint64_t blocks_incomplete = 0;  // being written when the previous daemon stopped: dropped
   uint64_t blocks_corrupt = 0;     // bad header or checksum: dropped
+  // Extents whose directory entry or header does not fit the pool geometry (bounds, sizes,
+  // counts, alignment, namespace): dropped with every block they held, space freed. The first
+  // few are logged with the field that did not fit (event=pool_extent_dropped).
+  uint64_t extents_corrupt = 0;
   uint64_t namespaces = 0;
 };
 
@@ -81,6 +102,8 @@ class BlockStore {
   // CUDA backend's registration chunks); a rebuilt extent that does is dropped.
   BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
              RebuildReport* report, uint64_t granule = kPoolRegisterChunkBytes);
+  // The same, with every option (StoreOptions); the constructors above keep its defaults.
+  BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options, RebuildReport* report);
   ~BlockStore();
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
@@ -147,7 +170,11 @@ class BlockStore {
     BlockHandle handle = nullptr;
     const uint8_t* payload = nullptr;
   };
-  // Pins the leading run of committed keys for reading and returns it (possibly empty).
+  // Pins the leading run of committed keys for reading and returns it (possibly empty). Each
+  // block is first checked against its checksum (StoreOptions::verify_reads_one_in), outside
+  // the store's lock: the run ends before the first block whose payload does not match, which
+  // leaves the index (StoreStats::corrupt counts it), so no altered payload is ever handed out.
+  // Costs one pass over the payload bytes per verified block, on the calling thread.
   std::vector<ReadPin> PinReads(uint32_t ns, std::span<const BlockKey> keys);
   void Unpin(BlockHandle handle);
 
@@ -170,19 +197,26 @@ class BlockStore {
   BlockEntry* TakeFreeSlotLocked(NsState& ns);
   bool AllocateExtentLocked(NsState& ns);
   bool ReclaimLocked(NsState& ns);
-  void EvictEntryLocked(BlockEntry* e);   // leaves the index; slot freed now or on last unpin
+  void EvictEntryLocked(BlockEntry* e);  // leaves the index; slot freed now or on last unpin
+  void UnindexLocked(BlockEntry* e);     // leaves the index and the LRU (no counter)
   void FreeSlotLocked(BlockEntry* e);
   void FreeExtentLocked(Extent* ext);
   void TouchLocked(BlockEntry* e);
   BlockHeader* HeaderOf(const BlockEntry* e) const;
   void Format();
   bool Rebuild(unsigned threads, RebuildReport* report);
+  // Null when directory entry `d` (at `offset`, the previous kept extent ending at `cursor`) and
+  // the extent header it names fit the pool geometry; else which field does not.
+  const char* CheckExtent(const ExtentDirEntry& d, uint64_t offset, uint64_t cursor) const;
+  // REQUIRES: mu_ held. Clears directory slot `dir_slot`, counts and logs the drop.
+  void DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset, const char* why);
   NsState* AdoptOrphanLocked(const NamespaceInfo& info);
   void IndexEntryLocked(NsState& ns, BlockEntry* e);
 
   uint8_t* const base_;
   const size_t bytes_;
   const uint64_t granule_;
+  const uint32_t verify_reads_one_in_;
   const uint64_t meta_bytes_;  // header + extent directory
   ExtentDirEntry* const directory_;
   const uint64_t directory_entries_;
@@ -198,6 +232,8 @@ class BlockStore {
   std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
   uint64_t used_bytes_ = 0;   // GUARDED_BY(mu_)
   uint64_t live_blocks_ = 0;  // GUARDED_BY(mu_)
+  uint64_t corrupt_ = 0;      // GUARDED_BY(mu_)
+  uint64_t reads_ = 0;        // GUARDED_BY(mu_): block reads, for verify_reads_one_in_
   std::unordered_set<uint32_t> emptied_;  // GUARDED_BY(mu_): block count dropped to 0
 };
 

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -859,7 +860,7 @@ TEST(BlockStoreRemoveNamespaceTest, OnlyWhenEmptyAndTheSpaceComesBack) {
   // It emptied (the evictions) and holds a block again: listed, but not removable.
   EXPECT_EQ(store.TakeEmptiedNamespaces(), std::vector<uint32_t>{a.id});
   EXPECT_FALSE(store.RemoveNamespace(a.id));
-  store.CommitWrite(r[0].handle, 0);
+  store.CommitWrite(r[0].handle, XXH3_64bits(r[0].payload, layout.BlockBytes()));
 
   // A block evicted while pinned still holds it, until the last unpin.
   auto pin = store.PinReads(a.id, std::span<const BlockKey>(&k2, 1));
@@ -937,6 +938,347 @@ TEST(BlockStoreRemoveNamespaceTest, EmptiedOrphansAreRemovedByTheStore) {
   StoreStats s = store.Stats();
   EXPECT_EQ(s.namespaces.size(), 1u);  // ...but gone
   EXPECT_EQ(s.namespaces.count(fresh.id), 1u);
+}
+
+}  // namespace
+}  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// A poisoned pool: every header field Rebuild reads is checked against the extent and pool
+// geometry first; what does not fit is dropped and counted, the rest is kept, nothing crashes.
+
+class PoisonedPoolTest : public ::testing::Test {
+ protected:
+  // Small granules split the pool so that each namespace gets its own extent: A's in the first
+  // granule after the metadata (directory slot 0), B's in the next (slot 1).
+  static constexpr uint64_t kGranule = 64 << 10;
+  static constexpr uint64_t kBlocks = 4;
+  PoisonedPoolTest()
+      : layout_(Layout(1, 1, 64, 4)), payload_(layout_.BlockBytes()), pool_(4 * kGranule) {
+    a_ = &Intern(table_, "a", layout_);
+    b_ = &Intern(table_, "b", layout_);
+    BlockStore store(pool_.data(), pool_.size(), false, 1, nullptr, kGranule);
+    store.AddNamespace(*a_);
+    store.AddNamespace(*b_);
+    for (uint64_t i = 0; i < kBlocks; ++i) {
+      PutWithData(store, a_->id, i, payload_);
+      PutWithData(store, b_->id, 100 + i, payload_);
+    }
+  }
+  ExtentDirEntry& Dir(uint32_t i) {
+    return reinterpret_cast<ExtentDirEntry*>(pool_.data() + kPoolHeaderBytes)[i];
+  }
+  ExtentHeader& Ext(uint32_t i) {
+    return *reinterpret_cast<ExtentHeader*>(pool_.data() + Dir(i).offset);
+  }
+  BlockHeader& Blk(uint32_t ext, uint32_t slot) {
+    return *reinterpret_cast<BlockHeader*>(pool_.data() + Dir(ext).offset + kExtentHeaderBytes +
+                                           uint64_t{slot} * SlotBytesFor(payload_));
+  }
+  // Reattaches (the store replaces store_) and adopts both namespaces.
+  void Reattach() {
+    store_.reset();
+    store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), true, 2, &report_, kGranule);
+    ASSERT_TRUE(report_.reattached) << report_.reason;
+    store_->AddNamespace(*a_);
+    store_->AddNamespace(*b_);
+  }
+  // How many of namespace ns's original blocks (keys first..first+kBlocks) the store holds and
+  // can read back intact.
+  uint64_t Held(const NamespaceInfo* ns, uint64_t first) {
+    uint64_t n = 0;
+    for (uint64_t i = first; i < first + kBlocks; ++i) {
+      BlockKey k = KeyOf(i);
+      auto pins = store_->PinReads(ns->id, std::span<const BlockKey>(&k, 1));
+      if (pins.empty()) continue;
+      n += PayloadIntact(pins[0].payload, i, payload_);
+      store_->Unpin(pins[0].handle);
+    }
+    return n;
+  }
+  // The store serves new traffic: a full pool's worth of new blocks in A (reclaiming whatever
+  // was dropped), each readable.
+  void ExpectServes() {
+    const uint64_t cap = store_->CapacityBlocks(payload_);
+    uint64_t stored = 0;
+    for (uint64_t i = 0; i < cap; ++i) {
+      BlockKey k = KeyOf(i, 99);
+      auto r = store_->ReserveWrites(a_->id, std::span<const BlockKey>(&k, 1));
+      if (r[0].outcome != Outcome::kReserved) continue;
+      std::memset(r[0].payload, static_cast<int>(i), payload_);
+      store_->CommitWrite(r[0].handle, XXH3_64bits(r[0].payload, payload_));
+      ++stored;
+    }
+    EXPECT_GT(stored, kBlocks);
+    BlockKey last = KeyOf(cap - 1, 99);
+    EXPECT_EQ(store_->LookupPrefix(a_->id, std::span<const BlockKey>(&last, 1)), 1u);
+    StoreStats s = store_->Stats();
+    EXPECT_LE(s.used_bytes, s.capacity_bytes);
+    EXPECT_EQ(s.used_bytes, s.blocks * SlotBytesFor(payload_));
+  }
+  // A's extent is dropped whole, B's blocks are all kept, and the store then serves.
+  void ExpectExtentADropped() {
+    Reattach();
+    EXPECT_EQ(report_.extents_corrupt, 1u);
+    EXPECT_EQ(report_.extents, 1u);
+    EXPECT_EQ(report_.blocks_kept, kBlocks);
+    EXPECT_EQ(Held(a_, 0), 0u);
+    EXPECT_EQ(Held(b_, 100), kBlocks);
+    EXPECT_EQ(Dir(0).bytes, 0u);  // the directory forgets it
+    ExpectServes();
+  }
+
+  kernels::BlockLayout layout_;
+  size_t payload_;
+  AnonBuffer pool_;
+  NamespaceTable table_;
+  const NamespaceInfo* a_ = nullptr;
+  const NamespaceInfo* b_ = nullptr;
+  RebuildReport report_;
+  std::unique_ptr<BlockStore> store_;
+};
+
+TEST_F(PoisonedPoolTest, UntouchedPoolKeepsEverything) {
+  Reattach();
+  EXPECT_EQ(report_.extents, 2u);
+  EXPECT_EQ(report_.extents_corrupt, 0u);
+  EXPECT_EQ(report_.blocks_corrupt, 0u);
+  EXPECT_EQ(Held(a_, 0), kBlocks);
+  EXPECT_EQ(Held(b_, 100), kBlocks);
+}
+
+// Issue 12 finding 3: payload_bytes = 2^64-1 makes SlotBytesFor wrap to 64, so an extent of
+// 64-byte "slots" passed the old check, and its first block was hashed over 2^64-1 bytes.
+TEST_F(PoisonedPoolTest, PayloadBytesThatWrapTheSlotSize) {
+  const uint64_t huge = ~uint64_t{0};
+  ASSERT_EQ(SlotBytesFor(huge), kBlockHeaderBytes);  // the wrap the check must not trust
+  Ext(0).payload_bytes = huge;
+  Ext(0).slot_bytes = SlotBytesFor(huge);
+  Ext(0).num_slots = static_cast<uint32_t>((Dir(0).bytes - kExtentHeaderBytes) / 64);
+  Blk(0, 0).payload_bytes = huge;
+  ExpectExtentADropped();
+}
+
+// A block count whose product with the slot size wraps: slots would lie far past the pool.
+TEST_F(PoisonedPoolTest, SlotCountTimesSlotSizeOverflows) {
+  const uint64_t payload = 1ull << 62;
+  Ext(0).payload_bytes = payload;
+  Ext(0).slot_bytes = SlotBytesFor(payload);
+  Ext(0).num_slots = 4;  // 4 * (2^62 + 64) wraps to 256
+  Dir(0).bytes = Ext(0).extent_bytes = kExtentHeaderBytes + 256;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, ExtentPastTheEndOfThePool) {
+  Dir(0).bytes = Ext(0).extent_bytes = pool_.size();
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, DirectoryOffsetPastThePool) {
+  Dir(0).offset = pool_.size() - 64;  // header would be read past the end
+  Dir(0).bytes = 64 << 10;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, DirectoryOffsetNearTheTopOfTheAddressSpace) {
+  Dir(0).offset = ~uint64_t{0} - 63;  // offset + bytes wraps
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, DirectoryEntryTooSmallForAHeader) {
+  Dir(0).offset = pool_.size() - 128;
+  Dir(0).bytes = 128;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, MisalignedOffset) {
+  Dir(0).offset += 8;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, ExtentInsideThePoolMetadata) {
+  Dir(0).offset = kPoolHeaderBytes;  // over the directory itself
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, ExtentBytesDisagreeWithTheDirectory) {
+  Ext(0).extent_bytes -= 64;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, SlotBytesDisagreeWithPayloadBytes) {
+  Ext(0).slot_bytes += 64;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, ZeroPayloadBytes) {
+  Ext(0).payload_bytes = 0;
+  Ext(0).slot_bytes = SlotBytesFor(0);
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, NumSlotsZero) {
+  Ext(0).num_slots = 0;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, NumSlotsTooMany) {
+  Ext(0).num_slots = 0xFFFFFFFFu;
+  ExpectExtentADropped();
+}
+
+TEST_F(PoisonedPoolTest, BadExtentMagic) {
+  Ext(0).magic ^= 1;
+  ExpectExtentADropped();
+}
+
+// An extent claiming more slots of its size than the allocator ever puts in one (a tiny slot
+// size over a huge extent would make the rebuild allocate an index entry per 128 bytes).
+TEST_F(PoisonedPoolTest, MoreSlotsThanAnExtentEverHolds) {
+  // One granule of 64 MiB + 128 B slots: consistent in itself, but > kTargetExtentBytes / slot.
+  constexpr uint64_t kBig = 256ull << 20;
+  AnonBuffer pool(kBig);
+  NamespaceTable table;
+  kernels::BlockLayout tiny = Layout(1, 1, 4, 1);  // 1 * 2 * 1 * (4 + 2) = 12 B payloads
+  const NamespaceInfo& ns = Intern(table, "tiny", tiny);
+  {
+    BlockStore first(pool.data(), pool.size());
+    first.AddNamespace(ns);
+    PutWithData(first, ns.id, 0, tiny.BlockBytes());
+  }
+  auto& dir = *reinterpret_cast<ExtentDirEntry*>(pool.data() + kPoolHeaderBytes);
+  auto& eh = *reinterpret_cast<ExtentHeader*>(pool.data() + dir.offset);
+  const uint64_t slot = SlotBytesFor(tiny.BlockBytes());
+  ASSERT_EQ(eh.num_slots, (64ull << 20) / slot);  // what the allocator makes
+  eh.num_slots = static_cast<uint32_t>((kBig - dir.offset - kExtentHeaderBytes) / slot);
+  dir.bytes = eh.extent_bytes = kExtentHeaderBytes + uint64_t{eh.num_slots} * slot;
+  RebuildReport report;
+  BlockStore store(pool.data(), pool.size(), true, 1, &report);
+  EXPECT_TRUE(report.reattached);
+  EXPECT_EQ(report.extents_corrupt, 1u);
+  EXPECT_EQ(report.blocks_kept, 0u);
+}
+
+// Two directory entries naming the same extent: the second overlaps the first and is dropped;
+// the blocks are indexed once.
+TEST_F(PoisonedPoolTest, TwoDirectoryEntriesForOneExtent) {
+  Dir(7) = Dir(0);
+  Reattach();
+  EXPECT_EQ(report_.extents, 2u);
+  EXPECT_EQ(report_.extents_corrupt, 1u);
+  EXPECT_EQ(Held(a_, 0), kBlocks);
+  EXPECT_EQ(Held(b_, 100), kBlocks);
+  ExpectServes();
+}
+
+// Two extents of one namespace hash whose payload sizes differ (same slot size): the later one
+// does not fit its namespace and is dropped.
+TEST_F(PoisonedPoolTest, NamespaceRecordsThatDisagree) {
+  std::memcpy(Ext(1).namespace_hash, Ext(0).namespace_hash, 16);
+  Ext(1).payload_bytes -= 8;
+  ASSERT_EQ(SlotBytesFor(Ext(1).payload_bytes), Ext(1).slot_bytes);
+  Reattach();
+  EXPECT_EQ(report_.extents, 1u);
+  EXPECT_EQ(report_.extents_corrupt, 1u);
+  EXPECT_EQ(Held(a_, 0), kBlocks);
+  EXPECT_EQ(Held(b_, 100), 0u);
+  ExpectServes();
+}
+
+// The namespace text is diagnostics only: unterminated or unprintable, it is bounded and kept.
+TEST_F(PoisonedPoolTest, NamespaceTextWithoutTerminator) {
+  Ext(0).namespace_text[0] = '\n';
+  Ext(0).namespace_text[1] = '\x1b';
+  std::memset(Ext(0).namespace_text + 2, 'x', sizeof(Ext(0).namespace_text) - 2);  // no NUL
+  store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), true, 1, &report_, kGranule);
+  EXPECT_EQ(report_.extents, 2u);
+  EXPECT_EQ(report_.extents_corrupt, 0u);
+  EXPECT_EQ(report_.blocks_kept, 2 * kBlocks);
+}
+
+// Block headers: each field that does not fit drops that block only.
+TEST_F(PoisonedPoolTest, BlockFieldsThatDoNotFitDropTheBlock) {
+  Blk(0, 0).payload_bytes = ~uint64_t{0};
+  Blk(0, 1).commit_seq = ~uint64_t{0};  // would wrap the store's clock
+  Blk(0, 2).namespace_tag ^= 1;
+  Blk(1, 0).magic ^= 1;
+  Blk(1, 1).state = 7;
+  std::memcpy(Blk(1, 3).key, Blk(1, 2).key, 16);  // a key held twice
+  Blk(1, 3).checksum = Blk(1, 2).checksum;
+  Reattach();
+  EXPECT_EQ(report_.extents, 2u);
+  EXPECT_EQ(report_.extents_corrupt, 0u);
+  EXPECT_EQ(report_.blocks_kept, 2u);  // a's 3 and one of b's 102 / 103
+  EXPECT_EQ(report_.blocks_corrupt, 6u);
+  EXPECT_EQ(Held(a_, 0), 1u);
+  BlockKey k3 = KeyOf(3);
+  EXPECT_EQ(store_->LookupPrefix(a_->id, std::span<const BlockKey>(&k3, 1)), 1u);
+  ExpectServes();
+  // The dropped slots were marked free: a second restart finds nothing corrupt.
+  store_.reset();
+  store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), true, 1, &report_, kGranule);
+  EXPECT_EQ(report_.blocks_corrupt, 0u);
+  EXPECT_EQ(report_.extents_corrupt, 0u);
+}
+
+// Restore reads: a block whose payload changed after its commit is never handed out.
+TEST_F(PoisonedPoolTest, PinReadsStopsBeforeACorruptBlock) {
+  Reattach();
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(KeyOf(i));
+  uint8_t* payload1 = reinterpret_cast<uint8_t*>(&Blk(0, 1)) + kBlockHeaderBytes;
+  payload1[payload_ / 2] ^= 0x01;
+  EXPECT_EQ(store_->LookupPrefix(a_->id, keys), kBlocks);  // lookups do not hash
+  auto pins = store_->PinReads(a_->id, keys);
+  ASSERT_EQ(pins.size(), 1u);  // block 0 only: the run ends before the corrupt block 1
+  EXPECT_TRUE(PayloadIntact(pins[0].payload, 0, payload_));
+  store_->Unpin(pins[0].handle);
+  StoreStats s = store_->Stats();
+  EXPECT_EQ(s.corrupt, 1u);
+  EXPECT_EQ(s.namespaces.at(a_->id).corrupt, 1u);
+  EXPECT_EQ(s.namespaces.at(a_->id).restores, 1u);
+  EXPECT_EQ(s.namespaces.at(a_->id).blocks, kBlocks - 1);  // its slot is free again
+  EXPECT_EQ(s.namespaces.at(a_->id).evictions, 0u);
+  EXPECT_EQ(store_->LookupPrefix(a_->id, keys), 1u);
+  // The blocks after it are still there and intact.
+  std::vector<BlockKey> rest(keys.begin() + 2, keys.end());
+  auto more = store_->PinReads(a_->id, rest);
+  ASSERT_EQ(more.size(), 2u);
+  for (size_t i = 0; i < more.size(); ++i) {
+    EXPECT_TRUE(PayloadIntact(more[i].payload, 2 + i, payload_));
+    store_->Unpin(more[i].handle);
+  }
+  EXPECT_EQ(store_->Stats().corrupt, 1u);
+  EXPECT_EQ(BlockState(Blk(0, 1).state), BlockState::kFree);  // not reloaded by a restart
+}
+
+// Verification after the rebuild (the rebuild itself always verifies): off hands a block out
+// unchecked, so does one read in three (it hashes the third block read); one read in two
+// catches it on the second block read.
+TEST_F(PoisonedPoolTest, ReadVerificationCanBeSampledOrTurnedOff) {
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(KeyOf(i));
+  uint8_t* payload1 = reinterpret_cast<uint8_t*>(&Blk(0, 1)) + kBlockHeaderBytes;
+  auto reads_with = [&](uint32_t one_in) {
+    StoreOptions o;
+    o.reattach = true;
+    o.granule = kGranule;
+    o.verify_reads_one_in = one_in;
+    BlockStore store(pool_.data(), pool_.size(), o, nullptr);
+    store.AddNamespace(*a_);
+    payload1[0] ^= 0x01;  // after the rebuild
+    auto pins = store.PinReads(a_->id, keys);
+    for (const auto& p : pins) store.Unpin(p.handle);
+    payload1[0] ^= 0x01;  // intact again for the next store
+    return std::make_pair(pins.size(), store.Stats().corrupt);
+  };
+  EXPECT_EQ(reads_with(0), std::make_pair(size_t{kBlocks}, uint64_t{0}));
+  EXPECT_EQ(reads_with(3), std::make_pair(size_t{kBlocks}, uint64_t{0}));  // 3rd read: block 2
+  // One in two drops block 1 for good.
+  EXPECT_EQ(reads_with(2), std::make_pair(size_t{1}, uint64_t{1}));
 }
 
 }  // namespace
