@@ -1,9 +1,14 @@
 #include "hiqcache/client.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -12,12 +17,15 @@
 #include "channel.h"
 #include "hiqcache/host_shm.h"
 #include "hiqcache/log.h"
+#include "hiqcache/session.h"
+#include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 
 namespace hiqcache {
 namespace {
 
 namespace v1 = ::hiqcache::v1;
+using client_internal::AttachSession;
 using client_internal::FromGrpc;
 using Clock = std::chrono::steady_clock;
 
@@ -67,9 +75,9 @@ v1::RegisterPoolRequest ToProto(const PoolSpec& spec) {
     v1::SharedBuffer* out = req.add_buffers();
     if (!b.cuda_ipc_handle.empty()) {
       out->set_cuda_ipc_handle(b.cuda_ipc_handle);
-    } else {
+    } else if (!b.host_shm_name.empty() || b.host_fd < 0) {
       out->set_host_shm_name(b.host_shm_name);
-    }
+    }  // else fd only: RegisterLocked sets host_fd_id
     out->set_size_bytes(b.size_bytes);
   }
   for (const LayerView& l : spec.layers) {
@@ -117,6 +125,9 @@ DaemonStats FromProto(const v1::GetStatsResponse& r) {
     o.capacity_blocks = n.capacity_blocks();
     s.namespaces.push_back(std::move(o));
   }
+  s.namespaces_total = r.namespaces_total();
+  s.caller_uid = r.caller_uid();
+  s.caller_admin = r.caller_admin();
   for (const v1::PoolInfo& p : r.pools()) {
     PoolStats o;
     o.pool_id = p.pool_id();
@@ -128,6 +139,8 @@ DaemonStats FromProto(const v1::GetStatsResponse& r) {
     o.backups = p.backups();
     o.restores = p.restores();
     o.peer = p.peer();
+    o.uid = p.uid();
+    o.owned = p.owned();
     s.pools.push_back(std::move(o));
   }
   return s;
@@ -172,6 +185,41 @@ bool IsUnreachable(const Status& s) {
   return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded;
 }
 
+// An fd this client opened, closed when the registration no longer needs it (the daemon keeps
+// its own copy, passed over the session).
+class OwnedFd {
+ public:
+  explicit OwnedFd(int fd) : fd_(fd) {}
+  OwnedFd(OwnedFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  OwnedFd& operator=(OwnedFd&&) = delete;
+  ~OwnedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Zeroes `count` HOST event slots of the object open as `fd` (release stores, as
+// HostEventPool::Reset does).
+Status ResetEventSlots(int fd, uint32_t count) {
+  const size_t bytes = size_t{count} * HostEventPool::kSlotBytes;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
+    return FailedPrecondition("events: the event object is smaller than " + std::to_string(count) +
+                              " slots");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return Internal(std::string("mmap of the event fd: ") + std::strerror(errno));
+  for (uint32_t i = 0; i < count; ++i) {
+    auto* slot = reinterpret_cast<uint64_t*>(static_cast<char*>(p) + i * HostEventPool::kSlotBytes);
+    std::atomic_ref<uint64_t>(*slot).store(0, std::memory_order_release);
+  }
+  ::munmap(p, bytes);
+  return Status::Ok();
+}
+
 }  // namespace
 
 uint32_t BackupResult::held() const {
@@ -189,6 +237,7 @@ class Client::Impl {
         target_(std::move(target)),
         channel_(client_internal::MakeChannel(target_)),
         stub_(v1::Cache::NewStub(channel_)),
+        session_capable_(!SessionSocketPathForTarget(target_).empty()),
         watcher_([this] { WatchChannel(); }) {}
 
   ~Impl() {
@@ -209,17 +258,22 @@ class Client::Impl {
   RestoreResult Restore(PoolHandle h, std::span<const BlockKey> keys,
                         std::span<const uint32_t> rows, const RestoreOptions& o);
   StatusOr<uint32_t> Evict(PoolHandle h, std::span<const BlockKey> keys);
-  StatusOr<DaemonStats> GetStats();
+  StatusOr<DaemonStats> GetStats(uint32_t namespaces_offset, uint32_t namespaces_limit);
 
  private:
   struct Pool {
     uint64_t handle = 0;
-    v1::RegisterPoolRequest request;  // kept for re-registration
+    v1::RegisterPoolRequest request;  // kept for re-registration; names, never fd ids
     uint32_t block_tokens = 0;
+    std::vector<int> buffer_fds;  // SharedBuffer::host_fd per buffer (borrowed; -1 = none)
+    int events_fd = -1;           // EventPoolSpec::host_fd (borrowed)
 
     std::mutex mu;           // serializes (re)registration; guards the fields below
     uint64_t server_id = 0;  // 0 = not registered
     uint64_t epoch = 0;      // connection epoch of the registration
+    // The session the registration went through (null: none, the pool is anonymous and
+    // epoch-checked). While it is alive the daemon has not restarted and server_id is ours.
+    std::shared_ptr<Session> session;
     RegisteredPool info;
     bool registered_once = false;
     bool attempted = false;
@@ -233,6 +287,26 @@ class Client::Impl {
     return it == pools_.end() ? nullptr : it->second;
   }
 
+  // Whether pool.server_id still names this registration on the daemon. REQUIRES: pool.mu held.
+  bool IdIsCurrent(const Pool& pool) const {
+    if (pool.server_id == 0) return false;
+    if (pool.session != nullptr) return pool.session->alive();
+    return pool.epoch == epoch_.load();
+  }
+  // This client's session with the daemon, opened when there is none or it died (the daemon
+  // restarted); null for targets without sessions, or when it cannot be opened. After a failed
+  // open the next one waits reregister_interval unless `force`. Never blocks longer than
+  // min(call_timeout, 2 s).
+  std::shared_ptr<Session> CurrentSession(bool force);
+  // Sets the deadline and the session token of a call.
+  void Prepare(grpc::ClientContext* ctx, Clock::time_point deadline) {
+    ctx->set_deadline(GrpcDeadline(deadline));
+    std::shared_ptr<Session> session = CurrentSession(false);
+    AttachSession(session.get(), ctx);
+  }
+  // Fills `out` (a copy of pool.request) with fd ids for the HOST buffers and the event object,
+  // passing their fds over `session`. False when nothing went by fd.
+  StatusOr<bool> PassFds(const Pool& pool, Session& session, v1::RegisterPoolRequest* out);
   // REQUIRES: pool.mu held.
   Status RegisterLocked(Pool& pool, Clock::time_point deadline);
   // The pool's current daemon id, registering it first when needed (rate-limited).
@@ -268,6 +342,12 @@ class Client::Impl {
   std::atomic<uint64_t> epoch_{0};
   std::atomic<bool> stop_{false};
 
+  const bool session_capable_;  // a unix target: the daemon may serve a session beside it
+  std::mutex session_mu_;
+  std::shared_ptr<Session> session_;       // GUARDED_BY(session_mu_)
+  Clock::time_point session_retry_at_{};   // GUARDED_BY(session_mu_)
+  bool session_warned_ = false;            // GUARDED_BY(session_mu_)
+
   mutable std::mutex mu_;
   uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
@@ -275,16 +355,115 @@ class Client::Impl {
   std::thread watcher_;  // last: starts after everything it reads
 };
 
+std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
+  if (!session_capable_) return nullptr;
+  std::lock_guard<std::mutex> lock(session_mu_);
+  if (session_ != nullptr && session_->alive()) return session_;
+  const auto now = Clock::now();
+  if (!force && now < session_retry_at_) return nullptr;
+  const bool reopen = session_ != nullptr;
+  session_.reset();
+  auto opened = Session::Open(
+      target_, std::min<std::chrono::milliseconds>(options_.call_timeout, std::chrono::seconds(2)));
+  if (!opened.ok()) {
+    session_retry_at_ = now + options_.reregister_interval;
+    if (!session_warned_) {
+      session_warned_ = true;
+      HIQ_LOG(WARN) << "hiqcache client: no session with hiqcached at " << target_ << ": "
+                    << opened.status().ToString()
+                    << "; calls are anonymous and HOST buffers are registered by name";
+    }
+    return nullptr;
+  }
+  session_ = std::move(opened).value();
+  session_warned_ = false;
+  HIQ_LOG(DEBUG) << "hiqcache client: " << (reopen ? "reopened" : "opened") << " session "
+                 << session_->path() << " (pid " << session_->pid() << ", uid " << session_->uid()
+                 << ")";
+  return session_;
+}
+
+StatusOr<bool> Client::Impl::PassFds(const Pool& pool, Session& session,
+                                     v1::RegisterPoolRequest* out) {
+  *out = pool.request;
+  std::vector<OwnedFd> opened;  // ours, closed on return: the daemon holds its own copies
+  std::vector<int> fds;
+  std::vector<int> slot;  // per fd: buffer index, or -1 for the event object
+  auto open_name = [&](const std::string& name) -> int {
+    if (name.empty()) return -1;
+    // With the caller's own rights: the daemon then needs none of its own on the object.
+    const int fd = ::shm_open(HostShm::NormalizeName(name).c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) return -1;  // sent by name: the daemon reports it with the field it names
+    opened.emplace_back(fd);
+    return fd;
+  };
+  for (int i = 0; i < pool.request.buffers_size(); ++i) {
+    if (pool.request.buffers(i).has_cuda_ipc_handle()) continue;
+    int fd = pool.buffer_fds[i];
+    if (fd < 0) fd = open_name(pool.request.buffers(i).host_shm_name());
+    if (fd < 0) continue;
+    fds.push_back(fd);
+    slot.push_back(i);
+  }
+  int ev_fd = pool.events_fd;
+  if (ev_fd < 0) ev_fd = open_name(pool.request.events().host_shm_name());
+  if (ev_fd >= 0) {
+    fds.push_back(ev_fd);
+    slot.push_back(-1);
+  }
+  if (fds.empty()) return false;
+  HIQ_ASSIGN_OR_RETURN(std::vector<uint64_t> ids, session.SendFds(fds));
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (slot[k] < 0) {
+      out->mutable_events()->clear_host_shm_name();
+      out->mutable_events()->set_host_fd_id(ids[k]);
+    } else {
+      out->mutable_buffers(slot[k])->set_host_fd_id(ids[k]);  // replaces host_shm_name (oneof)
+    }
+  }
+  return true;
+}
+
 Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   pool.attempted = true;
   pool.last_attempt = Clock::now();
   const uint64_t epoch = epoch_.load();
-  grpc::ClientContext ctx;
-  ctx.set_deadline(GrpcDeadline(deadline));
+  std::shared_ptr<Session> session = CurrentSession(/*force=*/true);
+  const bool host = pool.request.device().kind() != v1::DEVICE_KIND_CUDA;
+  bool fd_only = pool.events_fd >= 0 && pool.request.events().host_shm_name().empty();
+  for (int i = 0; i < pool.request.buffers_size(); ++i) {
+    fd_only |= pool.buffer_fds[i] >= 0 && pool.request.buffers(i).host_shm_name().empty();
+  }
+  v1::RegisterPoolRequest by_fd;
+  const v1::RegisterPoolRequest* request = &pool.request;
+  Status s;
+  if (host && session != nullptr) {
+    StatusOr<bool> passed = PassFds(pool, *session, &by_fd);
+    if (passed.ok() && *passed) {
+      request = &by_fd;
+    } else if (!passed.ok()) {
+      s = passed.status();
+      if (!fd_only) {
+        HIQ_LOG(WARN) << "hiqcache client: cannot pass the fds of pool " << pool.handle << ": "
+                      << s.ToString() << "; registering its buffers by name";
+        s = Status::Ok();
+      }
+    }
+  } else if (host && fd_only) {
+    s = FailedPrecondition(
+        "buffers: a buffer or event object given only by host_fd needs a session with hiqcached "
+        "at " + target_ + " (a unix target, and a daemon that serves sessions)");
+  }
   v1::RegisterPoolResponse resp;
-  Status s = FromGrpc(stub_->RegisterPool(&ctx, pool.request, &resp), target_);
+  if (s.ok()) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(GrpcDeadline(deadline));
+    AttachSession(session.get(), &ctx);
+    s = FromGrpc(stub_->RegisterPool(&ctx, *request, &resp), target_);
+  }
   if (!s.ok()) {
     pool.server_id = 0;
+    pool.session.reset();
     pool.last_error = s;
     return s;
   }
@@ -292,8 +471,13 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
     // A new registration's tickets start again at 1: stale values in the HOST event slots
     // would make waiters return before their work is done.
     const v1::EventPool& ev = pool.request.events();
-    if (pool.request.device().kind() == v1::DEVICE_KIND_HOST && !ev.host_shm_name().empty() &&
-        ev.count() > 0) {
+    if (host && ev.count() > 0 && pool.events_fd >= 0) {
+      Status r = ResetEventSlots(pool.events_fd, ev.count());
+      if (!r.ok()) {
+        HIQ_LOG(WARN) << "hiqcache client: cannot reset the event slots of pool " << pool.handle
+                      << ": " << r.ToString();
+      }
+    } else if (host && !ev.host_shm_name().empty() && ev.count() > 0) {
       auto events = HostEventPool::Open(ev.host_shm_name(), ev.count());
       if (events.ok()) {
         events->Reset();
@@ -307,6 +491,7 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   }
   pool.server_id = resp.pool_id();
   pool.epoch = epoch;
+  pool.session = std::move(session);
   pool.info.pool_id = resp.pool_id();
   pool.info.namespace_id = resp.namespace_id();
   pool.info.encoded_bytes_per_token = resp.encoded_bytes_per_token();
@@ -320,8 +505,10 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
 StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(pool.mu);
   if (pool.server_id != 0) {
-    if (pool.epoch == epoch_.load()) return pool.server_id;
-    pool.server_id = 0;  // the connection broke since: the id may be stale
+    if (IdIsCurrent(pool)) return pool.server_id;
+    // The session died (the daemon restarted) or, without a session, the connection broke
+    // since: the id may be stale.
+    pool.server_id = 0;
   }
   const auto now = Clock::now();
   if (pool.attempted && now - pool.last_attempt < options_.reregister_interval) {
@@ -343,6 +530,12 @@ StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point 
 void Client::Impl::Invalidate(Pool& pool, uint64_t stale_id, const Status& why) {
   std::lock_guard<std::mutex> lock(pool.mu);
   if (pool.server_id != stale_id) return;
+  if (why.code() == StatusCode::kUnavailable && pool.session != nullptr &&
+      pool.session->alive()) {
+    // The same daemon still holds the session, so the id is still ours (a reconnect, or a
+    // draining daemon): keep it.
+    return;
+  }
   HIQ_LOG(WARN) << "hiqcache client: pool " << pool.handle << " (daemon pool " << stale_id
                 << ") lost: " << why.ToString() << "; will re-register";
   pool.server_id = 0;
@@ -360,7 +553,7 @@ Status Client::Impl::WithPool(PoolHandle h, Rpc&& rpc) {
     StatusOr<uint64_t> id = EnsureRegistered(*pool, deadline);
     if (!id.ok()) return id.status();
     grpc::ClientContext ctx;
-    ctx.set_deadline(GrpcDeadline(deadline));
+    Prepare(&ctx, deadline);
     status = FromGrpc(rpc(&ctx, *id, pool->block_tokens), target_);
     if (status.ok() || !IsStalePool(status)) return status;
     Invalidate(*pool, *id, status);
@@ -373,6 +566,10 @@ StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pendi
   auto pool = std::make_shared<Pool>();
   pool->request = ToProto(spec);
   pool->block_tokens = spec.block_tokens;
+  for (const SharedBuffer& b : spec.buffers) {
+    pool->buffer_fds.push_back(b.cuda_ipc_handle.empty() ? b.host_fd : -1);
+  }
+  pool->events_fd = spec.events.host_fd;
   {
     std::lock_guard<std::mutex> lock(mu_);
     pool->handle = next_handle_++;
@@ -395,7 +592,7 @@ StatusOr<RegisteredPool> Client::Impl::PoolInfo(PoolHandle h) const {
   std::shared_ptr<Pool> pool = Find(h);
   if (pool == nullptr) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
   std::lock_guard<std::mutex> lock(pool->mu);
-  if (pool->server_id == 0 || pool->epoch != epoch_.load()) {
+  if (!IdIsCurrent(*pool)) {
     return Unavailable("pool not registered with hiqcached at " + target_ +
                        (pool->last_error.ok() ? "" : ": " + pool->last_error.ToString()));
   }
@@ -412,9 +609,10 @@ Status Client::Impl::ReleasePool(PoolHandle h) {
     pools_.erase(it);
   }
   std::lock_guard<std::mutex> lock(pool->mu);
-  if (pool->server_id == 0 || pool->epoch != epoch_.load()) return Status::Ok();
+  if (!IdIsCurrent(*pool)) return Status::Ok();
   grpc::ClientContext ctx;
   ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  AttachSession(pool->session.get(), &ctx);
   v1::ReleasePoolRequest req;
   req.set_pool_id(pool->server_id);
   v1::ReleasePoolResponse resp;
@@ -453,7 +651,7 @@ LookupResult Client::Impl::LookupGroup(std::span<const NamespaceRef> namespaces,
   for (const NamespaceRef& ns : namespaces) ToProto(ns, req.add_namespaces());
   for (const BlockKey& k : keys) req.add_keys(reinterpret_cast<const char*>(k.data()), k.size());
   grpc::ClientContext ctx;
-  ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  Prepare(&ctx, Clock::now() + options_.call_timeout);
   v1::LookupResponse resp;
   result.status = FromGrpc(stub_->Lookup(&ctx, req, &resp), target_);
   if (result.status.ok()) {
@@ -532,11 +730,15 @@ StatusOr<uint32_t> Client::Impl::Evict(PoolHandle h, std::span<const BlockKey> k
   return resp.evicted();
 }
 
-StatusOr<DaemonStats> Client::Impl::GetStats() {
+StatusOr<DaemonStats> Client::Impl::GetStats(uint32_t namespaces_offset,
+                                             uint32_t namespaces_limit) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));
+  Prepare(&ctx, Clock::now() + options_.call_timeout);
+  v1::GetStatsRequest req;
+  req.set_namespaces_offset(namespaces_offset);
+  req.set_namespaces_limit(namespaces_limit);
   v1::GetStatsResponse resp;
-  Status s = FromGrpc(stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp), target_);
+  Status s = FromGrpc(stub_->GetStats(&ctx, req, &resp), target_);
   if (!s.ok()) return s;
   return FromProto(resp);
 }
@@ -609,7 +811,10 @@ RestoreResult Client::Restore(PoolHandle pool, std::span<const BlockKey> keys,
 StatusOr<uint32_t> Client::Evict(PoolHandle pool, std::span<const BlockKey> keys) {
   HIQ_CLIENT_NOTHROW_STATUS(impl_->Evict(pool, keys));
 }
-StatusOr<DaemonStats> Client::GetStats() { HIQ_CLIENT_NOTHROW_STATUS(impl_->GetStats()); }
+StatusOr<DaemonStats> Client::GetStats() { HIQ_CLIENT_NOTHROW_STATUS(impl_->GetStats(0, 0)); }
+StatusOr<DaemonStats> Client::GetStats(uint32_t namespaces_offset, uint32_t namespaces_limit) {
+  HIQ_CLIENT_NOTHROW_STATUS(impl_->GetStats(namespaces_offset, namespaces_limit));
+}
 
 #undef HIQ_CLIENT_NOTHROW
 #undef HIQ_CLIENT_NOTHROW_STATUS

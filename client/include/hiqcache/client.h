@@ -6,15 +6,27 @@
 // and Restore reports 0 restored blocks, each with the Status set so the caller can log it;
 // nothing throws.
 //
+// Identity and memory. For a unix target the client opens a session with the daemon
+// (hiqcache/session.h) on first use: the kernel's credentials of that connection name the caller,
+// every call carries its token, and the pools registered through it belong to this process; the
+// session closing (the Client destroyed, or the process dying) releases them. HOST buffers and the
+// HOST event object are passed as file descriptors over the session: the client opens each
+// host_shm_name itself (O_RDWR, with its own rights), or uses SharedBuffer::host_fd, and sends the
+// daemon fd ids instead of names, so the daemon never opens a client's memory by name. CUDA pools
+// go as before (IPC handles). Without a session -- a TCP target, a daemon that predates sessions,
+// or one whose session socket cannot be reached -- calls are anonymous and HOST objects are sent
+// by name (logged once); a buffer given only by host_fd then cannot be registered.
+//
 // The client keeps every registration's PoolSpec. PoolHandle is the client's own id and stays
-// valid across daemon restarts: when the connection to the daemon breaks, or a call answers
-// UNAVAILABLE or NOT_FOUND (unknown pool: the daemon restarted and forgot its pool ids), the
-// client registers the pool again (at most once per ClientOptions::reregister_interval per pool)
-// and retries the call once. A pool registered with pending_if_unavailable while the daemon was
-// down is registered by the first call after the daemon is back. A re-registration after a
-// connection break that was not a restart leaves the old registration on the daemon until this
-// process exits (the daemon releases pools by client_pid). After a re-registration of a HOST pool
-// the client zeroes its event slots, because the new registration's tickets start again at 1.
+// valid across daemon restarts: when the session dies (the daemon restarted), a call answers
+// NOT_FOUND (unknown pool), or -- for a pool registered without a session -- the connection
+// breaks or a call answers UNAVAILABLE, the client opens a new session, registers the pool again
+// (at most once per ClientOptions::reregister_interval per pool) and retries the call once. While
+// the pool's session is alive the daemon has not restarted, so a broken connection or an
+// UNAVAILABLE answer keeps the pool id. A pool registered with pending_if_unavailable while the
+// daemon was down is registered by the first call after the daemon is back. After a
+// re-registration of a HOST pool the client zeroes its event slots, because the new
+// registration's tickets start again at 1.
 //
 // Thread-safety: one Client may be shared by any number of threads; all methods are safe to call
 // concurrently. A PoolHandle must not be used after ReleasePool on it.
@@ -124,6 +136,8 @@ struct PoolStats {
   uint64_t backups = 0;
   uint64_t restores = 0;
   std::string peer;
+  uint32_t uid = 0;    // of the registering process (SO_PEERCRED of its session)
+  bool owned = false;  // registered by the calling process; pool_id is 0 in other callers' pools
 };
 struct DaemonStats {
   uint64_t pool_bytes = 0;
@@ -135,8 +149,13 @@ struct DaemonStats {
   uint64_t uptime_seconds = 0;
   std::string device;
   std::string shm_name;
+  // One page of the namespaces (GetStats(offset, limit)); namespaces_total counts them all.
   std::vector<NamespaceStats> namespaces;
+  uint32_t namespaces_total = 0;
   std::vector<PoolStats> pools;
+  // The caller as the daemon identified it (0 / false for an anonymous caller).
+  uint32_t caller_uid = 0;
+  bool caller_admin = false;
 };
 
 class Client {
@@ -182,8 +201,11 @@ class Client {
                         std::span<const uint32_t> rows, const RestoreOptions& options = {});
   // Drops blocks from the pool's namespace; returns how many were present.
   StatusOr<uint32_t> Evict(PoolHandle pool, std::span<const BlockKey> keys);
-  // Daemon-wide statistics.
+  // Daemon-wide statistics with the daemon's default page of namespaces (the first 256).
   StatusOr<DaemonStats> GetStats();
+  // The same with namespaces [offset, offset + limit) in namespace_id order (limit 0 = the
+  // daemon's default; it caps the limit at 4096).
+  StatusOr<DaemonStats> GetStats(uint32_t namespaces_offset, uint32_t namespaces_limit);
 
  private:
   class Impl;

@@ -68,19 +68,32 @@ struct LayerView {
   std::optional<TensorView> v;  // unset for MLA
 };
 
-// One registered memory object. Exactly one of host_shm_name (HOST: a POSIX shm name, leading
-// "/" optional) or cuda_ipc_handle (CUDA: the 64-byte cudaIpcMemHandle_t of the allocation base)
-// is set.
+// One registered memory object. HOST: host_fd or host_shm_name (a POSIX shm name, leading "/"
+// optional), or both; CUDA: cuda_ipc_handle (the 64-byte cudaIpcMemHandle_t of the allocation
+// base).
+//
+// A HOST buffer reaches the daemon as a file descriptor over the client's session
+// (hiqcache/session.h) whenever there is one: host_fd when set, else the client opens
+// host_shm_name itself (O_RDWR, with the caller's own rights) and passes that fd. Only without a
+// session (a TCP target, a daemon that predates sessions) is the name sent, and the daemon then
+// opens it, accepting only objects the caller owns.
 struct SharedBuffer {
   std::string host_shm_name;
   std::string cuda_ipc_handle;
   uint64_t size_bytes = 0;
+  // HOST: an open read-write fd of the buffer (a memfd, ideally sealed with F_SEAL_SHRINK, or a
+  // shm object's fd), -1 = none. Borrowed: the caller keeps it open for as long as the pool is
+  // registered, since a re-registration (daemon restart) passes it again. A buffer with only an
+  // fd cannot be registered without a session (FAILED_PRECONDITION).
+  int host_fd = -1;
 };
 
 // Completion events. HOST: a shm object of `count` 64-byte slots (slot i = little-endian uint64
-// at byte 64*i). CUDA: interprocess event handles (64 bytes each).
+// at byte 64*i), named or by fd as for SharedBuffer. CUDA: interprocess event handles (64 bytes
+// each).
 struct EventPoolSpec {
   std::string host_shm_name;
+  int host_fd = -1;  // as SharedBuffer::host_fd
   uint32_t count = 0;
   std::vector<std::string> cuda_ipc_event_handles;
 };
