@@ -5,6 +5,13 @@
 //     pools                               registered pools
 //     evict --pool-id N --key HEX [...]   drop blocks from pool N's namespace
 //     health [--service NAME]             grpc.health.v1.Health/Check (service "" by default)
+//     drain [--wait]                      stop taking new work (admin only)
+//     watch [--interval S] [--count N]    stats, refreshed
+//
+// For a unix target hiqctl opens a session with the daemon (hiqcache/session.h), so that the
+// daemon knows who calls: Drain and Evict of other callers' blocks need an admin (root, the
+// daemon's user or a configured admin uid or group); stats shows the caller's own pool ids only,
+// unless it is an admin.
 //
 // Exit status: 0 success, 1 daemon unreachable or an error from it, 2 usage.
 #include <grpcpp/grpcpp.h>
@@ -27,6 +34,8 @@
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/paths.h"
+#include "hiqcache/session.h"
+#include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 
 namespace hiqcache {
@@ -288,7 +297,8 @@ std::string PoolJson(const PoolStats& p, const std::string& indent) {
     << ", \"namespace_id\": " << Json::Str(p.namespace_id) << ", \"model\": " << Json::Str(p.model)
     << ", \"tenant\": " << Json::Str(p.tenant)
     << ", \"device\": " << Json::Str(DeviceEnumName(p.device))
-    << ", \"client_pid\": " << p.client_pid << ", \"backups\": " << p.backups
+    << ", \"client_pid\": " << p.client_pid << ", \"uid\": " << p.uid
+    << ", \"owned\": " << (p.owned ? "true" : "false") << ", \"backups\": " << p.backups
     << ", \"restores\": " << p.restores << ", \"peer\": " << Json::Str(p.peer) << "}";
   return o.str();
 }
@@ -312,10 +322,26 @@ std::unique_ptr<Client> MakeClient(const Args& args, const std::string& target) 
   return client.ok() ? std::move(client).value() : nullptr;
 }
 
+// GetStats with every namespace: pages of at most kStatsPage until namespaces_total are read (or
+// a page comes back empty: namespaces went away meanwhile).
+constexpr uint32_t kStatsPage = 4096;
+StatusOr<DaemonStats> GetAllStats(Client& client) {
+  auto first = client.GetStats(0, kStatsPage);
+  if (!first.ok()) return first.status();
+  DaemonStats all = std::move(first).value();
+  while (all.namespaces.size() < all.namespaces_total) {
+    auto page = client.GetStats(static_cast<uint32_t>(all.namespaces.size()), kStatsPage);
+    if (!page.ok()) return page.status();
+    if (page->namespaces.empty()) break;
+    for (NamespaceStats& n : page->namespaces) all.namespaces.push_back(std::move(n));
+  }
+  return all;
+}
+
 int CmdStats(const Args& args, const std::string& target) {
   auto client = MakeClient(args, target);
   if (client == nullptr) return Usage("bad target " + target);
-  auto stats = client->GetStats();
+  auto stats = GetAllStats(*client);
   if (!stats.ok()) return Fail(target, stats.status());
   const DaemonStats& s = *stats;
   if (args.json) {
@@ -327,6 +353,9 @@ int CmdStats(const Args& args, const std::string& target) {
               << ",\n  \"uptime_seconds\": " << s.uptime_seconds
               << ",\n  \"device\": " << Json::Str(s.device)
               << ",\n  \"shm_name\": " << Json::Str(s.shm_name)
+              << ",\n  \"caller_uid\": " << s.caller_uid
+              << ",\n  \"caller_admin\": " << (s.caller_admin ? "true" : "false")
+              << ",\n  \"namespaces_total\": " << s.namespaces_total
               << ",\n  \"namespaces\": " << JsonArray(s.namespaces, NamespaceJson, "  ")
               << ",\n  \"pools\": " << JsonArray(s.pools, PoolJson, "  ") << "\n}\n";
     return kExitOk;
@@ -339,7 +368,9 @@ int CmdStats(const Args& args, const std::string& target) {
             << "  used      " << Bytes(s.used_bytes) << " ("
             << Percent(s.used_bytes, s.capacity_bytes ? s.capacity_bytes : s.pool_bytes) << "%), "
             << s.blocks << " blocks\n"
-            << "  clients   " << s.clients << "\n";
+            << "  clients   " << s.clients << "\n"
+            << "  caller    uid " << s.caller_uid << (s.caller_admin ? " (admin)" : "") << "\n"
+            << "  spaces    " << s.namespaces_total << " namespaces\n";
   if (s.cuda_staging_bytes > 0) {
     std::cout << "  staging   " << Bytes(s.cuda_staging_bytes) << " of GPU memory\n";
   }
@@ -365,7 +396,7 @@ int CmdStats(const Args& args, const std::string& target) {
 int CmdPools(const Args& args, const std::string& target) {
   auto client = MakeClient(args, target);
   if (client == nullptr) return Usage("bad target " + target);
-  auto stats = client->GetStats();
+  auto stats = client->GetStats(0, 1);  // the pools are not paged
   if (!stats.ok()) return Fail(target, stats.status());
   if (args.json) {
     std::cout << JsonArray(stats->pools, PoolJson, "") << "\n";
@@ -375,11 +406,14 @@ int CmdPools(const Args& args, const std::string& target) {
     std::cout << "no pools registered\n";
     return kExitOk;
   }
-  Table t({"POOL", "NAMESPACE", "MODEL", "TENANT", "DEVICE", "PID", "BACKUPS", "RESTORES", "PEER"});
+  Table t({"POOL", "NAMESPACE", "MODEL", "TENANT", "DEVICE", "PID", "UID", "OWNED", "BACKUPS",
+           "RESTORES", "PEER"});
   for (const PoolStats& p : stats->pools) {
-    t.Add({std::to_string(p.pool_id), p.namespace_id, p.model, p.tenant.empty() ? "-" : p.tenant,
-           DeviceKindName(p.device), std::to_string(p.client_pid), std::to_string(p.backups),
-           std::to_string(p.restores), p.peer.empty() ? "-" : p.peer});
+    // Another caller's pool id is not shown (0) unless the caller is an admin.
+    t.Add({p.pool_id == 0 ? "-" : std::to_string(p.pool_id), p.namespace_id, p.model,
+           p.tenant.empty() ? "-" : p.tenant, DeviceKindName(p.device),
+           std::to_string(p.client_pid), std::to_string(p.uid), p.owned ? "yes" : "no",
+           std::to_string(p.backups), std::to_string(p.restores), p.peer.empty() ? "-" : p.peer});
   }
   t.Print(std::cout);
   return kExitOk;
@@ -388,6 +422,19 @@ int CmdPools(const Args& args, const std::string& target) {
 std::chrono::system_clock::time_point Deadline(const Args& args) {
   return std::chrono::system_clock::now() +
          std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+}
+
+// A session for the raw calls (Evict, Drain) to a unix target; null (and a note on stderr) when
+// none can be opened, in which case the call goes anonymous and the daemon decides.
+std::unique_ptr<Session> OpenSession(const Args& args, const std::string& target) {
+  auto session = Session::Open(
+      target, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
+  if (session.ok()) return std::move(session).value();
+  if (!SessionSocketPathForTarget(target).empty()) {  // TCP targets have none: no note
+    std::cerr << "hiqctl: no session with hiqcached at " << target << " ("
+              << session.status().ToString() << "); calling anonymously\n";
+  }
+  return nullptr;
 }
 
 int CmdEvict(const Args& args, const std::string& target) {
@@ -401,8 +448,10 @@ int CmdEvict(const Args& args, const std::string& target) {
     req.add_keys(reinterpret_cast<const char*>(key.data()), key.size());
   }
   auto stub = v1::Cache::NewStub(client_internal::MakeChannel(target));
+  const std::unique_ptr<Session> session = OpenSession(args, target);
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(args));
+  client_internal::AttachSession(session.get(), &ctx);
   v1::EvictResponse resp;
   Status s = client_internal::FromGrpc(stub->Evict(&ctx, req, &resp), target);
   if (!s.ok()) return Fail(target, s);
@@ -438,10 +487,13 @@ int CmdHealth(const Args& args, const std::string& target) {
 
 int CmdDrain(const Args& args, const std::string& target) {
   auto stub = v1::Cache::NewStub(client_internal::MakeChannel(target));
+  // Drain is admin-only: the daemon tells the caller by the session.
+  const std::unique_ptr<Session> session = OpenSession(args, target);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(10);
   for (;;) {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(args));
+    client_internal::AttachSession(session.get(), &ctx);
     v1::DrainRequest req;
     v1::DrainResponse resp;
     Status s = client_internal::FromGrpc(stub->Drain(&ctx, req, &resp), target);
