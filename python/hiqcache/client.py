@@ -7,12 +7,21 @@ The semantics are the C++ client's (client/include/hiqcache/client.h):
   blocks, backup reports every block NOT_STORED and restore 0 restored blocks, each with the
   Status set so the caller can log it; these calls never raise. register_pool, evict and
   get_stats raise HiqError, since their callers need the daemon's answer.
+- Sessions (hiqcache.session): for a unix target the client opens the daemon's session socket
+  on first use. The kernel's credentials of that connection identify this process to the
+  daemon; every call carries the session's token as metadata, pools registered through it are
+  this process's own (other callers get NOT_FOUND), and closing it (close(), or the process
+  dying) releases them. HOST buffers and event slots reach the daemon as file descriptors over
+  the session: a memfd's own fd (SharedBuffer.host_fd), or an fd the client opens by name
+  (/dev/shm/NAME, read-write, with this process's rights) and closes after the call; the
+  request then names them by host_fd_id, never by name. Without a session (a TCP target, or a
+  daemon with no session socket) calls go out anonymous and buffers by name, as before.
 - Re-registration: the client keeps every registration's request. A PoolHandle is the client's
-  own id and stays valid across daemon restarts: when the connection breaks, or a call answers
-  UNAVAILABLE or NOT_FOUND (the daemon restarted and forgot its ids), the client registers the
-  pool again (at most once per reregister_interval per pool) and retries the call once. After
-  re-registering a HOST pool it zeroes the pool's event slots, since the new registration's
-  tickets start again at 1.
+  own id and stays valid across daemon restarts: when the session ends (without a session: when
+  the connection breaks), or a call answers UNAVAILABLE or NOT_FOUND (the daemon restarted and
+  forgot its ids), the client opens a new session, registers the pool again (at most once per
+  reregister_interval per pool) and retries the call once. After re-registering a HOST pool it
+  zeroes the pool's event slots, since the new registration's tickets start again at 1.
 
 Thread-safety: one Client may be shared by any number of threads.
 """
@@ -26,12 +35,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import grpc
 
-from hiqcache.host import HostEventPool, HostShm
+from hiqcache.host import SHM_DIR, HostEventPool, HostShm, normalize_name
 from hiqcache.keys import BlockKey
+from hiqcache.session import Session, SessionError, session_path_for_target
 from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
                            PoolSpec, RegisteredPool)
 from hiqcache.status import HiqError, Status, StatusCode
@@ -40,6 +50,7 @@ from hiqcache.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hiqcache")
 T = TypeVar("T")
+Metadata = Optional[tuple[tuple[str, str], ...]]
 
 
 def default_socket_path() -> str:
@@ -132,6 +143,8 @@ class PoolStats:
     backups: int
     restores: int
     peer: str
+    uid: int = 0  # the registering process's uid, as the kernel reported it to the daemon
+    owned: bool = False  # registered by this process (pool_id is 0 in others' pools)
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,9 @@ class DaemonStats:
     shm_name: str
     namespaces: list[NamespaceStats]
     pools: list[PoolStats]
+    namespaces_total: int = 0  # namespaces the daemon has (`namespaces` is one page of them)
+    caller_uid: int = 0  # this process as the daemon identified it (0 without a session)
+    caller_admin: bool = False
 
 
 def _status_of(err: grpc.RpcError, target: str) -> Status:
@@ -172,6 +188,7 @@ class _Pool:
         self.lock = threading.Lock()  # serializes (re)registration; guards the fields below
         self.server_id = 0  # 0 = not registered
         self.epoch = 0
+        self.session_gen = 0  # the session it was registered through; 0 = none (anonymous)
         self.info: RegisteredPool | None = None
         self.registered_once = False
         self.attempted = False
@@ -217,10 +234,19 @@ class Client:
         self._next_handle = 1
         # Counts breaks of the connection: each time the channel leaves READY the daemon may
         # have restarted, and every pool id it handed out may now name someone else's pool.
+        # Only for pools registered without a session: a session's end says it exactly.
         self._epoch = 0
         self._state: grpc.ChannelConnectivity | None = None
-        self._channel.subscribe(self._on_state, try_to_connect=True)
+        # The session ("" path: the target has none). _session_gen counts sessions opened;
+        # a pool registered through session n is gone once session n is.
+        self._session_path = session_path_for_target(self.target)
+        self._session_lock = threading.Lock()  # guards the four fields below
+        self._session: Session | None = None
+        self._session_gen = 0
+        self._session_retry_at = 0.0
+        self._session_error = ""
         self._closed = False
+        self._channel.subscribe(self._on_state, try_to_connect=True)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         if self._state == grpc.ChannelConnectivity.READY and state != self._state:
@@ -228,45 +254,172 @@ class Client:
             log.debug("hiqcache client: connection to %s broke", self.target)
         self._state = state
 
+    # --- session -----------------------------------------------------------------------------
+
+    def _session_now(self, deadline: float, force: bool = False) -> tuple[Session | None, int]:
+        """The open session and its generation, opening one if there is none (or the daemon
+        closed the last one); (None, gen) without a session: a target without one, a daemon
+        without a session socket or down (after a failed open the next waits
+        reregister_interval, unless `force`). Blocks at most min(call_timeout, 2 s)."""
+        if not self._session_path or self._closed:
+            return None, 0
+        with self._session_lock:
+            sess = self._session
+            if sess is not None:
+                if sess.alive():
+                    return sess, self._session_gen
+                sess.close()
+                self._session = None
+                log.info("hiqcache client: session with %s ended (daemon restarted?); its pools "
+                         "are gone", self.target)
+            now = time.monotonic()
+            if (now < self._session_retry_at and not force) or deadline <= now:
+                return None, self._session_gen
+            try:
+                sess = Session(self._session_path,
+                               timeout=max(1e-3, min(deadline - now, self.call_timeout, 2.0)))
+            except (SessionError, OSError) as err:
+                self._session_retry_at = now + self.reregister_interval
+                if str(err) != self._session_error:
+                    log.info("hiqcache client: no session with %s (%s); calls go anonymous, "
+                             "buffers by name", self.target, err)
+                self._session_error = str(err)
+                return None, self._session_gen
+            self._session = sess
+            self._session_gen += 1
+            self._session_error = ""
+            log.debug("hiqcache client: %r", sess)
+            return sess, self._session_gen
+
+    def session(self) -> Session | None:
+        """The session with the daemon, opened now if needed; None when there is none (see
+        the module docstring). The caller must not close it (close() does)."""
+        return self._session_now(time.monotonic() + self.call_timeout)[0]
+
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., T], request: Any, deadline: float) -> tuple[T | None, Status]:
+    def _call(self, method: Callable[..., T], request: Any, deadline: float,
+              metadata: Metadata = None) -> tuple[T | None, Status]:
         left = deadline - time.monotonic()
         if left <= 0:
             return None, Status(StatusCode.DEADLINE_EXCEEDED,
                                 f"hiqcached at {self.target}: call deadline passed")
         try:
-            return method(request, timeout=left), Status.OK
+            return method(request, timeout=left, metadata=metadata), Status.OK
         except grpc.RpcError as err:
             return None, _status_of(err, self.target)
         except ValueError as err:  # e.g. the channel was closed
             return None, Status(StatusCode.UNAVAILABLE, f"hiqcached at {self.target}: {err}")
+
+    def _call_anywhere(self, method: Callable[..., T], request: Any) -> tuple[T | None, Status]:
+        """A call that names no pool, in this process's session when there is one."""
+        deadline = time.monotonic() + self.call_timeout
+        sess, _ = self._session_now(deadline)
+        return self._call(method, request, deadline, sess.metadata() if sess else None)
+
+    def _with_fds(self, pool: _Pool, sess: Session | None, deadline: float
+                  ) -> tuple[pb.RegisterPoolRequest | None, list[int], Status]:
+        """The pool's RegisterPoolRequest with its HOST objects passed over `sess` and named by
+        fd id, and the fds opened here (the caller closes them after the call). Without a
+        session, the request as it is (names)."""
+        spec = pool.spec
+        host = spec.device is DeviceKind.HOST
+        if sess is None:
+            for i, b in enumerate(spec.buffers):
+                if not b.cuda_ipc_handle and b.host_fd >= 0 and not b.host_shm_name:
+                    return None, [], Status(StatusCode.FAILED_PRECONDITION, (
+                        f"buffers[{i}]: passed by fd, which needs a session with hiqcached "
+                        f"(unix target); {self.target} has none"
+                        + (f" ({self._session_error})" if self._session_error else "")))
+            if host and spec.events.host_fd >= 0 and not spec.events.host_shm_name:
+                return None, [], Status(StatusCode.FAILED_PRECONDITION, (
+                    f"events: passed by fd, which needs a session with hiqcached; "
+                    f"{self.target} has none"))
+            return pool.request, [], Status.OK
+        opened: list[int] = []
+        fds: list[int] = []
+        where: list[int] = []  # buffer index per fd; -1 = the events
+
+        def fd_of(obj: Any) -> int:
+            if obj.host_fd >= 0:
+                return obj.host_fd
+            # With this process's own rights: the daemon then needs none of its own. An object
+            # that cannot be opened (as shm_open would: no inner "/", no symlink) goes by name,
+            # and the daemon's answer names the field.
+            name = normalize_name(obj.host_shm_name)
+            if "/" in name[1:] or "\0" in name:
+                return -1
+            try:
+                fd = os.open(SHM_DIR + name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                return -1
+            opened.append(fd)
+            return fd
+
+        for i, b in enumerate(spec.buffers):
+            if b.cuda_ipc_handle or (b.host_fd < 0 and not b.host_shm_name):
+                continue
+            fd = fd_of(b)
+            if fd >= 0:
+                fds.append(fd)
+                where.append(i)
+        ev = spec.events
+        if host and ev.count > 0 and (ev.host_fd >= 0 or ev.host_shm_name):
+            fd = fd_of(ev)
+            if fd >= 0:
+                fds.append(fd)
+                where.append(-1)
+        if not fds:
+            return pool.request, opened, Status.OK
+        try:
+            ids = sess.send_fds(fds, timeout=max(1e-3, min(deadline - time.monotonic(), 2.0)))
+        except SessionError as err:
+            for fd in opened:
+                os.close(fd)
+            fd_only = any(not b.cuda_ipc_handle and b.host_fd >= 0 and not b.host_shm_name
+                          for b in spec.buffers) or (host and ev.host_fd >= 0
+                                                     and not ev.host_shm_name)
+            if fd_only:
+                return None, [], Status(StatusCode.UNAVAILABLE, str(err))
+            log.warning("hiqcache client: cannot pass the fds of pool %d (%s); registering its "
+                        "buffers by name", pool.handle, err)
+            return pool.request, [], Status.OK
+        req = pb.RegisterPoolRequest()
+        req.CopyFrom(pool.request)
+        for i, fd_id in zip(where, ids):
+            if i < 0:
+                req.events.host_shm_name = ""
+                req.events.host_fd_id = fd_id
+            else:
+                req.buffers[i].host_fd_id = fd_id  # oneof: clears host_shm_name
+        return req, opened, Status.OK
 
     def _register_locked(self, pool: _Pool, deadline: float) -> Status:
         # REQUIRES: pool.lock held.
         pool.attempted = True
         pool.last_attempt = time.monotonic()
         epoch = self._epoch
-        resp, s = self._call(self._stub.RegisterPool, pool.request, deadline)
+        sess, gen = self._session_now(deadline, force=True)
+        request, opened, s = self._with_fds(pool, sess, deadline)
+        try:
+            if s.ok:
+                resp, s = self._call(self._stub.RegisterPool, request, deadline,
+                                     sess.metadata() if sess else None)
+        finally:
+            for fd in opened:
+                os.close(fd)
         if not s.ok:
             pool.server_id = 0
             pool.last_error = s
             return s
         assert resp is not None
         if pool.registered_once:
-            ev = pool.spec.events
-            if pool.spec.device is DeviceKind.HOST and ev.host_shm_name and ev.count > 0:
-                try:
-                    events = HostEventPool(HostShm.open(ev.host_shm_name), ev.count)
-                    events.reset()
-                    events.close()
-                except (OSError, ValueError) as err:
-                    log.warning("hiqcache client: cannot reset event slots %s: %s",
-                                ev.host_shm_name, err)
+            self._reset_events(pool.spec)
             log.info("hiqcache client: pool %d re-registered with %s as pool %d", pool.handle,
                      self.target, resp.pool_id)
         pool.server_id = resp.pool_id
         pool.epoch = epoch
+        pool.session_gen = gen if sess is not None else 0
         pool.info = RegisteredPool(
             pool_id=resp.pool_id, namespace_id=resp.namespace_id,
             encoded_bytes_per_token=resp.encoded_bytes_per_token, block_bytes=resp.block_bytes,
@@ -275,12 +428,34 @@ class Client:
         pool.last_error = Status.OK
         return Status.OK
 
+    @staticmethod
+    def _reset_events(spec: PoolSpec) -> None:
+        ev = spec.events
+        if spec.device is not DeviceKind.HOST or ev.count <= 0:
+            return
+        if ev.host_fd < 0 and not ev.host_shm_name:
+            return
+        try:
+            shm = HostShm.from_fd(ev.host_fd) if ev.host_fd >= 0 else HostShm.open(ev.host_shm_name)
+            events = HostEventPool(shm, ev.count)
+            events.reset()
+            events.close()
+        except (OSError, ValueError) as err:
+            log.warning("hiqcache client: cannot reset event slots %s: %s",
+                        ev.host_shm_name or f"fd {ev.host_fd}", err)
+
+    def _valid_locked(self, pool: _Pool) -> bool:
+        # REQUIRES: pool.lock held. Whether pool.server_id still names this registration.
+        if pool.session_gen:
+            return pool.session_gen == self._session_gen and self._session is not None
+        return pool.epoch == self._epoch
+
     def _ensure_registered(self, pool: _Pool, deadline: float) -> tuple[int, Status]:
         with pool.lock:
             if pool.server_id != 0:
-                if pool.epoch == self._epoch:
+                if self._valid_locked(pool):
                     return pool.server_id, Status.OK
-                pool.server_id = 0  # the connection broke since: the id may be stale
+                pool.server_id = 0  # its session ended or the connection broke: gone or stale
             now = time.monotonic()
             if pool.attempted and now - pool.last_attempt < self.reregister_interval:
                 return 0, Status(StatusCode.UNAVAILABLE,
@@ -293,12 +468,19 @@ class Client:
         with pool.lock:
             if pool.server_id != stale_id:
                 return
+            if why.code == StatusCode.UNAVAILABLE and pool.session_gen and \
+                    self._valid_locked(pool) and self._session is not None and \
+                    self._session.alive():
+                # The same daemon still holds the session, so the id is still ours (a
+                # reconnect, or a draining daemon): keep it.
+                return
             log.warning("hiqcache client: pool %d (daemon pool %d) lost: %s; will re-register",
                         pool.handle, stale_id, why)
             pool.server_id = 0
             pool.last_error = why
 
-    def _with_pool(self, handle: int, rpc: Callable[[int, float], tuple[T | None, Status]]
+    def _with_pool(self, handle: int,
+                   rpc: Callable[[int, float, Metadata], tuple[T | None, Status]]
                    ) -> tuple[T | None, Status]:
         with self._lock:
             pool = self._pools.get(handle)
@@ -308,10 +490,11 @@ class Client:
         resp: T | None = None
         s = Status.OK
         for _ in range(2):
+            sess, _ = self._session_now(deadline)  # notices an ended session before the call
             server_id, s = self._ensure_registered(pool, deadline)
             if not s.ok:
                 return None, s
-            resp, s = rpc(server_id, deadline)
+            resp, s = rpc(server_id, deadline, sess.metadata() if sess else None)
             if s.ok or not _is_stale(s):
                 return resp, s
             self._invalidate(pool, server_id, s)
@@ -362,12 +545,14 @@ class Client:
             pool = self._pools.pop(handle, None)
         if pool is None:
             return Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        deadline = time.monotonic() + self.call_timeout
+        sess, _ = self._session_now(deadline)
         with pool.lock:
-            server_id = pool.server_id
+            server_id = pool.server_id if self._valid_locked(pool) else 0
         if server_id == 0:
-            return Status.OK
+            return Status.OK  # never registered, or gone with its session
         _, s = self._call(self._stub.ReleasePool, pb.ReleasePoolRequest(pool_id=server_id),
-                          time.monotonic() + self.call_timeout)
+                          deadline, sess.metadata() if sess else None)
         return s
 
     # --- data calls (fail-open) --------------------------------------------------------------
@@ -377,8 +562,8 @@ class Client:
         s = _check_keys(keys)
         if not s.ok or not keys:
             return LookupResult(0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl: self._call(
-            self._stub.Lookup, pb.LookupRequest(pool_id=pid, keys=list(keys)), dl))
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Lookup, pb.LookupRequest(pool_id=pid, keys=list(keys)), dl, md))
         return LookupResult(resp.prefix_blocks if resp is not None and s.ok else 0, s)
 
     def lookup_group(self, namespaces: Sequence[NamespaceRef],
@@ -391,7 +576,7 @@ class Client:
         if not s.ok or not keys:
             return LookupResult(0, s)
         req = pb.LookupRequest(keys=list(keys), namespaces=[n.to_proto() for n in namespaces])
-        resp, s = self._call(self._stub.Lookup, req, time.monotonic() + self.call_timeout)
+        resp, s = self._call_anywhere(self._stub.Lookup, req)
         return LookupResult(resp.prefix_blocks if resp is not None and s.ok else 0, s)
 
     def _blocks(self, handle: int, keys: Sequence[BlockKey], rows: Sequence[int]
@@ -416,9 +601,9 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl: self._call(self._stub.Backup, pb.BackupRequest(
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Backup, pb.BackupRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            done_event=done_event, sync=sync), dl))
+            done_event=done_event, sync=sync), dl, md))
         if resp is None or not s.ok or len(resp.results) != len(keys):
             if s.ok:
                 s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
@@ -433,9 +618,9 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return RestoreResult(0, 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl: self._call(self._stub.Restore, pb.RestoreRequest(
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Restore, pb.RestoreRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl))
+            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md))
         if resp is None or not s.ok:
             return RestoreResult(0, 0, s)
         return RestoreResult(min(resp.restored_blocks, len(keys)), resp.ticket, s)
@@ -447,15 +632,18 @@ class Client:
         s = _check_keys(keys)
         if not s.ok:
             raise HiqError(s)
-        resp, s = self._with_pool(handle, lambda pid, dl: self._call(
-            self._stub.Evict, pb.EvictRequest(pool_id=pid, keys=list(keys)), dl))
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Evict, pb.EvictRequest(pool_id=pid, keys=list(keys)), dl, md))
         if resp is None or not s.ok:
             raise HiqError(s)
         return resp.evicted
 
-    def get_stats(self) -> DaemonStats:
-        resp, s = self._call(self._stub.GetStats, pb.GetStatsRequest(),
-                             time.monotonic() + self.call_timeout)
+    def get_stats(self, *, namespaces_offset: int = 0, namespaces_limit: int = 0) -> DaemonStats:
+        """The daemon's figures, with one page of its namespaces: at most namespaces_limit
+        (0 = the daemon's default, 256) from namespaces_offset on, in namespace_id order.
+        Other callers' pools are listed with pool_id 0 (unless this process is an admin)."""
+        resp, s = self._call_anywhere(self._stub.GetStats, pb.GetStatsRequest(
+            namespaces_offset=namespaces_offset, namespaces_limit=namespaces_limit))
         if resp is None or not s.ok:
             raise HiqError(s)
         return DaemonStats(
@@ -472,13 +660,22 @@ class Client:
             pools=[PoolStats(
                 pool_id=p.pool_id, namespace_id=p.namespace_id, model=p.model, tenant=p.tenant,
                 device=DEVICE_FROM_PB.get(p.device, DeviceKind.HOST), client_pid=p.client_pid,
-                backups=p.backups, restores=p.restores, peer=p.peer) for p in resp.pools])
+                backups=p.backups, restores=p.restores, peer=p.peer, uid=p.uid,
+                owned=p.owned) for p in resp.pools],
+            namespaces_total=resp.namespaces_total, caller_uid=resp.caller_uid,
+            caller_admin=resp.caller_admin)
 
     def close(self) -> None:
-        """Closes the channel; pools stay registered until this process exits (the daemon
-        releases them by pid) unless released first."""
+        """Closes the channel and the session: the daemon releases the pools registered through
+        it (without a session they stay until this process exits, unless released first). The
+        engine may free its buffers once this returns only if it released its pools first
+        (ReleasePool returns after the pool's work has drained)."""
         if not self._closed:
             self._closed = True
+            with self._session_lock:
+                if self._session is not None:
+                    self._session.close()
+                    self._session = None
             self._channel.unsubscribe(self._on_state)
             self._channel.close()
 

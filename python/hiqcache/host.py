@@ -1,8 +1,15 @@
-"""HOST-backend helpers: POSIX shared memory an engine shares with hiqcached (DESIGN.md "HOST").
+"""HOST-backend helpers: shared memory an engine shares with hiqcached (DESIGN.md "HOST").
 
-  HostShm        a shm object, created (unlinked again by close()) or opened, mapped.
+  HostShm        shared memory, mapped: a memfd (HostShm.create_memfd, preferred: sealed against
+                 shrinking, no name, gone when its last fd and mapping are), a POSIX shm object
+                 created here (unlinked again by close()) or one opened by name.
   HostEventPool  event slots (slot i = little-endian uint64 at byte 64*i); the daemon stores
                  ticket T with release order when work T completes, T | 2^63 when it failed.
+
+hiqcache.Client hands the daemon these objects as file descriptors over its session
+(hiqcache.session): a memfd's own fd, or an fd it opens by name with this process's rights, so the
+daemon never opens a client's memory with its own. Names are still what other processes use to
+open an object (tests, tools) and what a client without a session sends.
 
 Linux names POSIX shm objects by files under /dev/shm, which is what shm_open(3) opens; this
 module uses those paths directly so that it needs no compiled code. Thread-safety: reads and
@@ -12,15 +19,20 @@ synchronise their own writes to KV data.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
 import re
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hiqcache.status import Status, StatusCode
+
+if TYPE_CHECKING:
+    from hiqcache.spec import EventPoolSpec, SharedBuffer
 
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 64
@@ -75,25 +87,45 @@ def reap_stale(tags: tuple[str, ...]) -> list[str]:
     return reaped
 
 
-class HostShm:
-    """A mapped POSIX shm object. `buf` is a writable memoryview of the whole object."""
+MEMFD_PREFIX = "memfd:"
 
-    def __init__(self, name: str, size: int, fd: int, owner: bool):
-        self.name = normalize_name(name)
+
+class HostShm:
+    """Mapped shared memory. `buf` is a writable memoryview of the whole object.
+
+    `fd` is the object's fd for as long as this handle is open when it keeps one (a memfd, whose
+    fd is the only way to name it; HostShm.from_fd), else -1 (a named object: hiqcache.Client
+    opens it by name). `name` is the shm name of a named object, "memfd:<tag>" for a memfd."""
+
+    def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False):
+        self.name = name if keep_fd else normalize_name(name)
         self.size = size
-        self.owner = owner  # created here: close() unlinks it
-        self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
+        self.owner = owner  # created here: close() unlinks a named object
+        try:
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        if keep_fd:
+            self.fd = fd
+        else:
+            os.close(fd)
+            self.fd = -1
         self.buf = memoryview(self._mmap)
+
+    @property
+    def is_memfd(self) -> bool:
+        return self.name.startswith(MEMFD_PREFIX)
 
     @classmethod
     def create(cls, name: str, size: int) -> "HostShm":
-        """A new zero-filled object of `size` bytes, mode 0600. FileExistsError if taken."""
+        """A new zero-filled named object of `size` bytes, mode 0600. FileExistsError if taken.
+        Prefer create_memfd unless another process must open the object by name."""
         if size <= 0:
             raise ValueError(f"size: must be > 0, got {size}")
         name = normalize_name(name)
         path = SHM_DIR + name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
         except BaseException:
@@ -103,22 +135,62 @@ class HostShm:
         return cls(name, size, fd, owner=True)
 
     @classmethod
+    def create_memfd(cls, tag: str, size: int) -> "HostShm":
+        """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
+        that no process can shrink it under the daemon's mapping. It has no name: nothing is
+        left behind when this process dies, and only processes given its fd can map it."""
+        if size <= 0:
+            raise ValueError(f"size: must be > 0, got {size}")
+        label = f"hiq-{tag}"
+        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True)
+
+    @classmethod
     def open(cls, name: str, min_size: int = 0) -> "HostShm":
         """Maps an existing object (its whole size); ValueError when smaller than min_size."""
         name = normalize_name(name)
-        fd = os.open(SHM_DIR + name, os.O_RDWR)
+        fd = os.open(SHM_DIR + name, os.O_RDWR | os.O_CLOEXEC)
         size = os.fstat(fd).st_size
         if size < max(min_size, 1):
             os.close(fd)
             raise ValueError(f"shm object {name} holds {size} bytes, need {min_size}")
         return cls(name, size, fd, owner=False)
 
+    @classmethod
+    def from_fd(cls, fd: int, min_size: int = 0, tag: str = "fd") -> "HostShm":
+        """Maps the object behind `fd` (a memfd or shm fd, open read-write; its whole size),
+        keeping a duplicate of the fd (the caller's stays the caller's). ValueError when smaller
+        than min_size."""
+        own = os.dup(fd)
+        os.set_inheritable(own, False)
+        size = os.fstat(own).st_size
+        if size < max(min_size, 1):
+            os.close(own)
+            raise ValueError(f"fd {fd} holds {size} bytes, need {min_size}")
+        return cls(MEMFD_PREFIX + tag, size, own, owner=False, keep_fd=True)
+
+    def shared_buffer(self) -> "SharedBuffer":
+        """This object as a registered buffer: by fd when this handle keeps one, else by name."""
+        from hiqcache.spec import SharedBuffer
+
+        if self.fd >= 0:
+            return SharedBuffer(size_bytes=self.size, host_fd=self.fd)
+        return SharedBuffer(size_bytes=self.size, host_shm_name=self.name)
+
     def array(self, dtype: "np.dtype | str" = np.uint8) -> np.ndarray:
         """The whole object as a flat numpy array (no copy)."""
         return np.frombuffer(self._mmap, dtype=dtype)
 
     def close(self) -> None:
-        """Unmaps; unlinks too when this handle created the object. Idempotent."""
+        """Unmaps and closes the fd it keeps; unlinks too when this handle created a named
+        object. Idempotent. A memfd's memory is freed once no fd or mapping is left (the
+        daemon's go with its registration)."""
         if self._mmap is None:
             return
         self.buf.release()
@@ -128,7 +200,13 @@ class HostShm:
             # numpy arrays or tensors still view the mapping: it stays until they are gone.
             pass
         self._mmap = None
-        if self.owner:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        if self.owner and not self.is_memfd:
             try:
                 os.unlink(SHM_DIR + self.name)
             except FileNotFoundError:
@@ -151,9 +229,13 @@ class HostEventPool:
 
     @classmethod
     def create(cls, count: int, name: str = "") -> "HostEventPool":
+        """`count` zeroed slots: in a memfd (HostShm.create_memfd) unless a shm `name` is given
+        (for another process that must open them by name)."""
         if count <= 0:
             raise ValueError(f"count: must be > 0, got {count}")
-        return cls(HostShm.create(name or unique_name("ev"), count * SLOT_BYTES), count)
+        if name:
+            return cls(HostShm.create(name, count * SLOT_BYTES), count)
+        return cls(HostShm.create_memfd("ev", count * SLOT_BYTES), count)
 
     @property
     def name(self) -> str:
@@ -162,6 +244,8 @@ class HostEventPool:
     def spec(self) -> "EventPoolSpec":
         from hiqcache.spec import EventPoolSpec
 
+        if self.shm.fd >= 0:
+            return EventPoolSpec(host_fd=self.shm.fd, count=self.count)
         return EventPoolSpec(host_shm_name=self.name, count=self.count)
 
     def read(self, slot: int) -> int:

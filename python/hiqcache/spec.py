@@ -127,13 +127,22 @@ class LayerView:
 
 @dataclass(frozen=True)
 class SharedBuffer:
-    """One registered memory object: a POSIX shm name (HOST) or a CUDA IPC handle (64 bytes)."""
+    """One registered memory object. HOST: a file descriptor this process holds (`host_fd`, e.g.
+    a memfd: preferred, see HostShm.shared_buffer) or a POSIX shm name; CUDA: an IPC handle
+    (64 bytes).
+
+    hiqcache.Client passes HOST objects to the daemon as fds over its session: `host_fd` as is
+    (borrowed: it must stay open while the pool may re-register, i.e. until release_pool), a
+    name by an fd it opens with this process's rights and closes after the call. Without a
+    session (a TCP target) it sends the name; a buffer with only an fd then cannot register."""
 
     size_bytes: int
     host_shm_name: str = ""
     cuda_ipc_handle: bytes = b""
+    host_fd: int = -1
 
     def to_proto(self) -> pb.SharedBuffer:
+        """The name form; the client replaces HOST handles by the fd ids of its session."""
         if self.cuda_ipc_handle:
             return pb.SharedBuffer(cuda_ipc_handle=self.cuda_ipc_handle, size_bytes=self.size_bytes)
         return pb.SharedBuffer(host_shm_name=self.host_shm_name, size_bytes=self.size_bytes)
@@ -141,9 +150,13 @@ class SharedBuffer:
 
 @dataclass(frozen=True)
 class EventPoolSpec:
+    """HOST: `count` 64-byte slots in an object named like SharedBuffer's (`host_fd` preferred,
+    or `host_shm_name`); CUDA: interprocess event handles."""
+
     host_shm_name: str = ""
     count: int = 0
     cuda_ipc_event_handles: tuple[bytes, ...] = ()
+    host_fd: int = -1
 
     def to_proto(self) -> pb.EventPool:
         return pb.EventPool(host_shm_name=self.host_shm_name, count=self.count,

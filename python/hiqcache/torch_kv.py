@@ -6,6 +6,8 @@
                                  packed pages, SGLang's [slots][heads][dim] with blocks = 1 ...)
   shm_tensor(shm, dtype, shape)  a tensor over a HostShm (HOST device: the daemon reads and
                                  writes the engine's KV in place)
+  memfd_tensor(dtype, shape)     a new sealed memfd (HostShm.create_memfd) and a tensor over it:
+                                 the preferred HOST buffer, registered by fd (shm.shared_buffer())
   cuda_export(t)                 CUDA device: the IPC handle of the allocation holding t (the
                                  base of PyTorch's caching-allocator segment), the byte offset of
                                  t's first element from that base, and the bytes from the base to
@@ -53,12 +55,30 @@ def paged_view(t: torch.Tensor, buffer: int, offset_bytes: int) -> TensorView:
 
 def shm_tensor(shm: HostShm, dtype: torch.dtype, shape: tuple[int, ...],
                offset_bytes: int = 0) -> torch.Tensor:
-    """A tensor viewing shm's bytes from offset_bytes on (no copy)."""
+    """A tensor viewing shm's bytes from offset_bytes on (no copy); shm may be a memfd or a
+    named object."""
     count = 1
     for n in shape:
         count *= n
     return torch.frombuffer(shm.buf, dtype=dtype, count=count,
                             offset=offset_bytes).view(shape)
+
+
+def memfd_tensor(dtype: torch.dtype, shape: tuple[int, ...], tag: str = "torch-kv"
+                 ) -> tuple[HostShm, torch.Tensor]:
+    """A zeroed tensor of `shape` in a new memfd sealed against shrinking (HostShm.create_memfd),
+    and that HostShm: register it as shm.shared_buffer() (by fd, over the client's session), keep
+    it open while the pool is registered, close it after release_pool."""
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    shm = HostShm.create_memfd(tag, max(nbytes, 1))
+    try:
+        return shm, shm_tensor(shm, dtype, shape)
+    except BaseException:
+        shm.close()
+        raise
 
 
 def cuda_export(t: torch.Tensor) -> tuple[bytes, int, int]:

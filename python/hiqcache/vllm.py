@@ -30,8 +30,9 @@ order of its own that depends on the ISA it picked ("vec": K as [head_dim][block
 TensorView can express. The connector therefore learns the order by running vLLM's own
 cpu_attn_reshape_and_cache on a probe tile at start-up, and converts through a staging area in
 shared memory that the daemon reads and writes ([layer][K|V][row][head][dim], one pool
-registration covering every layer): a layout it cannot map exactly fails start-up, it never
-backs up scrambled KV. Loads: start_load_kv sends one asynchronous Restore per request into the
+registration covering every layer; a memfd sealed against shrinking, passed to the daemon by
+fd over the client's session, or a named shm object for a daemon without sessions): a layout it
+cannot map exactly fails start-up, it never backs up scrambled KV. Loads: start_load_kv sends one asynchronous Restore per request into the
 load area, all signalling the same per-layer event slots; wait_for_layer_load(layer) waits for
 that layer only and scatters it into vLLM's blocks. Saves: wait_for_save (all layers written)
 gathers the step's newly computed full blocks into the save area and sends one asynchronous
@@ -57,7 +58,7 @@ from hiqcache.client import Client
 from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
 from hiqcache.keys import BlockKey, chain_block_key, root_block_key
 from hiqcache.spec import (Codec, DeviceKind, DType, Geometry, LayerView, NamespaceRef, PoolSpec,
-                           SharedBuffer, slot_major_bytes, slot_major_view)
+                           slot_major_bytes, slot_major_view)
 from hiqcache.status import HiqError
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ _TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 _SLOT_BACKUP_DONE = 0
 _SLOT_LAYER_BASE = 1  # + layer index
 _MAX_LOADS_PER_STEP = 64  # done slots for loads follow the layer slots
-_STAGING_TAG, _EVENTS_TAG = "vllm-kv", "vllm-ev"  # shm names: hiqcache.host.unique_name(tag)
+_STAGING_TAG, _EVENTS_TAG = "vllm-kv", "vllm-ev"  # memfd labels; shm names unique_name(tag)
 
 
 @dataclass(frozen=True)
@@ -562,26 +563,35 @@ class _Worker:
         self.save_rows = rows
         total = self.load_rows + self.save_rows
         plane_bytes = slot_major_bytes(g, total)
-        # Staging objects of engines that were killed before they could unlink them.
+        # Staging objects of engines (of older versions, or without a session) that were killed
+        # before they could unlink them.
         stale = reap_stale((_STAGING_TAG, _EVENTS_TAG))
         if stale:
             log.info("hiqcache: removed %d shm objects of dead engine processes", len(stale))
-        self.shm = HostShm.create(unique_name(_STAGING_TAG), g.num_layers * 2 * plane_bytes)
+        self.client = Client(self.opts.target, call_timeout=self.opts.timeout_ms / 1000)
+        # With a session the staging area and the event slots are memfds, passed to the daemon
+        # by fd and sealed against shrinking: nothing to leak in /dev/shm, nothing another
+        # process can open. A daemon without sessions (or one down at start-up) gets names.
+        by_fd = self.client.session() is not None
+        staging_bytes = g.num_layers * 2 * plane_bytes
+        n_events = _SLOT_LAYER_BASE + g.num_layers + _MAX_LOADS_PER_STEP
+        if by_fd:
+            self.shm = HostShm.create_memfd(_STAGING_TAG, staging_bytes)
+            self.events = HostEventPool.create(n_events)
+        else:
+            self.shm = HostShm.create(unique_name(_STAGING_TAG), staging_bytes)
+            self.events = HostEventPool.create(n_events, unique_name(_EVENTS_TAG))
         torch_dtype = first.dtype
         self.staging = torch.frombuffer(self.shm.buf, dtype=torch_dtype).view(
             g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
-        self.events = HostEventPool.create(_SLOT_LAYER_BASE + g.num_layers + _MAX_LOADS_PER_STEP,
-                                           unique_name(_EVENTS_TAG))
         views = tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
                                 v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
                       for l in range(g.num_layers))
         self.spec = PoolSpec(model=self.identity, tenant=self.opts.tenant, geometry=g,
                              block_tokens=self.bs, codec=self.opts.codec, device=DeviceKind.HOST,
-                             buffers=(SharedBuffer(size_bytes=self.shm.size,
-                                                   host_shm_name=self.shm.name),),
-                             layers=views, events=self.events.spec())
-        self.client = Client(self.opts.target, call_timeout=self.opts.timeout_ms / 1000)
-        atexit.register(self.shutdown)  # unlinks the staging objects if vLLM never calls shutdown
+                             buffers=(self.shm.shared_buffer(),), layers=views,
+                             events=self.events.spec())
+        atexit.register(self.shutdown)  # unlinks named staging objects if vLLM never calls shutdown
         try:
             self.pool = self.client.register_pool(self.spec, pending_if_unavailable=True)
         except HiqError as err:

@@ -1,0 +1,269 @@
+"""The session socket: how this process proves to hiqcached who it is and hands it memory by fd.
+
+Protocol (common/hiqcache/session_protocol.h, the contract): beside each unix gRPC socket PATH
+the daemon listens on PATH + ".session", an AF_UNIX SOCK_SEQPACKET socket. On accept it sends one
+packet "HIQ-SESSION 1 token=<32 hex> pid=<pid> uid=<uid> gid=<gid>" (the kernel's SO_PEERCRED of
+this connection). The client then sends "FDS" packets carrying 1..16 fds (SCM_RIGHTS), each
+answered "OK <id> ..." (one id per fd, in order) or "ERR <why>". Every gRPC call carries the token
+as metadata "hiq-session"; RegisterPool names passed fds by id (SharedBuffer.host_fd_id,
+EventPool.host_fd_id) and consumes them. The connection closing (close(), or this process exiting
+or dying) makes the daemon release every pool registered through it.
+
+The token is a bearer secret: never hand it to a process that is not trusted with this one's
+pools. The socket is close-on-exec, and a child made by fork() drops its inherited copy (it must
+open its own session: the daemon identified the parent, not it).
+
+Thread-safety: one Session may be shared by any number of threads; send_fds calls are
+serialised (each is one request and its answer).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import re
+import select
+import socket
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["METADATA_KEY", "MAX_FDS_PER_MESSAGE", "Greeting", "Session", "SessionError",
+           "session_path_for_target"]
+
+SOCKET_SUFFIX = ".session"
+METADATA_KEY = "hiq-session"
+GREETING_PREFIX = "HIQ-SESSION 1 "
+MAX_FDS_PER_MESSAGE = 16
+MAX_MESSAGE_BYTES = 4096
+
+_GREETING = re.compile(r"^token=([0-9a-f]{32}) pid=(\d+) uid=(\d+) gid=(\d+)$")
+
+
+class SessionError(OSError):
+    """The session could not be opened, or the daemon refused or did not answer a message."""
+
+
+def session_path_for_target(target: str) -> str:
+    """The session socket of a gRPC target "unix:PATH", "unix://PATH" or "unix:///abs/path";
+    "" for any other target (TCP has no session: its callers are anonymous). The same rule as
+    SessionSocketPathForTarget in session_protocol.h."""
+    if target.startswith("unix://"):
+        path = target[len("unix://"):]
+    elif target.startswith("unix:"):
+        path = target[len("unix:"):]
+    else:
+        return ""
+    return path + SOCKET_SUFFIX if path else ""
+
+
+@dataclass(frozen=True)
+class Greeting:
+    """The daemon's first packet: the session's token and the kernel's view of this process."""
+
+    token: str
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def parse(cls, packet: bytes) -> "Greeting":
+        """SessionError when the packet is not a version-1 greeting."""
+        try:
+            text = packet.decode("ascii")
+        except UnicodeDecodeError:
+            text = ""
+        m = _GREETING.match(text[len(GREETING_PREFIX):]) if text.startswith(GREETING_PREFIX) \
+            else None
+        if m is None:
+            raise SessionError(f"not a hiqcached session greeting: {packet[:80]!r}")
+        return cls(token=m.group(1), pid=int(m.group(2)), uid=int(m.group(3)),
+                   gid=int(m.group(4)))
+
+
+# Sessions open in this process, so that a forked child drops its copies (see the module doc).
+_open_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for s in list(_open_sessions):
+        s._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Session:
+    """One open session with hiqcached (see the module docstring)."""
+
+    def __init__(self, path: str, *, timeout: float = 2.0):
+        """Connects to the session socket at `path` and reads the greeting, each within
+        `timeout` seconds. SessionError (an OSError) when that fails."""
+        if timeout <= 0:
+            raise ValueError("timeout: must be > 0")
+        self.path = path
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            packet = sock.recv(MAX_MESSAGE_BYTES)
+            if not packet:
+                raise SessionError(f"hiqcached session {path}: closed before its greeting")
+            self.greeting = Greeting.parse(packet)
+        except socket.timeout as err:
+            sock.close()
+            raise SessionError(f"hiqcached session {path}: no greeting within {timeout} s") \
+                from err
+        except SessionError:
+            sock.close()
+            raise
+        except OSError as err:
+            sock.close()
+            raise SessionError(err.errno, f"hiqcached session {path}: {err.strerror or err}") \
+                from err
+        self._sock: socket.socket | None = sock
+        _open_sessions.add(self)
+
+    @classmethod
+    def for_target(cls, target: str, *, timeout: float = 2.0) -> "Session | None":
+        """A session with the daemon at gRPC target `target`; None for a target that has no
+        session socket (not unix). SessionError when a unix target's session cannot be opened."""
+        path = session_path_for_target(target)
+        return cls(path, timeout=timeout) if path else None
+
+    @property
+    def token(self) -> str:
+        return self.greeting.token
+
+    @property
+    def pid(self) -> int:
+        return self.greeting.pid
+
+    @property
+    def uid(self) -> int:
+        return self.greeting.uid
+
+    @property
+    def gid(self) -> int:
+        return self.greeting.gid
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The gRPC metadata that names this session on a call."""
+        return ((METADATA_KEY, self.greeting.token),)
+
+    def send_fds(self, fds: Sequence[int], timeout: float | None = None) -> list[int]:
+        """Passes `fds` to the daemon (it gets its own copies; the caller keeps and closes its
+        fds) and returns the daemon's id for each, in order. At most MAX_FDS_PER_MESSAGE per
+        packet, so several packets for more; `timeout` (default: the session's) bounds each
+        answer. SessionError when the daemon refuses ("ERR ..."), answers garbage or does not
+        answer; then fds of earlier packets stay held by the daemon until the session ends, and a
+        session that did not answer is closed (its packets can no longer be paired)."""
+        ids: list[int] = []
+        if not fds:
+            return ids
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise SessionError(f"hiqcached session {self.path}: closed")
+            sock.settimeout(timeout if timeout is not None else self.timeout)
+            for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+                chunk = [int(fd) for fd in fds[start:start + MAX_FDS_PER_MESSAGE]]
+                try:
+                    socket.send_fds(sock, [b"FDS"], chunk)
+                    answer = sock.recv(MAX_MESSAGE_BYTES)
+                except OSError as err:
+                    self._close_locked()
+                    raise SessionError(f"hiqcached session {self.path}: passing fds failed: "
+                                       f"{err}") from err
+                if not answer:
+                    self._close_locked()
+                    raise SessionError(f"hiqcached session {self.path}: closed by the daemon")
+                text = answer.decode("ascii", "replace")
+                if text.startswith("ERR"):
+                    raise SessionError(f"hiqcached session {self.path}: daemon refused "
+                                       f"{len(chunk)} fds: {text[3:].strip()[:200]}")
+                parts = text.split(" ")
+                if parts[0] != "OK" or len(parts) != len(chunk) + 1 or \
+                        not all(p.isdigit() for p in parts[1:]):
+                    self._close_locked()
+                    raise SessionError(f"hiqcached session {self.path}: unexpected answer "
+                                       f"{text[:80]!r} to {len(chunk)} fds")
+                ids.extend(int(p) for p in parts[1:])
+        return ids
+
+    def alive(self) -> bool:
+        """Whether the daemon still holds the session: false once closed here, or when the
+        daemon closed it (it exited or restarted: every pool registered through it is gone).
+        Non-blocking."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return False
+            try:
+                p = select.poll()
+                p.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+                events = p.poll(0)
+                if not events:
+                    return True
+                ev = events[0][1]
+                if ev & (select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL):
+                    return False
+                # Readable: the daemon sends nothing unasked, so this is the end of the stream.
+                data = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return bool(data)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+
+    def close(self) -> None:
+        """Closes the session: the daemon releases every pool registered through it and closes
+        the fds it still holds. Idempotent."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+                _open_sessions.discard(self)
+
+    def _forget_after_fork(self) -> None:
+        # In a forked child: drop the inherited fd without shutting the connection down (the
+        # parent still uses it). The lock may have been held by a thread of the parent.
+        self._lock = threading.Lock()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def fileno(self) -> int:
+        """The socket's fd, -1 once closed (for poll loops and tests)."""
+        sock = self._sock
+        return sock.fileno() if sock is not None else -1
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        g = self.greeting
+        return (f"Session({self.path!r}, pid={g.pid}, uid={g.uid}, gid={g.gid}, "
+                f"{'open' if self._sock is not None else 'closed'})")
