@@ -978,10 +978,15 @@ class PoisonedPoolTest : public ::testing::Test {
     return *reinterpret_cast<BlockHeader*>(pool_.data() + Dir(ext).offset + kExtentHeaderBytes +
                                            uint64_t{slot} * SlotBytesFor(payload_));
   }
-  // Reattaches (the store replaces store_) and adopts both namespaces.
+  // Reattaches (the store replaces store_, verifying every read) and adopts both namespaces.
   void Reattach() {
     store_.reset();
-    store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), true, 2, &report_, kGranule);
+    StoreOptions o;
+    o.reattach = true;
+    o.rebuild_threads = 2;
+    o.granule = kGranule;
+    o.verify_reads_one_in = 1;
+    store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), o, &report_);
     ASSERT_TRUE(report_.reattached) << report_.reason;
     store_->AddNamespace(*a_);
     store_->AddNamespace(*b_);
@@ -1259,6 +1264,7 @@ TEST_F(PoisonedPoolTest, PinReadsStopsBeforeACorruptBlock) {
 // unchecked, so does one read in three (it hashes the third block read); one read in two
 // catches it on the second block read.
 TEST_F(PoisonedPoolTest, ReadVerificationCanBeSampledOrTurnedOff) {
+  EXPECT_EQ(StoreOptions().verify_reads_one_in, 32u);  // the default (see StoreOptions)
   std::vector<BlockKey> keys;
   for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(KeyOf(i));
   uint8_t* payload1 = reinterpret_cast<uint8_t*>(&Blk(0, 1)) + kBlockHeaderBytes;
