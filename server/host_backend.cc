@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <string>
 
 #include <xxhash.h>
 
@@ -18,36 +20,98 @@
 
 namespace hiqcache::server {
 
-StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, uint64_t bytes,
-                                                       const std::string& field) {
-  std::string path = name.empty() || name[0] != '/' ? "/" + name : name;
-  int fd = ::shm_open(path.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    return InvalidArgument(field + ": cannot open shared memory '" + path +
-                           "': " + std::strerror(errno));
-  }
+namespace {
+
+std::string Errno(int err) { return std::strerror(err); }
+
+// The checks shared by names and fds, on the open `fd` of `what` ("shared memory '/x'", "the
+// fd"). Owner: names of authenticated callers only (an fd is proof of access in itself).
+Status CheckObject(int fd, uint64_t bytes, const std::string& field, const std::string& what,
+                   const ClientObjectRules& rules, bool check_owner) {
   struct stat st;
   if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return InvalidArgument(field + ": cannot stat '" + path + "': " + std::strerror(err));
+    return InvalidArgument(field + ": cannot stat " + what + ": " + Errno(errno));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgument(field + ": " + what +
+                           " is not a shared-memory object (a memfd or a file in /dev/shm)");
+  }
+  if (rules.has_pool_object && st.st_dev == rules.pool_dev && st.st_ino == rules.pool_ino) {
+    return PermissionDenied(field + ": " + what + " is hiqcached's own pool, not client memory");
+  }
+  if (check_owner && rules.caller != nullptr && rules.caller->authenticated() &&
+      st.st_uid != rules.caller->uid) {
+    return PermissionDenied(field + ": " + what + " belongs to uid " + std::to_string(st.st_uid) +
+                            ", not to the caller (uid " + std::to_string(rules.caller->uid) +
+                            "): pass its fd over the session instead");
   }
   if (static_cast<uint64_t>(st.st_size) < bytes) {
-    ::close(fd);
-    return InvalidArgument(field + ": shared memory '" + path + "' holds " +
-                           std::to_string(st.st_size) + " bytes, " + std::to_string(bytes) +
-                           " registered");
+    return InvalidArgument(field + ": " + what + " holds " + std::to_string(st.st_size) +
+                           " bytes, " + std::to_string(bytes) + " registered");
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int err = errno;
+  return Status::Ok();
+}
+
+bool SealedAgainstShrinking(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, uint64_t bytes,
+                                                       const std::string& field,
+                                                       const ClientObjectRules& rules) {
+  std::string path = name.empty() || name[0] != '/' ? "/" + name : name;
+  const std::string what = "shared memory '" + path + "'";
+  int fd = ::shm_open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return InvalidArgument(field + ": cannot open " + what + ": " + Errno(errno));
+  }
+  Status st = CheckObject(fd, bytes, field, what, rules, /*check_owner=*/true);
+  StatusOr<std::unique_ptr<ShmMapping>> out =
+      st.ok() ? Map(fd, bytes, field, what, SealedAgainstShrinking(fd))
+              : StatusOr<std::unique_ptr<ShmMapping>>(st);
   ::close(fd);
-  if (p == MAP_FAILED) {
-    return InvalidArgument(field + ": cannot map '" + path + "': " + std::strerror(err));
+  return out;
+}
+
+StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::FromFd(int fd, uint64_t bytes,
+                                                         const std::string& field,
+                                                         const ClientObjectRules& rules) {
+  const std::string what = "the fd";
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0) {
+    return InvalidArgument(field + ": " + what + " is not open: " + Errno(errno));
   }
-  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes));
+  if ((flags & O_ACCMODE) != O_RDWR) {
+    return PermissionDenied(field + ": " + what +
+                            " is not open for reading and writing (O_RDWR): the daemon writes "
+                            "restored KV and event slots into it");
+  }
+  HIQ_RETURN_IF_ERROR(CheckObject(fd, bytes, field, what, rules, /*check_owner=*/false));
+  return Map(fd, bytes, field, what, SealedAgainstShrinking(fd));
+}
+
+StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
+                                                      const std::string& field,
+                                                      const std::string& what, bool sealed) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
+  }
+  // Registered before anything reads it (TicketFloor reads event slots at once).
+  auto guard = GuardedRange::Register(p, bytes);
+  if (!guard.ok()) {
+    ::munmap(p, bytes);
+    return Status(guard.status().code(), field + ": " + guard.status().message());
+  }
+  return std::unique_ptr<ShmMapping>(
+      new ShmMapping(static_cast<uint8_t*>(p), bytes, sealed, std::move(guard).value()));
 }
 
 ShmMapping::~ShmMapping() {
+  guard_.Reset();  // before the range can be reused by another mapping
   if (data_ != nullptr && ::munmap(data_, size_) != 0) {
     HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
   }
@@ -57,6 +121,7 @@ namespace {
 
 class HostBinding : public PoolBinding {
  public:
+  // `names[i]` names buffers[i] in errors ("buffers[3]").
   HostBinding(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout,
               kernels::BlockLayout layout, std::vector<std::unique_ptr<ShmMapping>> buffers,
               std::unique_ptr<ShmMapping> events, uint32_t event_count,
@@ -68,23 +133,16 @@ class HostBinding : public PoolBinding {
         events_(std::move(events)),
         event_count_(event_count),
         views_(std::move(views)),
-        num_rows_(num_rows) {}
+        num_rows_(num_rows) {
+    AdoptEventSlots();
+  }
 
   uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
-
-  uint64_t TicketFloor() const override {
-    uint64_t floor = 0;
-    for (uint32_t i = 0; i < event_count_; ++i) {
-      floor = std::max(floor, std::atomic_ref<uint64_t>(*Slot(static_cast<int32_t>(i)))
-                                      .load(std::memory_order_acquire) &
-                                  ~kHostEventFailedBit);
-    }
-    return floor;
-  }
+  uint64_t TicketFloor() const override { return ticket_floor_; }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
-    Status wait = Waited(task->wait_event, task->wait_value, &task->first_try);
+    Status wait = Settle(task->wait_event, task->wait_value, &task->first_try);
     if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
     Status st = RunBackup(*task, wait);
     task->on_complete(st);
@@ -92,7 +150,7 @@ class HostBinding : public PoolBinding {
   }
 
   StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
-    Status wait = Waited(task->wait_event, task->wait_value, &task->first_try);
+    Status wait = Settle(task->wait_event, task->wait_value, &task->first_try);
     if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
     Status st = RunRestore(*task, wait);
     task->on_complete(st);
@@ -108,12 +166,17 @@ class HostBinding : public PoolBinding {
   }
 
  private:
-  // Where the wait of a task stands, without blocking (CheckWait); stamps its first try.
-  Status Waited(int32_t event, uint64_t value, std::chrono::steady_clock::time_point* first_try) {
+  // Where a task stands before it runs, without blocking: the pool's failure if its memory
+  // broke (now or before), else the state of its wait (CheckWait; stamps its first try).
+  Status Settle(int32_t event, uint64_t value, std::chrono::steady_clock::time_point* first_try) {
+    HIQ_RETURN_IF_ERROR(CheckMemory());
     if (*first_try == std::chrono::steady_clock::time_point{}) {
       *first_try = std::chrono::steady_clock::now();
     }
-    return CheckWait(event, value, *first_try);
+    Status wait = CheckWait(event, value, *first_try);
+    // Reading the wait slot may have found the event object truncated.
+    HIQ_RETURN_IF_ERROR(CheckMemory());
+    return wait;
   }
 
   // REQUIRES: the wait settled (`wait` is not UNAVAILABLE).
@@ -128,6 +191,8 @@ class HostBinding : public PoolBinding {
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
       job.nonfinite = nonfinite.data();
       codec_->Encode(job);
+      // Zeros read from a truncated buffer are no KV: nothing of this task is committed.
+      st = CheckMemory();
     }
     if (st.ok() && !task.payloads.empty()) {
       // Block checksums for the pool headers, on the codec's threads.
@@ -139,10 +204,13 @@ class HostBinding : public PoolBinding {
     }
     task.on_written(nonfinite, st);
     SignalValue(task.done_event, task.ticket, !st.ok());
-    return st;
+    // The blocks are committed (their bytes were read in full), but the engine cannot learn it.
+    Status signalled = CheckMemory();
+    return st.ok() ? signalled : st;
   }
 
   Status RunRestore(RestoreTask& task, Status st) {
+    uint32_t signalled = 0;  // leading layers whose events got the ticket without the failure bit
     if (st.ok()) {
       kernels::DecodeJob job;
       job.layout = layout_;
@@ -152,19 +220,25 @@ class HostBinding : public PoolBinding {
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
       for (uint32_t l = 0; l < layout_.num_layers; ++l) {
         codec_->DecodeLayer(job, l);
+        // A truncated buffer took this layer's writes: neither it nor the next are restored.
+        st = CheckMemory();
+        if (!st.ok()) break;
         if (task.layer_event_base >= 0) {
           Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
         }
+        signalled = l + 1;
       }
-    } else if (task.layer_event_base >= 0) {
-      // Nothing was written: release the waiters (an engine never stalls on us), but with the
-      // failure bit, so that they do not take the rows for restored KV.
-      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+    }
+    if (!st.ok() && task.layer_event_base >= 0) {
+      // Nothing (more) was written: release the waiters (an engine never stalls on us), but with
+      // the failure bit, so that they do not take the rows for restored KV.
+      for (uint32_t l = signalled; l < layout_.num_layers; ++l) {
         SignalValue(task.layer_event_base + static_cast<int32_t>(l), task.ticket, true);
       }
     }
     SignalValue(task.done_event, task.ticket, !st.ok());
-    return st;
+    Status done = CheckMemory();
+    return st.ok() ? done : st;
   }
 
   void Signal(int32_t event, uint64_t ticket) { SignalValue(event, ticket, false); }
@@ -185,6 +259,33 @@ class HostBinding : public PoolBinding {
   // REQUIRES: event < event_count_ (the mapping is open).
   uint64_t* Slot(int32_t event) const {
     return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
+  }
+
+  // The registration's view of the slots (see host_backend.h): resets slots that hold a ticket
+  // at or above kHostTicketLimit, and takes the largest other ticket as the floor. Slots are
+  // the client's, so this is a best effort against what it holds now; a client that writes such
+  // values into its slots later only confuses its own waits.
+  void AdoptEventSlots() {
+    uint64_t floor = 0;
+    for (uint32_t i = 0; i < event_count_; ++i) {
+      std::atomic_ref<uint64_t> slot(*Slot(static_cast<int32_t>(i)));
+      uint64_t v = slot.load(std::memory_order_acquire);
+      while ((v & ~kHostEventFailedBit) >= kHostTicketLimit &&
+             !slot.compare_exchange_weak(v, 0, std::memory_order_release,
+                                         std::memory_order_acquire)) {
+      }
+      if ((v & ~kHostEventFailedBit) >= kHostTicketLimit) {
+        ++reset_slots_;
+        continue;
+      }
+      floor = std::max(floor, v & ~kHostEventFailedBit);
+    }
+    ticket_floor_ = floor;
+    if (reset_slots_ > 0) {
+      HIQ_LOG(INFO) << "event=host_event_slots_reset slots=" << reset_slots_
+                    << " (their ticket was at or above 2^62: tickets start above " << floor
+                    << ")";
+    }
   }
 
   // The state of a wait without blocking: OK once the slot holds >= value; CANCELLED once the
@@ -210,6 +311,41 @@ class HostBinding : public PoolBinding {
     return Unavailable("waiting");
   }
 
+  // OK unless a mapping of this pool broke (a SIGBUS guarded by ClientMemoryGuard), now or
+  // before: the binding is then failed for good, and this returns its FAILED_PRECONDITION. Cheap
+  // while no client mapping of the whole daemon broke since the last look (one atomic load).
+  // Called by the task on the worker (Start* are serialized).
+  Status CheckMemory() {
+    if (failed_.load(std::memory_order_acquire)) return Failure();
+    const uint64_t faults = ClientMemoryGuard::RecoveredFaults();
+    if (faults == checked_faults_) return Status::Ok();
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      if (buffers_[i]->broken()) return Fail("buffers[" + std::to_string(i) + "]");
+    }
+    if (events_ != nullptr && events_->broken()) return Fail("events");
+    checked_faults_ = faults;
+    return Status::Ok();
+  }
+
+  Status Fail(const std::string& field) {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (!failed_.load(std::memory_order_relaxed)) {
+      failure_ = FailedPrecondition(
+          field +
+          ": the client's shared memory shrank under the daemon (truncated after "
+          "RegisterPool); this pool's memory is gone: release it and register again");
+      failed_.store(true, std::memory_order_release);
+      HIQ_LOG(WARN) << "event=host_pool_failed error=\"" << failure_.message() << "\"";
+    }
+    return failure_;
+  }
+
+  Status Failure() const {
+    if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    return failure_;
+  }
+
   kernels::CpuCodec* codec_;
   std::chrono::milliseconds wait_timeout_;
   kernels::BlockLayout layout_;
@@ -218,35 +354,97 @@ class HostBinding : public PoolBinding {
   uint32_t event_count_;
   std::vector<kernels::LayerViews> views_;
   uint32_t num_rows_;
+  uint64_t ticket_floor_ = 0;
+  uint32_t reset_slots_ = 0;
   std::atomic<bool> cancelled_{false};
+  uint64_t checked_faults_ = 0;  // RecoveredFaults() when CheckMemory last found nothing broken
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mu_;
+  Status failure_;  // GUARDED_BY(failure_mu_)
 };
 
 }  // namespace
 
 HostBackend::HostBackend(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout)
-    : codec_(codec), wait_timeout_(wait_timeout) {}
+    : codec_(codec), wait_timeout_(wait_timeout) {
+  Status guard = ClientMemoryGuard::Install();
+  if (!guard.ok()) {
+    HIQ_LOG(ERROR) << "event=sigbus_guard_missing error=\"" << guard.message() << "\"";
+  }
+}
+
+void HostBackend::SetPoolObject(dev_t dev, ino_t ino) {
+  pool_dev_.store(dev);
+  pool_ino_.store(ino);
+  has_pool_object_.store(true, std::memory_order_release);
+}
+
+Status HostBackend::SetPoolObject(const std::string& shm_name) {
+  const std::string path = shm_name.empty() || shm_name[0] != '/' ? "/" + shm_name : shm_name;
+  int fd = ::shm_open(path.c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return FailedPrecondition("shm_name: cannot open the pool '" + path + "': " + Errno(errno));
+  }
+  struct stat st;
+  const int rc = ::fstat(fd, &st);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) {
+    return FailedPrecondition("shm_name: cannot stat the pool '" + path + "': " + Errno(err));
+  }
+  SetPoolObject(st.st_dev, st.st_ino);
+  return Status::Ok();
+}
 
 StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spec,
                                                          const kernels::BlockLayout& layout) {
+  ClientObjectRules rules;
+  rules.caller = &spec.caller;
+  if (has_pool_object_.load(std::memory_order_acquire)) {
+    rules.has_pool_object = true;
+    rules.pool_dev = static_cast<dev_t>(pool_dev_.load());
+    rules.pool_ino = static_cast<ino_t>(pool_ino_.load());
+  }
   std::vector<std::unique_ptr<ShmMapping>> buffers;
   std::vector<uint8_t*> bases;
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
     const BufferSpec& b = spec.buffers[i];
-    if (!b.has_host_shm_name) {
-      return InvalidArgument("buffers[" + std::to_string(i) +
-                             "]: a HOST pool needs host_shm_name, not cuda_ipc_handle");
+    const std::string f = "buffers[" + std::to_string(i) + "]";
+    std::unique_ptr<ShmMapping> m;
+    if (b.has_host_fd) {
+      if (b.fd < 0) {
+        return InvalidArgument(f + ".host_fd_id: " + std::to_string(b.host_fd_id) +
+                               " names no fd passed on this caller's session");
+      }
+      HIQ_ASSIGN_OR_RETURN(m, ShmMapping::FromFd(b.fd, b.size_bytes, f + ".host_fd_id", rules));
+    } else if (b.has_host_shm_name) {
+      HIQ_ASSIGN_OR_RETURN(
+          m, ShmMapping::Open(b.host_shm_name, b.size_bytes, f + ".host_shm_name", rules));
+    } else {
+      return InvalidArgument(f + ": a HOST pool needs host_fd_id or host_shm_name, not "
+                                 "cuda_ipc_handle");
     }
-    HIQ_ASSIGN_OR_RETURN(
-        auto m, ShmMapping::Open(b.host_shm_name, b.size_bytes,
-                                 "buffers[" + std::to_string(i) + "].host_shm_name"));
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
   }
   std::unique_ptr<ShmMapping> events;
   if (spec.events.count > 0) {
-    HIQ_ASSIGN_OR_RETURN(events, ShmMapping::Open(spec.events.host_shm_name,
-                                                  64ull * spec.events.count,
-                                                  "events.host_shm_name"));
+    const uint64_t bytes = 64ull * spec.events.count;
+    if (spec.events.host_fd_id != 0) {
+      if (spec.events.fd < 0) {
+        return InvalidArgument("events.host_fd_id: " + std::to_string(spec.events.host_fd_id) +
+                               " names no fd passed on this caller's session");
+      }
+      HIQ_ASSIGN_OR_RETURN(events,
+                           ShmMapping::FromFd(spec.events.fd, bytes, "events.host_fd_id", rules));
+    } else {
+      HIQ_ASSIGN_OR_RETURN(events, ShmMapping::Open(spec.events.host_shm_name, bytes,
+                                                    "events.host_shm_name", rules));
+    }
+  }
+  if (!ClientMemoryGuard::Installed()) {
+    HIQ_LOG(WARN) << "event=host_bind_unguarded (no SIGBUS guard: a client that truncates its "
+                     "shared memory can kill hiqcached)";
   }
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   uint32_t rows = MinRows(spec);

@@ -1,13 +1,43 @@
-// HostBackend: the HOST device kind. An engine's "device" KV buffers are POSIX shared-memory
-// objects mapped into the daemon, its events are 64-bit counters in another shm object (slot i at
-// byte 64*i; the daemon stores ticket T there with release order when work T completes), and the
+// HostBackend: the HOST device kind. An engine's "device" KV buffers are shared-memory objects
+// mapped into the daemon (memfds or shm objects whose fds the engine passed over its session,
+// or POSIX shm names), its events are 64-bit counters in another such object (slot i at byte
+// 64*i; the daemon stores ticket T there with release order when work T completes), and the
 // codec runs on the SIMD CPU executor. Serves CPU-only inference and lets CI run every part of the
 // daemon but the CUDA kernels. Thread-safe as DeviceBackend says.
+//
+// Client memory is the client's: it may shrink it under the daemon (ftruncate after
+// RegisterPool). Every mapping is registered with the SIGBUS guard (client_memory_guard.h), so
+// an access to a lost page reads or writes private zero pages instead of killing the daemon; the
+// task that touched it fails (a backup commits nothing, a restore reports an error, its events
+// get the failure bit), and the pool's binding is failed for good: every later task of the pool
+// fails with FAILED_PRECONDITION naming the buffer ("buffers[0]: the client's shared memory
+// shrank under the daemon ..."). Other pools are not affected.
+//
+// Which objects are accepted (Bind):
+//   - an fd (BufferSpec.has_host_fd, EventsSpec.host_fd_id != 0): open O_RDWR, a regular file
+//     (a memfd or a shm object), at least as large as registered. The fd is borrowed: it is
+//     mapped, never closed (the mapping keeps the object alive). Whether it is sealed against
+//     shrinking (F_SEAL_SHRINK) is recorded; sealed or not, the guard covers it.
+//   - a name (host_shm_name): opened O_RDWR | O_NOFOLLOW | O_CLOEXEC with the daemon's rights,
+//     a regular file, and, for an authenticated caller, owned by the caller's uid.
+//   - never the daemon's own pool object (SetPoolObject): same device and inode, by name or fd.
+//
+// Event slots and tickets: tickets of a pool start above the largest ticket already in its
+// event slots (TicketFloor), so that a client re-registering slots from an earlier daemon never
+// sees a slot already past a new ticket. A slot whose ticket part (bits 0..62) is at or above
+// kHostTicketLimit (2^62) cannot be continued from: no daemon issues such tickets (one per
+// request, from 1), and continuing would run tickets into the failure bit (bit 63). Bind resets
+// such slots to 0 and ignores them, so tickets stay far below bit 63 whatever the slots held.
 #pragma once
 
+#include <sys/types.h>
+
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <string>
 
+#include "client_memory_guard.h"
 #include "codec_cpu.h"
 #include "device_backend.h"
 
@@ -16,36 +46,75 @@ namespace hiqcache::server {
 // Bit 63 of a HOST event slot: the work of the ticket in bits 0..62 failed and wrote nothing
 // (e.g. its wait_event never came). Waiters are released, but must not use the rows.
 constexpr uint64_t kHostEventFailedBit = 1ull << 63;
+// Event slot values whose ticket part reaches this are reset at registration (see above).
+constexpr uint64_t kHostTicketLimit = 1ull << 62;
 
 class HostBackend : public DeviceBackend {
  public:
-  // `codec` must outlive the backend and every binding it returns.
+  // `codec` must outlive the backend and every binding it returns. Installs the SIGBUS guard
+  // (ClientMemoryGuard::Install; once per process).
   HostBackend(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout);
   const char* name() const override { return "host"; }
   StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
                                               const kernels::BlockLayout& layout) override;
 
+  // The daemon's own pool object: a buffer or event object with this device and inode is
+  // refused (PERMISSION_DENIED naming the field). Call before serving; any thread.
+  void SetPoolObject(dev_t dev, ino_t ino);
+  // The same, for the pool's POSIX shm name (opened read-only and fstat'ed here).
+  Status SetPoolObject(const std::string& shm_name);
+
  private:
   kernels::CpuCodec* codec_;
   std::chrono::milliseconds wait_timeout_;
+  std::atomic<bool> has_pool_object_{false};
+  std::atomic<uint64_t> pool_dev_{0};
+  std::atomic<uint64_t> pool_ino_{0};
 };
 
-// Opens the POSIX shm object `name` ("/" optional) read-write and maps its first `bytes` bytes.
-// `field` names the request field in error messages.
+// What a client's object must be to be mapped (ShmMapping). Value type.
+struct ClientObjectRules {
+  // Names only: when authenticated, the object's owner must be caller->uid. May be null.
+  const Caller* caller = nullptr;
+  // The daemon's own pool object, refused.
+  bool has_pool_object = false;
+  dev_t pool_dev = 0;
+  ino_t pool_ino = 0;
+};
+
+// A client's shared-memory object mapped read-write (its first `bytes` bytes) and registered
+// with the SIGBUS guard. `field` names the request field in error messages. Move-only RAII: the
+// guard registration ends before the munmap.
 class ShmMapping {
  public:
+  // Opens the POSIX shm object `name` ("/" optional) read-write, without following symlinks.
   static StatusOr<std::unique_ptr<ShmMapping>> Open(const std::string& name, uint64_t bytes,
-                                                    const std::string& field);
+                                                    const std::string& field,
+                                                    const ClientObjectRules& rules = {});
+  // Maps the borrowed `fd` (never closed here). REQUIRES: fd >= 0.
+  static StatusOr<std::unique_ptr<ShmMapping>> FromFd(int fd, uint64_t bytes,
+                                                      const std::string& field,
+                                                      const ClientObjectRules& rules = {});
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // Sealed against shrinking (F_SEAL_SHRINK) when mapped: it cannot be truncated.
+  bool sealed() const { return sealed_; }
+  // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
+  bool broken() const { return guard_.broken(); }
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  ShmMapping(uint8_t* data, uint64_t size, bool sealed, GuardedRange guard)
+      : data_(data), size_(size), sealed_(sealed), guard_(std::move(guard)) {}
+  static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes,
+                                                   const std::string& field,
+                                                   const std::string& what, bool sealed);
   uint8_t* data_;
   uint64_t size_;
+  bool sealed_;
+  GuardedRange guard_;
 };
 
 }  // namespace hiqcache::server
