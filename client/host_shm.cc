@@ -122,11 +122,34 @@ StatusOr<HostShm> HostShm::Open(std::string_view name, size_t min_size) {
   return shm;
 }
 
+StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size) {
+  if (size == 0) return InvalidArgument("HostShm::CreateMemfd: size must be > 0");
+  HostShm shm;
+  shm.name_ = std::string(kMemfdPrefix) + std::string(tag);
+  const std::string label = "hiq-" + std::string(tag);
+  const int fd = ::memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Internal("memfd_create(" + label + "): " + ErrnoText(errno));
+  shm.fd_ = fd;  // from here on, Reset() closes it
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    return ResourceExhausted("ftruncate(" + shm.name_ + ", " + std::to_string(size) +
+                             "): " + ErrnoText(errno));
+  }
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    return Internal("fcntl(" + shm.name_ + ", F_ADD_SEALS, F_SEAL_SHRINK): " + ErrnoText(errno));
+  }
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) return Internal("mmap(" + shm.name_ + "): " + ErrnoText(errno));
+  shm.data_ = data;
+  shm.size_ = size;
+  return shm;
+}
+
 HostShm::HostShm(HostShm&& other) noexcept
     : name_(std::move(other.name_)),
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
-      owner_(std::exchange(other.owner_, false)) {}
+      owner_(std::exchange(other.owner_, false)),
+      fd_(std::exchange(other.fd_, -1)) {}
 
 HostShm& HostShm::operator=(HostShm&& other) noexcept {
   if (this != &other) {
@@ -135,6 +158,7 @@ HostShm& HostShm::operator=(HostShm&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     owner_ = std::exchange(other.owner_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -144,9 +168,11 @@ HostShm::~HostShm() { Reset(); }
 void HostShm::Reset() {
   if (data_ != nullptr) ::munmap(data_, size_);
   if (owner_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  if (fd_ >= 0) ::close(fd_);
   data_ = nullptr;
   size_ = 0;
   owner_ = false;
+  fd_ = -1;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -190,7 +216,13 @@ Status WaitForTicket(const uint64_t* slot, uint64_t ticket, std::chrono::nanosec
 StatusOr<HostEventPool> HostEventPool::Create(uint32_t count, std::string_view name) {
   if (count == 0) return InvalidArgument("HostEventPool: count must be > 0");
   const std::string shm_name = name.empty() ? HostShm::UniqueName("ev") : std::string(name);
-  HIQ_ASSIGN_OR_RETURN(HostShm shm, HostShm::Create(shm_name, size_t{count} * kSlotBytes));
+  const size_t bytes = size_t{count} * kSlotBytes;
+  HIQ_ASSIGN_OR_RETURN(HostShm shm,
+                       shm_name.starts_with(HostShm::kMemfdPrefix)
+                           ? HostShm::CreateMemfd(
+                                 std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()),
+                                 bytes)
+                           : HostShm::Create(shm_name, bytes));
   HostEventPool pool;
   pool.shm_ = std::move(shm);
   pool.count_ = count;
@@ -208,7 +240,11 @@ StatusOr<HostEventPool> HostEventPool::Open(std::string_view name, uint32_t coun
 
 EventPoolSpec HostEventPool::Spec() const {
   EventPoolSpec spec;
-  spec.host_shm_name = shm_.name();
+  if (shm_.is_memfd()) {
+    spec.host_fd = shm_.fd();
+  } else {
+    spec.host_shm_name = shm_.name();
+  }
   spec.count = count_;
   return spec;
 }
@@ -295,14 +331,25 @@ StatusOr<HostKvPool> HostKvPool::Create(const Geometry& g, KvLayout layout, uint
   const std::string shm_name = name.empty()
                                    ? HostShm::UniqueName(std::string("kv-") + KvLayoutName(layout))
                                    : std::string(name);
-  HIQ_ASSIGN_OR_RETURN(pool.shm_, HostShm::Create(shm_name, layer_bytes * g.num_layers));
+  const uint64_t bytes = layer_bytes * g.num_layers;
+  if (shm_name.starts_with(HostShm::kMemfdPrefix)) {
+    HIQ_ASSIGN_OR_RETURN(
+        pool.shm_, HostShm::CreateMemfd(
+                       std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()), bytes));
+  } else {
+    HIQ_ASSIGN_OR_RETURN(pool.shm_, HostShm::Create(shm_name, bytes));
+  }
   return pool;
 }
 
 void HostKvPool::AddTo(PoolSpec* spec) const {
   const uint32_t index = static_cast<uint32_t>(spec->buffers.size());
   SharedBuffer buffer;
-  buffer.host_shm_name = shm_.name();
+  if (shm_.is_memfd()) {
+    buffer.host_fd = shm_.fd();
+  } else {
+    buffer.host_shm_name = shm_.name();
+  }
   buffer.size_bytes = shm_.size();
   spec->buffers.push_back(std::move(buffer));
   for (LayerView layer : layers_) {

@@ -1,7 +1,9 @@
 #include "hiqcache/host_shm.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
@@ -57,6 +59,30 @@ TEST(HostShmTest, MoveTransfersOwnership) {
   EXPECT_TRUE(b.owner());
   b = HostShm();
   EXPECT_EQ(HostShm::Open(name).status().code(), StatusCode::kNotFound);
+}
+
+// A memfd: zero-filled, close-on-exec, sealed against shrinking (the daemon maps it; a shrink
+// would SIGBUS it), its fd owned by the handle, with no shm name to open.
+TEST(HostShmTest, MemfdIsSealedAgainstShrinkingAndOwnsItsFd) {
+  auto created = HostShm::CreateMemfd("test", 8192);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  HostShm a = std::move(created).value();
+  ASSERT_TRUE(a.is_memfd());
+  const int fd = a.fd();
+  EXPECT_EQ(a.name(), "memfd:test");
+  EXPECT_EQ(a.size(), 8192u);
+  const auto* bytes = static_cast<const uint8_t*>(a.data());
+  for (size_t i = 0; i < 8192; ++i) ASSERT_EQ(bytes[i], 0) << i;
+  EXPECT_TRUE(::fcntl(fd, F_GETFD) & FD_CLOEXEC);
+  EXPECT_TRUE(::fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK);
+  EXPECT_NE(::ftruncate(fd, 4096), 0) << "a sealed memfd was shrunk";
+  EXPECT_EQ(errno, EPERM);
+  HostShm b = std::move(a);
+  EXPECT_FALSE(a.is_memfd());  // NOLINT(bugprone-use-after-move): checking the moved-from state
+  EXPECT_EQ(b.fd(), fd);
+  b = HostShm();
+  EXPECT_EQ(::fcntl(fd, F_GETFD), -1) << "the handle did not close its memfd";
+  EXPECT_EQ(HostShm::CreateMemfd("zero", 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(HostShmTest, BadArguments) {
@@ -208,6 +234,30 @@ TEST(HostKvPoolSpecTest, AddToRebasesBuffers) {
   EXPECT_EQ(spec.layers[3].k.buffer, 1u);
   EXPECT_EQ(spec.layers[3].v->buffer, 1u);
   EXPECT_EQ(spec.layers[0].k.buffer, 0u);
+}
+
+// "memfd:<tag>" pools and events reach the spec by fd, never by name.
+TEST(HostKvPoolSpecTest, MemfdPoolsAndEventsGoByFd) {
+  auto kv = HostKvPool::Create(SmallGeometry(), KvLayout::kVllmPaged, 64, 16, "memfd:kv");
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  auto events = HostEventPool::Create(8, "memfd:ev");
+  ASSERT_TRUE(events.ok()) << events.status().ToString();
+  ASSERT_TRUE(kv->shm().is_memfd());
+  ASSERT_TRUE(events->shm().is_memfd());
+  PoolSpec spec = MakeHostPoolSpec("m", *kv, 16, &*events);
+  ASSERT_EQ(spec.buffers.size(), 1u);
+  EXPECT_TRUE(spec.buffers[0].host_shm_name.empty());
+  EXPECT_EQ(spec.buffers[0].host_fd, kv->shm().fd());
+  EXPECT_EQ(spec.buffers[0].size_bytes, kv->shm().size());
+  EXPECT_TRUE(spec.events.host_shm_name.empty());
+  EXPECT_EQ(spec.events.host_fd, events->shm().fd());
+  EXPECT_EQ(spec.events.count, 8u);
+  events->Store(3, 42);
+  EXPECT_EQ(events->Read(3), 42u);
+  // Named objects have no fd in the spec.
+  auto named = HostKvPool::Create(SmallGeometry(), KvLayout::kSglang, 16);
+  ASSERT_TRUE(named.ok());
+  EXPECT_EQ(MakeHostPoolSpec("m", *named, 16).buffers[0].host_fd, -1);
 }
 
 TEST(HostKvPoolSpecTest, RejectsBadArguments) {

@@ -1,7 +1,9 @@
 // HOST-backend helpers: POSIX shared memory that an engine (or a test, or the demo) shares with
 // hiqcached when KV lives in CPU memory (DESIGN.md "HOST").
 //
-//   HostShm        RAII shm object: create (unlinked again on destruction) or open, mapped.
+//   HostShm        RAII shm object: create (unlinked again on destruction), open, or a memfd
+//                  (sealed against shrinking; reaches the daemon only by fd over a session),
+//                  mapped.
 //   HostEventPool  event slots (slot i = little-endian uint64 at byte 64*i); the daemon stores
 //                  ticket T with release order when work T completes; Wait() blocks until a
 //                  slot holds a value >= T.
@@ -34,6 +36,13 @@ class HostShm {
   // Opens and maps an existing object (its whole size). FAILED_PRECONDITION when it is smaller
   // than `min_size`. Never unlinks.
   static StatusOr<HostShm> Open(std::string_view name, size_t min_size = 0);
+  // A new zero-filled memfd of `size` bytes (MFD_CLOEXEC), sealed with F_SEAL_SHRINK so that
+  // nobody holding its fd can shrink it under the daemon's mapping. It has no shm name: name()
+  // is "memfd:<tag>" (kMemfdPrefix), for logs; the daemon gets it by fd over the client's session
+  // (SharedBuffer::host_fd, which AddTo and Spec fill in). The fd stays open while this handle
+  // lives.
+  static StatusOr<HostShm> CreateMemfd(std::string_view tag, size_t size);
+  static constexpr std::string_view kMemfdPrefix = "memfd:";
   // "/hiq-<pid>-<n>-<tag>": unique within this process and unlikely to collide across processes.
   static std::string UniqueName(std::string_view tag);
   // Adds the leading "/" when missing.
@@ -51,6 +60,10 @@ class HostShm {
   const std::string& name() const { return name_; }  // normalized, with leading "/"
   bool owner() const { return owner_; }              // created here: unlinked on destruction
   bool valid() const { return data_ != nullptr; }
+  // The memfd (CreateMemfd), owned by this handle; -1 for named objects, which are opened by
+  // name when they are passed.
+  int fd() const { return fd_; }
+  bool is_memfd() const { return fd_ >= 0; }
 
  private:
   void Reset();
@@ -59,21 +72,24 @@ class HostShm {
   void* data_ = nullptr;
   size_t size_ = 0;
   bool owner_ = false;
+  int fd_ = -1;  // memfd only
 };
 
 class HostEventPool {
  public:
   static constexpr size_t kSlotBytes = 64;
 
-  // Creates `count` zeroed slots in a new shm object (name empty = HostShm::UniqueName("ev")).
+  // Creates `count` zeroed slots in a new shm object (name empty = HostShm::UniqueName("ev");
+  // "memfd:<tag>" = a sealed memfd, HostShm::CreateMemfd).
   static StatusOr<HostEventPool> Create(uint32_t count, std::string_view name = {});
   // Opens an existing event object of at least `count` slots.
   static StatusOr<HostEventPool> Open(std::string_view name, uint32_t count);
 
   uint32_t count() const { return count_; }
   const std::string& name() const { return shm_.name(); }
-  // The EventPool piece of RegisterPool.
+  // The EventPool piece of RegisterPool (host_fd for a memfd, else host_shm_name).
   EventPoolSpec Spec() const;
+  const HostShm& shm() const { return shm_; }
 
   // Acquire load of slot `slot`. REQUIRES: slot < count().
   uint64_t Read(uint32_t slot) const;
@@ -109,7 +125,8 @@ const char* KvLayoutName(KvLayout layout);
 class HostKvPool {
  public:
   // `num_rows` token slots; paged layouts use pages of `page_rows` rows and round num_rows up to
-  // a whole number of pages. MLA geometry is supported by kSglang only.
+  // a whole number of pages. MLA geometry is supported by kSglang only. `name` empty = a unique
+  // shm name; "memfd:<tag>" = a sealed memfd (HostShm::CreateMemfd).
   static StatusOr<HostKvPool> Create(const Geometry& geometry, KvLayout layout, uint32_t num_rows,
                                      uint32_t page_rows = 16, std::string_view name = {});
 
@@ -120,8 +137,9 @@ class HostKvPool {
   // Views of all layers; buffer index 0 is this pool's shm object.
   const std::vector<LayerView>& layers() const { return layers_; }
 
-  // Appends this pool's buffer to spec->buffers and its layer views (buffer index rebased) to
-  // spec->layers; sets spec->geometry and spec->device = kHost.
+  // Appends this pool's buffer (host_fd for a memfd, else host_shm_name) to spec->buffers and its
+  // layer views (buffer index rebased) to spec->layers; sets spec->geometry and spec->device =
+  // kHost. The spec borrows a memfd's fd: keep this pool alive while the spec is registered.
   void AddTo(PoolSpec* spec) const;
 
   // head_dim elements of (layer, plane 0 = K / 1 = V, row, head), as raw BF16/FP16 bits.
