@@ -168,9 +168,11 @@ void AddBlocks(std::span<const BlockKey> keys, std::span<const uint32_t> rows,
 }
 
 // Errors after which the pool id may no longer name our registration: the daemon is gone or
-// restarted (UNAVAILABLE), or it does not know the id (NOT_FOUND).
+// restarted (UNAVAILABLE), it does not know the id (NOT_FOUND), or it does not know the session
+// the call named (UNAUTHENTICATED: it restarted between the session check and the call).
 bool IsStalePool(const Status& s) {
-  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound;
+  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kNotFound ||
+         s.code() == StatusCode::kUnauthenticated;
 }
 
 // gRPC takes system_clock deadlines; the client keeps steady ones so that clock steps cannot
