@@ -99,6 +99,11 @@ class PoolBinding {
   // stream waits on them right after the answer waits for this work, not an earlier record.
   // HOST events carry tickets and are answered as soon as the work is queued.
   virtual bool SignalsOnDevice() const { return false; }
+  // OK while the binding can run tasks; else the error every later task of the pool fails with,
+  // for good (HOST: the client's shared memory shrank under the daemon, FAILED_PRECONDITION
+  // naming the buffer). The core may answer a request with it before queueing anything, so that
+  // an asynchronous request on a failed pool is refused instead of answered as queued. Any thread.
+  virtual Status Failure() const { return Status::Ok(); }
   // The pool was released (ReleasePool, or its process exited). HOST: a task waiting for one of
   // its events, which may never come, stops waiting and fails (its events get the failure bit),
   // so that it drops its pins and frees its worker now; tasks without a wait still run. CUDA:

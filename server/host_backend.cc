@@ -159,6 +159,12 @@ class HostBinding : public PoolBinding {
 
   void Cancel() override { cancelled_.store(true, std::memory_order_release); }
 
+  Status Failure() const override {
+    if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    return failure_;
+  }
+
   // event_count_ stays: a request racing the release may still validate against it.
   void Close() override {
     buffers_.clear();
@@ -337,12 +343,6 @@ class HostBinding : public PoolBinding {
       failed_.store(true, std::memory_order_release);
       HIQ_LOG(WARN) << "event=host_pool_failed error=\"" << failure_.message() << "\"";
     }
-    return failure_;
-  }
-
-  Status Failure() const {
-    if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
-    std::lock_guard<std::mutex> lock(failure_mu_);
     return failure_;
   }
 

@@ -364,6 +364,7 @@ TEST_F(HostBackendTest, TicketsNeverReachTheFailureBit) {
 TEST_F(HostBackendTest, TruncatedKvUnderBackupFailsTheTaskAndTheBinding) {
   auto b = Bind(Spec());
   ASSERT_TRUE(b.ok());
+  EXPECT_TRUE((*b)->Failure().ok());
   ASSERT_TRUE(v_->Truncate(0));
   Status outcome, written;
   ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)),
@@ -373,6 +374,9 @@ TEST_F(HostBackendTest, TruncatedKvUnderBackupFailsTheTaskAndTheBinding) {
       << outcome.ToString();
   EXPECT_EQ(written.code(), StatusCode::kFailedPrecondition);  // nothing committed
   EXPECT_EQ(events_->Slot(0).load(), 1u | kHostEventFailedBit);
+  // What the core answers new requests on this pool with.
+  EXPECT_EQ((*b)->Failure().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has((*b)->Failure(), "buffers[1]"));
   // The binding is failed for good: a later task fails the same way, also a restore.
   Status again, again_written;
   (*b)->StartBackup(BackupTask_(1, 2, 0, &again, &again_written));
