@@ -8,7 +8,8 @@
 #   asan  g++ -fsanitize=address,undefined: the daemon core's unit tests, a subset of the
 #         integration tests and the robustness tests, against the ASan daemon of that directory
 #   fuzz  clang, HIQ_FUZZ=ON: the request fuzzer (libFuzzer + ASan + UBSan) for HIQ_FUZZ_SECONDS
-#         (60) from the seed corpus tests/fuzz/corpus; skipped when clang++ is missing
+#         (60) from the seed corpus tests/fuzz/corpus, then the pool image fuzzer for
+#         HIQ_POOL_FUZZ_SECONDS (40) from tests/fuzz/pool_corpus; skipped when clang++ is missing
 #         (deploy/install-deps.sh installs it)
 #   tsan  g++ -fsanitize=thread: thread pool, transfer engine, client fail-open (multi-threaded
 #         client) and the multi-process load test against a TSan daemon
@@ -89,7 +90,7 @@ if has fuzz && ! command -v clang++ >/dev/null; then
 elif has fuzz; then
   t=$(date +%s)
   CC=clang CXX=clang++ configure_check "$fuzz_dir" -DHIQ_FUZZ=ON -DHIQ_BUILD_TESTS=OFF
-  cmake --build "$fuzz_dir" -j "$jobs" --target hiq_request_fuzzer
+  cmake --build "$fuzz_dir" -j "$jobs" --target hiq_request_fuzzer hiq_pool_image_fuzzer
   stage_done fuzz-build "$t"
   t=$(date +%s)
   # New inputs go to fuzz-corpus/ (the committed seeds are only read); findings (crash-*,
@@ -101,6 +102,16 @@ elif has fuzz; then
     2>"$fuzz_dir/fuzz.log" || { tail -80 "$fuzz_dir/fuzz.log"; exit 1; }
   grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)|^request_fuzzer: outcomes" \
     "$fuzz_dir/fuzz.log" >&2 || true
+  # The pool image fuzzer (a poisoned pool must not crash a restart): HIQ_POOL_FUZZ_SECONDS (40)
+  # from tests/fuzz/pool_corpus; its own corpus, artifacts (pool-fuzz-artifacts/) and log.
+  mkdir -p "$fuzz_dir/pool-fuzz-corpus" "$fuzz_dir/pool-fuzz-artifacts"
+  "$fuzz_dir/tests/fuzz/hiq_pool_image_fuzzer" -max_total_time="${HIQ_POOL_FUZZ_SECONDS:-40}" \
+    -timeout=10 -rss_limit_mb=2048 -max_len=131072 -print_final_stats=1 \
+    -artifact_prefix="$fuzz_dir/pool-fuzz-artifacts/" "$fuzz_dir/pool-fuzz-corpus" \
+    "$root/tests/fuzz/pool_corpus" \
+    2>"$fuzz_dir/pool-fuzz.log" || { tail -80 "$fuzz_dir/pool-fuzz.log"; exit 1; }
+  grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" \
+    "$fuzz_dir/pool-fuzz.log" >&2 || true
   stage_done fuzz "$t"
 fi
 

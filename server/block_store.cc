@@ -21,10 +21,6 @@ uint64_t MaxSlotsPerExtent(uint64_t slot_bytes) {
   return std::max<uint64_t>(1, kTargetExtentBytes / slot_bytes);
 }
 
-// Above any commit sequence a store reaches (2^56 commits), so that the clock cannot wrap: a
-// header claiming more is not one this format wrote.
-constexpr uint64_t kMaxCommitSeq = 1ull << 56;
-
 // Dropped extents logged one by one at rebuild; the rest only in the count.
 constexpr uint64_t kMaxLoggedDrops = 8;
 
@@ -258,7 +254,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       const BlockHeader* bh = HeaderOf(&e);
       const auto state = static_cast<BlockState>(bh->state);
       if (bh->magic == kBlockMagic && state == BlockState::kCommitted &&
-          bh->payload_bytes == ns->payload_bytes && bh->commit_seq <= kMaxCommitSeq &&
+          bh->payload_bytes == ns->payload_bytes &&
           std::memcmp(&bh->namespace_tag, hash.data(), 8) == 0) {
         candidates.push_back(&e);
       } else if (bh->magic == kBlockMagic && state == BlockState::kWriting) {
@@ -305,13 +301,20 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
     e->state = BlockState::kCommitted;
     e->indexed = true;
     e->last_use = bh->commit_seq;
-    clock_ = std::max(clock_, bh->commit_seq);
     index_.emplace(std::make_pair(e->ns, key), e);
     kept.push_back(e);
   }
-  // Recency: most recently committed first.
-  std::sort(kept.begin(), kept.end(),
-            [](const BlockEntry* a, const BlockEntry* b) { return a->last_use > b->last_use; });
+  // Recency: most recently committed first. The commit sequences are renumbered 1..n in that
+  // order (headers too), so that the clock starts from the number of blocks kept, whatever
+  // sequence numbers the headers held: one near 2^64 would otherwise wrap it.
+  std::sort(kept.begin(), kept.end(), [](const BlockEntry* a, const BlockEntry* b) {
+    return a->last_use != b->last_use ? a->last_use > b->last_use : a->offset < b->offset;
+  });
+  clock_ = kept.size();
+  for (size_t i = 0; i < kept.size(); ++i) {
+    kept[i]->last_use = kept.size() - i;
+    HeaderOf(kept[i])->commit_seq = kept[i]->last_use;
+  }
   for (BlockEntry* e : kept) {
     NsState& ns = *namespaces_.at(e->ns);
     ns.lru.push_back(e);
@@ -360,7 +363,13 @@ BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
   for (auto it = namespaces_.begin(); it != namespaces_.end(); ++it) {
     NsState& orphan = *it->second;
     if (orphan.id < kFirstOrphanId || orphan.hash != info.hash) continue;
-    if (orphan.payload_bytes != info.desc.layout.BlockBytes()) return nullptr;
+    if (orphan.payload_bytes != info.desc.layout.BlockBytes()) {
+      // The hash names the geometry, so these blocks are of no namespace any registration can
+      // make (a poisoned or foreign pool): drop them, or this namespace's next rebuild would
+      // meet two payload sizes under one hash.
+      DropOrphanLocked(it);
+      return nullptr;
+    }
     auto owned = std::move(it->second);
     namespaces_.erase(it);
     const uint32_t old_id = owned->id;
@@ -378,6 +387,28 @@ BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
     return raw;
   }
   return nullptr;
+}
+
+void BlockStore::DropOrphanLocked(
+    std::unordered_map<uint32_t, std::unique_ptr<NsState>>::iterator it) {
+  NsState& orphan = *it->second;
+  for (Extent* ext : orphan.extents) {
+    for (const auto& e : ext->entries) {
+      if (e.pins != 0) return;  // no reader knows an orphan's id; kept if one ever did
+    }
+  }
+  HIQ_LOG(WARN) << "event=pool_orphan_dropped blocks=" << orphan.counters.blocks
+                << " payload_bytes=" << orphan.payload_bytes
+                << " reason=\"its namespace hash is registered with another payload size\"";
+  while (!orphan.extents.empty()) {
+    Extent* ext = orphan.extents.back();
+    for (auto& e : ext->entries) {
+      if (e.state != BlockState::kFree) EvictEntryLocked(&e);
+    }
+    FreeExtentLocked(ext);
+  }
+  emptied_.erase(orphan.id);
+  namespaces_.erase(it);
 }
 
 bool BlockStore::HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const {

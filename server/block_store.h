@@ -117,7 +117,8 @@ class BlockStore {
 
   // Makes `ns` known to the store (payload size, extent sizing). Idempotent. When the rebuild
   // found blocks under ns.hash with ns's payload size, `ns` adopts them (and their counters);
-  // returns whether this call did.
+  // returns whether this call did. Blocks found under ns.hash with another payload size belong
+  // to no namespace a registration can make: they are dropped.
   bool AddNamespace(const NamespaceInfo& ns);
   // Whether the rebuild found blocks under `hash` with `payload_bytes` payloads that no
   // AddNamespace has adopted yet, and at least one of them is still held: what AddNamespace of a
@@ -218,6 +219,8 @@ class BlockStore {
   // REQUIRES: mu_ held. Clears directory slot `dir_slot`, counts and logs the drop.
   void DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset, const char* why);
   NsState* AdoptOrphanLocked(const NamespaceInfo& info);
+  // REQUIRES: mu_ held. Evicts an orphan's blocks, frees its extents and forgets it.
+  void DropOrphanLocked(std::unordered_map<uint32_t, std::unique_ptr<NsState>>::iterator it);
   void IndexEntryLocked(NsState& ns, BlockEntry* e);
 
   uint8_t* const base_;

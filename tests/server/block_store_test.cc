@@ -1207,7 +1207,7 @@ TEST_F(PoisonedPoolTest, NamespaceTextWithoutTerminator) {
 // Block headers: each field that does not fit drops that block only.
 TEST_F(PoisonedPoolTest, BlockFieldsThatDoNotFitDropTheBlock) {
   Blk(0, 0).payload_bytes = ~uint64_t{0};
-  Blk(0, 1).commit_seq = ~uint64_t{0};  // would wrap the store's clock
+  Blk(0, 1).commit_seq = ~uint64_t{0};  // kept: the rebuild renumbers commit sequences
   Blk(0, 2).namespace_tag ^= 1;
   Blk(1, 0).magic ^= 1;
   Blk(1, 1).state = 7;
@@ -1216,11 +1216,14 @@ TEST_F(PoisonedPoolTest, BlockFieldsThatDoNotFitDropTheBlock) {
   Reattach();
   EXPECT_EQ(report_.extents, 2u);
   EXPECT_EQ(report_.extents_corrupt, 0u);
-  EXPECT_EQ(report_.blocks_kept, 2u);  // a's 3 and one of b's 102 / 103
-  EXPECT_EQ(report_.blocks_corrupt, 6u);
-  EXPECT_EQ(Held(a_, 0), 1u);
+  EXPECT_EQ(report_.blocks_kept, 3u);  // a's 1 and 3, one of b's 102 / 103
+  EXPECT_EQ(report_.blocks_corrupt, 5u);
+  EXPECT_EQ(Held(a_, 0), 2u);
   BlockKey k3 = KeyOf(3);
   EXPECT_EQ(store_->LookupPrefix(a_->id, std::span<const BlockKey>(&k3, 1)), 1u);
+  // Block 1 claimed the newest commit: renumbered to the top of the 3 kept, and the clock goes
+  // on from there (no wrap: new commits are newer still).
+  EXPECT_EQ(Blk(0, 1).commit_seq, 3u);
   ExpectServes();
   // The dropped slots were marked free: a second restart finds nothing corrupt.
   store_.reset();
@@ -1285,6 +1288,42 @@ TEST_F(PoisonedPoolTest, ReadVerificationCanBeSampledOrTurnedOff) {
   EXPECT_EQ(reads_with(3), std::make_pair(size_t{kBlocks}, uint64_t{0}));  // 3rd read: block 2
   // One in two drops block 1 for good.
   EXPECT_EQ(reads_with(2), std::make_pair(size_t{1}, uint64_t{1}));
+}
+
+}  // namespace
+}  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+// Blocks found under a namespace hash that is then registered with another payload size belong
+// to no namespace a registration can make: the registration drops them (their space comes back)
+// instead of leaving two payload sizes under one hash for the next rebuild to trip over.
+TEST(BlockStoreOrphanTest, SameHashOtherPayloadIsDropped) {
+  const kernels::BlockLayout small = Layout(1, 1, 64, 4);
+  const uint64_t slot = SlotBytesFor(small.BlockBytes());
+  AnonBuffer pool(PoolBytesFor(4, slot));
+  NamespaceTable table;
+  const NamespaceInfo& ns = Intern(table, "m", small);
+  {
+    BlockStore first(pool.data(), pool.size());
+    first.AddNamespace(ns);
+    for (uint64_t i = 0; i < 4; ++i) PutWithData(first, ns.id, i, small.BlockBytes());
+  }
+  BlockStore store(pool.data(), pool.size(), /*reattach=*/true, 1, nullptr);
+  ASSERT_EQ(store.Stats().blocks, 4u);
+  NamespaceInfo other = ns;  // same hash, twice the payload
+  other.desc.layout.num_layers = 2;
+  EXPECT_FALSE(store.AddNamespace(other));
+  StoreStats s = store.Stats();
+  EXPECT_EQ(s.blocks, 0u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  ASSERT_EQ(s.namespaces.size(), 1u);
+  EXPECT_EQ(s.namespaces.count(other.id), 1u);
+  // The pool is all free: the new namespace fills it without evicting.
+  const uint64_t cap = store.CapacityBlocks(other.desc.layout.BlockBytes());
+  for (uint64_t i = 0; i < cap; ++i) ASSERT_NE(Put(store, other.id, KeyOf(i, 3)), nullptr) << i;
+  EXPECT_EQ(store.Stats().namespaces.at(other.id).evictions, 0u);
 }
 
 }  // namespace
