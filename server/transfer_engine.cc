@@ -1,6 +1,10 @@
 #include "transfer_engine.h"
 
 #include <algorithm>
+#include <exception>
+#include <new>
+
+#include "hiqcache/log.h"
 
 namespace hiqcache::server {
 
@@ -19,8 +23,10 @@ TransferEngine::~TransferEngine() {
   for (auto& t : workers_) t.join();
 }
 
-std::shared_ptr<TransferEngine::Strand> TransferEngine::NewStrand() {
-  return std::make_shared<Strand>();
+std::shared_ptr<TransferEngine::Strand> TransferEngine::NewStrand(uint64_t group) {
+  auto strand = std::make_shared<Strand>();
+  strand->group = group;
+  return strand;
 }
 
 void TransferEngine::Post(const std::shared_ptr<Strand>& strand, Task task) {
@@ -38,14 +44,57 @@ void TransferEngine::PostRetryable(const std::shared_ptr<Strand>& strand, Retrya
 
 void TransferEngine::ScheduleLocked(std::shared_ptr<Strand> strand) {
   strand->scheduled = true;
-  ready_.push_back(std::move(strand));
+  PushReadyLocked(std::move(strand));
   ready_cv_.notify_one();
+}
+
+void TransferEngine::PushReadyLocked(std::shared_ptr<Strand> strand) {
+  auto& q = ready_[strand->group];
+  if (q.empty()) ready_groups_.push_back(strand->group);
+  q.push_back(std::move(strand));
+}
+
+std::shared_ptr<TransferEngine::Strand> TransferEngine::PopReadyLocked() {
+  const uint64_t group = ready_groups_.front();
+  ready_groups_.pop_front();
+  auto it = ready_.find(group);
+  std::shared_ptr<Strand> strand = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) {
+    ready_.erase(it);
+  } else {
+    ready_groups_.push_back(group);  // its other strands wait for the other groups' turns
+  }
+  return strand;
+}
+
+TransferEngine::StepResult TransferEngine::RunTask(StepTask& task) {
+  try {
+    return task();
+  } catch (const std::bad_alloc&) {
+    HIQ_LOG(ERROR) << "event=transfer_task_failed error=\"out of memory\" (task dropped)";
+  } catch (const std::exception& e) {
+    HIQ_LOG(ERROR) << "event=transfer_task_failed error=\"" << LogSafe(e.what())
+                   << "\" (task dropped)";
+  } catch (...) {
+    HIQ_LOG(ERROR) << "event=transfer_task_failed error=\"unknown exception\" (task dropped)";
+  }
+  return StepResult::kDone;
 }
 
 void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask task) {
   std::lock_guard<std::mutex> lock(mu_);
   strand->tasks.push_back(std::move(task));
   ++pending_;
+  if (!strand->scheduled) ScheduleLocked(strand);
+}
+
+void TransferEngine::PostSteps(const std::shared_ptr<Strand>& strand,
+                               std::vector<StepTask> tasks) {
+  if (tasks.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& t : tasks) strand->tasks.push_back(std::move(t));
+  pending_ += tasks.size();
   if (!strand->scheduled) ScheduleLocked(strand);
 }
 
@@ -75,7 +124,7 @@ void TransferEngine::WorkerLoop() {
     const auto now = Clock::now();
     for (auto it = parked_.begin(); it != parked_.end();) {
       if (it->first <= now) {
-        ready_.push_back(std::move(it->second));
+        PushReadyLocked(std::move(it->second));
         it = parked_.erase(it);
       } else {
         ++it;
@@ -92,13 +141,12 @@ void TransferEngine::WorkerLoop() {
       }
       continue;
     }
-    std::shared_ptr<Strand> strand = std::move(ready_.front());
-    ready_.pop_front();
+    std::shared_ptr<Strand> strand = PopReadyLocked();
     StepTask task = std::move(strand->tasks.front());
     strand->tasks.pop_front();
     strand->running = true;
     lock.unlock();
-    const StepResult result = task();
+    const StepResult result = RunTask(task);
     if (result != StepResult::kNotReady) task = nullptr;
     lock.lock();
     strand->running = false;
@@ -124,13 +172,13 @@ void TransferEngine::WorkerLoop() {
         c();
         return StepResult::kDone;
       });
-      ready_.push_back(std::move(strand));
+      PushReadyLocked(std::move(strand));
       ready_cv_.notify_one();
       continue;
     }
     --pending_;
     if (!strand->tasks.empty()) {
-      ready_.push_back(std::move(strand));
+      PushReadyLocked(std::move(strand));
       ready_cv_.notify_one();
     } else {
       strand->scheduled = false;

@@ -12,6 +12,13 @@
 //     The continuation then runs on a worker as the end of that task. No worker waits for the
 //     device in between.
 // A detached task counts as pending (WaitIdle, Pending) until its continuation has run.
+//
+// Fair service: each strand belongs to a group (CacheCore: the client, one uid). Ready strands
+// are served round-robin over groups, and round-robin over the strands of a group: after each
+// task its strand goes to the back of its group, and the group to the back of the groups. So a
+// client's long queue of tasks delays another client's task by at most one task per worker and
+// per other ready group; callers keep tasks short (CacheCore splits big requests).
+// A task that throws is dropped (logged) as if it had completed: no exception leaves a worker.
 // Thread-safe.
 #pragma once
 
@@ -19,6 +26,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -42,10 +50,14 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
-  std::shared_ptr<Strand> NewStrand();
+  // A strand of `group`: strands of one group share the workers as one (see above).
+  std::shared_ptr<Strand> NewStrand(uint64_t group = 0);
   void Post(const std::shared_ptr<Strand>& strand, Task task);
   void PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task);
   void PostStep(const std::shared_ptr<Strand>& strand, StepTask task);
+  // Posts `tasks` in order as one unit: no task posted concurrently to `strand` lands between
+  // them (a request's sub-tasks stay contiguous, so tickets of a pool complete in order).
+  void PostSteps(const std::shared_ptr<Strand>& strand, std::vector<StepTask> tasks);
   // Ends the detached task of `strand`: `continuation` runs on a worker, then the strand's next
   // task may start. REQUIRES: called exactly once per kDetached answer; may be called from any
   // thread, even before the detaching task has returned. Never blocks on a worker.
@@ -61,11 +73,19 @@ class TransferEngine {
   void WorkerLoop();
   // REQUIRES: mu_ held. Puts `strand` (not scheduled) on the ready queue.
   void ScheduleLocked(std::shared_ptr<Strand> strand);
+  // REQUIRES: mu_ held. Appends `strand` to its group's ready strands.
+  void PushReadyLocked(std::shared_ptr<Strand> strand);
+  // REQUIRES: mu_ held, a strand ready. The next strand in round-robin order.
+  std::shared_ptr<Strand> PopReadyLocked();
+  // Runs one task, turning an exception into kDone (logged).
+  static StepResult RunTask(StepTask& task);
 
   mutable std::mutex mu_;
   std::condition_variable ready_cv_;
   std::condition_variable idle_cv_;
-  std::deque<std::shared_ptr<Strand>> ready_;  // GUARDED_BY(mu_)
+  // Ready strands per group, and the groups with ready strands in service order.
+  std::map<uint64_t, std::deque<std::shared_ptr<Strand>>> ready_;  // GUARDED_BY(mu_)
+  std::deque<uint64_t> ready_groups_;                              // GUARDED_BY(mu_)
   // Strands whose first task was not ready, with when to try again.
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Strand>>>
       parked_;  // GUARDED_BY(mu_)
@@ -77,6 +97,7 @@ class TransferEngine {
 class TransferEngine::Strand {
  private:
   friend class TransferEngine;
+  uint64_t group = 0;
   std::deque<StepTask> tasks;  // GUARDED_BY(engine mu_)
   std::chrono::microseconds backoff{0};  // GUARDED_BY(engine mu_): retry delay of the first task
   // GUARDED_BY(engine mu_): in ready_, parked_ or running, or detached (busy until Resume).

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -229,6 +231,85 @@ TEST(TransferEngineTest, ZeroWorkersStillRuns) {
   engine.Post(s, [&] { done = 1; });
   engine.WaitIdle();
   EXPECT_EQ(done.load(), 1);
+}
+
+
+TEST(TransferEngineTest, GroupsShareTheWorkersRoundRobin) {
+  // One worker, held while everything is queued: group 1 has three strands with three tasks
+  // each, group 2 one strand with three. Groups alternate; so do the strands within a group.
+  TransferEngine engine(1);
+  std::atomic<bool> go{false};
+  auto gate = engine.NewStrand(9);
+  engine.Post(gate, [&] {
+    while (!go.load()) std::this_thread::sleep_for(100us);
+  });
+  ASSERT_TRUE(WaitUntil([&] { return engine.Pending() == 1; }, 1000ms));
+  std::this_thread::sleep_for(5ms);  // the gate task is running
+  std::mutex mu;
+  std::string order;
+  auto post = [&](const std::shared_ptr<TransferEngine::Strand>& s, char name) {
+    engine.Post(s, [&, name] {
+      std::lock_guard<std::mutex> lock(mu);
+      order += name;
+    });
+  };
+  auto a = engine.NewStrand(1), b = engine.NewStrand(1), c = engine.NewStrand(1);
+  auto x = engine.NewStrand(2);
+  for (int i = 0; i < 3; ++i) {
+    post(a, 'a');
+    post(b, 'b');
+    post(c, 'c');
+  }
+  for (int i = 0; i < 3; ++i) post(x, 'x');
+  go.store(true);
+  engine.WaitIdle();
+  // Round-robin over strands alone (the old engine) would give "abcxabcxabcx": group 2 a
+  // quarter of the worker instead of half while both have work.
+  EXPECT_EQ(order, "axbxcxabcabc");
+}
+
+TEST(TransferEngineTest, AThrowingTaskIsDroppedAndTheWorkerLives) {
+  TransferEngine engine(1);
+  auto strand = engine.NewStrand();
+  std::atomic<int> ran{0};
+  engine.Post(strand, [] { throw std::bad_alloc(); });
+  engine.PostStep(strand, []() -> TransferEngine::StepResult {
+    throw std::runtime_error("boom\nforged log line");
+  });
+  engine.Post(strand, [&] { ran.fetch_add(1); });
+  engine.WaitIdle();
+  EXPECT_EQ(ran.load(), 1);
+  EXPECT_EQ(engine.Pending(), 0u);
+}
+
+TEST(TransferEngineTest, PostStepsKeepsARequestsTasksContiguous) {
+  TransferEngine engine(2);
+  auto strand = engine.NewStrand();
+  std::mutex mu;
+  std::vector<int> order;
+  std::vector<std::thread> posters;
+  for (int p = 0; p < 4; ++p) {
+    posters.emplace_back([&, p] {
+      for (int r = 0; r < 50; ++r) {
+        std::vector<TransferEngine::StepTask> steps;
+        for (int k = 0; k < 3; ++k) {
+          steps.push_back([&, p] {
+            std::lock_guard<std::mutex> lock(mu);
+            order.push_back(p);
+            return TransferEngine::StepResult::kDone;
+          });
+        }
+        engine.PostSteps(strand, std::move(steps));
+      }
+    });
+  }
+  for (auto& t : posters) t.join();
+  engine.WaitIdle();
+  ASSERT_EQ(order.size(), 4u * 50 * 3);
+  for (size_t i = 0; i < order.size(); i += 3) {
+    EXPECT_EQ(order[i], order[i + 1]);
+    EXPECT_EQ(order[i], order[i + 2]);
+  }
 }
 
 }  // namespace
