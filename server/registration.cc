@@ -37,6 +37,64 @@ bool ValidShmName(const std::string& name) {
   return true;
 }
 
+// Repeated rows of a transfer whose rows are all below `num_rows` (checked before). A bitmap of
+// the pool's rows when it is small against the request, else a sorted copy: memory stays
+// proportional to the request.
+Status CheckRepeatedRows(const TransferSpec& spec, uint32_t num_rows, bool restore,
+                         const Limits& limits) {
+  size_t total = 0;
+  for (const BlockSpec& b : spec.blocks) total += b.rows.size();
+  if (total < 2) return Status::Ok();
+  uint64_t repeated = 0;
+  auto repeat_at = [&](size_t i, size_t r) -> Status {
+    if (restore) {
+      return InvalidArgument(Idx("blocks", i) + Idx(".rows", r) + ": row " +
+                             std::to_string(spec.blocks[i].rows[r]) +
+                             " is written by an earlier entry of this restore (each row at most "
+                             "once per request)");
+    }
+    if (++repeated > limits.max_repeated_rows_per_request) {
+      return ResourceExhausted(
+          "blocks: more than " + std::to_string(limits.max_repeated_rows_per_request) +
+          " rows repeat rows named earlier in this backup (quota max_repeated_rows_per_request)");
+    }
+    return Status::Ok();
+  };
+  if (uint64_t{num_rows} <= 64ull * total) {
+    std::vector<uint64_t> seen((uint64_t{num_rows} + 63) / 64, 0);
+    for (size_t i = 0; i < spec.blocks.size(); ++i) {
+      const auto& rows = spec.blocks[i].rows;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        uint64_t& word = seen[rows[r] / 64];
+        const uint64_t bit = 1ull << (rows[r] % 64);
+        if (word & bit) HIQ_RETURN_IF_ERROR(repeat_at(i, r));
+        word |= bit;
+      }
+    }
+    return Status::Ok();
+  }
+  // (row, position) sorted: the first entry of each row is its earliest occurrence.
+  std::vector<std::pair<uint32_t, uint64_t>> all;
+  all.reserve(total);
+  for (size_t i = 0; i < spec.blocks.size(); ++i) {
+    const auto& rows = spec.blocks[i].rows;
+    for (size_t r = 0; r < rows.size(); ++r) all.emplace_back(rows[r], (uint64_t{i} << 32) | r);
+  }
+  std::sort(all.begin(), all.end());
+  // Report the earliest repeat in request order, as the bitmap path does.
+  uint64_t first_repeat = UINT64_MAX;
+  for (size_t k = 1; k < all.size(); ++k) {
+    if (all[k].first != all[k - 1].first) continue;
+    if (restore) {
+      first_repeat = std::min(first_repeat, all[k].second);
+    } else {
+      HIQ_RETURN_IF_ERROR(repeat_at(all[k].second >> 32, all[k].second & 0xFFFFFFFFu));
+    }
+  }
+  if (first_repeat != UINT64_MAX) return repeat_at(first_repeat >> 32, first_repeat & 0xFFFFFFFFu);
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
@@ -55,11 +113,12 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
       v.page_stride_bytes % 2) {
     return InvalidArgument(field + ": offset and strides must be multiples of 2 bytes");
   }
-  uint64_t end = v.offset_bytes;
+  // The view's extent from its first byte, then the offset: each overflow names its field.
+  uint64_t span = 0;
   const uint64_t last = v.num_rows - 1ull;
   if (v.page_rows == 0) {
-    if (!MulAdd(last, v.row_stride_bytes, &end)) {
-      return InvalidArgument(field + ": row_stride_bytes * num_rows overflows");
+    if (!MulAdd(last, v.row_stride_bytes, &span)) {
+      return InvalidArgument(field + ".row_stride_bytes: row_stride_bytes * num_rows overflows");
     }
   } else {
     if (v.page_stride_bytes == 0 && v.num_rows > v.page_rows) {
@@ -69,19 +128,24 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
     const uint64_t p_last = last / v.page_rows;
     const uint64_t t_last = last % v.page_rows;
     uint64_t a = 0, b = 0;
-    if (!MulAdd(p_last, v.page_stride_bytes, &a) || !MulAdd(t_last, v.row_stride_bytes, &a)) {
-      return InvalidArgument(field + ": page_stride_bytes * pages overflows");
+    if (!MulAdd(p_last, v.page_stride_bytes, &a) ||
+        (p_last > 0 && !MulAdd(p_last - 1, v.page_stride_bytes, &b))) {
+      return InvalidArgument(field + ".page_stride_bytes: page_stride_bytes * pages overflows");
     }
-    if (p_last > 0 && (!MulAdd(p_last - 1, v.page_stride_bytes, &b) ||
-                       !MulAdd(v.page_rows - 1, v.row_stride_bytes, &b))) {
-      return InvalidArgument(field + ": page_stride_bytes * pages overflows");
+    if (!MulAdd(t_last, v.row_stride_bytes, &a) ||
+        (p_last > 0 && !MulAdd(v.page_rows - 1, v.row_stride_bytes, &b))) {
+      return InvalidArgument(field + ".row_stride_bytes: row_stride_bytes * page_rows overflows");
     }
-    if (__builtin_add_overflow(end, std::max(a, b), &end)) {
-      return InvalidArgument(field + ": offset_bytes overflows");
-    }
+    span = std::max(a, b);
   }
-  if (!MulAdd(heads - 1ull, head_stride, &end) || __builtin_add_overflow(end, head_bytes, &end)) {
+  if (!MulAdd(heads - 1ull, head_stride, &span) ||
+      __builtin_add_overflow(span, head_bytes, &span)) {
     return InvalidArgument(field + ".head_stride_bytes: overflows");
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(v.offset_bytes, span, &end)) {
+    return InvalidArgument(field + ".offset_bytes: " + std::to_string(v.offset_bytes) +
+                           " plus the view's " + std::to_string(span) + " bytes overflows");
   }
   return end;
 }
@@ -185,8 +249,15 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
       if (!b.has_cuda_ipc_handle || b.cuda_ipc_handle.size() != kIpcHandleBytes) {
         return InvalidArgument(f + ".cuda_ipc_handle: a CUDA pool needs a 64-byte handle");
       }
+    } else if (b.has_host_fd) {
+      // An fd passed over the caller's session (the binding checks it: host_backend.cc).
+      if (b.host_fd_id == 0) {
+        return InvalidArgument(f + ".host_fd_id: 0 names no fd (ids start at 1)");
+      }
     } else if (!b.has_host_shm_name || !ValidShmName(b.host_shm_name)) {
-      return InvalidArgument(f + ".host_shm_name: a HOST pool needs a shm name like '/name'");
+      return InvalidArgument(f +
+                             ".host_shm_name: a HOST pool needs host_fd_id or a shm name like "
+                             "'/name'");
     }
   }
 
@@ -231,8 +302,10 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
         return InvalidArgument(Idx("events.cuda_ipc_event_handles", i) + ": must be 64 bytes");
       }
     }
-  } else if (spec.events.count > 0 && !ValidShmName(spec.events.host_shm_name)) {
-    return InvalidArgument("events.host_shm_name: needed when events.count > 0");
+  } else if (spec.events.count > 0 && spec.events.host_fd_id == 0 &&
+             !ValidShmName(spec.events.host_shm_name)) {
+    return InvalidArgument("events.host_shm_name: host_fd_id or a shm name is needed when "
+                           "events.count > 0");
   }
 
   return out;
@@ -308,6 +381,7 @@ Status ValidateTransfer(const TransferSpec& spec, const kernels::BlockLayout& la
       }
     }
   }
+  HIQ_RETURN_IF_ERROR(CheckRepeatedRows(spec, num_rows, restore, limits));
   auto check_event = [&](int32_t e, const char* field) -> Status {
     if (e < -1 || (e >= 0 && static_cast<uint32_t>(e) >= event_count)) {
       return InvalidArgument(std::string(field) + ": " + std::to_string(e) +

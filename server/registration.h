@@ -24,6 +24,10 @@ struct Limits {
   uint32_t max_buffers = 4096;
   uint32_t max_events = 1u << 20;
   uint32_t max_blocks_per_request = 4096;
+  // Row entries of one Backup that repeat a row named earlier in the same request (a backup of
+  // the same rows under many keys fills the pool from a small KV buffer). A Restore may repeat
+  // none: it would write the same row twice.
+  uint32_t max_repeated_rows_per_request = 1024;
   uint32_t max_keys_per_lookup = 65536;
   size_t max_string_bytes = 512;
 };
@@ -62,7 +66,10 @@ std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
                                               const kernels::BlockLayout& layout,
                                               const std::vector<uint8_t*>& bases);
 
-// Checks the blocks and events of a Backup/Restore against the pool it names.
+// Checks the blocks and events of a Backup/Restore against the pool it names: every row below
+// `num_rows`, and repeated rows (a row named twice in the request) at most
+// limits.max_repeated_rows_per_request for a backup (RESOURCE_EXHAUSTED), none for a restore
+// (INVALID_ARGUMENT naming the second occurrence).
 Status ValidateTransfer(const TransferSpec& spec, const kernels::BlockLayout& layout,
                         uint32_t num_rows, uint32_t event_count, bool restore,
                         const Limits& limits);

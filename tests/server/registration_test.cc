@@ -568,6 +568,49 @@ TEST(ValidateRegistrationTest, EventsNeedAShmName) {
   ExpectValid(s);
 }
 
+TEST(ValidateRegistrationTest, OverflowErrorsNameTheFieldThatOverflows) {
+  // Issue 12 finding 10: an offset that overflows was reported as row_stride_bytes.
+  RegisterSpec s = SglangSpec(1, 2, 64, 16, 4);
+  s.buffers[0].size_bytes = std::numeric_limits<uint64_t>::max();
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.offset_bytes = std::numeric_limits<uint64_t>::max() - 1;
+    ExpectInvalid(t, "layers[0].k.offset_bytes");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.row_stride_bytes = 1ull << 63;
+    ExpectInvalid(t, "layers[0].k.row_stride_bytes");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.head_stride_bytes = ~1ull;
+    ExpectInvalid(t, "layers[0].k.head_stride_bytes");
+  }
+  {
+    RegisterSpec t = s;
+    t.layers[0].k.page_rows = 2;
+    t.layers[0].k.page_stride_bytes = 1ull << 63;
+    ExpectInvalid(t, "layers[0].k.page_stride_bytes");
+  }
+}
+
+TEST(ValidateRegistrationTest, HostBuffersAndEventsMayComeAsFds) {
+  RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
+  for (BufferSpec& b : s.buffers) {
+    b.has_host_shm_name = false;
+    b.host_shm_name.clear();
+    b.has_host_fd = true;
+    b.host_fd_id = 5;
+    b.fd = -1;  // checked by the binding (the transport resolved no fd)
+  }
+  s.events.count = 8;
+  s.events.host_fd_id = 6;
+  ExpectValid(s);
+  s.buffers[1].host_fd_id = 0;
+  ExpectInvalid(s, "buffers[1].host_fd_id");
+}
+
 // ---------------------------------------------------------------------------------------------
 // ViewEnd, by hand.
 
@@ -685,7 +728,7 @@ TEST_F(ValidateTransferTest, ValidRequestsPass) {
   t.done_event = kEvents - 1;
   t.layer_event_base = kEvents - 3;  // 3 layers: slots 5, 6, 7
   HIQ_EXPECT_OK(Check(t, true));
-  t.blocks[1].rows = {31, 0, 31, 0};  // any rows below num_rows, repeats allowed
+  t.blocks[1].rows = {31, 0, 31, 0};  // any rows below num_rows, repeats allowed in a backup
   HIQ_EXPECT_OK(Check(t, false));
   t.blocks.clear();
   HIQ_EXPECT_OK(Check(t, false));
@@ -789,6 +832,38 @@ TEST_F(ValidateTransferTest, TooManyBlocksIsResourceExhausted) {
   TransferSpec big;
   big.blocks.resize(4097);
   EXPECT_EQ(Check(big, true).code(), StatusCode::kResourceExhausted);
+}
+
+TEST_F(ValidateTransferTest, RestoreWritesEachRowOnce) {
+  TransferSpec t = Spec();
+  t.blocks[1].rows = {4, 5, 1, 7};  // row 1 is also blocks[0].rows[1]
+  ExpectInvalid(t, true, "blocks[1].rows[2]");
+  HIQ_EXPECT_OK(Check(t, false));
+  t.blocks[1].rows = {4, 5, 5, 7};
+  ExpectInvalid(t, true, "blocks[1].rows[2]");
+  // The sorted path (rows far apart in a huge view) names the same entry.
+  Status st = ValidateTransfer(t, layout_, 1u << 31, kEvents, true, Limits{});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("blocks[1].rows[2]"), std::string::npos) << st.message();
+  t.blocks[0].rows = {2000000000, 3, 2000000000, 1};
+  t.blocks[1].rows = {4, 5, 6, 7};
+  st = ValidateTransfer(t, layout_, 1u << 31, kEvents, true, Limits{});
+  EXPECT_NE(st.message().find("blocks[0].rows[2]"), std::string::npos) << st.message();
+}
+
+TEST_F(ValidateTransferTest, RepeatedRowsOfABackupAreBounded) {
+  Limits lim;
+  lim.max_repeated_rows_per_request = 3;
+  TransferSpec t = Spec();
+  t.blocks[1].rows = t.blocks[0].rows;
+  t.blocks[1].rows[3] = 9;  // 3 repeats
+  HIQ_EXPECT_OK(Check(t, false, lim));
+  t.blocks[1].rows[3] = 3;  // 4 repeats
+  Status st = Check(t, false, lim);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_NE(st.message().find("max_repeated_rows_per_request"), std::string::npos);
+  st = ValidateTransfer(t, layout_, 1u << 31, kEvents, false, lim);  // sorted path
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
 }
 
 TEST(ValidateKeysTest, LengthAndCount) {
