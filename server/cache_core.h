@@ -3,6 +3,38 @@
 //
 // Every public method validates its whole request before touching the store, a buffer or an
 // event; a rejected request changes nothing. Includes neither gRPC nor CUDA. Thread-safe.
+//
+// Isolation (issue 12):
+//   - Ownership. A pool belongs to the caller that registered it (requests.h Caller). Backup,
+//     Restore, Lookup(pool_id), Evict and ReleasePool on a pool the caller does not own answer
+//     NOT_FOUND with the text of an unknown pool. An authenticated caller owns the pools its
+//     process (same uid and pid) registered; a pool registered without a session (anonymous) is
+//     usable by every anonymous caller and by no authenticated one; an admin may release any pool.
+//   - Namespace scope. With CoreOptions::namespace_scope = kUid a namespace's identity includes
+//     its caller's uid ("anonymous" without a session): blocks never flow between users. kNode
+//     shares namespaces node-wide, with the canonical text of daemons before scopes.
+//   - Quotas (CoreOptions::quotas), per client: a uid for authenticated callers, all anonymous
+//     callers together as one. Over a quota a request is RESOURCE_EXHAUSTED naming the quota's
+//     config key, and changes nothing.
+//   - Fair service. Each client's pools share the transfer workers as one group (round-robin
+//     over clients, TransferEngine); on HOST pools a request is split into sub-tasks of at most
+//     transfer_chunk_blocks blocks / transfer_chunk_bytes engine-side bytes on the pool's strand:
+//     the first waits for wait_event, the last signals done_event and the layer events with the
+//     request's ticket (a failure of any sub-task reaches them: the later ones write nothing
+//     and the events get the failure bit). A restore writes each row at most once and restores
+//     a key named twice once: its leading run ends before the repeat.
+//   - Reservations. A backup reserves its pool slots when a sub-task starts (HOST: after its
+//     wait_event came), not when it is queued, so a backup whose wait_event never comes holds no
+//     slot. The answer of an asynchronous HOST backup therefore cannot know each block's
+//     outcome: BLOCK_STORED there means accepted (the daemon stores it when the work runs, unless
+//     the block is present by then, holds NaN/Inf, or finds no room: a cache may drop it; Lookup
+//     says what is held), BLOCK_ALREADY_PRESENT that the key repeats an earlier block of the same
+//     request. A synchronous backup answers each block's outcome exactly; an asynchronous CUDA
+//     backup answers after its work is enqueued, with the reservation outcomes. A key repeated
+//     within one backup is reserved once.
+//   - Namespace lifetime. A namespace lives while pools use it or the pool holds blocks of it;
+//     the last of those going frees it (NamespaceTable), so churn with unique names stays
+//     bounded in memory, snapshot size and metrics series.
 #pragma once
 
 #include <atomic>
@@ -25,10 +57,11 @@
 
 namespace hiqcache::server {
 
-// One finished backup or restore task, as the daemon's metrics (metrics.h) see it.
+// One finished backup or restore request (all of its sub-tasks), as the daemon's metrics
+// (metrics.h) see it.
 struct TransferSample {
   bool restore = false;
-  std::string_view namespace_id;  // valid for the core's lifetime
+  std::string_view namespace_id;  // valid during the OnTransfer call only: copy what you keep
   std::string_view model;
   uint64_t blocks = 0;
   uint64_t input_bytes = 0;   // engine-side BF16/FP16 bytes of those blocks
@@ -48,10 +81,35 @@ class CoreObserver {
   virtual void OnTransfer(const TransferSample& sample) = 0;
   // An RPC answered with an error (`code` != OK), counted by the gRPC adapter.
   virtual void OnRequestRejected(std::string_view rpc, StatusCode code) = 0;
+  // The namespace is gone (no pool uses it, the pool holds no block of it): drop what is kept
+  // per namespace. `namespace_id` is valid during the call only.
+  virtual void OnNamespaceRemoved(std::string_view namespace_id) { (void)namespace_id; }
+};
+
+// Who shares a namespace (DaemonConfig::namespace_scope).
+enum class NamespaceScope { kUid, kNode };
+
+// Per-client quotas (client: the uid of an authenticated caller; every anonymous caller together
+// is one client). A per-process limit would be bypassed by forking. Defaults fit an 8-GPU node
+// whose engines register pools of hundreds of GiB with a buffer per layer and plane.
+struct Quotas {
+  uint32_t max_pools_per_client = 256;                  // max_pools_per_client
+  uint32_t max_buffers_per_client = 8192;               // max_buffers_per_client (mappings)
+  uint64_t max_mapped_bytes_per_client = 16ull << 40;   // max_mapped_bytes_per_client
+  // Engine-side bytes of the client's backups and restores queued or running.
+  uint64_t max_pending_bytes_per_client = 64ull << 30;  // max_pending_bytes_per_client
+  // Pool slots reserved by the client's backups and not yet written (committed or dropped).
+  uint32_t max_reserved_slots_per_client = 16384;       // max_reserved_slots_per_client
 };
 
 struct CoreOptions {
   Limits limits;
+  Quotas quotas;
+  NamespaceScope namespace_scope = NamespaceScope::kUid;
+  // HOST requests run as sub-tasks of at most this many blocks and engine-side bytes each (at
+  // least one block), so that workers alternate between clients' strands.
+  uint32_t transfer_chunk_blocks = 64;
+  uint64_t transfer_chunk_bytes = 16ull << 20;
   unsigned transfer_workers = 2;
   CoreObserver* observer = nullptr;  // optional; must outlive the core
   // How long ReleasePool waits for a pool's queued and device work before it answers
@@ -80,12 +138,14 @@ struct RestoreResult {
 };
 
 struct PoolSnapshot {
-  uint64_t pool_id = 0;
+  uint64_t pool_id = 0;  // 0 unless the snapshot's caller owns the pool or is an admin
   std::string namespace_id;
   std::string model;
   std::string tenant;
   bool cuda = false;
   uint32_t client_pid = 0;
+  uint32_t uid = 0;    // the registering caller's uid (0 when it was anonymous)
+  bool owned = false;  // usable by the snapshot's caller
   std::string peer;
   uint64_t backups = 0;
   uint64_t restores = 0;
@@ -104,7 +164,8 @@ struct NamespaceSnapshot {
 struct CoreSnapshot {
   StoreStats store;
   std::vector<PoolSnapshot> pools;
-  std::vector<NamespaceSnapshot> namespaces;
+  std::vector<NamespaceSnapshot> namespaces;  // in namespace_id order, the requested page
+  uint32_t namespaces_total = 0;              // namespaces there are, all pages
   uint64_t clients = 0;
   uint64_t uptime_seconds = 0;
   // GPU memory the CUDA backend holds for staging and job arrays (0 without CUDA).
@@ -119,15 +180,23 @@ class CacheCore {
   // Finishes queued work first.
   ~CacheCore();
 
+  // The pool belongs to spec.caller. RESOURCE_EXHAUSTED when it would exceed the caller's
+  // quota of pools, buffers or mapped bytes (nothing is opened then).
   StatusOr<RegisterResult> RegisterPool(const RegisterSpec& spec);
   // Removes the pool (new requests naming it get NOT_FOUND), stops its queued work from touching
   // the engine's buffers and events, waits (at most options.release_timeout) until its work
   // queued before and on the device has completed, then closes its mappings and events. OK means
   // they are closed; DEADLINE_EXCEEDED that device work was still pending (they close when it
-  // completes). Blocks the caller: never call it from a transfer worker.
-  Status ReleasePool(uint64_t pool_id);
-  // Releases every pool registered by process `pid`; returns how many.
+  // completes). NOT_FOUND, as for an unknown id, unless `caller` owns the pool or is an admin.
+  // Blocks the caller: never call it from a transfer worker. (The default caller is anonymous:
+  // it releases only pools registered without a session.)
+  Status ReleasePool(uint64_t pool_id, const Caller& caller = Caller{});
+  // Releases every pool registered by process `pid` (the kernel's pid of an authenticated
+  // registration, else the client_pid it reported); returns how many.
   size_t ReleasePoolsOfClient(uint32_t pid);
+  // Releases every pool registered over session `session` (its socket closed: the client died
+  // or left); returns how many. Session 0 (anonymous) releases nothing.
+  size_t ReleasePoolsOfSession(uint64_t session);
 
   // Longest leading run of spec.keys present and readable in every namespace of spec.namespaces
   // and, when spec.pool_id != 0, in the pool's namespace (LookupSpec). Each entry is validated as
@@ -137,20 +206,31 @@ class CacheCore {
   // those blocks; any other namespace no pool registered answers 0 and is not created. Nothing
   // is adopted by a rejected request. Each distinct namespace involved counts the answer as hits
   // and the other keys as misses, and refreshes the answered run only.
+  // A namespace ref resolves in the caller's scope (namespace_scope).
   StatusOr<uint32_t> Lookup(const LookupSpec& spec);
   // Lookup of one pool's namespace.
-  StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys);
-  StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys);
+  StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys,
+                            const Caller& caller = Caller{});
+  // Removes the keys from the pool's namespace; NOT_FOUND unless `caller` owns the pool.
+  StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys,
+                           const Caller& caller = Caller{});
 
   // `done` runs exactly once: with the error if the request is rejected (nothing changed), else
   // after the work is queued (sync = false, HOST), enqueued on the device (sync = false, CUDA:
   // an enqueue failure answers the error) or completed (sync = true), possibly on a worker.
+  // What an asynchronous backup's BLOCK_STORED means: see the header comment (Reservations).
+  // RESOURCE_EXHAUSTED when the caller's pending work would exceed its quota.
   using BackupDone = std::function<void(StatusOr<BackupResult>)>;
   using RestoreDone = std::function<void(StatusOr<RestoreResult>)>;
   void Backup(TransferSpec spec, BackupDone done);
   void Restore(TransferSpec spec, RestoreDone done);
 
-  CoreSnapshot Snapshot() const;
+  // Pools of every caller (pool_id only where `caller` owns the pool or is an admin), and the
+  // namespaces in namespace_id order from `ns_offset`, at most `ns_limit` of them.
+  CoreSnapshot Snapshot(const Caller& caller = Caller{}, uint32_t ns_offset = 0,
+                        uint32_t ns_limit = UINT32_MAX);
+  // Namespaces the core knows now (GetStats' namespaces_total, without building a snapshot).
+  size_t NamespaceCount() const { return namespaces_.size(); }
   // Processes that have pools registered (client_pid != 0).
   std::vector<uint32_t> ClientPids() const;
 
@@ -166,10 +246,57 @@ class CacheCore {
 
  private:
   struct Pool;
-  StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id) const;
+  // What a client holds against its quotas.
+  struct ClientUsage {
+    uint64_t pools = 0;
+    uint64_t buffers = 0;
+    uint64_t mapped_bytes = 0;
+    uint64_t pending_bytes = 0;
+    uint64_t reserved_slots = 0;
+    bool empty() const {
+      return pools == 0 && buffers == 0 && mapped_bytes == 0 && pending_bytes == 0 &&
+             reserved_slots == 0;
+    }
+  };
+  struct BackupRequest;
+  struct RestoreRequest;
+  // The pool if it exists and `caller` may use it; else NOT_FOUND (one text for both).
+  StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id, const Caller& caller) const;
+  static bool Owns(const Pool& pool, const Caller& caller);
+  // The quota key of `caller`: its uid, or one key for every anonymous caller.
+  static uint64_t ClientOf(const Caller& caller);
+  // `desc` in the scope of `caller` (options.namespace_scope).
+  NamespaceDesc Scoped(NamespaceDesc desc, const Caller& caller) const;
   // The namespace of `desc` if interned; else, when the store holds rebuilt blocks of it, interns
   // it and lets the store adopt them; else null (and nothing is created).
-  const NamespaceInfo* FindOrAdoptNamespace(const NamespaceDesc& desc);
+  std::shared_ptr<const NamespaceInfo> FindOrAdoptNamespace(const NamespaceDesc& desc);
+  // Ends the pool's use of its namespace and gives its quota back; idempotent (the release
+  // does it once the mappings are closed, the pool's destruction at the latest).
+  void RetirePool(Pool& pool);
+  // Frees the namespaces that no pool uses and whose blocks are gone (BlockStore's
+  // TakeEmptiedNamespaces).
+  void SweepNamespaces();
+  // Tells the observer a namespace is gone.
+  void NamespaceRemoved(const NamespaceInfo& ns);
+  // Charges `bytes` of pending work to `client`, or answers RESOURCE_EXHAUSTED.
+  Status ChargePending(uint64_t client, uint64_t bytes);
+  void UnchargePending(uint64_t client, uint64_t bytes);
+  // Whether `client` may reserve `slots` more slots now (below its quota, or it holds none).
+  bool MayReserve(uint64_t client, uint64_t slots);
+  void AddReserved(uint64_t client, int64_t slots);
+  // The Backup/Restore bodies; may throw std::bad_alloc before anything is queued.
+  void BackupImpl(TransferSpec spec, BackupDone* done);
+  void RestoreImpl(TransferSpec spec, RestoreDone* done);
+  // The sub-tasks' step functions.
+  // The step of sub-task `chunk`; `*task` holds its task once built (a step may run again).
+  TransferEngine::StepResult BackupStep(const std::shared_ptr<BackupRequest>& req, size_t chunk,
+                                        std::shared_ptr<BackupTask>* task);
+  TransferEngine::StepResult RestoreStep(const std::shared_ptr<RestoreRequest>& req,
+                                         size_t chunk, std::shared_ptr<RestoreTask>* task);
+  void FinishBackup(const std::shared_ptr<BackupRequest>& req);
+  void FinishRestore(const std::shared_ptr<RestoreRequest>& req);
+  // Blocks per sub-task for this layout (HOST), at least 1.
+  size_t ChunkBlocks(const kernels::BlockLayout& layout) const;
   // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.
   std::function<void(std::function<void()>)> DeferOnStrand(
       const std::shared_ptr<TransferEngine::Strand>& strand);
@@ -183,6 +310,11 @@ class CacheCore {
   NamespaceTable namespaces_;
   const std::chrono::steady_clock::time_point start_;
   std::atomic<bool> draining_{false};
+
+  std::atomic<bool> destroying_{false};
+
+  std::mutex usage_mu_;
+  std::map<uint64_t, ClientUsage> usage_;  // GUARDED_BY(usage_mu_); declared before pools_
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cache_core.h"
 #include "hiqcache/paths.h"
 
 namespace hiqcache::server {
@@ -92,6 +93,21 @@ Status Validate(const DaemonConfig& c) {
   if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
     return InvalidArgument("device: must be auto, host or cuda, got " + c.device);
   }
+  if (c.namespace_scope != "uid" && c.namespace_scope != "node") {
+    return InvalidArgument("namespace_scope: must be uid or node, got " + c.namespace_scope);
+  }
+  auto positive = [](uint64_t v, const char* key) -> Status {
+    if (v == 0) return InvalidArgument(std::string(key) + ": must be > 0");
+    return Status::Ok();
+  };
+  HIQ_RETURN_IF_ERROR(positive(c.max_pools_per_client, "max_pools_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_buffers_per_client, "max_buffers_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_mapped_bytes_per_client, "max_mapped_bytes_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_pending_bytes_per_client, "max_pending_bytes_per_client"));
+  HIQ_RETURN_IF_ERROR(
+      positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
+  HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_bytes, "transfer_chunk_bytes"));
   if (c.cuda_staging_bytes < (4ull << 20) || c.cuda_staging_bytes > (64ull << 30)) {
     return InvalidArgument("cuda_staging_bytes: must be in [4MiB, 64GiB], got " +
                            std::to_string(c.cuda_staging_bytes));
@@ -106,6 +122,61 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     if (from_flag) return value;
     return ParseString(value, where);
   };
+  // A size: "8GiB" (quoted in the file, or a bare integer of bytes).
+  auto size = [&]() -> StatusOr<uint64_t> {
+    std::string v = value;
+    if (!from_flag && !v.empty() && v.front() == '"') {
+      HIQ_ASSIGN_OR_RETURN(v, ParseString(value, where));
+    }
+    auto parsed = ParseSize(v);
+    if (!parsed.ok()) return InvalidArgument(where + ": " + parsed.status().message());
+    return *parsed;
+  };
+  auto count = [&](uint64_t max) -> StatusOr<uint32_t> {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    return static_cast<uint32_t>(std::min<uint64_t>(v, max));
+  };
+  // Keys are written with '_' in the file and '-' as flags; either is accepted in both.
+  std::string k = key;
+  for (char& ch : k) {
+    if (ch == '-') ch = '_';
+  }
+  if (k == "namespace_scope") {
+    HIQ_ASSIGN_OR_RETURN(c->namespace_scope, str());
+    return Status::Ok();
+  }
+  if (k == "max_pools_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_pools_per_client, count(1u << 20));
+    return Status::Ok();
+  }
+  if (k == "max_buffers_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_buffers_per_client, count(1u << 24));
+    return Status::Ok();
+  }
+  if (k == "max_mapped_bytes_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_mapped_bytes_per_client, size());
+    return Status::Ok();
+  }
+  if (k == "max_pending_bytes_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_pending_bytes_per_client, size());
+    return Status::Ok();
+  }
+  if (k == "max_reserved_slots_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_reserved_slots_per_client, count(1u << 30));
+    return Status::Ok();
+  }
+  if (k == "max_repeated_rows_per_request") {
+    HIQ_ASSIGN_OR_RETURN(c->max_repeated_rows_per_request, count(UINT32_MAX));
+    return Status::Ok();
+  }
+  if (k == "transfer_chunk_blocks") {
+    HIQ_ASSIGN_OR_RETURN(c->transfer_chunk_blocks, count(1u << 20));
+    return Status::Ok();
+  }
+  if (k == "transfer_chunk_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->transfer_chunk_bytes, size());
+    return Status::Ok();
+  }
   if (key == "listen") {
     if (from_flag) {
       c->listen.push_back(value);
@@ -190,6 +261,18 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
 
 }  // namespace
 
+void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
+  o->namespace_scope = c.namespace_scope == "node" ? NamespaceScope::kNode : NamespaceScope::kUid;
+  o->quotas.max_pools_per_client = c.max_pools_per_client;
+  o->quotas.max_buffers_per_client = c.max_buffers_per_client;
+  o->quotas.max_mapped_bytes_per_client = c.max_mapped_bytes_per_client;
+  o->quotas.max_pending_bytes_per_client = c.max_pending_bytes_per_client;
+  o->quotas.max_reserved_slots_per_client = c.max_reserved_slots_per_client;
+  o->limits.max_repeated_rows_per_request = c.max_repeated_rows_per_request;
+  o->transfer_chunk_blocks = c.transfer_chunk_blocks;
+  o->transfer_chunk_bytes = c.transfer_chunk_bytes;
+}
+
 const char* EmbeddedDefaultConfig() {
   return R"(# hiqcached embedded default configuration
 # listen: unix sockets ("unix:///path") and/or TCP ("host:port"); empty = the default socket,
@@ -215,6 +298,18 @@ admin_uids = ""
 admin_groups = ""
 # Callers without a session may register pools (no isolation between them): off.
 allow_anonymous = false
+# Who shares a namespace's blocks: "uid" (each user its own) or "node" (every caller, as before).
+namespace_scope = "uid"
+# Per-client quotas (client = uid; all callers without a session count as one client).
+max_pools_per_client = 256
+max_buffers_per_client = 8192
+max_mapped_bytes_per_client = "16TiB"
+max_pending_bytes_per_client = "64GiB"
+max_reserved_slots_per_client = 16384
+max_repeated_rows_per_request = 1024
+# HOST requests run in sub-tasks of at most this many blocks / bytes, so clients share workers.
+transfer_chunk_blocks = 64
+transfer_chunk_bytes = "16MiB"
 )";
 }
 
@@ -266,6 +361,12 @@ std::string UsageText() {
          "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
          "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous true|false]\n"
          "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
+         "                 [--namespace-scope uid|node] [--max-pools-per-client N]\n"
+         "                 [--max-buffers-per-client N] [--max-mapped-bytes-per-client SIZE]\n"
+         "                 [--max-pending-bytes-per-client SIZE]\n"
+         "                 [--max-reserved-slots-per-client N]\n"
+         "                 [--max-repeated-rows-per-request N]\n"
+         "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
          "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
@@ -361,6 +462,18 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "admin_uids = " + q(uids) + "\n";
   out += "admin_groups = " + q(groups) + "\n";
   out += "allow_anonymous = " + std::string(c.allow_anonymous ? "true" : "false") + "\n";
+  out += "namespace_scope = " + q(c.namespace_scope) + "\n";
+  out += "max_pools_per_client = " + std::to_string(c.max_pools_per_client) + "\n";
+  out += "max_buffers_per_client = " + std::to_string(c.max_buffers_per_client) + "\n";
+  out += "max_mapped_bytes_per_client = " + std::to_string(c.max_mapped_bytes_per_client) + "\n";
+  out +=
+      "max_pending_bytes_per_client = " + std::to_string(c.max_pending_bytes_per_client) + "\n";
+  out += "max_reserved_slots_per_client = " + std::to_string(c.max_reserved_slots_per_client) +
+         "\n";
+  out += "max_repeated_rows_per_request = " + std::to_string(c.max_repeated_rows_per_request) +
+         "\n";
+  out += "transfer_chunk_blocks = " + std::to_string(c.transfer_chunk_blocks) + "\n";
+  out += "transfer_chunk_bytes = " + std::to_string(c.transfer_chunk_bytes) + "\n";
   return out;
 }
 

@@ -42,7 +42,27 @@ struct DaemonConfig {
   // caller must be identified by the kernel. On: anonymous pools are shared by every anonymous
   // caller (and TCP listeners serve them), which is no isolation at all.
   bool allow_anonymous = false;
+  // Who shares a namespace: "uid" (each user its own; the default) or "node" (every caller, as
+  // daemons before scopes: their warm pools stay readable). CoreOptions::namespace_scope.
+  std::string namespace_scope;
+  // Per-client quotas (client = uid; every anonymous caller together is one): CoreOptions::quotas.
+  uint32_t max_pools_per_client = 0;
+  uint32_t max_buffers_per_client = 0;
+  uint64_t max_mapped_bytes_per_client = 0;
+  uint64_t max_pending_bytes_per_client = 0;
+  uint32_t max_reserved_slots_per_client = 0;
+  // Per-request limit: Limits::max_repeated_rows_per_request.
+  uint32_t max_repeated_rows_per_request = 0;
+  // HOST sub-task size (fair service): CoreOptions::transfer_chunk_blocks / _bytes.
+  uint32_t transfer_chunk_blocks = 0;
+  uint64_t transfer_chunk_bytes = 0;
 };
+
+struct CoreOptions;  // cache_core.h
+
+// Copies the settings the core applies itself (namespace_scope, quotas, repeated rows per
+// request, HOST sub-task size) into `options`. REQUIRES: `config` came from LoadConfig.
+void ApplyCoreSettings(const DaemonConfig& config, CoreOptions* options);
 
 // The configuration compiled into the binary: `hiqcached` with no arguments uses it.
 const char* EmbeddedDefaultConfig();

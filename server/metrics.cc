@@ -141,14 +141,27 @@ void DurationHistogram::Render(const std::string& name, std::string* out) const 
 void DaemonMetrics::OnTransfer(const TransferSample& sample) {
   (sample.restore ? decode_ : encode_).Observe(sample.duration);
   std::lock_guard<std::mutex> lock(mu_);
-  Moved& m = moved_[{std::string(sample.namespace_id), sample.restore}];
-  if (m.model.empty()) m.model = std::string(sample.model);
+  std::pair<std::string, bool> key{std::string(sample.namespace_id), sample.restore};
+  std::string_view model = sample.model;
+  // Two entries (backup, restore) per namespace.
+  if (moved_.count(key) == 0 && moved_.size() >= 2 * kMaxNamespaceSeries) {
+    key.first = "other";
+    model = "";
+  }
+  Moved& m = moved_[key];
+  if (m.model.empty()) m.model = std::string(model);
   if (sample.ok) {
     m.input_bytes += sample.input_bytes;
     m.stored_bytes += sample.stored_bytes;
   } else {
     m.failed_tasks += 1;
   }
+}
+
+void DaemonMetrics::OnNamespaceRemoved(std::string_view namespace_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  moved_.erase({std::string(namespace_id), false});
+  moved_.erase({std::string(namespace_id), true});
 }
 
 void DaemonMetrics::OnRequestRejected(std::string_view rpc, StatusCode code) {

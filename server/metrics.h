@@ -55,6 +55,13 @@ class DaemonMetrics final : public CoreObserver {
  public:
   void OnTransfer(const TransferSample& sample) override;
   void OnRequestRejected(std::string_view rpc, StatusCode code) override;
+  // Drops the namespace's transfer series: the exposition stays bounded whatever names clients
+  // register and release.
+  void OnNamespaceRemoved(std::string_view namespace_id) override;
+
+  // At most this many namespaces keep their own transfer series; transfers of others are
+  // counted under namespace="other" (bounded even while many namespaces live).
+  static constexpr size_t kMaxNamespaceSeries = 1024;
 
   // The whole exposition: daemon info, the snapshot's pool and namespace figures, and this
   // object's counters.
@@ -72,7 +79,7 @@ class DaemonMetrics final : public CoreObserver {
   DurationHistogram decode_;
 
   mutable std::mutex mu_;
-  // (namespace_id, restore) -> bytes moved.
+  // (namespace_id, restore) -> bytes moved; at most kMaxNamespaceSeries namespaces and "other".
   std::map<std::pair<std::string, bool>, Moved> moved_;       // GUARDED_BY(mu_)
   std::map<std::pair<std::string, int>, uint64_t> rejected_;  // GUARDED_BY(mu_): (rpc, code)
 };

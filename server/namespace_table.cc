@@ -5,6 +5,12 @@
 #include <cstdio>
 
 namespace hiqcache::server {
+namespace {
+
+// Ids stay below the block store's ids for namespaces a rebuild found (its kFirstOrphanId).
+constexpr uint32_t kIdLimit = 0x80000000u;
+
+}  // namespace
 
 std::string NamespaceDesc::CanonicalText() const {
   const auto& row = layout.row;
@@ -21,6 +27,9 @@ std::string NamespaceDesc::CanonicalText() const {
   if (!mla) text += ";tp=" + std::to_string(tp_rank) + "/" + std::to_string(tp_size);
   text += ";block=" + std::to_string(layout.block_tokens);
   text += row.codec == kernels::CodecKind::kRaw ? ";codec=raw" : ";codec=int8_per_head";
+  // Node scope adds nothing: its text (and hash) is that of daemons before scopes, so their warm
+  // pools stay readable with namespace_scope = node.
+  if (!scope.empty()) text += ";scope=" + std::to_string(scope.size()) + ":" + scope;
   return text;
 }
 
@@ -38,40 +47,99 @@ std::array<uint8_t, 16> HashOfText(const std::string& text) {
 
 std::array<uint8_t, 16> NamespaceDesc::Hash() const { return HashOfText(CanonicalText()); }
 
-const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
+NamespaceTable::Entry& NamespaceTable::InternLocked(const NamespaceDesc& desc) {
   std::string text = desc.CanonicalText();
-  std::lock_guard<std::mutex> lock(mu_);
   auto it = by_text_.find(text);
-  if (it != by_text_.end()) return *by_id_[it->second];
-  auto info = std::make_unique<NamespaceInfo>();
-  info->id = static_cast<uint32_t>(by_id_.size());
+  if (it != by_text_.end()) return by_id_.at(it->second);
+  // Monotonic ids (wrapping, skipping live ones): a removed namespace's id names nothing else
+  // for a long while, so a lookup racing a removal finds no other namespace's blocks.
+  while (by_id_.count(next_id_) != 0) next_id_ = (next_id_ + 1) % kIdLimit;
+  const uint32_t id = next_id_;
+  next_id_ = (next_id_ + 1) % kIdLimit;
+  auto info = std::make_shared<NamespaceInfo>();
+  info->id = id;
   info->desc = desc;
   info->hash = HashOfText(text);
   char hex[33];
   for (int i = 0; i < 16; ++i) std::snprintf(hex + 2 * i, 3, "%02x", info->hash[i]);
   info->hex_id = hex;
-  by_text_.emplace(std::move(text), info->id);
-  by_id_.push_back(std::move(info));
-  return *by_id_.back();
+  by_text_.emplace(text, id);
+  Entry& e = by_id_[id];
+  e.info = std::move(info);
+  e.text = std::move(text);
+  return e;
 }
 
-const NamespaceInfo* NamespaceTable::Find(const NamespaceDesc& desc) const {
+const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return *InternLocked(desc).info;
+}
+
+std::shared_ptr<const NamespaceInfo> NamespaceTable::Acquire(const NamespaceDesc& desc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = InternLocked(desc);
+  ++e.uses;
+  return e.info;
+}
+
+bool NamespaceTable::Release(uint32_t id, const std::function<bool(uint32_t)>& forget) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return true;
+  if (it->second.uses > 0) --it->second.uses;
+  if (it->second.uses > 0 || !forget(id)) return false;
+  by_text_.erase(it->second.text);
+  by_id_.erase(it);
+  return true;
+}
+
+std::shared_ptr<const NamespaceInfo> NamespaceTable::RemoveIfUnused(
+    uint32_t id, const std::function<bool(uint32_t)>& forget) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) {
+    (void)forget(id);
+    return nullptr;
+  }
+  if (it->second.uses > 0 || !forget(id)) return nullptr;
+  std::shared_ptr<const NamespaceInfo> gone = std::move(it->second.info);
+  by_text_.erase(it->second.text);
+  by_id_.erase(it);
+  return gone;
+}
+
+std::shared_ptr<const NamespaceInfo> NamespaceTable::Find(const NamespaceDesc& desc) const {
   const std::string text = desc.CanonicalText();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_text_.find(text);
-  return it == by_text_.end() ? nullptr : by_id_[it->second].get();
+  return it == by_text_.end() ? nullptr : by_id_.at(it->second).info;
 }
 
 const NamespaceInfo& NamespaceTable::Get(uint32_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return *by_id_.at(id);
+  return *by_id_.at(id).info;
 }
 
-std::vector<const NamespaceInfo*> NamespaceTable::All() const {
+std::vector<std::shared_ptr<const NamespaceInfo>> NamespaceTable::All() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<const NamespaceInfo*> out;
-  for (const auto& p : by_id_) out.push_back(p.get());
+  std::vector<std::shared_ptr<const NamespaceInfo>> out;
+  out.reserve(by_id_.size());
+  // In id order: creation order until ids wrap.
+  std::map<uint32_t, const Entry*> ordered;
+  for (const auto& [id, e] : by_id_) ordered.emplace(id, &e);
+  for (const auto& [id, e] : ordered) out.push_back(e->info);
   return out;
+}
+
+size_t NamespaceTable::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return by_id_.size();
+}
+
+uint32_t NamespaceTable::Uses(uint32_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? 0 : it->second.uses;
 }
 
 }  // namespace hiqcache::server

@@ -738,45 +738,46 @@ TEST_F(CacheCoreTest, WaitEventTimeoutStoresNothing) {
   EXPECT_EQ(ok->results[0], BlockResult::kStored);
 }
 
-TEST_F(CacheCoreTest, PendingReservationsAreNotEvictedWhenThePoolIsFull) {
+TEST_F(CacheCoreTest, StalledAsyncBackupReservesNothing) {
+  // Issue 12 finding 8: an async backup whose wait_event never comes reserved its slots on
+  // arrival and held them for the wait timeout, so other clients' blocks were rejected (or
+  // evicted). Reservations are taken when the task starts: while it waits it holds nothing.
   // A pool of exactly 3 blocks.
   const uint64_t slot = SlotBytesFor(528 * kBlockTokens);
-  Build(2000ms, PoolMetaBytes(1 << 20) + kExtentHeaderBytes + 3 * slot + slot / 2);
+  Build(300ms, PoolMetaBytes(1 << 20) + kExtentHeaderBytes + 3 * slot + slot / 2);
   const uint64_t pool = Register();
   ASSERT_EQ(store_->CapacityBlocks(528 * kBlockTokens), 3u);
-  // Blocked on slot 0: three reservations stay pinned.
+  // Blocked on slot 0, which never comes.
   TransferSpec t = Transfer(pool, {Block(1, 0), Block(2, 4), Block(3, 8)}, /*sync=*/false);
   t.wait_event = 0;
   t.done_event = 1;
   std::atomic<int> calls{0};
   core_->Backup(t, [&](StatusOr<BackupResult> r) {
     ASSERT_TRUE(r.ok());
+    // Accepted (cache_core.h: what BLOCK_STORED means for an asynchronous HOST backup).
     EXPECT_EQ(r->results, (std::vector<BlockResult>(3, BlockResult::kStored)));
     ++calls;
   });
   ASSERT_EQ(calls.load(), 1);
-  // A second pool of the same namespace cannot make room: its block is rejected.
+  EXPECT_EQ(store_->Stats().blocks, 0u);  // nothing reserved while it waits
+  // Another pool fills the cache meanwhile: every block is stored, none rejected.
   const uint64_t other = Register();
   std::promise<StatusOr<BackupResult>> p;
   auto f = p.get_future();
-  core_->Backup(Transfer(other, {Block(4, 12)}),
+  core_->Backup(Transfer(other, {Block(4, 12), Block(5, 16), Block(6, 20)}),
                 [&](StatusOr<BackupResult> r) { p.set_value(std::move(r)); });
   auto r = Await(f);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->results[0], BlockResult::kRejected);
-  EXPECT_EQ(core_->Snapshot().namespaces[0].counters.rejected, 1u);
-  // Once the event comes, the three blocks are stored; nothing was evicted meanwhile.
-  Slot(0).store(1, std::memory_order_release);
+  EXPECT_EQ(r->results, (std::vector<BlockResult>(3, BlockResult::kStored)));
+  EXPECT_EQ(core_->Snapshot().namespaces[0].counters.rejected, 0u);
+  // The stalled backup times out: it stored nothing, evicted nothing, and released done_event
+  // with the failure bit.
   core_->WaitIdle();
-  EXPECT_EQ(Slot(1).load(), 1u);
-  EXPECT_EQ(Lookup(other, {KeyString(1), KeyString(2), KeyString(3)}), 3u);
-  EXPECT_EQ(core_->Snapshot().namespaces[0].counters.evictions, 0u);
-  // Now the LRU block makes room.
-  auto again = Backup(Transfer(other, {Block(4, 12)}));
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->results[0], BlockResult::kStored);
+  EXPECT_EQ(Slot(1).load(), 1u | kHostEventFailedBit);
+  EXPECT_EQ(Lookup(other, {KeyString(4), KeyString(5), KeyString(6)}), 3u);
   EXPECT_EQ(Lookup(other, {KeyString(1)}), 0u);
-  EXPECT_EQ(core_->Snapshot().namespaces[0].counters.evictions, 1u);
+  EXPECT_EQ(core_->Snapshot().namespaces[0].counters.evictions, 0u);
+  EXPECT_EQ(store_->Stats().blocks, 3u);
 }
 
 TEST_F(CacheCoreTest, ReleasePoolCancelsTasksWaitingForEvents) {
@@ -793,7 +794,8 @@ TEST_F(CacheCoreTest, ReleasePoolCancelsTasksWaitingForEvents) {
   r.done_event = 2;
   core_->Restore(r, [](StatusOr<RestoreResult> res) { EXPECT_TRUE(res.ok()); });
   const std::vector<uint8_t> before = ClientBytes();
-  EXPECT_EQ(store_->Stats().blocks, 2u);  // block 1 plus the reservation of block 2
+  // Block 1 only: the waiting backup reserves its slot when it starts, not while queued.
+  EXPECT_EQ(store_->Stats().blocks, 1u);
 
   HIQ_EXPECT_OK(core_->ReleasePool(pool));
   // Both tasks stop at once (not after wait_timeout_ms) and report failure on their events.
@@ -850,14 +852,23 @@ class RecordingObserver : public CoreObserver {
                         s.input_bytes, s.stored_bytes, s.ok});
   }
   void OnRequestRejected(std::string_view, StatusCode) override {}
+  void OnNamespaceRemoved(std::string_view namespace_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    removed_.emplace_back(namespace_id);
+  }
   std::vector<Sample> samples() {
     std::lock_guard<std::mutex> lock(mu_);
     return samples_;
+  }
+  std::vector<std::string> removed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return removed_;
   }
 
  private:
   std::mutex mu_;
   std::vector<Sample> samples_;
+  std::vector<std::string> removed_;
 };
 
 TEST_F(CacheCoreTest, ObserverSeesTransfersThatMoveBlocks) {
@@ -1321,7 +1332,8 @@ TEST_F(GroupLookupTest, RebuiltNamespaceWithNoBlocksLeftIsNotAdopted) {
   EXPECT_EQ(GroupOk({Ref(r0)}, Keys({1, 2})), 0u);
   EXPECT_EQ(GroupOk({Ref(r1)}, Keys({1, 2})), 1u);
   EXPECT_EQ(NamespaceIds(), std::vector<std::string>{p1.namespace_id});
-  EXPECT_EQ(store_->Stats().namespaces.size(), store_namespaces);
+  // Nothing was created; the emptied rebuilt namespace may even be gone (SweepNamespaces).
+  EXPECT_LE(store_->Stats().namespaces.size(), store_namespaces);
 }
 
 TEST_F(GroupLookupTest, DrainingIsUnavailable) {
@@ -1329,6 +1341,521 @@ TEST_F(GroupLookupTest, DrainingIsUnavailable) {
   (void)Reg(r0);
   core_->StartDraining();
   EXPECT_EQ(Group({Ref(r0)}, Keys({1})).status().code(), StatusCode::kUnavailable);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Isolation (issue 12): ownership, namespace scope, quotas, fair service, namespace lifetime.
+
+Caller Authenticated(uint64_t session, uint32_t pid, uint32_t uid) {
+  Caller c;
+  c.session = session;
+  c.pid = pid;
+  c.uid = uid;
+  c.gid = uid;
+  return c;
+}
+
+class IsolationTest : public CacheCoreTest {
+ protected:
+  void TearDown() override {
+    CacheCoreTest::TearDown();
+    for (int fd : fds_) ::close(fd);
+  }
+  // A core with `options` over the fixture's store and backend.
+  void Rebuild(const CoreOptions& options) {
+    core_.reset();
+    core_ = std::make_unique<CacheCore>(options, store_.get(), host_.get(), nullptr);
+  }
+  // Spec() registered by `caller`, its buffers and events passed by fd (as a session does), so
+  // that a caller of another uid may map them (names must belong to the caller's uid).
+  RegisterSpec SpecOf(const Caller& caller, int codec = kInt8) {
+    RegisterSpec s = Spec(codec);
+    s.caller = caller;
+    uint64_t id = 1;
+    for (BufferSpec& b : s.buffers) {
+      const int fd = ::shm_open(("/" + b.host_shm_name).c_str(), O_RDWR, 0);
+      EXPECT_GE(fd, 0);
+      fds_.push_back(fd);
+      b.has_host_shm_name = false;
+      b.has_host_fd = true;
+      b.host_fd_id = id++;
+      b.fd = fd;
+    }
+    const int ev = ::shm_open(s.events.host_shm_name.c_str(), O_RDWR, 0);
+    EXPECT_GE(ev, 0);
+    fds_.push_back(ev);
+    s.events.host_shm_name.clear();
+    s.events.host_fd_id = id;
+    s.events.fd = ev;
+    return s;
+  }
+  RegisterResult RegisterAs(const Caller& caller, int codec = kInt8) {
+    auto r = core_->RegisterPool(SpecOf(caller, codec));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : RegisterResult{};
+  }
+  TransferSpec TransferAs(const Caller& caller, uint64_t pool, std::vector<BlockSpec> blocks) {
+    TransferSpec t = Transfer(pool, std::move(blocks));
+    t.caller = caller;
+    return t;
+  }
+  static bool Has(const Status& st, const std::string& text) {
+    return st.message().find(text) != std::string::npos;
+  }
+
+  std::vector<int> fds_;
+};
+
+TEST_F(IsolationTest, OnlyTheOwnerUsesAPoolOthersSeeNotFound) {
+  const Caller a = Authenticated(1, 100, 61001);
+  const Caller a_other_process = Authenticated(2, 101, 61001);
+  const Caller b = Authenticated(3, 200, 61002);
+  const Caller anonymous;
+  Caller admin = Authenticated(4, 300, 0);
+  admin.admin = true;
+  const RegisterResult pa = RegisterAs(a);
+  ASSERT_NE(pa.pool_id, 0u);
+  ASSERT_TRUE(Backup(TransferAs(a, pa.pool_id, {Block(1, 0)})).ok());
+  const std::vector<uint8_t> before = ClientBytes();
+
+  // The error of an unknown pool, word for word: no oracle of which ids exist.
+  const uint64_t unknown = pa.pool_id ^ 0x5555;
+  const std::string not_found = core_->ReleasePool(unknown, a).message();
+  ASSERT_FALSE(not_found.empty());
+  for (const Caller& intruder : {a_other_process, b, anonymous, admin}) {
+    SCOPED_TRACE("intruder pid " + std::to_string(intruder.pid));
+    auto expect_hidden = [&](const Status& st) {
+      EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+      std::string text = st.message();
+      const std::string id = std::to_string(pa.pool_id);
+      text.replace(text.find(id), id.size(), std::to_string(unknown));
+      EXPECT_EQ(text, not_found);
+    };
+    expect_hidden(Restore(TransferAs(intruder, pa.pool_id, {Block(1, 8)})).status());
+    expect_hidden(Backup(TransferAs(intruder, pa.pool_id, {Block(2, 4)})).status());
+    expect_hidden(core_->Lookup(pa.pool_id, {KeyString(1)}, intruder).status());
+    expect_hidden(core_->Evict(pa.pool_id, {KeyString(1)}, intruder).status());
+    if (!intruder.admin) expect_hidden(core_->ReleasePool(pa.pool_id, intruder));
+  }
+  EXPECT_EQ(ClientBytes(), before);  // no restore reached the owner's rows
+  // The owner still has everything.
+  auto n = core_->Lookup(pa.pool_id, {KeyString(1), KeyString(2)}, a);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 1u);
+
+  // Snapshots show the pool to everyone, its id only to its owner and admins.
+  auto pool_of = [&](const Caller& c) {
+    CoreSnapshot snap = core_->Snapshot(c);
+    EXPECT_EQ(snap.pools.size(), 1u);
+    return snap.pools.empty() ? PoolSnapshot{} : snap.pools[0];
+  };
+  EXPECT_EQ(pool_of(a).pool_id, pa.pool_id);
+  EXPECT_TRUE(pool_of(a).owned);
+  EXPECT_EQ(pool_of(a).uid, 61001u);
+  EXPECT_EQ(pool_of(a).client_pid, 100u);  // the kernel's pid, not the reported one (4242)
+  EXPECT_EQ(pool_of(b).pool_id, 0u);
+  EXPECT_FALSE(pool_of(b).owned);
+  EXPECT_EQ(pool_of(anonymous).pool_id, 0u);
+  EXPECT_EQ(pool_of(a_other_process).pool_id, 0u);
+  EXPECT_EQ(pool_of(admin).pool_id, pa.pool_id);
+  EXPECT_FALSE(pool_of(admin).owned);
+
+  // An admin may release any pool.
+  HIQ_EXPECT_OK(core_->ReleasePool(pa.pool_id, admin));
+  EXPECT_EQ(core_->Lookup(pa.pool_id, {KeyString(1)}, a).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(IsolationTest, AnonymousPoolsServeAnonymousCallersOnly) {
+  const uint64_t pool = Register();  // anonymous, as every caller before sessions
+  const Caller a = Authenticated(1, 100, 0);
+  EXPECT_EQ(core_->Lookup(pool, {KeyString(1)}, a).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(core_->ReleasePool(pool, a).code(), StatusCode::kNotFound);
+  EXPECT_EQ(Backup(TransferAs(a, pool, {Block(1, 0)})).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Backup(Transfer(pool, {Block(1, 0)})).ok());
+  EXPECT_EQ(Lookup(pool, {KeyString(1)}), 1u);
+  EXPECT_EQ(core_->Snapshot().pools[0].pool_id, pool);
+  EXPECT_EQ(core_->Snapshot(a).pools[0].pool_id, 0u);
+}
+
+TEST_F(IsolationTest, ClientDeathBySessionOrKernelPid) {
+  const Caller a1 = Authenticated(7, 100, 61001), a2 = Authenticated(8, 100, 61001);
+  const Caller b = Authenticated(9, 200, 61002);
+  RegisterSpec sa1 = SpecOf(a1);
+  sa1.client_pid = 999;  // what the client claims: ignored for an authenticated caller
+  ASSERT_TRUE(core_->RegisterPool(sa1).ok());
+  const RegisterResult pa2 = RegisterAs(a2);
+  const RegisterResult pb = RegisterAs(b);
+  EXPECT_EQ(core_->ReleasePoolsOfSession(0), 0u);
+  EXPECT_EQ(core_->ReleasePoolsOfClient(999), 0u);
+  EXPECT_EQ(core_->ReleasePoolsOfSession(7), 1u);
+  EXPECT_EQ(core_->Snapshot().pools.size(), 2u);
+  EXPECT_EQ(core_->ReleasePoolsOfClient(100), 1u);
+  EXPECT_EQ(core_->Lookup(pa2.pool_id, {KeyString(1)}, a2).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_TRUE(core_->Lookup(pb.pool_id, {KeyString(1)}, b).ok());
+}
+
+TEST_F(IsolationTest, NamespacesNeverSpanUids) {
+  const Caller a = Authenticated(1, 100, 61001), a2 = Authenticated(2, 101, 61001);
+  const Caller b = Authenticated(3, 200, 61002);
+  const RegisterResult pa = RegisterAs(a), pa2 = RegisterAs(a2), pb = RegisterAs(b);
+  const RegisterResult anon = *core_->RegisterPool(Spec());
+  EXPECT_EQ(pa.namespace_id, pa2.namespace_id);  // one user's processes share
+  EXPECT_NE(pa.namespace_id, pb.namespace_id);
+  EXPECT_NE(pa.namespace_id, anon.namespace_id);
+  ASSERT_TRUE(Backup(TransferAs(a, pa.pool_id, {Block(1, 0)})).ok());
+  EXPECT_EQ(*core_->Lookup(pa2.pool_id, {KeyString(1)}, a2), 1u);
+  EXPECT_EQ(*core_->Lookup(pb.pool_id, {KeyString(1)}, b), 0u);
+  EXPECT_EQ(Lookup(anon.pool_id, {KeyString(1)}), 0u);
+  auto r = Restore(TransferAs(b, pb.pool_id, {Block(1, 8)}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->restored_blocks, 0u);
+  // A lookup by the namespace's parts answers in the caller's scope only.
+  LookupSpec ref;
+  ref.keys = {KeyString(1)};
+  ref.namespaces = {static_cast<NamespaceSpec>(Spec())};
+  ref.caller = b;
+  EXPECT_EQ(*core_->Lookup(ref), 0u);
+  ref.caller = a2;
+  EXPECT_EQ(*core_->Lookup(ref), 1u);
+  ref.caller = Caller{};
+  EXPECT_EQ(*core_->Lookup(ref), 0u);
+}
+
+TEST_F(IsolationTest, NodeScopeSharesAcrossUidsWithTheLegacyNamespaceId) {
+  CoreOptions options;
+  options.namespace_scope = NamespaceScope::kNode;
+  Rebuild(options);
+  const Caller a = Authenticated(1, 100, 61001), b = Authenticated(3, 200, 61002);
+  const RegisterResult pa = RegisterAs(a), pb = RegisterAs(b);
+  EXPECT_EQ(pa.namespace_id, pb.namespace_id);
+  // The id of daemons before scopes: the unscoped descriptor's hash.
+  auto reg = ValidateRegistration(Spec(), Limits{}, store_->CapacityBytes());
+  ASSERT_TRUE(reg.ok());
+  ASSERT_TRUE(reg->ns.scope.empty());
+  NamespaceTable legacy_table;
+  EXPECT_EQ(pa.namespace_id, legacy_table.Intern(reg->ns).hex_id);
+  ASSERT_TRUE(Backup(TransferAs(a, pa.pool_id, {Block(1, 0)})).ok());
+  EXPECT_EQ(*core_->Lookup(pb.pool_id, {KeyString(1)}, b), 1u);
+}
+
+TEST_F(IsolationTest, PoolBufferAndMappingQuotasPerUid) {
+  CoreOptions options;
+  options.quotas.max_pools_per_client = 2;
+  options.quotas.max_buffers_per_client = 5;  // two-buffer pools: the third would need 6
+  Rebuild(options);
+  const Caller a1 = Authenticated(1, 100, 61001), a2 = Authenticated(2, 101, 61001);
+  const Caller b = Authenticated(3, 200, 61002);
+  const RegisterResult p1 = RegisterAs(a1);
+  ASSERT_NE(p1.pool_id, 0u);
+  ASSERT_NE(RegisterAs(a2).pool_id, 0u);  // another process of the same uid: same client
+  auto over = core_->RegisterPool(SpecOf(a1));
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Has(over.status(), "max_pools_per_client")) << over.status().ToString();
+  EXPECT_TRUE(Has(over.status(), "uid 61001")) << over.status().ToString();
+  EXPECT_EQ(core_->Snapshot().pools.size(), 2u);
+  // Another uid is not affected, and round-trips.
+  const RegisterResult pb = RegisterAs(b);
+  ASSERT_NE(pb.pool_id, 0u);
+  ASSERT_TRUE(Backup(TransferAs(b, pb.pool_id, {Block(1, 0)})).ok());
+  auto r = Restore(TransferAs(b, pb.pool_id, {Block(1, 8)}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->restored_blocks, 1u);
+  // Released pools give their quota back.
+  HIQ_EXPECT_OK(core_->ReleasePool(p1.pool_id, a1));
+  EXPECT_NE(RegisterAs(a1).pool_id, 0u);
+
+  CoreOptions buffers;
+  buffers.quotas.max_buffers_per_client = 3;
+  Rebuild(buffers);
+  ASSERT_NE(RegisterAs(a1).pool_id, 0u);
+  over = core_->RegisterPool(SpecOf(a1));
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Has(over.status(), "max_buffers_per_client")) << over.status().ToString();
+
+  CoreOptions mapped;
+  mapped.quotas.max_mapped_bytes_per_client = 3 * kPlaneBytes;  // one pool: 2 planes + events
+  Rebuild(mapped);
+  ASSERT_NE(RegisterAs(a1).pool_id, 0u);
+  over = core_->RegisterPool(SpecOf(a2));
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Has(over.status(), "max_mapped_bytes_per_client")) << over.status().ToString();
+  EXPECT_NE(RegisterAs(b).pool_id, 0u);
+}
+
+TEST_F(IsolationTest, PendingWorkQuota) {
+  CoreOptions options;
+  // One block of this geometry moves 2 planes x 2 layers x 4 tokens x 256 bytes = 4 KiB.
+  options.quotas.max_pending_bytes_per_client = 3 * 4096;
+  Rebuild(options);
+  const Caller a = Authenticated(1, 100, 61001), b = Authenticated(3, 200, 61002);
+  const RegisterResult pa = RegisterAs(a), pb = RegisterAs(b);
+  // Two blocks wait for an event: 8 KiB pending.
+  TransferSpec waiting = TransferAs(a, pa.pool_id, {Block(1, 0), Block(2, 4)});
+  waiting.sync = false;
+  waiting.wait_event = 0;
+  std::atomic<int> calls{0};
+  core_->Backup(waiting, [&](StatusOr<BackupResult> r) {
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    ++calls;
+  });
+  ASSERT_EQ(calls.load(), 1);
+  auto over = Restore(TransferAs(a, pa.pool_id, {Block(1, 8), Block(2, 12)}));
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Has(over.status(), "max_pending_bytes_per_client")) << over.status().ToString();
+  // Another uid's work is not affected (and runs while A's backup waits).
+  std::promise<StatusOr<BackupResult>> p;
+  auto f = p.get_future();
+  core_->Backup(TransferAs(b, pb.pool_id, {Block(3, 16), Block(4, 20)}),
+                [&](StatusOr<BackupResult> r) { p.set_value(std::move(r)); });
+  auto other = Await(f);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  Slot(0).store(1, std::memory_order_release);
+  core_->WaitIdle();
+  // Done: the quota is free again.
+  auto again = Backup(TransferAs(a, pa.pool_id, {Block(5, 16), Block(6, 20), Block(7, 24)}));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*core_->Lookup(pa.pool_id, {KeyString(1), KeyString(2), KeyString(5)}, a), 3u);
+  // A request larger than the whole quota can never run.
+  auto huge = Backup(
+      TransferAs(a, pa.pool_id, {Block(8, 0), Block(9, 4), Block(10, 8), Block(11, 12)}));
+  EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST_F(IsolationTest, ReservedSlotsQuota) {
+  CoreOptions options;
+  options.quotas.max_reserved_slots_per_client = 2;
+  Rebuild(options);
+  const uint64_t pool = Register();
+  auto over = Backup(Transfer(pool, {Block(1, 0), Block(2, 4), Block(3, 8)}));
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().ToString();
+  EXPECT_TRUE(Has(over.status(), "max_reserved_slots_per_client")) << over.status().ToString();
+  EXPECT_EQ(store_->Stats().blocks, 0u);
+  // Sub-tasks of at most 2 blocks keep a client within the quota: the same request runs.
+  options.transfer_chunk_blocks = 2;
+  Rebuild(options);
+  const uint64_t chunked = Register();
+  auto ok = Backup(Transfer(chunked, {Block(1, 0), Block(2, 4), Block(3, 8)}));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->results, std::vector<BlockResult>(3, BlockResult::kStored));
+}
+
+TEST_F(IsolationTest, RestoreCostIsBoundedByWhatItWrites) {
+  const uint64_t pool = Register(kRaw);
+  ASSERT_TRUE(Backup(Transfer(pool, {Block(1, 0), Block(2, 4)})).ok());
+  const std::vector<uint8_t> before = ClientBytes();
+  // The same rows written twice: refused, nothing written, naming the repeat.
+  TransferSpec twice = Transfer(pool, {Block(1, 16), Block(2, 16)});
+  twice.done_event = 2;
+  auto r = Restore(twice);
+  ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_TRUE(Has(r.status(), "blocks[1].rows[0]")) << r.status().ToString();
+  EXPECT_EQ(ClientBytes(), before);
+  EXPECT_EQ(Slot(2).load(), 0u);
+  // A key named twice is restored once: the run ends before its second occurrence.
+  r = Restore(Transfer(pool, {Block(1, 16), Block(2, 20), Block(1, 24), Block(2, 28)}));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->restored_blocks, 2u);
+  ExpectRowsUnchanged(before, 24, 8);
+  EXPECT_EQ(std::memcmp(Elem(0, 1, 20, 0, 0), Elem(0, 1, 4, 0, 0), 4 * kRowBytes), 0);
+}
+
+TEST_F(IsolationTest, RepeatedRowsInABackupAreBounded) {
+  CoreOptions options;
+  options.limits.max_repeated_rows_per_request = 4;
+  Rebuild(options);
+  const uint64_t pool = Register();
+  // 4 repeated rows: allowed (blocks 2 repeats block 1's rows).
+  auto ok = Backup(Transfer(pool, {Block(1, 0), Block(2, 0)}));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  auto over = Backup(Transfer(pool, {Block(3, 8), Block(4, 8), Block(5, 9)}));
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().ToString();
+  EXPECT_TRUE(Has(over.status(), "max_repeated_rows_per_request")) << over.status().ToString();
+  EXPECT_EQ(Lookup(pool, {KeyString(3)}), 0u);
+}
+
+TEST_F(IsolationTest, SplitRequestsSignalOnceWithTheirTicketAndStayExact) {
+  CoreOptions options;
+  options.transfer_chunk_blocks = 1;
+  Rebuild(options);
+  const uint64_t pool = Register(kRaw);
+  TransferSpec b = Transfer(pool, {Block(1, 0), Block(2, 4), Block(3, 8), Block(1, 12)});
+  b.done_event = 1;
+  auto backed = Backup(b);
+  ASSERT_TRUE(backed.ok()) << backed.status().ToString();
+  EXPECT_EQ(backed->results,
+            (std::vector<BlockResult>{BlockResult::kStored, BlockResult::kStored,
+                                      BlockResult::kStored, BlockResult::kAlreadyPresent}));
+  EXPECT_EQ(Slot(1).load(), backed->ticket);
+  TransferSpec r = Transfer(pool, {Block(1, 16), Block(2, 20), Block(3, 24)});
+  r.layer_event_base = 4;
+  r.done_event = 6;
+  auto restored = Restore(r);
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  EXPECT_EQ(restored->restored_blocks, 3u);
+  for (uint32_t e : {4u, 5u, 6u}) EXPECT_EQ(Slot(e).load(), restored->ticket) << e;
+  for (uint32_t p = 0; p < 2; ++p)
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(std::memcmp(Elem(p, l, 16, 0, 0), Elem(p, l, 0, 0, 0), 12 * kRowBytes), 0);
+    }
+  EXPECT_EQ(core_->Snapshot().pools[0].restores, 3u);
+}
+
+TEST_F(IsolationTest, AFailedSubTaskReachesTheEventsAndLaterSubTasksWriteNothing) {
+  CoreOptions options;
+  options.transfer_chunk_blocks = 1;
+  Build(100ms);
+  Rebuild(options);
+  const uint64_t pool = Register(kRaw);
+  ASSERT_TRUE(Backup(Transfer(pool, {Block(1, 0), Block(2, 4), Block(3, 8)})).ok());
+  const std::vector<uint8_t> before = ClientBytes();
+  // wait_event never comes: the first sub-task fails; the rest write nothing, and the last
+  // releases every layer event and done_event with the failure bit.
+  TransferSpec r = Transfer(pool, {Block(1, 16), Block(2, 20), Block(3, 24)});
+  r.wait_event = 0;
+  r.layer_event_base = 4;
+  r.done_event = 6;
+  auto restored = Restore(r);
+  ASSERT_FALSE(restored.ok());
+  EXPECT_EQ(restored.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(ClientBytes(), before);
+  for (uint32_t e : {4u, 5u, 6u}) {
+    EXPECT_EQ(Slot(e).load(), 2u | kHostEventFailedBit) << e;
+  }
+  // A split backup the same: nothing stored, done_event released with the failure bit.
+  TransferSpec bk = Transfer(pool, {Block(7, 0), Block(8, 4), Block(9, 8)});
+  bk.wait_event = 0;
+  bk.done_event = 7;
+  auto backed = Backup(bk);
+  EXPECT_EQ(backed.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(Slot(7).load(), 3u | kHostEventFailedBit);
+  EXPECT_EQ(Lookup(pool, {KeyString(7)}), 0u);
+  EXPECT_EQ(store_->Stats().blocks, 3u);
+  // Every pin is gone: the blocks can be evicted.
+  EXPECT_EQ(*core_->Evict(pool, {KeyString(1), KeyString(2), KeyString(3)}), 3u);
+  EXPECT_EQ(store_->Stats().blocks, 0u);
+}
+
+TEST_F(IsolationTest, OneClientsLongRestoreDoesNotStarveAnother) {
+  // One worker. Client A restores many blocks, client B one; B's answer must not wait for all
+  // of A's work (issue 12 finding 9: it waited for whole requests of other clients).
+  CoreOptions options;
+  options.transfer_workers = 1;
+  options.transfer_chunk_blocks = 1;
+  Rebuild(options);
+  const Caller a = Authenticated(1, 100, 0), b = Authenticated(2, 200, 0);
+  const RegisterResult pa = RegisterAs(a, kRaw), pb = RegisterAs(b, kRaw);
+  ASSERT_TRUE(Backup(TransferAs(a, pa.pool_id, {Block(1, 0), Block(2, 4), Block(3, 8),
+                                                Block(4, 12)}))
+                  .ok());
+  ASSERT_TRUE(Backup(TransferAs(b, pb.pool_id, {Block(9, 28)})).ok());
+  // Hold the only worker with a restore of A that waits, so that both requests queue first.
+  TransferSpec gate = TransferAs(a, pa.pool_id, {Block(1, 16)});
+  gate.sync = false;
+  gate.wait_event = 0;
+  core_->Restore(gate, [](StatusOr<RestoreResult> r) { EXPECT_TRUE(r.ok()); });
+  std::mutex mu;
+  std::vector<char> order;
+  std::promise<void> both;
+  int left = 2;
+  auto finished = [&](char who) {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back(who);
+    if (--left == 0) both.set_value();
+  };
+  // Distinct rows per request: rows 16..31 for A (4 blocks), 12..15 for B.
+  core_->Restore(TransferAs(a, pa.pool_id, {Block(1, 16), Block(2, 20), Block(3, 24),
+                                            Block(4, 28)}),
+                 [&](StatusOr<RestoreResult> r) {
+                   EXPECT_TRUE(r.ok()) << r.status().ToString();
+                   finished('A');
+                 });
+  core_->Restore(TransferAs(b, pb.pool_id, {Block(9, 12)}), [&](StatusOr<RestoreResult> r) {
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    finished('B');
+  });
+  Slot(0).store(1, std::memory_order_release);
+  ASSERT_EQ(both.get_future().wait_for(10s), std::future_status::ready);
+  core_->WaitIdle();
+  EXPECT_EQ(order, (std::vector<char>{'B', 'A'}))
+      << "B's one-block restore waited for A's four-block restore";
+}
+
+TEST_F(IsolationTest, NamespacesOfChurnedPoolsAreFreed) {
+  RecordingObserver obs;
+  CoreOptions options;
+  options.observer = &obs;
+  Rebuild(options);
+  const uint64_t keep = Register();
+  const size_t baseline = core_->Snapshot().namespaces.size();
+  ASSERT_EQ(baseline, 1u);
+  constexpr int kCycles = 2000;
+  std::vector<double> ms(kCycles);
+  for (int i = 0; i < kCycles; ++i) {
+    RegisterSpec s = Spec();
+    s.model = "churn/" + std::to_string(i);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = core_->RegisterPool(s);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    HIQ_ASSERT_OK(core_->ReleasePool(r->pool_id));
+    ms[i] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+  }
+  EXPECT_EQ(core_->NamespaceCount(), baseline);
+  EXPECT_EQ(core_->Snapshot().namespaces.size(), baseline);
+  EXPECT_EQ(core_->Snapshot().namespaces_total, baseline);
+  EXPECT_EQ(store_->Stats().namespaces.size(), baseline);
+  double first = 0, last = 0;
+  for (int i = 0; i < 200; ++i) first += ms[i], last += ms[kCycles - 1 - i];
+  std::printf("[ churn    ] %d register/release cycles: first 200 %.3f ms, last 200 %.3f ms\n",
+              kCycles, first, last);
+  EXPECT_LT(last, 3 * first + 50) << "registration slows down as namespaces accumulate";
+
+  // A namespace whose pool went while it holds blocks stays (a new pool reads them), and goes
+  // once its blocks do.
+  RegisterSpec s = Spec();
+  s.model = "kept/while/it/holds/blocks";
+  auto r = core_->RegisterPool(s);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(Backup(Transfer(r->pool_id, {Block(1, 0)})).ok());
+  HIQ_ASSERT_OK(core_->ReleasePool(r->pool_id));
+  EXPECT_EQ(core_->Snapshot().namespaces.size(), baseline + 1);
+  auto again = core_->RegisterPool(s);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->namespace_id, r->namespace_id);
+  EXPECT_EQ(Lookup(again->pool_id, {KeyString(1)}), 1u);
+  EXPECT_EQ(*core_->Evict(again->pool_id, {KeyString(1)}), 1u);
+  HIQ_ASSERT_OK(core_->ReleasePool(again->pool_id));
+  EXPECT_EQ(core_->Snapshot().namespaces.size(), baseline);
+  (void)keep;
+}
+
+TEST_F(IsolationTest, NamespaceWhoseBlocksAreEvictedWithoutAPoolIsFreed) {
+  const uint64_t slot = SlotBytesFor(528 * kBlockTokens);
+  Build(2000ms, PoolMetaBytes(1 << 20) + kExtentHeaderBytes + 3 * slot + slot / 2);
+  RecordingObserver obs;
+  CoreOptions options;
+  options.observer = &obs;
+  Rebuild(options);
+  RegisterSpec old_spec = Spec();
+  old_spec.model = "old";
+  auto old_pool = core_->RegisterPool(old_spec);
+  ASSERT_TRUE(old_pool.ok());
+  ASSERT_TRUE(Backup(Transfer(old_pool->pool_id, {Block(1, 0)})).ok());
+  HIQ_ASSERT_OK(core_->ReleasePool(old_pool->pool_id));
+  ASSERT_EQ(core_->Snapshot().namespaces.size(), 1u);  // kept: it holds a block
+  // Another namespace needs the whole pool: the old extent yields, and the old namespace goes.
+  const uint64_t fresh = Register();
+  auto b = Backup(Transfer(fresh, {Block(1, 0), Block(2, 4), Block(3, 8)}));
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->results, std::vector<BlockResult>(3, BlockResult::kStored));
+  CoreSnapshot snap = core_->Snapshot();
+  ASSERT_EQ(snap.namespaces.size(), 1u);
+  EXPECT_NE(snap.namespaces[0].namespace_id, old_pool->namespace_id);
+  EXPECT_EQ(obs.removed(), std::vector<std::string>{old_pool->namespace_id});
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // (DESIGN.md "Command line").
 #include "config.h"
 
+#include "cache_core.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -115,6 +117,90 @@ TEST(EmbeddedDefaultTest, ParsesToTheDocumentedValues) {
   EXPECT_TRUE(c.prefault);
   EXPECT_EQ(c.cuda_staging_bytes, 128ull << 20);
   EXPECT_EQ(c.release_timeout_ms, 5000u);
+}
+
+TEST(EmbeddedDefaultTest, QuotasScopeAndSubTasks) {
+  DaemonConfig c;
+  HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &c));
+  EXPECT_EQ(c.namespace_scope, "uid");
+  EXPECT_EQ(c.max_pools_per_client, 256u);
+  EXPECT_EQ(c.max_buffers_per_client, 8192u);
+  EXPECT_EQ(c.max_mapped_bytes_per_client, 16ull << 40);
+  EXPECT_EQ(c.max_pending_bytes_per_client, 64ull << 30);
+  EXPECT_EQ(c.max_reserved_slots_per_client, 16384u);
+  EXPECT_EQ(c.max_repeated_rows_per_request, 1024u);
+  EXPECT_EQ(c.transfer_chunk_blocks, 64u);
+  EXPECT_EQ(c.transfer_chunk_bytes, 16ull << 20);
+  // The core's defaults agree with the embedded file.
+  CoreOptions o, defaults;
+  ApplyCoreSettings(c, &o);
+  EXPECT_EQ(o.quotas.max_pools_per_client, defaults.quotas.max_pools_per_client);
+  EXPECT_EQ(o.quotas.max_buffers_per_client, defaults.quotas.max_buffers_per_client);
+  EXPECT_EQ(o.quotas.max_mapped_bytes_per_client, defaults.quotas.max_mapped_bytes_per_client);
+  EXPECT_EQ(o.quotas.max_pending_bytes_per_client,
+            defaults.quotas.max_pending_bytes_per_client);
+  EXPECT_EQ(o.quotas.max_reserved_slots_per_client,
+            defaults.quotas.max_reserved_slots_per_client);
+  EXPECT_EQ(o.limits.max_repeated_rows_per_request,
+            defaults.limits.max_repeated_rows_per_request);
+  EXPECT_EQ(o.transfer_chunk_blocks, defaults.transfer_chunk_blocks);
+  EXPECT_EQ(o.transfer_chunk_bytes, defaults.transfer_chunk_bytes);
+  EXPECT_EQ(o.namespace_scope, NamespaceScope::kUid);
+}
+
+TEST(LoadConfigTest, QuotaFlagsAndScope) {
+  std::vector<std::string> args = {"hiqcached",
+                                   "--namespace-scope", "node",
+                                   "--max-pools-per-client", "3",
+                                   "--max-buffers-per-client=40",
+                                   "--max-mapped-bytes-per-client", "2GiB",
+                                   "--max-pending-bytes-per-client", "1GiB",
+                                   "--max-reserved-slots-per-client", "77",
+                                   "--max-repeated-rows-per-request", "0",
+                                   "--transfer-chunk-blocks", "8",
+                                   "--transfer-chunk-bytes", "4MiB"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  bool exit_now = false;
+  std::string message;
+  auto c = LoadConfig(static_cast<int>(argv.size()), argv.data(), &exit_now, &message);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->namespace_scope, "node");
+  EXPECT_EQ(c->max_pools_per_client, 3u);
+  EXPECT_EQ(c->max_buffers_per_client, 40u);
+  EXPECT_EQ(c->max_mapped_bytes_per_client, 2ull << 30);
+  EXPECT_EQ(c->max_pending_bytes_per_client, 1ull << 30);
+  EXPECT_EQ(c->max_reserved_slots_per_client, 77u);
+  EXPECT_EQ(c->max_repeated_rows_per_request, 0u);  // no repeated row at all
+  EXPECT_EQ(c->transfer_chunk_blocks, 8u);
+  EXPECT_EQ(c->transfer_chunk_bytes, 4ull << 20);
+  CoreOptions o;
+  ApplyCoreSettings(*c, &o);
+  EXPECT_EQ(o.namespace_scope, NamespaceScope::kNode);
+  EXPECT_EQ(o.quotas.max_pools_per_client, 3u);
+  EXPECT_EQ(o.transfer_chunk_bytes, 4ull << 20);
+  // The file spells the same keys with underscores.
+  DaemonConfig f;
+  HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &f));
+  HIQ_ASSERT_OK(ApplyConfigText("max_pools_per_client = 5\nnamespace_scope = \"node\"\n"
+                                "max_pending_bytes_per_client = \"3GiB\"\n",
+                                "f", &f));
+  EXPECT_EQ(f.max_pools_per_client, 5u);
+  EXPECT_EQ(f.namespace_scope, "node");
+  EXPECT_EQ(f.max_pending_bytes_per_client, 3ull << 30);
+  // Bad values name the setting.
+  for (std::vector<std::string> bad : {std::vector<std::string>{"--namespace-scope", "tenant"},
+                                       std::vector<std::string>{"--max-pools-per-client", "0"},
+                                       std::vector<std::string>{"--transfer-chunk-bytes", "0"}}) {
+    std::vector<std::string> a = {"hiqcached", bad[0], bad[1]};
+    std::vector<char*> av;
+    for (auto& x : a) av.push_back(x.data());
+    auto r = LoadConfig(static_cast<int>(av.size()), av.data(), &exit_now, &message);
+    ASSERT_FALSE(r.ok()) << bad[0];
+    std::string key = bad[0].substr(2);
+    for (char& ch : key) ch = ch == '-' ? '_' : ch;
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status().ToString();
+  }
 }
 
 TEST(LoadConfigTest, NoArgumentsGivesTheDefault) {

@@ -144,5 +144,62 @@ TEST(NamespaceTableTest, ModelAndTenantCannotBeConfused) {
   EXPECT_NE(ia, ib);
 }
 
+
+TEST(NamespaceTableTest, NodeScopeKeepsTheTextOfDaemonsBeforeScopes) {
+  // The canonical text (so the hash, and the warm pool's extent headers) of an unscoped
+  // namespace is exactly what daemons wrote before scopes existed.
+  EXPECT_EQ(Desc().CanonicalText(),
+            "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
+            "tp=0/1;block=64;codec=int8_per_head");
+  NamespaceDesc a = Desc(), b = Desc(), anon = Desc();
+  a.scope = "uid:1000";
+  b.scope = "uid:1001";
+  anon.scope = "anonymous";
+  NamespaceTable t;
+  std::set<std::string> ids;
+  for (const NamespaceDesc& d : {Desc(), a, b, anon}) ids.insert(t.Intern(d).hex_id);
+  EXPECT_EQ(ids.size(), 4u);
+  // Length-prefixed: a scope cannot be spelled by a tenant.
+  NamespaceDesc forged = Desc();
+  forged.tenant = ";scope=8:uid:1000";
+  EXPECT_NE(forged.CanonicalText(), a.CanonicalText());
+  EXPECT_EQ(NamespaceTable().Intern(a).hash, t.Intern(a).hash);
+}
+
+TEST(NamespaceTableTest, ANamespaceGoesWithItsLastUseOnceTheStoreForgetsIt) {
+  NamespaceTable t;
+  auto first = t.Acquire(Desc());
+  auto second = t.Acquire(Desc());
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(t.Uses(first->id), 2u);
+  int forgets = 0;
+  auto forget_ok = [&](uint32_t) {
+    ++forgets;
+    return true;
+  };
+  EXPECT_FALSE(t.Release(first->id, forget_ok));  // a use is left: the store is not asked
+  EXPECT_EQ(forgets, 0);
+  EXPECT_FALSE(t.Release(first->id, [](uint32_t) { return false; }));  // still holds blocks
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.RemoveIfUnused(first->id, forget_ok)->id, first->id);
+  EXPECT_EQ(t.size(), 0u);
+  EXPECT_EQ(t.Find(Desc()), nullptr);
+  EXPECT_EQ(first->desc.model, "Qwen/Qwen3-8B");  // holders keep their copy alive
+  // A new namespace never takes a removed one's id.
+  const uint32_t old_id = first->id;
+  NamespaceDesc d = Desc();
+  for (int i = 0; i < 100; ++i) {
+    d.model = "m" + std::to_string(i);
+    auto n = t.Acquire(d);
+    EXPECT_NE(n->id, old_id);
+    EXPECT_TRUE(t.Release(n->id, forget_ok));
+  }
+  EXPECT_EQ(t.size(), 0u);
+  // In use: never removed.
+  auto used = t.Acquire(Desc());
+  EXPECT_EQ(t.RemoveIfUnused(used->id, forget_ok), nullptr);
+  EXPECT_EQ(t.size(), 1u);
+}
+
 }  // namespace
 }  // namespace hiqcache::server
