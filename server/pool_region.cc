@@ -81,6 +81,30 @@ StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, 
     auto impl = std::make_unique<Impl>();
     impl->shm = bip::shared_memory_object(bip::open_or_create, bare.c_str(), bip::read_write,
                                           bip::permissions(0600));
+    // The pool must be the daemon's alone (DESIGN.md: "owned and written by the daemon only"):
+    // an object someone else created in the world-writable /dev/shm, or one others may have
+    // opened, could be written under the daemon's feet, whatever the rebuild checks.
+    struct stat st {};
+    if (::fstat(impl->shm.get_mapping_handle().handle, &st) != 0) {
+      return FailedPrecondition("shm_name: cannot stat '/" + bare + "': " + std::strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+      return FailedPrecondition(
+          "shm_name: '/" + bare + "' exists and is owned by uid " + std::to_string(st.st_uid) +
+          ", not by the daemon's uid " + std::to_string(::geteuid()) +
+          ": another user created it, so its contents cannot be trusted; remove it or choose "
+          "another --shm-name");
+    }
+    if ((st.st_mode & 077) != 0) {
+      // Ours, but readable or writable by others, who may hold it open: start a new object.
+      HIQ_LOG(WARN) << "event=pool_recreated shm_name=/" << bare << " mode=0" << std::oct
+                    << (st.st_mode & 0777) << std::dec
+                    << " reason=\"accessible to other users: its blocks are not reattached\"";
+      impl->shm = bip::shared_memory_object();
+      bip::shared_memory_object::remove(bare.c_str());
+      impl->shm = bip::shared_memory_object(bip::create_only, bare.c_str(), bip::read_write,
+                                            bip::permissions(0600));
+    }
     bip::offset_t current = 0;
     if (!impl->shm.get_size(current) || static_cast<uint64_t>(current) != bytes) {
       impl->shm.truncate(static_cast<bip::offset_t>(bytes));

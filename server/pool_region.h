@@ -18,6 +18,10 @@ class PoolRegion {
   // Creates (or resizes) shm object `name` to `bytes` and maps it. First checks that the
   // filesystem holding POSIX shm objects (/dev/shm) has room for it (CheckShmRoom): a sparse
   // object larger than that maps fine and SIGBUSes on the first write past the free space.
+  // The object must be the daemon's own: one owned by another uid (or not a regular file) is
+  // refused (FAILED_PRECONDITION naming shm_name); one of ours that group or others may access
+  // is replaced by a new, empty 0600 object (its blocks are not reattached: whoever could open
+  // it may still write it).
   static StatusOr<std::unique_ptr<PoolRegion>> Open(const std::string& name, uint64_t bytes);
   ~PoolRegion();
   PoolRegion(const PoolRegion&) = delete;

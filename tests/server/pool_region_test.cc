@@ -4,13 +4,16 @@
 // object holds count toward its room; a small pool opens, pre-faults and reopens.
 #include "pool_region.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -104,6 +107,62 @@ TEST(PoolRegionTest, SmallPoolOpensPrefaultsAndReopens) {
     EXPECT_EQ((*region)->data()[kBytes - 1], 0x5A);
     EXPECT_EQ((*region)->name(), "/" + bare);
   }
+  ::shm_unlink(("/" + bare).c_str());
+}
+
+}  // namespace
+}  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+// Issue 12 ("the pool cannot be poisoned"): an object another user planted under the pool's
+// name in the world-writable /dev/shm would give that user a writable mapping of the pool.
+TEST(PoolRegionOwnerTest, RefusesAnObjectAnotherUserCreated) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
+  const std::string bare = UniqueName("foreign");
+  ::shm_unlink(("/" + bare).c_str());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    if (::setresgid(61001, 61001, 61001) != 0 || ::setresuid(61001, 61001, 61001) != 0) _exit(2);
+    ::umask(0);
+    const int fd = ::shm_open(("/" + bare).c_str(), O_RDWR | O_CREAT | O_EXCL, 0666);
+    _exit(fd >= 0 && ::ftruncate(fd, 1 << 20) == 0 ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  auto region = PoolRegion::Open("/" + bare, 1 << 20);
+  struct stat st {};
+  ::stat(("/dev/shm/" + bare).c_str(), &st);
+  ::shm_unlink(("/" + bare).c_str());
+  ASSERT_FALSE(region.ok()) << "the daemon mapped a pool another user can write";
+  EXPECT_EQ(region.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(region.status().message().find("shm_name"), std::string::npos)
+      << region.status().message();
+  EXPECT_NE(region.status().message().find("uid 61001"), std::string::npos)
+      << region.status().message();
+  EXPECT_EQ(st.st_uid, 61001u);  // left as it was
+}
+
+// Our own object, but open to others: replaced by a fresh 0600 object (nothing reattached).
+TEST(PoolRegionOwnerTest, ReplacesOurObjectThatOthersCanOpen) {
+  const std::string bare = UniqueName("open");
+  ::shm_unlink(("/" + bare).c_str());
+  const mode_t old_mask = ::umask(0);
+  const int fd = ::shm_open(("/" + bare).c_str(), O_RDWR | O_CREAT | O_EXCL, 0666);
+  ::umask(old_mask);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 1 << 20), 0);
+  ASSERT_EQ(::pwrite(fd, "poison", 6, 0), 6);
+  ::close(fd);
+  auto region = PoolRegion::Open("/" + bare, 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  struct stat st {};
+  ASSERT_EQ(::stat(("/dev/shm/" + bare).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(std::memcmp((*region)->data(), "\0\0\0\0\0\0", 6), 0) << "the old contents stayed";
+  region->reset();
   ::shm_unlink(("/" + bare).c_str());
 }
 
