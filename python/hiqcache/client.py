@@ -173,7 +173,10 @@ def _status_of(err: grpc.RpcError, target: str) -> Status:
 
 
 def _is_stale(s: Status) -> bool:
-    return s.code in (StatusCode.UNAVAILABLE, StatusCode.NOT_FOUND)
+    """Errors after which a pool id may no longer name our registration: the daemon is gone or
+    restarted (UNAVAILABLE), does not know the id (NOT_FOUND), or does not know the session the
+    call named (UNAUTHENTICATED: it restarted between the session check and the call)."""
+    return s.code in (StatusCode.UNAVAILABLE, StatusCode.NOT_FOUND, StatusCode.UNAUTHENTICATED)
 
 
 def _is_unreachable(s: Status) -> bool:

@@ -24,8 +24,13 @@ def daemon_path() -> str:
 
 class Daemon:
     def __init__(self, pool_bytes: str = "256MiB", extra: tuple[str, ...] = (),
-                 shm_name: str | None = None):
+                 shm_name: str | None = None, open_to_all_users: bool = False):
+        """open_to_all_users: sockets mode 0666 in a directory others may traverse, for tests
+        whose children drop to other uids."""
         self.dir = tempfile.mkdtemp(prefix="hiq-py-")
+        if open_to_all_users:
+            os.chmod(self.dir, 0o711)
+            extra = (*extra, "--socket-mode", "0666")
         self.socket_path = os.path.join(self.dir, "hiqcached.sock")
         self.target = "unix://" + self.socket_path
         self.shm_name = shm_name or f"/hiq-py-pool-{os.getpid()}-{os.urandom(3).hex()}"

@@ -18,11 +18,16 @@ def from_bf16_bits(b: np.ndarray) -> np.ndarray:
 
 
 class HostKv:
-    def __init__(self, geometry: hq.Geometry, rows: int):
+    """memfd=True: the buffer is a sealed memfd, registered by fd; else a named shm object (which
+    the client still passes by fd when it has a session)."""
+
+    def __init__(self, geometry: hq.Geometry, rows: int, memfd: bool = False):
         self.g = geometry
         self.rows = rows
         plane = hq.slot_major_bytes(geometry, rows)
-        self.shm = hq.HostShm.create(hq.host.unique_name("test-kv"), geometry.num_layers * 2 * plane)
+        size = geometry.num_layers * 2 * plane
+        self.shm = (hq.HostShm.create_memfd("test-kv", size) if memfd
+                    else hq.HostShm.create(hq.host.unique_name("test-kv"), size))
         self.data = self.shm.array(np.uint16).reshape(geometry.num_layers, 2, rows,
                                                       geometry.num_kv_heads, geometry.head_dim)
         self.layers = tuple(
@@ -33,8 +38,7 @@ class HostKv:
     def spec(self, model: str, block_tokens: int, codec: hq.Codec = hq.Codec.INT8_PER_HEAD,
              events: hq.HostEventPool | None = None) -> hq.PoolSpec:
         return hq.PoolSpec(model=model, geometry=self.g, block_tokens=block_tokens, codec=codec,
-                           buffers=(hq.SharedBuffer(size_bytes=self.shm.size,
-                                                    host_shm_name=self.shm.name),),
+                           buffers=(self.shm.shared_buffer(),),
                            layers=self.layers,
                            events=events.spec() if events else hq.EventPoolSpec())
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import hiqcache as hq  # noqa: E402
 from hiqcache.host import unique_name  # noqa: E402
-from hiqcache.torch_kv import cuda_export, paged_view, shm_tensor  # noqa: E402
+from hiqcache.torch_kv import cuda_export, memfd_tensor, paged_view, shm_tensor  # noqa: E402
 
 BS, HEADS, DIM, BLOCKS, LAYERS = 16, 2, 64, 6, 2
 
@@ -25,14 +25,19 @@ def layouts(t: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, torch.Tens
             for l in range(LAYERS)]
 
 
-@pytest.mark.parametrize("layout", ["flash", "head_major"])
-def test_views_from_strides_round_trip_through_the_daemon(daemon, layout):
+@pytest.mark.parametrize("layout,memory", [("flash", "memfd"), ("head_major", "memfd"),
+                                           ("flash", "named")])
+def test_views_from_strides_round_trip_through_the_daemon(daemon, layout, memory):
     shape = ((LAYERS, 2, BLOCKS, BS, HEADS, DIM) if layout == "flash"
              else (LAYERS, BLOCKS, HEADS, 2 * BS, DIM))
     nbytes = 2 * LAYERS * 2 * BLOCKS * BS * HEADS * DIM
-    shm = hq.HostShm.create(unique_name("torch-kv"), nbytes)
-    try:
+    if memory == "memfd":
+        shm, t = memfd_tensor(torch.bfloat16, shape)
+        assert shm.is_memfd and shm.size == nbytes
+    else:
+        shm = hq.HostShm.create(unique_name("torch-kv"), nbytes)
         t = shm_tensor(shm, torch.bfloat16, shape)
+    try:
         t.copy_(torch.randn(shape).to(torch.bfloat16))
         per_layer = layouts(t, layout)
         base = t.data_ptr()
@@ -42,7 +47,7 @@ def test_views_from_strides_round_trip_through_the_daemon(daemon, layout):
         g = hq.Geometry(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
         spec = hq.PoolSpec(model=f"torch-{layout}", geometry=g, block_tokens=BS,
                            codec=hq.Codec.RAW, layers=views,
-                           buffers=(hq.SharedBuffer(size_bytes=nbytes, host_shm_name=shm.name),))
+                           buffers=(shm.shared_buffer(),))
         with hq.Client(daemon.target) as c:
             pool = c.register_pool(spec)
             keys = hq.compute_block_keys(range(2 * BS), BS)
