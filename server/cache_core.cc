@@ -654,6 +654,9 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   auto found = FindPool(spec.pool_id, spec.caller);
   if (!found.ok()) return (*done)(found.status());
   std::shared_ptr<Pool> pool = std::move(found).value();
+  // A pool whose client memory broke (PoolBinding::Failure) fails every later request up front,
+  // asynchronous ones included.
+  if (Status failed = pool->binding->Failure(); !failed.ok()) return (*done)(failed);
   Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
                                pool->binding->event_count(), /*restore=*/false, options_.limits);
   if (!st.ok()) return (*done)(st);
@@ -912,6 +915,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   auto found = FindPool(spec.pool_id, spec.caller);
   if (!found.ok()) return (*done)(found.status());
   std::shared_ptr<Pool> pool = std::move(found).value();
+  if (Status failed = pool->binding->Failure(); !failed.ok()) return (*done)(failed);
   // Also refuses a restore that names a row twice: its cost is bounded by the rows it writes.
   Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
                                pool->binding->event_count(), /*restore=*/true, options_.limits);

@@ -1,6 +1,9 @@
 #include "cache_service.h"
 
+#include <algorithm>
+
 #include "hiqcache/log.h"
+#include "hiqcache/session_protocol.h"
 
 namespace hiqcache::server {
 namespace {
@@ -48,6 +51,8 @@ RegisterSpec ToRegisterSpec(const v1::RegisterPoolRequest& r, const std::string&
     bs.host_shm_name = b.host_shm_name();
     bs.has_cuda_ipc_handle = b.has_cuda_ipc_handle();
     bs.cuda_ipc_handle = b.cuda_ipc_handle();
+    bs.has_host_fd = b.has_host_fd_id();
+    bs.host_fd_id = b.host_fd_id();
     bs.size_bytes = b.size_bytes();
     s.buffers.push_back(std::move(bs));
   }
@@ -55,6 +60,7 @@ RegisterSpec ToRegisterSpec(const v1::RegisterPoolRequest& r, const std::string&
     s.layers.push_back({ToView(l.has_k(), l.k()), ToView(l.has_v(), l.v())});
   }
   s.events.host_shm_name = r.events().host_shm_name();
+  s.events.host_fd_id = r.events().host_fd_id();
   s.events.count = r.events().count();
   for (const auto& h : r.events().cuda_ipc_event_handles()) {
     s.events.cuda_ipc_event_handles.push_back(h);
@@ -103,7 +109,7 @@ void CountRejection(const CacheCore* core, const Status& st, const char* rpc) {
 
 void Finish(const CacheCore* core, grpc::ServerUnaryReactor* reactor, const Status& st,
             const char* rpc) {
-  if (!st.ok()) HIQ_LOG(DEBUG) << rpc << " rejected: " << st.ToString();
+  if (!st.ok()) HIQ_LOG(DEBUG) << rpc << " rejected: " << LogSafe(st.ToString());
   CountRejection(core, st, rpc);
   reactor->Finish(ToGrpcStatus(st));
 }
@@ -126,11 +132,61 @@ grpc::Status ToGrpcStatus(const Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
 
+StatusOr<Caller> CacheService::CallerOf(grpc::CallbackServerContext* ctx) const {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(grpc::string_ref(kSessionMetadataKey.data(), kSessionMetadataKey.size()));
+  if (it == md.end()) return Caller{};
+  Caller caller;
+  if (sessions_ != nullptr) {
+    caller = sessions_->Authenticate(std::string_view(it->second.data(), it->second.size()));
+  }
+  if (!caller.authenticated()) {
+    return Unauthenticated(std::string(kSessionMetadataKey) +
+                           ": names no open session of this hiqcached (it restarted, or the "
+                           "session socket closed): open a new session");
+  }
+  return caller;
+}
+
+StatusOr<Caller> CacheService::OwnerCallerOf(grpc::CallbackServerContext* ctx,
+                                             const char* rpc) const {
+  HIQ_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
+  if (!caller.authenticated() && !allow_anonymous_) {
+    return Unauthenticated(std::string(rpc) + " needs a session: connect to the session socket " +
+                           "beside the gRPC socket (PATH" + std::string(kSessionSocketSuffix) +
+                           ") and send its token as '" + std::string(kSessionMetadataKey) +
+                           "' metadata (the hiqcache client libraries do)");
+  }
+  return caller;
+}
+
 grpc::ServerUnaryReactor* CacheService::RegisterPool(grpc::CallbackServerContext* ctx,
                                                      const v1::RegisterPoolRequest* req,
                                                      v1::RegisterPoolResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  auto result = core_->RegisterPool(ToRegisterSpec(*req, ctx->peer()));
+  auto caller = OwnerCallerOf(ctx, "RegisterPool");
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "RegisterPool");
+    return reactor;
+  }
+  RegisterSpec spec = ToRegisterSpec(*req, ctx->peer());
+  spec.caller = *caller;
+  // The fds this request names leave the session now, whatever the outcome; they are closed when
+  // `taken` goes (the binding maps or dups what it keeps).
+  SessionListener::TakenFds taken;
+  if (sessions_ != nullptr && caller->authenticated()) {
+    std::vector<uint64_t> ids;
+    for (const auto& b : spec.buffers) {
+      if (b.has_host_fd) ids.push_back(b.host_fd_id);
+    }
+    if (spec.events.host_fd_id != 0) ids.push_back(spec.events.host_fd_id);
+    if (!ids.empty()) taken = sessions_->TakeFds(caller->session, ids);
+  }
+  for (auto& b : spec.buffers) {
+    if (b.has_host_fd) b.fd = taken.Get(b.host_fd_id);
+  }
+  if (spec.events.host_fd_id != 0) spec.events.fd = taken.Get(spec.events.host_fd_id);
+  auto result = core_->RegisterPool(spec);
   if (result.ok()) {
     resp->set_pool_id(result->pool_id);
     resp->set_namespace_id(result->namespace_id);
@@ -138,8 +194,8 @@ grpc::ServerUnaryReactor* CacheService::RegisterPool(grpc::CallbackServerContext
     resp->set_block_bytes(result->block_bytes);
     resp->set_capacity_tokens(result->capacity_tokens);
   } else {
-    HIQ_LOG(INFO) << "RegisterPool from " << ctx->peer()
-                  << " rejected: " << result.status().ToString();
+    HIQ_LOG(INFO) << "RegisterPool from pid " << caller->pid << " uid " << caller->uid
+                  << " rejected: " << LogSafe(result.status().ToString());
   }
   CountRejection(core_, result.status(), "RegisterPool");
   reactor->Finish(ToGrpcStatus(result.status()));
@@ -150,7 +206,9 @@ grpc::ServerUnaryReactor* CacheService::ReleasePool(grpc::CallbackServerContext*
                                                     const v1::ReleasePoolRequest* req,
                                                     v1::ReleasePoolResponse*) {
   auto* reactor = ctx->DefaultReactor();
-  Finish(core_, reactor, core_->ReleasePool(req->pool_id()), "ReleasePool");
+  auto caller = OwnerCallerOf(ctx, "ReleasePool");
+  Status st = caller.ok() ? core_->ReleasePool(req->pool_id(), *caller) : caller.status();
+  Finish(core_, reactor, st, "ReleasePool");
   return reactor;
 }
 
@@ -158,7 +216,14 @@ grpc::ServerUnaryReactor* CacheService::Lookup(grpc::CallbackServerContext* ctx,
                                                const v1::LookupRequest* req,
                                                v1::LookupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  auto result = core_->Lookup(ToLookupSpec(*req));
+  auto caller = OwnerCallerOf(ctx, "Lookup");
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "Lookup");
+    return reactor;
+  }
+  LookupSpec spec = ToLookupSpec(*req);
+  spec.caller = *caller;
+  auto result = core_->Lookup(spec);
   if (result.ok()) resp->set_prefix_blocks(*result);
   Finish(core_, reactor, result.status(), "Lookup");
   return reactor;
@@ -168,7 +233,12 @@ grpc::ServerUnaryReactor* CacheService::Evict(grpc::CallbackServerContext* ctx,
                                               const v1::EvictRequest* req,
                                               v1::EvictResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  auto result = core_->Evict(req->pool_id(), ToKeys(req->keys()));
+  auto caller = OwnerCallerOf(ctx, "Evict");
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "Evict");
+    return reactor;
+  }
+  auto result = core_->Evict(req->pool_id(), ToKeys(req->keys()), *caller);
   if (result.ok()) resp->set_evicted(*result);
   Finish(core_, reactor, result.status(), "Evict");
   return reactor;
@@ -178,8 +248,15 @@ grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
                                                const v1::BackupRequest* req,
                                                v1::BackupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto caller = OwnerCallerOf(ctx, "Backup");
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "Backup");
+    return reactor;
+  }
+  TransferSpec spec = ToTransferSpec(*req);
+  spec.caller = *caller;
   CacheCore* core = core_;
-  core_->Backup(ToTransferSpec(*req), [core, reactor, resp](StatusOr<BackupResult> result) {
+  core_->Backup(std::move(spec), [core, reactor, resp](StatusOr<BackupResult> result) {
     if (result.ok()) {
       for (BlockResult r : result->results) {
         resp->add_results(static_cast<v1::BlockStatus>(static_cast<int>(r)));
@@ -195,7 +272,13 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
                                                 const v1::RestoreRequest* req,
                                                 v1::RestoreResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto caller = OwnerCallerOf(ctx, "Restore");
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "Restore");
+    return reactor;
+  }
   TransferSpec spec = RestoreSpecFromProto(*req);
+  spec.caller = *caller;
   CacheCore* core = core_;
   core_->Restore(std::move(spec), [core, reactor, resp](StatusOr<RestoreResult> result) {
     if (result.ok()) {
@@ -208,10 +291,28 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
 }
 
 grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ctx,
-                                                 const v1::GetStatsRequest*,
+                                                 const v1::GetStatsRequest* req,
                                                  v1::GetStatsResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  CoreSnapshot snap = core_->Snapshot();
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) {
+    Finish(core_, reactor, caller.status(), "GetStats");
+    return reactor;
+  }
+  constexpr uint32_t kDefaultNamespaces = 256;
+  constexpr uint32_t kMaxNamespaces = 4096;
+  if (req->namespaces_limit() > kMaxNamespaces) {
+    Finish(core_, reactor,
+           InvalidArgument("namespaces_limit: " + std::to_string(req->namespaces_limit()) +
+                           ", at most " + std::to_string(kMaxNamespaces)),
+           "GetStats");
+    return reactor;
+  }
+  const uint32_t limit =
+      req->namespaces_limit() != 0 ? req->namespaces_limit() : kDefaultNamespaces;
+  // A page of the namespaces, in namespace_id order, so that the answer stays small whatever
+  // clients register.
+  CoreSnapshot snap = core_->Snapshot(*caller, req->namespaces_offset(), limit);
   resp->set_pool_bytes(snap.store.pool_bytes);
   resp->set_used_bytes(snap.store.used_bytes);
   resp->set_blocks(snap.store.blocks);
@@ -221,7 +322,11 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
   resp->set_cuda_staging_bytes(snap.staging_device_bytes);
   resp->set_device(device_);
   resp->set_shm_name(shm_name_);
-  for (const auto& n : snap.namespaces) {
+  resp->set_caller_uid(caller->uid);
+  resp->set_caller_admin(caller->admin);
+  resp->set_namespaces_total(snap.namespaces_total);
+  resp->set_corrupt_blocks(snap.store.corrupt);
+  for (const NamespaceSnapshot& n : snap.namespaces) {
     auto* out = resp->add_namespaces();
     out->set_namespace_id(n.namespace_id);
     out->set_model(n.model);
@@ -238,6 +343,7 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
     out->set_rejected(n.counters.rejected);
     out->set_pools(n.pools);
     out->set_capacity_blocks(n.counters.capacity_blocks);
+    out->set_corrupt(n.counters.corrupt);
   }
   for (const auto& p : snap.pools) {
     auto* out = resp->add_pools();
@@ -250,6 +356,8 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
     out->set_backups(p.backups);
     out->set_restores(p.restores);
     out->set_peer(p.peer);
+    out->set_uid(p.uid);
+    out->set_owned(p.owned);
   }
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -258,8 +366,23 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* CacheService::Drain(grpc::CallbackServerContext* ctx,
                                               const v1::DrainRequest*, v1::DrainResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto caller = CallerOf(ctx);
+  if (caller.ok() && !caller->admin) {
+    caller = PermissionDenied(
+        "Drain is for admins (uid 0, the daemon's user, or admin_uids/admin_groups): open a "
+        "session as one of them" +
+        std::string(caller->authenticated()
+                        ? " (this session's uid " + std::to_string(caller->uid) + " is not)"
+                        : " (this call carried no session)"));
+  }
+  if (!caller.ok()) {
+    HIQ_LOG(WARN) << "event=drain_refused peer=" << LogSafe(ctx->peer()) << " "
+                  << caller.status().ToString();
+    Finish(core_, reactor, caller.status(), "Drain");
+    return reactor;
+  }
   std::call_once(drain_once_, [&] {
-    HIQ_LOG(INFO) << "event=drain peer=" << ctx->peer();
+    HIQ_LOG(INFO) << "event=drain pid=" << caller->pid << " uid=" << caller->uid;
     if (drain_hook_) drain_hook_();
     core_->StartDraining();
   });

@@ -1,7 +1,14 @@
 // CacheService: the gRPC adapter (callback API) of hiqcache.v1.Cache. Each handler converts the
 // protobuf request into a core request, calls CacheCore, and converts the result back; it holds no
-// state and makes no decisions. Backup and Restore finish their reactor from the transfer worker
-// when `sync` is set, so no gRPC thread waits on codec work. Thread-safe.
+// state. Backup and Restore finish their reactor from the transfer worker when `sync` is set, so no
+// gRPC thread waits on codec work. Thread-safe.
+//
+// Callers: a call whose metadata carries a session token (hiq-session, session_protocol.h) is
+// made by that session's process, as the kernel identified it (SessionListener); a token that
+// names no open session is UNAUTHENTICATED. A call without one is anonymous: it may read
+// GetStats (no pool ids) and nothing that needs an owner, unless allow_anonymous (a compatibility
+// switch for callers that cannot open a session; anonymous pools are then shared by every
+// anonymous caller, so it is off by default). Drain is for admins only (PERMISSION_DENIED).
 #pragma once
 
 #include <functional>
@@ -10,6 +17,7 @@
 
 #include "cache_core.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
+#include "session_listener.h"
 
 namespace hiqcache::server {
 
@@ -17,8 +25,15 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
  public:
   // `core` must outlive the service.
   // `device` ("host"/"cuda") and `shm_name` are reported by GetStats.
-  CacheService(CacheCore* core, std::string device, std::string shm_name)
-      : core_(core), device_(std::move(device)), shm_name_(std::move(shm_name)) {}
+  // `sessions` may be null (no unix socket: every caller is anonymous); it must outlive the
+  // service.
+  CacheService(CacheCore* core, std::string device, std::string shm_name,
+               SessionListener* sessions = nullptr, bool allow_anonymous = false)
+      : core_(core),
+        sessions_(sessions),
+        allow_anonymous_(allow_anonymous),
+        device_(std::move(device)),
+        shm_name_(std::move(shm_name)) {}
 
   grpc::ServerUnaryReactor* RegisterPool(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterPoolRequest* req,
@@ -48,7 +63,15 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
   void SetDrainHook(std::function<void()> hook) { drain_hook_ = std::move(hook); }
 
  private:
+  // The caller of `ctx` (anonymous without a token), or UNAUTHENTICATED for a token that names
+  // no open session.
+  StatusOr<Caller> CallerOf(grpc::CallbackServerContext* ctx) const;
+  // CallerOf, then: an anonymous caller is refused unless allow_anonymous_.
+  StatusOr<Caller> OwnerCallerOf(grpc::CallbackServerContext* ctx, const char* rpc) const;
+
   CacheCore* core_;
+  SessionListener* const sessions_;
+  const bool allow_anonymous_;
   std::function<void()> drain_hook_;
   std::once_flag drain_once_;
   const std::string device_;

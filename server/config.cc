@@ -240,6 +240,9 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     c->release_timeout_ms = static_cast<uint32_t>(std::min<uint64_t>(v, 600000));
   } else if (key == "prefault") {
     HIQ_ASSIGN_OR_RETURN(c->prefault, ParseBool(value, where));
+  } else if (key == "verify_reads_one_in" || key == "verify-reads-one-in") {
+    HIQ_ASSIGN_OR_RETURN(uint64_t v, ParseUint(value, where));
+    c->verify_reads_one_in = static_cast<uint32_t>(std::min<uint64_t>(v, 1u << 20));
   } else if (key == "allow_anonymous" || key == "allow-anonymous") {
     HIQ_ASSIGN_OR_RETURN(c->allow_anonymous, ParseBool(value, where));
   } else if (key == "admin_uids" || key == "admin-uids") {
@@ -298,6 +301,8 @@ admin_uids = ""
 admin_groups = ""
 # Callers without a session may register pools (no isolation between them): off.
 allow_anonymous = false
+# Restore verifies the checksum of one block read in N (1 = every read, 0 = never).
+verify_reads_one_in = 32
 # Who shares a namespace's blocks: "uid" (each user its own) or "node" (every caller, as before).
 namespace_scope = "uid"
 # Per-client quotas (client = uid; all callers without a session count as one client).
@@ -360,6 +365,7 @@ std::string UsageText() {
          "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
          "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
          "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous true|false]\n"
+         "                 [--verify-reads-one-in N]\n"
          "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
          "                 [--namespace-scope uid|node] [--max-pools-per-client N]\n"
          "                 [--max-buffers-per-client N] [--max-mapped-bytes-per-client SIZE]\n"
@@ -462,6 +468,7 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "admin_uids = " + q(uids) + "\n";
   out += "admin_groups = " + q(groups) + "\n";
   out += "allow_anonymous = " + std::string(c.allow_anonymous ? "true" : "false") + "\n";
+  out += "verify_reads_one_in = " + std::to_string(c.verify_reads_one_in) + "\n";
   out += "namespace_scope = " + q(c.namespace_scope) + "\n";
   out += "max_pools_per_client = " + std::to_string(c.max_pools_per_client) + "\n";
   out += "max_buffers_per_client = " + std::to_string(c.max_buffers_per_client) + "\n";

@@ -42,6 +42,9 @@ struct DaemonConfig {
   // caller must be identified by the kernel. On: anonymous pools are shared by every anonymous
   // caller (and TCP listeners serve them), which is no isolation at all.
   bool allow_anonymous = false;
+  // Restore verifies the checksum of one block read in this many (1 = every read, 0 = never):
+  // StoreOptions::verify_reads_one_in.
+  uint32_t verify_reads_one_in = 32;
   // Who shares a namespace: "uid" (each user its own; the default) or "node" (every caller, as
   // daemons before scopes: their warm pools stay readable). CoreOptions::namespace_scope.
   std::string namespace_scope;

@@ -38,7 +38,9 @@
 #include "metrics.h"
 #include "pool_region.h"
 #include "service_notify.h"
+#include "session_listener.h"
 #include "cuda_backend.h"
+#include "hiqcache/session_protocol.h"
 #ifdef HIQ_HAVE_CUDA
 #include "cuda_device_api.h"
 #include "cuda_runtime_check.h"
@@ -204,21 +206,33 @@ int Run(int argc, char** argv) {
   RebuildReport rebuild;
   LogIfError(notifier.SetStatus("reading block headers of pool " + (*region)->name()));
   auto t2 = std::chrono::steady_clock::now();
-  BlockStore store((*region)->data(), (*region)->size(), /*reattach=*/true, cores, &rebuild);
+  StoreOptions store_options;
+  store_options.reattach = true;
+  store_options.rebuild_threads = cores;
+  store_options.verify_reads_one_in = config.verify_reads_one_in;
+  BlockStore store((*region)->data(), (*region)->size(), store_options, &rebuild);
   auto t3 = std::chrono::steady_clock::now();
   if (rebuild.reattached) {
     HIQ_LOG(INFO) << "reattached pool in "
                   << std::chrono::duration_cast<std::chrono::milliseconds>(t3 - t2).count()
                   << " ms: " << rebuild.blocks_kept << " blocks kept in " << rebuild.namespaces
                   << " namespace(s), " << rebuild.blocks_incomplete << " incomplete and "
-                  << rebuild.blocks_corrupt << " corrupt dropped";
+                  << rebuild.blocks_corrupt << " corrupt dropped, " << rebuild.extents_corrupt
+                  << " corrupt extent(s) dropped";
   } else {
     HIQ_LOG(INFO) << "formatted pool (" << rebuild.reason << ")";
   }
   kernels::CpuCodec codec(config.codec_threads);
   HostBackend host(&codec, std::chrono::milliseconds(config.wait_timeout_ms));
+  // No client may register the pool itself as its buffer (by name or fd): that would be read and
+  // write access to every tenant's cached payloads.
+  if (Status st = host.SetPoolObject((*region)->name()); !st.ok()) {
+    HIQ_LOG(ERROR) << "pool " << (*region)->name() << ": " << st.ToString();
+    return 1;
+  }
   DaemonMetrics metrics;
   CoreOptions options;
+  ApplyCoreSettings(config, &options);
   options.observer = &metrics;
   options.transfer_workers = config.transfer_workers != 0 ? config.transfer_workers : 2;
   options.release_timeout = std::chrono::milliseconds(config.release_timeout_ms);
@@ -278,7 +292,44 @@ int Run(int argc, char** argv) {
   }
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
   LiveCore::Publish publish(&live, core.get());
-  CacheService service(core.get(), device_name, (*region)->name());
+
+  // The session sockets beside the unix gRPC sockets: who each caller is (SO_PEERCRED), the fds
+  // it hands over, and its death (the connection closes) releasing its pools.
+  std::vector<std::string> session_paths;
+  for (const auto& addr : config.listen) {
+    if (!IsUnix(addr)) continue;
+    Status st = PrepareUnixSocket(UnixPath(addr));
+    if (!st.ok()) {
+      HIQ_LOG(ERROR) << st.ToString();
+      return 1;
+    }
+    session_paths.push_back(UnixPath(addr) + std::string(kSessionSocketSuffix));
+  }
+  SessionOptions session_options;
+  session_options.socket_mode = config.socket_mode;
+  session_options.socket_gid = socket_gid;
+  for (uint32_t uid : config.admin_uids) session_options.admin_uids.push_back(uid);
+  for (const auto& group : config.admin_groups) {
+    const gid_t gid = LookupGroup(group);
+    if (gid == static_cast<gid_t>(-1)) {
+      HIQ_LOG(ERROR) << "admin_groups: unknown group '" << LogSafe(group) << "'";
+      return 1;
+    }
+    session_options.admin_gids.push_back(gid);
+  }
+  std::unique_ptr<SessionListener> sessions;
+  if (!session_paths.empty()) {
+    auto started = SessionListener::Start(
+        session_paths, session_options,
+        [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
+    if (!started.ok()) {
+      HIQ_LOG(ERROR) << started.status().ToString();
+      return 1;
+    }
+    sessions = std::move(started).value();
+  }
+  CacheService service(core.get(), device_name, (*region)->name(), sessions.get(),
+                       config.allow_anonymous);
   std::atomic<grpc::Server*> drain_server{nullptr};
 
   // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
@@ -293,7 +344,9 @@ int Run(int argc, char** argv) {
     info.start_time_seconds = start_time;
     auto started = MetricsHttpServer::Start(config.metrics_listen, [&, info]() mutable {
       info.ready = serving.load();
-      return metrics.Render(core->Snapshot(), info);
+      Caller operator_view;  // metrics are for the node's operator: every pool, no id hidden
+      operator_view.admin = true;
+      return metrics.Render(core->Snapshot(operator_view), info);
     });
     if (!started.ok()) {
       HIQ_LOG(ERROR) << started.status().ToString();
@@ -306,13 +359,6 @@ int Run(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   for (const auto& addr : config.listen) {
-    if (IsUnix(addr)) {
-      Status st = PrepareUnixSocket(UnixPath(addr));
-      if (!st.ok()) {
-        HIQ_LOG(ERROR) << st.ToString();
-        return 1;
-      }
-    }
     builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
   }
   const int max_msg = static_cast<int>(
@@ -385,6 +431,7 @@ int Run(int argc, char** argv) {
   server->Wait();
   metrics_server.reset();  // its render callback uses the core
   watcher.reset();
+  sessions.reset();  // its release thread calls into the core
   { LiveCore::Publish withdraw(&live, nullptr); }
   core.reset();
   cuda.reset();

@@ -73,7 +73,10 @@ class SessionListener {
    public:
     TakenFds() = default;
     TakenFds(TakenFds&& other) noexcept : fds_(std::move(other.fds_)) { other.fds_.clear(); }
-    TakenFds& operator=(TakenFds&&) = delete;
+    TakenFds& operator=(TakenFds&& other) noexcept {
+      std::swap(fds_, other.fds_);  // ours close with `other`
+      return *this;
+    }
     TakenFds(const TakenFds&) = delete;
     ~TakenFds();
     // The fd taken for `id`, or -1 when the session held no fd with that id.

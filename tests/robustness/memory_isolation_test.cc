@@ -262,7 +262,7 @@ TEST_F(MemoryIsolationTest, TruncateAfterAReleaseThatTimedOutIsSurvived) {
 // DISABLED_ until server/hiqcached_main.cc tells the HOST backend its pool object, right after
 // constructing it: `host.SetPoolObject((*region)->name())` (a failure is a start-up error).
 // Passes with that call; remove the prefix with it.
-TEST_F(MemoryIsolationTest, DISABLED_DaemonsOwnPoolIsRefused) {
+TEST_F(MemoryIsolationTest, DaemonsOwnPoolIsRefused) {
   Start();
   auto stats = bystander_->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();

@@ -295,7 +295,7 @@ class DrainResponse(_message.Message):
     def __init__(self, pending_tasks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "model", "codec", "encoded_bytes_per_token", "blocks", "bytes", "hits", "misses", "backups", "restores", "evictions", "tenant", "rejected", "pools", "capacity_blocks")
+    __slots__ = ("namespace_id", "model", "codec", "encoded_bytes_per_token", "blocks", "bytes", "hits", "misses", "backups", "restores", "evictions", "tenant", "rejected", "pools", "capacity_blocks", "corrupt")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class NamespaceStats(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     model: str
     codec: Codec
@@ -326,7 +327,8 @@ class NamespaceStats(_message.Message):
     rejected: int
     pools: int
     capacity_blocks: int
-    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., encoded_bytes_per_token: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., evictions: _Optional[int] = ..., tenant: _Optional[str] = ..., rejected: _Optional[int] = ..., pools: _Optional[int] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
+    corrupt: int
+    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., encoded_bytes_per_token: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., evictions: _Optional[int] = ..., tenant: _Optional[str] = ..., rejected: _Optional[int] = ..., pools: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("pool_id", "namespace_id", "model", "tenant", "device", "client_pid", "backups", "restores", "peer", "uid", "owned")
@@ -355,7 +357,7 @@ class PoolInfo(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[_Union[DeviceKind, str]] = ..., client_pid: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., peer: _Optional[str] = ..., uid: _Optional[int] = ..., owned: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes", "namespaces_total", "caller_uid", "caller_admin")
+    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes", "namespaces_total", "caller_uid", "caller_admin", "corrupt_blocks")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +372,7 @@ class GetStatsResponse(_message.Message):
     NAMESPACES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CALLER_UID_FIELD_NUMBER: _ClassVar[int]
     CALLER_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     used_bytes: int
     blocks: int
@@ -384,4 +387,5 @@ class GetStatsResponse(_message.Message):
     namespaces_total: int
     caller_uid: int
     caller_admin: bool
-    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ...) -> None: ...
+    corrupt_blocks: int
+    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ...) -> None: ...

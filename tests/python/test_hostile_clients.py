@@ -1,0 +1,202 @@
+"""Hostile local clients against the real daemon (issue: isolation). Victims and attackers are
+separate processes of separate uids (the test runs as root and starts them with user=), each a
+hostile_actor.py speaking raw gRPC plus the session socket.
+
+What must hold: a pool belongs to the process and uid that registered it (others get NOT_FOUND,
+and GetStats shows them no id); blocks never flow between uids; Drain needs an admin; memory
+comes with proof of access (a name of another uid's object, or of the daemon's own pool, is
+refused); a call without a session, or with a forged token, owns nothing; a client's death
+(its session socket closing) releases its pools within a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from daemon import Daemon
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VICTIM_UID = 61001
+ATTACKER_UID = 61002
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids")
+
+
+class Proc:
+    """One hostile_actor.py process of uid `uid`."""
+
+    def __init__(self, target: str, uid: int):
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "hostile_actor.py"), target],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+            user=uid, group=uid, extra_groups=[], env={**os.environ, "HOME": "/"})
+
+    def __call__(self, **cmd) -> dict:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"actor died (exit {self.p.poll()})"
+        reply = json.loads(line)
+        assert reply.get("code") != "EXCEPTION", reply
+        return reply
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(extra=("--socket-mode", "0666"))
+    os.chmod(d.dir, 0o755)  # other uids reach the sockets
+    d.start()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def actors(daemon):
+    made: list[Proc] = []
+
+    def make(uid: int) -> Proc:
+        p = Proc(daemon.target, uid)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def keys(n: int, tag: str) -> list[str]:
+    return [uuid.uuid5(uuid.NAMESPACE_OID, f"{tag}-{i}").bytes.hex() for i in range(n)]
+
+
+def registered(actor: Proc, seed: int, **kw) -> int:
+    assert actor(op="memory", name=kw.pop("name", None))["ok"]
+    assert actor(op="fill", seed=seed)["ok"]
+    out = actor(op="register", **kw)
+    assert out["ok"], out
+    return out["pool_id"]
+
+
+def test_session_greeting_is_the_kernels_view(actors):
+    a = actors(ATTACKER_UID)
+    s = a(op="session")
+    assert s["ok"] and s["uid"] == ATTACKER_UID and s["pid"] == a.pid
+
+
+def test_pools_belong_to_their_process_and_uid(actors):
+    victim = actors(VICTIM_UID)
+    attacker = actors(ATTACKER_UID)
+    same_uid = actors(VICTIM_UID)  # another process of the victim's user
+    vk = keys(2, "victim")
+    vpool = registered(victim, seed=1)
+    rows = list(range(32))
+    original = victim(op="digest", rows=rows)["digest"]
+    assert victim(op="backup", pool_id=vpool, keys=vk)["results"] == [0, 0]  # BLOCK_STORED
+
+    apool = registered(attacker, seed=2)  # same model and geometry as the victim's
+    stats = attacker(op="stats")
+    assert stats["ok"]
+    assert stats["caller_uid"] == ATTACKER_UID and not stats["caller_admin"]
+    theirs = [p for p in stats["pools"] if p["uid"] == VICTIM_UID]
+    mine = [p for p in stats["pools"] if p["uid"] == ATTACKER_UID]
+    assert theirs and all(p["pool_id"] == 0 and not p["owned"] for p in theirs)
+    assert [p["pool_id"] for p in mine] == [apool] and mine[0]["owned"]
+
+    # Even knowing the victim's pool id, nothing works on it: it does not exist for them.
+    for who in (attacker, same_uid):
+        assert who(op="restore", pool_id=vpool, keys=vk)["code"] == "NOT_FOUND"
+        assert who(op="backup", pool_id=vpool, keys=keys(1, "forged"))["code"] == "NOT_FOUND"
+        assert who(op="lookup", pool_id=vpool, keys=vk)["code"] == "NOT_FOUND"
+        assert who(op="evict", pool_id=vpool, keys=vk)["code"] == "NOT_FOUND"
+        assert who(op="release", pool_id=vpool)["code"] == "NOT_FOUND"
+    # Blocks never flow between uids: the attacker's pool of the same model sees none of them.
+    assert attacker(op="lookup", pool_id=apool, keys=vk)["prefix"] == 0
+    assert attacker(op="restore", pool_id=apool, keys=vk)["restored"] == 0
+    # Drain is for admins; the daemon keeps accepting registrations.
+    assert attacker(op="drain")["code"] == "PERMISSION_DENIED"
+    assert registered(actors(ATTACKER_UID), seed=4) != 0
+
+    # The victim's cache and buffer are intact: overwrite the buffer, restore, compare.
+    assert victim(op="fill", seed=3)["ok"]
+    assert victim(op="restore", pool_id=vpool, keys=vk)["restored"] == 2
+    assert victim(op="digest", rows=rows)["digest"] == original
+    assert victim(op="release", pool_id=vpool)["ok"]
+
+
+def test_memory_needs_proof_of_access(daemon, actors):
+    victim = actors(VICTIM_UID)
+    attacker = actors(ATTACKER_UID)
+    name = f"hiq-victim-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        registered(victim, seed=1, name=name)  # victim's objects: mode 0600, owner 61001
+        assert attacker(op="memory")["ok"]
+        # The victim's KV object and event object, by name: not the attacker's to map.
+        out = attacker(op="register", buffer_name="/" + name)
+        assert out["code"] == "PERMISSION_DENIED", out
+        assert "buffers[0]" in out["details"]
+        out = attacker(op="register", events_name="/" + name + "-ev")
+        assert out["code"] == "PERMISSION_DENIED", out
+        assert "events" in out["details"]
+        # The daemon's own pool: refused to everyone, admins included.
+        pool = attacker(op="stats")["shm_name"]
+        for who in (attacker, actors(0)):
+            if who is not attacker:
+                assert who(op="memory")["ok"]
+            out = who(op="register", buffer_name=pool, size=64 << 20)
+            assert out["code"] == "PERMISSION_DENIED", out
+    finally:
+        for suffix in ("", "-ev"):
+            try:
+                os.unlink("/dev/shm/" + name + suffix)
+            except FileNotFoundError:
+                pass
+
+
+def test_callers_without_a_session_own_nothing(actors):
+    victim = actors(VICTIM_UID)
+    vpool = registered(victim, seed=1)
+    attacker = actors(ATTACKER_UID)
+    assert attacker(op="memory")["ok"]
+    for how in ("none", "forged"):
+        out = attacker(op="register", auth=how, buffer_name="/does-not-matter")
+        assert out["code"] == "UNAUTHENTICATED", out
+        assert attacker(op="restore", auth=how, pool_id=vpool, keys=keys(1, "x"))["code"] == \
+            "UNAUTHENTICATED"
+    anon = attacker(op="stats", auth="none")
+    assert anon["ok"] and anon["pools"] and all(p["pool_id"] == 0 for p in anon["pools"])
+    assert attacker(op="stats", auth="forged")["code"] == "UNAUTHENTICATED"
+
+
+def test_client_death_releases_its_pools_within_a_second(actors):
+    victim = actors(VICTIM_UID)
+    vpool = registered(victim, seed=1)
+    admin = actors(0)
+    assert any(p["pool_id"] == vpool for p in admin(op="stats")["pools"])  # admins see ids
+    victim.kill()
+    t0 = time.monotonic()
+    while any(p["pool_id"] == vpool for p in admin(op="stats")["pools"]):
+        assert time.monotonic() - t0 < 1.0, "the dead client's pool is still registered"
+        time.sleep(0.02)
