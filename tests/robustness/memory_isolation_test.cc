@@ -259,9 +259,8 @@ TEST_F(MemoryIsolationTest, TruncateAfterAReleaseThatTimedOutIsSurvived) {
   ExpectBystanderRoundTrip(12);
 }
 
-// DISABLED_ until server/hiqcached_main.cc tells the HOST backend its pool object, right after
-// constructing it: `host.SetPoolObject((*region)->name())` (a failure is a start-up error).
-// Passes with that call; remove the prefix with it.
+// hiqcached tells the HOST backend its pool object at start (HostBackend::SetPoolObject): a
+// client naming the pool as its buffer would read and write every tenant's cached payloads.
 TEST_F(MemoryIsolationTest, DaemonsOwnPoolIsRefused) {
   Start();
   auto stats = bystander_->GetStats();
