@@ -8,6 +8,7 @@ from hiqcache.client import (BackupResult, BlockStatus, Client, DaemonStats, Loo
                              NamespaceStats, PoolStats, RestoreResult, default_socket_path,
                              normalize_target)
 from hiqcache.host import EVENT_FAILED_BIT, HostEventPool, HostShm
+from hiqcache.session import Session, SessionError
 from hiqcache.keys import BlockKey, chain_block_key, compute_block_keys, root_block_key
 from hiqcache.spec import (Attention, Codec, DeviceKind, DType, EventPoolSpec, Geometry,
                            LayerView, NamespaceRef, PoolSpec, RegisteredPool, SharedBuffer,
