@@ -16,6 +16,8 @@
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/host_shm.h"
+#include "hiqcache/session.h"
+#include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 #include "process_util.h"
 
@@ -122,11 +124,16 @@ class MetricsTest : public ::testing::Test {
     ASSERT_TRUE(r.status.ok()) << r.status.ToString();
     ASSERT_EQ(r.restored_blocks, 2u);
 
-    // Two rejected requests through a raw stub: an unknown pool and a malformed key.
+    // Two rejected requests through a raw stub: an unknown pool and a malformed key. Named by a
+    // session, as the daemon requires of pool calls.
     auto stub = hiqcache::v1::Cache::NewStub(
         grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+    auto session = Session::Open(daemon_->target(), std::chrono::seconds(5));
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    const std::string token = (*session)->token();
     {
       grpc::ClientContext ctx;
+      ctx.AddMetadata(std::string(kSessionMetadataKey), token);
       hiqcache::v1::LookupRequest req;
       hiqcache::v1::LookupResponse resp;
       req.set_pool_id(1);
@@ -135,6 +142,7 @@ class MetricsTest : public ::testing::Test {
     }
     {
       grpc::ClientContext ctx;
+      ctx.AddMetadata(std::string(kSessionMetadataKey), token);
       hiqcache::v1::LookupRequest req;
       hiqcache::v1::LookupResponse resp;
       req.set_pool_id(registered_.pool_id);

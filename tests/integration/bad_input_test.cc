@@ -1,7 +1,8 @@
 // Malformed requests against the real daemon, sent as raw gRPC where the client library would not
 // let them through: each is answered with the contract's status code and a message naming the
 // offending field, and changes nothing (the KV buffer bytes and GetStats are compared before and
-// after). The daemon keeps serving afterwards.
+// after). The daemon keeps serving afterwards. The raw calls carry a session token as the client
+// library's do (it_util.h SessionContext); calls without one, or with a forged one, are refused.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -89,6 +90,9 @@ class BadInputTest : public ::testing::Test {
     ASSERT_NE(client_, nullptr);
     stub_ = v1::Cache::NewStub(
         grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+    auto session = SessionContext::Open(daemon_->target());
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    session_ = std::move(session).value();
     PoolOptions o;
     o.model = std::string("bad-") + ::testing::UnitTest::GetInstance()->current_test_info()->name();
     o.geometry = Geom(kLayers, 4, 64);
@@ -132,7 +136,13 @@ class BadInputTest : public ::testing::Test {
     ExpectUnchanged(what);
   }
 
+  // A call of this test's session; AnonCtx: one without a session.
   std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = AnonCtx();
+    session_.Attach(c.get());
+    return c;
+  }
+  static std::unique_ptr<grpc::ClientContext> AnonCtx() {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     return c;
@@ -213,6 +223,7 @@ class BadInputTest : public ::testing::Test {
   static DaemonProcess* daemon_;
   std::unique_ptr<Client> client_;
   std::unique_ptr<v1::Cache::Stub> stub_;
+  SessionContext session_;
   std::unique_ptr<TestPool> pool_;
   uint64_t pool_id_ = 0;
   std::vector<BlockKey> keys_;
@@ -227,6 +238,68 @@ TEST_F(BadInputTest, ValidRequestsPassAsControl) {
   EXPECT_TRUE(Call(GoodRestore()).ok());
   EXPECT_TRUE(Call(GoodBackup()).ok());
   EXPECT_TRUE(Call(valid_register_).ok());
+}
+
+// Every pool call names its caller by a session: without one, or with a token that names no
+// session of this daemon, it is UNAUTHENTICATED and changes nothing.
+TEST_F(BadInputTest, CallsWithoutAValidSessionAreUnauthenticated) {
+  Snapshot();
+  for (int forged = 0; forged < 2; ++forged) {
+    auto ctx = [forged] {
+      auto c = AnonCtx();
+      if (forged) c->AddMetadata(std::string(kSessionMetadataKey), std::string(32, '0'));
+      return c;
+    };
+    const std::string what = forged ? " with a forged token" : " without a session";
+    v1::BackupResponse br;
+    Expect(stub_->Backup(ctx().get(), GoodBackup(), &br), StatusCode::UNAUTHENTICATED, "session",
+           "Backup" + what);
+    v1::RestoreResponse rr;
+    Expect(stub_->Restore(ctx().get(), GoodRestore(), &rr), StatusCode::UNAUTHENTICATED, "session",
+           "Restore" + what);
+    v1::RegisterPoolResponse pr;
+    Expect(stub_->RegisterPool(ctx().get(), valid_register_, &pr), StatusCode::UNAUTHENTICATED,
+           "session", "RegisterPool" + what);
+    v1::EvictRequest e;
+    e.set_pool_id(pool_id_);
+    e.add_keys(Bytes(keys_[0]));  // present: an evict that slipped through would drop it
+    v1::EvictResponse er;
+    Expect(stub_->Evict(ctx().get(), e, &er), StatusCode::UNAUTHENTICATED, "session",
+           "Evict" + what);
+    v1::ReleasePoolRequest rel;
+    rel.set_pool_id(pool_id_);
+    v1::ReleasePoolResponse relr;
+    Expect(stub_->ReleasePool(ctx().get(), rel, &relr), StatusCode::UNAUTHENTICATED, "session",
+           "ReleasePool" + what);
+    // Drain needs an admin: an anonymous caller is none, a forged token names nobody.
+    v1::DrainResponse dr;
+    Expect(stub_->Drain(ctx().get(), v1::DrainRequest(), &dr),
+           forged ? StatusCode::UNAUTHENTICATED : StatusCode::PERMISSION_DENIED,
+           forged ? "session" : "admin", "Drain" + what);
+  }
+  ExpectStillServing();
+}
+
+// host_fd_id must name an fd this caller's session holds: an unknown id, or an fd passed over
+// another session, is refused naming the field.
+TEST_F(BadInputTest, FdIdsMustNameFdsOfTheCallersSession) {
+  using R = v1::RegisterPoolRequest;
+  const StatusCode kInvalid = StatusCode::INVALID_ARGUMENT;
+  Snapshot();
+  ExpectRegister([](R& r) { r.mutable_buffers(0)->set_host_fd_id(999999); }, kInvalid,
+                 "buffers[0].host_fd_id", "unknown buffer fd id");
+  ExpectRegister([](R& r) { r.mutable_events()->set_host_fd_id(999999); }, kInvalid,
+                 "events.host_fd_id", "unknown event fd id");
+  auto other = SessionContext::Open(daemon_->target());
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  const int fd = ::shm_open(pool_->kv.shm().name().c_str(), O_RDWR | O_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  const uint64_t foreign = other->PassFd(fd);
+  ::close(fd);
+  ASSERT_NE(foreign, 0u);
+  ExpectRegister([&](R& r) { r.mutable_buffers(0)->set_host_fd_id(foreign); }, kInvalid,
+                 "buffers[0].host_fd_id", "fd id of another session");
+  ExpectStillServing();
 }
 
 TEST_F(BadInputTest, UnknownPoolIsNotFound) {

@@ -213,23 +213,22 @@ TEST_F(FailOpenTest, SigtermFinishesInFlightWorkThenRefuses) {
   const std::vector<BlockKey> keys = Keys(40, 2, kBt);
   const std::vector<uint32_t> rows = RowRange(0, 2 * kBt);
   FillRows(pool_->kv, 40, rows, kBt);
-  // A sync backup that cannot finish before the test stores its wait value.
-  BackupResult in_flight;
-  std::thread t([&] {
-    BackupOptions bo;
-    bo.wait_event = 1;
-    bo.wait_value = 1;
-    bo.sync = true;
-    in_flight = client_->Backup(pool_->handle, keys, rows, bo);
-  });
-  // The daemon has accepted it once its blocks are reserved.
-  const bool accepted = Eventually([&] {
-    auto s = client_->GetStats();
-    const NamespaceStats* n = s.ok() ? FindNamespace(*s, pool_->info.namespace_id) : nullptr;
-    return n != nullptr && n->blocks == 2;
-  });
-  if (!accepted) pool_->events.Store(1, 1);
-  ASSERT_TRUE(accepted) << "the backup never reached the daemon";
+  // A backup that cannot finish before the test stores its wait value. Asynchronous: its reply
+  // says the daemon has queued it (blocks are reserved only once the task starts, so GetStats
+  // cannot tell).
+  BackupOptions bo;
+  bo.wait_event = 1;
+  bo.wait_value = pool_->events.Read(1) + 1;
+  bo.done_event = 2;
+  bo.sync = false;
+  BackupResult in_flight = client_->Backup(pool_->handle, keys, rows, bo);
+  ASSERT_TRUE(in_flight.status.ok()) << in_flight.status.ToString();
+  ASSERT_GT(in_flight.ticket, 0u);
+  EXPECT_LT(pool_->events.Read(2), in_flight.ticket) << "done before its wait value";
+  // Before SIGTERM: a draining daemon may take no new sessions.
+  auto session = SessionContext::Open(daemon_.target());
+  if (!session.ok()) pool_->events.Store(1, bo.wait_value);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
   ASSERT_EQ(::kill(daemon_.pid(), SIGTERM), 0);
   std::this_thread::sleep_for(200ms);
 
@@ -238,6 +237,7 @@ TEST_F(FailOpenTest, SigtermFinishesInFlightWorkThenRefuses) {
       v1::Cache::NewStub(grpc::CreateChannel(daemon_.target(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + 2s);
+  session->Attach(&ctx);
   v1::LookupRequest lr;
   lr.set_pool_id(pool_->info.pool_id);
   lr.add_keys(std::string(reinterpret_cast<const char*>(keys[0].data()), 16));
@@ -250,12 +250,17 @@ TEST_F(FailOpenTest, SigtermFinishesInFlightWorkThenRefuses) {
   EXPECT_EQ(l.prefix_blocks, 0u);
   EXPECT_EQ(l.status.code(), hiqcache::StatusCode::kUnavailable) << l.status.ToString();
 
-  pool_->events.Store(1, 1);
-  t.join();
-  EXPECT_TRUE(in_flight.status.ok()) << "in-flight backup failed: " << in_flight.status.ToString();
-  for (BlockStatus s : in_flight.blocks) EXPECT_EQ(s, BlockStatus::kStored);
+  // The queued backup still runs to completion, and succeeds.
+  pool_->events.Store(1, bo.wait_value);
+  Status done = pool_->events.Wait(2, in_flight.ticket, 10s);
+  EXPECT_TRUE(done.ok()) << "in-flight backup: " << done.ToString();
   EXPECT_EQ(daemon_.Stop(), 0) << "hiqcached did not exit 0 after SIGTERM";
   ExpectAllCallsMiss("daemon exited after SIGTERM");
+  // It was stored for real: the restarted daemon rebuilt both blocks from its pool.
+  ASSERT_TRUE(daemon_.Start());
+  EXPECT_TRUE(Eventually([&] { return client_->Lookup(pool_->handle, keys).prefix_blocks == 2; },
+                         5s))
+      << "the backup finished during the drain is gone after a restart";
 }
 
 }  // namespace
@@ -282,8 +287,12 @@ TEST(DrainTest, DrainRefusesNewWorkAndTurnsHealthNotServing) {
 
   auto channel = grpc::CreateChannel(daemon.target(), grpc::InsecureChannelCredentials());
   auto stub = v1::Cache::NewStub(channel);
+  // Drain is for admins (we run as root) and, like pool calls, named by a session.
+  auto session = SessionContext::Open(daemon.target());
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
   {
     grpc::ClientContext ctx;
+    session->Attach(&ctx);
     v1::DrainRequest req;
     v1::DrainResponse resp;
     ASSERT_TRUE(stub->Drain(&ctx, req, &resp).ok());
@@ -291,6 +300,7 @@ TEST(DrainTest, DrainRefusesNewWorkAndTurnsHealthNotServing) {
   }
   {
     grpc::ClientContext ctx;
+    session->Attach(&ctx);
     v1::LookupRequest req;
     req.set_pool_id(p->info.pool_id);
     req.add_keys(std::string(reinterpret_cast<const char*>(keys[0].data()), 16));

@@ -1,6 +1,6 @@
 // Helpers shared by the integration tests and the peer client (hiq_it_peer): deterministic KV
-// data sets, the DESIGN.md error bound, sentinel checks of KV buffers, block keys, stats lookups
-// and spawning a second process.
+// data sets, the DESIGN.md error bound, sentinel checks of KV buffers, block keys, stats lookups,
+// a session for raw gRPC calls and spawning a second process.
 //
 // The data of a set is a pure function of (seed, logical block, token, layer, plane, head, dim),
 // so two processes agree on it without sharing memory: one fills rows and backs them up, the
@@ -30,6 +30,8 @@
 #include "hiqcache/client.h"
 #include "hiqcache/host_shm.h"
 #include "hiqcache/pool_spec.h"
+#include "hiqcache/session.h"
+#include "hiqcache/session_protocol.h"
 
 extern char** environ;
 
@@ -393,6 +395,47 @@ inline std::unique_ptr<Client> Connect(
   auto c = Client::Connect(o);
   return c.ok() ? std::move(c).value() : nullptr;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sessions for raw gRPC.
+
+// A session with the daemon for tests that speak raw gRPC: the daemon names the caller of
+// RegisterPool, ReleasePool, Lookup, Backup, Restore, Evict and Drain by the session token in the
+// call's metadata (session_protocol.h), as the client library sends it. Attach is a template so
+// that this header needs no gRPC: pass a grpc::ClientContext. Pools belong to the registering
+// process, so a SessionContext of the same process may use the pools a Client registered.
+class SessionContext {
+ public:
+  static StatusOr<SessionContext> Open(
+      const std::string& target, std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    HIQ_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Open(target, timeout));
+    SessionContext c;
+    c.session_ = std::move(s);
+    return c;
+  }
+  SessionContext() = default;
+
+  // Adds the token to `ctx` (a grpc::ClientContext, before its call starts). Does nothing on an
+  // empty SessionContext (an anonymous call).
+  template <typename Context>
+  void Attach(Context* ctx) const {
+    if (session_ != nullptr) {
+      ctx->AddMetadata(std::string(kSessionMetadataKey), session_->token());
+    }
+  }
+  // Passes one fd and returns its id for SharedBuffer/EventPool.host_fd_id (0 on failure).
+  uint64_t PassFd(int fd) const {
+    if (session_ == nullptr) return 0;
+    auto ids = session_->SendFds(std::span<const int>(&fd, 1));
+    return ids.ok() && ids->size() == 1 ? (*ids)[0] : 0;
+  }
+  Session* session() const { return session_.get(); }
+  bool valid() const { return session_ != nullptr; }
+  void Close() { session_.reset(); }
+
+ private:
+  std::unique_ptr<Session> session_;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Processes.

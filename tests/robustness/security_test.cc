@@ -77,6 +77,10 @@ TEST(SecurityTest, SocketModeAndOwnership) {
     EXPECT_EQ(extra, 0u) << "the socket was briefly more open than 0660: extra bits " << std::oct
                          << extra;
     EXPECT_EQ(s.uid, ::geteuid());
+    // The session socket beside it (session_protocol.h) is no more open.
+    SocketInfo session = StatSocket(d.socket_path() + ".session");
+    EXPECT_TRUE(session.is_socket);
+    EXPECT_EQ(session.mode, 0660u) << std::oct << session.mode;
     EXPECT_EQ(d.Stop(), 0);
   }
   {
@@ -87,6 +91,10 @@ TEST(SecurityTest, SocketModeAndOwnership) {
     EXPECT_EQ(extra, 0u) << "the socket was briefly more open than 0600: extra bits " << std::oct
                          << extra;
     EXPECT_EQ(s.gid, ::getegid());
+    SocketInfo session = StatSocket(d.socket_path() + ".session");
+    EXPECT_TRUE(session.is_socket);
+    EXPECT_EQ(session.mode, 0600u) << std::oct << session.mode;
+    EXPECT_EQ(session.gid, ::getegid());
     EXPECT_EQ(d.Stop(), 0);
   }
   {
@@ -113,6 +121,9 @@ class TenantTest : public ::testing::Test {
   void SetUp() override {
     client_ = it::Connect(daemon_->target());
     ASSERT_NE(client_, nullptr);
+    auto session = it::SessionContext::Open(daemon_->target());
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    session_ = std::move(session).value();
   }
   it::TestPool Pool(const std::string& tenant) {
     it::PoolOptions o;
@@ -129,14 +140,17 @@ class TenantTest : public ::testing::Test {
     return v1::Cache::NewStub(
         grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
   }
-  static std::unique_ptr<grpc::ClientContext> Ctx() {
+  // A raw call named by this test's session (the pools belong to this process).
+  std::unique_ptr<grpc::ClientContext> Ctx() {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    session_.Attach(c.get());
     return c;
   }
 
   static DaemonProcess* daemon_;
   std::unique_ptr<Client> client_;
+  it::SessionContext session_;
 };
 DaemonProcess* TenantTest::daemon_ = nullptr;
 
