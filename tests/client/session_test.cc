@@ -5,21 +5,26 @@
 
 #include <gtest/gtest.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "hiqcache/client.h"
+#include "hiqcache/host_shm.h"
 #include "hiqcache/session_protocol.h"
 
 namespace hiqcache {
@@ -316,3 +321,333 @@ TEST(SessionTest, SessionFdIsCloseOnExec) {
 
 }  // namespace
 }  // namespace hiqcache
+
+// ---------------------------------------------------------------------------------------------
+// Through the client library, without a daemon.
+
+namespace hiqcache {
+namespace {
+
+// A buffer given only by fd has no name to fall back on: without a session (a TCP target) it
+// cannot be registered, and nothing is sent.
+TEST(ClientSessionTest, FdOnlyBufferNeedsASession) {
+  ClientOptions o;
+  o.target = "127.0.0.1:1";
+  o.register_timeout = milliseconds(500);
+  auto client = Client::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto kv = HostKvPool::Create(Geometry{2, 2, 64}, KvLayout::kSglang, 32, 16, "memfd:kv");
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  auto h = (*client)->RegisterPool(MakeHostPoolSpec("m", *kv, 16));
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kFailedPrecondition) << h.status().ToString();
+  EXPECT_NE(h.status().message().find("session"), std::string::npos) << h.status().message();
+}
+
+}  // namespace
+}  // namespace hiqcache
+
+#ifdef HIQ_DAEMON_PATH
+// ---------------------------------------------------------------------------------------------
+// Against the real daemon.
+
+#include <grpcpp/grpcpp.h>
+
+#include "hiqcache/v1/cache.grpc.pb.h"
+#include "integration/daemon_process.h"
+#include "integration/it_util.h"
+
+namespace hiqcache {
+namespace {
+
+using testing::DaemonProcess;
+namespace v1 = ::hiqcache::v1;
+
+class DaemonSessionTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    daemon_ = new DaemonProcess("64MiB");
+    ASSERT_TRUE(daemon_->Start()) << "hiqcached did not start";
+  }
+  static void TearDownTestSuite() {
+    if (daemon_ != nullptr) EXPECT_EQ(daemon_->Stop(), 0);
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  static it::PoolOptions Options(const std::string& model) {
+    it::PoolOptions o;
+    o.model = model;
+    o.geometry = it::Geom(2, 2, 64);
+    o.num_rows = 64;
+    o.event_slots = 4;
+    return o;
+  }
+  // Pools of namespace `ns` GetStats lists.
+  static size_t PoolsOf(Client& c, const std::string& ns) {
+    auto s = c.GetStats();
+    if (!s.ok()) return SIZE_MAX;
+    size_t n = 0;
+    for (const PoolStats& p : s->pools) n += p.namespace_id == ns;
+    return n;
+  }
+
+  static DaemonProcess* daemon_;
+};
+DaemonProcess* DaemonSessionTest::daemon_ = nullptr;
+
+TEST_F(DaemonSessionTest, GreetingNamesThisProcess) {
+  auto a = Session::Open(daemon_->target(), std::chrono::seconds(5));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->pid(), static_cast<uint32_t>(::getpid()));
+  EXPECT_EQ((*a)->uid(), static_cast<uint32_t>(::getuid()));
+  EXPECT_EQ((*a)->gid(), static_cast<uint32_t>(::getgid()));
+  EXPECT_EQ((*a)->token().size(), 32u);
+  EXPECT_EQ((*a)->token().find_first_not_of("0123456789abcdef"), std::string::npos)
+      << (*a)->token();
+  EXPECT_TRUE((*a)->alive());
+  auto b = Session::Open(daemon_->target(), std::chrono::seconds(5));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_NE((*a)->token(), (*b)->token());
+}
+
+TEST_F(DaemonSessionTest, SendFdsReturnsDistinctIds) {
+  auto s = Session::Open(daemon_->target(), std::chrono::seconds(5));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  std::vector<HostShm> objects;
+  std::vector<int> fds;
+  for (int i = 0; i < 20; ++i) {
+    auto m = HostShm::CreateMemfd("fd" + std::to_string(i), 4096);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    fds.push_back(m->fd());
+    objects.push_back(std::move(m).value());
+  }
+  auto ids = (*s)->SendFds(fds);
+  ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+  ASSERT_EQ(ids->size(), 20u);
+  auto more = (*s)->SendFds(std::span<const int>(fds).first(3));
+  ASSERT_TRUE(more.ok()) << more.status().ToString();
+  std::vector<uint64_t> all = *ids;
+  all.insert(all.end(), more->begin(), more->end());
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(std::adjacent_find(all.begin(), all.end()), all.end()) << "an fd id repeats";
+  EXPECT_EQ(all.front() == 0, false);
+  EXPECT_TRUE((*s)->alive());
+}
+
+// What the protocol does not know is answered "ERR ...", and the session goes on.
+TEST_F(DaemonSessionTest, BadMessagesAreAnsweredErr) {
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  const std::string path = daemon_->socket_path() + std::string(kSessionSocketSuffix);
+  std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0) << path;
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string text;
+  std::vector<int> fds;
+  ASSERT_TRUE(RecvWithFds(fd, &text, &fds));
+  EXPECT_TRUE(text.starts_with(kSessionGreeting)) << text;
+  for (const char* bad : {"HELLO", "FDS"}) {  // unknown; FDS without fds
+    SendText(fd, bad);
+    ASSERT_TRUE(RecvWithFds(fd, &text, &fds)) << bad;
+    EXPECT_TRUE(text.starts_with("ERR ")) << bad << " answered " << text;
+  }
+  // Still a session: a proper FDS message is answered OK.
+  const int passed = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  static constexpr char kFds[] = "FDS";
+  iovec iov{const_cast<char*>(kFds), 3};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &passed, sizeof(int));
+  ASSERT_EQ(::sendmsg(fd, &msg, MSG_NOSIGNAL), 3);
+  ::close(passed);
+  ASSERT_TRUE(RecvWithFds(fd, &text, &fds));
+  EXPECT_TRUE(text.starts_with("OK ")) << text;
+  ::close(fd);
+}
+
+// GetStats knows the caller by its session, and its pools as its own.
+TEST_F(DaemonSessionTest, StatsNameTheCallerAndItsPools) {
+  auto client = it::Connect(daemon_->target());
+  ASSERT_NE(client, nullptr);
+  auto p = it::MakePool(*client, Options("session-stats"));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  auto s = client->GetStats();
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->caller_uid, static_cast<uint32_t>(::getuid()));
+  EXPECT_EQ(s->caller_admin, ::getuid() == 0);
+  EXPECT_GE(s->namespaces_total, 1u);
+  const PoolStats* mine = nullptr;
+  for (const PoolStats& ps : s->pools) {
+    if (ps.pool_id == p->info.pool_id) mine = &ps;
+  }
+  ASSERT_NE(mine, nullptr) << it::StatsText(*s);
+  EXPECT_TRUE(mine->owned);
+  EXPECT_EQ(mine->uid, static_cast<uint32_t>(::getuid()));
+  EXPECT_EQ(mine->client_pid, static_cast<uint32_t>(::getpid()));
+}
+
+// The session closing (here: the Client destroyed, as when the process dies) releases every pool
+// registered through it, within 1 s, without a ReleasePool.
+TEST_F(DaemonSessionTest, SessionEndReleasesItsPools) {
+  auto observer = it::Connect(daemon_->target());
+  ASSERT_NE(observer, nullptr);
+  auto client = it::Connect(daemon_->target());
+  ASSERT_NE(client, nullptr);
+  auto a = it::MakePool(*client, Options("session-end"));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = it::MakePool(*client, Options("session-end"));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const std::string ns = a->info.namespace_id;
+  ASSERT_EQ(PoolsOf(*observer, ns), 2u);
+  client.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(it::Eventually([&] { return PoolsOf(*observer, ns) == 0; }, milliseconds(1000)))
+      << "pools of a closed session still listed: " << PoolsOf(*observer, ns);
+  std::printf("pools released %.0f ms after the session closed\n",
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count());
+}
+
+// HOST pools go by fd: a memfd pool, which has no name at all, registers and round-trips.
+TEST_F(DaemonSessionTest, MemfdPoolRoundTrips) {
+  auto client = it::Connect(daemon_->target());
+  ASSERT_NE(client, nullptr);
+  it::TestPool p;
+  auto kv = HostKvPool::Create(it::Geom(2, 2, 64), KvLayout::kVllmPaged, 64, 16, "memfd:kv");
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  p.kv = std::move(kv).value();
+  auto ev = HostEventPool::Create(4, "memfd:ev");
+  ASSERT_TRUE(ev.ok()) << ev.status().ToString();
+  p.events = std::move(ev).value();
+  p.spec = MakeHostPoolSpec("session-memfd", p.kv, 16, &p.events);
+  ASSERT_TRUE(p.spec.buffers[0].host_shm_name.empty());
+  auto h = client->RegisterPool(p.spec);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  const auto keys = it::Keys(77, 2, 16);
+  const auto rows = it::RowRange(0, 32), dst = it::RowRange(32, 32);
+  it::FillRows(p.kv, 77, rows, 16);
+  BackupOptions bo;
+  bo.done_event = 1;
+  BackupResult b = client->Backup(*h, keys, rows, bo);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_EQ(b.held(), 2u);
+  EXPECT_GE(p.events.Read(1), b.ticket) << "the done event went elsewhere";
+  RestoreResult r = client->Restore(*h, keys, dst);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.restored_blocks, 2u);
+  it::CheckResult c = it::CheckRows(p.kv, 77, dst, 16, false);
+  EXPECT_TRUE(c.ok()) << c.first;
+}
+
+// A named HOST object goes by fd too: the client opens it with its own rights and passes the fd.
+// Shown with an object owned by another uid, which the daemon refuses by name (the owner must
+// be the caller) but takes as an fd, the fd being the proof of access. Needs root (fchown).
+TEST_F(DaemonSessionTest, NamedObjectsArePassedByFd) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the object to another uid";
+  auto client = it::Connect(daemon_->target());
+  ASSERT_NE(client, nullptr);
+  auto kv = HostKvPool::Create(it::Geom(2, 2, 64), KvLayout::kSglang, 64);
+  ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+  const PoolSpec spec = MakeHostPoolSpec("session-named", *kv, 16);
+  ASSERT_FALSE(spec.buffers[0].host_shm_name.empty());
+
+  // The same registration by name alone, raw, as a daemon without sessions would get it.
+  auto session = it::SessionContext::Open(daemon_->target());
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  auto stub = v1::Cache::NewStub(
+      grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+  v1::RegisterPoolRequest req;
+  req.set_model("session-named");
+  auto* g = req.mutable_geometry();
+  g->set_num_layers(2);
+  g->set_num_kv_heads(2);
+  g->set_head_dim(64);
+  g->set_dtype(v1::DTYPE_BF16);
+  g->set_attention(v1::ATTENTION_MHA);
+  g->set_tp_size(1);
+  req.set_block_tokens(16);
+  req.set_codec(v1::CODEC_INT8_PER_HEAD);
+  req.mutable_device()->set_kind(v1::DEVICE_KIND_HOST);
+  auto* b = req.add_buffers();
+  b->set_host_shm_name(spec.buffers[0].host_shm_name);
+  b->set_size_bytes(spec.buffers[0].size_bytes);
+  for (const LayerView& l : spec.layers) {
+    auto* out = req.add_layers();
+    for (int plane = 0; plane < 2; ++plane) {
+      const TensorView& in = plane == 0 ? l.k : *l.v;
+      v1::TensorView* t = plane == 0 ? out->mutable_k() : out->mutable_v();
+      t->set_buffer(in.buffer);
+      t->set_offset_bytes(in.offset_bytes);
+      t->set_row_stride_bytes(in.row_stride_bytes);
+      t->set_num_rows(in.num_rows);
+    }
+  }
+  auto raw_register = [&] {
+    grpc::ClientContext ctx;
+    session->Attach(&ctx);
+    v1::RegisterPoolResponse resp;
+    return stub->RegisterPool(&ctx, req, &resp);
+  };
+  grpc::Status own = raw_register();
+  ASSERT_TRUE(own.ok()) << "control: by name, own object: " << own.error_message();
+
+  const int fd = ::shm_open(kv->shm().name().c_str(), O_RDWR | O_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fchown(fd, 61001, 61001), 0);
+  ::close(fd);
+  grpc::Status foreign = raw_register();
+  EXPECT_FALSE(foreign.ok()) << "the daemon opened another uid's object by name";
+  EXPECT_NE(foreign.error_message().find("buffers[0]"), std::string::npos)
+      << foreign.error_message();
+
+  // Through the client, which opens the name itself (root may) and passes the fd.
+  auto h = client->RegisterPool(spec);
+  ASSERT_TRUE(h.ok()) << "a named object was not passed by fd: " << h.status().ToString();
+  const auto keys = it::Keys(79, 1, 16);
+  it::FillRows(*kv, 79, it::RowRange(0, 16), 16);
+  EXPECT_EQ(client->Backup(*h, keys, it::RowRange(0, 16)).held(), 1u);
+}
+
+// A restarted daemon forgets the session: the client opens a new one and registers again.
+TEST(DaemonRestartSessionTest, ClientReopensTheSessionAfterARestart) {
+  DaemonProcess d("32MiB");
+  ASSERT_TRUE(d.Start());
+  auto client = it::Connect(d.target());
+  ASSERT_NE(client, nullptr);
+  it::PoolOptions o;
+  o.model = "session-restart";
+  o.geometry = it::Geom(2, 2, 64);
+  o.num_rows = 64;
+  auto p = it::MakePool(*client, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  d.Kill();
+  ASSERT_TRUE(d.Start());
+  const auto keys = it::Keys(78, 1, 16);
+  const auto rows = it::RowRange(0, 16);
+  it::FillRows(p->kv, 78, rows, 16);
+  bool stored = it::Eventually(
+      [&] { return client->Backup(p->handle, keys, rows).held() == 1; }, std::chrono::seconds(5));
+  EXPECT_TRUE(stored) << "no backup after the restart";
+  auto info = client->PoolInfo(p->handle);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  auto s = client->GetStats();
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  size_t owned = 0;
+  for (const PoolStats& ps : s->pools) owned += ps.owned;
+  EXPECT_EQ(owned, 1u) << it::StatsText(*s);
+}
+
+}  // namespace
+}  // namespace hiqcache
+#endif  // HIQ_DAEMON_PATH
