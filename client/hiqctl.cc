@@ -368,9 +368,8 @@ int CmdStats(const Args& args, const std::string& target) {
             << "  used      " << Bytes(s.used_bytes) << " ("
             << Percent(s.used_bytes, s.capacity_bytes ? s.capacity_bytes : s.pool_bytes) << "%), "
             << s.blocks << " blocks\n"
-            << "  clients   " << s.clients << "\n"
-            << "  caller    uid " << s.caller_uid << (s.caller_admin ? " (admin)" : "") << "\n"
-            << "  spaces    " << s.namespaces_total << " namespaces\n";
+            << "  clients   " << s.clients << ", " << s.namespaces_total << " namespaces\n"
+            << "  caller    uid " << s.caller_uid << (s.caller_admin ? " (admin)" : "") << "\n";
   if (s.cuda_staging_bytes > 0) {
     std::cout << "  staging   " << Bytes(s.cuda_staging_bytes) << " of GPU memory\n";
   }
