@@ -446,6 +446,16 @@ struct SpawnResult {
   std::string out;  // stdout
 };
 
+// `argv` run as uid and gid `uid` with no supplementary groups (util-linux setpriv, part of every
+// Debian system): for Spawn, when a test acting as root needs a client of another user. A forked
+// child of a gRPC-using test process cannot be used for that (gRPC does not survive a fork).
+inline std::vector<std::string> AsUid(uint32_t uid, std::vector<std::string> argv) {
+  std::vector<std::string> out = {"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
+                                  "--regid=" + std::to_string(uid), "--clear-groups", "--"};
+  out.insert(out.end(), argv.begin(), argv.end());
+  return out;
+}
+
 // Runs `argv` (argv[0] = path) with posix_spawn (no fork of this gRPC-using process), collects
 // its stdout and waits for it, killing it after `timeout`.
 inline SpawnResult Spawn(const std::vector<std::string>& argv,

@@ -11,8 +11,13 @@
 //   RssAnon  <= 256 MiB + 4 MiB per registered pool   (gRPC, codec scratch, index, threads)
 // Sanitizer builds skip the RssAnon bound (shadow memory).
 //
+// Two users: when the test runs as root, every other worker runs as uid 61001 (its namespaces
+// are its own: namespace_scope = uid), so the daemon serves two users' sessions, quotas and
+// namespaces concurrently; every worker of both verifies what it restores.
+//
 // Environment: HIQ_LOAD_PROCS (4), HIQ_LOAD_THREADS (4), HIQ_LOAD_SECONDS (10).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <fstream>
@@ -42,7 +47,13 @@ TEST(LoadTest, ProcessesTimesThreadsMixedOpsOnAnEvictingPool) {
   const uint32_t procs = EnvOr("HIQ_LOAD_PROCS", 4);
   const uint32_t threads = EnvOr("HIQ_LOAD_THREADS", 4);
   const uint32_t seconds = EnvOr("HIQ_LOAD_SECONDS", 10);
-  DaemonProcess daemon("16MiB");
+  constexpr uint32_t kSecondUid = 61001;
+  const bool two_users = ::geteuid() == 0;
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666"});
+  if (two_users) {
+    const std::string sock = daemon.socket_path();
+    ::chmod(sock.substr(0, sock.rfind('/')).c_str(), 0755);
+  }
   ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
   const pid_t dpid = daemon.pid();
   const ProcMemory idle = ReadProcMemory(dpid);
@@ -60,16 +71,18 @@ TEST(LoadTest, ProcessesTimesThreadsMixedOpsOnAnEvictingPool) {
 
   const std::string dir = "/tmp/hiq-rob-load-" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);
+  ::chmod(dir.c_str(), 0777);  // the second user's workers write their latencies here
   std::vector<std::thread> runners;
   std::vector<it::SpawnResult> results(procs);
   const auto t0 = Clock::now();
   for (uint32_t p = 0; p < procs; ++p) {
     runners.emplace_back([&, p] {
-      results[p] =
-          it::Spawn({HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode", "load",
-                     "--threads", std::to_string(threads), "--seconds", std::to_string(seconds),
-                     "--universe", "2000", "--out", dir + "/lat." + std::to_string(p)},
-                    std::chrono::seconds(seconds + 60));
+      std::vector<std::string> argv = {
+          HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode", "load",
+          "--threads", std::to_string(threads), "--seconds", std::to_string(seconds),
+          "--universe", "2000", "--out", dir + "/lat." + std::to_string(p)};
+      if (two_users && p % 2 == 1) argv = it::AsUid(kSecondUid, argv);
+      results[p] = it::Spawn(argv, std::chrono::seconds(seconds + 60));
     });
   }
   for (auto& r : runners) r.join();
@@ -81,7 +94,8 @@ TEST(LoadTest, ProcessesTimesThreadsMixedOpsOnAnEvictingPool) {
   std::map<std::string, std::vector<double>> lat;
   uint64_t ops = 0;
   for (uint32_t p = 0; p < procs; ++p) {
-    SCOPED_TRACE("worker " + std::to_string(p));
+    SCOPED_TRACE("worker " + std::to_string(p) +
+                 (two_users && p % 2 == 1 ? " (uid 61001)" : ""));
     std::printf("[load] worker %u: %s", p, results[p].out.c_str());
     EXPECT_EQ(results[p].exit_code, 0) << results[p].out;
     EXPECT_NE(results[p].out.find(" errors=0 corrupt=0 "), std::string::npos) << results[p].out;
