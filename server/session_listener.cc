@@ -242,6 +242,13 @@ bool SessionListener::Serve(Session* s) {
                   " unconsumed fds, at most " + std::to_string(kMaxHeldFdsPerSession) +
                   " (RegisterPool consumes the fds it names)");
   }
+  size_t& uid_held = held_fds_per_uid_[s->caller.uid];
+  if (uid_held + fds.size() > options_.max_held_fds_per_uid) {
+    return refuse("FDS: uid " + std::to_string(s->caller.uid) + "'s sessions would hold " +
+                  std::to_string(uid_held + fds.size()) + " unconsumed fds, at most " +
+                  std::to_string(options_.max_held_fds_per_uid));
+  }
+  uid_held += fds.size();
   std::string reply = "OK";
   for (int fd : fds) {
     const uint64_t id = s->next_fd_id++;
@@ -252,11 +259,19 @@ bool SessionListener::Serve(Session* s) {
   return true;
 }
 
+void SessionListener::ForgetHeldLocked(uid_t uid, size_t n) {
+  auto it = held_fds_per_uid_.find(uid);
+  if (it == held_fds_per_uid_.end()) return;
+  it->second -= std::min(it->second, n);
+  if (it->second == 0) held_fds_per_uid_.erase(it);
+}
+
 void SessionListener::EndLocked(uint64_t id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   Session* s = it->second.get();
   CloseAll(s->fds);
+  ForgetHeldLocked(s->caller.uid, s->fds.size());
   ::close(s->fd);
   by_token_.erase(s->token);
   if (--per_uid_[s->caller.uid] == 0) per_uid_.erase(s->caller.uid);
@@ -350,6 +365,7 @@ SessionListener::TakenFds SessionListener::TakeFds(uint64_t session,
     out.fds_[id] = f->second;
     it->second->fds.erase(f);
   }
+  ForgetHeldLocked(it->second->caller.uid, out.fds_.size());
   return out;
 }
 

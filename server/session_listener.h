@@ -12,9 +12,10 @@
 // Admins: uid 0, the daemon's effective uid, and the configured uids and groups (a session is an
 // admin when its uid, primary gid or any supplementary group of its user is listed).
 //
-// Bounds: at most max_sessions sessions, max_sessions_per_uid per uid, and
-// kMaxHeldFdsPerSession unconsumed fds per session; a connection over a bound is answered "ERR"
-// and closed, an FDS message over it is answered "ERR" and its fds closed. Thread-safe.
+// Bounds: at most max_sessions sessions, max_sessions_per_uid per uid, kMaxHeldFdsPerSession
+// unconsumed fds per session and max_held_fds_per_uid per uid; a connection over a bound is
+// answered "ERR" and closed, an FDS message over it is answered "ERR" and its fds closed.
+// Thread-safe.
 #pragma once
 
 #include <sys/types.h>
@@ -45,6 +46,9 @@ struct SessionOptions {
   gid_t socket_gid = static_cast<gid_t>(-1);  // -1: keep the daemon's group
   size_t max_sessions = 8192;
   size_t max_sessions_per_uid = 1024;
+  // Unconsumed fds the sessions of one uid hold together (each session at most
+  // kMaxHeldFdsPerSession): what keeps one user from filling the daemon's fd table.
+  size_t max_held_fds_per_uid = 16384;
 };
 
 class SessionListener {
@@ -110,6 +114,8 @@ class SessionListener {
   void Reply(int fd, const std::string& text);
   // REQUIRES: mu_ held. Forgets `s`, closes its fds and queues its end.
   void EndLocked(uint64_t id);
+  // REQUIRES: mu_ held. `n` fds of `uid`'s sessions were taken or closed.
+  void ForgetHeldLocked(uid_t uid, size_t n);
   bool IsAdmin(uid_t uid, gid_t gid) const;
 
   const SessionOptions options_;
@@ -122,6 +128,7 @@ class SessionListener {
   std::map<uint64_t, std::unique_ptr<Session>> sessions_;    // GUARDED_BY(mu_)
   std::unordered_map<std::string, uint64_t> by_token_;       // GUARDED_BY(mu_)
   std::map<uid_t, size_t> per_uid_;                          // GUARDED_BY(mu_)
+  std::map<uid_t, size_t> held_fds_per_uid_;                 // GUARDED_BY(mu_)
   uint64_t next_session_ = 1;                                // GUARDED_BY(mu_)
   std::deque<uint64_t> ended_;                               // GUARDED_BY(mu_)
   std::condition_variable ended_cv_;

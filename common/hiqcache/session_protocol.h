@@ -16,7 +16,8 @@
 // it does not trust). The fd ids name the fds in RegisterPoolRequest (SharedBuffer.host_fd_id,
 // EventPool.host_fd_id); a RegisterPool consumes the fds it names, whatever its outcome, and the
 // daemon closes every fd still held when the session ends. A session holds at most
-// kMaxHeldFdsPerSession unconsumed fds ("ERR" beyond that).
+// kMaxHeldFdsPerSession unconsumed fds (one registration's worth: its buffers and its event
+// object), and the sessions of one uid together a configured number ("ERR" beyond either).
 #pragma once
 
 #include <cstddef>
@@ -29,7 +30,7 @@ inline constexpr std::string_view kSessionSocketSuffix = ".session";
 inline constexpr std::string_view kSessionMetadataKey = "hiq-session";
 inline constexpr std::string_view kSessionGreeting = "HIQ-SESSION 1 ";
 inline constexpr size_t kMaxFdsPerMessage = 16;
-inline constexpr size_t kMaxHeldFdsPerSession = 256;
+inline constexpr size_t kMaxHeldFdsPerSession = 4097;
 inline constexpr size_t kMaxSessionMessageBytes = 4096;
 
 // The session socket path for a gRPC target "unix:PATH", "unix://PATH" (PATH absolute) or

@@ -205,6 +205,31 @@ TEST_F(SessionListenerTest, MalformedAndOversizedMessagesAreRefusedAndTheirFdsCl
   ::close(sock);
 }
 
+TEST(SessionListenerBounds, TheSessionsOfOneUidHoldBoundedFds) {
+  const std::string path = TempSocketPath("uidfds");
+  SessionOptions options;
+  options.max_held_fds_per_uid = 40;
+  auto listener = SessionListener::Start({path}, options, [](uint64_t) {});
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  int a = Connect(path), b = Connect(path);
+  const Caller ca = (*listener)->Authenticate(Field(Recv(a), "token"));
+  (void)Recv(b);
+  int fd = ::memfd_create("hiq-test", MFD_CLOEXEC);
+  std::vector<int> batch(16, fd);
+  EXPECT_EQ(SendFds(a, batch).rfind("OK ", 0), 0u);
+  EXPECT_EQ(SendFds(b, batch).rfind("OK ", 0), 0u);
+  // 48 > 40: the uid's third batch is refused, whichever session sends it.
+  EXPECT_EQ(SendFds(b, batch).rfind("ERR ", 0), 0u);
+  // Taking fds (a RegisterPool consumed them) gives room back.
+  std::vector<uint64_t> ids;
+  for (uint64_t i = 1; i <= 16; ++i) ids.push_back(i);
+  EXPECT_GE((*listener)->TakeFds(ca.session, ids).Get(16), 0);
+  EXPECT_EQ(SendFds(b, batch).rfind("OK ", 0), 0u);
+  ::close(fd);
+  ::close(a);
+  ::close(b);
+}
+
 TEST_F(SessionListenerTest, AnotherUidIsNoAdminAndSessionsPerUidAreBounded) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to act as another uid";
   // A child of another uid connects and reports its greeting through a pipe.
