@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -175,6 +176,30 @@ Status ReleasedPool(uint64_t pool_id) {
 
 Status OutOfMemory(const char* what) {
   return ResourceExhausted(std::string(what) + ": hiqcached is out of memory");
+}
+
+// What a request's asynchronous CUDA sub-task does once its device work is enqueued: answer the
+// request (once), with its result or the enqueue error (the rows then hold garbage: never STORED
+// or restored_blocks = n). `Req` is a BackupRequest or RestoreRequest.
+template <typename Req>
+std::function<void(const Status&)> ReplyOnEnqueued(std::shared_ptr<Req> req) {
+  return [req = std::move(req)](const Status& enqueued) {
+    if (req->replied) return;
+    req->replied = true;
+    if (enqueued.ok()) (*req->reply)(req->result);
+    else (*req->reply)(enqueued);
+  };
+}
+
+// Logs what a sub-task of `rpc` ("Backup", "Restore") threw and the error its request ends with.
+Status TaskThrew(const char* rpc, uint64_t pool_id, uint64_t ticket, const std::exception& ex) {
+  const bool oom = dynamic_cast<const std::bad_alloc*>(&ex) != nullptr;
+  std::string event = rpc;
+  for (char& c : event) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  HIQ_LOG(ERROR) << "event=" << event << "_failed pool=" << pool_id << " ticket=" << ticket
+                 << " error=\"" << (oom ? std::string("out of memory") : LogSafe(ex.what()))
+                 << "\"";
+  return oom ? OutOfMemory(rpc) : Status(StatusCode::kInternal, event + " failed");
 }
 
 std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
@@ -841,14 +866,8 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
           if (last) FinishBackup(req);
         };
         if (req->device && !req->sync) {
-          // CUDA: answered once the device work is enqueued (an enqueue failure answers the
-          // error, never STORED), with the reservation outcomes.
-          task->on_enqueued = [req](const Status& enqueued) {
-            if (req->replied) return;
-            req->replied = true;
-            if (enqueued.ok()) (*req->reply)(req->result);
-            else (*req->reply)(enqueued);
-          };
+          // CUDA: answered once the device work is enqueued, with the reservation outcomes.
+          task->on_enqueued = ReplyOnEnqueued(req);
         }
       }
       *slot = std::move(task);
@@ -856,13 +875,8 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
     std::shared_ptr<BackupTask> task = *slot;
     return StepOf(pool.binding->StartBackup(task));
   } catch (const std::exception& ex) {
-    const bool oom = dynamic_cast<const std::bad_alloc*>(&ex) != nullptr;
-    HIQ_LOG(ERROR) << "event=backup_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                   << " error=\"" << (oom ? std::string("out of memory") : LogSafe(ex.what()))
-                   << "\"";
-    if (req->error.ok()) {
-      req->error = oom ? OutOfMemory("Backup") : Status(StatusCode::kInternal, "backup failed");
-    }
+    Status threw = TaskThrew("Backup", pool.id, req->result.ticket, ex);
+    if (req->error.ok()) req->error = threw;
     if (*slot != nullptr && (*slot)->on_complete) {
       // Settles the sub-task's reservations (and, for the last one, finishes the request).
       std::shared_ptr<BackupTask> task = *slot;
@@ -1038,29 +1052,15 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
           else if (req->error.ok()) req->error = run;
           if (last) FinishRestore(req);
         };
-        if (req->device && !req->sync) {
-          // As for Backup: an asynchronous CUDA restore whose enqueue failed answers the error
-          // (the rows hold garbage), never restored_blocks = n.
-          task->on_enqueued = [req](const Status& enqueued) {
-            if (req->replied) return;
-            req->replied = true;
-            if (enqueued.ok()) (*req->reply)(req->result);
-            else (*req->reply)(enqueued);
-          };
-        }
+        if (req->device && !req->sync) task->on_enqueued = ReplyOnEnqueued(req);
       }
       *slot = std::move(task);
     }
     std::shared_ptr<RestoreTask> task = *slot;
     return StepOf(pool.binding->StartRestore(task));
   } catch (const std::exception& ex) {
-    const bool oom = dynamic_cast<const std::bad_alloc*>(&ex) != nullptr;
-    HIQ_LOG(ERROR) << "event=restore_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                   << " error=\"" << (oom ? std::string("out of memory") : LogSafe(ex.what()))
-                   << "\"";
-    if (req->error.ok()) {
-      req->error = oom ? OutOfMemory("Restore") : Status(StatusCode::kInternal, "restore failed");
-    }
+    Status threw = TaskThrew("Restore", pool.id, req->result.ticket, ex);
+    if (req->error.ok()) req->error = threw;
     unpin();
     if (last) FinishRestore(req);
     return TransferEngine::StepResult::kDone;

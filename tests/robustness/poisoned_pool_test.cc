@@ -30,16 +30,6 @@ constexpr uint32_t kBt = 16;
 constexpr uint32_t kBlocks = 8;  // per namespace
 constexpr uint64_t kSeed = 7331;
 
-std::unique_ptr<Client> RestartingClient(const DaemonProcess& d) {
-  ClientOptions o;
-  o.target = d.target();
-  o.call_timeout = 3000ms;
-  o.register_timeout = 5000ms;
-  o.reregister_interval = 50ms;
-  auto c = Client::Connect(o);
-  return c.ok() ? std::move(c).value() : nullptr;
-}
-
 it::PoolOptions Options(const std::string& model) {
   it::PoolOptions o;
   o.model = model;
@@ -89,7 +79,7 @@ TEST(PoisonedPoolTest, PoisonedHeadersAreDroppedAndTheRestIsKept) {
   constexpr uint64_t kPoolBytes = 192ull << 20;  // one ~64 MiB extent per namespace
   DaemonProcess daemon("192MiB");
   ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
-  auto client = RestartingClient(daemon);
+  auto client = RestartingClient(daemon.target());
   ASSERT_NE(client, nullptr);
   std::vector<it::TestPool> pools;
   for (const char* model : {"poison-a", "poison-b", "poison-c"}) {

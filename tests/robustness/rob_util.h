@@ -37,6 +37,18 @@ constexpr bool kSanitized = false;
 constexpr bool kSanitized = false;
 #endif
 
+// A client for tests that restart the daemon under it: generous deadlines, and re-registration
+// allowed every 50 ms, so that the first calls after a restart register again at once.
+inline std::unique_ptr<Client> RestartingClient(const std::string& target) {
+  ClientOptions o;
+  o.target = target;
+  o.call_timeout = std::chrono::milliseconds(3000);
+  o.register_timeout = std::chrono::milliseconds(5000);
+  o.reregister_interval = std::chrono::milliseconds(50);
+  auto c = Client::Connect(o);
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
 // The key of logical block `b` of key space `seed`: independent keys (not a chain), so that any
 // subset of blocks can be backed up, looked up and restored in any order by any process.
 inline BlockKey IndependentKey(uint64_t seed, uint64_t b) {

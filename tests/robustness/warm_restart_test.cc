@@ -34,16 +34,6 @@ constexpr uint32_t kBatch = 4;        // blocks per Backup call
 constexpr uint32_t kRingBatches = 4;  // backup source rows are reused round-robin
 constexpr uint64_t kSeed = 4242;
 
-std::unique_ptr<Client> RestartingClient(const DaemonProcess& d) {
-  ClientOptions o;
-  o.target = d.target();
-  o.call_timeout = 3000ms;
-  o.register_timeout = 5000ms;
-  o.reregister_interval = 50ms;
-  auto c = Client::Connect(o);
-  return c.ok() ? std::move(c).value() : nullptr;
-}
-
 it::PoolOptions Options(uint32_t rows) {
   it::PoolOptions o;
   o.model = "rob-restart";
@@ -85,7 +75,7 @@ Verified VerifyBlocks(Client& client, const it::TestPool& pool, uint64_t first, 
 TEST(WarmRestartTest, KillNineMidStreamKeepsEveryCompletedBlock) {
   DaemonProcess daemon("64MiB");
   ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
-  auto client = RestartingClient(daemon);
+  auto client = RestartingClient(daemon.target());
   ASSERT_NE(client, nullptr);
   // Rows: [0, 256) backup ring, [256, 320) restore stream, [320, 384) verification.
   auto p = it::MakePool(*client, Options(384));
@@ -212,7 +202,7 @@ TEST(WarmRestartTest, CorruptPayloadByteDropsExactlyThatBlock) {
   constexpr uint32_t kBlocks = 48;
   DaemonProcess daemon("32MiB");
   ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
-  auto client = RestartingClient(daemon);
+  auto client = RestartingClient(daemon.target());
   ASSERT_NE(client, nullptr);
   auto p = it::MakePool(*client, Options(2 * kBatch * kBt));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
@@ -274,7 +264,7 @@ TEST(WarmRestartTest, GroupLookupAnswersBeforeAnyPoolRegistersAgain) {
   constexpr uint32_t kBlocks = 8, kRank1Blocks = 6;
   DaemonProcess daemon("192MiB");  // one ~64 MiB extent per rank: neither evicts the other
   ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
-  auto workers = RestartingClient(daemon);  // the engine's TP workers, one pool per rank
+  auto workers = RestartingClient(daemon.target());  // the engine's TP workers, one pool per rank
   auto scheduler = it::Connect(daemon.target(), 3000ms);  // holds no pool
   ASSERT_NE(workers, nullptr);
   ASSERT_NE(scheduler, nullptr);
