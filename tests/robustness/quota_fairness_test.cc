@@ -431,8 +431,12 @@ TEST(ChurnTest, UniqueNamesLeaveNothingBehind) {
               MiB(rss_before), MiB(rss_after), per_500.front(), per_500.back());
   if (!OtherDaemon()) {
     EXPECT_EQ(count(*after), baseline);
-    EXPECT_LT(rss_after, rss_before + (16ull << 20));
-    EXPECT_GT(per_500.back(), per_500.front() / 2) << "registration slows down with churn";
+    // Under a sanitizer freed memory sits in quarantine (ASan holds up to 256 MiB), so RSS says
+    // nothing there; the namespace count above still must return to baseline.
+    if (!kSanitized) {
+      EXPECT_LT(rss_after, rss_before + (16ull << 20));
+      EXPECT_GT(per_500.back(), per_500.front() / 2) << "registration slows down with churn";
+    }
   }
   EXPECT_TRUE(RoundTrip(*client, *keep, 41));
 }
