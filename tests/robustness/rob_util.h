@@ -111,7 +111,7 @@ inline double Percentile(std::vector<double>& v, double p) {
 }
 
 // The daemon's pool shm object, opened by name while the daemon is stopped, walked through its
-// persistent layout (server/pool_format.h) to find committed blocks.
+// persistent layout (server/pool/pool_format.h) to find committed blocks.
 class PoolFile {
  public:
   static std::optional<PoolFile> Open(const std::string& shm_name) {

@@ -1,4 +1,4 @@
-// PoolRegion (server/pool_region.h): a pool the shm filesystem cannot hold is refused up front
+// PoolRegion (server/pool/pool_region.h): a pool the shm filesystem cannot hold is refused up front
 // with a message naming pool_bytes and the free space, and nothing is created (a sparse object
 // would map and then SIGBUS on pre-fault, as in a 64 MB Docker /dev/shm); the pages an existing
 // object holds count toward its room; a small pool opens, pre-faults and reopens.

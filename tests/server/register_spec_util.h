@@ -1,4 +1,4 @@
-// Builders of RegisterSpec (server/requests.h) for the daemon-core unit tests that register
+// Builders of RegisterSpec (server/core/requests.h) for the daemon-core unit tests that register
 // pools: the namespace and geometry fields, and the per-layer K/V views of one buffer pair.
 // Header-only; value functions.
 #pragma once
