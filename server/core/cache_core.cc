@@ -478,11 +478,12 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 }
 
 StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
-                                                                const Caller& caller) const {
+                                                                const Caller& caller,
+                                                                bool admin_may) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = pools_.find(pool_id);
   // Another caller's pool reads exactly as an unknown one: no oracle of which ids exist.
-  if (it == pools_.end() || !Owns(*it->second, caller)) {
+  if (it == pools_.end() || !((admin_may && caller.admin) || Owns(*it->second, caller))) {
     return NotFound(UnknownPoolText(pool_id));
   }
   return it->second;
@@ -655,7 +656,7 @@ StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::str
                                     const Caller& caller) {
   if (draining()) return Unavailable("hiqcached is shutting down");
   try {
-    HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id, caller));
+    HIQ_ASSIGN_OR_RETURN(auto pool, FindPool(pool_id, caller, /*admin_may=*/true));
     HIQ_ASSIGN_OR_RETURN(std::vector<BlockKey> k, CheckedKeys(keys));
     const uint32_t n = store_->Evict(pool->ns->id, k);
     return n;

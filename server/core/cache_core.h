@@ -211,7 +211,8 @@ class CacheCore {
   // Lookup of one pool's namespace.
   StatusOr<uint32_t> Lookup(uint64_t pool_id, const std::vector<std::string>& keys,
                             const Caller& caller = Caller{});
-  // Removes the keys from the pool's namespace; NOT_FOUND unless `caller` owns the pool.
+  // Removes the keys from the pool's namespace; NOT_FOUND unless `caller` owns the pool or is an
+  // admin (an operator evicting a tenant's blocks: `hiqctl pools` shows admins every pool id).
   StatusOr<uint32_t> Evict(uint64_t pool_id, const std::vector<std::string>& keys,
                            const Caller& caller = Caller{});
 
@@ -261,7 +262,9 @@ class CacheCore {
   struct BackupRequest;
   struct RestoreRequest;
   // The pool if it exists and `caller` may use it; else NOT_FOUND (one text for both).
-  StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id, const Caller& caller) const;
+  // The pool `caller` owns (or, with `admin_may`, any pool when caller.admin), else NOT_FOUND.
+  StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id, const Caller& caller,
+                                           bool admin_may = false) const;
   static bool Owns(const Pool& pool, const Caller& caller);
   // The quota key of `caller`: its uid, or one key for every anonymous caller.
   static uint64_t ClientOf(const Caller& caller);

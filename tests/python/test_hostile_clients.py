@@ -139,6 +139,14 @@ def test_pools_belong_to_their_process_and_uid(actors):
     assert attacker(op="drain")["code"] == "PERMISSION_DENIED"
     assert registered(actors(ATTACKER_UID), seed=4) != 0
 
+    # An admin (the node's operator, here root) sees every id and may evict a tenant's blocks.
+    admin = actors(0)
+    assert any(p["pool_id"] == vpool for p in admin(op="stats")["pools"])
+    extra = keys(1, "victim-extra")
+    assert victim(op="backup", pool_id=vpool, keys=extra)["results"] == [0]
+    assert admin(op="evict", pool_id=vpool, keys=extra)["evicted"] == 1
+    assert victim(op="lookup", pool_id=vpool, keys=extra)["prefix"] == 0
+
     # The victim's cache and buffer are intact: overwrite the buffer, restore, compare.
     assert victim(op="fill", seed=3)["ok"]
     assert victim(op="restore", pool_id=vpool, keys=vk)["restored"] == 2
