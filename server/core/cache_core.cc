@@ -665,6 +665,18 @@ StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::str
   }
 }
 
+StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::PoolForTransfer(const TransferSpec& spec,
+                                                                       bool restore) const {
+  if (draining()) return Unavailable("hiqcached is shutting down");
+  HIQ_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindPool(spec.pool_id, spec.caller));
+  // A pool whose client memory broke (PoolBinding::Failure) fails every later request up front,
+  // asynchronous ones included.
+  HIQ_RETURN_IF_ERROR(pool->binding->Failure());
+  HIQ_RETURN_IF_ERROR(ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
+                                       pool->binding->event_count(), restore, options_.limits));
+  return pool;
+}
+
 void CacheCore::Backup(TransferSpec spec, BackupDone done) {
   try {
     BackupImpl(std::move(spec), &done);
@@ -676,16 +688,9 @@ void CacheCore::Backup(TransferSpec spec, BackupDone done) {
 }
 
 void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
-  if (draining()) return (*done)(Unavailable("hiqcached is shutting down"));
-  auto found = FindPool(spec.pool_id, spec.caller);
+  auto found = PoolForTransfer(spec, /*restore=*/false);
   if (!found.ok()) return (*done)(found.status());
   std::shared_ptr<Pool> pool = std::move(found).value();
-  // A pool whose client memory broke (PoolBinding::Failure) fails every later request up front,
-  // asynchronous ones included.
-  if (Status failed = pool->binding->Failure(); !failed.ok()) return (*done)(failed);
-  Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
-                               pool->binding->event_count(), /*restore=*/false, options_.limits);
-  if (!st.ok()) return (*done)(st);
 
   auto req = std::make_shared<BackupRequest>();
   req->pool = pool;
@@ -734,7 +739,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   req->reply = std::make_shared<BackupDone>();
 
   // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
-  st = ChargePending(pool->client, req->pending_bytes);
+  Status st = ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
     UnchargePending(pool->client, req->pending_bytes);
@@ -926,15 +931,10 @@ void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
 }
 
 void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
-  if (draining()) return (*done)(Unavailable("hiqcached is shutting down"));
-  auto found = FindPool(spec.pool_id, spec.caller);
+  // Also refuses a restore that names a row twice: its cost is bounded by the rows it writes.
+  auto found = PoolForTransfer(spec, /*restore=*/true);
   if (!found.ok()) return (*done)(found.status());
   std::shared_ptr<Pool> pool = std::move(found).value();
-  if (Status failed = pool->binding->Failure(); !failed.ok()) return (*done)(failed);
-  // Also refuses a restore that names a row twice: its cost is bounded by the rows it writes.
-  Status st = ValidateTransfer(spec, pool->layout, pool->binding->num_rows(),
-                               pool->binding->event_count(), /*restore=*/true, options_.limits);
-  if (!st.ok()) return (*done)(st);
 
   auto req = std::make_shared<RestoreRequest>();
   req->pool = pool;
@@ -957,7 +957,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->pending_bytes = SaturatingMul(keys.size(), per_block);
   req->pins.reserve(keys.size());
   req->reply = std::make_shared<RestoreDone>();
-  st = ChargePending(pool->client, req->pending_bytes);
+  Status st = ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
     UnchargePending(pool->client, req->pending_bytes);

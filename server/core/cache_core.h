@@ -262,6 +262,9 @@ class CacheCore {
   struct BackupRequest;
   struct RestoreRequest;
   // The pool if it exists and `caller` may use it; else NOT_FOUND (one text for both).
+  // The pool a Backup/Restore names, checked: not draining, owned by spec.caller, not failed,
+  // and the request valid against it (ValidateTransfer).
+  StatusOr<std::shared_ptr<Pool>> PoolForTransfer(const TransferSpec& spec, bool restore) const;
   // The pool `caller` owns (or, with `admin_may`, any pool when caller.admin), else NOT_FOUND.
   StatusOr<std::shared_ptr<Pool>> FindPool(uint64_t pool_id, const Caller& caller,
                                            bool admin_may = false) const;
