@@ -451,6 +451,11 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
         s = Status::Ok();
       }
     }
+  } else if (host && fd_only && session_capable_) {
+    // A unix target whose session cannot be opened now is a daemon that is down or restarting:
+    // UNAVAILABLE, so that a pending pool registers once it is back.
+    s = Unavailable("buffers: a buffer or event object given only by host_fd needs a session "
+                    "with hiqcached at " + target_ + ", which cannot be opened now");
   } else if (host && fd_only) {
     s = FailedPrecondition(
         "buffers: a buffer or event object given only by host_fd needs a session with hiqcached "

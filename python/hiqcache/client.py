@@ -328,14 +328,17 @@ class Client:
         spec = pool.spec
         host = spec.device is DeviceKind.HOST
         if sess is None:
+            # A unix target whose session cannot be opened now is a daemon that is down (or
+            # restarting): UNAVAILABLE, so that a pending pool registers once it is back.
+            code = StatusCode.UNAVAILABLE if self._session_path else StatusCode.FAILED_PRECONDITION
             for i, b in enumerate(spec.buffers):
                 if not b.cuda_ipc_handle and b.host_fd >= 0 and not b.host_shm_name:
-                    return None, [], Status(StatusCode.FAILED_PRECONDITION, (
+                    return None, [], Status(code, (
                         f"buffers[{i}]: passed by fd, which needs a session with hiqcached "
                         f"(unix target); {self.target} has none"
                         + (f" ({self._session_error})" if self._session_error else "")))
             if host and spec.events.host_fd >= 0 and not spec.events.host_shm_name:
-                return None, [], Status(StatusCode.FAILED_PRECONDITION, (
+                return None, [], Status(code, (
                     f"events: passed by fd, which needs a session with hiqcached; "
                     f"{self.target} has none"))
             return pool.request, [], Status.OK

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from hiqcache.client import Client
 from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
 from hiqcache.keys import BlockKey, chain_block_key, root_block_key
+from hiqcache.options import ExtraConfig
 from hiqcache.spec import (Codec, DeviceKind, DType, Geometry, LayerView, NamespaceRef, PoolSpec,
                            slot_major_bytes, slot_major_view)
 from hiqcache.status import HiqError
@@ -93,44 +94,10 @@ class ConnectorOptions:
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> "ConnectorOptions":
         """Validates kv_connector_extra_config; ValueError naming the offending key."""
-        extra = dict(extra or {})
-        unknown = sorted(k for k in extra if k not in _EXTRA_KEYS)
-        if unknown:
-            raise ValueError(f"hiqcache: unknown kv_connector_extra_config key {unknown[0]!r}; "
-                             f"accepted: {', '.join(_EXTRA_KEYS)}")
-
-        def text(key: str) -> str:
-            v = extra.get(key, "")
-            if not isinstance(v, str):
-                raise ValueError(f"hiqcache: kv_connector_extra_config[{key!r}] must be a string, "
-                                 f"got {type(v).__name__}")
-            if any(c in v for c in "\0\n\r"):
-                raise ValueError(f"hiqcache: kv_connector_extra_config[{key!r}] holds a control "
-                                 "character")
-            return v
-
-        def count(key: str, default: int, low: int, high: int) -> int:
-            v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-                raise ValueError(f"hiqcache: kv_connector_extra_config[{key!r}] must be an integer "
-                                 f"in [{low}, {high}], got {v!r}")
-            return v
-
-        try:
-            codec = Codec.parse(text("codec") or Codec.INT8_PER_HEAD.value)
-        except ValueError as err:
-            raise ValueError(f"hiqcache: kv_connector_extra_config['codec']: {err}") from None
-        target = text("target")
-        if target:
-            from hiqcache.client import normalize_target
-
-            try:
-                normalize_target(target)
-            except ValueError as err:
-                raise ValueError(f"hiqcache: kv_connector_extra_config['target']: {err}") from None
-        return cls(target=target, codec=codec, tenant=text("tenant"),
-                   timeout_ms=count("timeout_ms", 1000, 1, 600_000),
-                   staging_tokens=count("staging_tokens", 0, 0, 1 << 24))
+        opts = ExtraConfig(extra, "kv_connector_extra_config", _EXTRA_KEYS)
+        return cls(target=opts.target(), codec=opts.codec(), tenant=opts.text("tenant"),
+                   timeout_ms=opts.integer("timeout_ms", 1000, 1, 600_000),
+                   staging_tokens=opts.integer("staging_tokens", 0, 0, 1 << 24))
 
 
 def model_identity(vllm_config: "VllmConfig") -> str:
