@@ -527,6 +527,35 @@ class HiqCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    # -- hybrid models (extra host pools: Mamba states, SWA, DSA indexers) --
+
+    def on_host_pools_registered(self) -> None:
+        """Fails the attach (start-up) when SGLang registered host pools besides the KV pool:
+        this backend stores KV pages only."""
+        extra = [str(name) for name, pool in getattr(self, "registered_pools", {}).items()
+                 if pool is not self.mem_pool_host]
+        if extra:
+            raise ValueError(f"hiqcache: host pools {', '.join(extra)} of a hybrid model are not "
+                             "supported (this backend stores KV pages only)")
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Optional[list] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+        """Pools added after start-up (SGLang's dynamic sidecars) are not served: a miss."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        if pool_transfers:
+            self._failed("batch_exists_v2", ValueError("extra host pools are not supported"))
+            return PoolTransferResult.empty()
+        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+
+    def batch_get_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
     # -- the rest of SGLang's interface --
 
     def clear(self) -> None:

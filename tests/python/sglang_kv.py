@@ -77,25 +77,20 @@ class Engine:
 
         self.shape, self.layout = shape, layout
         s = shape
+        layers = dict(start_layer=0, end_layer=s.layers - 1)
         if s.mla:
             rope = 8
             self.device = MLATokenToKVPool(device_tokens, s.page_size, s.dtype, s.dim - rope, rope,
-                                           s.layers, "cpu", False, start_layer=0,
-                                           end_layer=s.layers - 1)
-            info = self.device.get_device_pool_infos()[0].buffer_info
-            self.host = MLATokenToKVPoolHost(
-                info, host_ratio, 0, s.page_size, layout, pin_memory=False, device="cpu",
-                allocator_type="shm", device_capacity_tokens=device_tokens, start_layer=0,
-                end_layer=s.layers - 1, target_layer_num=s.layers)
+                                           s.layers, "cpu", False, **layers)
+            host_cls, more = MLATokenToKVPoolHost, {"target_layer_num": s.layers}
         else:
             self.device = MHATokenToKVPool(device_tokens, s.page_size, s.dtype, s.heads, s.dim,
-                                           s.layers, "cpu", False, start_layer=0,
-                                           end_layer=s.layers - 1)
-            info = self.device.get_device_pool_infos()[0].buffer_info
-            self.host = MHATokenToKVPoolHost(
-                info, host_ratio, 0, s.page_size, layout, pin_memory=False, device="cpu",
-                allocator_type="shm", device_capacity_tokens=device_tokens, start_layer=0,
-                end_layer=s.layers - 1)
+                                           s.layers, "cpu", False, **layers)
+            host_cls, more = MHATokenToKVPoolHost, {}
+        self.host = host_cls(self.device.get_device_pool_infos()[0].buffer_info, host_ratio, 0,
+                             s.page_size, layout, pin_memory=False, device="cpu",
+                             allocator_type="shm", device_capacity_tokens=device_tokens,
+                             **layers, **more)
         self.allocator = PagedTokenToKVPoolAllocator(device_tokens, s.page_size, s.dtype, "cpu",
                                                      self.device, need_sort=False)
 

@@ -102,6 +102,27 @@ def test_host_pool_outside_shared_memory_fails_start_up(daemon):
         make_backend(engine, extra_config(daemon.target))
 
 
+def test_hybrid_model_host_pools_fail_the_attach(daemon):
+    """A hybrid model's controller registers extra host pools (Mamba, SWA) after the KV pool
+    and then calls on_host_pools_registered, where raising fails SGLang's attach."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    engine = Engine(SMALL, "layer_first")
+    backend = make_backend(engine, extra_config(daemon.target))
+    backend.register_mem_host_pool_v2(engine.host, "kv")
+    backend.on_host_pools_registered()  # the KV pool alone is fine
+    backend.register_mem_host_pool_v2(Engine(SMALL, "layer_first").host, "mamba")
+    with pytest.raises(ValueError, match="mamba"):
+        backend.on_host_pools_registered()
+    # Served later anyway (SGLang's dynamic sidecars): misses, not exceptions.
+    keys = page_hashes("hybrid", 2)
+    side = PoolTransfer(name="mamba", keys=keys)
+    assert backend.batch_exists_v2(keys, [side]).kv_hit_pages == 0
+    assert backend.batch_get_v2([side]) == {"mamba": [False, False]}
+    assert backend.batch_set_v2([side]) == {"mamba": [False, False]}
+    backend.close()
+
+
 # --- pages across processes, users and layouts ---------------------------------------------------
 
 
