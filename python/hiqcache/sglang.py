@@ -316,9 +316,6 @@ class HiqCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.layout = lay = HostLayout.of(mem_pool_host)
         kv = mem_pool_host.kv_buffer
-        if lay.page_size != self.config.logical_page_size and self.config.logical_page_size:
-            raise ValueError("hiqcache: the host pool's page size differs from SGLang's "
-                             "logical page size")
         # A duplicate of SGLang's memfd: ours to keep open while the pool may re-register.
         self._fd = os.dup(_memfd_of(mem_pool_host))
         os.set_inheritable(self._fd, False)
