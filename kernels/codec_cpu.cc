@@ -10,6 +10,7 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
+#include "codec_cpu_fp8.h"
 #include "codec_math.h"
 #include "codec_reference.h"
 
@@ -309,12 +310,14 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& vi
 
 bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   if (fmt.codec == CodecKind::kRaw) return EncodeRowReference(fmt, view, row, dst);
+  if (fmt.codec == CodecKind::kFp8E4m3PerHead) return EncodeRowsFp8Simd(fmt, view, &row, 1, dst);
   return fmt.dtype == DType::kBF16 ? EncodeRowT<DType::kBF16>(fmt, view, row, dst)
                                    : EncodeRowT<DType::kFP16>(fmt, view, row, dst);
 }
 
 void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row) {
   if (fmt.codec == CodecKind::kRaw) return DecodeRowReference(fmt, src, view, row);
+  if (fmt.codec == CodecKind::kFp8E4m3PerHead) return DecodeRowsFp8Simd(fmt, src, view, &row, 1);
   if (fmt.dtype == DType::kBF16) {
     DecodeRowT<DType::kBF16>(fmt, src, view, row);
   } else {
@@ -326,6 +329,9 @@ void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view
 // INT8 row held NaN or Inf.
 bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                 uint32_t num_rows, uint8_t* dst) {
+  if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
+    return EncodeRowsFp8Simd(fmt, view, rows, num_rows, dst);
+  }
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t t = 0; t < num_rows; ++t) {
       EncodeRowReference(fmt, view, rows[t], dst + t * fmt.RowBytes());
@@ -339,6 +345,9 @@ bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* r
 // Decodes consecutive stored rows at `src` into rows[0..num_rows) of `view`.
 void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                 const uint32_t* rows, uint32_t num_rows) {
+  if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
+    return DecodeRowsFp8Simd(fmt, src, view, rows, num_rows);
+  }
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t t = 0; t < num_rows; ++t) {
       DecodeRowReference(fmt, src + t * fmt.RowBytes(), view, rows[t]);

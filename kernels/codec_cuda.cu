@@ -6,9 +6,10 @@
 // cuda_detail::PlanGroups) owns a head; each lane holds chunks of 8 elements (one 16-byte load
 // of BF16/FP16, 8 bytes of codes). Encode: load the head's chunks, reduce amax over the
 // sign-cleared 16-bit patterns inside the lane (__vmaxu2) and across the group (xor shuffles),
-// derive the scale with ScaleBf16FromAmaxBits and quantize every element with QuantizeElement
-// (IEEE fp32 division: this file must never be built with --use_fast_math / -prec-div=false).
-// Decode: load codes and the head's scale, DequantizeElement, store 16 bytes per lane.
+// derive the scale and quantize every element with the codec's codec_math.h functions
+// (ByteCodec below: INT8 or FP8 E4M3, a template parameter of the kernels; IEEE fp32 division:
+// this file must never be built with --use_fast_math / -prec-div=false).
+// Decode: load codes and the head's scale, dequantize, store 16 bytes per lane.
 // Each lane keeps kUnits units in flight (all loads before any use) to hide memory latency.
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
@@ -190,10 +191,41 @@ __device__ __forceinline__ void StoreHalfChunk(uint8_t* head, uint32_t e0, uint3
 }
 
 // ---------------------------------------------------------------------------------------------
-// Encode (INT8 per head).
+// The per-element arithmetic of the codecs with one-byte codes and a bf16 scale per head.
 
-template <DType kDType, int kChunks, int kUnits>
-__global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeInt8Kernel(const EncodeParams p) {
+template <CodecKind kCodec>
+struct ByteCodec;
+
+template <>
+struct ByteCodec<CodecKind::kInt8PerHead> {
+  static HIQ_HD uint16_t Scale(uint16_t amax_bits, DType dtype) {
+    return ScaleBf16FromAmaxBits(amax_bits, dtype);
+  }
+  static HIQ_HD uint32_t Quantize(float x, float s) {
+    return static_cast<uint8_t>(QuantizeElement(x, s));
+  }
+  static HIQ_HD uint16_t Dequantize(uint32_t code, float s, DType dtype) {
+    return DequantizeElement(static_cast<int8_t>(code), s, dtype);
+  }
+};
+
+template <>
+struct ByteCodec<CodecKind::kFp8E4m3PerHead> {
+  static HIQ_HD uint16_t Scale(uint16_t amax_bits, DType dtype) {
+    return Fp8ScaleBf16FromAmaxBits(amax_bits, dtype);
+  }
+  static HIQ_HD uint32_t Quantize(float x, float s) { return QuantizeFp8Element(x, s); }
+  static HIQ_HD uint16_t Dequantize(uint32_t code, float s, DType dtype) {
+    return DequantizeFp8Element(static_cast<uint8_t>(code), s, dtype);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Encode (INT8 or FP8 per head).
+
+template <CodecKind kCodec, DType kDType, int kChunks, int kUnits>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeScaledKernel(const EncodeParams p) {
+  using Codec = ByteCodec<kCodec>;
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t group_lanes = 1u << p.group_log2;
   const uint32_t gl = lane & (group_lanes - 1u);
@@ -268,7 +300,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeInt8Kernel(const Enco
         if (gl == 0 && p.nonfinite != nullptr) p.nonfinite[block[j]] = 1;
         continue;
       }
-      const uint16_t s_bits = ScaleBf16FromAmaxBits(static_cast<uint16_t>(amax[j]), kDType);
+      const uint16_t s_bits = Codec::Scale(static_cast<uint16_t>(amax[j]), kDType);
       const float s = Bf16ToFloat(s_bits);
       uint8_t* codes = dst_row[j] + static_cast<size_t>(head[j]) * d;
 #pragma unroll
@@ -279,7 +311,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeInt8Kernel(const Enco
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const float x = HalfToFloat(ChunkElem(c[j][k], i), kDType);
-          const uint32_t q = static_cast<uint8_t>(QuantizeElement(x, s));
+          const uint32_t q = Codec::Quantize(x, s);
           if (i < 4) {
             lo |= q << (8 * i);
           } else {
@@ -294,10 +326,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeInt8Kernel(const Enco
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode (INT8 per head).
+// Decode (INT8 or FP8 per head).
 
-template <DType kDType, int kChunks, int kUnits>
-__global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeInt8Kernel(const DecodeParams p) {
+template <CodecKind kCodec, DType kDType, int kChunks, int kUnits>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeScaledKernel(const DecodeParams p) {
+  using Codec = ByteCodec<kCodec>;
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t group_lanes = 1u << p.group_log2;
   const uint32_t gl = lane & (group_lanes - 1u);
@@ -358,10 +391,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeInt8Kernel(const Deco
         for (int i = 0; i < 4; ++i) {
           const uint32_t word = i < 2 ? lo[j][k] : hi[j][k];
           const int sh = (i & 1) * 16;
-          const int8_t q0 = static_cast<int8_t>(word >> sh);
-          const int8_t q1 = static_cast<int8_t>(word >> (sh + 8));
-          out.w[i] = static_cast<uint32_t>(DequantizeElement(q0, s, kDType)) |
-                     (static_cast<uint32_t>(DequantizeElement(q1, s, kDType)) << 16);
+          const uint32_t q0 = (word >> sh) & 0xFFu;
+          const uint32_t q1 = (word >> (sh + 8)) & 0xFFu;
+          out.w[i] = static_cast<uint32_t>(Codec::Dequantize(q0, s, kDType)) |
+                     (static_cast<uint32_t>(Codec::Dequantize(q1, s, kDType)) << 16);
         }
         StoreHalfChunk(dst[j], e0, d, out);
       }
@@ -466,7 +499,8 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   if (lay.row.dtype != DType::kBF16 && lay.row.dtype != DType::kFP16) {
     return InvalidArgument(w + ": layout.row.dtype is not BF16 or FP16");
   }
-  if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw) {
+  if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
+      lay.row.codec != CodecKind::kFp8E4m3PerHead) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
   }
   if (lay.kv_planes != 1 && lay.kv_planes != 2) {
@@ -510,44 +544,69 @@ StatusOr<uint32_t> GridFor(uint64_t total_units, uint32_t units_per_cta,
 template <typename Params>
 using KernelFn = void (*)(Params);
 
-template <DType kDType>
+template <CodecKind kCodec, DType kDType>
 KernelFn<EncodeParams> PickEncodeKernel(uint32_t chunks_per_lane, uint32_t* units) {
   switch (chunks_per_lane) {
     case 1:
       *units = 2;
-      return EncodeInt8Kernel<kDType, 1, 2>;
+      return EncodeScaledKernel<kCodec, kDType, 1, 2>;
     case 2:
       *units = 1;
-      return EncodeInt8Kernel<kDType, 2, 1>;
+      return EncodeScaledKernel<kCodec, kDType, 2, 1>;
     case 4:
       *units = 1;
-      return EncodeInt8Kernel<kDType, 4, 1>;
+      return EncodeScaledKernel<kCodec, kDType, 4, 1>;
     case 8:
       *units = 1;
-      return EncodeInt8Kernel<kDType, 8, 1>;
+      return EncodeScaledKernel<kCodec, kDType, 8, 1>;
     default:
       return nullptr;
   }
 }
 
-template <DType kDType>
+template <CodecKind kCodec, DType kDType>
 KernelFn<DecodeParams> PickDecodeKernel(uint32_t chunks_per_lane, uint32_t* units) {
   switch (chunks_per_lane) {
     case 1:
       *units = 4;
-      return DecodeInt8Kernel<kDType, 1, 4>;
+      return DecodeScaledKernel<kCodec, kDType, 1, 4>;
     case 2:
       *units = 2;
-      return DecodeInt8Kernel<kDType, 2, 2>;
+      return DecodeScaledKernel<kCodec, kDType, 2, 2>;
     case 4:
       *units = 1;
-      return DecodeInt8Kernel<kDType, 4, 1>;
+      return DecodeScaledKernel<kCodec, kDType, 4, 1>;
     case 8:
       *units = 1;
-      return DecodeInt8Kernel<kDType, 8, 1>;
+      return DecodeScaledKernel<kCodec, kDType, 8, 1>;
     default:
       return nullptr;
   }
+}
+
+// The kernel for a row format's codec (INT8 or FP8) and dtype.
+KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
+                                           uint32_t* units) {
+  const bool bf16 = row.dtype == DType::kBF16;
+  if (row.codec == CodecKind::kFp8E4m3PerHead) {
+    return bf16
+               ? PickEncodeKernel<CodecKind::kFp8E4m3PerHead, DType::kBF16>(chunks_per_lane, units)
+               : PickEncodeKernel<CodecKind::kFp8E4m3PerHead, DType::kFP16>(chunks_per_lane, units);
+  }
+  return bf16 ? PickEncodeKernel<CodecKind::kInt8PerHead, DType::kBF16>(chunks_per_lane, units)
+              : PickEncodeKernel<CodecKind::kInt8PerHead, DType::kFP16>(chunks_per_lane, units);
+}
+
+KernelFn<DecodeParams> PickDecodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
+                                           uint32_t* units) {
+  const bool bf16 = row.dtype == DType::kBF16;
+  if (row.codec == CodecKind::kFp8E4m3PerHead) {
+    return bf16
+               ? PickDecodeKernel<CodecKind::kFp8E4m3PerHead, DType::kBF16>(chunks_per_lane, units)
+               : PickDecodeKernel<CodecKind::kFp8E4m3PerHead, DType::kFP16>(chunks_per_lane, units);
+  }
+  return bf16 ? PickDecodeKernel<CodecKind::kInt8PerHead, DType::kBF16>(chunks_per_lane, units)
+              : PickDecodeKernel<CodecKind::kInt8PerHead, DType::kFP16>(chunks_per_lane, units);
 }
 
 // Splits [0, num_blocks) into launches of at most kMaxUnitsPerLaunch units and calls
@@ -667,9 +726,7 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
 
   uint32_t units_per_lane = 0;
   KernelFn<EncodeParams> kernel =
-      lay.row.dtype == DType::kBF16
-          ? PickEncodeKernel<DType::kBF16>(plan.chunks_per_lane, &units_per_lane)
-          : PickEncodeKernel<DType::kFP16>(plan.chunks_per_lane, &units_per_lane);
+      PickEncodeKernelFor(lay.row, plan.chunks_per_lane, &units_per_lane);
   if (kernel == nullptr) return Internal("LaunchEncode: no kernel for this head_dim");
   EncodeParams p{};
   p.layout = lay;
@@ -736,9 +793,7 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
 
   uint32_t units_per_lane = 0;
   KernelFn<DecodeParams> kernel =
-      lay.row.dtype == DType::kBF16
-          ? PickDecodeKernel<DType::kBF16>(plan.chunks_per_lane, &units_per_lane)
-          : PickDecodeKernel<DType::kFP16>(plan.chunks_per_lane, &units_per_lane);
+      PickDecodeKernelFor(lay.row, plan.chunks_per_lane, &units_per_lane);
   if (kernel == nullptr) return Internal("LaunchDecodeLayers: no kernel for this head_dim");
   DecodeParams p{};
   p.layout = lay;

@@ -1,12 +1,33 @@
-// The per-element arithmetic of CODEC_INT8_PER_HEAD, written once.
+// The per-element arithmetic of CODEC_INT8_PER_HEAD and CODEC_FP8_E4M3_PER_HEAD, written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
-// no state, thread-safe. See ../shared/DESIGN.md "Record format".
+// no state, thread-safe. See ../shared/DESIGN.md "Record format" and kernels/README.md.
 //
+// INT8:
 //   s  = bf16_rne(max(amax, 2^-112) / 127)        (amax and the division in fp32)
 //   q  = clamp(round_half_even(x / s), -127, 127) (quotient in fp32)
 //   x^ = rne(q * s) in the output dtype, saturated to its largest finite value
+//
+// FP8 E4M3 (OCP E4M3FN: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; subnormals m * 2^-9;
+// largest finite 448 = 0x7E; no infinities; 0x7F/0xFF are NaN and never written):
+//   s  = bf16_rne(max(amax, 2^-112) / 448)        (fp32; s >= 2^-120.8 stays a normal bf16)
+//   c  = e4m3_rne(x / s), |x / s| >= 448 saturated to +-448 (0x7E/0xFE); the quotient in fp32
+//        (x has <= 11 significant bits and s 8, so x / s is never within 2^-24 relative of an
+//        e4m3 tie unless it is one: rounding the fp32 quotient equals rounding the exact one).
+//        Signs are kept: -0 and negatives that round to zero store 0x80.
+//   x^ = rne(e4m3(c) * s) in the output dtype, saturated (e4m3(c) * s is exact in fp32)
+//   An all-zero head stores zero codes and restores exact zeros (of the input's signs).
+//
+// FP8 error bound, elementwise (y = e4m3(c) * s, the value before the output rounding):
+//   |y - x|  <= 2^-4 * |y| + 2^-10 * s
+//     normal codes (|x / s| >= 2^-6): rne to 4 significant bits, |y - x| <= 2^-4 |y|; saturation
+//     (448 < |x / s| <= 448 / (1 - 2^-8), as s may round down) stays inside that; subnormal and
+//     zero codes: half the subnormal spacing 2^-9, times s.
+//   |x^ - y| <= u * |x^| + a,  u = 2^-8 (BF16) or 2^-11 (FP16), a = the output's half subnormal
+//     spacing (2^-134 BF16, 2^-25 FP16) where |x^| <= its smallest normal (2^-126, 2^-14), else 0.
+//   Together: |x^ - x| <= 2^-4 * |x^| + 2^-10 * s + (1 + 2^-4) * (u * |x^| + a).
+//   (BF16, normal outputs: about 0.0664 |x^| + 2^-10 s; INT8's is 0.5 s + 2^-8 |x^|.)
 #pragma once
 
 #include <cstdint>
@@ -138,6 +159,68 @@ HIQ_HD int8_t QuantizeElement(float x, float s) {
 
 HIQ_HD uint16_t DequantizeElement(int8_t q, float s, DType dtype) {
   return FloatToHalfSat(static_cast<float>(q) * s, dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 E4M3 per head.
+
+constexpr uint8_t kE4m3MaxFinite = 0x7E;  // 448
+constexpr float kE4m3MaxValue = 448.0f;
+// |q| bit patterns (fp32): below kE4m3MinNormalBits (2^-6) the code is subnormal; at or above
+// kE4m3SatBits (448.0f) it saturates.
+constexpr uint32_t kE4m3MinNormalBits = 121u << 23;
+constexpr uint32_t kE4m3SatBits = 0x43E00000u;
+// 2^14: its fp32 ulp is 2^-9, the e4m3 subnormal spacing, so |q| + 2^14 rounds |q| / 2^-9 to
+// nearest even in the low mantissa bits (|q| < 2^-6 there).
+constexpr uint32_t kE4m3SubMagicBits = (127u + 14u) << 23;
+// 2^120 = 2^(127 - 7): rebiases e4m3 bits placed in an fp32 exponent field.
+constexpr uint32_t kE4m3RebiasBits = (127u + 120u) << 23;
+
+// The bf16 scale of an FP8 head whose largest |x| has the (sign-cleared) bit pattern `amax_bits`.
+// REQUIRES: amax_bits < InfBits(dtype) (the head is finite).
+HIQ_HD uint16_t Fp8ScaleBf16FromAmaxBits(uint16_t amax_bits, DType dtype) {
+  float amax = HalfToFloat(amax_bits, dtype);
+  float floor = BitsToFloat(kAmaxFloorBits);
+  if (amax < floor) amax = floor;
+  return FloatToBf16Sat(amax / kE4m3MaxValue);
+}
+
+// fp32 -> OCP E4M3FN bits, round to nearest even (subnormals included), finite values saturated
+// to +-448. Never returns 0x7F or 0xFF. REQUIRES: !isnan(q) (+-Inf saturates too).
+HIQ_HD uint8_t FloatToE4m3Sat(float q) {
+  const uint32_t bits = FloatToBits(q);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  uint32_t code;
+  if (mag >= kE4m3SatBits) {
+    code = kE4m3MaxFinite;
+  } else if (mag >= kE4m3MinNormalBits) {
+    // Round the 20 dropped mantissa bits to nearest even; a carry moves into the exponent.
+    // Below 448 this yields at most 0x7E (432..448 rounds to 448 at worst).
+    const uint32_t rounded = mag + 0x7FFFFu + ((mag >> 20) & 1u);
+    code = (rounded >> 20) - (120u << 3);
+  } else {
+    // Subnormal (or zero): rne(|q| / 2^-9) in 0..8 (8 is 2^-6, the smallest normal's code).
+    const float t = BitsToFloat(mag) + BitsToFloat(kE4m3SubMagicBits);
+    code = FloatToBits(t) - kE4m3SubMagicBits;
+  }
+  return static_cast<uint8_t>(sign | code);
+}
+
+// E4M3 bits -> fp32, exact (0x7F/0xFF, never written, read as +-480).
+HIQ_HD float E4m3ToFloat(uint8_t c) {
+  // The 7 magnitude bits placed at the top of an fp32 exponent/mantissa are 2^-120 times the
+  // value, normal or (exponent field 0) an fp32 subnormal; the product by 2^120 is exact.
+  const float mag =
+      BitsToFloat(static_cast<uint32_t>(c & 0x7Fu) << 20) * BitsToFloat(kE4m3RebiasBits);
+  return BitsToFloat(FloatToBits(mag) | (static_cast<uint32_t>(c & 0x80u) << 24));
+}
+
+// c = e4m3_rne_sat(x / s), quotient in fp32.
+HIQ_HD uint8_t QuantizeFp8Element(float x, float s) { return FloatToE4m3Sat(x / s); }
+
+HIQ_HD uint16_t DequantizeFp8Element(uint8_t c, float s, DType dtype) {
+  return FloatToHalfSat(E4m3ToFloat(c) * s, dtype);
 }
 
 }  // namespace hiqcache::kernels

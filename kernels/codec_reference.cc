@@ -24,7 +24,8 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
     }
     return true;
   }
-  int8_t* codes = reinterpret_cast<int8_t*>(dst);
+  const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
+  uint8_t* codes = dst;
   uint8_t* scales = dst + fmt.ElementsPerRow();
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
     const uint8_t* src = view.Head(row, h);
@@ -34,11 +35,13 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
       if (a > amax_bits) amax_bits = a;
     }
     if (amax_bits >= InfBits(fmt.dtype)) return false;
-    uint16_t s_bits = ScaleBf16FromAmaxBits(amax_bits, fmt.dtype);
+    uint16_t s_bits = fp8 ? Fp8ScaleBf16FromAmaxBits(amax_bits, fmt.dtype)
+                          : ScaleBf16FromAmaxBits(amax_bits, fmt.dtype);
     float s = Bf16ToFloat(s_bits);
     for (uint32_t i = 0; i < d; ++i) {
       float x = HalfToFloat(LoadU16(src + 2 * i), fmt.dtype);
-      codes[static_cast<size_t>(h) * d + i] = QuantizeElement(x, s);
+      codes[static_cast<size_t>(h) * d + i] =
+          fp8 ? QuantizeFp8Element(x, s) : static_cast<uint8_t>(QuantizeElement(x, s));
     }
     StoreU16(scales + 2 * h, s_bits);
   }
@@ -54,13 +57,16 @@ void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedV
     }
     return;
   }
-  const int8_t* codes = reinterpret_cast<const int8_t*>(src);
+  const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
+  const uint8_t* codes = src;
   const uint8_t* scales = src + fmt.ElementsPerRow();
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
     float s = Bf16ToFloat(LoadU16(scales + 2 * h));
     uint8_t* dst = view.Head(row, h);
     for (uint32_t i = 0; i < d; ++i) {
-      StoreU16(dst + 2 * i, DequantizeElement(codes[static_cast<size_t>(h) * d + i], s, fmt.dtype));
+      const uint8_t c = codes[static_cast<size_t>(h) * d + i];
+      StoreU16(dst + 2 * i, fp8 ? DequantizeFp8Element(c, s, fmt.dtype)
+                                : DequantizeElement(static_cast<int8_t>(c), s, fmt.dtype));
     }
   }
 }

@@ -10,7 +10,7 @@
 namespace hiqcache::kernels {
 
 // Encodes one row (all heads of `row` in `view`) into `dst` (fmt.RowBytes() bytes).
-// Returns false, leaving `dst` unspecified, when an INT8 row holds NaN or Inf.
+// Returns false, leaving `dst` unspecified, when an INT8 or FP8 row holds NaN or Inf.
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row,
                         uint8_t* dst);
 // Decodes one stored row into all heads of `row` in `view`.

@@ -13,8 +13,9 @@
 namespace hiqcache::kernels {
 
 enum class CodecKind : uint8_t {
-  kInt8PerHead = 0,  // H*D int8 codes (head-major) | H bf16 scales
-  kRaw = 1,          // the input dtype's bytes as-is (bit-exact control)
+  kInt8PerHead = 0,     // H*D int8 codes (head-major) | H bf16 scales
+  kRaw = 1,             // the input dtype's bytes as-is (bit-exact control)
+  kFp8E4m3PerHead = 2,  // H*D E4M3FN codes (head-major) | H bf16 scales: INT8's row size
 };
 
 struct RowFormat {
@@ -26,7 +27,7 @@ struct RowFormat {
   HIQ_HD size_t ElementsPerRow() const { return static_cast<size_t>(num_heads) * head_dim; }
   // Bytes of one row as the engine holds it (BF16/FP16).
   HIQ_HD size_t InputRowBytes() const { return ElementsPerRow() * 2; }
-  // Bytes of one stored row: H*D + 2H for INT8 (1,040 for 8x128), 2*H*D for RAW.
+  // Bytes of one stored row: H*D + 2H for INT8 and FP8 (1,040 for 8x128), 2*H*D for RAW.
   HIQ_HD size_t RowBytes() const {
     return codec == CodecKind::kRaw ? ElementsPerRow() * 2 : ElementsPerRow() + 2u * num_heads;
   }

@@ -50,9 +50,10 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8 and RAW.
+// tails, every view kind, INT8, FP8 E4M3 and RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
+  constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
   constexpr CodecKind kRaw = CodecKind::kRaw;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -72,6 +73,15 @@ inline std::vector<CudaCase> CudaGeometryCases() {
       {"fp16_1x1100_contiguous", DType::kFP16, kInt8, 1, 1100, 2, 1, 4, 3, ViewKind::kContiguous},
       {"raw_bf16_8x128_paged", DType::kBF16, kRaw, 8, 128, 2, 2, 16, 4, ViewKind::kPaged},
       {"raw_fp16_2x96_strided", DType::kFP16, kRaw, 2, 96, 2, 2, 7, 4, ViewKind::kStrided},
+      {"fp8_bf16_8x128_paged", DType::kBF16, kFp8, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
+      {"fp8_fp16_8x128_contiguous", DType::kFP16, kFp8, 8, 128, 2, 2, 16, 4, ViewKind::kContiguous},
+      {"fp8_bf16_8x128_packed_kv", DType::kBF16, kFp8, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
+      {"fp8_fp16_1x576_mla_strided", DType::kFP16, kFp8, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
+      {"fp8_bf16_2x96_strided", DType::kBF16, kFp8, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
+      {"fp8_fp16_3x36_paged", DType::kFP16, kFp8, 3, 36, 2, 2, 5, 5, ViewKind::kPaged},
+      {"fp8_bf16_2x512_paged", DType::kBF16, kFp8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
+      {"fp8_bf16_1x1100_contiguous", DType::kBF16, kFp8, 1, 1100, 2, 1, 4, 3,
+       ViewKind::kContiguous},
   };
 }
 

@@ -1,5 +1,6 @@
 // codec_math.h against the independent float64 model in codec_test_util.h: the 16-bit
-// conversions (exhaustively where the domain allows), the scale, and the per-element quantizer.
+// conversions (exhaustively where the domain allows), the scales, the per-element quantizers
+// (INT8 and FP8 E4M3: every code, ties, subnormal codes, saturation) and FP8's error bound.
 #include "codec_math.h"
 
 #include <gtest/gtest.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <vector>
 
@@ -249,6 +251,220 @@ TEST(CodecMath, DequantizeElementAgainstDouble) {
       }
     }
     EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 E4M3.
+
+TEST(CodecMath, E4m3ToFloatEveryCode) {
+  for (uint32_t c = 0; c < 256; ++c) {
+    const float got = E4m3ToFloat(static_cast<uint8_t>(c));
+    const double want = testutil::E4m3BitsToDouble(static_cast<uint8_t>(c));
+    EXPECT_EQ(static_cast<double>(got), want) << "code 0x" << std::hex << c;
+    EXPECT_EQ(std::signbit(got), (c & 0x80u) != 0) << "code 0x" << std::hex << c;
+  }
+  EXPECT_EQ(E4m3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(E4m3ToFloat(0x08), 0x1.0p-6f);
+  EXPECT_EQ(E4m3ToFloat(0x01), 0x1.0p-9f);
+  EXPECT_EQ(E4m3ToFloat(0x07), 7 * 0x1.0p-9f);
+  EXPECT_EQ(E4m3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(E4m3ToFloat(0xBA), -1.25f);
+  EXPECT_EQ(E4m3ToFloat(0x7F), 480.0f);  // NaN in E4M3FN: never written, read as 480
+}
+
+void ExpectE4m3LikeModel(float f, int* mismatches) {
+  const uint8_t got = FloatToE4m3Sat(f);
+  const uint8_t want = testutil::DoubleToE4m3Bits(static_cast<double>(f));
+  if (got != want && (*mismatches)++ < 5) {
+    ADD_FAILURE() << "e4m3 of " << std::hexfloat << f << " (0x" << std::hex << FloatToBits(f)
+                  << "): got 0x" << int{got} << ", want 0x" << int{want};
+  }
+  if ((got & 0x7Fu) == 0x7Fu && (*mismatches)++ < 5) ADD_FAILURE() << "NaN code for " << f;
+}
+
+// Every e4m3 value, every midpoint (a tie) and the fp32 neighbours of both, both signs; then a
+// stride through every finite fp32 bit pattern.
+TEST(CodecMath, FloatToE4m3SatTiesNeighborsSubnormalsAndStride) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  int mismatches = 0;
+  size_t probes = 0;
+  for (uint32_t c = 0; c <= 0x7E; ++c) {
+    const float v = E4m3ToFloat(static_cast<uint8_t>(c));
+    const float hi = c < 0x7E ? E4m3ToFloat(static_cast<uint8_t>(c + 1)) : 480.0f;
+    const float mid = 0.5f * (v + hi);  // exact: one more bit than e4m3
+    for (float f : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, kInf),
+                    std::nextafter(v, kInf), std::nextafter(v, 0.0f)}) {
+      ExpectE4m3LikeModel(f, &mismatches);
+      ExpectE4m3LikeModel(-f, &mismatches);
+      probes += 2;
+    }
+  }
+  for (uint64_t b = 0; b < 0x100000000ull; b += 257) {
+    const uint32_t bits = static_cast<uint32_t>(b);
+    if ((bits & 0x7F800000u) == 0x7F800000u) continue;  // Inf/NaN
+    ExpectE4m3LikeModel(F32(bits), &mismatches);
+    ++probes;
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_GT(probes, 16000000u);
+  // Hand-checked answers, so the model cannot be wrong in the same way.
+  EXPECT_EQ(FloatToE4m3Sat(0x1.0p-10f), 0x00);  // tie between 0 and 2^-9 -> even 0
+  EXPECT_EQ(FloatToE4m3Sat(std::nextafter(0x1.0p-10f, 1.0f)), 0x01);
+  EXPECT_EQ(FloatToE4m3Sat(3 * 0x1.0p-10f), 0x02);        // tie 1.5 -> 2 (even)
+  EXPECT_EQ(FloatToE4m3Sat(5 * 0x1.0p-10f), 0x02);        // tie 2.5 -> 2 (even)
+  EXPECT_EQ(FloatToE4m3Sat(15 * 0x1.0p-10f), 0x08);       // tie 7.5 -> 8: the smallest normal
+  EXPECT_EQ(FloatToE4m3Sat(1.0f + 0x1.0p-4f), 0x38);      // tie -> even 1.0
+  EXPECT_EQ(FloatToE4m3Sat(1.0f + 3 * 0x1.0p-4f), 0x3A);  // tie -> even 1.25
+  EXPECT_EQ(FloatToE4m3Sat(432.0f), 0x7E);                // tie 416|448 -> even 448
+  EXPECT_EQ(FloatToE4m3Sat(std::nextafter(432.0f, 0.0f)), 0x7D);
+  EXPECT_EQ(FloatToE4m3Sat(448.0f), 0x7E);
+  EXPECT_EQ(FloatToE4m3Sat(464.0f), 0x7E);  // would round to 480 (NaN): saturates
+  EXPECT_EQ(FloatToE4m3Sat(1e30f), 0x7E);
+  EXPECT_EQ(FloatToE4m3Sat(kInf), 0x7E);
+  EXPECT_EQ(FloatToE4m3Sat(-kInf), 0xFE);
+  EXPECT_EQ(FloatToE4m3Sat(-449.75f), 0xFE);
+  EXPECT_EQ(FloatToE4m3Sat(-0.0f), 0x80);
+  EXPECT_EQ(FloatToE4m3Sat(-0x1.0p-12f), 0x80);
+  EXPECT_EQ(FloatToE4m3Sat(F32(0x00000001u)), 0x00);  // fp32 subnormal
+}
+
+TEST(CodecMath, E4m3ModelSanity) {
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(1.0), 0x38);
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(-2.0), 0xC0);
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(448.0), 0x7E);
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(0x1.0p-9), 0x01);
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(0x1.0p-6), 0x08);
+  EXPECT_EQ(testutil::DoubleToE4m3Bits(1.75 * 0x1.0p-7), 0x07);  // 7 * 2^-9, largest subnormal
+  EXPECT_EQ(testutil::E4m3BitsToDouble(0x7E), 448.0);
+  EXPECT_EQ(testutil::E4m3BitsToDouble(0x80), 0.0);
+  EXPECT_EQ(testutil::E4m3BitsToDouble(0xF0), -128.0);
+  EXPECT_EQ(testutil::E4m3BitsToDouble(0x7D), 416.0);
+}
+
+// The FP8 scale of every finite amax, both dtypes, against s computed in double; it stays a
+// normal bf16 number, and the largest quotient amax / s stays within 448 / (1 - 2^-8) (the
+// saturation the bound's derivation allows) while exceeding 448 somewhere (saturation happens).
+TEST(CodecMath, Fp8ScaleExhaustive) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    float worst = 0.0f;
+    for (uint32_t a = 0; a < InfBits(dtype); ++a) {
+      const double amax = HalfBitsToDouble(static_cast<uint16_t>(a), dtype);
+      const uint16_t want =
+          DoubleToHalfBits(std::max(amax, testutil::kAmaxFloor) / 448.0, DType::kBF16);
+      const uint16_t got = Fp8ScaleBf16FromAmaxBits(static_cast<uint16_t>(a), dtype);
+      if (got != want && mismatches++ < 5) {
+        ADD_FAILURE() << testutil::DTypeName(dtype) << " amax 0x" << std::hex << a << ": 0x" << got
+                      << " want 0x" << want;
+      }
+      ASSERT_GE(got & 0x7F80, 0x0080) << "scale not a normal bf16";
+      ASSERT_LT(got & 0x7F80, 0x7F80) << "scale not finite";
+      const float q = HalfToFloat(static_cast<uint16_t>(a), dtype) / Bf16ToFloat(got);
+      worst = std::max(worst, q);
+      if (q >= 432.0f) ASSERT_EQ(FloatToE4m3Sat(q), 0x7E) << q;
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+    EXPECT_GT(worst, 448.0f) << testutil::DTypeName(dtype);
+    EXPECT_LE(worst, 448.0 / (1.0 - 0x1.0p-8)) << testutil::DTypeName(dtype);
+  }
+  EXPECT_EQ(Fp8ScaleBf16FromAmaxBits(0, DType::kBF16), Fp8ScaleBf16FromAmaxBits(0, DType::kFP16));
+}
+
+// QuantizeFp8Element against the double quantizer: for many scales (random amax values, the
+// extremes, exact powers of two so that x / s hits e4m3 ties), every finite x with |x| <= amax.
+TEST(CodecMath, QuantizeFp8ElementAgainstDouble) {
+  Rng rng(11);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = testutil::FormatOf(dtype).max_bits;
+    std::vector<uint16_t> amaxes = {0x0000, 0x0001, max_bits};
+    for (int i = 0; i < 40; ++i) amaxes.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+    for (double a : {448.0, 448.0 * 3, 448.0 / 64, 448.0 * 0x1.0p-20}) {
+      amaxes.push_back(testutil::DoubleToHalfBits(a, dtype));
+    }
+    int mismatches = 0;
+    for (uint16_t a : amaxes) {
+      const float s = Bf16ToFloat(Fp8ScaleBf16FromAmaxBits(a, dtype));
+      for (uint32_t xb = 0; xb <= a; ++xb) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          const uint16_t bits = static_cast<uint16_t>(xb | sign);
+          const uint8_t want = testutil::DoubleToE4m3Bits(HalfBitsToDouble(bits, dtype) / s);
+          const uint8_t got = QuantizeFp8Element(HalfToFloat(bits, dtype), s);
+          if (got != want && mismatches++ < 5) {
+            ADD_FAILURE() << testutil::DTypeName(dtype) << " x=0x" << std::hex << bits << " s=" << s
+                          << " got 0x" << int{got} << " want 0x" << int{want};
+          }
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// Every code (0x7F/0xFF included) with every normal bf16 scale, both output dtypes.
+TEST(CodecMath, DequantizeFp8ElementAgainstDouble) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    for (uint32_t sb = 0x0080; sb <= 0x7F7F; ++sb) {
+      const float s = Bf16ToFloat(static_cast<uint16_t>(sb));
+      for (uint32_t c = 0; c < 256; ++c) {
+        const uint16_t got = DequantizeFp8Element(static_cast<uint8_t>(c), s, dtype);
+        const uint16_t want = testutil::ModelDecodeElementFp8(static_cast<uint8_t>(c),
+                                                              static_cast<uint16_t>(sb), dtype);
+        if (got != want && mismatches++ < 5) {
+          ADD_FAILURE() << testutil::DTypeName(dtype) << " c=0x" << std::hex << c << " s=" << s
+                        << " got 0x" << got << " want 0x" << want;
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// The FP8 bound, element by element through the shared arithmetic: for many amax values (zero,
+// below the floor, subnormal, around the scale's rounding, the dtype's largest), every finite x
+// with |x| <= amax, both signs. The largest error / bound ratio shows the bound is tight.
+TEST(CodecMath, Fp8ErrorBoundHoldsForEveryValue) {
+  Rng rng(13);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = testutil::FormatOf(dtype).max_bits;
+    std::vector<uint16_t> amaxes = {0x0000, 0x0001, 0x0003, max_bits,
+                                    static_cast<uint16_t>(max_bits - 1)};
+    for (int i = 0; i < 24; ++i) amaxes.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+    for (double a : {448.0, 449.0, 1.0, 0x1.0p-112, 0x1.0p-113, 3e-4}) {
+      amaxes.push_back(testutil::DoubleToHalfBits(a, dtype));
+    }
+    uint64_t checked = 0, violations = 0;
+    double worst_ratio = 0.0, worst_rel = 0.0;
+    for (uint16_t a : amaxes) {
+      const uint16_t sb = Fp8ScaleBf16FromAmaxBits(a, dtype);
+      const float s = Bf16ToFloat(sb);
+      for (uint32_t xb = 0; xb <= a; ++xb) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          const uint16_t bits = static_cast<uint16_t>(xb | sign);
+          const uint8_t c = QuantizeFp8Element(HalfToFloat(bits, dtype), s);
+          const uint16_t yb = DequantizeFp8Element(c, s, dtype);
+          const double x = HalfBitsToDouble(bits, dtype);
+          const double y = HalfBitsToDouble(yb, dtype);
+          const double err = std::fabs(y - x);
+          const double bound = testutil::Fp8ErrorBound(s, y, dtype);
+          ++checked;
+          worst_ratio = std::max(worst_ratio, err / bound);
+          if (std::fabs(y) > 64 * s) worst_rel = std::max(worst_rel, err / std::fabs(y));
+          if (!(err <= bound) && violations++ < 5) {
+            ADD_FAILURE() << testutil::DTypeName(dtype) << std::hexfloat << " x=" << x
+                          << " x^=" << y << " s=" << s << " err=" << err << " bound=" << bound;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(violations, 0u) << testutil::DTypeName(dtype);
+    EXPECT_GT(checked, 1000000u);
+    EXPECT_GT(worst_ratio, 0.9) << "the bound should be nearly reached";
+    EXPECT_GT(worst_rel, 0.05) << "relative error near 2^-4 for normal codes";
+    std::printf("  %s: %llu elements, max err/bound %.4f, max rel err (|x^| > 64 s) %.5f\n",
+                testutil::DTypeName(dtype), static_cast<unsigned long long>(checked), worst_ratio,
+                worst_rel);
   }
 }
 

@@ -1,6 +1,6 @@
 // The scalar reference executor against the independent float64 model of the record format:
-// every input class, geometry, dtype and view shape; the elementwise error bound; non-finite
-// rows; CODEC_RAW; and that decode writes exactly the requested rows.
+// every input class, geometry, dtype and view shape; the elementwise error bounds (INT8, FP8
+// E4M3); non-finite rows; CODEC_RAW; and that decode writes exactly the requested rows.
 #include "codec_reference.h"
 
 #include <gtest/gtest.h>
@@ -162,6 +162,102 @@ TEST(CodecReference, NonfiniteRowsFlagTheirBlocks) {
       for (uint16_t v : values) {
         CaseSpec spec;
         spec.layout = MakeLayout(g, dtype);
+        spec.num_blocks = 4;
+        spec.seed = seed++;
+        for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v), ReferenceOnly())) {
+          errors.push_back(e);
+        }
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CODEC_FP8_E4M3_PER_HEAD.
+
+TEST(CodecReference, Fp8RowsHaveInt8Size) {
+  const BlockLayout fp8 = MakeLayout({8, 128, 2}, DType::kBF16, CodecKind::kFp8E4m3PerHead, 36);
+  const BlockLayout int8 = MakeLayout({8, 128, 2}, DType::kBF16, CodecKind::kInt8PerHead, 36);
+  EXPECT_EQ(fp8.row.RowBytes(), 1040u);
+  EXPECT_EQ(fp8.BytesPerToken(), int8.BytesPerToken());
+  EXPECT_EQ(fp8.BytesPerToken(), 74880u);
+}
+
+// Codes and scales equal the float64 model's, decode equals rne(e4m3(c) * s), every element
+// meets the FP8 bound, nothing outside the requested rows is written: every input class (the
+// e4m3 grid of exact ties included) x geometry x dtype, the view shape rotating.
+TEST(CodecReference, Fp8MatchesFloat64ModelEverywhere) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  uint64_t seed = 300;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : TestGeometries()) {
+      for (InputClass c : Fp8InputClasses()) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, CodecKind::kFp8E4m3PerHead);
+        spec.input = c;
+        spec.view = AllViewKinds()[vk++ % AllViewKinds().size()];
+        spec.seed = seed++;
+        if (g.heads * g.dim >= 4096) spec.num_blocks = 2;
+        for (auto& e : RunCase(spec, ReferenceOnly(), &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.elements, 1000000u);
+  EXPECT_GT(bound.max_err_over_bound, 0.9) << "the bound should be nearly reached";
+}
+
+// Zero heads restore bit-exact zeros, signs included (-0 stores code 0x80).
+TEST(CodecReference, Fp8AllZeroHeadsRestoreExactZeros) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = MakeLayout({4, 64, 2}, dtype, CodecKind::kFp8E4m3PerHead);
+    KvPool src(lay, 32, ViewKind::kStrided, 3);
+    src.Fill(InputClass::kZero, 3);  // +0 and -0
+    Rng rng(3);
+    const std::vector<uint32_t> rows = RandomRows(32, 2 * lay.block_tokens, rng);
+    BlockSet blocks(lay, 2);
+    uint8_t flags[2] = {9, 9};
+    EncodeBlocksReference(MakeEncodeJob(src, rows, blocks, flags));
+    EXPECT_EQ(flags[0], 0);
+    EXPECT_EQ(flags[1], 0);
+    KvPool out(lay, 32, ViewKind::kStrided, 3);
+    out.FillBytes(0x77);
+    DecodeBlocksReference(MakeDecodeJob(out, rows, blocks));
+    int differ = 0, negative = 0;
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        for (uint32_t r : rows) {
+          for (uint32_t h = 0; h < 4; ++h) {
+            for (uint32_t i = 0; i < 64; ++i) {
+              differ += out.Head(l, p, r, h)[i] != src.Head(l, p, r, h)[i];
+              negative += src.Head(l, p, r, h)[i] == 0x8000u;
+            }
+          }
+        }
+      }
+    }
+    EXPECT_EQ(differ, 0) << DTypeName(dtype);
+    EXPECT_GT(negative, 0) << DTypeName(dtype);
+  }
+}
+
+// NaN and Inf flag exactly the FP8 blocks holding them, as for INT8.
+TEST(CodecReference, Fp8NonfiniteRowsFlagTheirBlocks) {
+  std::vector<std::string> errors;
+  uint64_t seed = 400;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t inf = InfBits(dtype);
+    const uint16_t values[] = {inf, static_cast<uint16_t>(0x8000u | inf),
+                               static_cast<uint16_t>(inf | 0x1u),
+                               static_cast<uint16_t>(0x8000u | inf | (inf >> 1 & ~inf))};
+    for (const Geometry& g : {Geometry{2, 100, 2}, Geometry{1, 576, 1}, Geometry{8, 128, 2}}) {
+      for (uint16_t v : values) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, CodecKind::kFp8E4m3PerHead);
         spec.num_blocks = 4;
         spec.seed = seed++;
         for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v), ReferenceOnly())) {

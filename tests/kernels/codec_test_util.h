@@ -186,6 +186,85 @@ inline double ErrorBound(double s, double xhat, DType out) {
   return b;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The float64 model of CODEC_FP8_E4M3_PER_HEAD (OCP E4M3FN from its definition: bias 7, 3
+// mantissa bits, subnormals m * 2^-9, largest finite 448, 0x7F/0xFF NaN).
+
+// Exact value of an E4M3 code; 0x7F/0xFF (NaN, never written) read as +-480 like the executors'.
+inline double E4m3BitsToDouble(uint8_t c) {
+  const uint32_t e = (c >> 3) & 0xFu;
+  const uint32_t m = c & 0x7u;
+  const double v = e == 0 ? static_cast<double>(m) * Pow2(-9)
+                          : static_cast<double>(8 + m) * Pow2(static_cast<int>(e) - 7 - 3);
+  return (c & 0x80u) ? -v : v;
+}
+
+// Rounds a double to the nearest E4M3 value, ties to even (subnormals included), magnitudes at
+// or beyond 448 saturated to it. Keeps the sign of zero. REQUIRES: !isnan(v).
+inline uint8_t DoubleToE4m3Bits(double v) {
+  const uint8_t sign = std::signbit(v) ? 0x80u : 0u;
+  const double a = std::fabs(v);
+  if (a >= 448.0) return sign | 0x7Eu;
+  if (a == 0.0 || a < Pow2(-1000)) return sign;  // far below the smallest tie 2^-10
+  const int quantum = std::max(Exponent(a), -6) - 3;
+  const double units = std::nearbyint(a * Pow2(-quantum));  // exact scaling; RNE
+  const double r = units * Pow2(quantum);
+  if (r < Pow2(-6)) return sign | static_cast<uint8_t>(units);  // subnormal
+  const int e = Exponent(r);
+  const uint32_t man = static_cast<uint32_t>(r * Pow2(3 - e)) - 8u;
+  return sign | static_cast<uint8_t>((static_cast<uint32_t>(e + 7) << 3) | man);
+}
+
+// Model of one FP8 head: false (codes/scale untouched) when it holds NaN or Inf. Else
+// s = bf16_rne(max(amax, 2^-112) / 448) and c = e4m3_rne_sat(x / s), both in double.
+inline bool ModelEncodeHeadFp8(const uint16_t* x, uint32_t d, DType dtype, uint8_t* codes,
+                               uint16_t* scale_bits) {
+  double amax = 0.0;
+  for (uint32_t i = 0; i < d; ++i) {
+    if (!HalfBitsFinite(x[i], dtype)) return false;
+    amax = std::max(amax, std::fabs(HalfBitsToDouble(x[i], dtype)));
+  }
+  const uint16_t sb = DoubleToHalfBits(std::max(amax, kAmaxFloor) / 448.0, DType::kBF16);
+  const double s = HalfBitsToDouble(sb, DType::kBF16);
+  for (uint32_t i = 0; i < d; ++i) codes[i] = DoubleToE4m3Bits(HalfBitsToDouble(x[i], dtype) / s);
+  *scale_bits = sb;
+  return true;
+}
+
+// x^ = rne(e4m3(c) * s) in the output dtype (the product is exact in double), saturated.
+inline uint16_t ModelDecodeElementFp8(uint8_t c, uint16_t scale_bits, DType out) {
+  return DoubleToHalfBits(E4m3BitsToDouble(c) * ScaleValue(scale_bits), out);
+}
+
+// The FP8 elementwise guarantee (codec_math.h, kernels/README.md):
+//   |x^ - x| <= 2^-4 |x^| + 2^-10 s + (1 + 2^-4) (u |x^| + a)
+// u = 2^-8 (BF16) or 2^-11 (FP16): the output rounding; a = its half subnormal spacing (2^-134,
+// 2^-25) where |x^| is at most its smallest normal (2^-126, 2^-14), else 0.
+inline double Fp8ErrorBound(double s, double xhat, DType out) {
+  const double ax = std::fabs(xhat);
+  const bool bf16 = out == DType::kBF16;
+  const double u = bf16 ? 0x1.0p-8 : 0x1.0p-11;
+  const double a = ax <= (bf16 ? 0x1.0p-126 : 0x1.0p-14) ? (bf16 ? 0x1.0p-134 : 0x1.0p-25) : 0.0;
+  return 0x1.0p-4 * ax + 0x1.0p-10 * s + (1.0 + 0x1.0p-4) * (u * ax + a);
+}
+
+inline double CodecErrorBound(CodecKind codec, double s, double xhat, DType out) {
+  return codec == CodecKind::kFp8E4m3PerHead ? Fp8ErrorBound(s, xhat, out)
+                                             : ErrorBound(s, xhat, out);
+}
+
+inline const char* CodecName(CodecKind codec) {
+  switch (codec) {
+    case CodecKind::kInt8PerHead:
+      return "int8";
+    case CodecKind::kRaw:
+      return "raw";
+    case CodecKind::kFp8E4m3PerHead:
+      return "fp8";
+  }
+  return "?";
+}
+
 inline uint16_t LoadU16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -193,8 +272,8 @@ inline uint16_t LoadU16(const uint8_t* p) {
 }
 inline void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 
-// Model of one stored row (INT8 or RAW) from the addresses of its heads. Returns false when an
-// INT8 row holds NaN or Inf.
+// Model of one stored row (INT8, FP8 or RAW) from the addresses of its heads. Returns false when
+// an INT8 or FP8 row holds NaN or Inf.
 inline bool ModelEncodeRow(const RowFormat& fmt, const uint8_t* const* heads, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   std::vector<uint16_t> x(d);
@@ -206,8 +285,12 @@ inline bool ModelEncodeRow(const RowFormat& fmt, const uint8_t* const* heads, ui
       continue;
     }
     uint16_t sb = 0;
-    if (!ModelEncodeHead(x.data(), d, fmt.dtype,
-                         reinterpret_cast<int8_t*>(dst) + static_cast<size_t>(h) * d, &sb)) {
+    const bool ok =
+        fmt.codec == CodecKind::kFp8E4m3PerHead
+            ? ModelEncodeHeadFp8(x.data(), d, fmt.dtype, dst + static_cast<size_t>(h) * d, &sb)
+            : ModelEncodeHead(x.data(), d, fmt.dtype,
+                              reinterpret_cast<int8_t*>(dst) + static_cast<size_t>(h) * d, &sb);
+    if (!ok) {
       finite = false;
       continue;
     }
@@ -225,9 +308,11 @@ inline void ModelDecodeRow(const RowFormat& fmt, const uint8_t* src, uint8_t* co
       continue;
     }
     const uint16_t sb = LoadU16(src + fmt.ElementsPerRow() + 2 * h);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(src) + static_cast<size_t>(h) * d;
+    const uint8_t* codes = src + static_cast<size_t>(h) * d;
     for (uint32_t i = 0; i < d; ++i) {
-      StoreU16(out + 2 * i, ModelDecodeElement(codes[i], sb, fmt.dtype));
+      StoreU16(out + 2 * i, fmt.codec == CodecKind::kFp8E4m3PerHead
+                                ? ModelDecodeElementFp8(codes[i], sb, fmt.dtype)
+                                : ModelDecodeElement(static_cast<int8_t>(codes[i]), sb, fmt.dtype));
     }
   }
 }
@@ -244,6 +329,7 @@ enum class InputClass {
   kOutlier,   // gaussian with one large outlier per head
   kGrid,      // exact multiples of s/2 (grid points and exact ties)
   kRowMix,    // a different one of the above per head
+  kFp8Grid,   // s = m * 2^e exactly; e4m3 values and exact e4m3 ties times s (FP8 tests only)
 };
 
 inline const char* InputClassName(InputClass c) {
@@ -264,6 +350,8 @@ inline const char* InputClassName(InputClass c) {
       return "grid";
     case InputClass::kRowMix:
       return "rowmix";
+    case InputClass::kFp8Grid:
+      return "fp8grid";
   }
   return "?";
 }
@@ -271,6 +359,13 @@ inline const char* InputClassName(InputClass c) {
 inline std::vector<InputClass> AllInputClasses() {
   return {InputClass::kGaussian, InputClass::kZero,    InputClass::kTiny, InputClass::kHuge,
           InputClass::kMixed,    InputClass::kOutlier, InputClass::kGrid, InputClass::kRowMix};
+}
+
+// The FP8 tests' classes: all of the above plus the e4m3 grid.
+inline std::vector<InputClass> Fp8InputClasses() {
+  std::vector<InputClass> c = AllInputClasses();
+  c.push_back(InputClass::kFp8Grid);
+  return c;
 }
 
 // Fills one head of d elements with values of class `c` (bit patterns of `dtype`).
@@ -340,6 +435,24 @@ inline void GenHead(InputClass c, DType dtype, Rng& rng, uint16_t* dst, uint32_t
       const double s = std::ldexp(static_cast<double>(m), e);
       for (uint32_t i = 0; i < d; ++i) put(i, rng.Range(-254, 254) * s * 0.5);
       put(rng.Below(d), (rng.Coin() ? 127.0 : -127.0) * s);
+      break;
+    }
+    case InputClass::kFp8Grid: {
+      // s = m * 2^e with amax = 448 * s present, so the scale is s; every other element is s
+      // times an e4m3 value or the exact midpoint of two neighbours (a tie), subnormal ones
+      // included. These need 5 (ties) + 3 (m) significant bits: BF16 holds them for m = 1,
+      // FP16 for m <= 7 with e >= -14 (x stays on the 2^-24 grid) and 448 * 7 * 2^e <= 65504.
+      const uint32_t m = bf16 ? 1u : 1u + 2u * rng.Below(4);
+      const int e = bf16 ? rng.Range(-100, 100) : rng.Range(-14, 4);
+      const double s = std::ldexp(static_cast<double>(m), e);
+      for (uint32_t i = 0; i < d; ++i) {
+        const uint32_t c = rng.Below(0x7E);  // 0x00..0x7D: c + 1 is finite
+        const double lo = E4m3BitsToDouble(static_cast<uint8_t>(c));
+        const double hi = E4m3BitsToDouble(static_cast<uint8_t>(c + 1));
+        const double v = rng.Coin() ? lo : 0.5 * (lo + hi);
+        put(i, (rng.Coin() ? 1 : -1) * v * s);
+      }
+      put(rng.Below(d), (rng.Coin() ? 448.0 : -448.0) * s);
       break;
     }
     case InputClass::kRowMix:
@@ -654,7 +767,8 @@ inline void ModelDecodeBlocks(const BlockSet& blocks, const std::vector<uint32_t
 struct BoundStats {
   uint64_t elements = 0;
   uint64_t violations = 0;
-  double max_err_over_s = 0.0;  // max |x^ - x| / s: shows the bound is not vacuous
+  double max_err_over_s = 0.0;      // max |x^ - x| / s: shows the bound is not vacuous
+  double max_err_over_bound = 0.0;  // max |x^ - x| / bound: how close the bound is to tight
   std::string first_violation;
 };
 
@@ -671,15 +785,16 @@ inline void CheckRowBound(const RowFormat& fmt, const uint8_t* const* in_heads,
       const double x = HalfBitsToDouble(xb, fmt.dtype);
       const double y = HalfBitsToDouble(yb, fmt.dtype);
       const double err = std::fabs(y - x);
+      const double bound = CodecErrorBound(fmt.codec, s, y, fmt.dtype);
       ++st->elements;
       st->max_err_over_s = std::max(st->max_err_over_s, err / s);
-      if (!(err <= ErrorBound(s, y, fmt.dtype))) {
+      st->max_err_over_bound = std::max(st->max_err_over_bound, err / bound);
+      if (!(err <= bound)) {
         if (st->violations++ == 0) {
           char buf[256];
           std::snprintf(buf, sizeof(buf),
                         "%s head %u elem %u: x=%a (0x%04x) x^=%a (0x%04x) s=%a err=%a bound=%a",
-                        DTypeName(fmt.dtype), h, i, x, xb, y, yb, s, err,
-                        ErrorBound(s, y, fmt.dtype));
+                        DTypeName(fmt.dtype), h, i, x, xb, y, yb, s, err, bound);
           st->first_violation = buf;
         }
       }
@@ -764,16 +879,15 @@ inline KvPool MakePool(const CaseSpec& spec) {
 
 inline std::string CaseName(const CaseSpec& c) {
   return std::string(DTypeName(c.layout.row.dtype)) + " " +
-         GeometryName({c.layout.row.num_heads, c.layout.row.head_dim, c.layout.kv_planes}) +
-         (c.layout.row.codec == CodecKind::kRaw ? " raw " : " int8 ") + InputClassName(c.input) +
-         " " + (c.shape ? "custom_shape" : ViewKindName(c.view)) + " seed " +
-         std::to_string(c.seed);
+         GeometryName({c.layout.row.num_heads, c.layout.row.head_dim, c.layout.kv_planes}) + " " +
+         CodecName(c.layout.row.codec) + " " + InputClassName(c.input) + " " +
+         (c.shape ? "custom_shape" : ViewKindName(c.view)) + " seed " + std::to_string(c.seed);
 }
 
 // Encodes the case's rows with every executor and compares payload bytes and flags with the
 // model; decodes each executor's payload into a sentinel-filled pool of the same shape and
 // compares the whole buffers (requested rows and every other byte) with the model's decode;
-// checks the elementwise bound (INT8) or bit-exactness (RAW) of the round trip. Returns one
+// checks the elementwise bound (INT8, FP8) or bit-exactness (RAW) of the round trip. Returns one
 // message per failure (empty: all agree). Adds the bound statistics of the case to `*bound`.
 inline std::vector<std::string> RunCase(const CaseSpec& spec, const std::vector<Executor>& execs,
                                         BoundStats* bound) {
@@ -802,7 +916,7 @@ inline std::vector<std::string> RunCase(const CaseSpec& spec, const std::vector<
     std::vector<uint8_t> flags(spec.num_blocks, 0xEE);
     ex.encode(MakeEncodeJob(src, rows, got, flags.data()));
     for (uint32_t b = 0; b < spec.num_blocks; ++b) {
-      if (lay.row.codec == CodecKind::kInt8PerHead && flags[b] != 0) {
+      if (lay.row.codec != CodecKind::kRaw && flags[b] != 0) {
         errors.push_back(prefix + "nonfinite flag " + std::to_string(flags[b]) + " on block " +
                          std::to_string(b) + " of finite input");
       }
@@ -869,6 +983,7 @@ inline std::vector<std::string> RunCase(const CaseSpec& spec, const std::vector<
     bound->elements += st.elements;
     bound->violations += st.violations;
     bound->max_err_over_s = std::max(bound->max_err_over_s, st.max_err_over_s);
+    bound->max_err_over_bound = std::max(bound->max_err_over_bound, st.max_err_over_bound);
   }
   return errors;
 }

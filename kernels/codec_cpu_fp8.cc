@@ -1,0 +1,339 @@
+// CODEC_FP8_E4M3_PER_HEAD on the SIMD CPU executor (see codec_cpu_fp8.h and codec_math.h).
+//
+// Same structure as codec_cpu.cc's INT8 rows: per row, the amax of every head first (the row's
+// loads are independent, so their cache misses overlap), then scale and codes; rows ahead are
+// prefetched to L2. The helpers below that mirror codec_cpu.cc's (16-bit loads and stores,
+// amax, prefetch) are kept here, in an anonymous namespace, so the INT8 executor can change
+// without touching FP8; they could move to a shared -inl.h header once both settle.
+//
+// The conversions are the vector forms of codec_math.h's FloatToE4m3Sat and E4m3ToFloat, with
+// the same operations, so every Highway target produces the reference's bytes.
+#include "codec_cpu_fp8.h"
+
+#include <algorithm>
+#include <cstring>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "codec_cpu_fp8.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "codec_math.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace hiqcache::kernels {
+namespace HWY_NAMESPACE {
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using DU32 = hn::RebindToUnsigned<DF>;
+using DI32 = hn::RebindToSigned<DF>;
+using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one u16 per f32 lane
+using DF16 = hn::Rebind<hwy::float16_t, DF>;
+using DU8 = hn::Rebind<uint8_t, DF>;
+using DU16F = hn::ScalableTag<uint16_t>;  // full width: twice the lanes of DF
+
+// hn::DemoteTo(f32 -> f16) rounds to nearest even only with F16C (see codec_cpu.cc).
+#undef HIQ_FP8_HW_F16_DEMOTE  // this part is compiled once per target
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+#define HIQ_FP8_HW_F16_DEMOTE 1
+#else
+#define HIQ_FP8_HW_F16_DEMOTE 0
+#endif
+#undef HIQ_FP8_X86_AVX3
+#undef HIQ_FP8_X86_AVX2
+#define HIQ_FP8_X86_AVX3 (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3)
+#define HIQ_FP8_X86_AVX2 (HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2)
+
+constexpr uint32_t kPrefetchRows = 2;
+constexpr int kPrefetchLocality = 2;
+
+// Loads Lanes(DF) BF16/FP16 elements as f32 (exact).
+template <DType kDType>
+HWY_INLINE hn::Vec<DF> LoadHalf(const uint8_t* p) {
+  const DF df;
+  if constexpr (kDType == DType::kBF16) {
+    const DU32 du32;
+    const DU16 du16;
+    auto u = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
+    return hn::BitCast(df, hn::ShiftLeft<16>(u));
+  } else {
+    const DF16 df16;
+    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
+  }
+}
+
+// f32 -> fp16 bits (u32 lanes), round to nearest even incl. subnormals, for |y| <= 65504.
+HWY_INLINE hn::Vec<DU32> FloatToFp16Vec(hn::Vec<DF> y) {
+  const DF df;
+  const DU32 du32;
+  const auto bits = hn::BitCast(du32, y);
+  const auto mag = hn::And(bits, hn::Set(du32, 0x7FFFFFFFu));
+  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 0x8000u));
+  const auto lsb = hn::And(hn::ShiftRight<13>(mag), hn::Set(du32, 1u));
+  const auto normal = hn::Sub(hn::ShiftRight<13>(hn::Add(mag, hn::Add(hn::Set(du32, 0xFFFu), lsb))),
+                              hn::Set(du32, 112u << 10));
+  const auto sub = hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(df, mag), hn::Set(df, 0.5f))),
+                           hn::Set(du32, 0x3F000000u));
+  const auto is_sub = hn::Lt(mag, hn::Set(du32, 0x38800000u));
+  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
+}
+
+// Stores f32 lanes as BF16/FP16: round to nearest even, saturated to the largest finite value.
+template <DType kDType>
+HWY_INLINE void StoreHalf(hn::Vec<DF> y, uint8_t* p) {
+  const DF df;
+  const DU32 du32;
+  const DU16 du16;
+  const DI32 di32;
+  if constexpr (kDType == DType::kBF16) {
+    const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
+    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
+    auto bits = hn::BitCast(du32, y);
+    auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
+    bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
+  } else {
+    const auto lim = hn::Set(df, 65504.0f);
+    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
+#if HIQ_FP8_HW_F16_DEMOTE
+    const DF16 df16;
+    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
+#else
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(y))), du16,
+               reinterpret_cast<uint16_t*>(p));
+#endif
+  }
+}
+
+// FloatToE4m3Sat(x / s) per lane, as i32 in [0, 0xFE]. The quotient is IEEE fp32 division.
+HWY_INLINE hn::Vec<DI32> QuantizeFp8Vec(hn::Vec<DF> x, hn::Vec<DF> vs) {
+  const DF df;
+  const DI32 di32;
+  const auto bits = hn::BitCast(di32, hn::Div(x, vs));
+  const auto mag = hn::And(bits, hn::Set(di32, 0x7FFFFFFF));
+  const auto sign = hn::And(hn::ShiftRight<24>(bits), hn::Set(di32, 0x80));  // arithmetic: masked
+  // Normal codes: round the 20 dropped mantissa bits to nearest even and rebias; at and above
+  // 448 the result is >= 0x7E, so the min saturates. (Below 2^-6 it is garbage, not selected.)
+  const auto lsb = hn::And(hn::ShiftRight<20>(mag), hn::Set(di32, 1));
+  const auto rounded = hn::Add(mag, hn::Add(hn::Set(di32, 0x7FFFF), lsb));  // < 2^31: no wrap
+  const auto normal = hn::Min(hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(di32, 120 << 3)),
+                              hn::Set(di32, kE4m3MaxFinite));
+  // Subnormal codes: |q| + 2^14 rounds |q| / 2^-9 to nearest even in its low mantissa bits.
+  const auto magic = hn::Set(di32, static_cast<int32_t>(kE4m3SubMagicBits));
+  const auto sub =
+      hn::Sub(hn::BitCast(di32, hn::Add(hn::BitCast(df, mag), hn::BitCast(df, magic))), magic);
+  const auto is_sub = hn::Lt(mag, hn::Set(di32, static_cast<int32_t>(kE4m3MinNormalBits)));
+  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
+}
+
+// Stores Lanes(DI32) codes (values in [0, 0xFE]).
+HWY_INLINE void StoreCodes(hn::Vec<DI32> c, uint8_t* dst) {
+  const DU8 du8;
+  hn::StoreU(hn::DemoteTo(du8, c), du8, dst);
+}
+
+// Stores 4 * Lanes(DI32) codes, a's first. REQUIRES: values in [0, 0xFE].
+HWY_INLINE void StoreCodes4(hn::Vec<DI32> a, hn::Vec<DI32> b, hn::Vec<DI32> c, hn::Vec<DI32> d,
+                            uint8_t* dst) {
+#if HIQ_FP8_X86_AVX3
+  // Unsigned-saturating packs; per 128-bit block k they leave a[4k..], b[..], c[..], d[..].
+  const __m512i ab = _mm512_packus_epi32(a.raw, b.raw);
+  const __m512i cd = _mm512_packus_epi32(c.raw, d.raw);
+  const __m512i abcd = _mm512_packus_epi16(ab, cd);
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(idx, abcd));
+#elif HIQ_FP8_X86_AVX2
+  const __m256i ab = _mm256_packus_epi32(a.raw, b.raw);
+  const __m256i cd = _mm256_packus_epi32(c.raw, d.raw);
+  const __m256i abcd = _mm256_packus_epi16(ab, cd);
+  const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(abcd, idx));
+#else
+  const size_t n = hn::Lanes(DI32());
+  StoreCodes(a, dst);
+  StoreCodes(b, dst + n);
+  StoreCodes(c, dst + 2 * n);
+  StoreCodes(d, dst + 3 * n);
+#endif
+}
+
+// E4m3ToFloat per lane of Lanes(DF) codes at `codes`.
+HWY_INLINE hn::Vec<DF> LoadE4m3(const uint8_t* codes) {
+  const DF df;
+  const DU32 du32;
+  const DU8 du8;
+  const auto c = hn::PromoteTo(du32, hn::LoadU(du8, codes));
+  const auto mag = hn::Mul(hn::BitCast(df, hn::ShiftLeft<20>(hn::And(c, hn::Set(du32, 0x7Fu)))),
+                           hn::BitCast(df, hn::Set(du32, kE4m3RebiasBits)));
+  const auto sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du32, 0x80u)));
+  return hn::BitCast(df, hn::Or(hn::BitCast(du32, mag), sign));
+}
+
+// The largest |x| of a head as BF16/FP16 bits with the sign cleared (|x| orders like them).
+HWY_INLINE uint32_t HeadAmaxBits(const uint8_t* src, uint32_t d) {
+  const DU16F du16f;
+  const size_t n16 = hn::Lanes(du16f);
+  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+  auto vmax = hn::Zero(du16f);
+  const auto abs_mask = hn::Set(du16f, 0x7FFFu);
+  uint32_t i = 0;
+  for (; i + n16 <= d; i += n16) {
+    vmax = hn::Max(vmax, hn::And(hn::LoadU(du16f, s16 + i), abs_mask));
+  }
+  uint32_t amax_bits = i > 0 ? hn::GetLane(hn::MaxOfLanes(du16f, vmax)) : 0;
+  for (; i < d; ++i) {
+    uint16_t v;
+    std::memcpy(&v, src + 2 * i, 2);
+    amax_bits = std::max<uint32_t>(amax_bits, v & 0x7FFFu);
+  }
+  return amax_bits;
+}
+
+// Writes the d codes of a head with scale s.
+template <DType kDType>
+HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, uint8_t* codes) {
+  const DF df;
+  const size_t n = hn::Lanes(df);
+  const auto vs = hn::Set(df, s);
+  uint32_t i = 0;
+  for (; i + 4 * n <= d; i += 4 * n) {
+    const uint8_t* p = src + 2 * i;
+    StoreCodes4(QuantizeFp8Vec(LoadHalf<kDType>(p), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(p + 2 * n), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(p + 4 * n), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(p + 6 * n), vs), codes + i);
+  }
+  for (; i + n <= d; i += n) {
+    StoreCodes(QuantizeFp8Vec(LoadHalf<kDType>(src + 2 * i), vs), codes + i);
+  }
+  for (; i < d; ++i) {
+    uint16_t v;
+    std::memcpy(&v, src + 2 * i, 2);
+    codes[i] = QuantizeFp8Element(HalfToFloat(v, kDType), s);
+  }
+}
+
+template <DType kDType>
+HWY_INLINE void DecodeHead(const uint8_t* codes, const uint8_t* scale_in, uint32_t d,
+                           uint8_t* dst) {
+  const DF df;
+  const size_t n = hn::Lanes(df);
+  uint16_t s_bits;
+  std::memcpy(&s_bits, scale_in, 2);
+  const float s = Bf16ToFloat(s_bits);
+  const auto vs = hn::Set(df, s);
+  uint32_t i = 0;
+  for (; i + n <= d; i += n) StoreHalf<kDType>(hn::Mul(LoadE4m3(codes + i), vs), dst + 2 * i);
+  for (; i < d; ++i) {
+    const uint16_t out = DequantizeFp8Element(codes[i], s, kDType);
+    std::memcpy(dst + 2 * i, &out, 2);
+  }
+}
+
+// Prefetches every cache line of the heads of `row` (for writing when kWrite).
+template <bool kWrite>
+HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint32_t row) {
+  const size_t head_bytes = static_cast<size_t>(fmt.head_dim) * 2;
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    const uint8_t* p = view.Head(row, h);
+    for (size_t off = 0; off < head_bytes; off += 64) {
+      __builtin_prefetch(p + off, kWrite, kPrefetchLocality);
+    }
+    __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
+  }
+}
+
+template <DType kDType>
+HWY_INLINE bool EncodeRowT(const RowFormat& fmt, const StridedView& view, uint32_t row,
+                           uint8_t* dst) {
+  constexpr uint32_t kGroup = 16;  // heads per pass
+  const uint32_t d = fmt.head_dim;
+  uint8_t* scales = dst + fmt.ElementsPerRow();
+  uint32_t amax[kGroup];
+  for (uint32_t h0 = 0; h0 < fmt.num_heads; h0 += kGroup) {
+    const uint32_t h1 = std::min(fmt.num_heads, h0 + kGroup);
+    uint32_t worst = 0;
+    for (uint32_t h = h0; h < h1; ++h) {
+      amax[h - h0] = HeadAmaxBits(view.Head(row, h), d);
+      worst = std::max(worst, amax[h - h0]);
+    }
+    if (worst >= InfBits(kDType)) return false;
+    for (uint32_t h = h0; h < h1; ++h) {
+      const uint16_t s_bits = Fp8ScaleBf16FromAmaxBits(static_cast<uint16_t>(amax[h - h0]), kDType);
+      QuantizeHead<kDType>(view.Head(row, h), d, Bf16ToFloat(s_bits),
+                           dst + static_cast<size_t>(h) * d);
+      std::memcpy(scales + 2 * h, &s_bits, 2);
+    }
+  }
+  return true;
+}
+
+template <DType kDType>
+bool EncodeRowsT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                 uint32_t num_rows, uint8_t* dst) {
+  const size_t row_bytes = fmt.RowBytes();
+  bool finite = true;
+  for (uint32_t t = 0; t < num_rows; ++t) {
+    if (t + kPrefetchRows < num_rows) PrefetchRow<false>(fmt, view, rows[t + kPrefetchRows]);
+    finite &= EncodeRowT<kDType>(fmt, view, rows[t], dst + t * row_bytes);
+  }
+  return finite;
+}
+
+template <DType kDType>
+void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                 const uint32_t* rows, uint32_t num_rows) {
+  const size_t row_bytes = fmt.RowBytes();
+  const uint32_t d = fmt.head_dim;
+  for (uint32_t t = 0; t < num_rows; ++t) {
+    if (t + kPrefetchRows < num_rows) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
+    const uint8_t* row_src = src + t * row_bytes;
+    const uint8_t* scales = row_src + fmt.ElementsPerRow();
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      DecodeHead<kDType>(row_src + static_cast<size_t>(h) * d, scales + 2 * h, d,
+                         view.Head(rows[t], h));
+    }
+  }
+}
+
+}  // namespace
+
+bool EncodeRowsFp8(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                   uint32_t num_rows, uint8_t* dst) {
+  return fmt.dtype == DType::kBF16 ? EncodeRowsT<DType::kBF16>(fmt, view, rows, num_rows, dst)
+                                   : EncodeRowsT<DType::kFP16>(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeRowsFp8(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                   const uint32_t* rows, uint32_t num_rows) {
+  if (fmt.dtype == DType::kBF16) {
+    DecodeRowsT<DType::kBF16>(fmt, src, view, rows, num_rows);
+  } else {
+    DecodeRowsT<DType::kFP16>(fmt, src, view, rows, num_rows);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace hiqcache::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace hiqcache::kernels {
+
+HWY_EXPORT(EncodeRowsFp8);
+HWY_EXPORT(DecodeRowsFp8);
+
+bool EncodeRowsFp8Simd(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                       uint32_t num_rows, uint8_t* dst) {
+  return HWY_DYNAMIC_DISPATCH(EncodeRowsFp8)(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeRowsFp8Simd(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                       const uint32_t* rows, uint32_t num_rows) {
+  HWY_DYNAMIC_DISPATCH(DecodeRowsFp8)(fmt, src, view, rows, num_rows);
+}
+
+}  // namespace hiqcache::kernels
+#endif  // HWY_ONCE
