@@ -13,6 +13,9 @@ packages=(
   libbenchmark-dev
   libhwy-dev
   libxxhash-dev
+  # L3 (server/l3/, tests/l3/): the Redis Cluster client over hiredis, tested against real
+  # redis-server processes on loopback.
+  redis-server libhiredis-dev
   procps
   # The project venv (deploy/setup-venv.sh)
   python3 python3-venv
