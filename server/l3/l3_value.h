@@ -1,0 +1,71 @@
+// The L3 value format: what hiqcached stores in Redis Cluster for one block (DESIGN.md "Beyond
+// one node (L3)"), and the key it is stored under.
+//
+// key   = prefix + 32 hex digits of the namespace hash + ":" + 32 hex digits of the block key
+// value = L3ValueHeader (64 bytes, little endian) + the block's compressed payload, as the pool
+//         holds it ([layer][K|V][token][row], DESIGN.md "Record format").
+//
+// The store is shared by a fleet and written by other daemons (other versions, other
+// namespaces), so a fetched value is trusted only after DecodeL3Value checked all of it: magic,
+// version, header size, its own header checksum, the namespace and key it was written for, the
+// payload length, and the payload checksum. Pure functions; thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "hiqcache/status.h"
+
+namespace hiqcache::server::l3 {
+
+using NamespaceHash = std::array<uint8_t, 16>;  // NamespaceInfo::hash
+using L3BlockKey = std::array<uint8_t, 16>;     // BlockKey
+
+constexpr uint32_t kL3ValueMagic = 0x334C5148u;  // "HQL3"
+constexpr uint16_t kL3ValueVersion = 1;
+constexpr size_t kL3ValueHeaderBytes = 64;
+
+// Every field is little endian on the wire (the layout of this struct on x86-64 and aarch64).
+struct L3ValueHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t header_bytes;  // kL3ValueHeaderBytes: room to grow without a new magic
+  uint8_t namespace_hash[16];
+  uint8_t key[16];
+  uint64_t payload_bytes;
+  // XXH3-64 of the payload: the same function and value as BlockHeader::checksum (pool_format.h),
+  // so a block read from the pool is checked the same way wherever it travels.
+  uint64_t payload_checksum;
+  // XXH3-64 of the 48 bytes above: a corrupt length or key is reported as a corrupt header, not
+  // as a foreign value.
+  uint64_t header_checksum;
+};
+static_assert(sizeof(L3ValueHeader) == kL3ValueHeaderBytes);
+
+// XXH3-64 of `bytes` (BlockHeader::checksum's function).
+uint64_t L3Checksum(std::span<const uint8_t> bytes);
+
+// The Redis key of block `key` of namespace `ns`. `prefix` separates fleets that share a cluster
+// (e.g. "hiq:"); it carries no hash tag, so blocks spread over every slot.
+std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const L3BlockKey& key);
+
+// Header + payload. `payload_checksum` is XXH3-64 of `payload` when the caller already has it
+// (the pool's block header); otherwise use the overload that computes it.
+std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+                          std::span<const uint8_t> payload, uint64_t payload_checksum);
+std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+                          std::span<const uint8_t> payload);
+
+// Checks `value` completely and returns its payload (a view into `value`). Errors (DATA_LOSS
+// unless noted) name what failed: too short for a header, bad magic, unsupported version
+// (FAILED_PRECONDITION: a newer writer), bad header checksum, foreign namespace, foreign key,
+// payload length differs from the header or from `expected_payload_bytes` (when nonzero: the
+// namespace's block size), bad payload checksum.
+StatusOr<std::span<const uint8_t>> DecodeL3Value(std::string_view value, const NamespaceHash& ns,
+                                                 const L3BlockKey& key,
+                                                 uint64_t expected_payload_bytes = 0);
+
+}  // namespace hiqcache::server::l3
