@@ -51,7 +51,17 @@ void ToProto(const Geometry& in, v1::Geometry* g) {
   g->set_tp_size(in.tp_size);
 }
 
-v1::Codec ToProto(Codec c) { return c == Codec::kRaw ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD; }
+v1::Codec ToProto(Codec c) {
+  switch (c) {
+    case Codec::kRaw:
+      return v1::CODEC_RAW;
+    case Codec::kFp8E4m3PerHead:
+      return v1::CODEC_FP8_E4M3_PER_HEAD;
+    case Codec::kInt8PerHead:
+      break;
+  }
+  return v1::CODEC_INT8_PER_HEAD;
+}
 
 void ToProto(const NamespaceRef& in, v1::NamespaceRef* out) {
   out->set_model(in.model);
@@ -93,7 +103,16 @@ v1::RegisterPoolRequest ToProto(const PoolSpec& spec) {
   return req;
 }
 
-Codec FromProto(v1::Codec c) { return c == v1::CODEC_RAW ? Codec::kRaw : Codec::kInt8PerHead; }
+Codec FromProto(v1::Codec c) {
+  switch (c) {
+    case v1::CODEC_RAW:
+      return Codec::kRaw;
+    case v1::CODEC_FP8_E4M3_PER_HEAD:
+      return Codec::kFp8E4m3PerHead;
+    default:
+      return Codec::kInt8PerHead;
+  }
+}
 
 DaemonStats FromProto(const v1::GetStatsResponse& r) {
   DaemonStats s;

@@ -100,8 +100,22 @@ Status CheckEnums(const hiq_geometry& g, uint32_t codec) {
   if (g.attention > HIQ_ATTENTION_MLA) {
     return hiqcache::InvalidArgument("geometry.attention: unknown value");
   }
-  if (codec > HIQ_CODEC_RAW) return hiqcache::InvalidArgument("codec: unknown value");
+  if (codec > HIQ_CODEC_FP8_E4M3_PER_HEAD) {
+    return hiqcache::InvalidArgument("codec: unknown value");
+  }
   return Status::Ok();
+}
+
+// REQUIRES: codec <= HIQ_CODEC_FP8_E4M3_PER_HEAD (checked by the caller).
+hiqcache::Codec ToCodec(uint32_t codec) {
+  switch (codec) {
+    case HIQ_CODEC_RAW:
+      return hiqcache::Codec::kRaw;
+    case HIQ_CODEC_FP8_E4M3_PER_HEAD:
+      return hiqcache::Codec::kFp8E4m3PerHead;
+    default:
+      return hiqcache::Codec::kInt8PerHead;
+  }
 }
 
 hiqcache::TensorView ToView(const hiq_tensor_view& v) {
@@ -189,8 +203,7 @@ int hiq_register_pool(hiq_client* client, const hiq_pool_desc* desc, int pending
     if (desc->tenant != nullptr) spec.tenant = desc->tenant;
     spec.geometry = ToGeometry(desc->geometry);
     spec.block_tokens = desc->block_tokens;
-    spec.codec =
-        desc->codec == HIQ_CODEC_RAW ? hiqcache::Codec::kRaw : hiqcache::Codec::kInt8PerHead;
+    spec.codec = ToCodec(desc->codec);
     spec.device = desc->device_kind == HIQ_DEVICE_CUDA ? hiqcache::DeviceKind::kCuda
                                                        : hiqcache::DeviceKind::kHost;
     if (desc->cuda_device_uuid != nullptr) spec.cuda_device_uuid = desc->cuda_device_uuid;
@@ -320,10 +333,9 @@ int hiq_register_host_pool(hiq_client* client, const char* model, const char* te
     HIQ_C_REQUIRE(client != nullptr && model != nullptr && pool != nullptr && out != nullptr,
                   "hiq_register_host_pool: NULL argument");
     *out = 0;
-    HIQ_C_REQUIRE(codec <= HIQ_CODEC_RAW, "codec: unknown value");
+    HIQ_C_REQUIRE(codec <= HIQ_CODEC_FP8_E4M3_PER_HEAD, "codec: unknown value");
     hiqcache::PoolSpec spec = hiqcache::MakeHostPoolSpec(
-        model, pool->kv, block_tokens, pool->events ? &*pool->events : nullptr,
-        codec == HIQ_CODEC_RAW ? hiqcache::Codec::kRaw : hiqcache::Codec::kInt8PerHead);
+        model, pool->kv, block_tokens, pool->events ? &*pool->events : nullptr, ToCodec(codec));
     if (tenant != nullptr) spec.tenant = tenant;
     return Register(client, spec, false, out, info);
   });

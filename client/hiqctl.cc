@@ -271,7 +271,15 @@ class Json {
 };
 
 const char* CodecEnumName(Codec c) {
-  return c == Codec::kRaw ? "CODEC_RAW" : "CODEC_INT8_PER_HEAD";
+  switch (c) {
+    case Codec::kRaw:
+      return "CODEC_RAW";
+    case Codec::kFp8E4m3PerHead:
+      return "CODEC_FP8_E4M3_PER_HEAD";
+    case Codec::kInt8PerHead:
+      break;
+  }
+  return "CODEC_INT8_PER_HEAD";
 }
 const char* DeviceEnumName(DeviceKind d) {
   return d == DeviceKind::kCuda ? "DEVICE_KIND_CUDA" : "DEVICE_KIND_HOST";

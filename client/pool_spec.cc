@@ -6,7 +6,17 @@ namespace hiqcache {
 
 const char* DTypeName(DType dtype) { return dtype == DType::kFP16 ? "fp16" : "bf16"; }
 
-const char* CodecName(Codec codec) { return codec == Codec::kRaw ? "raw" : "int8_per_head"; }
+const char* CodecName(Codec codec) {
+  switch (codec) {
+    case Codec::kRaw:
+      return "raw";
+    case Codec::kFp8E4m3PerHead:
+      return "fp8_e4m3_per_head";
+    case Codec::kInt8PerHead:
+      break;
+  }
+  return "int8_per_head";
+}
 
 const char* DeviceKindName(DeviceKind kind) { return kind == DeviceKind::kCuda ? "cuda" : "host"; }
 

@@ -1153,7 +1153,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
     n.namespace_id = ns.hex_id;
     n.model = ns.desc.model;
     n.tenant = ns.desc.tenant;
-    n.raw_codec = ns.desc.layout.row.codec == kernels::CodecKind::kRaw;
+    n.codec = ns.desc.layout.row.codec;
     n.encoded_bytes_per_token = ns.desc.layout.BytesPerToken();
     n.pools = pools_per_ns[ns.id];
     auto it = snap.store.namespaces.find(ns.id);

@@ -155,7 +155,7 @@ struct NamespaceSnapshot {
   std::string namespace_id;
   std::string model;
   std::string tenant;
-  bool raw_codec = false;
+  kernels::CodecKind codec = kernels::CodecKind::kInt8PerHead;
   uint64_t encoded_bytes_per_token = 0;
   uint32_t pools = 0;
   NamespaceCounters counters;

@@ -26,7 +26,9 @@ std::string NamespaceDesc::CanonicalText() const {
   // MLA latent rows are identical on every TP rank: one copy per node.
   if (!mla) text += ";tp=" + std::to_string(tp_rank) + "/" + std::to_string(tp_size);
   text += ";block=" + std::to_string(layout.block_tokens);
-  text += row.codec == kernels::CodecKind::kRaw ? ";codec=raw" : ";codec=int8_per_head";
+  text += row.codec == kernels::CodecKind::kRaw              ? ";codec=raw"
+          : row.codec == kernels::CodecKind::kFp8E4m3PerHead ? ";codec=fp8_e4m3_per_head"
+                                                             : ";codec=int8_per_head";
   // Node scope adds nothing: its text (and hash) is that of daemons before scopes, so their warm
   // pools stay readable with namespace_scope = node.
   if (!scope.empty()) text += ";scope=" + std::to_string(scope.size()) + ":" + scope;

@@ -15,6 +15,7 @@ constexpr int kAttentionMha = 1;
 constexpr int kAttentionMla = 2;
 constexpr int kCodecInt8 = 0;
 constexpr int kCodecRaw = 1;
+constexpr int kCodecFp8E4m3 = 2;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
@@ -187,7 +188,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
     return invalid("block_tokens: must be in [1, " + std::to_string(limits.max_block_tokens) +
                    "], got " + std::to_string(spec.block_tokens));
   }
-  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw) {
+  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
   const bool mla = spec.attention == kAttentionMla;
@@ -197,8 +198,9 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   lay.row.num_heads = spec.num_kv_heads;
   lay.row.head_dim = spec.head_dim;
   lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
-  lay.row.codec =
-      spec.codec == kCodecRaw ? kernels::CodecKind::kRaw : kernels::CodecKind::kInt8PerHead;
+  lay.row.codec = spec.codec == kCodecRaw       ? kernels::CodecKind::kRaw
+                  : spec.codec == kCodecFp8E4m3 ? kernels::CodecKind::kFp8E4m3PerHead
+                                                : kernels::CodecKind::kInt8PerHead;
   lay.num_layers = spec.num_layers;
   lay.kv_planes = mla ? 1 : 2;
   lay.block_tokens = spec.block_tokens;

@@ -102,6 +102,18 @@ LookupSpec ToLookupSpec(const v1::LookupRequest& r) {
   return s;
 }
 
+v1::Codec ToProtoCodec(kernels::CodecKind codec) {
+  switch (codec) {
+    case kernels::CodecKind::kRaw:
+      return v1::CODEC_RAW;
+    case kernels::CodecKind::kFp8E4m3PerHead:
+      return v1::CODEC_FP8_E4M3_PER_HEAD;
+    case kernels::CodecKind::kInt8PerHead:
+      break;
+  }
+  return v1::CODEC_INT8_PER_HEAD;
+}
+
 // Counts an error answer for the metrics (CoreObserver), if the core has an observer.
 void CountRejection(const CacheCore* core, const Status& st, const char* rpc) {
   if (!st.ok() && core->observer() != nullptr) core->observer()->OnRequestRejected(rpc, st.code());
@@ -331,7 +343,7 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
     out->set_namespace_id(n.namespace_id);
     out->set_model(n.model);
     out->set_tenant(n.tenant);
-    out->set_codec(n.raw_codec ? v1::CODEC_RAW : v1::CODEC_INT8_PER_HEAD);
+    out->set_codec(ToProtoCodec(n.codec));
     out->set_encoded_bytes_per_token(n.encoded_bytes_per_token);
     out->set_blocks(n.counters.blocks);
     out->set_bytes(n.counters.bytes);

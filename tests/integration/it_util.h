@@ -161,6 +161,37 @@ inline std::string CheckHead(DType dtype, const uint16_t* x, const uint16_t* xha
   return {};
 }
 
+// CODEC_FP8_E4M3_PER_HEAD's guarantee for one head (kernels/README.md):
+// |x̂ - x| <= 2^-4 |x̂| + 2^-10 s + (1 + 2^-4) (u |x̂| + a), s = bf16(max(|x|, 2^-112) / 448) in
+// fp32, u = 2^-8 (BF16) or 2^-11 (FP16), a = the output's half subnormal spacing where x̂ is at
+// most its smallest normal; an all-zero head restores exact zeros. Returns "" or the first
+// violation.
+inline std::string CheckHeadFp8(DType dtype, const uint16_t* x, const uint16_t* xhat,
+                                uint32_t head_dim) {
+  float m = 0.0f;
+  for (uint32_t d = 0; d < head_dim; ++d) m = std::max(m, std::fabs(Decode16(dtype, x[d])));
+  const bool zero = m == 0.0f;
+  const float q = std::max(m, 0x1p-112f) / 448.0f;
+  const double s = FloatFromBf16(Bf16FromFloat(q));
+  const bool bf16 = dtype == DType::kBF16;
+  const double u = bf16 ? 0x1p-8 : 0x1p-11;
+  for (uint32_t d = 0; d < head_dim; ++d) {
+    const double xv = Decode16(dtype, x[d]);
+    const double yv = Decode16(dtype, xhat[d]);
+    const double ay = std::fabs(yv);
+    const double a = ay <= (bf16 ? 0x1p-126 : 0x1p-14) ? (bf16 ? 0x1p-134 : 0x1p-25) : 0.0;
+    const double bound = 0x1p-4 * ay + 0x1p-10 * s + (1 + 0x1p-4) * (u * ay + a);
+    const bool ok = zero ? yv == 0.0 : std::isfinite(yv) && std::fabs(yv - xv) <= bound;
+    if (!ok) {
+      char buf[200];
+      std::snprintf(buf, sizeof(buf), "dim %u: x=%.9g (0x%04x) restored=%.9g (0x%04x) s=%.9g", d,
+                    xv, x[d], yv, xhat[d], s);
+      return buf;
+    }
+  }
+  return {};
+}
+
 struct CheckResult {
   uint64_t heads_checked = 0;
   uint64_t bad_heads = 0;
@@ -169,10 +200,12 @@ struct CheckResult {
 };
 
 // Checks `rows` of layers [layer_begin, layer_end) of `kv` against data set `seed` (layout of
-// FillRows): within the bound, or bit-exact when `exact` (CODEC_RAW, or never-touched data).
-inline CheckResult CheckRows(const HostKvPool& kv, uint64_t seed, std::span<const uint32_t> rows,
-                             uint32_t block_tokens, bool exact, uint32_t first_block = 0,
-                             uint32_t layer_begin = 0, uint32_t layer_end = UINT32_MAX) {
+// FillRows) as `codec` restores them: bit-exact for CODEC_RAW, else within that codec's bound.
+inline CheckResult CheckRowsOf(Codec codec, const HostKvPool& kv, uint64_t seed,
+                               std::span<const uint32_t> rows, uint32_t block_tokens,
+                               uint32_t first_block = 0, uint32_t layer_begin = 0,
+                               uint32_t layer_end = UINT32_MAX) {
+  const bool exact = codec == Codec::kRaw;
   const Geometry& g = kv.geometry();
   layer_end = std::min(layer_end, g.num_layers);
   CheckResult res;
@@ -188,6 +221,8 @@ inline CheckResult CheckRows(const HostKvPool& kv, uint64_t seed, std::span<cons
           std::string why;
           if (exact) {
             if (std::memcmp(got, want.data(), g.HeadBytes()) != 0) why = "not bit-exact";
+          } else if (codec == Codec::kFp8E4m3PerHead) {
+            why = CheckHeadFp8(g.dtype, want.data(), got, g.head_dim);
           } else {
             why = CheckHead(g.dtype, want.data(), got, g.head_dim);
           }
@@ -204,6 +239,14 @@ inline CheckResult CheckRows(const HostKvPool& kv, uint64_t seed, std::span<cons
     }
   }
   return res;
+}
+
+// The same within INT8's bound, or bit-exact when `exact` (CODEC_RAW, or never-touched data).
+inline CheckResult CheckRows(const HostKvPool& kv, uint64_t seed, std::span<const uint32_t> rows,
+                             uint32_t block_tokens, bool exact, uint32_t first_block = 0,
+                             uint32_t layer_begin = 0, uint32_t layer_end = UINT32_MAX) {
+  return CheckRowsOf(exact ? Codec::kRaw : Codec::kInt8PerHead, kv, seed, rows, block_tokens,
+                     first_block, layer_begin, layer_end);
 }
 
 constexpr uint8_t kSentinel = 0xA5;

@@ -46,7 +46,9 @@ int Main(int argc, char** argv) {
   o.layout = a["layout"] == "paged"    ? KvLayout::kVllmPaged
              : a["layout"] == "packed" ? KvLayout::kVllmPackedKv
                                        : KvLayout::kSglang;
-  o.codec = a["codec"] == "raw" ? Codec::kRaw : Codec::kInt8PerHead;
+  o.codec = a["codec"] == "raw"                 ? Codec::kRaw
+            : a["codec"] == "fp8_e4m3_per_head" ? Codec::kFp8E4m3PerHead
+                                                : Codec::kInt8PerHead;
   o.block_tokens = bt;
   o.num_rows = 2 * blocks * bt;
   o.page_rows = 8;
@@ -85,7 +87,7 @@ int Main(int argc, char** argv) {
     }
     std::cout << "restore " << r.restored_blocks << std::endl;
     const std::span<const uint32_t> done(rows.data(), size_t{r.restored_blocks} * bt);
-    CheckResult c = CheckRows(pool->kv, seed, done, bt, o.codec == Codec::kRaw);
+    CheckResult c = CheckRowsOf(o.codec, pool->kv, seed, done, bt);
     if (r.restored_blocks > 0 && !c.ok()) {
       std::cerr << "peer: restored data wrong: " << c.bad_heads << " bad heads; " << c.first
                 << "\n";

@@ -1,6 +1,7 @@
-// Backup then restore through the real daemon: every element within DESIGN.md's bound (CODEC_RAW
-// bit-exact), for each KV layout, across layouts sharing one namespace, writing only the
-// requested rows. Also: partial restores, NaN rejection, released pools, TP/MLA namespaces.
+// Backup then restore through the real daemon: every element within its codec's bound (INT8:
+// DESIGN.md, FP8 E4M3: kernels/README.md; CODEC_RAW bit-exact), for each KV layout, across layouts
+// sharing one namespace, writing only the requested rows. Also: partial restores, NaN rejection,
+// released pools, TP/MLA namespaces.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -70,7 +71,6 @@ class RoundTripTest : public RoundTripBase, public ::testing::WithParamInterface
 
 TEST_P(RoundTripTest, RestoresIntoOtherRowsAndOtherLayouts) {
   const auto [src_layout, codec, dtype] = GetParam();
-  const bool raw = codec == Codec::kRaw;
   const std::string model = std::string("rt-") + KvLayoutName(src_layout) + "-" + CodecName(codec) +
                             "-" + DTypeName(dtype);
   const uint64_t seed = std::hash<std::string>{}(model);
@@ -113,7 +113,7 @@ TEST_P(RoundTripTest, RestoresIntoOtherRowsAndOtherLayouts) {
     RestoreResult r = client_->Restore(dst.handle, keys, rows2);
     ASSERT_TRUE(r.status.ok()) << r.status.ToString();
     EXPECT_EQ(r.restored_blocks, kBlocks);
-    CheckResult c = CheckRows(dst.kv, seed, rows2, kBlockTokens, raw);
+    CheckResult c = CheckRowsOf(codec, dst.kv, seed, rows2, kBlockTokens);
     EXPECT_TRUE(c.ok()) << c.bad_heads << " of " << c.heads_checked
                         << " heads wrong; first: " << c.first;
     if (same) {
@@ -142,7 +142,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RoundTripTest,
                          ::testing::Combine(::testing::Values(KvLayout::kSglang,
                                                               KvLayout::kVllmPaged,
                                                               KvLayout::kVllmPackedKv),
-                                            ::testing::Values(Codec::kInt8PerHead, Codec::kRaw),
+                                            ::testing::Values(Codec::kInt8PerHead, Codec::kRaw,
+                                                              Codec::kFp8E4m3PerHead),
                                             ::testing::Values(DType::kBF16, DType::kFP16)),
                          [](const ::testing::TestParamInfo<Param>& info) {
                            return std::string(KvLayoutName(std::get<0>(info.param))) + "_" +

@@ -1,5 +1,5 @@
 """HOST KV buffers for Python tests: SGLang-style [layer][K|V][rows][heads][dim] in one shm object,
-bf16 values as uint16 bits, and the INT8 codec's elementwise error bound."""
+bf16 values as uint16 bits, and the INT8 and FP8 codecs' elementwise error bounds."""
 
 from __future__ import annotations
 
@@ -59,4 +59,17 @@ def int8_violations(original: np.ndarray, restored: np.ndarray) -> int:
     y = from_bf16_bits(restored).astype(np.float64)
     s = np.abs(x).max(axis=-1, keepdims=True) / 127 * (1 + 2 ** -8)
     bound = (0.5 + 2 ** -8) * s + 2 ** -8 * np.abs(y)
+    return int((np.abs(y - x) > bound).sum())
+
+
+def fp8_violations(original: np.ndarray, restored: np.ndarray) -> int:
+    """Elements outside CODEC_FP8_E4M3_PER_HEAD's bound for BF16 (kernels/README.md),
+    |x̂ - x| <= 2^-4·|x̂| + 2^-10·s + (1 + 2^-4)·(2^-8·|x̂| + a), s = max|x| / 448 per head (rounded
+    up to bf16 precision), a = 2^-134 where x̂ is a bf16 subnormal."""
+    x = from_bf16_bits(original).astype(np.float64)
+    y = from_bf16_bits(restored).astype(np.float64)
+    s = np.maximum(np.abs(x).max(axis=-1, keepdims=True), 2.0 ** -112) / 448 * (1 + 2 ** -8)
+    ay = np.abs(y)
+    a = np.where(ay <= 2.0 ** -126, 2.0 ** -134, 0.0)
+    bound = 2 ** -4 * ay + 2 ** -10 * s + (1 + 2 ** -4) * (2 ** -8 * ay + a)
     return int((np.abs(y - x) > bound).sum())

@@ -13,7 +13,7 @@ import pytest
 
 import hiqcache as hq
 from daemon import ROOT, Daemon
-from kv_util import HostKv, int8_violations
+from kv_util import HostKv, fp8_violations, int8_violations, to_bf16_bits
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
@@ -55,6 +55,45 @@ def test_raw_round_trip_is_bit_exact_and_int8_within_bound(daemon, kv):
                                              else G.num_kv_heads * G.head_dim))
             assert info.encoded_bytes_per_token == per_token
             assert c.release_pool(pool).ok
+
+
+def test_fp8_round_trip_within_bound_and_in_stats(daemon, kv):
+    """CODEC_FP8_E4M3_PER_HEAD: INT8's bytes per token, every element within its bound, its own
+    namespace (no blocks shared with INT8), reported by GetStats with its codec and capacity."""
+    with hq.Client(daemon.target) as c:
+        fp8 = c.register_pool(kv.spec("m-fp8", BT, hq.Codec.FP8_E4M3_PER_HEAD))
+        int8 = c.register_pool(kv.spec("m-fp8", BT, hq.Codec.INT8_PER_HEAD))
+        kv.fill(range(0, 4 * BT), seed=11)
+        kv.data[0, 0, 3, 1, :] = 0  # an all-zero head restores exact zeros
+        kv.data[1, 1, 5, 0, :7] = to_bf16_bits(np.array([1e-30, -2e-35, 0, 900, -1e3, 3e-4, 5]))
+        keys = keys_for(range(4 * BT), salt="fp8")
+        res = c.backup(fp8, keys, range(0, 4 * BT))
+        assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
+        assert c.lookup(int8, keys).prefix_blocks == 0  # codecs never share blocks
+        r = c.restore(fp8, keys, range(4 * BT, 8 * BT))
+        assert r.status.ok and r.restored_blocks == 4
+        src, dst = kv.data[:, :, :4 * BT], kv.data[:, :, 4 * BT:]
+        assert not np.array_equal(src, dst)
+        assert fp8_violations(src, dst) == 0
+        assert int8_violations(src, dst) > 0  # really FP8: its error is relative, not INT8's
+        assert np.array_equal(dst[0, 0, 3, 1], np.zeros(G.head_dim, np.uint16))
+        info, int8_info = c.pool_info(fp8), c.pool_info(int8)
+        assert info.encoded_bytes_per_token == int8_info.encoded_bytes_per_token == \
+            G.num_layers * 2 * (G.num_kv_heads * G.head_dim + 2 * G.num_kv_heads)
+        assert info.capacity_tokens == int8_info.capacity_tokens > 0
+        ns = {n.codec: n for n in c.get_stats().namespaces if n.model == "m-fp8"}
+        assert set(ns) == {hq.Codec.FP8_E4M3_PER_HEAD, hq.Codec.INT8_PER_HEAD}
+        assert ns[hq.Codec.FP8_E4M3_PER_HEAD].blocks == 4
+        assert ns[hq.Codec.FP8_E4M3_PER_HEAD].encoded_bytes_per_token == \
+            info.encoded_bytes_per_token
+        assert ns[hq.Codec.FP8_E4M3_PER_HEAD].capacity_blocks == \
+            ns[hq.Codec.INT8_PER_HEAD].capacity_blocks > 0
+        # A row holding Inf is rejected, not stored.
+        kv.data[2, 0, 4 * BT + 1, 0, 0] = 0x7F80
+        bad = c.backup(fp8, keys_for(range(BT), salt="fp8-inf"), range(4 * BT, 5 * BT))
+        assert bad.blocks == [hq.BlockStatus.REJECTED]
+        assert c.release_pool(fp8).ok and c.release_pool(int8).ok
+    assert hq.Codec.parse("fp8_e4m3_per_head") is hq.Codec.FP8_E4M3_PER_HEAD
 
 
 def test_prefix_semantics_and_restore_stops_at_first_missing(daemon, kv):

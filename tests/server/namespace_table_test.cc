@@ -89,6 +89,11 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
   }
   {
     auto d = Desc();
+    d.layout.row.codec = kernels::CodecKind::kFp8E4m3PerHead;
+    add(d);
+  }
+  {
+    auto d = Desc();
     d.layout.block_tokens = 16;
     add(d);
   }
@@ -110,8 +115,8 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
     d.layout.kv_planes = 1;
     add(d);
   }
-  EXPECT_EQ(ids.size(), 12u);
-  EXPECT_EQ(t.All().size(), 12u);
+  EXPECT_EQ(ids.size(), 13u);
+  EXPECT_EQ(t.All().size(), 13u);
 }
 
 TEST(NamespaceTableTest, MlaIgnoresTensorParallelRank) {

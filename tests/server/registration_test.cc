@@ -151,6 +151,16 @@ TEST(ValidateRegistrationTest, RawCodecAndFp16) {
   EXPECT_EQ(r->layout.row.dtype, kernels::DType::kFP16);
 }
 
+TEST(ValidateRegistrationTest, Fp8CodecHasInt8Size) {
+  RegisterSpec s = SglangSpec();
+  s.codec = 2;  // CODEC_FP8_E4M3_PER_HEAD
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kFp8E4m3PerHead);
+  EXPECT_EQ(r->layout.BytesPerToken(), 74880u);
+  EXPECT_EQ(r->layout.BlockBytes(), 4792320u);
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -323,6 +333,11 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   {
     RegisterSpec t = s;
     t.codec = 7;
+    ExpectInvalid(t, "codec");
+  }
+  {
+    RegisterSpec t = s;
+    t.codec = 3;  // the first value past CODEC_FP8_E4M3_PER_HEAD
     ExpectInvalid(t, "codec");
   }
   {
