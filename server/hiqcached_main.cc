@@ -35,6 +35,7 @@
 #include "config.h"
 #include "hiqcache/log.h"
 #include "host_backend.h"
+#include "l3_tier.h"
 #include "metrics.h"
 #include "pool_region.h"
 #include "service_notify.h"
@@ -290,6 +291,29 @@ int Run(int argc, char** argv) {
     }
 #endif
   }
+  // L3 (DESIGN.md "Beyond one node (L3)"): on when l3_seeds names the cluster. Its connections
+  // open in the background; an unreachable cluster is a miss, never a failure to start.
+  std::unique_ptr<L3Tier> l3;
+  if (!config.l3_seeds.empty()) {
+    L3Options l3_options;
+    if (Status st = L3OptionsFromConfig(config, &l3_options); !st.ok()) {
+      HIQ_LOG(ERROR) << st.message();
+      return 2;
+    }
+    l3_options.on_fetch = [&metrics](std::chrono::nanoseconds d, bool ok) {
+      metrics.OnL3Fetch(d, ok);
+    };
+    auto created = CreateRedisL3Tier(l3_options, &store);
+    if (!created.ok()) {
+      HIQ_LOG(ERROR) << created.status().message();
+      return 2;
+    }
+    l3 = std::move(created).value();
+    options.l3 = l3.get();
+    HIQ_LOG(INFO) << "event=l3_enabled seeds=" << config.l3_seeds.size() << " prefix=\""
+                  << LogSafe(config.l3_key_prefix) << "\" policy=" << config.l3_write_policy
+                  << " ttl_s=" << config.l3_ttl;
+  }
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
   LiveCore::Publish publish(&live, core.get());
 
@@ -434,6 +458,7 @@ int Run(int argc, char** argv) {
   sessions.reset();  // its release thread calls into the core
   { LiveCore::Publish withdraw(&live, nullptr); }
   core.reset();
+  l3.reset();  // its writers read the store: stopped before the store goes
   cuda.reset();
   for (const auto& addr : config.listen) {
     if (IsUnix(addr)) ::unlink(UnixPath(addr).c_str());

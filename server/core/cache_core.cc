@@ -573,6 +573,34 @@ size_t CacheCore::ReleasePoolsOfSession(uint64_t session) {
   return ids.size();
 }
 
+size_t CacheCore::PromoteFromL3(const Pool& pool, std::span<const BlockKey> keys) {
+  const uint64_t payload_bytes = pool.layout.BlockBytes();
+  std::vector<L3Block> fetched = options_.l3->Fetch(pool.ns->hash, payload_bytes, keys);
+  if (fetched.empty()) return 0;
+  auto res = store_->ReserveWrites(pool.ns->id, keys.first(fetched.size()));
+  size_t run = 0, promoted = 0;
+  bool whole = true;
+  for (size_t j = 0; j < res.size(); ++j) {
+    switch (res[j].outcome) {
+      case BlockStore::WriteOutcome::kReserved:
+        std::memcpy(res[j].payload, fetched[j].payload(), payload_bytes);
+        store_->CommitWrite(res[j].handle, fetched[j].payload_checksum);
+        ++promoted;
+        break;
+      case BlockStore::WriteOutcome::kPresent:  // a concurrent backup or promotion
+        break;
+      case BlockStore::WriteOutcome::kNoSpace:
+        whole = false;
+        break;
+    }
+    if (whole) ++run;
+  }
+  options_.l3->CountPromoted(promoted);
+  HIQ_LOG(DEBUG) << "event=l3_promote pool=" << pool.id << " fetched=" << fetched.size()
+                 << " promoted=" << promoted;
+  return run;
+}
+
 StatusOr<std::vector<BlockKey>> CacheCore::CheckedKeys(const std::vector<std::string>& keys) const {
   HIQ_RETURN_IF_ERROR(ValidateKeys(keys, options_.limits.max_keys_per_lookup, "keys"));
   std::vector<BlockKey> out;
@@ -615,7 +643,18 @@ StatusOr<uint32_t> CacheCore::Lookup(const LookupSpec& spec) {
       ids.push_back(ns != nullptr ? ns->id : kNoNamespace);  // unknown = holds nothing
     }
     if (pool != nullptr) ids.push_back(pool->ns->id);
-    return store_->LookupPrefix(ids, k);
+    uint32_t prefix = store_->LookupPrefix(ids, k);
+    if (options_.l3 != nullptr && prefix < k.size()) {
+      // L3 can only extend the pool's answer: its errors and deadline are a shorter run.
+      std::vector<NamespaceHash> hashes;
+      hashes.reserve(descs.size() + 1);
+      for (const NamespaceDesc& desc : descs) hashes.push_back(desc.Hash());
+      if (pool != nullptr) hashes.push_back(pool->ns->hash);
+      std::sort(hashes.begin(), hashes.end());
+      hashes.erase(std::unique(hashes.begin(), hashes.end()), hashes.end());
+      prefix += options_.l3->Probe(hashes, std::span<const BlockKey>(k).subspan(prefix));
+    }
+    return prefix;
   } catch (const std::bad_alloc&) {
     return OutOfMemory("Lookup");
   }
@@ -843,7 +882,8 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
         const uint64_t client = pool.client;
         // The callbacks live in the task: they hold a raw pointer to it, never a reference that
         // would make the task own itself. The backend keeps the task alive while it calls them.
-        task->on_written = [this, store, req, writes, payload_bytes, raw, client, reserved](
+        L3Tier* l3 = options_.l3;
+        task->on_written = [this, store, l3, req, writes, payload_bytes, raw, client, reserved](
                                const std::vector<uint8_t>& nonfinite, const Status& st) {
           if (writes->settled) return;
           writes->settled = true;
@@ -858,6 +898,10 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
             store->CommitWrite(r.handle, j < sums.size() ? sums[j]
                                                          : XXH3_64bits(r.payload, payload_bytes));
             ++req->moved;
+            if (l3 != nullptr) {
+              const NamespaceInfo& ns = *req->pool->ns;
+              l3->Published(ns.id, ns.hash, payload_bytes, req->keys[writes->index[j]]);
+            }
           }
           AddReserved(client, -reserved);
         };
@@ -967,6 +1011,16 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   try {
     // Pinned on arrival: the answer says how many leading blocks will be restored.
     req->pins = store_->PinReads(pool->ns->id, keys);
+    if (options_.l3 != nullptr && req->pins.size() < keys.size()) {
+      // The blocks after the pool's run come from L3 into the pool, then are restored from the
+      // pool as any other block (same tasks, same events).
+      const size_t have = req->pins.size();
+      const std::span<const BlockKey> rest = std::span<const BlockKey>(keys).subspan(have);
+      if (PromoteFromL3(*pool, rest) > 0) {
+        std::vector<BlockStore::ReadPin> more = store_->PinReads(pool->ns->id, rest);
+        req->pins.insert(req->pins.end(), more.begin(), more.end());
+      }
+    }
     const uint64_t pinned_bytes = SaturatingMul(req->pins.size(), per_block);
     UnchargePending(pool->client, req->pending_bytes - pinned_bytes);
     req->pending_bytes = pinned_bytes;
@@ -1141,6 +1195,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   }
   snap.clients = clients.size();
   snap.staging_device_bytes = cuda_ != nullptr ? cuda_->StagingDeviceBytes() : 0;
+  if (options_.l3 != nullptr) snap.l3 = options_.l3->Stats();
   std::vector<std::shared_ptr<const NamespaceInfo>> all = namespaces_.All();
   std::sort(all.begin(), all.end(),
             [](const auto& a, const auto& b) { return a->hex_id < b->hex_id; });

@@ -50,6 +50,7 @@
 #include "block_store.h"
 #include "device_backend.h"
 #include "hiqcache/status.h"
+#include "l3_tier.h"
 #include "namespace_table.h"
 #include "registration.h"
 #include "requests.h"
@@ -112,6 +113,11 @@ struct CoreOptions {
   uint64_t transfer_chunk_bytes = 16ull << 20;
   unsigned transfer_workers = 2;
   CoreObserver* observer = nullptr;  // optional; must outlive the core
+  // The store beyond the node (DESIGN.md "Beyond one node (L3)"); optional, must outlive the
+  // core. With it, Lookup extends the pool's prefix by the run L3 holds, Restore promotes the
+  // blocks after the pool's run from L3 into the pool before restoring them as pool blocks,
+  // and every block a backup publishes is handed to it (write-through).
+  L3Tier* l3 = nullptr;
   // How long ReleasePool waits for a pool's queued and device work before it answers
   // DEADLINE_EXCEEDED (the mappings then close once that work completes).
   std::chrono::milliseconds release_timeout{5000};
@@ -170,6 +176,7 @@ struct CoreSnapshot {
   uint64_t uptime_seconds = 0;
   // GPU memory the CUDA backend holds for staging and job arrays (0 without CUDA).
   uint64_t staging_device_bytes = 0;
+  L3Stats l3;  // enabled = false without an L3 tier
 };
 
 class CacheCore {
@@ -306,6 +313,10 @@ class CacheCore {
   // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.
   std::function<void(std::function<void()>)> DeferOnStrand(
       const std::shared_ptr<TransferEngine::Strand>& strand);
+  // Fetches the leading run of `keys` (the pool's namespace) that L3 holds and verifies, and
+  // writes it into the pool as committed blocks; returns how many leading keys are now
+  // committed (or were present already). Runs on the caller's thread within the fetch deadline.
+  size_t PromoteFromL3(const Pool& pool, std::span<const BlockKey> keys);
   // The keys of a Lookup/Evict, validated (16 bytes each, within the per-request limit).
   StatusOr<std::vector<BlockKey>> CheckedKeys(const std::vector<std::string>& keys) const;
 

@@ -7,6 +7,7 @@
 
 #include "cache_core.h"
 #include "hiqcache/paths.h"
+#include "l3_tier.h"
 
 namespace hiqcache::server {
 namespace {
@@ -108,6 +109,36 @@ Status Validate(const DaemonConfig& c) {
       positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_bytes, "transfer_chunk_bytes"));
+  if (!c.l3_seeds.empty()) {
+    if (!L3Available()) {
+      return InvalidArgument(
+          "l3_seeds: this hiqcached was built without the L3 store (hiredis, libhiredis-dev, "
+          "was not found at build time): unset l3_seeds or rebuild with hiredis");
+    }
+    for (const std::string& seed : c.l3_seeds) {
+      const size_t colon = seed.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == seed.size() ||
+          seed.find_first_not_of("0123456789", colon + 1) != std::string::npos ||
+          seed.size() - colon - 1 > 5 || std::stoul(seed.substr(colon + 1)) > 65535) {
+        return InvalidArgument("l3_seeds: '" + seed + "' is not host:port");
+      }
+    }
+  }
+  if (c.l3_write_policy != "write_through") {
+    return InvalidArgument("l3_write_policy: must be write_through (on_evict is not implemented "
+                           "yet), got " + c.l3_write_policy);
+  }
+  if (c.l3_budget_bytes != 0) {
+    return InvalidArgument("l3_budget_bytes: must be 0 (the cluster's maxmemory and l3_ttl bound "
+                           "L3; a per-daemon budget is not implemented yet)");
+  }
+  HIQ_RETURN_IF_ERROR(positive(c.l3_connect_timeout_ms, "l3_connect_timeout_ms"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_command_timeout_ms, "l3_command_timeout_ms"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_lookup_deadline_ms, "l3_lookup_deadline_ms"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_fetch_deadline_ms, "l3_fetch_deadline_ms"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_write_queue_bytes, "l3_write_queue_bytes"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_write_queue_blocks, "l3_write_queue_blocks"));
+  HIQ_RETURN_IF_ERROR(positive(c.l3_writer_threads, "l3_writer_threads"));
   if (c.cuda_staging_bytes < (4ull << 20) || c.cuda_staging_bytes > (64ull << 30)) {
     return InvalidArgument("cuda_staging_bytes: must be in [4MiB, 64GiB], got " +
                            std::to_string(c.cuda_staging_bytes));
@@ -143,6 +174,64 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
   }
   if (k == "namespace_scope") {
     HIQ_ASSIGN_OR_RETURN(c->namespace_scope, str());
+    return Status::Ok();
+  }
+  auto ms = [&](uint64_t max) -> StatusOr<uint32_t> { return count(max); };
+  if (k == "l3_seeds") {
+    HIQ_ASSIGN_OR_RETURN(std::string list, str());
+    c->l3_seeds = SplitList(list);
+    return Status::Ok();
+  }
+  if (k == "l3_user") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_user, str());
+    return Status::Ok();
+  }
+  if (k == "l3_password_file") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_password_file, str());
+    return Status::Ok();
+  }
+  if (k == "l3_key_prefix") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_key_prefix, str());
+    return Status::Ok();
+  }
+  if (k == "l3_write_policy") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_write_policy, str());
+    return Status::Ok();
+  }
+  if (k == "l3_ttl") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_ttl, count(10u * 365 * 86400));
+    return Status::Ok();
+  }
+  if (k == "l3_budget_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_budget_bytes, size());
+    return Status::Ok();
+  }
+  if (k == "l3_connect_timeout_ms") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_connect_timeout_ms, ms(60000));
+    return Status::Ok();
+  }
+  if (k == "l3_command_timeout_ms") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_command_timeout_ms, ms(60000));
+    return Status::Ok();
+  }
+  if (k == "l3_lookup_deadline_ms") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_lookup_deadline_ms, ms(10000));
+    return Status::Ok();
+  }
+  if (k == "l3_fetch_deadline_ms") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_fetch_deadline_ms, ms(60000));
+    return Status::Ok();
+  }
+  if (k == "l3_write_queue_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_write_queue_bytes, size());
+    return Status::Ok();
+  }
+  if (k == "l3_write_queue_blocks") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_write_queue_blocks, count(1u << 24));
+    return Status::Ok();
+  }
+  if (k == "l3_writer_threads") {
+    HIQ_ASSIGN_OR_RETURN(c->l3_writer_threads, count(64));
     return Status::Ok();
   }
   if (k == "max_pools_per_client") {
@@ -276,6 +365,37 @@ void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
   o->transfer_chunk_bytes = c.transfer_chunk_bytes;
 }
 
+Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
+  o->seeds = c.l3_seeds;
+  o->user = c.l3_user;
+  o->password.clear();
+  if (!c.l3_password_file.empty()) {
+    std::ifstream in(c.l3_password_file);
+    if (!in) {
+      return InvalidArgument("l3_password_file: cannot read '" + c.l3_password_file + "'");
+    }
+    std::getline(in, o->password);
+    while (!o->password.empty() &&
+           (o->password.back() == '\r' || o->password.back() == ' ')) {
+      o->password.pop_back();
+    }
+    if (o->password.empty()) {
+      return InvalidArgument("l3_password_file: '" + c.l3_password_file +
+                             "' holds no password on its first line");
+    }
+  }
+  o->key_prefix = c.l3_key_prefix;
+  o->ttl = std::chrono::milliseconds(uint64_t{c.l3_ttl} * 1000);
+  o->connect_timeout = std::chrono::milliseconds(c.l3_connect_timeout_ms);
+  o->command_timeout = std::chrono::milliseconds(c.l3_command_timeout_ms);
+  o->lookup_deadline = std::chrono::milliseconds(c.l3_lookup_deadline_ms);
+  o->fetch_deadline = std::chrono::milliseconds(c.l3_fetch_deadline_ms);
+  o->write_queue_bytes = c.l3_write_queue_bytes;
+  o->write_queue_blocks = c.l3_write_queue_blocks;
+  o->writer_threads = c.l3_writer_threads;
+  return Status::Ok();
+}
+
 const char* EmbeddedDefaultConfig() {
   return R"(# hiqcached embedded default configuration
 # listen: unix sockets ("unix:///path") and/or TCP ("host:port"); empty = the default socket,
@@ -373,6 +493,10 @@ std::string UsageText() {
          "                 [--max-reserved-slots-per-client N]\n"
          "                 [--max-repeated-rows-per-request N]\n"
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
+         "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
+         "                 [--l3-key-prefix TEXT] [--l3-ttl SECONDS]\n"
+         "                 [--l3-lookup-deadline-ms MS] [--l3-fetch-deadline-ms MS]\n"
+         "                 (every l3_* key of deploy/hiqcached.toml is also a flag)\n"
          "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
@@ -481,6 +605,22 @@ std::string RenderConfig(const DaemonConfig& c) {
          "\n";
   out += "transfer_chunk_blocks = " + std::to_string(c.transfer_chunk_blocks) + "\n";
   out += "transfer_chunk_bytes = " + std::to_string(c.transfer_chunk_bytes) + "\n";
+  std::string seeds;
+  for (const auto& s : c.l3_seeds) seeds += (seeds.empty() ? "" : ",") + s;
+  out += "l3_seeds = " + q(seeds) + "\n";
+  out += "l3_user = " + q(c.l3_user) + "\n";
+  out += "l3_password_file = " + q(c.l3_password_file) + "\n";
+  out += "l3_key_prefix = " + q(c.l3_key_prefix) + "\n";
+  out += "l3_write_policy = " + q(c.l3_write_policy) + "\n";
+  out += "l3_ttl = " + std::to_string(c.l3_ttl) + "\n";
+  out += "l3_budget_bytes = " + std::to_string(c.l3_budget_bytes) + "\n";
+  out += "l3_connect_timeout_ms = " + std::to_string(c.l3_connect_timeout_ms) + "\n";
+  out += "l3_command_timeout_ms = " + std::to_string(c.l3_command_timeout_ms) + "\n";
+  out += "l3_lookup_deadline_ms = " + std::to_string(c.l3_lookup_deadline_ms) + "\n";
+  out += "l3_fetch_deadline_ms = " + std::to_string(c.l3_fetch_deadline_ms) + "\n";
+  out += "l3_write_queue_bytes = " + std::to_string(c.l3_write_queue_bytes) + "\n";
+  out += "l3_write_queue_blocks = " + std::to_string(c.l3_write_queue_blocks) + "\n";
+  out += "l3_writer_threads = " + std::to_string(c.l3_writer_threads) + "\n";
   return out;
 }
 

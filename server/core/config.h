@@ -59,7 +59,29 @@ struct DaemonConfig {
   // HOST sub-task size (fair service): CoreOptions::transfer_chunk_blocks / _bytes.
   uint32_t transfer_chunk_blocks = 0;
   uint64_t transfer_chunk_bytes = 0;
+  // The store beyond the node (DESIGN.md "Beyond one node (L3)"): off while l3_seeds is empty.
+  // Not in the embedded default; these are its defaults (deploy/hiqcached.toml documents each).
+  std::vector<std::string> l3_seeds;  // host:port of any Redis Cluster nodes (comma-separated)
+  std::string l3_user;                // ACL user ("" = AUTH with the password alone)
+  std::string l3_password_file;       // first line = the password ("" = no AUTH)
+  std::string l3_key_prefix = "hiq:";
+  std::string l3_write_policy = "write_through";  // only write_through so far
+  uint32_t l3_ttl = 0;                            // seconds; 0 = no expiry
+  uint64_t l3_budget_bytes = 0;  // 0 = bounded by the cluster's maxmemory (the only mode yet)
+  uint32_t l3_connect_timeout_ms = 200;
+  uint32_t l3_command_timeout_ms = 200;
+  uint32_t l3_lookup_deadline_ms = 5;
+  uint32_t l3_fetch_deadline_ms = 200;
+  uint64_t l3_write_queue_bytes = 1ull << 30;
+  uint32_t l3_write_queue_blocks = 4096;
+  uint32_t l3_writer_threads = 2;
 };
+
+struct L3Options;  // l3_tier.h
+
+// The L3 tier's options from `config` (l3_password_file read here). REQUIRES: l3_seeds is set.
+// Errors name the key (an unreadable or empty password file).
+Status L3OptionsFromConfig(const DaemonConfig& config, L3Options* options);
 
 struct CoreOptions;  // cache_core.h
 

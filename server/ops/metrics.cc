@@ -164,6 +164,11 @@ void DaemonMetrics::OnNamespaceRemoved(std::string_view namespace_id) {
   moved_.erase({std::string(namespace_id), true});
 }
 
+void DaemonMetrics::OnL3Fetch(std::chrono::nanoseconds duration, bool ok) {
+  (void)ok;
+  l3_fetch_.Observe(duration);
+}
+
 void DaemonMetrics::OnRequestRejected(std::string_view rpc, StatusCode code) {
   std::lock_guard<std::mutex> lock(mu_);
   rejected_[{std::string(rpc), static_cast<int>(code)}] += 1;
@@ -250,6 +255,52 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
          "Duration of restore tasks in the device backend, per task: waiting for wait_event, "
          "copying, decoding and scattering the blocks into the engine's KV.");
   decode_.Render("hiqcache_decode_duration_seconds", &out);
+
+  // L3 (DESIGN.md "Beyond one node (L3)"): only when the daemon has an L3 tier.
+  if (snap.l3.enabled) {
+    const L3Stats& l3 = snap.l3;
+    auto counter = [&out](const char* name, const char* help, uint64_t v) {
+      Header(&out, name, "counter", help);
+      Sample(&out, name, "", v);
+    };
+    counter("hiqcache_l3_lookup_hits_total",
+            "Blocks Lookup found in L3 after the pool's leading run.", l3.lookup_hits);
+    counter("hiqcache_l3_lookup_misses_total",
+            "Keys Lookup asked L3 for after the run L3 held.", l3.lookup_misses);
+    Header(&out, "hiqcache_l3_errors_total", "counter",
+           "L3 calls that failed or ran out of their deadline (each a miss), by operation.");
+    Sample(&out, "hiqcache_l3_errors_total", Labels({{"op", "lookup"}}), l3.lookup_errors);
+    Sample(&out, "hiqcache_l3_errors_total", Labels({{"op", "fetch"}}), l3.fetch_errors);
+    Sample(&out, "hiqcache_l3_errors_total", Labels({{"op", "write"}}), l3.write_errors);
+    counter("hiqcache_l3_fetches_total", "Restores that fetched blocks from L3.", l3.fetches);
+    counter("hiqcache_l3_fetched_blocks_total", "Blocks fetched from L3 and verified.",
+            l3.fetched_blocks);
+    counter("hiqcache_l3_promoted_blocks_total",
+            "Blocks fetched from L3 and written into the pool.", l3.promotions);
+    counter("hiqcache_l3_corrupt_values_total",
+            "Values fetched from L3 that failed to decode (header, namespace, key, length or "
+            "checksum): dropped, a miss.",
+            l3.corrupt_values);
+    counter("hiqcache_l3_writes_total", "Blocks written to L3.", l3.writes);
+    counter("hiqcache_l3_dropped_writes_total",
+            "Blocks not written to L3 because the write queue was full.", l3.dropped_writes);
+    counter("hiqcache_l3_skipped_writes_total",
+            "Queued L3 writes whose block had left the pool before its turn.",
+            l3.skipped_writes);
+    Gauge(&out, "hiqcache_l3_write_queue_bytes", "Payload bytes queued for L3 writes.",
+          l3.write_queue_bytes);
+    Gauge(&out, "hiqcache_l3_write_queue_blocks", "Blocks queued for L3 writes.",
+          l3.write_queue_blocks);
+    Header(&out, "hiqcache_l3_transferred_bytes_total", "counter",
+           "Value bytes moved to and from L3: direction=\"in\" fetched, \"out\" written.");
+    Sample(&out, "hiqcache_l3_transferred_bytes_total", Labels({{"direction", "in"}}),
+           l3.bytes_in);
+    Sample(&out, "hiqcache_l3_transferred_bytes_total", Labels({{"direction", "out"}}),
+           l3.bytes_out);
+    Header(&out, "hiqcache_l3_fetch_duration_seconds", "histogram",
+           "Duration of a restore's L3 fetch (MultiGet and verification).");
+    l3_fetch_.Render("hiqcache_l3_fetch_duration_seconds", &out);
+  }
 
   std::lock_guard<std::mutex> lock(mu_);
   Header(&out, "hiqcache_transferred_bytes_total", "counter",

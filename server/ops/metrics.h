@@ -58,6 +58,8 @@ class DaemonMetrics final : public CoreObserver {
   // Drops the namespace's transfer series: the exposition stays bounded whatever names clients
   // register and release.
   void OnNamespaceRemoved(std::string_view namespace_id) override;
+  // One L3 fetch of a restore (L3Options::on_fetch): its duration.
+  void OnL3Fetch(std::chrono::nanoseconds duration, bool ok);
 
   // At most this many namespaces keep their own transfer series; transfers of others are
   // counted under namespace="other" (bounded even while many namespaces live).
@@ -77,6 +79,7 @@ class DaemonMetrics final : public CoreObserver {
 
   DurationHistogram encode_;
   DurationHistogram decode_;
+  DurationHistogram l3_fetch_;
 
   mutable std::mutex mu_;
   // (namespace_id, restore) -> bytes moved; at most kMaxNamespaceSeries namespaces and "other".

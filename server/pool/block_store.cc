@@ -856,6 +856,21 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
   return out;
 }
 
+bool BlockStore::PinCommitted(uint32_t ns_id, const BlockKey& key, uint64_t namespace_tag,
+                              ReadPin* pin, uint64_t* checksum) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = index_.find({ns_id, key});
+  if (it == index_.end() || it->second->state != BlockState::kCommitted) return false;
+  BlockEntry* e = it->second;
+  const BlockHeader* h = HeaderOf(e);
+  if (h->namespace_tag != namespace_tag) return false;
+  ++e->pins;
+  pin->handle = e;
+  pin->payload = base_ + e->offset + kBlockHeaderBytes;
+  *checksum = h->checksum;
+  return true;
+}
+
 void BlockStore::Unpin(BlockHandle e) {
   std::lock_guard<std::mutex> lock(mu_);
   if (--e->pins == 0 && !e->indexed) FreeSlotLocked(e);

@@ -184,6 +184,12 @@ class BlockStore {
   // leaves the index (StoreStats::corrupt counts it), so no altered payload is ever handed out.
   // Costs one pass over the payload bytes per verified block, on the calling thread.
   std::vector<ReadPin> PinReads(uint32_t ns, std::span<const BlockKey> keys);
+  // Pins committed block `key` of `ns` to copy it out (the L3 writer): no restore is counted and
+  // its recency is not refreshed. False (nothing pinned) when the block is not committed there,
+  // or its header's namespace tag is not `namespace_tag` (an id reused by another namespace).
+  // `*checksum` receives the block header's payload checksum. Unpin when done.
+  bool PinCommitted(uint32_t ns, const BlockKey& key, uint64_t namespace_tag, ReadPin* pin,
+                    uint64_t* checksum);
   void Unpin(BlockHandle handle);
 
   // Removes the keys of `ns` from the cache; returns how many were present.

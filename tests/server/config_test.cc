@@ -452,3 +452,56 @@ TEST_F(ConfigFileTest, BadSizeValueNamesTheLine) {
 
 }  // namespace
 }  // namespace hiqcache::server
+
+namespace hiqcache::server {
+namespace {
+
+TEST(LoadConfigL3Test, OffByDefaultAndTheDefaultsHold) {
+  auto r = Load({});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->l3_seeds.empty());
+  EXPECT_EQ(r->l3_key_prefix, "hiq:");
+  EXPECT_EQ(r->l3_write_policy, "write_through");
+  EXPECT_EQ(r->l3_lookup_deadline_ms, 5u);
+  EXPECT_EQ(std::string(EmbeddedDefaultConfig()).find("l3_"), std::string::npos)
+      << "the embedded default stays as it was";
+}
+
+TEST(LoadConfigL3Test, KeysFlagsRenderAndErrors) {
+  auto r = Load({"--l3-seeds", "127.0.0.1:7000, 10.0.0.2:7001", "--l3-key-prefix", "fleet1:",
+                 "--l3-ttl", "3600", "--l3-lookup-deadline-ms", "3", "--l3-writer-threads", "4",
+                 "--l3-write-queue-bytes", "64MiB", "--l3-user", "hiq"});
+  if (!L3Available()) {
+    ExpectErrorNaming(r, "l3_seeds");
+    return;
+  }
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->l3_seeds, (std::vector<std::string>{"127.0.0.1:7000", "10.0.0.2:7001"}));
+  EXPECT_EQ(r->l3_ttl, 3600u);
+  EXPECT_EQ(r->l3_write_queue_bytes, 64ull << 20);
+  DaemonConfig back;
+  HIQ_ASSERT_OK(ApplyConfigText(RenderConfig(*r), "<rendered>", &back));
+  EXPECT_EQ(back.l3_seeds, r->l3_seeds);
+  EXPECT_EQ(back.l3_key_prefix, "fleet1:");
+  EXPECT_EQ(back.l3_user, "hiq");
+  EXPECT_EQ(back.l3_lookup_deadline_ms, 3u);
+  EXPECT_EQ(back.l3_writer_threads, 4u);
+  L3Options o;
+  HIQ_ASSERT_OK(L3OptionsFromConfig(*r, &o));
+  EXPECT_EQ(o.ttl, std::chrono::milliseconds(3600000));
+  EXPECT_EQ(o.lookup_deadline, std::chrono::milliseconds(3));
+
+  ExpectErrorNaming(Load({"--l3-seeds", "nohost"}), "l3_seeds");
+  ExpectErrorNaming(Load({"--l3-seeds", "h:99999"}), "l3_seeds");
+  ExpectErrorNaming(Load({"--l3-write-policy", "on_evict"}), "l3_write_policy");
+  ExpectErrorNaming(Load({"--l3-budget-bytes", "1GiB"}), "l3_budget_bytes");
+  ExpectErrorNaming(Load({"--l3-lookup-deadline-ms", "0"}), "l3_lookup_deadline_ms");
+  ExpectErrorNaming(Load({"--l3-writer-threads", "0"}), "l3_writer_threads");
+  ExpectErrorNaming(Load({"--l3-ttl", "soon"}), "--l3-ttl");
+  DaemonConfig c = *r;
+  c.l3_password_file = "/nonexistent/hiq-l3-password";
+  ExpectErrorNaming(L3OptionsFromConfig(c, &o), "l3_password_file");
+}
+
+}  // namespace
+}  // namespace hiqcache::server

@@ -1,0 +1,106 @@
+// L3Tier: the core's seam to the store beyond one node (DESIGN.md "Beyond one node (L3)"). The
+// core asks it, after the pool (L2), which further blocks of a lookup or restore it holds, fetches
+// them to promote them into the pool, and tells it which blocks a backup published so that it
+// copies them out. The Redis Cluster implementation (CreateRedisL3Tier) lives behind this
+// interface, so the core includes no hiredis; tests may substitute their own.
+//
+// Contract: every call returns within its deadline (plus one socket timeout at most) and never
+// fails: an error or a deadline is an answer of "not held" (counted in L3Stats), so L3 can only
+// extend an L2 answer, never shorten it. Thread-safe: the core calls it from gRPC threads and
+// transfer workers concurrently.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "block_store.h"
+#include "hiqcache/status.h"
+
+namespace hiqcache::server {
+
+using NamespaceHash = std::array<uint8_t, 16>;  // NamespaceInfo::hash
+
+struct L3Stats {
+  bool enabled = false;
+  uint64_t lookup_hits = 0;      // blocks a Lookup found in L3 after its L2 prefix
+  uint64_t lookup_misses = 0;    // keys a Lookup asked L3 for after that run
+  uint64_t lookup_errors = 0;    // Lookup probes that failed or ran out of time (a miss)
+  uint64_t fetches = 0;          // Restore fetches (one per restore that went to L3)
+  uint64_t fetched_blocks = 0;   // values fetched and verified
+  uint64_t fetch_errors = 0;     // fetches that failed or ran out of time (a miss)
+  uint64_t corrupt_values = 0;   // fetched values that failed to decode: dropped, a miss
+  uint64_t promotions = 0;       // fetched blocks written into the pool
+  uint64_t writes = 0;           // blocks SET in L3
+  uint64_t write_errors = 0;     // SETs that failed
+  uint64_t dropped_writes = 0;   // writes not queued: the queue was full
+  uint64_t skipped_writes = 0;   // queued writes whose block had left the pool meanwhile
+  uint64_t write_queue_bytes = 0;   // payload bytes queued now
+  uint64_t write_queue_blocks = 0;  // blocks queued now
+  uint64_t bytes_in = 0;         // value bytes fetched
+  uint64_t bytes_out = 0;        // value bytes written
+};
+
+// One block fetched from L3 and verified (header, namespace, key, length, checksum).
+struct L3Block {
+  std::string value;              // header + payload, as stored
+  uint64_t payload_checksum = 0;  // XXH3-64 of the payload (checked): the pool's block checksum
+  const uint8_t* payload() const;  // value's payload bytes
+};
+
+class L3Tier {
+ public:
+  virtual ~L3Tier() = default;
+  // Length of the leading run of `keys` that L3 holds in every namespace of `ns`, asked within
+  // the lookup deadline. An error or the deadline ends the run there.
+  virtual uint32_t Probe(std::span<const NamespaceHash> ns, std::span<const BlockKey> keys) = 0;
+  // The values of the leading run of `keys` of `ns` that L3 holds and that verify (payloads of
+  // `payload_bytes`), fetched within the fetch deadline; a value that does not verify is
+  // dropped (counted) and ends the run.
+  virtual std::vector<L3Block> Fetch(const NamespaceHash& ns, uint64_t payload_bytes,
+                                     std::span<const BlockKey> keys) = 0;
+  // Counts blocks the core promoted into the pool.
+  virtual void CountPromoted(uint64_t blocks) = 0;
+  // Block `key` of namespace `ns_id` (hash `ns`, payloads of `payload_bytes`) was published in
+  // the pool: queue its copy to L3. Never blocks; a full queue drops it (counted).
+  virtual void Published(uint32_t ns_id, const NamespaceHash& ns, uint64_t payload_bytes,
+                         const BlockKey& key) = 0;
+  virtual L3Stats Stats() const = 0;
+};
+
+// Options of the Redis Cluster tier (DaemonConfig's l3_* keys).
+struct L3Options {
+  std::vector<std::string> seeds;  // host:port
+  std::string user;
+  std::string password;
+  std::string key_prefix = "hiq:";
+  std::chrono::milliseconds ttl{0};  // 0 = no expiry
+  std::chrono::milliseconds connect_timeout{200};
+  std::chrono::milliseconds command_timeout{200};
+  std::chrono::milliseconds lookup_deadline{5};
+  std::chrono::milliseconds fetch_deadline{200};
+  uint64_t write_queue_bytes = 1ull << 30;
+  uint32_t write_queue_blocks = 4096;
+  uint32_t writer_threads = 2;
+  // Connections kept open for lookups and fetches (each a RedisCluster, used by one call at a
+  // time); a call that finds none idle is a miss and asks for one more, up to `max_readers`.
+  uint32_t min_readers = 2;
+  uint32_t max_readers = 16;
+  // Called (from the tier's threads or the caller's) with each fetch's duration.
+  std::function<void(std::chrono::nanoseconds, bool ok)> on_fetch;
+};
+
+// Whether this build has the Redis Cluster tier (hiredis found at build time).
+bool L3Available();
+
+// The Redis Cluster tier over `store` (which must outlive it); its writers copy published blocks
+// out of the store. Connections open in the background: the tier is usable (answering misses)
+// while the cluster is unreachable. FAILED_PRECONDITION in a build without hiredis.
+StatusOr<std::unique_ptr<L3Tier>> CreateRedisL3Tier(const L3Options& options, BlockStore* store);
+
+}  // namespace hiqcache::server
