@@ -1,0 +1,48 @@
+# Renders bench/fidelity/fidelity.py's results: next-token KL(reference || path) and top-1
+# agreement with the reference against prefix length, one line per codec and the bf16 noise
+# floor (no codec), mean ± SE over windows. fidelity.py runs it as
+#   gnuplot -e "datafile='bench/results/fidelity.dat'; outfile='bench/results/fidelity.png'; \
+#               subtitle='...'; has_raw=1" bench/fidelity/plot_fidelity.gp
+# (every variable has a default, so `gnuplot bench/fidelity/plot_fidelity.gp` replots the
+# checked-in data). Data: one block per path (gnuplot index), its first row the path's name,
+# then prefix_tokens kl_mean kl_se top1_pct top1_se_pct ppl ppl_se. Blocks: the floor first, raw
+# last when has_raw (drawn dotted over the floor, which it must equal), the codecs between.
+if (!exists("datafile")) datafile = 'bench/results/fidelity.dat'
+if (!exists("outfile")) outfile = 'bench/results/fidelity.png'
+if (!exists("has_raw")) has_raw = 1
+if (!exists("subtitle")) subtitle = 'SmolLM2-135M-Instruct bf16, GPL-3 text + chat windows'
+
+stats datafile u 1 nooutput
+npaths = STATS_blocks
+style(i) = (i == 0) ? 1 : ((has_raw && i == npaths - 1) ? 2 : (i + 2 <= 7 ? i + 2 : 7))
+
+set terminal pngcairo size 1400,560 enhanced font 'DejaVu Sans,11'
+set output outfile
+set datafile missing 'NaN'
+set key top left box opaque noenhanced
+set grid
+set logscale x 2
+set xrange [90:2900]
+set xtics (128, 256, 512, 1024, 2048)
+set xlabel 'prefix length (tokens)'
+set style line 1 lc rgb '#000000' lw 2.5 dt 2 pt 7 ps 1.0
+set style line 2 lc rgb '#7f7f7f' lw 1.5 dt 3 pt 6 ps 1.8
+set style line 3 lc rgb '#d62728' lw 2 pt 5 ps 1.0
+set style line 4 lc rgb '#1f77b4' lw 2 pt 9 ps 1.0
+set style line 5 lc rgb '#2ca02c' lw 2 pt 11 ps 1.0
+set style line 6 lc rgb '#9467bd' lw 2 pt 13 ps 1.0
+set style line 7 lc rgb '#ff7f0e' lw 2 pt 15 ps 1.0
+set multiplot layout 1,2 title "hiqcached codecs against the bf16 noise floor: ".subtitle
+set title 'next-token KL(reference || path), nats (mean ± SE over windows)'
+set logscale y
+set format y '%.0e'
+# Block 0 is the floor; raw (if measured) lies exactly on it.
+plot for [i=0:npaths-1] datafile index i u 1:2:3 w yerrorlines ls style(i) \
+     title columnheader(1)
+unset logscale y
+set format y '%g'
+set title 'top-1 agreement with the reference (%)'
+set key bottom left
+plot for [i=0:npaths-1] datafile index i u 1:4:5 w yerrorlines ls style(i) \
+     title columnheader(1)
+unset multiplot
