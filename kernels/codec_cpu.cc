@@ -387,8 +387,38 @@ const char* CpuCodec::TargetName() {
 }
 
 namespace {
-// Rows per parallel work item: big enough to amortize dispatch, small enough to balance.
+// Rows per parallel decode work item: big enough to amortize dispatch, small enough to balance.
 constexpr uint32_t kRowsPerItem = 64;
+// A decode work item is split down to this many input bytes (BF16 side) when a loop would
+// otherwise have fewer than kItemsPerThread items per thread.
+constexpr size_t kMinItemBytes = 16 << 10;
+constexpr size_t kItemsPerThread = 4;
+
+// Rows per decode work item for `blocks` blocks of one layer on `threads` threads: a layer of a
+// single block (one 64-token Qwen3-8B page: 2 planes x 64 rows) would otherwise give 2 items,
+// leaving one thread idle on 2 cores and none at all for a third.
+uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned threads) {
+  const size_t planes = static_cast<size_t>(blocks) * lay.kv_planes;
+  const size_t want = kItemsPerThread * threads;
+  const uint32_t min_rows = static_cast<uint32_t>(
+      std::max<size_t>(1, kMinItemBytes / std::max<size_t>(1, lay.row.InputRowBytes())));
+  uint32_t per_item = std::max<uint32_t>(1, std::min(kRowsPerItem, lay.block_tokens));
+  while (per_item > min_rows &&
+         planes * ((lay.block_tokens + per_item - 1) / per_item) < want) {
+    per_item = std::max(min_rows, per_item / 2);
+  }
+  return per_item;
+}
+
+// Decodes rows [begin, end) of plane p of block b of `layer`.
+void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, uint32_t begin,
+                 uint32_t end) {
+  const BlockLayout& lay = job.layout;
+  HWY_DYNAMIC_DISPATCH(DecodeRows)(
+      lay.row, job.blocks[b] + lay.RowOffset(layer, p, 0) + begin * lay.row.RowBytes(),
+      job.layers[layer].planes[p], job.rows + static_cast<size_t>(b) * lay.block_tokens + begin,
+      end - begin);
+}
 }  // namespace
 
 CpuCodec::CpuCodec(unsigned threads)
@@ -429,24 +459,37 @@ void CpuCodec::Encode(const EncodeJob& job) {
 void CpuCodec::DecodeLayer(const DecodeJob& job, uint32_t layer) {
   const BlockLayout& lay = job.layout;
   if (job.num_blocks == 0) return;
-  const uint32_t chunks = (lay.block_tokens + kRowsPerItem - 1) / kRowsPerItem;
+  const uint32_t per_item = DecodeRowsPerItem(lay, job.num_blocks, threads());
+  const uint32_t chunks = (lay.block_tokens + per_item - 1) / per_item;
   const size_t items = static_cast<size_t>(job.num_blocks) * lay.kv_planes * chunks;
-  const size_t row_bytes = lay.row.RowBytes();
   pool_->ParallelFor(items, [&](size_t item) {
     const uint32_t c = static_cast<uint32_t>(item % chunks);
     const uint32_t p = static_cast<uint32_t>((item / chunks) % lay.kv_planes);
     const uint32_t b = static_cast<uint32_t>(item / chunks / lay.kv_planes);
-    const uint32_t begin = c * kRowsPerItem;
-    const uint32_t end = std::min(lay.block_tokens, begin + kRowsPerItem);
-    HWY_DYNAMIC_DISPATCH(DecodeRows)(
-        lay.row, job.blocks[b] + lay.RowOffset(layer, p, 0) + begin * row_bytes,
-        job.layers[layer].planes[p],
-        job.rows + static_cast<size_t>(b) * lay.block_tokens + begin, end - begin);
+    const uint32_t begin = c * per_item;
+    DecodeRange(job, layer, b, p, begin, std::min(lay.block_tokens, begin + per_item));
   });
 }
 
+// All layers in one loop: a restore without layer events (or a sub-task that signals none) needs
+// no layer to finish before the next starts, and one loop costs one hand-off instead of one per
+// layer.
 void CpuCodec::Decode(const DecodeJob& job) {
-  for (uint32_t l = 0; l < job.layout.num_layers; ++l) DecodeLayer(job, l);
+  const BlockLayout& lay = job.layout;
+  if (job.num_blocks == 0 || lay.num_layers == 0) return;
+  const uint32_t per_item =
+      DecodeRowsPerItem(lay, job.num_blocks * lay.num_layers, threads());
+  const uint32_t chunks = (lay.block_tokens + per_item - 1) / per_item;
+  const size_t per_layer = static_cast<size_t>(job.num_blocks) * lay.kv_planes * chunks;
+  pool_->ParallelFor(per_layer * lay.num_layers, [&](size_t item) {
+    const uint32_t l = static_cast<uint32_t>(item / per_layer);
+    const size_t i = item % per_layer;
+    const uint32_t c = static_cast<uint32_t>(i % chunks);
+    const uint32_t p = static_cast<uint32_t>((i / chunks) % lay.kv_planes);
+    const uint32_t b = static_cast<uint32_t>(i / chunks / lay.kv_planes);
+    const uint32_t begin = c * per_item;
+    DecodeRange(job, l, b, p, begin, std::min(lay.block_tokens, begin + per_item));
+  });
 }
 
 }  // namespace hiqcache::kernels

@@ -224,15 +224,20 @@ class HostBinding : public PoolBinding {
       job.rows = task.rows.data();
       job.blocks = task.payloads.data();
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
-      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-        codec_->DecodeLayer(job, l);
-        // A truncated buffer took this layer's writes: neither it nor the next are restored.
+      if (task.layer_event_base < 0) {
+        // No layer events to signal (every sub-task of a request but the last): all layers in
+        // one loop of the codec's threads, not one loop (and one hand-off) per layer.
+        codec_->Decode(job);
         st = CheckMemory();
-        if (!st.ok()) break;
-        if (task.layer_event_base >= 0) {
+      } else {
+        for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+          codec_->DecodeLayer(job, l);
+          // A truncated buffer took this layer's writes: neither it nor the next are restored.
+          st = CheckMemory();
+          if (!st.ok()) break;
           Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
+          signalled = l + 1;
         }
-        signalled = l + 1;
       }
     }
     if (!st.ok() && task.layer_event_base >= 0) {
