@@ -1,0 +1,353 @@
+// l3_bench: restores from L3 (a real 3-master, 3-replica Redis Cluster on loopback) through a real
+// hiqcached, against restores of the same blocks from the pool (L2) and against reading the same
+// values from Redis directly, in one run; and Lookup latency for keys that miss L2 with L3 on
+// (held by L3, or by nobody) and off (a second daemon without L3).
+//
+// Qwen3-8B geometry (36x8x128 BF16), 64-token blocks, INT8 per head. Each rep evicts the prefix
+// from the pool (Evict RPC), so that the next Restore fetches every block from L3, verifies it,
+// promotes it into the pool and restores it (the L3 path); the Restore after it is served by the
+// pool (the L2 path). Then the same values are read from Redis: pipelined per node with
+// RedisCluster::MultiGet (what the daemon's fetch does) and with one plain hiredis GET per key
+// (redisCommand, sequential). Rates are GB/s of BF16-equivalent bytes (what the engine's KV
+// occupies), as in e2e_bench; the wire figure counts the value bytes Redis sent.
+//
+// Usage: l3_bench [--tokens N] [--reps N] [--pool-bytes SIZE] [--lookups N]
+//                 [--fetch-deadline-ms N] [--lookup-deadline-ms N]
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon_process.h"
+#include "hiqcache/block_keys.h"
+#include "hiqcache/client.h"
+#include "hiqcache/host_shm.h"
+#include "l3_value.h"
+#include "redis_cluster.h"
+#include "redis_test_cluster.h"
+
+namespace {
+
+namespace l3 = ::hiqcache::server::l3;
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return 0;
+  size_t i = static_cast<size_t>(std::ceil(p * v.size()));
+  i = i == 0 ? 0 : i - 1;
+  return v[std::min(i, v.size() - 1)];
+}
+double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+uint16_t Bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+int Fail(const char* what, const std::string& detail) {
+  std::fprintf(stderr, "l3_bench: %s: %s\n", what, detail.c_str());
+  return 1;
+}
+
+// One plain hiredis connection per master port.
+struct PlainConnections {
+  std::map<int, redisContext*> by_port;
+  ~PlainConnections() {
+    for (auto& [port, c] : by_port) redisFree(c);
+  }
+  redisContext* At(int port) {
+    auto it = by_port.find(port);
+    if (it != by_port.end()) return it->second;
+    redisContext* c = redisConnectWithTimeout("127.0.0.1", port, timeval{2, 0});
+    if (c == nullptr || c->err != 0) return nullptr;
+    redisSetTimeout(c, timeval{10, 0});
+    by_port[port] = c;
+    return c;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint32_t tokens = 2048, reps = 7, lookups = 200, fetch_deadline_ms = 2000,
+           lookup_deadline_ms = 5;
+  std::string pool_bytes = "1GiB";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const uint32_t v = a == "--pool-bytes" ? 0 : static_cast<uint32_t>(std::stoul(argv[i + 1]));
+    if (a == "--tokens") tokens = v;
+    else if (a == "--reps") reps = v;
+    else if (a == "--lookups") lookups = v;
+    else if (a == "--fetch-deadline-ms") fetch_deadline_ms = v;
+    else if (a == "--lookup-deadline-ms") lookup_deadline_ms = v;
+    else if (a == "--pool-bytes") pool_bytes = argv[i + 1];
+  }
+  const uint32_t block_tokens = 64;
+  tokens = std::max(block_tokens, tokens / block_tokens * block_tokens);
+  const uint32_t blocks = tokens / block_tokens;
+
+  using hiqcache::l3_test::RedisTestCluster;
+  if (!RedisTestCluster::Available()) return Fail("redis", "redis-server / redis-cli not found");
+  RedisTestCluster cluster;
+  if (std::string err = cluster.Start(); !err.empty()) return Fail("cluster", err);
+  std::string seeds;
+  for (const auto& s : cluster.Seeds()) seeds += (seeds.empty() ? "" : ",") + s;
+
+  // A: L3 on. C: L3 off (Lookup latency of the same misses without L3).
+  hiqcache::testing::DaemonProcess a(
+      pool_bytes, {"--l3-seeds", seeds, "--l3-fetch-deadline-ms", std::to_string(fetch_deadline_ms),
+                   "--l3-lookup-deadline-ms", std::to_string(lookup_deadline_ms),
+                   "--l3-command-timeout-ms", std::to_string(fetch_deadline_ms)});
+  hiqcache::testing::DaemonProcess c("256MiB");
+  if (!a.Start()) return Fail("hiqcached", "the L3 daemon did not start");
+  if (!c.Start()) return Fail("hiqcached", "the daemon without L3 did not start");
+  hiqcache::ClientOptions co;
+  co.call_timeout = std::chrono::seconds(60);
+  co.target = a.target();
+  auto ca = hiqcache::Client::Connect(co);
+  co.target = c.target();
+  auto cc = hiqcache::Client::Connect(co);
+  if (!ca.ok() || !cc.ok()) return Fail("connect", "client");
+
+  hiqcache::Geometry g;
+  g.num_layers = 36;
+  g.num_kv_heads = 8;
+  g.head_dim = 128;
+  // Rows [0, tokens) are backed up, rows [tokens, 2*tokens) receive the restores.
+  auto kv = hiqcache::HostKvPool::Create(g, hiqcache::KvLayout::kSglang, 2 * tokens);
+  if (!kv.ok()) return Fail("kv", kv.status().ToString());
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (uint32_t r = 0; r < tokens; ++r)
+        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+          uint16_t* head = kv->Head(l, p, r, h);
+          for (uint32_t d = 0; d < g.head_dim; ++d) head[d] = Bf16(normal(rng));
+        }
+  auto spec = hiqcache::MakeHostPoolSpec("Qwen/Qwen3-8B@l3bench", *kv, block_tokens);
+  auto pa = (*ca)->RegisterPool(spec);
+  auto pc = (*cc)->RegisterPool(spec);
+  if (!pa.ok()) return Fail("register", pa.status().ToString());
+  if (!pc.ok()) return Fail("register (no L3)", pc.status().ToString());
+  auto info = (*ca)->PoolInfo(*pa);
+  if (!info.ok()) return Fail("pool info", info.status().ToString());
+
+  std::vector<uint32_t> src_rows(tokens), dst_rows(tokens);
+  for (uint32_t i = 0; i < tokens; ++i) {
+    src_rows[i] = i;
+    dst_rows[i] = tokens + i;
+  }
+  std::vector<uint32_t> token_ids(tokens), other_ids(tokens);
+  for (uint32_t i = 0; i < tokens; ++i) {
+    token_ids[i] = 1000003u + i;
+    other_ids[i] = 7000003u + i;
+  }
+  const auto keys = hiqcache::ComputeBlockKeys(token_ids, block_tokens, "l3");
+  const auto absent = hiqcache::ComputeBlockKeys(other_ids, block_tokens, "l3");  // never stored
+
+  // The values' names and their masters, from the namespace id (its first 16 bytes, hex).
+  l3::NamespaceHash ns{};
+  for (int i = 0; i < 16; ++i) {
+    ns[i] = static_cast<uint8_t>(std::stoul(info->namespace_id.substr(2 * i, 2), nullptr, 16));
+  }
+  std::vector<std::string> names;
+  std::vector<int> master_port;
+  for (const auto& k : keys) {
+    l3::L3BlockKey lk;
+    std::memcpy(lk.data(), k.data(), 16);
+    names.push_back(l3::L3Key("hiq:", ns, lk));
+    const auto* m = cluster.MasterOfSlot(l3::KeySlot(names.back()));
+    if (m == nullptr) return Fail("cluster", "no master for " + names.back());
+    master_port.push_back(m->port);
+  }
+  l3::RedisClusterOptions ro;
+  ro.seeds = cluster.Seeds();
+  ro.command_timeout = std::chrono::milliseconds(10000);
+  ro.default_deadline = std::chrono::milliseconds(30000);
+  auto rc = l3::RedisCluster::Open(ro);
+  if (!rc.ok()) return Fail("RedisCluster", rc.status().ToString());
+  PlainConnections plain;
+
+  // Backup once; wait until every block is in L3 (the write-through queue drains).
+  auto br = (*ca)->Backup(*pa, keys, src_rows);
+  if (!br.status.ok() || br.held() != blocks) return Fail("backup", br.status.ToString());
+  const auto wait_end = Clock::now() + std::chrono::seconds(120);
+  for (;;) {
+    auto ex = rc->MultiExists(names);
+    size_t found = 0;
+    for (const auto& r : ex) found += r.status.ok() && r.found;
+    if (found == names.size()) break;
+    if (Clock::now() > wait_end) return Fail("write-through", "blocks never reached L3");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
+  const double bf16_bytes = double(tokens) * g.BytesPerToken();
+  std::vector<uint8_t> src(static_cast<size_t>(bf16_bytes)), dst(src.size());
+  std::memset(src.data(), 1, src.size());
+  std::memset(dst.data(), 2, dst.size());
+  std::vector<double> t_memcpy, t_l3, t_l2, t_mget, t_get, t_pipe;
+  std::vector<double> t1_l3, t1_l2, t1_get;
+  uint64_t value_bytes = 0;
+  const std::span<const hiqcache::BlockKey> first(keys.data(), 1);
+  const std::span<const uint32_t> first_rows(dst_rows.data(), block_tokens);
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    auto t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), src.size());
+    t_memcpy.push_back(Seconds(Clock::now() - t0));
+
+    auto ev = (*ca)->Evict(*pa, keys);
+    if (!ev.ok() || *ev != blocks) return Fail("evict", ev.status().ToString());
+    t0 = Clock::now();
+    auto r3 = (*ca)->Restore(*pa, keys, dst_rows);
+    t_l3.push_back(Seconds(Clock::now() - t0));
+    if (!r3.status.ok() || r3.restored_blocks != blocks) {
+      return Fail("L3 restore", r3.status.ToString() + ", restored " +
+                                    std::to_string(r3.restored_blocks) + " of " +
+                                    std::to_string(blocks) + " (raise --fetch-deadline-ms?)");
+    }
+    t0 = Clock::now();
+    auto r2 = (*ca)->Restore(*pa, keys, dst_rows);
+    t_l2.push_back(Seconds(Clock::now() - t0));
+    if (!r2.status.ok() || r2.restored_blocks != blocks) return Fail("L2 restore", "short");
+
+    t0 = Clock::now();
+    auto got = rc->MultiGet(names);
+    t_mget.push_back(Seconds(Clock::now() - t0));
+    value_bytes = 0;
+    for (const auto& r : got) {
+      if (!r.status.ok() || !r.found) return Fail("MultiGet", r.status.ToString());
+      value_bytes += r.value.size();
+    }
+    got.clear();
+    t0 = Clock::now();
+    for (size_t i = 0; i < names.size(); ++i) {
+      redisContext* ctx = plain.At(master_port[i]);
+      if (ctx == nullptr) return Fail("hiredis", "connect");
+      auto* reply = static_cast<redisReply*>(
+          redisCommand(ctx, "GET %b", names[i].data(), names[i].size()));
+      if (reply == nullptr || reply->type != REDIS_REPLY_STRING) return Fail("GET", names[i]);
+      freeReplyObject(reply);
+    }
+    t_get.push_back(Seconds(Clock::now() - t0));
+    // The same GETs pipelined per master (every master's batch sent before any reply is read),
+    // over plain hiredis: RedisCluster::MultiGet without the cluster client around it.
+    t0 = Clock::now();
+    std::map<int, size_t> sent;
+    for (size_t i = 0; i < names.size(); ++i) {
+      redisAppendCommand(plain.At(master_port[i]), "GET %b", names[i].data(), names[i].size());
+      ++sent[master_port[i]];
+    }
+    for (auto& [port, n] : sent) {
+      for (size_t j = 0; j < n; ++j) {
+        void* raw = nullptr;
+        if (redisGetReply(plain.At(port), &raw) != REDIS_OK || raw == nullptr ||
+            static_cast<redisReply*>(raw)->type != REDIS_REPLY_STRING) {
+          return Fail("pipelined GET", std::to_string(port));
+        }
+        freeReplyObject(raw);
+      }
+    }
+    t_pipe.push_back(Seconds(Clock::now() - t0));
+
+    // One block: the latency of the smallest restore from each tier.
+    for (int i = 0; i < 10; ++i) {
+      if (auto e = (*ca)->Evict(*pa, first); !e.ok() || *e != 1) return Fail("evict", "1");
+      t0 = Clock::now();
+      auto s3 = (*ca)->Restore(*pa, first, first_rows);
+      t1_l3.push_back(Seconds(Clock::now() - t0));
+      t0 = Clock::now();
+      auto s2 = (*ca)->Restore(*pa, first, first_rows);
+      t1_l2.push_back(Seconds(Clock::now() - t0));
+      if (s3.restored_blocks != 1 || s2.restored_blocks != 1) return Fail("restore", "1 block");
+      t0 = Clock::now();
+      auto* reply = static_cast<redisReply*>(
+          redisCommand(plain.At(master_port[0]), "GET %b", names[0].data(), names[0].size()));
+      t1_get.push_back(Seconds(Clock::now() - t0));
+      if (reply == nullptr || reply->type != REDIS_REPLY_STRING) return Fail("GET", names[0]);
+      freeReplyObject(reply);
+    }
+  }
+
+  // Lookup of `blocks` keys that miss L2, interleaved so that the kinds share the machine's state.
+  if (auto e = (*ca)->Evict(*pa, keys); !e.ok()) return Fail("evict", e.status().ToString());
+  std::vector<double> l_l3_held, l_l3_absent, l_off, l_l2;
+  uint32_t short_answers = 0;
+  for (uint32_t i = 0; i < lookups; ++i) {
+    auto t0 = Clock::now();
+    auto x = (*ca)->Lookup(*pa, keys);  // L3 holds all of them
+    l_l3_held.push_back(Seconds(Clock::now() - t0));
+    short_answers += x.prefix_blocks != blocks;
+    t0 = Clock::now();
+    auto y = (*ca)->Lookup(*pa, absent);  // nobody holds them
+    l_l3_absent.push_back(Seconds(Clock::now() - t0));
+    t0 = Clock::now();
+    auto z = (*cc)->Lookup(*pc, keys);  // no L3
+    l_off.push_back(Seconds(Clock::now() - t0));
+    if (!x.status.ok() || !y.status.ok() || !z.status.ok() || y.prefix_blocks != 0 ||
+        z.prefix_blocks != 0) {
+      return Fail("lookup", "unexpected answer");
+    }
+  }
+  auto rr = (*ca)->Restore(*pa, keys, dst_rows);  // back into L2: the L2-hit reference
+  if (rr.restored_blocks != blocks) return Fail("restore", "before the L2 lookups");
+  for (uint32_t i = 0; i < lookups; ++i) {
+    auto t0 = Clock::now();
+    auto x = (*ca)->Lookup(*pa, keys);
+    l_l2.push_back(Seconds(Clock::now() - t0));
+    if (x.prefix_blocks != blocks) return Fail("lookup", "L2 miss");
+  }
+
+  const double gb = bf16_bytes / 1e9;
+  const double m = Median(t_memcpy);
+  auto row = [&](const char* what, const std::vector<double>& t) {
+    const double med = Median(t);
+    std::printf("  %-36s %8.1f ms  %6.2f GB/s BF16-eq  %6.2f GB/s wire  %5.2fx memcpy\n", what,
+                med * 1e3, gb / med, value_bytes / 1e9 / med, m / med);
+  };
+  auto lat = [](const char* what, const std::vector<double>& t) {
+    std::printf("  %-36s p50 %8.1f us  p99 %8.1f us\n", what, Percentile(t, 0.5) * 1e6,
+                Percentile(t, 0.99) * 1e6);
+  };
+  std::printf("l3_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, int8 "
+              "(%llu B/token stored), %.1f MB BF16, %.1f MB of values; 3+3 Redis Cluster on "
+              "loopback; medians of %u reps\n",
+              tokens, blocks, block_tokens,
+              static_cast<unsigned long long>(info->encoded_bytes_per_token), bf16_bytes / 1e6,
+              value_bytes / 1e6, reps);
+  std::printf("  memcpy of the BF16 bytes (1 thread)  %8.1f ms  %6.2f GB/s\n", m * 1e3, gb / m);
+  row("Restore from L3 (evicted from L2)", t_l3);
+  row("Restore from L2 (the same blocks)", t_l2);
+  row("RedisCluster::MultiGet (pipelined)", t_mget);
+  row("plain hiredis GET, one per key", t_get);
+  row("plain hiredis GET, pipelined", t_pipe);
+  std::printf("  L3 restore / L2 restore: %.2fx the time; L3 restore / MultiGet: %.2fx\n",
+              Median(t_l3) / Median(t_l2), Median(t_l3) / Median(t_mget));
+  std::printf("one block (%u tokens), %zu samples:\n", block_tokens, t1_l3.size());
+  lat("Restore from L3", t1_l3);
+  lat("Restore from L2", t1_l2);
+  lat("plain hiredis GET", t1_get);
+  std::printf("Lookup of %u keys that miss L2, %u each (L3 lookup deadline %u ms):\n", blocks,
+              lookups, lookup_deadline_ms);
+  lat("L3 on, all held by L3", l_l3_held);
+  lat("L3 on, held by nobody", l_l3_absent);
+  lat("L3 off (second daemon)", l_off);
+  lat("reference: L2 hit (L3 not asked)", l_l2);
+  std::printf("  short answers (L3 deadline or error): %u of %u\n", short_answers, lookups);
+  (void)(*ca)->ReleasePool(*pa);
+  (void)(*cc)->ReleasePool(*pc);
+  a.Stop();
+  c.Stop();
+  return 0;
+}
