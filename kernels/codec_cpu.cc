@@ -11,6 +11,7 @@
 #include <hwy/highway.h>
 
 #include "codec_cpu_fp8.h"
+#include "codec_cpu_int4.h"
 #include "codec_math.h"
 #include "codec_reference.h"
 
@@ -311,6 +312,7 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& vi
 bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   if (fmt.codec == CodecKind::kRaw) return EncodeRowReference(fmt, view, row, dst);
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return EncodeRowsFp8Simd(fmt, view, &row, 1, dst);
+  if (fmt.codec == CodecKind::kInt4G32PerHead) return EncodeRowsInt4Simd(fmt, view, &row, 1, dst);
   return fmt.dtype == DType::kBF16 ? EncodeRowT<DType::kBF16>(fmt, view, row, dst)
                                    : EncodeRowT<DType::kFP16>(fmt, view, row, dst);
 }
@@ -318,6 +320,7 @@ bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint
 void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row) {
   if (fmt.codec == CodecKind::kRaw) return DecodeRowReference(fmt, src, view, row);
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return DecodeRowsFp8Simd(fmt, src, view, &row, 1);
+  if (fmt.codec == CodecKind::kInt4G32PerHead) return DecodeRowsInt4Simd(fmt, src, view, &row, 1);
   if (fmt.dtype == DType::kBF16) {
     DecodeRowT<DType::kBF16>(fmt, src, view, row);
   } else {
@@ -326,11 +329,14 @@ void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view
 }
 
 // Encodes rows[0..num_rows) of `view` into consecutive stored rows at `dst`; false when an
-// INT8 row held NaN or Inf.
+// INT8, FP8 or INT4 row held NaN or Inf.
 bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                 uint32_t num_rows, uint8_t* dst) {
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
     return EncodeRowsFp8Simd(fmt, view, rows, num_rows, dst);
+  }
+  if (fmt.codec == CodecKind::kInt4G32PerHead) {
+    return EncodeRowsInt4Simd(fmt, view, rows, num_rows, dst);
   }
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t t = 0; t < num_rows; ++t) {
@@ -347,6 +353,9 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
                 const uint32_t* rows, uint32_t num_rows) {
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
     return DecodeRowsFp8Simd(fmt, src, view, rows, num_rows);
+  }
+  if (fmt.codec == CodecKind::kInt4G32PerHead) {
+    return DecodeRowsInt4Simd(fmt, src, view, rows, num_rows);
   }
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t t = 0; t < num_rows; ++t) {

@@ -7,9 +7,13 @@
 // of BF16/FP16, 8 bytes of codes). Encode: load the head's chunks, reduce amax over the
 // sign-cleared 16-bit patterns inside the lane (__vmaxu2) and across the group (xor shuffles),
 // derive the scale and quantize every element with the codec's codec_math.h functions
-// (ByteCodec below: INT8 or FP8 E4M3, a template parameter of the kernels; IEEE fp32 division:
-// this file must never be built with --use_fast_math / -prec-div=false).
-// Decode: load codes and the head's scale, dequantize, store 16 bytes per lane.
+// (ScaledCodec below: INT8, FP8 E4M3 or INT4, a template parameter of the kernels; IEEE fp32
+// division: this file must never be built with --use_fast_math / -prec-div=false).
+// INT4 scales groups of 32 elements, i.e. 4 chunks on 4 consecutive lanes (head_dim % 32 == 0
+// makes a head span at least 4 lanes): its amax is reduced over those lanes only, and a lane
+// packs its 8 codes into 4 bytes (nibbles).
+// Decode: load codes and the head's (INT4: the group's) scale, dequantize, store 16 bytes per
+// lane.
 // Each lane keeps kUnits units in flight (all loads before any use) to hide memory latency.
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
@@ -148,6 +152,26 @@ __device__ __forceinline__ void StoreBytes8(uint8_t* dst, uint32_t lo, uint32_t 
   }
 }
 
+// Stores 4 bytes held little-endian in v at dst, with the widest aligned stores.
+__device__ __forceinline__ void StoreBytes4(uint8_t* dst, uint32_t v) {
+  if (Aligned(dst, 4)) {
+    *reinterpret_cast<uint32_t*>(dst) = v;
+  } else if (Aligned(dst, 2)) {
+    reinterpret_cast<uint16_t*>(dst)[0] = static_cast<uint16_t>(v);
+    reinterpret_cast<uint16_t*>(dst)[1] = static_cast<uint16_t>(v >> 16);
+  } else {
+    for (int i = 0; i < 4; ++i) dst[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+}
+
+// Loads 4 bytes at src (little endian).
+__device__ __forceinline__ uint32_t LoadBytes4(const uint8_t* src) {
+  if (Aligned(src, 4)) return __ldcs(reinterpret_cast<const unsigned int*>(src));
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(src[i]) << (8 * i);
+  return v;
+}
+
 // Loads `n` (<= 8) bytes at src into lo|hi (little endian, zeros past n).
 __device__ __forceinline__ void LoadBytes8(const uint8_t* src, uint32_t n, uint32_t* lo,
                                            uint32_t* hi) {
@@ -191,13 +215,16 @@ __device__ __forceinline__ void StoreHalfChunk(uint8_t* head, uint32_t e0, uint3
 }
 
 // ---------------------------------------------------------------------------------------------
-// The per-element arithmetic of the codecs with one-byte codes and a bf16 scale per head.
+// The per-element arithmetic of the codecs with bf16 scales: kGroupChunks chunks (of 8 elements)
+// share a scale; 0 means the whole head, with one code byte per element; grouped codecs (INT4)
+// store nibbles.
 
 template <CodecKind kCodec>
-struct ByteCodec;
+struct ScaledCodec;
 
 template <>
-struct ByteCodec<CodecKind::kInt8PerHead> {
+struct ScaledCodec<CodecKind::kInt8PerHead> {
+  static constexpr uint32_t kGroupChunks = 0;
   static HIQ_HD uint16_t Scale(uint16_t amax_bits, DType dtype) {
     return ScaleBf16FromAmaxBits(amax_bits, dtype);
   }
@@ -210,7 +237,8 @@ struct ByteCodec<CodecKind::kInt8PerHead> {
 };
 
 template <>
-struct ByteCodec<CodecKind::kFp8E4m3PerHead> {
+struct ScaledCodec<CodecKind::kFp8E4m3PerHead> {
+  static constexpr uint32_t kGroupChunks = 0;
   static HIQ_HD uint16_t Scale(uint16_t amax_bits, DType dtype) {
     return Fp8ScaleBf16FromAmaxBits(amax_bits, dtype);
   }
@@ -220,12 +248,83 @@ struct ByteCodec<CodecKind::kFp8E4m3PerHead> {
   }
 };
 
+template <>
+struct ScaledCodec<CodecKind::kInt4G32PerHead> {
+  static constexpr uint32_t kGroupChunks = kInt4GroupElems / kChunkElems;  // 4
+  static HIQ_HD uint16_t Scale(uint16_t amax_bits, DType dtype) {
+    return Int4ScaleBf16FromAmaxBits(amax_bits, dtype);
+  }
+  static HIQ_HD uint32_t Quantize(float x, float s) { return QuantizeInt4Element(x, s); }
+  static HIQ_HD uint16_t Dequantize(uint32_t code, float s, DType dtype) {
+    return DequantizeInt4Element(code, s, dtype);
+  }
+};
+static_assert(ScaledCodec<CodecKind::kInt4G32PerHead>::kGroupChunks * kChunkElems ==
+              kInt4GroupElems);
+
 // ---------------------------------------------------------------------------------------------
-// Encode (INT8 or FP8 per head).
+// Encode (INT8 or FP8 per head, INT4 per group of 32).
+
+// Phases 2 and 3 of EncodeScaledKernel for a codec with a scale per kGroupChunks chunks: the
+// group's amax over its lanes (xor shuffles below kGroupChunks; every lane of the warp calls
+// this), then per chunk its group's scale, codes and (on the group's first lane) the scale.
+template <typename Codec, DType kDType, int kChunks, int kUnits>
+__device__ __forceinline__ void EncodeGroups(
+    const EncodeParams& p, const Chunk (&c)[kUnits][kChunks], const bool (&valid)[kUnits],
+    const uint32_t (&block)[kUnits], const uint32_t (&head)[kUnits],
+    uint8_t* const (&dst_row)[kUnits], uint32_t gl, uint32_t group_lanes) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t groups_per_head = d / kInt4GroupElems;
+  const size_t code_bytes = p.layout.row.CodeBytes();
+  uint32_t amax[kUnits][kChunks];
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      uint32_t acc = 0;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) acc = __vmaxu2(acc, c[j][k].w[w] & 0x7FFF7FFFu);
+      uint32_t a = max(acc & 0xFFFFu, acc >> 16);
+#pragma unroll
+      for (uint32_t off = 1; off < Codec::kGroupChunks; off <<= 1) {
+        a = max(a, __shfl_xor_sync(kFullMask, a, off));
+      }
+      amax[j][k] = a;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    if (!valid[j]) continue;
+    uint8_t* codes = dst_row[j] + static_cast<size_t>(head[j]) * d / 2;
+    uint8_t* scales = dst_row[j] + code_bytes + 2u * static_cast<size_t>(head[j]) * groups_per_head;
+    bool nonfinite = false;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+      if (e0 >= d) continue;
+      if (amax[j][k] >= InfBits(kDType)) {
+        nonfinite = true;
+        continue;
+      }
+      const uint16_t s_bits = Codec::Scale(static_cast<uint16_t>(amax[j][k]), kDType);
+      const float s = Bf16ToFloat(s_bits);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        packed |= Codec::Quantize(HalfToFloat(ChunkElem(c[j][k], i), kDType), s) << (4 * i);
+      }
+      StoreBytes4(codes + e0 / 2, packed);
+      if ((gl & (Codec::kGroupChunks - 1u)) == 0) {
+        StoreU16Unaligned(scales + 2u * (e0 / kInt4GroupElems), s_bits);
+      }
+    }
+    if (nonfinite && p.nonfinite != nullptr) p.nonfinite[block[j]] = 1;
+  }
+}
 
 template <CodecKind kCodec, DType kDType, int kChunks, int kUnits>
 __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeScaledKernel(const EncodeParams p) {
-  using Codec = ByteCodec<kCodec>;
+  using Codec = ScaledCodec<kCodec>;
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t group_lanes = 1u << p.group_log2;
   const uint32_t gl = lane & (group_lanes - 1u);
@@ -276,61 +375,128 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeScaledKernel(const En
       }
     }
 
-    // Phase 2: amax per head over the sign-cleared bit patterns (|x| orders like them).
-    uint32_t amax[kUnits];
+    if constexpr (Codec::kGroupChunks != 0) {
+      EncodeGroups<Codec, kDType, kChunks, kUnits>(p, c, valid, block, head, dst_row, gl,
+                                                   group_lanes);
+    } else {
+      // Phase 2: amax per head over the sign-cleared bit patterns (|x| orders like them).
+      uint32_t amax[kUnits];
 #pragma unroll
-    for (int j = 0; j < kUnits; ++j) {
-      uint32_t acc = 0;
+      for (int j = 0; j < kUnits; ++j) {
+        uint32_t acc = 0;
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
+        for (int k = 0; k < kChunks; ++k) {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) acc = __vmaxu2(acc, c[j][k].w[w] & 0x7FFF7FFFu);
-      }
-      amax[j] = max(acc & 0xFFFFu, acc >> 16);
-      for (uint32_t off = group_lanes >> 1; off > 0; off >>= 1) {
-        amax[j] = max(amax[j], __shfl_xor_sync(kFullMask, amax[j], off));
-      }
-    }
-
-    // Phase 3: scale, quantize, store.
-#pragma unroll
-    for (int j = 0; j < kUnits; ++j) {
-      if (!valid[j]) continue;
-      if (amax[j] >= InfBits(kDType)) {
-        if (gl == 0 && p.nonfinite != nullptr) p.nonfinite[block[j]] = 1;
-        continue;
-      }
-      const uint16_t s_bits = Codec::Scale(static_cast<uint16_t>(amax[j]), kDType);
-      const float s = Bf16ToFloat(s_bits);
-      uint8_t* codes = dst_row[j] + static_cast<size_t>(head[j]) * d;
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
-        if (e0 >= d) continue;
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float x = HalfToFloat(ChunkElem(c[j][k], i), kDType);
-          const uint32_t q = Codec::Quantize(x, s);
-          if (i < 4) {
-            lo |= q << (8 * i);
-          } else {
-            hi |= q << (8 * (i - 4));
-          }
+          for (int w = 0; w < 4; ++w) acc = __vmaxu2(acc, c[j][k].w[w] & 0x7FFF7FFFu);
         }
-        StoreBytes8(codes + e0, lo, hi, min(kChunkElems, d - e0));
+        amax[j] = max(acc & 0xFFFFu, acc >> 16);
+        for (uint32_t off = group_lanes >> 1; off > 0; off >>= 1) {
+          amax[j] = max(amax[j], __shfl_xor_sync(kFullMask, amax[j], off));
+        }
       }
-      if (gl == 0) StoreU16Unaligned(dst_row[j] + elems_per_row + 2u * head[j], s_bits);
+
+      // Phase 3: scale, quantize, store.
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        if (!valid[j]) continue;
+        if (amax[j] >= InfBits(kDType)) {
+          if (gl == 0 && p.nonfinite != nullptr) p.nonfinite[block[j]] = 1;
+          continue;
+        }
+        const uint16_t s_bits = Codec::Scale(static_cast<uint16_t>(amax[j]), kDType);
+        const float s = Bf16ToFloat(s_bits);
+        uint8_t* codes = dst_row[j] + static_cast<size_t>(head[j]) * d;
+#pragma unroll
+        for (int k = 0; k < kChunks; ++k) {
+          const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+          if (e0 >= d) continue;
+          uint32_t lo = 0, hi = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float x = HalfToFloat(ChunkElem(c[j][k], i), kDType);
+            const uint32_t q = Codec::Quantize(x, s);
+            if (i < 4) {
+              lo |= q << (8 * i);
+            } else {
+              hi |= q << (8 * (i - 4));
+            }
+          }
+          StoreBytes8(codes + e0, lo, hi, min(kChunkElems, d - e0));
+        }
+        if (gl == 0) StoreU16Unaligned(dst_row[j] + elems_per_row + 2u * head[j], s_bits);
+      }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode (INT8 or FP8 per head).
+// Decode (INT8 or FP8 per head, INT4 per group of 32).
+
+// One iteration of DecodeScaledKernel for a codec with a scale per kGroupChunks chunks: loads
+// every chunk's 4 code bytes and its group's scale, then dequantizes and stores.
+template <typename Codec, DType kDType, int kChunks, int kUnits>
+__device__ __forceinline__ void DecodeGroups(const DecodeParams& p, uint64_t base,
+                                             uint32_t groups_per_warp, uint32_t group, uint32_t gl,
+                                             uint32_t group_lanes) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const uint32_t groups_per_head = d / kInt4GroupElems;
+  const size_t code_bytes = p.layout.row.CodeBytes();
+  uint32_t codes[kUnits][kChunks];
+  uint16_t s_bits[kUnits][kChunks];
+  bool valid[kUnits];
+  uint8_t* dst[kUnits];
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const uint64_t u = base + static_cast<uint64_t>(j) * groups_per_warp + group;
+    valid[j] = u < p.total_units;
+    dst[j] = nullptr;
+    const uint8_t* head_codes = nullptr;
+    const uint8_t* head_scales = nullptr;
+    if (valid[j]) {
+      uint32_t b, l, pl, t, h;
+      p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
+      l += p.first_layer;
+      const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
+      head_codes = src_row + static_cast<size_t>(h) * d / 2;
+      head_scales = src_row + code_bytes + 2u * static_cast<size_t>(h) * groups_per_head;
+      const uint32_t row = p.rows[static_cast<size_t>(b) * tokens + t];
+      dst[j] = HeadPtr(p.layers[l].planes[pl], row, h);
+    }
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+      codes[j][k] = 0;
+      s_bits[j][k] = 0;
+      if (valid[j] && e0 < d) {
+        codes[j][k] = LoadBytes4(head_codes + e0 / 2);
+        s_bits[j][k] = LoadU16Unaligned(head_scales + 2u * (e0 / kInt4GroupElems));
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    if (!valid[j]) continue;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+      if (e0 >= d) continue;
+      const float s = Bf16ToFloat(s_bits[j][k]);
+      Chunk out;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t q0 = codes[j][k] >> (8 * i);
+        out.w[i] = static_cast<uint32_t>(Codec::Dequantize(q0 & 0xFu, s, kDType)) |
+                   (static_cast<uint32_t>(Codec::Dequantize((q0 >> 4) & 0xFu, s, kDType)) << 16);
+      }
+      StoreHalfChunk(dst[j], e0, d, out);
+    }
+  }
+}
 
 template <CodecKind kCodec, DType kDType, int kChunks, int kUnits>
 __global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeScaledKernel(const DecodeParams p) {
-  using Codec = ByteCodec<kCodec>;
+  using Codec = ScaledCodec<kCodec>;
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t group_lanes = 1u << p.group_log2;
   const uint32_t gl = lane & (group_lanes - 1u);
@@ -345,58 +511,63 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeScaledKernel(const De
 
   for (uint64_t base = warp * units_per_iter; base < p.total_units;
        base += num_warps * units_per_iter) {
-    uint32_t lo[kUnits][kChunks];
-    uint32_t hi[kUnits][kChunks];
-    uint16_t s_bits[kUnits];
-    bool valid[kUnits];
-    uint8_t* dst[kUnits];
+    if constexpr (Codec::kGroupChunks != 0) {
+      DecodeGroups<Codec, kDType, kChunks, kUnits>(p, base, groups_per_warp, group, gl,
+                                                   group_lanes);
+    } else {
+      uint32_t lo[kUnits][kChunks];
+      uint32_t hi[kUnits][kChunks];
+      uint16_t s_bits[kUnits];
+      bool valid[kUnits];
+      uint8_t* dst[kUnits];
 
 #pragma unroll
-    for (int j = 0; j < kUnits; ++j) {
-      const uint64_t u = base + static_cast<uint64_t>(j) * groups_per_warp + group;
-      valid[j] = u < p.total_units;
-      dst[j] = nullptr;
-      s_bits[j] = 0;
-      const uint8_t* codes = nullptr;
-      if (valid[j]) {
-        uint32_t b, l, pl, t, h;
-        p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
-        l += p.first_layer;
-        const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
-        codes = src_row + static_cast<size_t>(h) * d;
-        s_bits[j] = LoadU16Unaligned(src_row + elems_per_row + 2u * h);
-        const uint32_t row = p.rows[static_cast<size_t>(b) * tokens + t];
-        dst[j] = HeadPtr(p.layers[l].planes[pl], row, h);
-      }
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
-        lo[j][k] = 0;
-        hi[j][k] = 0;
-        if (valid[j] && e0 < d)
-          LoadBytes8(codes + e0, min(kChunkElems, d - e0), &lo[j][k], &hi[j][k]);
-      }
-    }
-
-#pragma unroll
-    for (int j = 0; j < kUnits; ++j) {
-      if (!valid[j]) continue;
-      const float s = Bf16ToFloat(s_bits[j]);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
-        if (e0 >= d) continue;
-        Chunk out;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t word = i < 2 ? lo[j][k] : hi[j][k];
-          const int sh = (i & 1) * 16;
-          const uint32_t q0 = (word >> sh) & 0xFFu;
-          const uint32_t q1 = (word >> (sh + 8)) & 0xFFu;
-          out.w[i] = static_cast<uint32_t>(Codec::Dequantize(q0, s, kDType)) |
-                     (static_cast<uint32_t>(Codec::Dequantize(q1, s, kDType)) << 16);
+      for (int j = 0; j < kUnits; ++j) {
+        const uint64_t u = base + static_cast<uint64_t>(j) * groups_per_warp + group;
+        valid[j] = u < p.total_units;
+        dst[j] = nullptr;
+        s_bits[j] = 0;
+        const uint8_t* codes = nullptr;
+        if (valid[j]) {
+          uint32_t b, l, pl, t, h;
+          p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
+          l += p.first_layer;
+          const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
+          codes = src_row + static_cast<size_t>(h) * d;
+          s_bits[j] = LoadU16Unaligned(src_row + elems_per_row + 2u * h);
+          const uint32_t row = p.rows[static_cast<size_t>(b) * tokens + t];
+          dst[j] = HeadPtr(p.layers[l].planes[pl], row, h);
         }
-        StoreHalfChunk(dst[j], e0, d, out);
+#pragma unroll
+        for (int k = 0; k < kChunks; ++k) {
+          const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+          lo[j][k] = 0;
+          hi[j][k] = 0;
+          if (valid[j] && e0 < d)
+            LoadBytes8(codes + e0, min(kChunkElems, d - e0), &lo[j][k], &hi[j][k]);
+        }
+      }
+
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        if (!valid[j]) continue;
+        const float s = Bf16ToFloat(s_bits[j]);
+#pragma unroll
+        for (int k = 0; k < kChunks; ++k) {
+          const uint32_t e0 = (gl + k * group_lanes) * kChunkElems;
+          if (e0 >= d) continue;
+          Chunk out;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t word = i < 2 ? lo[j][k] : hi[j][k];
+            const int sh = (i & 1) * 16;
+            const uint32_t q0 = (word >> sh) & 0xFFu;
+            const uint32_t q1 = (word >> (sh + 8)) & 0xFFu;
+            out.w[i] = static_cast<uint32_t>(Codec::Dequantize(q0, s, kDType)) |
+                       (static_cast<uint32_t>(Codec::Dequantize(q1, s, kDType)) << 16);
+          }
+          StoreHalfChunk(dst[j], e0, d, out);
+        }
       }
     }
   }
@@ -500,8 +671,12 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
     return InvalidArgument(w + ": layout.row.dtype is not BF16 or FP16");
   }
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
-      lay.row.codec != CodecKind::kFp8E4m3PerHead) {
+      lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
+  }
+  if (lay.row.codec == CodecKind::kInt4G32PerHead && lay.row.head_dim % kInt4GroupElems != 0) {
+    return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
+                           " is not a multiple of 32 (CODEC_INT4_G32_PER_HEAD)");
   }
   if (lay.kv_planes != 1 && lay.kv_planes != 2) {
     return InvalidArgument(w + ": layout.kv_planes must be 1 or 2");
@@ -584,10 +759,15 @@ KernelFn<DecodeParams> PickDecodeKernel(uint32_t chunks_per_lane, uint32_t* unit
   }
 }
 
-// The kernel for a row format's codec (INT8 or FP8) and dtype.
+// The kernel for a row format's codec (INT8, FP8 or INT4) and dtype.
 KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
                                            uint32_t* units) {
   const bool bf16 = row.dtype == DType::kBF16;
+  if (row.codec == CodecKind::kInt4G32PerHead) {
+    return bf16
+               ? PickEncodeKernel<CodecKind::kInt4G32PerHead, DType::kBF16>(chunks_per_lane, units)
+               : PickEncodeKernel<CodecKind::kInt4G32PerHead, DType::kFP16>(chunks_per_lane, units);
+  }
   if (row.codec == CodecKind::kFp8E4m3PerHead) {
     return bf16
                ? PickEncodeKernel<CodecKind::kFp8E4m3PerHead, DType::kBF16>(chunks_per_lane, units)
@@ -600,6 +780,11 @@ KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks
 KernelFn<DecodeParams> PickDecodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
                                            uint32_t* units) {
   const bool bf16 = row.dtype == DType::kBF16;
+  if (row.codec == CodecKind::kInt4G32PerHead) {
+    return bf16
+               ? PickDecodeKernel<CodecKind::kInt4G32PerHead, DType::kBF16>(chunks_per_lane, units)
+               : PickDecodeKernel<CodecKind::kInt4G32PerHead, DType::kFP16>(chunks_per_lane, units);
+  }
   if (row.codec == CodecKind::kFp8E4m3PerHead) {
     return bf16
                ? PickDecodeKernel<CodecKind::kFp8E4m3PerHead, DType::kBF16>(chunks_per_lane, units)

@@ -19,8 +19,8 @@ struct EncodeJob {
   const uint32_t* rows = nullptr;      // num_blocks * block_tokens source slots, block-major
   uint8_t* const* blocks = nullptr;    // num_blocks payload pointers (BlockBytes() each)
   uint32_t num_blocks = 0;
-  // Out: num_blocks flags, set to 1 where a row of that block held NaN or Inf (INT8, FP8); the
-  // payload of such a block is unspecified and must not be published. May be null for RAW.
+  // Out: num_blocks flags, set to 1 where a row of that block held NaN or Inf (INT8, FP8, INT4);
+  // the payload of such a block is unspecified and must not be published. May be null for RAW.
   uint8_t* nonfinite = nullptr;
 };
 

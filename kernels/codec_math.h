@@ -1,4 +1,5 @@
-// The per-element arithmetic of CODEC_INT8_PER_HEAD and CODEC_FP8_E4M3_PER_HEAD, written once.
+// The per-element arithmetic of CODEC_INT8_PER_HEAD, CODEC_FP8_E4M3_PER_HEAD and
+// CODEC_INT4_G32_PER_HEAD, written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
@@ -28,6 +29,25 @@
 //     spacing (2^-134 BF16, 2^-25 FP16) where |x^| <= its smallest normal (2^-126, 2^-14), else 0.
 //   Together: |x^ - x| <= 2^-4 * |x^| + 2^-10 * s + (1 + 2^-4) * (u * |x^| + a).
 //   (BF16, normal outputs: about 0.0664 |x^| + 2^-10 s; INT8's is 0.5 s + 2^-8 |x^|.)
+//
+// INT4 grouped (each head split into groups of kInt4GroupElems = 32 consecutive elements;
+// head_dim must be a multiple of 32; amax is the group's):
+//   s  = bf16_rne(max(amax, 2^-112) / 7)          (fp32; s >= 2^-114.9 stays a normal bf16)
+//   q  = clamp(round_half_even(x / s), -7, 7)     (quotient in fp32), stored as a
+//        two's-complement nibble: element 2i of the row in the low nibble of byte i, 2i+1 in
+//        the high one. -0 and negatives that round to zero store 0 (restored as +0). The nibble
+//        0x8 (-8) is never written; a decoder given one (a corrupt record) reads -8 * s.
+//   x^ = rne(q * s) in the output dtype, saturated (q * s is exact in fp32: 3 + 8 bits)
+//   An all-zero group stores zero codes and restores exact zeros.
+//
+// INT4 error bound, elementwise, s the element's group scale (derived as INT8's):
+//   s rounds amax / 7 to 8 significant bits, so s >= (amax / 7)(1 - 2^-8) and |x / s| <= 7.03:
+//     rne lands in [-7, 7] (the clamp never binds on a finite input);
+//   the fp32 quotient is within 7.03 * 2^-24 < 2^-21 of x / s, so |q - x / s| <= 0.5 + 2^-21;
+//   the output rounding adds at most 2^-8 |x^| (BF16; FP16: 2^-11 |x^|, plus 2^-25 where x^ is
+//   an fp16 subnormal, |x^| <= 2^-14). Together, INT8's bound with the group's s:
+//   |x^ - x| <= (0.5 + 2^-8) * s + 2^-8 * |x^|   (+ 2^-25 for FP16 subnormal x^)
+//   (about 0.072 amax of the group, against INT8's 0.0039 amax of the head.)
 #pragma once
 
 #include <cstdint>
@@ -221,6 +241,38 @@ HIQ_HD uint8_t QuantizeFp8Element(float x, float s) { return FloatToE4m3Sat(x / 
 
 HIQ_HD uint16_t DequantizeFp8Element(uint8_t c, float s, DType dtype) {
   return FloatToHalfSat(E4m3ToFloat(c) * s, dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT4, groups of 32 elements.
+
+constexpr uint32_t kInt4GroupElems = 32;
+constexpr int kInt4QMax = 7;
+
+// The bf16 scale of an INT4 group whose largest |x| has the (sign-cleared) bit pattern
+// `amax_bits`. REQUIRES: amax_bits < InfBits(dtype) (the group is finite).
+HIQ_HD uint16_t Int4ScaleBf16FromAmaxBits(uint16_t amax_bits, DType dtype) {
+  float amax = HalfToFloat(amax_bits, dtype);
+  float floor = BitsToFloat(kAmaxFloorBits);
+  if (amax < floor) amax = floor;
+  return FloatToBf16Sat(amax / static_cast<float>(kInt4QMax));
+}
+
+// q = clamp(rne(x / s), -7, 7), quotient in fp32, as a two's-complement nibble (0..15).
+HIQ_HD uint32_t QuantizeInt4Element(float x, float s) {
+  float q = RoundHalfEven(x / s);
+  if (q > static_cast<float>(kInt4QMax)) q = static_cast<float>(kInt4QMax);
+  if (q < -static_cast<float>(kInt4QMax)) q = -static_cast<float>(kInt4QMax);
+  return static_cast<uint32_t>(static_cast<int32_t>(q)) & 0xFu;
+}
+
+// The signed value of a nibble (its low 4 bits): -8..7.
+HIQ_HD int32_t Int4NibbleValue(uint32_t nibble) {
+  return static_cast<int32_t>((nibble & 0xFu) ^ 0x8u) - 8;
+}
+
+HIQ_HD uint16_t DequantizeInt4Element(uint32_t nibble, float s, DType dtype) {
+  return FloatToHalfSat(static_cast<float>(Int4NibbleValue(nibble)) * s, dtype);
 }
 
 }  // namespace hiqcache::kernels

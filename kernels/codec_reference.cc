@@ -13,6 +13,56 @@ uint16_t LoadU16(const uint8_t* p) {
 
 void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
 
+// CODEC_INT4_G32_PER_HEAD: per group of 32 elements, its amax, scale and nibbles.
+bool EncodeRowInt4(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
+  const uint32_t d = fmt.head_dim;
+  const uint32_t groups = d / kInt4GroupElems;
+  uint8_t* scales = dst + fmt.CodeBytes();
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    const uint8_t* src = view.Head(row, h);
+    for (uint32_t g = 0; g < groups; ++g) {
+      const uint8_t* gs = src + 2 * g * kInt4GroupElems;
+      uint16_t amax_bits = 0;
+      for (uint32_t i = 0; i < kInt4GroupElems; ++i) {
+        uint16_t a = LoadU16(gs + 2 * i) & 0x7FFFu;
+        if (a > amax_bits) amax_bits = a;
+      }
+      if (amax_bits >= InfBits(fmt.dtype)) return false;
+      const uint16_t s_bits = Int4ScaleBf16FromAmaxBits(amax_bits, fmt.dtype);
+      const float s = Bf16ToFloat(s_bits);
+      // Element e of the row is nibble e: byte e / 2, the low nibble when e is even (d is even).
+      uint8_t* codes = dst + (static_cast<size_t>(h) * d + g * kInt4GroupElems) / 2;
+      for (uint32_t i = 0; i < kInt4GroupElems; i += 2) {
+        const uint32_t lo = QuantizeInt4Element(HalfToFloat(LoadU16(gs + 2 * i), fmt.dtype), s);
+        const uint32_t hi = QuantizeInt4Element(HalfToFloat(LoadU16(gs + 2 * i + 2), fmt.dtype), s);
+        codes[i / 2] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+      StoreU16(scales + 2 * (static_cast<size_t>(h) * groups + g), s_bits);
+    }
+  }
+  return true;
+}
+
+void DecodeRowInt4(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
+                   uint32_t row) {
+  const uint32_t d = fmt.head_dim;
+  const uint32_t groups = d / kInt4GroupElems;
+  const uint8_t* scales = src + fmt.CodeBytes();
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    uint8_t* out = view.Head(row, h);
+    for (uint32_t g = 0; g < groups; ++g) {
+      const float s = Bf16ToFloat(LoadU16(scales + 2 * (static_cast<size_t>(h) * groups + g)));
+      const uint8_t* codes = src + (static_cast<size_t>(h) * d + g * kInt4GroupElems) / 2;
+      uint8_t* go = out + 2 * g * kInt4GroupElems;
+      for (uint32_t i = 0; i < kInt4GroupElems; i += 2) {
+        const uint8_t c = codes[i / 2];
+        StoreU16(go + 2 * i, DequantizeInt4Element(c & 0xFu, s, fmt.dtype));
+        StoreU16(go + 2 * i + 2, DequantizeInt4Element(c >> 4, s, fmt.dtype));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row,
@@ -24,6 +74,7 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
     }
     return true;
   }
+  if (fmt.codec == CodecKind::kInt4G32PerHead) return EncodeRowInt4(fmt, view, row, dst);
   const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
   uint8_t* codes = dst;
   uint8_t* scales = dst + fmt.ElementsPerRow();
@@ -57,6 +108,7 @@ void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedV
     }
     return;
   }
+  if (fmt.codec == CodecKind::kInt4G32PerHead) return DecodeRowInt4(fmt, src, view, row);
   const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
   const uint8_t* codes = src;
   const uint8_t* scales = src + fmt.ElementsPerRow();

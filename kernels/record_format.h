@@ -16,6 +16,9 @@ enum class CodecKind : uint8_t {
   kInt8PerHead = 0,     // H*D int8 codes (head-major) | H bf16 scales
   kRaw = 1,             // the input dtype's bytes as-is (bit-exact control)
   kFp8E4m3PerHead = 2,  // H*D E4M3FN codes (head-major) | H bf16 scales: INT8's row size
+  // H*D/2 bytes of two's-complement nibbles (head-major, group-major inside a head; element 2i
+  // in the low nibble) | H*D/32 bf16 scales, one per group of 32 elements. D % 32 == 0.
+  kInt4G32PerHead = 3,
 };
 
 struct RowFormat {
@@ -27,9 +30,20 @@ struct RowFormat {
   HIQ_HD size_t ElementsPerRow() const { return static_cast<size_t>(num_heads) * head_dim; }
   // Bytes of one row as the engine holds it (BF16/FP16).
   HIQ_HD size_t InputRowBytes() const { return ElementsPerRow() * 2; }
-  // Bytes of one stored row: H*D + 2H for INT8 and FP8 (1,040 for 8x128), 2*H*D for RAW.
+  // Bytes of one stored row: H*D + 2H for INT8 and FP8 (1,040 for 8x128), 2*H*D for RAW,
+  // H*D/2 + 2*H*D/32 for INT4 (576 for 8x128).
   HIQ_HD size_t RowBytes() const {
-    return codec == CodecKind::kRaw ? ElementsPerRow() * 2 : ElementsPerRow() + 2u * num_heads;
+    if (codec == CodecKind::kRaw) return ElementsPerRow() * 2;
+    if (codec == CodecKind::kInt4G32PerHead) return CodeBytes() + 2u * ScaleCount();
+    return ElementsPerRow() + 2u * num_heads;
+  }
+  // Bytes of the codes at the start of a stored row (the scales follow). Not for RAW.
+  HIQ_HD size_t CodeBytes() const {
+    return codec == CodecKind::kInt4G32PerHead ? ElementsPerRow() / 2 : ElementsPerRow();
+  }
+  // bf16 scales of a stored row: one per head, or per group of 32 elements for INT4.
+  HIQ_HD size_t ScaleCount() const {
+    return codec == CodecKind::kInt4G32PerHead ? ElementsPerRow() / kInt4GroupElems : num_heads;
   }
 };
 

@@ -50,10 +50,11 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8, FP8 E4M3 and RAW.
+// tails, every view kind, INT8, FP8 E4M3, INT4 and RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
   constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
+  constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
   constexpr CodecKind kRaw = CodecKind::kRaw;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -81,6 +82,21 @@ inline std::vector<CudaCase> CudaGeometryCases() {
       {"fp8_fp16_3x36_paged", DType::kFP16, kFp8, 3, 36, 2, 2, 5, 5, ViewKind::kPaged},
       {"fp8_bf16_2x512_paged", DType::kBF16, kFp8, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
       {"fp8_bf16_1x1100_contiguous", DType::kBF16, kFp8, 1, 1100, 2, 1, 4, 3,
+       ViewKind::kContiguous},
+      // INT4 (head_dim % 32 == 0): one chunk per lane with 2 units (3x32), 2, 4 and 8 chunks
+      // per lane (1x576 -> 32 lanes x 3 chunks rounded to 4; 1x2048 -> 8), odd groups (160).
+      {"int4_bf16_8x128_paged", DType::kBF16, kInt4, 8, 128, 3, 2, 16, 5, ViewKind::kPaged},
+      {"int4_fp16_8x128_contiguous", DType::kFP16, kInt4, 8, 128, 2, 2, 16, 4,
+       ViewKind::kContiguous},
+      {"int4_bf16_8x128_packed_kv", DType::kBF16, kInt4, 8, 128, 2, 2, 16, 4, ViewKind::kPackedKV},
+      {"int4_fp16_8x128_strided", DType::kFP16, kInt4, 8, 128, 2, 2, 7, 4, ViewKind::kStrided},
+      {"int4_bf16_3x64_contiguous", DType::kBF16, kInt4, 3, 64, 3, 2, 16, 5, ViewKind::kContiguous},
+      {"int4_fp16_1x576_mla_strided", DType::kFP16, kInt4, 1, 576, 2, 1, 7, 5, ViewKind::kStrided},
+      {"int4_bf16_2x96_strided", DType::kBF16, kInt4, 2, 96, 2, 2, 7, 6, ViewKind::kStrided},
+      {"int4_fp16_3x32_paged", DType::kFP16, kInt4, 3, 32, 2, 2, 5, 5, ViewKind::kPaged},
+      {"int4_bf16_5x160_packed_kv", DType::kBF16, kInt4, 5, 160, 2, 2, 8, 3, ViewKind::kPackedKV},
+      {"int4_bf16_2x512_paged", DType::kBF16, kInt4, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
+      {"int4_fp16_1x2048_contiguous", DType::kFP16, kInt4, 1, 2048, 2, 1, 4, 3,
        ViewKind::kContiguous},
   };
 }

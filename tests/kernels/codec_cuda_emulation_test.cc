@@ -1,12 +1,12 @@
 // The CUDA kernels of kernels/codec_cuda.cu, run on the CPU emulator (hiq_kernels_cuda_emulated,
 // cuda_emulation.h), against the scalar reference byte for byte: the geometries of the codec
 // tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries), BF16 and FP16,
-// INT8, FP8 E4M3 and RAW, contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and
-// odd-byte views, misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several
-// launch shapes (one warp walking everything through the grid-stride loop up to the default
-// grid). The same launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are
-// called; only the execution underneath is emulated. A broken kernel shows: with the emulator's
-// wrong-lane shuffle fault the comparison must fail.
+// INT8, FP8 E4M3, INT4 (groups of 32) and RAW, contiguous, strided (bases not 16-byte aligned),
+// paged, packed-K/V and odd-byte views, misaligned staging, NaN/Inf blocks, whole, per-layer and
+// partial decodes, several launch shapes (one warp walking everything through the grid-stride loop
+// up to the default grid). The same launchers a GPU runs (StageEncodeJob, LaunchEncode,
+// LaunchDecodeLayers) are called; only the execution underneath is emulated. A broken kernel shows:
+// with the emulator's wrong-lane shuffle fault the comparison must fail.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "codec_cuda.h"
@@ -43,6 +44,7 @@ using testutil::ViewKind;
 
 constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
 constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
+constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
 constexpr CodecKind kRaw = CodecKind::kRaw;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
@@ -299,7 +301,12 @@ std::vector<Case> EmulationCases() {
        Case{"fp8_fp16_8x128_odd_bytes", DType::kFP16, kFp8, 8, 128, 2, 2, 8, 3,
             ViewKind::kContiguous, true},
        Case{"fp8_bf16_3x72_odd_bytes", DType::kBF16, kFp8, 3, 72, 2, 2, 8, 3, ViewKind::kContiguous,
-            true}});
+            true},
+       Case{"int4_fp16_8x128_odd_bytes", DType::kFP16, kInt4, 8, 128, 2, 2, 8, 3,
+            ViewKind::kContiguous, true},
+       Case{"int4_bf16_3x96_odd_bytes", DType::kBF16, kInt4, 3, 96, 2, 2, 8, 3,
+            ViewKind::kContiguous, true},
+       Case{"int4_bf16_32x128_paged", DType::kBF16, kInt4, 32, 128, 2, 2, 8, 2, ViewKind::kPaged}});
   return cases;
 }
 
@@ -310,7 +317,8 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaEmulationTest, ::testing::ValuesIn
 
 // ---------------------------------------------------------------------------------------------
 // Every input class (zeros, subnormals, near-max, exact ties, ...) of every TestGeometries()
-// geometry in both dtypes, INT8 and FP8, through testutil::RunCase: the emulated kernels against
+// geometry in both dtypes, INT8, FP8 and INT4 (its own geometries: head_dim % 32 == 0), through
+// testutil::RunCase: the emulated kernels against
 // the float64 model of DESIGN.md (which the reference matches: codec_reference_test), so a bug
 // shared by the kernels and codec_math.h shows too, plus the elementwise error bound.
 TEST(CodecCudaEmulation, EveryInputClassMatchesTheModel) {
@@ -323,16 +331,18 @@ TEST(CodecCudaEmulation, EveryInputClassMatchesTheModel) {
                                 const Status s = LaunchDecode(j, nullptr, Config(64, 2));
                                 ASSERT_TRUE(s.ok()) << s.ToString();
                               }};
-  for (CodecKind codec : {kInt8, kFp8}) {
+  for (CodecKind codec : {kInt8, kFp8, kInt4}) {
     SCOPED_TRACE(testutil::CodecName(codec));
     testutil::BoundStats bound;
     std::vector<std::string> errors;
     uint64_t seed = 3000;
     size_t vk = 0;
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      for (const testutil::Geometry& g : testutil::TestGeometries()) {
-        for (InputClass cls :
-             codec == kFp8 ? testutil::Fp8InputClasses() : testutil::AllInputClasses()) {
+      for (const testutil::Geometry& g :
+           codec == kInt4 ? testutil::Int4TestGeometries() : testutil::TestGeometries()) {
+        for (InputClass cls : codec == kFp8    ? testutil::Fp8InputClasses()
+                              : codec == kInt4 ? testutil::Int4InputClasses()
+                                               : testutil::AllInputClasses()) {
           testutil::CaseSpec spec;
           spec.layout = testutil::MakeLayout(g, dtype, codec, /*layers=*/1, /*block_tokens=*/4);
           spec.input = cls;
@@ -347,7 +357,7 @@ TEST(CodecCudaEmulation, EveryInputClassMatchesTheModel) {
     for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
     EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
     EXPECT_EQ(bound.violations, 0u);
-    if (codec == kInt8) EXPECT_GT(bound.max_err_over_s, 0.4);
+    if (codec != kFp8) EXPECT_GT(bound.max_err_over_s, 0.4);
     EXPECT_GT(bound.max_err_over_bound, 0.9);
   }
 }
@@ -375,8 +385,9 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8}) {
+  for (const CodecKind codec : {kInt8, kFp8, kInt4}) {
     for (const NonfiniteCase& c : cases) {
+      if (codec == kInt4 && c.dim % 32 != 0) continue;  // INT4 needs whole groups of 32
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
                    testutil::CodecName(codec));
       const bool bf16 = c.dtype == DType::kBF16;
@@ -481,6 +492,23 @@ TEST(CodecCudaEmulation, LaunchersRejectBadConfigsBeforeLaunching) {
   EXPECT_EQ(cuda_emulation::GetStats().launches, 1u);
 }
 
+// CODEC_INT4_G32_PER_HEAD needs whole groups of 32: other head_dims are refused up front.
+TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
+  for (uint32_t dim : {7u, 48u, 100u}) {
+    const BlockLayout lay = MakeLayout(DType::kBF16, kInt4, 2, dim, 1, 2, 4);
+    KvPool src(lay, 8, ViewKind::kContiguous, 1);
+    const std::vector<uint32_t> rows = {0, 1, 2, 3};
+    BlockSet blocks(lay, 1);
+    cuda_emulation::ResetStats();
+    const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
+    EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument) << dim;
+    EXPECT_NE(enc.message().find("head_dim"), std::string::npos) << enc.ToString();
+    const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
+    EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument) << dim;
+    EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+  }
+}
+
 // Sets an emulator fault for one scope.
 class ScopedFault {
  public:
@@ -491,8 +519,9 @@ class ScopedFault {
 // A kernel whose amax reduction reads the wrong lane (the emulator's fault) must be caught by the
 // same comparison the tests above make: it is what proves they can fail.
 TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
-  for (uint32_t dim : {128u, 576u}) {  // 16-lane and 32-lane groups
-    const BlockLayout lay = MakeLayout(DType::kBF16, kInt8, 1024 / dim + 1, dim, 1, 2, 4);
+  for (const auto& [codec, dim] : {std::pair{kInt8, 128u}, std::pair{kInt8, 576u},
+                                   std::pair{kInt4, 128u}}) {  // 16-lane and 32-lane groups
+    const BlockLayout lay = MakeLayout(DType::kBF16, codec, 1024 / dim + 1, dim, 1, 2, 4);
     KvPool src(lay, 16, ViewKind::kContiguous, 1);
     src.Fill(InputClass::kOutlier, 7);  // one large element per head: a missed lane changes s
     Rng rng(3);
@@ -509,8 +538,10 @@ TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
     EncodeResult bad(lay, 2);
     HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &bad));
     const std::string diff = FirstPayloadDiff(lay, ref, bad.blocks);
-    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (dim " << dim << ")";
-    std::printf("  dim %u, wrong-lane shuffle: %s\n", dim, diff.c_str());
+    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (" << testutil::CodecName(codec)
+                        << " dim " << dim << ")";
+    std::printf("  %s dim %u, wrong-lane shuffle: %s\n", testutil::CodecName(codec), dim,
+                diff.c_str());
   }
 }
 

@@ -1,6 +1,7 @@
 // codec_math.h against the independent float64 model in codec_test_util.h: the 16-bit
 // conversions (exhaustively where the domain allows), the scales, the per-element quantizers
-// (INT8 and FP8 E4M3: every code, ties, subnormal codes, saturation) and FP8's error bound.
+// (INT8 and FP8 E4M3: every code, ties, subnormal codes, saturation; INT4: every nibble, ties,
+// the clamp) and the FP8 and INT4 error bounds.
 #include "codec_math.h"
 
 #include <gtest/gtest.h>
@@ -465,6 +466,144 @@ TEST(CodecMath, Fp8ErrorBoundHoldsForEveryValue) {
     std::printf("  %s: %llu elements, max err/bound %.4f, max rel err (|x^| > 64 s) %.5f\n",
                 testutil::DTypeName(dtype), static_cast<unsigned long long>(checked), worst_ratio,
                 worst_rel);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT4, groups of 32.
+
+// The scale for every finite amax of both dtypes, and the largest quotient it allows (<= 7.03:
+// every code of a finite group is in [-7, 7] before the clamp).
+TEST(CodecMath, Int4ScaleExhaustive) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    float worst = 0.0f;
+    for (uint32_t a = 0; a < InfBits(dtype); ++a) {
+      const double amax = HalfBitsToDouble(static_cast<uint16_t>(a), dtype);
+      const uint16_t want =
+          DoubleToHalfBits(std::max(amax, testutil::kAmaxFloor) / 7.0, DType::kBF16);
+      const uint16_t got = Int4ScaleBf16FromAmaxBits(static_cast<uint16_t>(a), dtype);
+      if (got != want && mismatches++ < 5) {
+        ADD_FAILURE() << testutil::DTypeName(dtype) << " amax 0x" << std::hex << a << ": 0x" << got
+                      << " want 0x" << want;
+      }
+      ASSERT_GE(got & 0x7F80, 0x0080) << "scale not a normal bf16";
+      ASSERT_LT(got & 0x7F80, 0x7F80) << "scale not finite";
+      const float q = HalfToFloat(static_cast<uint16_t>(a), dtype) / Bf16ToFloat(got);
+      worst = std::max(worst, q);
+      ASSERT_LT(q, 7.5f);
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+    EXPECT_GT(worst, 7.0f) << testutil::DTypeName(dtype);
+    EXPECT_LE(worst, 7.0 / (1.0 - 0x1.0p-8)) << testutil::DTypeName(dtype);
+  }
+}
+
+// QuantizeInt4Element against the double quantizer: for many scales (random amax values, the
+// extremes, exact multiples so that x / s hits ties), every finite x with |x| <= amax and
+// beyond it (the clamp), both signs.
+TEST(CodecMath, QuantizeInt4ElementAgainstDouble) {
+  Rng rng(17);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = testutil::FormatOf(dtype).max_bits;
+    std::vector<uint16_t> amaxes = {0x0000, 0x0001, max_bits};
+    for (int i = 0; i < 40; ++i) amaxes.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+    for (double a : {7.0, 7.0 * 3, 7.0 / 64, 7.0 * 0x1.0p-20, 14.0}) {
+      amaxes.push_back(testutil::DoubleToHalfBits(a, dtype));
+    }
+    int mismatches = 0, clamped = 0;
+    for (uint16_t a : amaxes) {
+      const float s = Bf16ToFloat(Int4ScaleBf16FromAmaxBits(a, dtype));
+      const uint32_t top = std::min<uint32_t>(max_bits, a + 0x400u);  // past amax: clamps
+      for (uint32_t xb = 0; xb <= top; ++xb) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          const uint16_t bits = static_cast<uint16_t>(xb | sign);
+          double q = std::nearbyint(HalfBitsToDouble(bits, dtype) / s);
+          clamped += std::fabs(q) > 7.0;
+          q = std::min(7.0, std::max(-7.0, q));
+          const uint32_t want = static_cast<uint32_t>(static_cast<int>(q)) & 0xFu;
+          const uint32_t got = QuantizeInt4Element(HalfToFloat(bits, dtype), s);
+          if (got != want && mismatches++ < 5) {
+            ADD_FAILURE() << testutil::DTypeName(dtype) << " x=0x" << std::hex << bits << " s=" << s
+                          << " got 0x" << got << " want 0x" << want;
+          }
+          ASSERT_NE(got, 0x8u);
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+    EXPECT_GT(clamped, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// Every nibble (0x8 included) with every normal bf16 scale, both output dtypes.
+TEST(CodecMath, DequantizeInt4ElementAgainstDouble) {
+  EXPECT_EQ(Int4NibbleValue(0x7), 7);
+  EXPECT_EQ(Int4NibbleValue(0x9), -7);
+  EXPECT_EQ(Int4NibbleValue(0xF), -1);
+  EXPECT_EQ(Int4NibbleValue(0x8), -8);
+  EXPECT_EQ(Int4NibbleValue(0x13), 3);  // only the low 4 bits count
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    int mismatches = 0;
+    for (uint32_t sb = 0x0080; sb <= 0x7F7F; ++sb) {
+      const float s = Bf16ToFloat(static_cast<uint16_t>(sb));
+      for (uint32_t c = 0; c < 16; ++c) {
+        const uint16_t got = DequantizeInt4Element(c, s, dtype);
+        const uint16_t want = testutil::ModelDecodeElementInt4(static_cast<uint8_t>(c),
+                                                               static_cast<uint16_t>(sb), dtype);
+        if (got != want && mismatches++ < 5) {
+          ADD_FAILURE() << testutil::DTypeName(dtype) << " c=0x" << std::hex << c << " s=" << s
+                        << " got 0x" << got << " want 0x" << want;
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << testutil::DTypeName(dtype);
+  }
+}
+
+// The INT4 bound (INT8's with the group's scale), element by element through the shared
+// arithmetic: for many amax values (zero, below the floor, subnormal, the dtype's largest, ones
+// whose scale rounds down), every finite x with |x| <= amax, both signs. The largest error / s
+// shows the bound is nearly reached (half a step).
+TEST(CodecMath, Int4ErrorBoundHoldsForEveryValue) {
+  Rng rng(19);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = testutil::FormatOf(dtype).max_bits;
+    std::vector<uint16_t> amaxes = {0x0000, 0x0001, 0x0003, max_bits,
+                                    static_cast<uint16_t>(max_bits - 1)};
+    for (int i = 0; i < 24; ++i) amaxes.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+    for (double a : {7.0, 7.1, 1.0, 0x1.0p-112, 0x1.0p-113, 3e-4}) {
+      amaxes.push_back(testutil::DoubleToHalfBits(a, dtype));
+    }
+    uint64_t checked = 0, violations = 0;
+    double worst_ratio = 0.0, worst_over_s = 0.0;
+    for (uint16_t a : amaxes) {
+      const float s = Bf16ToFloat(Int4ScaleBf16FromAmaxBits(a, dtype));
+      for (uint32_t xb = 0; xb <= a; ++xb) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          const uint16_t bits = static_cast<uint16_t>(xb | sign);
+          const uint32_t c = QuantizeInt4Element(HalfToFloat(bits, dtype), s);
+          const uint16_t yb = DequantizeInt4Element(c, s, dtype);
+          const double x = HalfBitsToDouble(bits, dtype);
+          const double y = HalfBitsToDouble(yb, dtype);
+          const double err = std::fabs(y - x);
+          const double bound = testutil::ErrorBound(s, y, dtype);
+          ++checked;
+          worst_ratio = std::max(worst_ratio, err / bound);
+          worst_over_s = std::max(worst_over_s, err / s);
+          if (!(err <= bound) && violations++ < 5) {
+            ADD_FAILURE() << testutil::DTypeName(dtype) << std::hexfloat << " x=" << x
+                          << " x^=" << y << " s=" << s << " err=" << err << " bound=" << bound;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(violations, 0u) << testutil::DTypeName(dtype);
+    EXPECT_GT(checked, 500000u);
+    EXPECT_GT(worst_over_s, 0.49) << "half a step should be reached";
+    std::printf("  %s: %llu elements, max err/bound %.4f, max err/s %.4f\n",
+                testutil::DTypeName(dtype), static_cast<unsigned long long>(checked), worst_ratio,
+                worst_over_s);
   }
 }
 

@@ -1,6 +1,7 @@
 // The scalar reference executor against the independent float64 model of the record format:
 // every input class, geometry, dtype and view shape; the elementwise error bounds (INT8, FP8
-// E4M3); non-finite rows; CODEC_RAW; and that decode writes exactly the requested rows.
+// E4M3, INT4 per group); non-finite rows; CODEC_RAW; and that decode writes exactly the requested
+// rows.
 #include "codec_reference.h"
 
 #include <gtest/gtest.h>
@@ -258,6 +259,146 @@ TEST(CodecReference, Fp8NonfiniteRowsFlagTheirBlocks) {
       for (uint16_t v : values) {
         CaseSpec spec;
         spec.layout = MakeLayout(g, dtype, CodecKind::kFp8E4m3PerHead);
+        spec.num_blocks = 4;
+        spec.seed = seed++;
+        for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v), ReferenceOnly())) {
+          errors.push_back(e);
+        }
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CODEC_INT4_G32_PER_HEAD.
+
+TEST(CodecReference, Int4RowSizes) {
+  const BlockLayout qwen = MakeLayout({8, 128, 2}, DType::kBF16, CodecKind::kInt4G32PerHead, 36);
+  EXPECT_EQ(qwen.row.CodeBytes(), 512u);
+  EXPECT_EQ(qwen.row.ScaleCount(), 32u);
+  EXPECT_EQ(qwen.row.RowBytes(), 576u);
+  EXPECT_EQ(qwen.BytesPerToken(), 41472u);  // BF16: 147,456 (3.56x)
+  const BlockLayout smol = MakeLayout({3, 64, 2}, DType::kBF16, CodecKind::kInt4G32PerHead, 30);
+  EXPECT_EQ(smol.row.RowBytes(), 108u);
+  EXPECT_EQ(smol.BytesPerToken(), 6480u);
+}
+
+// Codes and scales equal the float64 model's, decode equals rne(q * s), every element meets
+// the bound with its group's scale, nothing outside the requested rows is written: every input
+// class (the per-group grid of exact ties included) x INT4 geometry x dtype, views rotating.
+TEST(CodecReference, Int4MatchesFloat64ModelEverywhere) {
+  BoundStats bound;
+  std::vector<std::string> errors;
+  uint64_t seed = 500;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : Int4TestGeometries()) {
+      for (InputClass c : Int4InputClasses()) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, CodecKind::kInt4G32PerHead);
+        spec.input = c;
+        spec.view = AllViewKinds()[vk++ % AllViewKinds().size()];
+        spec.seed = seed++;
+        if (g.heads * g.dim >= 4096) spec.num_blocks = 2;
+        for (auto& e : RunCase(spec, ReferenceOnly(), &bound)) errors.push_back(e);
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+  EXPECT_EQ(bound.violations, 0u);
+  EXPECT_GT(bound.elements, 1000000u);
+  EXPECT_GT(bound.max_err_over_s, 0.49) << "half a step should be reached (exact ties)";
+  std::printf("  %llu elements, max err / s = %.4f, max err / bound = %.4f\n",
+              static_cast<unsigned long long>(bound.elements), bound.max_err_over_s,
+              bound.max_err_over_bound);
+}
+
+// The scale is per group: one outlier leaves the other groups of its head at their own scales
+// (per head they would share the outlier's), so their error stays a fraction of their values.
+TEST(CodecReference, Int4OutlierStaysInItsGroup) {
+  RowFormat fmt;
+  fmt.num_heads = 1;
+  fmt.head_dim = 128;
+  fmt.dtype = DType::kBF16;
+  fmt.codec = CodecKind::kInt4G32PerHead;
+  std::vector<uint16_t> x(128);
+  Rng rng(9);
+  for (uint32_t i = 0; i < 128; ++i) x[i] = DoubleToHalfBits(rng.Gaussian(), DType::kBF16);
+  x[5] = DoubleToHalfBits(1000.0, DType::kBF16);
+  StridedView view;
+  view.base = reinterpret_cast<uint8_t*>(x.data());
+  view.row_stride = 256;
+  view.head_stride = 256;
+  view.num_rows = 1;
+  std::vector<uint8_t> rec(fmt.RowBytes());
+  ASSERT_TRUE(EncodeRowReference(fmt, view, 0, rec.data()));
+  std::vector<uint16_t> y(128);
+  StridedView out = view;
+  out.base = reinterpret_cast<uint8_t*>(y.data());
+  DecodeRowReference(fmt, rec.data(), out, 0);
+  EXPECT_EQ(ElementScale(fmt, rec.data(), 0, 0),
+            ScaleValue(DoubleToHalfBits(1000.0 / 7, DType::kBF16)));
+  for (uint32_t g = 1; g < 4; ++g) {
+    double amax = 0, err = 0;
+    for (uint32_t i = 32 * g; i < 32 * g + 32; ++i) {
+      amax = std::max(amax, std::fabs(HalfBitsToDouble(x[i], DType::kBF16)));
+      err = std::max(err, std::fabs(HalfBitsToDouble(y[i], DType::kBF16) -
+                                    HalfBitsToDouble(x[i], DType::kBF16)));
+    }
+    EXPECT_LT(ElementScale(fmt, rec.data(), 0, 32 * g), amax / 6.9) << "group " << g;
+    EXPECT_LT(err, 0.08 * amax) << "group " << g;
+  }
+}
+
+// Zero groups restore exact zeros (as +0: a nibble has no -0) and cost nothing to their
+// neighbours: a head half zero, half gaussian.
+TEST(CodecReference, Int4AllZeroGroupsRestoreExactZeros) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = MakeLayout({4, 64, 2}, dtype, CodecKind::kInt4G32PerHead);
+    KvPool src(lay, 32, ViewKind::kStrided, 3);
+    src.Fill(InputClass::kZero, 3);  // +0 and -0
+    Rng rng(3);
+    const std::vector<uint32_t> rows = RandomRows(32, 2 * lay.block_tokens, rng);
+    BlockSet blocks(lay, 2);
+    uint8_t flags[2] = {9, 9};
+    EncodeBlocksReference(MakeEncodeJob(src, rows, blocks, flags));
+    EXPECT_EQ(flags[0], 0);
+    EXPECT_EQ(flags[1], 0);
+    KvPool out(lay, 32, ViewKind::kStrided, 3);
+    out.FillBytes(0x77);
+    DecodeBlocksReference(MakeDecodeJob(out, rows, blocks));
+    int nonzero = 0, negative = 0;
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        for (uint32_t r : rows) {
+          for (uint32_t h = 0; h < 4; ++h) {
+            for (uint32_t i = 0; i < 64; ++i) {
+              nonzero += out.Head(l, p, r, h)[i] != 0;
+              negative += src.Head(l, p, r, h)[i] == 0x8000u;
+            }
+          }
+        }
+      }
+    }
+    EXPECT_EQ(nonzero, 0) << DTypeName(dtype);
+    EXPECT_GT(negative, 0) << DTypeName(dtype);
+  }
+}
+
+// NaN and Inf flag exactly the INT4 blocks holding them, in any group.
+TEST(CodecReference, Int4NonfiniteRowsFlagTheirBlocks) {
+  std::vector<std::string> errors;
+  uint64_t seed = 600;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t inf = InfBits(dtype);
+    const uint16_t values[] = {inf, static_cast<uint16_t>(0x8000u | inf),
+                               static_cast<uint16_t>(inf | 0x1u),
+                               static_cast<uint16_t>(0x8000u | inf | (inf >> 1 & ~inf))};
+    for (const Geometry& g : {Geometry{2, 96, 2}, Geometry{1, 576, 1}, Geometry{8, 128, 2}}) {
+      for (uint16_t v : values) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, CodecKind::kInt4G32PerHead);
         spec.num_blocks = 4;
         spec.seed = seed++;
         for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v), ReferenceOnly())) {

@@ -248,9 +248,62 @@ inline double Fp8ErrorBound(double s, double xhat, DType out) {
   return 0x1.0p-4 * ax + 0x1.0p-10 * s + (1.0 + 0x1.0p-4) * (u * ax + a);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The float64 model of CODEC_INT4_G32_PER_HEAD: groups of 32 consecutive elements of a head,
+// s = bf16_rne(max(amax_group, 2^-112) / 7), q = clamp(rne(x / s), -7, 7) in double, nibbles
+// packed two per byte (element 2i of the row low), scales after the codes in group order.
+
+constexpr uint32_t kModelInt4Group = 32;
+
+// Model of one INT4 head: false (codes/scales untouched) when it holds NaN or Inf. `codes`
+// receives d / 2 bytes, `scale_bits` d / 32 scales. REQUIRES: d % 32 == 0.
+inline bool ModelEncodeHeadInt4(const uint16_t* x, uint32_t d, DType dtype, uint8_t* codes,
+                                uint16_t* scale_bits) {
+  for (uint32_t i = 0; i < d; ++i) {
+    if (!HalfBitsFinite(x[i], dtype)) return false;
+  }
+  for (uint32_t g = 0; g < d / kModelInt4Group; ++g) {
+    const uint16_t* gx = x + g * kModelInt4Group;
+    double amax = 0.0;
+    for (uint32_t i = 0; i < kModelInt4Group; ++i) {
+      amax = std::max(amax, std::fabs(HalfBitsToDouble(gx[i], dtype)));
+    }
+    const uint16_t sb = DoubleToHalfBits(std::max(amax, kAmaxFloor) / 7.0, DType::kBF16);
+    const double s = HalfBitsToDouble(sb, DType::kBF16);
+    for (uint32_t i = 0; i < kModelInt4Group; ++i) {
+      double q = std::nearbyint(HalfBitsToDouble(gx[i], dtype) / s);
+      q = std::min(7.0, std::max(-7.0, q));
+      const uint8_t nib = static_cast<uint8_t>(static_cast<int>(q) & 0xF);
+      uint8_t& byte = codes[(g * kModelInt4Group + i) / 2];
+      byte = (i % 2 == 0) ? static_cast<uint8_t>((byte & 0xF0u) | nib)
+                          : static_cast<uint8_t>((byte & 0x0Fu) | (nib << 4));
+    }
+    scale_bits[g] = sb;
+  }
+  return true;
+}
+
+// The signed value of a nibble: 0..7 and -8..-1 (0x8 is never written).
+inline int Int4Value(uint8_t nib) { return nib >= 8 ? static_cast<int>(nib) - 16 : nib; }
+
+inline uint16_t ModelDecodeElementInt4(uint8_t nib, uint16_t scale_bits, DType out) {
+  return DoubleToHalfBits(static_cast<double>(Int4Value(nib)) * ScaleValue(scale_bits), out);
+}
+
 inline double CodecErrorBound(CodecKind codec, double s, double xhat, DType out) {
+  // INT4's bound is INT8's with s the element's group scale (codec_math.h).
   return codec == CodecKind::kFp8E4m3PerHead ? Fp8ErrorBound(s, xhat, out)
                                              : ErrorBound(s, xhat, out);
+}
+
+// The scale of element i of head h of a stored row.
+inline double ElementScale(const RowFormat& fmt, const uint8_t* encoded, uint32_t h, uint32_t i) {
+  const size_t idx = fmt.codec == CodecKind::kInt4G32PerHead
+                         ? (static_cast<size_t>(h) * fmt.head_dim + i) / kModelInt4Group
+                         : h;
+  uint16_t sb;
+  std::memcpy(&sb, encoded + fmt.CodeBytes() + 2 * idx, 2);
+  return HalfBitsToDouble(sb, DType::kBF16);
 }
 
 inline const char* CodecName(CodecKind codec) {
@@ -261,6 +314,8 @@ inline const char* CodecName(CodecKind codec) {
       return "raw";
     case CodecKind::kFp8E4m3PerHead:
       return "fp8";
+    case CodecKind::kInt4G32PerHead:
+      return "int4";
   }
   return "?";
 }
@@ -272,8 +327,8 @@ inline uint16_t LoadU16(const uint8_t* p) {
 }
 inline void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 
-// Model of one stored row (INT8, FP8 or RAW) from the addresses of its heads. Returns false when
-// an INT8 or FP8 row holds NaN or Inf.
+// Model of one stored row (INT8, FP8, INT4 or RAW) from the addresses of its heads. Returns false
+// when an INT8, FP8 or INT4 row holds NaN or Inf.
 inline bool ModelEncodeRow(const RowFormat& fmt, const uint8_t* const* heads, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   std::vector<uint16_t> x(d);
@@ -282,6 +337,19 @@ inline bool ModelEncodeRow(const RowFormat& fmt, const uint8_t* const* heads, ui
     std::memcpy(x.data(), heads[h], static_cast<size_t>(d) * 2);
     if (fmt.codec == CodecKind::kRaw) {
       std::memcpy(dst + static_cast<size_t>(h) * d * 2, x.data(), static_cast<size_t>(d) * 2);
+      continue;
+    }
+    if (fmt.codec == CodecKind::kInt4G32PerHead) {
+      const uint32_t groups = d / kModelInt4Group;
+      std::vector<uint16_t> sb(groups);
+      if (!ModelEncodeHeadInt4(x.data(), d, fmt.dtype, dst + static_cast<size_t>(h) * d / 2,
+                               sb.data())) {
+        finite = false;
+        continue;
+      }
+      for (uint32_t g = 0; g < groups; ++g) {
+        StoreU16(dst + fmt.CodeBytes() + 2 * (static_cast<size_t>(h) * groups + g), sb[g]);
+      }
       continue;
     }
     uint16_t sb = 0;
@@ -307,6 +375,17 @@ inline void ModelDecodeRow(const RowFormat& fmt, const uint8_t* src, uint8_t* co
       std::memcpy(out, src + static_cast<size_t>(h) * d * 2, static_cast<size_t>(d) * 2);
       continue;
     }
+    if (fmt.codec == CodecKind::kInt4G32PerHead) {
+      const uint32_t groups = d / kModelInt4Group;
+      const uint8_t* codes = src + static_cast<size_t>(h) * d / 2;
+      for (uint32_t i = 0; i < d; ++i) {
+        const uint16_t sb = LoadU16(src + fmt.CodeBytes() +
+                                    2 * (static_cast<size_t>(h) * groups + i / kModelInt4Group));
+        const uint8_t nib = (i % 2 == 0) ? (codes[i / 2] & 0xFu) : (codes[i / 2] >> 4);
+        StoreU16(out + 2 * i, ModelDecodeElementInt4(nib, sb, fmt.dtype));
+      }
+      continue;
+    }
     const uint16_t sb = LoadU16(src + fmt.ElementsPerRow() + 2 * h);
     const uint8_t* codes = src + static_cast<size_t>(h) * d;
     for (uint32_t i = 0; i < d; ++i) {
@@ -330,6 +409,7 @@ enum class InputClass {
   kGrid,      // exact multiples of s/2 (grid points and exact ties)
   kRowMix,    // a different one of the above per head
   kFp8Grid,   // s = m * 2^e exactly; e4m3 values and exact e4m3 ties times s (FP8 tests only)
+  kInt4Grid,  // per group of 32: s = m * 2^e exactly, multiples of s/2 (ties) (INT4 tests only)
 };
 
 inline const char* InputClassName(InputClass c) {
@@ -352,6 +432,8 @@ inline const char* InputClassName(InputClass c) {
       return "rowmix";
     case InputClass::kFp8Grid:
       return "fp8grid";
+    case InputClass::kInt4Grid:
+      return "int4grid";
   }
   return "?";
 }
@@ -365,6 +447,13 @@ inline std::vector<InputClass> AllInputClasses() {
 inline std::vector<InputClass> Fp8InputClasses() {
   std::vector<InputClass> c = AllInputClasses();
   c.push_back(InputClass::kFp8Grid);
+  return c;
+}
+
+// The INT4 tests' classes: all of the above plus the per-group grid.
+inline std::vector<InputClass> Int4InputClasses() {
+  std::vector<InputClass> c = AllInputClasses();
+  c.push_back(InputClass::kInt4Grid);
   return c;
 }
 
@@ -453,6 +542,21 @@ inline void GenHead(InputClass c, DType dtype, Rng& rng, uint16_t* dst, uint32_t
         put(i, (rng.Coin() ? 1 : -1) * v * s);
       }
       put(rng.Below(d), (rng.Coin() ? 448.0 : -448.0) * s);
+      break;
+    }
+    case InputClass::kInt4Grid: {
+      // Per group of 32 (a trailing partial group too): s = m * 2^e exactly with amax = 7 * s
+      // present, so the group's scale is s; every other element is j * s / 2 (|j| <= 14; odd j
+      // are exact ties). BF16 holds these for m = 1, FP16 for m <= 7 (e >= -23 keeps s / 2 on
+      // the 2^-24 grid, 49 * 2^e <= 65504 keeps 7 * s finite).
+      for (uint32_t g0 = 0; g0 < d; g0 += 32) {
+        const uint32_t n = std::min<uint32_t>(32, d - g0);
+        const uint32_t m = bf16 ? 1u : 1u + 2u * rng.Below(4);
+        const int e = bf16 ? rng.Range(-100, 100) : rng.Range(-23, 10);
+        const double s = std::ldexp(static_cast<double>(m), e);
+        for (uint32_t i = 0; i < n; ++i) put(g0 + i, rng.Range(-14, 14) * s * 0.5);
+        put(g0 + rng.Below(n), (rng.Coin() ? 7.0 : -7.0) * s);
+      }
       break;
     }
     case InputClass::kRowMix:
@@ -776,10 +880,10 @@ struct BoundStats {
 inline void CheckRowBound(const RowFormat& fmt, const uint8_t* const* in_heads,
                           const uint8_t* const* out_heads, const uint8_t* encoded, BoundStats* st) {
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-    const double s = ScaleValue(LoadU16(encoded + fmt.ElementsPerRow() + 2 * h));
     const uint8_t* in = in_heads[h];
     const uint8_t* out = out_heads[h];
     for (uint32_t i = 0; i < fmt.head_dim; ++i) {
+      const double s = ElementScale(fmt, encoded, h, i);  // the head's, or the group's (INT4)
       const uint16_t xb = LoadU16(in + 2 * i);
       const uint16_t yb = LoadU16(out + 2 * i);
       const double x = HalfBitsToDouble(xb, fmt.dtype);
@@ -822,6 +926,13 @@ inline std::vector<Geometry> TestGeometries() {
           {3, 72, 2},  {2, 100, 2}, {5, 40, 2},   {1, 7, 1}};
 }
 
+// CODEC_INT4_G32_PER_HEAD's: head_dims that are multiples of 32 (engine shapes, one group, an
+// odd number of groups, MLA's 576 = 18 groups, the CUDA kernels' largest head).
+inline std::vector<Geometry> Int4TestGeometries() {
+  return {{8, 128, 2}, {4, 64, 2}, {32, 128, 2}, {1, 576, 1},
+          {2, 96, 2},  {3, 32, 2}, {5, 160, 2},  {1, 2048, 1}};
+}
+
 inline BlockLayout MakeLayout(const Geometry& g, DType dtype,
                               CodecKind codec = CodecKind::kInt8PerHead, uint32_t layers = 2,
                               uint32_t block_tokens = 8) {
@@ -854,6 +965,18 @@ inline std::string DescribePayloadOffset(const BlockLayout& lay, size_t off) {
   std::string where = "layer " + std::to_string(layer) + " plane " + std::to_string(plane) +
                       " token " + std::to_string(token);
   if (lay.row.codec == CodecKind::kRaw) return where + " byte " + std::to_string(in_row);
+  if (lay.row.codec == CodecKind::kInt4G32PerHead) {
+    const size_t half_dim = lay.row.head_dim / 2;
+    const size_t groups = lay.row.head_dim / kModelInt4Group;
+    if (in_row < lay.row.CodeBytes()) {
+      return where + " head " + std::to_string(in_row / half_dim) + " codes " +
+             std::to_string(2 * (in_row % half_dim)) + "," +
+             std::to_string(2 * (in_row % half_dim) + 1);
+    }
+    const size_t sc = (in_row - lay.row.CodeBytes()) / 2;
+    return where + " scale of head " + std::to_string(sc / groups) + " group " +
+           std::to_string(sc % groups);
+  }
   if (in_row < lay.row.ElementsPerRow()) {
     return where + " head " + std::to_string(in_row / lay.row.head_dim) + " code " +
            std::to_string(in_row % lay.row.head_dim);
