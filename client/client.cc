@@ -57,6 +57,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_RAW;
     case Codec::kFp8E4m3PerHead:
       return v1::CODEC_FP8_E4M3_PER_HEAD;
+    case Codec::kInt4G32PerHead:
+      return v1::CODEC_INT4_G32_PER_HEAD;
     case Codec::kInt8PerHead:
       break;
   }
@@ -109,6 +111,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kRaw;
     case v1::CODEC_FP8_E4M3_PER_HEAD:
       return Codec::kFp8E4m3PerHead;
+    case v1::CODEC_INT4_G32_PER_HEAD:
+      return Codec::kInt4G32PerHead;
     default:
       return Codec::kInt8PerHead;
   }

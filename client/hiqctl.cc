@@ -276,6 +276,8 @@ const char* CodecEnumName(Codec c) {
       return "CODEC_RAW";
     case Codec::kFp8E4m3PerHead:
       return "CODEC_FP8_E4M3_PER_HEAD";
+    case Codec::kInt4G32PerHead:
+      return "CODEC_INT4_G32_PER_HEAD";
     case Codec::kInt8PerHead:
       break;
   }

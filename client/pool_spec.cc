@@ -12,6 +12,8 @@ const char* CodecName(Codec codec) {
       return "raw";
     case Codec::kFp8E4m3PerHead:
       return "fp8_e4m3_per_head";
+    case Codec::kInt4G32PerHead:
+      return "int4_g32_per_head";
     case Codec::kInt8PerHead:
       break;
   }

@@ -30,6 +30,8 @@ class Codec(enum.Enum):
     INT8_PER_HEAD = "int8_per_head"
     RAW = "raw"
     FP8_E4M3_PER_HEAD = "fp8_e4m3_per_head"  # E4M3 codes + a BF16 scale per head: INT8's size
+    # int4 codes + a BF16 scale per 32 elements of a head (head_dim % 32 == 0): 0.55x INT8's size
+    INT4_G32_PER_HEAD = "int4_g32_per_head"
 
     @classmethod
     def parse(cls, name: str) -> "Codec":
@@ -49,7 +51,8 @@ class DeviceKind(enum.Enum):
 _DTYPE_PB = {DType.BF16: pb.DTYPE_BF16, DType.FP16: pb.DTYPE_FP16}
 _ATTENTION_PB = {Attention.MHA: pb.ATTENTION_MHA, Attention.MLA: pb.ATTENTION_MLA}
 _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RAW,
-             Codec.FP8_E4M3_PER_HEAD: pb.CODEC_FP8_E4M3_PER_HEAD}
+             Codec.FP8_E4M3_PER_HEAD: pb.CODEC_FP8_E4M3_PER_HEAD,
+             Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}

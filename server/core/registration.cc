@@ -16,6 +16,7 @@ constexpr int kAttentionMla = 2;
 constexpr int kCodecInt8 = 0;
 constexpr int kCodecRaw = 1;
 constexpr int kCodecFp8E4m3 = 2;
+constexpr int kCodecInt4G32 = 3;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
@@ -188,8 +189,14 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
     return invalid("block_tokens: must be in [1, " + std::to_string(limits.max_block_tokens) +
                    "], got " + std::to_string(spec.block_tokens));
   }
-  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3) {
+  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3 &&
+      spec.codec != kCodecInt4G32) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
+  }
+  if (spec.codec == kCodecInt4G32 && spec.head_dim % kernels::kInt4GroupElems != 0) {
+    return invalid("geometry.head_dim: CODEC_INT4_G32_PER_HEAD needs a multiple of " +
+                   std::to_string(kernels::kInt4GroupElems) + ", got " +
+                   std::to_string(spec.head_dim));
   }
   const bool mla = spec.attention == kAttentionMla;
 
@@ -200,6 +207,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
   lay.row.codec = spec.codec == kCodecRaw       ? kernels::CodecKind::kRaw
                   : spec.codec == kCodecFp8E4m3 ? kernels::CodecKind::kFp8E4m3PerHead
+                  : spec.codec == kCodecInt4G32 ? kernels::CodecKind::kInt4G32PerHead
                                                 : kernels::CodecKind::kInt8PerHead;
   lay.num_layers = spec.num_layers;
   lay.kv_planes = mla ? 1 : 2;

@@ -341,6 +341,40 @@ TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
   c.hiq_host_pool_destroy(pool);
 }
 
+// HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
+// is not a multiple of 32 refused naming geometry.head_dim, and codec 4 still unknown.
+TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
+  const Api& c = C();
+  for (uint32_t dim : {64u, 48u}) {
+    hiq_geometry g{};
+    g.num_layers = 3;
+    g.num_kv_heads = 2;
+    g.head_dim = dim;
+    g.dtype = HIQ_DTYPE_BF16;
+    hiq_host_pool* pool = nullptr;
+    ASSERT_EQ(c.hiq_host_pool_create(&g, HIQ_LAYOUT_SGLANG, 32, 8, 8, &pool), HIQ_OK)
+        << c.hiq_last_error();
+    hiq_pool handle = 0;
+    hiq_pool_info info;
+    const int rc = c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4,
+                                            HIQ_CODEC_INT4_G32_PER_HEAD, pool, &handle, &info);
+    if (dim == 64) {
+      ASSERT_EQ(rc, HIQ_OK) << c.hiq_last_error();
+      EXPECT_EQ(info.encoded_bytes_per_token, 3u * 2 * (2 * 64 / 2 + 2 * 2 * 64 / 32));
+      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      EXPECT_EQ(
+          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 4, pool, &handle, &info),
+          HIQ_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(c.hiq_last_error()).find("codec"), std::string::npos);
+    } else {
+      EXPECT_EQ(rc, HIQ_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(c.hiq_last_error()).find("geometry.head_dim"), std::string::npos)
+          << c.hiq_last_error();
+    }
+    c.hiq_host_pool_destroy(pool);
+  }
+}
+
 // The flat description path, for CUDA pools on a daemon without a CUDA backend: handle sizes are
 // checked (INVALID_ARGUMENT naming the buffer), then the device kind (FAILED_PRECONDITION).
 TEST_F(HiqcacheCDaemonTest, CudaDescriptionsAreValidated) {

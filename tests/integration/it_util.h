@@ -192,6 +192,37 @@ inline std::string CheckHeadFp8(DType dtype, const uint16_t* x, const uint16_t* 
   return {};
 }
 
+// CODEC_INT4_G32_PER_HEAD's guarantee for one head (kernels/README.md): INT8's bound with the
+// scale of the element's group of 32, |x̂ - x| <= (0.5 + 2^-8) s + 2^-8 |x̂| (+ 2^-25 where an
+// FP16 x̂ is subnormal), s = bf16(max(|x| over the group, 2^-112) / 7) in fp32; an all-zero
+// group restores exact zeros. Returns "" or the first violation. REQUIRES: head_dim % 32 == 0.
+inline std::string CheckHeadInt4(DType dtype, const uint16_t* x, const uint16_t* xhat,
+                                 uint32_t head_dim) {
+  for (uint32_t g0 = 0; g0 < head_dim; g0 += 32) {
+    float m = 0.0f;
+    for (uint32_t d = g0; d < g0 + 32; ++d) m = std::max(m, std::fabs(Decode16(dtype, x[d])));
+    const bool zero = m == 0.0f;
+    const float q = std::max(m, 0x1p-112f) / 7.0f;
+    const double s = FloatFromBf16(Bf16FromFloat(q));
+    for (uint32_t d = g0; d < g0 + 32; ++d) {
+      const double xv = Decode16(dtype, x[d]);
+      const double yv = Decode16(dtype, xhat[d]);
+      const double ay = std::fabs(yv);
+      const double a = dtype == DType::kFP16 && ay <= 0x1p-14 ? 0x1p-25 : 0.0;
+      const bool ok =
+          zero ? yv == 0.0
+               : std::isfinite(yv) && std::fabs(yv - xv) <= (0.5 + 0x1p-8) * s + 0x1p-8 * ay + a;
+      if (!ok) {
+        char buf[200];
+        std::snprintf(buf, sizeof(buf), "dim %u: x=%.9g (0x%04x) restored=%.9g (0x%04x) s=%.9g", d,
+                      xv, x[d], yv, xhat[d], s);
+        return buf;
+      }
+    }
+  }
+  return {};
+}
+
 struct CheckResult {
   uint64_t heads_checked = 0;
   uint64_t bad_heads = 0;
@@ -223,6 +254,8 @@ inline CheckResult CheckRowsOf(Codec codec, const HostKvPool& kv, uint64_t seed,
             if (std::memcmp(got, want.data(), g.HeadBytes()) != 0) why = "not bit-exact";
           } else if (codec == Codec::kFp8E4m3PerHead) {
             why = CheckHeadFp8(g.dtype, want.data(), got, g.head_dim);
+          } else if (codec == Codec::kInt4G32PerHead) {
+            why = CheckHeadInt4(g.dtype, want.data(), got, g.head_dim);
           } else {
             why = CheckHead(g.dtype, want.data(), got, g.head_dim);
           }

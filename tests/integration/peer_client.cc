@@ -48,6 +48,7 @@ int Main(int argc, char** argv) {
                                        : KvLayout::kSglang;
   o.codec = a["codec"] == "raw"                 ? Codec::kRaw
             : a["codec"] == "fp8_e4m3_per_head" ? Codec::kFp8E4m3PerHead
+            : a["codec"] == "int4_g32_per_head" ? Codec::kInt4G32PerHead
                                                 : Codec::kInt8PerHead;
   o.block_tokens = bt;
   o.num_rows = 2 * blocks * bt;

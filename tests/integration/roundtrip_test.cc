@@ -1,7 +1,7 @@
 // Backup then restore through the real daemon: every element within its codec's bound (INT8:
-// DESIGN.md, FP8 E4M3: kernels/README.md; CODEC_RAW bit-exact), for each KV layout, across layouts
-// sharing one namespace, writing only the requested rows. Also: partial restores, NaN rejection,
-// released pools, TP/MLA namespaces.
+// DESIGN.md, FP8 E4M3 and INT4 per group of 32: kernels/README.md; CODEC_RAW bit-exact), for each
+// KV layout, across layouts sharing one namespace, writing only the requested rows. Also: partial
+// restores, NaN rejection, released pools, TP/MLA namespaces, INT4's head_dim requirement.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -143,7 +143,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RoundTripTest,
                                                               KvLayout::kVllmPaged,
                                                               KvLayout::kVllmPackedKv),
                                             ::testing::Values(Codec::kInt8PerHead, Codec::kRaw,
-                                                              Codec::kFp8E4m3PerHead),
+                                                              Codec::kFp8E4m3PerHead,
+                                                              Codec::kInt4G32PerHead),
                                             ::testing::Values(DType::kBF16, DType::kFP16)),
                          [](const ::testing::TestParamInfo<Param>& info) {
                            return std::string(KvLayoutName(std::get<0>(info.param))) + "_" +
@@ -238,6 +239,34 @@ TEST_F(RoundTripBase, BlockWithNaNIsRejectedAndCounted) {
   ASSERT_TRUE(again.status.ok());
   EXPECT_EQ(again.blocks[0], BlockStatus::kAlreadyPresent);
   EXPECT_EQ(again.blocks[1], BlockStatus::kStored);
+}
+
+// INT4 rejects a block holding Inf like INT8 (in any group), and takes only head_dims that are
+// multiples of 32: the registration answer names the field.
+TEST_F(RoundTripBase, Int4RejectsInfBlocksAndHeadDimsNotMultipleOf32) {
+  PoolOptions o = Options("rt-int4-inf", DType::kBF16, Codec::kInt4G32PerHead);
+  auto p = MakePool(*client_, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->info.encoded_bytes_per_token, 4u * 2 * (4 * 64 / 2 + 2 * 4 * 64 / 32));
+  const std::vector<BlockKey> keys = Keys(47, 2, kBlockTokens);
+  const std::vector<uint32_t> rows = RowRange(0, 2 * kBlockTokens);
+  FillRows(p->kv, 47, rows, kBlockTokens);
+  p->kv.Head(3, 1, rows[3], 2)[63] = 0x7F80;  // +Inf in the last group of block 0
+  BackupResult b = client_->Backup(p->handle, keys, rows);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_EQ(b.blocks[0], BlockStatus::kRejected);
+  EXPECT_EQ(b.blocks[1], BlockStatus::kStored);
+  EXPECT_EQ(Ns(p->info.namespace_id).rejected, 1u);
+
+  PoolOptions bad = Options("rt-int4-dim", DType::kBF16, Codec::kInt4G32PerHead);
+  bad.geometry = Geom(2, 2, 48);
+  auto r = MakePool(*client_, bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("geometry.head_dim"), std::string::npos)
+      << r.status().ToString();
+  bad.codec = Codec::kInt8PerHead;  // the same geometry is fine for INT8
+  EXPECT_TRUE(MakePool(*client_, bad).ok());
 }
 
 TEST_F(RoundTripBase, ReleasedPoolLeavesBlocksInNamespace) {

@@ -1,5 +1,5 @@
 """HOST KV buffers for Python tests: SGLang-style [layer][K|V][rows][heads][dim] in one shm object,
-bf16 values as uint16 bits, and the INT8 and FP8 codecs' elementwise error bounds."""
+bf16 values as uint16 bits, and the INT8, FP8 and INT4 codecs' elementwise error bounds."""
 
 from __future__ import annotations
 
@@ -73,3 +73,16 @@ def fp8_violations(original: np.ndarray, restored: np.ndarray) -> int:
     a = np.where(ay <= 2.0 ** -126, 2.0 ** -134, 0.0)
     bound = 2 ** -4 * ay + 2 ** -10 * s + (1 + 2 ** -4) * (2 ** -8 * ay + a)
     return int((np.abs(y - x) > bound).sum())
+
+
+def int4_violations(original: np.ndarray, restored: np.ndarray) -> int:
+    """Elements outside CODEC_INT4_G32_PER_HEAD's bound (kernels/README.md): INT8's with the scale
+    of the element's group of 32, |x̂ - x| <= (0.5 + 2^-8)·s + 2^-8·|x̂|, s = max|x| / 7 over the
+    group (rounded up to bf16 precision). The last axis is head_dim, a multiple of 32."""
+    x = from_bf16_bits(original).astype(np.float64)
+    y = from_bf16_bits(restored).astype(np.float64)
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    yg = y.reshape(*y.shape[:-1], y.shape[-1] // 32, 32)
+    s = np.abs(xg).max(axis=-1, keepdims=True) / 7 * (1 + 2 ** -8)
+    bound = (0.5 + 2 ** -8) * s + 2 ** -8 * np.abs(yg)
+    return int((np.abs(yg - xg) > bound).sum())

@@ -13,7 +13,7 @@ import pytest
 
 import hiqcache as hq
 from daemon import ROOT, Daemon
-from kv_util import HostKv, fp8_violations, int8_violations, to_bf16_bits
+from kv_util import HostKv, fp8_violations, int4_violations, int8_violations, to_bf16_bits
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
@@ -94,6 +94,61 @@ def test_fp8_round_trip_within_bound_and_in_stats(daemon, kv):
         assert bad.blocks == [hq.BlockStatus.REJECTED]
         assert c.release_pool(fp8).ok and c.release_pool(int8).ok
     assert hq.Codec.parse("fp8_e4m3_per_head") is hq.Codec.FP8_E4M3_PER_HEAD
+
+
+def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
+    """CODEC_INT4_G32_PER_HEAD: H*D/2 + 2*H*D/32 bytes per row (0.55x INT8's), every element
+    within its group's bound, its own namespace, GetStats with its codec, more capacity than INT8
+    in the same pool bytes; zero groups exact, Inf rejected, head_dim % 32 != 0 refused."""
+    with hq.Client(daemon.target) as c:
+        int4 = c.register_pool(kv.spec("m-int4", BT, hq.Codec.INT4_G32_PER_HEAD))
+        int8 = c.register_pool(kv.spec("m-int4", BT, hq.Codec.INT8_PER_HEAD))
+        kv.fill(range(0, 4 * BT), seed=12)
+        kv.data[0, 0, 3, 1, :32] = 0  # an all-zero group (its neighbour is not) restores zeros
+        kv.data[1, 1, 5, 0, 40] = to_bf16_bits(np.array([500.0]))[0]  # an outlier in group 1
+        keys = keys_for(range(4 * BT), salt="int4")
+        res = c.backup(int4, keys, range(0, 4 * BT))
+        assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
+        assert c.lookup(int8, keys).prefix_blocks == 0  # codecs never share blocks
+        r = c.restore(int4, keys, range(4 * BT, 8 * BT))
+        assert r.status.ok and r.restored_blocks == 4
+        src, dst = kv.data[:, :, :4 * BT], kv.data[:, :, 4 * BT:]
+        assert int4_violations(src, dst) == 0
+        assert int8_violations(src, dst) > 0  # really 4 bits
+        assert np.array_equal(dst[0, 0, 3, 1, :32], np.zeros(32, np.uint16))
+        assert not np.array_equal(dst[0, 0, 3, 1, 32:], np.zeros(32, np.uint16))
+        # The outlier sets only its own group's scale: group 0 of that head stays fine-grained.
+        x0 = src[1, 1, 5, 0, :32].astype(np.uint32) << 16
+        y0 = dst[1, 1, 5, 0, :32].astype(np.uint32) << 16
+        # Below even per-head INT8's half step next to this outlier (500 / 127 / 2).
+        assert np.abs(y0.view(np.float32) - x0.view(np.float32)).max() < 500 / 254
+        info, int8_info = c.pool_info(int4), c.pool_info(int8)
+        per_row = G.num_kv_heads * G.head_dim // 2 + 2 * G.num_kv_heads * G.head_dim // 32
+        assert info.encoded_bytes_per_token == G.num_layers * 2 * per_row == 432
+        assert int8_info.encoded_bytes_per_token == 792
+        assert info.capacity_tokens > 1.5 * int8_info.capacity_tokens > 0
+        ns = {n.codec: n for n in c.get_stats().namespaces if n.model == "m-int4"}
+        assert set(ns) == {hq.Codec.INT4_G32_PER_HEAD, hq.Codec.INT8_PER_HEAD}
+        assert ns[hq.Codec.INT4_G32_PER_HEAD].blocks == 4
+        assert ns[hq.Codec.INT4_G32_PER_HEAD].encoded_bytes_per_token == 432
+        assert ns[hq.Codec.INT4_G32_PER_HEAD].capacity_blocks > \
+            1.5 * ns[hq.Codec.INT8_PER_HEAD].capacity_blocks > 0
+        # A row holding Inf (in its last group) is rejected, not stored.
+        kv.data[2, 0, 4 * BT + 1, 1, 63] = 0x7F80
+        bad = c.backup(int4, keys_for(range(BT), salt="int4-inf"), range(4 * BT, 5 * BT))
+        assert bad.blocks == [hq.BlockStatus.REJECTED]
+        assert c.release_pool(int4).ok and c.release_pool(int8).ok
+        g48 = hq.Geometry(num_layers=1, num_kv_heads=2, head_dim=48)
+        kv48 = HostKv(g48, 2 * BT)
+        try:
+            with pytest.raises(hq.HiqError) as err:
+                c.register_pool(kv48.spec("m-int4-48", BT, hq.Codec.INT4_G32_PER_HEAD))
+            assert err.value.status.code == hq.StatusCode.INVALID_ARGUMENT
+            assert "geometry.head_dim" in err.value.status.message
+            assert c.release_pool(c.register_pool(kv48.spec("m-int4-48", BT))).ok  # INT8 is fine
+        finally:
+            kv48.close()
+    assert hq.Codec.parse("int4_g32_per_head") is hq.Codec.INT4_G32_PER_HEAD
 
 
 def test_prefix_semantics_and_restore_stops_at_first_missing(daemon, kv):

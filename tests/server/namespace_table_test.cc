@@ -94,6 +94,11 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
   }
   {
     auto d = Desc();
+    d.layout.row.codec = kernels::CodecKind::kInt4G32PerHead;
+    add(d);
+  }
+  {
+    auto d = Desc();
     d.layout.block_tokens = 16;
     add(d);
   }
@@ -115,8 +120,8 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
     d.layout.kv_planes = 1;
     add(d);
   }
-  EXPECT_EQ(ids.size(), 13u);
-  EXPECT_EQ(t.All().size(), 13u);
+  EXPECT_EQ(ids.size(), 14u);
+  EXPECT_EQ(t.All().size(), 14u);
 }
 
 TEST(NamespaceTableTest, MlaIgnoresTensorParallelRank) {

@@ -161,6 +161,32 @@ TEST(ValidateRegistrationTest, Fp8CodecHasInt8Size) {
   EXPECT_EQ(r->layout.BlockBytes(), 4792320u);
 }
 
+TEST(ValidateRegistrationTest, Int4CodecRowsOfGroupsOf32) {
+  RegisterSpec s = SglangSpec();
+  s.codec = 3;  // CODEC_INT4_G32_PER_HEAD
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt4G32PerHead);
+  EXPECT_EQ(r->layout.row.RowBytes(), 576u);
+  EXPECT_EQ(r->layout.BytesPerToken(), 41472u);
+  EXPECT_EQ(r->layout.BlockBytes(), 41472u * s.block_tokens);
+  for (uint32_t dim : {32u, 64u, 576u}) {
+    RegisterSpec t = SglangSpec(36, 8, dim);
+    t.codec = 3;
+    EXPECT_TRUE(ValidateRegistration(t, Limits{}, kBigPool).ok()) << dim;
+  }
+}
+
+TEST(ValidateRegistrationTest, Int4RejectsHeadDimNotMultipleOf32) {
+  for (uint32_t dim : {1u, 16u, 48u, 100u, 127u}) {
+    RegisterSpec s = SglangSpec(36, 8, dim);
+    s.codec = 3;
+    ExpectInvalid(s, "geometry.head_dim");
+    s.codec = 0;  // INT8 takes any head_dim
+    EXPECT_TRUE(ValidateRegistration(s, Limits{}, kBigPool).ok()) << dim;
+  }
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -337,7 +363,7 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 3;  // the first value past CODEC_FP8_E4M3_PER_HEAD
+    t.codec = 4;  // the first value past CODEC_INT4_G32_PER_HEAD
     ExpectInvalid(t, "codec");
   }
   {
