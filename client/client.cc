@@ -151,6 +151,29 @@ DaemonStats FromProto(const v1::GetStatsResponse& r) {
   s.namespaces_total = r.namespaces_total();
   s.caller_uid = r.caller_uid();
   s.caller_admin = r.caller_admin();
+  if (r.has_l3()) {
+    const v1::L3Stats& l = r.l3();
+    s.l3.enabled = l.enabled();
+    s.l3.lookup_hits = l.lookup_hits();
+    s.l3.lookup_misses = l.lookup_misses();
+    s.l3.lookup_errors = l.lookup_errors();
+    s.l3.fetches = l.fetches();
+    s.l3.fetched_blocks = l.fetched_blocks();
+    s.l3.fetch_errors = l.fetch_errors();
+    s.l3.corrupt_values = l.corrupt_values();
+    s.l3.promoted_blocks = l.promoted_blocks();
+    s.l3.writes = l.writes();
+    s.l3.write_errors = l.write_errors();
+    s.l3.dropped_writes = l.dropped_writes();
+    s.l3.skipped_writes = l.skipped_writes();
+    s.l3.write_queue_bytes = l.write_queue_bytes();
+    s.l3.write_queue_blocks = l.write_queue_blocks();
+    s.l3.bytes_in = l.bytes_in();
+    s.l3.bytes_out = l.bytes_out();
+    s.l3.fetch_latency_samples = l.fetch_latency_samples();
+    s.l3.fetch_p50_us = l.fetch_p50_us();
+    s.l3.fetch_p99_us = l.fetch_p99_us();
+  }
   for (const v1::PoolInfo& p : r.pools()) {
     PoolStats o;
     o.pool_id = p.pool_id();

@@ -332,6 +332,28 @@ std::unique_ptr<Client> MakeClient(const Args& args, const std::string& target) 
   return client.ok() ? std::move(client).value() : nullptr;
 }
 
+// The L3 store's counters (GetStats' l3) as one JSON object; {"enabled": false} without L3.
+std::string L3Json(const L3Stats& l) {
+  std::ostringstream o;
+  o << "{\"enabled\": " << (l.enabled ? "true" : "false");
+  if (l.enabled) {
+    o << ", \"lookup_hits\": " << l.lookup_hits << ", \"lookup_misses\": " << l.lookup_misses
+      << ", \"lookup_errors\": " << l.lookup_errors << ", \"fetches\": " << l.fetches
+      << ", \"fetched_blocks\": " << l.fetched_blocks << ", \"fetch_errors\": " << l.fetch_errors
+      << ", \"corrupt_values\": " << l.corrupt_values
+      << ", \"promoted_blocks\": " << l.promoted_blocks << ", \"writes\": " << l.writes
+      << ", \"write_errors\": " << l.write_errors << ", \"dropped_writes\": " << l.dropped_writes
+      << ", \"skipped_writes\": " << l.skipped_writes
+      << ", \"write_queue_bytes\": " << l.write_queue_bytes
+      << ", \"write_queue_blocks\": " << l.write_queue_blocks << ", \"bytes_in\": " << l.bytes_in
+      << ", \"bytes_out\": " << l.bytes_out
+      << ", \"fetch_latency_samples\": " << l.fetch_latency_samples
+      << ", \"fetch_p50_us\": " << l.fetch_p50_us << ", \"fetch_p99_us\": " << l.fetch_p99_us;
+  }
+  o << "}";
+  return o.str();
+}
+
 // GetStats with every namespace: pages of at most kStatsPage until namespaces_total are read (or
 // a page comes back empty: namespaces went away meanwhile).
 constexpr uint32_t kStatsPage = 4096;
@@ -367,7 +389,8 @@ int CmdStats(const Args& args, const std::string& target) {
               << ",\n  \"caller_admin\": " << (s.caller_admin ? "true" : "false")
               << ",\n  \"namespaces_total\": " << s.namespaces_total
               << ",\n  \"namespaces\": " << JsonArray(s.namespaces, NamespaceJson, "  ")
-              << ",\n  \"pools\": " << JsonArray(s.pools, PoolJson, "  ") << "\n}\n";
+              << ",\n  \"pools\": " << JsonArray(s.pools, PoolJson, "  ")
+              << ",\n  \"l3\": " << L3Json(s.l3) << "\n}\n";
     return kExitOk;
   }
   std::cout << "hiqcached at " << target << "\n"
@@ -383,7 +406,25 @@ int CmdStats(const Args& args, const std::string& target) {
   if (s.cuda_staging_bytes > 0) {
     std::cout << "  staging   " << Bytes(s.cuda_staging_bytes) << " of GPU memory\n";
   }
-  std::cout << "  uptime    " << Duration(s.uptime_seconds) << "\n\n";
+  std::cout << "  uptime    " << Duration(s.uptime_seconds) << "\n";
+  if (s.l3.enabled) {
+    const L3Stats& l = s.l3;
+    std::cout << "  l3 lookup " << l.lookup_hits << " hits, " << l.lookup_misses << " misses, "
+              << l.lookup_errors << " errors\n"
+              << "  l3 fetch  " << l.fetches << " fetches, " << l.fetched_blocks << " blocks ("
+              << Bytes(l.bytes_in) << "), " << l.promoted_blocks << " promoted, "
+              << l.corrupt_values << " corrupt, " << l.fetch_errors << " errors";
+    if (l.fetch_latency_samples > 0) {
+      std::cout << "; p50 " << l.fetch_p50_us << " us, p99 " << l.fetch_p99_us << " us (last "
+                << l.fetch_latency_samples << ")";
+    }
+    std::cout << "\n"
+              << "  l3 write  " << l.writes << " written (" << Bytes(l.bytes_out) << "), "
+              << l.dropped_writes << " dropped, " << l.skipped_writes << " skipped, "
+              << l.write_errors << " errors; queue " << l.write_queue_blocks << " blocks ("
+              << Bytes(l.write_queue_bytes) << ")\n";
+  }
+  std::cout << "\n";
   if (s.namespaces.empty()) {
     std::cout << "no namespaces\n";
     return kExitOk;

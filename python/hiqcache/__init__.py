@@ -4,9 +4,9 @@
 their engine themselves.
 """
 
-from hiqcache.client import (BackupResult, BlockStatus, Client, DaemonStats, LookupResult,
-                             NamespaceStats, PoolStats, RestoreResult, default_socket_path,
-                             normalize_target)
+from hiqcache.client import (BackupResult, BlockStatus, Client, DaemonStats, L3Stats,
+                             LookupResult, NamespaceStats, PoolStats, RestoreResult,
+                             default_socket_path, normalize_target)
 from hiqcache.host import EVENT_FAILED_BIT, HostEventPool, HostShm
 from hiqcache.session import Session, SessionError
 from hiqcache.keys import BlockKey, chain_block_key, compute_block_keys, root_block_key
@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Attention", "BackupResult", "BlockKey", "BlockStatus", "Client", "Codec", "DType",
     "DaemonStats", "DeviceKind", "EVENT_FAILED_BIT", "EventPoolSpec", "Geometry", "HiqError",
-    "HostEventPool", "HostShm", "LayerView", "LookupResult", "NamespaceRef", "NamespaceStats",
-    "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "SharedBuffer", "Status",
+    "HostEventPool", "HostShm", "L3Stats", "LayerView", "LookupResult", "NamespaceRef",
+    "NamespaceStats", "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "SharedBuffer", "Status",
     "StatusCode", "TensorView", "chain_block_key", "compute_block_keys", "default_socket_path",
     "normalize_target", "root_block_key", "slot_major_bytes", "slot_major_view",
 ]

@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, TypeVar
 
 import grpc
@@ -148,6 +148,32 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class L3Stats:
+    """What the daemon's L3 store (Redis Cluster) did since start; enabled is False (and every
+    figure 0) when the daemon has none. An L3 error or deadline is a miss, counted in *_errors."""
+    enabled: bool = False
+    lookup_hits: int = 0  # blocks Lookup found in L3 after the pool's leading run
+    lookup_misses: int = 0  # keys Lookup asked L3 for after the run L3 held
+    lookup_errors: int = 0
+    fetches: int = 0  # restores that fetched from L3
+    fetched_blocks: int = 0  # values fetched and verified
+    fetch_errors: int = 0
+    corrupt_values: int = 0  # fetched values that failed to verify: dropped, a miss
+    promoted_blocks: int = 0  # fetched blocks written into the pool
+    writes: int = 0  # blocks written to L3
+    write_errors: int = 0
+    dropped_writes: int = 0  # not queued: the write queue was full
+    skipped_writes: int = 0  # queued, but the block left the pool before its turn
+    write_queue_bytes: int = 0
+    write_queue_blocks: int = 0
+    bytes_in: int = 0  # value bytes fetched
+    bytes_out: int = 0  # value bytes written
+    fetch_latency_samples: int = 0  # the last fetches (at most 1024) the percentiles cover
+    fetch_p50_us: int = 0
+    fetch_p99_us: int = 0
+
+
+@dataclass(frozen=True)
 class DaemonStats:
     pool_bytes: int
     used_bytes: int
@@ -162,6 +188,7 @@ class DaemonStats:
     namespaces_total: int = 0  # namespaces the daemon has (`namespaces` is one page of them)
     caller_uid: int = 0  # this process as the daemon identified it (0 without a session)
     caller_admin: bool = False
+    l3: L3Stats = field(default_factory=L3Stats)
 
 
 def _status_of(err: grpc.RpcError, target: str) -> Status:
@@ -669,7 +696,9 @@ class Client:
                 backups=p.backups, restores=p.restores, peer=p.peer, uid=p.uid,
                 owned=p.owned) for p in resp.pools],
             namespaces_total=resp.namespaces_total, caller_uid=resp.caller_uid,
-            caller_admin=resp.caller_admin)
+            caller_admin=resp.caller_admin,
+            l3=L3Stats(**{f.name: getattr(resp.l3, f.name) for f in fields(L3Stats)})
+            if resp.HasField("l3") else L3Stats())
 
     def close(self) -> None:
         """Closes the channel and the session: the daemon releases the pools registered through

@@ -108,7 +108,7 @@ class RedisL3Tier final : public L3Tier {
     auto conn = TakeReader();
     if (conn == nullptr) {
       Add(&fetch_errors_, 1);
-      if (o_.on_fetch) o_.on_fetch(Clock::now() - t0, false);
+      Finished(Clock::now() - t0, false);
       return out;
     }
     std::vector<std::string> names = KeysOf(o_.key_prefix, ns, keys);
@@ -140,7 +140,7 @@ class RedisL3Tier final : public L3Tier {
     }
     Add(&bytes_in_, in);
     Add(&fetched_blocks_, out.size());
-    if (o_.on_fetch) o_.on_fetch(Clock::now() - t0, ok);
+    Finished(Clock::now() - t0, ok);
     return out;
   }
 
@@ -181,6 +181,17 @@ class RedisL3Tier final : public L3Tier {
     s.dropped_writes = dropped_writes_;
     s.write_queue_bytes = queue_bytes_;
     s.write_queue_blocks = queue_.size();
+    std::vector<uint32_t> us = fetch_us_;  // at most kL3FetchLatencySamples: sorted here
+    std::sort(us.begin(), us.end());
+    s.fetch_latency_samples = us.size();
+    if (!us.empty()) {
+      auto at = [&us](double p) {
+        const size_t i = static_cast<size_t>(p * static_cast<double>(us.size()));
+        return us[std::min(i, us.size() - 1)];
+      };
+      s.fetch_p50_us = at(0.50);
+      s.fetch_p99_us = at(0.99);
+    }
     return s;
   }
 
@@ -191,6 +202,20 @@ class RedisL3Tier final : public L3Tier {
     uint64_t payload_bytes;
     BlockKey key;
   };
+
+  // A fetch ended: its duration goes to the metrics' callback and to the latency window.
+  void Finished(Clock::duration d, bool ok) {
+    if (o_.on_fetch) o_.on_fetch(d, ok);
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+    const uint32_t v = static_cast<uint32_t>(std::clamp<int64_t>(us, 0, UINT32_MAX));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fetch_us_.size() < kL3FetchLatencySamples) {
+      fetch_us_.push_back(v);
+    } else {
+      fetch_us_[fetch_next_] = v;
+    }
+    fetch_next_ = (fetch_next_ + 1) % kL3FetchLatencySamples;
+  }
 
   static void Add(std::atomic<uint64_t>* c, uint64_t n) {
     c->fetch_add(n, std::memory_order_relaxed);
@@ -327,6 +352,8 @@ class RedisL3Tier final : public L3Tier {
   std::deque<WriteItem> queue_;  // GUARDED_BY(mu_)
   uint64_t queue_bytes_ = 0;     // GUARDED_BY(mu_)
   uint64_t dropped_writes_ = 0;  // GUARDED_BY(mu_)
+  std::vector<uint32_t> fetch_us_;  // GUARDED_BY(mu_): the last fetches' durations, a ring
+  size_t fetch_next_ = 0;           // GUARDED_BY(mu_): the ring's next slot
   std::condition_variable queue_cv_;
 
   std::thread opener_;

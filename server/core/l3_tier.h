@@ -44,7 +44,13 @@ struct L3Stats {
   uint64_t write_queue_blocks = 0;  // blocks queued now
   uint64_t bytes_in = 0;         // value bytes fetched
   uint64_t bytes_out = 0;        // value bytes written
+  // Duration of the restores' fetches (MultiGet and verification) over the last
+  // kL3FetchLatencySamples of them, in microseconds; 0 before the first fetch.
+  uint64_t fetch_latency_samples = 0;
+  uint64_t fetch_p50_us = 0;
+  uint64_t fetch_p99_us = 0;
 };
+constexpr size_t kL3FetchLatencySamples = 1024;
 
 // One block fetched from L3 and verified (header, namespace, key, length, checksum).
 struct L3Block {

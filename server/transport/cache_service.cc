@@ -340,6 +340,30 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
   resp->set_caller_admin(caller->admin);
   resp->set_namespaces_total(snap.namespaces_total);
   resp->set_corrupt_blocks(snap.store.corrupt);
+  if (snap.l3.enabled) {
+    const L3Stats& l3 = snap.l3;
+    v1::L3Stats* out = resp->mutable_l3();
+    out->set_enabled(true);
+    out->set_lookup_hits(l3.lookup_hits);
+    out->set_lookup_misses(l3.lookup_misses);
+    out->set_lookup_errors(l3.lookup_errors);
+    out->set_fetches(l3.fetches);
+    out->set_fetched_blocks(l3.fetched_blocks);
+    out->set_fetch_errors(l3.fetch_errors);
+    out->set_corrupt_values(l3.corrupt_values);
+    out->set_promoted_blocks(l3.promotions);
+    out->set_writes(l3.writes);
+    out->set_write_errors(l3.write_errors);
+    out->set_dropped_writes(l3.dropped_writes);
+    out->set_skipped_writes(l3.skipped_writes);
+    out->set_write_queue_bytes(l3.write_queue_bytes);
+    out->set_write_queue_blocks(l3.write_queue_blocks);
+    out->set_bytes_in(l3.bytes_in);
+    out->set_bytes_out(l3.bytes_out);
+    out->set_fetch_latency_samples(l3.fetch_latency_samples);
+    out->set_fetch_p50_us(l3.fetch_p50_us);
+    out->set_fetch_p99_us(l3.fetch_p99_us);
+  }
   for (const NamespaceSnapshot& n : snap.namespaces) {
     auto* out = resp->add_namespaces();
     out->set_namespace_id(n.namespace_id);

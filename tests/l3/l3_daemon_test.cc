@@ -3,8 +3,9 @@
 // up blocks, A writes them through to L3; node B's client finds them by Lookup (an L2 miss, an L3
 // hit) and Restore promotes them into B's pool and restores them (RAW bit-exact, INT8 within
 // DESIGN.md's bound); a second restore on B is an L2 hit. Also: a pool too small for its blocks
-// gets them back from L3; Redis absent at start; a value corrupted in Redis; a master killed
-// mid-run. Label l3; skipped where redis-server is not installed.
+// gets them back from L3; Redis absent at start; a value corrupted in Redis (also as GetStats'
+// l3 and `hiqctl stats` show it); a master killed mid-run. Label l3; skipped where redis-server
+// is not installed.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -14,6 +15,9 @@
 
 #include "daemon_process.h"
 #include "it_util.h"
+#ifdef HIQCTL_PATH
+#include "process_util.h"
+#endif
 #include "l3_value.h"
 #include "redis_cluster.h"
 #include "redis_test_cluster.h"
@@ -117,8 +121,36 @@ class L3DaemonTest : public ::testing::Test {
     return Eventually([&] { return n.M("hiqcache_l3_writes_total") >= writes; },
                       std::chrono::seconds(20));
   }
+  // Flips one payload byte of the value L3 holds for `key` of namespace `namespace_id` (hex) and
+  // writes it back by hand. "" or what failed.
+  std::string CorruptValue(const std::string& namespace_id, const BlockKey& key) {
+    l3::NamespaceHash ns{};
+    for (int i = 0; i < 16; ++i) {
+      ns[i] = static_cast<uint8_t>(std::stoul(namespace_id.substr(2 * i, 2), nullptr, 16));
+    }
+    l3::L3BlockKey k;
+    std::memcpy(k.data(), key.data(), 16);
+    const std::string name = l3::L3Key("hiq:", ns, k);
+    const l3_test::ClusterNode* master = cluster_->MasterOfSlot(l3::KeySlot(name));
+    if (master == nullptr) return "no master for " + name;
+    l3_test::AdminReply got = cluster_->Admin(master->port, {"GET", name});
+    if (got.type != REDIS_REPLY_STRING) return "no value was written for " + name;
+    std::string bad = got.str;
+    bad[l3::kL3ValueHeaderBytes + 100] ^= 0x40;
+    if (!cluster_->Admin(master->port, {"SET", name, bad}).ok()) return "SET " + name;
+    return "";
+  }
   std::unique_ptr<RedisTestCluster> cluster_;
 };
+
+#ifdef HIQCTL_PATH
+// `hiqctl --target T stats [--json]`: its exit code and output.
+deploy_test::RunResult Hiqctl(const std::string& target, bool json) {
+  std::vector<std::string> argv = {HIQCTL_PATH, "--target", target, "stats"};
+  if (json) argv.push_back("--json");
+  return deploy_test::RunProgram(argv);
+}
+#endif
 
 TEST_F(L3DaemonTest, TwoNodesShareBlocksThroughL3) {
   Node a = StartNode(cluster_->Seeds());
@@ -242,20 +274,7 @@ TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
   ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), 3u);
   ASSERT_TRUE(WaitWrites(a, 3));
   // Block 1's value, one payload byte flipped, written back by hand.
-  l3::NamespaceHash ns{};
-  for (int i = 0; i < 16; ++i) {
-    ns[i] = static_cast<uint8_t>(std::stoul(pb->info.namespace_id.substr(2 * i, 2), nullptr, 16));
-  }
-  l3::L3BlockKey k1;
-  std::memcpy(k1.data(), keys[1].data(), 16);
-  const std::string name = l3::L3Key("hiq:", ns, k1);
-  const l3_test::ClusterNode* master = cluster_->MasterOfSlot(l3::KeySlot(name));
-  ASSERT_NE(master, nullptr);
-  l3_test::AdminReply got = cluster_->Admin(master->port, {"GET", name});
-  ASSERT_EQ(got.type, REDIS_REPLY_STRING) << "A did not write " << name;
-  std::string bad = got.str;
-  bad[l3::kL3ValueHeaderBytes + 100] ^= 0x40;
-  ASSERT_TRUE(cluster_->Admin(master->port, {"SET", name, bad}).ok());
+  ASSERT_EQ(CorruptValue(pb->info.namespace_id, keys[1]), "");
 
   // Lookup sees the key (EXISTS); Restore verifies, drops the bad value and stops before it.
   EXPECT_EQ(b.client->Lookup(pb->handle, keys).prefix_blocks, 3u);
@@ -266,6 +285,112 @@ TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
   EXPECT_TRUE(c.ok()) << c.first;
   EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 1);
   EXPECT_EQ(b.M("hiqcache_l3_promoted_blocks_total"), 1);
+  EXPECT_EQ(a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// GetStats' l3 (and `hiqctl stats`, text and --json) after B promoted two blocks from L3 and
+// dropped a corrupt third; A's side shows the writes. A daemon without L3 says so.
+TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
+  Node a = StartNode(cluster_->Seeds());
+  Node b = StartNode(cluster_->Seeds());
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  auto pa = MakePool(*a.client, Options("l3-stats", Codec::kInt8PerHead));
+  auto pb = MakePool(*b.client, Options("l3-stats", Codec::kInt8PerHead));
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  const uint64_t seed = 750;
+  const std::vector<BlockKey> keys = Keys(seed, 3, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, 3 * kBt);
+  FillRows(pa->kv, seed, rows, kBt);
+  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), 3u);
+  ASSERT_TRUE(Eventually(
+      [&] {
+        auto s = a.client->GetStats();
+        return s.ok() && s->l3.writes >= 3;
+      },
+      std::chrono::seconds(20)));
+  ASSERT_EQ(CorruptValue(pb->info.namespace_id, keys[2]), "");
+  EXPECT_EQ(b.client->Lookup(pb->handle, keys).prefix_blocks, 3u);
+  RestoreResult r = b.client->Restore(pb->handle, keys, rows);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.restored_blocks, 2u);
+
+  auto sa = a.client->GetStats();
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString();
+  const L3Stats& la = sa->l3;
+  EXPECT_TRUE(la.enabled);
+  EXPECT_EQ(la.writes, 3u);
+  EXPECT_GT(la.bytes_out, 3u * kBt * 4 * 2 * 4 * 64);  // more than the codes alone
+  EXPECT_EQ(la.write_queue_blocks, 0u);
+  EXPECT_EQ(la.write_queue_bytes, 0u);
+  EXPECT_EQ(la.dropped_writes + la.write_errors + la.fetches + la.promoted_blocks, 0u);
+
+  auto sb = b.client->GetStats();
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString();
+  const L3Stats& lb = sb->l3;
+  EXPECT_TRUE(lb.enabled);
+  EXPECT_EQ(lb.lookup_hits, 3u);
+  EXPECT_EQ(lb.lookup_misses, 0u);
+  EXPECT_EQ(lb.lookup_errors, 0u);
+  EXPECT_EQ(lb.fetches, 1u);
+  EXPECT_EQ(lb.fetched_blocks, 2u);
+  EXPECT_EQ(lb.promoted_blocks, 2u);
+  EXPECT_EQ(lb.corrupt_values, 1u);
+  EXPECT_EQ(lb.fetch_errors, 0u);
+  EXPECT_EQ(lb.writes, 0u);
+  EXPECT_EQ(lb.bytes_in, la.bytes_out);  // the corrupt third value was read too
+  EXPECT_EQ(lb.fetch_latency_samples, 1u);
+  EXPECT_GT(lb.fetch_p50_us, 0u);
+  EXPECT_EQ(lb.fetch_p99_us, lb.fetch_p50_us);  // one sample
+  // The same counts as /metrics.
+  EXPECT_EQ(b.M("hiqcache_l3_promoted_blocks_total"), lb.promoted_blocks);
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), lb.corrupt_values);
+  EXPECT_EQ(b.M("hiqcache_l3_fetch_duration_seconds_count"), lb.fetches);
+
+#ifdef HIQCTL_PATH
+  deploy_test::RunResult text = Hiqctl(b.daemon->target(), false);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("  l3 lookup 3 hits, 0 misses, 0 errors\n"), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("  l3 fetch  1 fetches, 2 blocks ("), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find(" 2 promoted, 1 corrupt, 0 errors; p50 "), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("  l3 write  0 written (0 B), 0 dropped, 0 skipped, 0 errors; "
+                             "queue 0 blocks (0 B)\n"),
+            std::string::npos)
+      << text.output;
+  deploy_test::RunResult json = Hiqctl(b.daemon->target(), true);
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  for (const std::string& want :
+       {std::string("\"l3\": {\"enabled\": true, \"lookup_hits\": 3, \"lookup_misses\": 0, "),
+        std::string("\"fetches\": 1, \"fetched_blocks\": 2, \"fetch_errors\": 0, "
+                    "\"corrupt_values\": 1, \"promoted_blocks\": 2, \"writes\": 0, "),
+        "\"bytes_in\": " + std::to_string(lb.bytes_in) + ", ",
+        "\"fetch_latency_samples\": 1, \"fetch_p50_us\": " + std::to_string(lb.fetch_p50_us)}) {
+    EXPECT_NE(json.output.find(want), std::string::npos) << want << "\n" << json.output;
+  }
+  deploy_test::RunResult json_a = Hiqctl(a.daemon->target(), true);
+  EXPECT_NE(json_a.output.find("\"writes\": 3, "), std::string::npos) << json_a.output;
+#endif
+
+  // Without L3: enabled false, no l3 lines, {"enabled": false}.
+  DaemonProcess plain("16MiB", {"--prefault", "false"});
+  ASSERT_TRUE(plain.Start());
+  auto cp = Connect(plain.target());
+  auto sp = cp->GetStats();
+  ASSERT_TRUE(sp.ok());
+  EXPECT_FALSE(sp->l3.enabled);
+  EXPECT_EQ(sp->l3.writes + sp->l3.lookup_hits + sp->l3.fetches, 0u);
+#ifdef HIQCTL_PATH
+  deploy_test::RunResult pt = Hiqctl(plain.target(), false);
+  ASSERT_EQ(pt.exit_code, 0) << pt.output;
+  EXPECT_EQ(pt.output.find("l3 "), std::string::npos) << pt.output;
+  deploy_test::RunResult pj = Hiqctl(plain.target(), true);
+  EXPECT_NE(pj.output.find("\"l3\": {\"enabled\": false}\n}"), std::string::npos) << pj.output;
+#endif
+  EXPECT_EQ(plain.Stop(), 0);
   EXPECT_EQ(a.daemon->Stop(), 0);
   EXPECT_EQ(b.daemon->Stop(), 0);
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import socket
 import time
 
 import numpy as np
@@ -169,6 +170,38 @@ def test_prefix_semantics_and_restore_stops_at_first_missing(daemon, kv):
         stats = c.get_stats()
         ns = [n for n in stats.namespaces if n.model == "m"]
         assert len(ns) == 1 and ns[0].blocks == 2 and ns[0].evictions == 1
+        assert stats.l3 == hq.L3Stats() and not stats.l3.enabled  # this daemon has no L3
+
+
+def test_stats_show_l3_when_the_daemon_has_it():
+    # L3 on, its cluster absent (a port nothing listens on): lookups and restores are L2 misses
+    # that count as L3 errors; the figures come through get_stats().l3.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Daemon(extra=("--l3-seeds", f"127.0.0.1:{port}", "--prefault", "false"))
+    kv = HostKv(hq.Geometry(num_layers=2, num_kv_heads=2, head_dim=64), 4 * BT)
+    try:
+        try:
+            d.start()
+        except RuntimeError as e:  # a daemon built without hiredis refuses l3_seeds
+            if "without the L3 store" in str(e):
+                pytest.skip("hiqcached was built without the L3 store")
+            raise
+        with hq.Client(d.target) as c:
+            pool = c.register_pool(kv.spec("m-l3", BT))
+            keys = keys_for(range(2 * BT))
+            assert c.lookup(pool, keys).prefix_blocks == 0
+            assert c.restore(pool, keys, range(2 * BT)).restored_blocks == 0
+            l3 = c.get_stats().l3
+            assert l3.enabled
+            assert l3.lookup_errors >= 1 and l3.lookup_misses == 2 and l3.lookup_hits == 0
+            assert l3.fetches == 1 and l3.fetch_errors == 1 and l3.fetched_blocks == 0
+            assert l3.fetch_latency_samples == 1
+            assert l3.promoted_blocks == 0 and l3.corrupt_values == 0
+    finally:
+        kv.close()
+        d.close()
 
 
 def test_lookup_group_answers_what_every_rank_holds(daemon):

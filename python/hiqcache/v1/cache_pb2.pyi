@@ -361,7 +361,7 @@ class PoolInfo(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[_Union[DeviceKind, str]] = ..., client_pid: _Optional[int] = ..., backups: _Optional[int] = ..., restores: _Optional[int] = ..., peer: _Optional[str] = ..., uid: _Optional[int] = ..., owned: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes", "namespaces_total", "caller_uid", "caller_admin", "corrupt_blocks")
+    __slots__ = ("pool_bytes", "used_bytes", "blocks", "clients", "uptime_seconds", "namespaces", "pools", "device", "shm_name", "capacity_bytes", "cuda_staging_bytes", "namespaces_total", "caller_uid", "caller_admin", "corrupt_blocks", "l3")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class GetStatsResponse(_message.Message):
     CALLER_UID_FIELD_NUMBER: _ClassVar[int]
     CALLER_ADMIN_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    L3_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     used_bytes: int
     blocks: int
@@ -392,4 +393,49 @@ class GetStatsResponse(_message.Message):
     caller_uid: int
     caller_admin: bool
     corrupt_blocks: int
-    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ...) -> None: ...
+    l3: L3Stats
+    def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ...) -> None: ...
+
+class L3Stats(_message.Message):
+    __slots__ = ("enabled", "lookup_hits", "lookup_misses", "lookup_errors", "fetches", "fetched_blocks", "fetch_errors", "corrupt_values", "promoted_blocks", "writes", "write_errors", "dropped_writes", "skipped_writes", "write_queue_bytes", "write_queue_blocks", "bytes_in", "bytes_out", "fetch_latency_samples", "fetch_p50_us", "fetch_p99_us")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_QUEUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_LATENCY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_P50_US_FIELD_NUMBER: _ClassVar[int]
+    FETCH_P99_US_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    lookup_hits: int
+    lookup_misses: int
+    lookup_errors: int
+    fetches: int
+    fetched_blocks: int
+    fetch_errors: int
+    corrupt_values: int
+    promoted_blocks: int
+    writes: int
+    write_errors: int
+    dropped_writes: int
+    skipped_writes: int
+    write_queue_bytes: int
+    write_queue_blocks: int
+    bytes_in: int
+    bytes_out: int
+    fetch_latency_samples: int
+    fetch_p50_us: int
+    fetch_p99_us: int
+    def __init__(self, enabled: _Optional[bool] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_errors: _Optional[int] = ..., fetches: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetch_errors: _Optional[int] = ..., corrupt_values: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., skipped_writes: _Optional[int] = ..., write_queue_bytes: _Optional[int] = ..., write_queue_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetch_latency_samples: _Optional[int] = ..., fetch_p50_us: _Optional[int] = ..., fetch_p99_us: _Optional[int] = ...) -> None: ...
