@@ -39,14 +39,25 @@ using DU16F = hn::ScalableTag<uint16_t>;  // full width: twice the lanes of DF
 #define HIQ_HW_F16_DEMOTE 0
 #endif
 
-// Rows ahead of the current one whose cache lines are prefetched. Rows are gathered from (or
-// scattered to) arbitrary slots, which the hardware prefetchers cannot predict; without this a
-// single thread waits on DRAM latency at the start of every row. The prefetches go to L2
-// (locality hint 2, prefetcht1): on Zen 4, prefetching into L1 (prefetcht0) of the same rows
-// gained little (0.55x -> 0.6x memcpy single-threaded encode) where L2 reached 0.85x-0.9x, and
-// 1.2x -> 1.5x for decode.
+// Rows ahead of the current one whose cache lines are prefetched (decode, and encode rows with
+// too many heads for a batch). Rows are scattered to arbitrary slots, which the hardware
+// prefetchers cannot predict. The prefetches go to L2 (locality hint 2, prefetcht1). On the
+// Zen 4 VM of 2026-12-01 the distance (1-16 rows, or no prefetch) made no measurable difference
+// to decode, which is bound there by its stores' read-for-ownership traffic.
 constexpr uint32_t kPrefetchRows = 2;
 constexpr int kPrefetchLocality = 2;
+
+// Encode works on batches of rows of about kEncodeBatchBytes of input (4 Qwen3-8B rows), at
+// most kEncodeBatchMaxRows rows and kEncodeBatchMaxHeads heads: first the amax of every head of
+// the batch (its loads are independent, so their DRAM and TLB misses overlap), then the
+// prefetch of the next batch, then the codes of this batch from the now cached elements while
+// the next one arrives. On the Zen 4 VM (4 KiB pages, shuffled rows, one thread) codec_bench's
+// encode took 48-53 ms of CPU time one row at a time whatever the prefetch distance (1-16 rows
+// ahead, or none: the prefetches issued there did not help), 38-39 ms with 8-row batches alone,
+// 29-31 ms with 4-row batches and the next batch prefetched between the passes.
+constexpr size_t kEncodeBatchBytes = 8 << 10;
+constexpr uint32_t kEncodeBatchMaxRows = 16;
+constexpr uint32_t kEncodeBatchMaxHeads = 256;
 
 // Loads Lanes(DF) BF16/FP16 elements as f32 (exact).
 template <DType kDType>
@@ -258,17 +269,21 @@ HWY_INLINE bool EncodeRowT(const RowFormat& fmt, const StridedView& view, uint32
   int8_t* codes = reinterpret_cast<int8_t*>(dst);
   uint8_t* scales = dst + fmt.ElementsPerRow();
   uint32_t amax[kGroup];
+  // Head h at row_base + h * head_stride: the row's offset (a division for paged views) once per
+  // row, not once per head (the code stores may alias the view, so it would be recomputed).
+  const uint8_t* row_base = view.Head(row, 0);
+  const uint64_t head_stride = view.head_stride;
   for (uint32_t h0 = 0; h0 < fmt.num_heads; h0 += kGroup) {
     const uint32_t h1 = std::min(fmt.num_heads, h0 + kGroup);
     uint32_t worst = 0;
     for (uint32_t h = h0; h < h1; ++h) {
-      amax[h - h0] = HeadAmaxBits(view.Head(row, h), d);
+      amax[h - h0] = HeadAmaxBits(row_base + h * head_stride, d);
       worst = std::max(worst, amax[h - h0]);
     }
     if (worst >= InfBits(kDType)) return false;
     for (uint32_t h = h0; h < h1; ++h) {
       const uint16_t s_bits = ScaleBf16FromAmaxBits(static_cast<uint16_t>(amax[h - h0]), kDType);
-      QuantizeHead<kDType>(view.Head(row, h), d, Bf16ToFloat(s_bits),
+      QuantizeHead<kDType>(row_base + h * head_stride, d, Bf16ToFloat(s_bits),
                            codes + static_cast<size_t>(h) * d);
       std::memcpy(scales + 2 * h, &s_bits, 2);
     }
@@ -287,14 +302,68 @@ HWY_INLINE void DecodeRowT(const RowFormat& fmt, const uint8_t* src, const Strid
   }
 }
 
+// Rows per encode batch for `fmt` (see kEncodeBatchBytes); 0 when a row has too many heads for
+// the batch's amax buffer (then rows go one at a time).
+inline uint32_t EncodeBatchRows(const RowFormat& fmt) {
+  if (fmt.num_heads == 0 || fmt.num_heads > kEncodeBatchMaxHeads) return 0;
+  const size_t by_bytes = kEncodeBatchBytes / std::max<size_t>(1, fmt.InputRowBytes());
+  const size_t by_heads = kEncodeBatchMaxHeads / fmt.num_heads;
+  return static_cast<uint32_t>(
+      std::max<size_t>(1, std::min<size_t>({by_bytes, by_heads, kEncodeBatchMaxRows})));
+}
+
 template <DType kDType>
 bool EncodeRowsT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                  uint32_t num_rows, uint8_t* dst) {
   const size_t row_bytes = fmt.RowBytes();
+  const uint32_t batch = EncodeBatchRows(fmt);
   bool finite = true;
-  for (uint32_t t = 0; t < num_rows; ++t) {
-    if (t + kPrefetchRows < num_rows) PrefetchRow<false>(fmt, view, rows[t + kPrefetchRows]);
-    finite &= EncodeRowT<kDType>(fmt, view, rows[t], dst + t * row_bytes);
+  if (batch == 0) {
+    for (uint32_t t = 0; t < num_rows; ++t) {
+      if (t + kPrefetchRows < num_rows) PrefetchRow<false>(fmt, view, rows[t + kPrefetchRows]);
+      finite &= EncodeRowT<kDType>(fmt, view, rows[t], dst + t * row_bytes);
+    }
+    return finite;
+  }
+  const uint32_t heads = fmt.num_heads;
+  const uint32_t d = fmt.head_dim;
+  const uint64_t head_stride = view.head_stride;
+  uint32_t amax[kEncodeBatchMaxHeads];           // [row of the batch][head]
+  const uint8_t* row_base[kEncodeBatchMaxRows];  // as in EncodeRowT
+  for (uint32_t t0 = 0; t0 < num_rows; t0 += batch) {
+    const uint32_t n = std::min(batch, num_rows - t0);
+    uint32_t worst = 0;
+    for (uint32_t r = 0; r < n; ++r) {
+      row_base[r] = view.Head(rows[t0 + r], 0);
+      for (uint32_t h = 0; h < heads; ++h) {
+        const uint32_t a = HeadAmaxBits(row_base[r] + h * head_stride, d);
+        amax[r * heads + h] = a;
+        worst = std::max(worst, a);
+      }
+    }
+    const uint32_t next = t0 + n;
+    for (uint32_t t = next; t < std::min(num_rows, next + batch); ++t) {
+      PrefetchRow<false>(fmt, view, rows[t]);
+    }
+    if (worst >= InfBits(kDType)) {
+      // A NaN or Inf: the rows one by one, as EncodeRowT stops at the first non-finite group.
+      for (uint32_t t = t0; t < next; ++t) {
+        finite &= EncodeRowT<kDType>(fmt, view, rows[t], dst + t * row_bytes);
+      }
+      continue;
+    }
+    for (uint32_t r = 0; r < n; ++r) {
+      uint8_t* out = dst + (t0 + r) * row_bytes;
+      int8_t* codes = reinterpret_cast<int8_t*>(out);
+      uint8_t* scales = out + fmt.ElementsPerRow();
+      for (uint32_t h = 0; h < heads; ++h) {
+        const uint16_t s_bits =
+            ScaleBf16FromAmaxBits(static_cast<uint16_t>(amax[r * heads + h]), kDType);
+        QuantizeHead<kDType>(row_base[r] + h * head_stride, d, Bf16ToFloat(s_bits),
+                             codes + static_cast<size_t>(h) * d);
+        std::memcpy(scales + 2 * h, &s_bits, 2);
+      }
+    }
   }
   return finite;
 }
@@ -328,6 +397,12 @@ void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view
   }
 }
 
+// Whether a RAW row of `view` is one run of bytes, its heads back to back (as stored): then one
+// memcpy moves the row instead of one per head.
+inline bool RawRowContiguous(const RowFormat& fmt, const StridedView& view) {
+  return fmt.num_heads <= 1 || view.head_stride == static_cast<uint64_t>(fmt.head_dim) * 2;
+}
+
 // Encodes rows[0..num_rows) of `view` into consecutive stored rows at `dst`; false when an
 // INT8, FP8 or INT4 row held NaN or Inf.
 bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
@@ -339,6 +414,13 @@ bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* r
     return EncodeRowsInt4Simd(fmt, view, rows, num_rows, dst);
   }
   if (fmt.codec == CodecKind::kRaw) {
+    if (RawRowContiguous(fmt, view)) {
+      const size_t bytes = fmt.RowBytes();
+      for (uint32_t t = 0; t < num_rows; ++t) {
+        std::memcpy(dst + t * bytes, view.Head(rows[t], 0), bytes);
+      }
+      return true;
+    }
     for (uint32_t t = 0; t < num_rows; ++t) {
       EncodeRowReference(fmt, view, rows[t], dst + t * fmt.RowBytes());
     }
@@ -358,6 +440,13 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
     return DecodeRowsInt4Simd(fmt, src, view, rows, num_rows);
   }
   if (fmt.codec == CodecKind::kRaw) {
+    if (RawRowContiguous(fmt, view)) {
+      const size_t bytes = fmt.RowBytes();
+      for (uint32_t t = 0; t < num_rows; ++t) {
+        std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
+      }
+      return;
+    }
     for (uint32_t t = 0; t < num_rows; ++t) {
       DecodeRowReference(fmt, src + t * fmt.RowBytes(), view, rows[t]);
     }
@@ -412,8 +501,7 @@ uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned thr
   const uint32_t min_rows = static_cast<uint32_t>(
       std::max<size_t>(1, kMinItemBytes / std::max<size_t>(1, lay.row.InputRowBytes())));
   uint32_t per_item = std::max<uint32_t>(1, std::min(kRowsPerItem, lay.block_tokens));
-  while (per_item > min_rows &&
-         planes * ((lay.block_tokens + per_item - 1) / per_item) < want) {
+  while (per_item > min_rows && planes * ((lay.block_tokens + per_item - 1) / per_item) < want) {
     per_item = std::max(min_rows, per_item / 2);
   }
   return per_item;
@@ -486,8 +574,7 @@ void CpuCodec::DecodeLayer(const DecodeJob& job, uint32_t layer) {
 void CpuCodec::Decode(const DecodeJob& job) {
   const BlockLayout& lay = job.layout;
   if (job.num_blocks == 0 || lay.num_layers == 0) return;
-  const uint32_t per_item =
-      DecodeRowsPerItem(lay, job.num_blocks * lay.num_layers, threads());
+  const uint32_t per_item = DecodeRowsPerItem(lay, job.num_blocks * lay.num_layers, threads());
   const uint32_t chunks = (lay.block_tokens + per_item - 1) / per_item;
   const size_t per_layer = static_cast<size_t>(job.num_blocks) * lay.kv_planes * chunks;
   pool_->ParallelFor(per_layer * lay.num_layers, [&](size_t item) {
