@@ -78,13 +78,18 @@ struct BenchData {
     return static_cast<size_t>(blocks) * pool.layout().num_layers * pool.layout().kv_planes *
            kBlockTokens * pool.row_format().InputRowBytes();
   }
-  EncodeJob Encode(uint32_t blocks) {
-    EncodeJob job = testutil::MakeEncodeJob(pool, rows, encoded, nonfinite);
+  // The INT8 job, or another codec's: RAW into `raw`, FP8 (INT8's row size) and INT4 (smaller
+  // rows) into `encoded`, which every decode benchmark therefore encodes itself before timing.
+  EncodeJob Encode(uint32_t blocks, CodecKind codec = CodecKind::kInt8PerHead) {
+    EncodeJob job =
+        testutil::MakeEncodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded, nonfinite);
+    job.layout.row.codec = codec;
     job.num_blocks = blocks;
     return job;
   }
-  DecodeJob Decode(uint32_t blocks) {
-    DecodeJob job = testutil::MakeDecodeJob(pool, rows, encoded);
+  DecodeJob Decode(uint32_t blocks, CodecKind codec = CodecKind::kInt8PerHead) {
+    DecodeJob job = testutil::MakeDecodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded);
+    job.layout.row.codec = codec;
     job.num_blocks = blocks;
     return job;
   }
@@ -174,6 +179,75 @@ void BM_Decode(benchmark::State& state) {
   state.SetLabel(CpuCodec::TargetName());
 }
 
+// The other codecs through the same executor: RAW (the bit-exact control: a copy of the gathered
+// rows into the block layout), FP8 E4M3 (INT8's row format, other arithmetic) and INT4 (groups
+// of 32, 576-byte rows for 8x128).
+void BM_EncodeCodec(benchmark::State& state, CodecKind codec) {
+  BenchData& d = Data();
+  CpuCodec codec_threads(static_cast<unsigned>(state.range(0)));
+  const EncodeJob job = d.Encode(kBlocks, codec);
+  for (auto _ : state) {
+    codec_threads.Encode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(CpuCodec::TargetName());
+}
+
+void BM_DecodeCodec(benchmark::State& state, CodecKind codec) {
+  BenchData& d = Data();
+  CpuCodec codec_threads(static_cast<unsigned>(state.range(0)));
+  codec_threads.Encode(d.Encode(kBlocks, codec));
+  const DecodeJob job = d.Decode(kBlocks, codec);
+  for (auto _ : state) {
+    codec_threads.Decode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(CpuCodec::TargetName());
+}
+
+// What the daemon runs per HOST sub-task at its default size (16 MiB of input = one Qwen3-8B
+// block): one block per call, a different one each time (DRAM-sized as above). by_layer:1
+// decodes layer by layer (DecodeLayer, the request's last sub-task, which signals layer events),
+// by_layer:0 in one call (Decode, every other sub-task); the encode is one Encode call.
+void BM_DecodeOneBlock(benchmark::State& state) {
+  BenchData& d = Data();
+  CpuCodec codec(static_cast<unsigned>(state.range(0)));
+  const bool by_layer = state.range(1) != 0;
+  codec.Encode(d.Encode(kBlocks));
+  DecodeJob job = d.Decode(1);
+  uint32_t b = 0;
+  for (auto _ : state) {
+    job.blocks = d.encoded.ptrs() + b;
+    job.rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
+    if (by_layer) {
+      for (uint32_t l = 0; l < job.layout.num_layers; ++l) codec.DecodeLayer(job, l);
+    } else {
+      codec.Decode(job);
+    }
+    benchmark::ClobberMemory();
+    b = (b + 1) % kBlocks;
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(1)));
+}
+
+void BM_EncodeOneBlock(benchmark::State& state) {
+  BenchData& d = Data();
+  CpuCodec codec(static_cast<unsigned>(state.range(0)));
+  EncodeJob job = d.Encode(1);
+  uint32_t b = 0;
+  for (auto _ : state) {
+    job.blocks = d.encoded.ptrs() + b;
+    job.rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
+    job.nonfinite = d.nonfinite + b;
+    codec.Encode(job);
+    benchmark::ClobberMemory();
+    b = (b + 1) % kBlocks;
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(1)));
+}
+
 void BM_EncodeReference(benchmark::State& state) {
   BenchData& d = Data();
   const EncodeJob job = d.Encode(kReferenceBlocks);
@@ -243,10 +317,47 @@ void ThreadArgs(benchmark::internal::Benchmark* b) {
   if (AllThreads() > 1) b->Arg(AllThreads());
 }
 
+void ThreadAndLayerArgs(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"threads", "by_layer"});
+  for (int64_t by_layer : {0, 1}) {
+    b->Args({1, by_layer});
+    if (AllThreads() > 1) b->Args({AllThreads(), by_layer});
+  }
+}
+
 BENCHMARK(BM_MemcpyFlat)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MemcpyRows)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Encode)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Decode)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Raw, CodecKind::kRaw)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Raw, CodecKind::kRaw)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Fp8, CodecKind::kFp8E4m3PerHead)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Fp8, CodecKind::kFp8E4m3PerHead)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int4, CodecKind::kInt4G32PerHead)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int4, CodecKind::kInt4G32PerHead)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EncodeOneBlock)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeOneBlock)
+    ->Apply(ThreadAndLayerArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_EncodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeHot)->Unit(benchmark::kMicrosecond);
@@ -303,6 +414,22 @@ void PrintSummary(const CollectingReporter& rep) {
   std::printf("  encode 1T       %7.2f   decode 1T      %7.2f\n", enc1, dec1);
   std::printf("  encode %uT       %7.2f   decode %uT      %7.2f\n", AllThreads(), encn,
               AllThreads(), decn);
+  for (const char* c : {"Raw", "Fp8", "Int4"}) {
+    const std::string e = std::string("BM_EncodeCodec/") + c + "/";
+    const std::string dn = std::string("BM_DecodeCodec/") + c + "/";
+    std::printf(
+        "  %-4s encode 1T    %7.2f   decode 1T      %7.2f   encode / decode %uT %5.2f / %5.2f\n", c,
+        rep.Median(e + "threads:1"), rep.Median(dn + "threads:1"), AllThreads(),
+        rep.Median(e + all), rep.Median(dn + all));
+  }
+  std::printf(
+      "  one block per call (a default HOST sub-task): encode 1T %5.2f %uT %5.2f   decode 1T %5.2f "
+      "%uT %5.2f   decode by layer 1T %5.2f %uT %5.2f\n",
+      rep.Median("BM_EncodeOneBlock/threads:1"), AllThreads(),
+      rep.Median("BM_EncodeOneBlock/" + all), rep.Median("BM_DecodeOneBlock/threads:1/by_layer:0"),
+      AllThreads(), rep.Median("BM_DecodeOneBlock/" + all + "/by_layer:0"),
+      rep.Median("BM_DecodeOneBlock/threads:1/by_layer:1"), AllThreads(),
+      rep.Median("BM_DecodeOneBlock/" + all + "/by_layer:1"));
   std::printf("  reference encode 1T %5.2f   reference decode 1T %5.2f\n", encr, decr);
   std::printf("  L2-resident (compute only): encode 1T %5.2f   decode 1T %5.2f\n",
               rep.Median("BM_EncodeHot"), rep.Median("BM_DecodeHot"));
@@ -312,6 +439,13 @@ void PrintSummary(const CollectingReporter& rep) {
   std::printf("decode/memcpy_flat = %.2f\n", ratio(dec1, flat1));
   std::printf("encode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(encn, memcpyn));
   std::printf("decode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(decn, memcpyn));
+  for (const char* c : {"Raw", "Fp8", "Int4"}) {
+    const std::string e = std::string("BM_EncodeCodec/") + c + "/threads:1";
+    const std::string dn = std::string("BM_DecodeCodec/") + c + "/threads:1";
+    std::printf("%s_encode/memcpy = %.2f   %s_decode/memcpy = %.2f   (flat: %.2f / %.2f)\n", c,
+                ratio(rep.Median(e), memcpy1), c, ratio(rep.Median(dn), memcpy1),
+                ratio(rep.Median(e), flat1), ratio(rep.Median(dn), flat1));
+  }
   std::printf("reference_encode/memcpy = %.2f\n", ratio(encr, memcpy1));
   std::printf("reference_decode/memcpy = %.2f\n", ratio(decr, memcpy1));
   std::printf("target: encode/memcpy >= 0.80 and decode/memcpy >= 0.80 (single thread)\n");

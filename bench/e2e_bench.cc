@@ -3,13 +3,18 @@
 // the same bytes measured in the same run; Lookup latency p50/p99; the RPC share of a restore.
 //
 // Usage: e2e_bench [--tokens N] [--reps N] [--pool-bytes SIZE] [--target ADDR]
-// Without --target it starts its own daemon (path compiled in) on a temporary socket.
+//                  [--daemon-arg=FLAG]...
+// Without --target it starts its own daemon (path compiled in) on a temporary socket, with every
+// --daemon-arg=FLAG appended to its command line (e.g. --daemon-arg=--transfer-chunk-bytes=1GiB),
+// and also reports the daemon's CPU time over each operation's wall time ("daemon cores").
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +39,23 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 
+// utime + stime of process `pid` in seconds (/proc/<pid>/stat), or -1 when unreadable.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (pid <= 0 || !std::getline(in, line)) return -1;
+  const size_t close = line.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  return double(utime + stime) / double(::sysconf(_SC_CLK_TCK));
+}
+
 uint16_t Bf16(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
@@ -45,12 +67,19 @@ uint16_t Bf16(float f) {
 int main(int argc, char** argv) {
   uint32_t tokens = 2048, reps = 7;
   std::string pool_bytes = "2GiB", target;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string a = argv[i];
-    if (a == "--tokens") tokens = static_cast<uint32_t>(std::stoul(argv[i + 1]));
-    else if (a == "--reps") reps = static_cast<uint32_t>(std::stoul(argv[i + 1]));
-    else if (a == "--pool-bytes") pool_bytes = argv[i + 1];
-    else if (a == "--target") target = argv[i + 1];
+  std::vector<std::string> daemon_args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--daemon-arg=", 0) == 0) {
+      daemon_args.push_back(a.substr(std::strlen("--daemon-arg=")));
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    const char* v = argv[++i];
+    if (a == "--tokens") tokens = static_cast<uint32_t>(std::stoul(v));
+    else if (a == "--reps") reps = static_cast<uint32_t>(std::stoul(v));
+    else if (a == "--pool-bytes") pool_bytes = v;
+    else if (a == "--target") target = v;
   }
   const uint32_t block_tokens = 64;
   tokens = tokens / block_tokens * block_tokens;
@@ -58,7 +87,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<hiqcache::testing::DaemonProcess> daemon;
   if (target.empty()) {
-    daemon = std::make_unique<hiqcache::testing::DaemonProcess>(pool_bytes);
+    daemon = std::make_unique<hiqcache::testing::DaemonProcess>(pool_bytes, daemon_args);
     if (!daemon->Start()) {
       std::fprintf(stderr, "e2e_bench: hiqcached did not start\n");
       return 1;
@@ -100,6 +129,9 @@ int main(int argc, char** argv) {
   std::memset(b.data(), 2, b.size());
 
   std::vector<double> t_memcpy, t_backup, t_restore, t_lookup;
+  // The daemon's CPU seconds per operation (its own daemon only; 10 ms ticks).
+  const pid_t dpid = daemon ? daemon->pid() : -1;
+  double cpu_backup = 0, cpu_restore = 0, wall_backup = 0, wall_restore = 0;
   std::vector<uint32_t> token_ids(tokens);
   for (uint32_t rep = 0; rep < reps; ++rep) {
     auto t0 = Clock::now();
@@ -108,16 +140,22 @@ int main(int argc, char** argv) {
 
     for (uint32_t i = 0; i < tokens; ++i) token_ids[i] = rep * 1000003u + i;
     auto keys = hiqcache::ComputeBlockKeys(token_ids, block_tokens, "e2e");
+    double c0 = CpuSeconds(dpid);
     t0 = Clock::now();
     auto br = (*client)->Backup(*pool, keys, src_rows);
     t_backup.push_back(Seconds(Clock::now() - t0));
+    cpu_backup += CpuSeconds(dpid) - c0;
+    wall_backup += t_backup.back();
     if (!br.status.ok() || br.held() != blocks) {
       std::fprintf(stderr, "backup failed: %s\n", br.status.ToString().c_str());
       return 1;
     }
+    c0 = CpuSeconds(dpid);
     t0 = Clock::now();
     auto rr = (*client)->Restore(*pool, keys, dst_rows);
     t_restore.push_back(Seconds(Clock::now() - t0));
+    cpu_restore += CpuSeconds(dpid) - c0;
+    wall_restore += t_restore.back();
     if (!rr.status.ok() || rr.restored_blocks != blocks) {
       std::fprintf(stderr, "restore failed: %s\n", rr.status.ToString().c_str());
       return 1;
@@ -150,6 +188,10 @@ int main(int argc, char** argv) {
               gb / bk, m / bk);
   std::printf("  Restore (sync, e2e)       %7.2f GB/s BF16-equivalent  = %.2fx memcpy\n",
               gb / rs, m / rs);
+  if (dpid > 0 && wall_backup > 0 && wall_restore > 0) {
+    std::printf("  daemon cores (CPU time / wall, all runs): Backup %.2f  Restore %.2f\n",
+                cpu_backup / wall_backup, cpu_restore / wall_restore);
+  }
   std::printf("  Lookup (%u keys)          p50 %.1f us  p99 %.1f us\n", blocks,
               Percentile(t_lookup, 0.5) * 1e6, Percentile(t_lookup, 0.99) * 1e6);
   std::printf("  empty Restore RPC         p50 %.1f us = %.2f%% of the %u-token restore\n",
