@@ -1,16 +1,20 @@
 #include "redis_cluster.h"
 
 #include <hiredis/hiredis.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 
 #include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <charconv>
 #include <map>
 #include <thread>
+#include <utility>
 
 namespace hiqcache::server::l3 {
 namespace {
@@ -120,10 +124,126 @@ struct Request {
   std::vector<std::string_view> argv;
 };
 
+// A reply to a pipelined command. GET, EXISTS, SET, DEL and ASKING answer with a simple
+// string, an error, an integer or a bulk string (nil included), never an array.
+struct Reply {
+  int type = REDIS_REPLY_NIL;  // REDIS_REPLY_STATUS, _ERROR, _INTEGER, _STRING or _NIL
+  long long integer = 0;
+  std::string str;  // status and error text, bulk string
+};
+
 struct Response {
   Status status = Unavailable("not sent");
-  ReplyPtr reply;
+  Reply reply;
 };
+
+// Incremental RESP2 parser of the replies of a pipelined round, fed at any byte boundary. Its
+// own rather than hiredis's reader, so that a large bulk string is received straight into the
+// std::string the caller gets (hiredis would gather it in its buffer, then copy it into a reply
+// object, which the caller copies again: with multi-megabyte values, three fresh copies).
+class ReplyParser {
+ public:
+  // Consumes from `data` until a reply is complete or `data` is used up; returns the bytes
+  // used. `*done` says whether a reply is complete (Take() it); an error means the stream is out of step.
+  StatusOr<size_t> Feed(std::string_view data, bool* done) {
+    *done = false;
+    size_t used = 0;
+    while (used < data.size() && !*done) {
+      if (state_ == kHeader) {
+        const size_t nl = data.find('\n', used);
+        const size_t end = nl == std::string_view::npos ? data.size() : nl + 1;
+        line_.append(data.substr(used, end - used));
+        used = end;
+        if (line_.size() > kMaxLine) return Internal("l3: reply line too long");
+        if (nl != std::string_view::npos) HIQ_RETURN_IF_ERROR(Header(done));
+      } else if (state_ == kBody) {
+        const size_t n = std::min(data.size() - used, reply_.str.size() - have_);
+        std::memcpy(reply_.str.data() + have_, data.data() + used, n);
+        have_ += n;
+        used += n;
+        if (have_ == reply_.str.size()) state_ = kCrlf;
+      } else {  // kCrlf
+        if (data[used] != "\r\n"[crlf_]) return Internal("l3: bulk string not ended by CRLF");
+        ++used;
+        if (++crlf_ == 2) Finish(done);
+      }
+    }
+    return used;
+  }
+  // Inside a bulk string's bytes: where the rest of them go, and how many are left (so that
+  // the caller can receive them in place).
+  char* body() { return reply_.str.data() + have_; }
+  size_t body_left() const { return state_ == kBody ? reply_.str.size() - have_ : 0; }
+  void BodyReceived(size_t n) {
+    have_ += n;
+    if (have_ == reply_.str.size()) state_ = kCrlf;
+  }
+  Reply Take() { return std::exchange(reply_, Reply()); }
+
+ private:
+  static constexpr size_t kMaxLine = 64 << 10;
+  static constexpr long long kMaxBulk = 1ll << 32;
+  enum State { kHeader, kBody, kCrlf };
+
+  Status Header(bool* done) {
+    if (line_.size() < 3 || line_[line_.size() - 2] != '\r') {
+      return Internal("l3: malformed reply line");
+    }
+    const std::string_view text(line_.data() + 1, line_.size() - 3);
+    long long v = 0;
+    const auto number = [&]() {
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      return ec == std::errc() && end == text.data() + text.size();
+    };
+    switch (line_[0]) {
+      case '+':
+      case '-':
+        reply_.type = line_[0] == '+' ? REDIS_REPLY_STATUS : REDIS_REPLY_ERROR;
+        reply_.str.assign(text);
+        Finish(done);
+        return Status::Ok();
+      case ':':
+        if (!number()) return Internal("l3: malformed integer reply");
+        reply_.type = REDIS_REPLY_INTEGER;
+        reply_.integer = v;
+        Finish(done);
+        return Status::Ok();
+      case '$':
+        if (!number() || v < -1 || v > kMaxBulk) return Internal("l3: malformed bulk length");
+        if (v == -1) {
+          reply_.type = REDIS_REPLY_NIL;
+          Finish(done);
+          return Status::Ok();
+        }
+        reply_.type = REDIS_REPLY_STRING;
+        reply_.str.resize(static_cast<size_t>(v));
+        have_ = 0;
+        crlf_ = 0;
+        line_.clear();
+        state_ = v == 0 ? kCrlf : kBody;
+        return Status::Ok();
+      default:
+        return Internal("l3: unexpected reply type byte " + std::to_string(int(line_[0])));
+    }
+  }
+  void Finish(bool* done) {
+    line_.clear();
+    state_ = kHeader;
+    *done = true;
+  }
+
+  State state_ = kHeader;
+  std::string line_;
+  size_t have_ = 0;
+  int crlf_ = 0;
+  Reply reply_;
+};
+
+// Bytes one recv of a pipelined round reads into the parser (bulk strings past a chunk are
+// received in place).
+constexpr size_t kReadChunk = 256 << 10;
+// GETs a node has in flight before the size of the call's values is known.
+constexpr size_t kFirstGetWindow = 2;
 
 }  // namespace
 
@@ -157,6 +277,7 @@ struct RedisCluster::Impl {
   Clock::time_point last_refresh{};
   size_t refresh_cursor = 0;
   RedisClusterStats stats;
+  std::vector<char> read_buf;  // what one recv of a pipelined round takes (kReadChunk)
 
   Impl() { slot_owner.fill(-1); }
 
@@ -359,122 +480,257 @@ struct RedisCluster::Impl {
     }
   }
 
+  // One node's part of a round of Execute: its requests in order, a prefix of them written and a
+  // shorter prefix answered; at most a window of them is in flight at once.
+  struct Flight {
+    int node = -1;
+    std::vector<size_t> idx;       // requests, in the order sent
+    size_t sent = 0;               // idx[0, sent) written
+    size_t answered = 0;           // idx[0, answered) answered (or put back)
+    bool asking_answered = false;  // ASKING's +OK of idx[answered] read
+    bool open = true;              // the connection is usable
+    Millis io{0};                  // no byte for this long: the round trip timed out
+    Clock::time_point progress{};  // last byte received, or the window (re)opened
+    ReplyParser parser;
+  };
+
+  // Per-call state of Execute.
+  struct Call {
+    std::span<const Request> reqs;
+    std::vector<Response> out;
+    std::vector<int> attempts;
+    std::vector<int> ask_node;
+    std::vector<char> sent_asking;  // ASKING went before the request's last send
+    std::vector<size_t> pending;
+    size_t first_window = 0;
+    size_t largest_reply = 0;  // bytes of the largest string reply so far
+  };
+
+  // Requests a node has in flight: `first_window` until a reply's size is known, then as many as
+  // fit in options.pipeline_bytes of the largest reply seen, but never fewer than 2, so that the
+  // node prepares the next reply while the current one is on the wire.
+  size_t Window(const Call& call) const {
+    if (call.largest_reply == 0) return std::max<size_t>(call.first_window, 1);
+    return std::max<size_t>(2, options.pipeline_bytes / call.largest_reply);
+  }
+
+  // `f`'s connection failed: drop it and put its unanswered requests back for the next round
+  // (the map may name a promoted replica by then; else they fail with the node's state).
+  void Lose(Call& call, Flight& f, bool timed_out, const Status& lost) {
+    Disconnect(*nodes[f.node], timed_out);
+    f.open = false;
+    for (size_t k = f.answered; k < f.idx.size(); ++k) {
+      const size_t i = f.idx[k];
+      call.out[i].status = lost;
+      if (++call.attempts[i] <= options.max_redirects) call.pending.push_back(i);
+    }
+    f.answered = f.idx.size();
+  }
+
+  // Writes `f`'s next requests until its window is full. False when the connection failed.
+  bool TopUp(Call& call, Flight& f) {
+    Node& n = *nodes[f.node];
+    const size_t until = std::min(f.idx.size(), f.answered + Window(call));
+    if (f.sent >= until) return true;
+    const bool was_idle = f.sent == f.answered;
+    for (; f.sent < until; ++f.sent) {
+      const size_t i = f.idx[f.sent];
+      call.sent_asking[i] = call.ask_node[i] >= 0;
+      call.ask_node[i] = -1;
+      if (call.sent_asking[i]) {
+        const char* asking = "ASKING";
+        const size_t len = 6;
+        redisAppendCommandArgv(n.ctx.get(), 1, &asking, &len);
+        ++stats.commands;
+      }
+      std::vector<const char*> argv;
+      std::vector<size_t> lens;
+      for (auto a : call.reqs[i].argv) {
+        argv.push_back(a.data());
+        lens.push_back(a.size());
+      }
+      redisAppendCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data());
+      ++stats.commands;
+    }
+    int done = 0;
+    while (!done && redisBufferWrite(n.ctx.get(), &done) == REDIS_OK) {
+    }
+    if (!done) {
+      const bool timed_out = TimedOut();
+      Lose(call, f, timed_out, Unavailable("l3: " + n.addr + ": " + n.ctx->errstr));
+      return false;
+    }
+    if (was_idle) f.progress = Clock::now();  // nothing was in flight: the reply timer starts
+    return true;
+  }
+
+  // Reads what `f`'s socket holds (poll said it is readable) and sorts the replies it completes.
+  void ReadSome(Call& call, Flight& f) {
+    Node& n = *nodes[f.node];
+    const size_t in_place = f.parser.body_left();
+    if (read_buf.empty()) read_buf.resize(kReadChunk);
+    char* into = in_place >= kReadChunk ? f.parser.body() : read_buf.data();
+    const size_t room = in_place >= kReadChunk ? in_place : read_buf.size();
+    const ssize_t got = recv(n.ctx->fd, into, room, MSG_DONTWAIT);
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+      Lose(call, f, false, Unavailable("l3: " + n.addr + ": " + std::strerror(errno)));
+      return;
+    }
+    if (got == 0) {
+      Lose(call, f, false, Unavailable("l3: " + n.addr + ": Server closed the connection"));
+      return;
+    }
+    f.progress = Clock::now();
+    if (into != read_buf.data()) {
+      f.parser.BodyReceived(static_cast<size_t>(got));
+      return;
+    }
+    std::string_view data(read_buf.data(), static_cast<size_t>(got));
+    while (!data.empty()) {
+      bool done = false;
+      auto used = f.parser.Feed(data, &done);
+      if (!used.ok() || (done && f.answered >= f.sent)) {  // out of step with the requests
+        Lose(call, f, false,
+             Unavailable("l3: " + n.addr + ": " +
+                         (used.ok() ? std::string("reply to no request")
+                                    : std::string(used.status().message()))));
+        return;
+      }
+      data.remove_prefix(*used);
+      if (!done) break;
+      Reply r = f.parser.Take();
+      const size_t i = f.idx[f.answered];
+      if (call.sent_asking[i] && !f.asking_answered) {  // ASKING's +OK first
+        f.asking_answered = true;
+        continue;
+      }
+      f.asking_answered = false;
+      ++f.answered;
+      if (r.type == REDIS_REPLY_STRING) {
+        call.largest_reply = std::max(call.largest_reply, r.str.size());
+      }
+      Classify(i, std::move(r), call.reqs[i], call.attempts[i], call.ask_node[i], call.out[i],
+               call.pending);
+    }
+    if (f.answered < f.idx.size()) (void)TopUp(call, f);
+  }
+
   // Runs `reqs` to completion, redirections and retries included, by `deadline`. Each round
-  // groups the pending requests by node, sends every node's batch (pipelined), then reads the
-  // replies; MOVED, ASK and a failed node put a request back for the next round.
-  std::vector<Response> Execute(std::span<const Request> reqs, Clock::time_point deadline) {
+  // groups the pending requests by node and runs every node's requests at once: each node gets
+  // a window of requests in flight (`first_window` at first, then what options.pipeline_bytes
+  // allows), topped up as its replies are read, whichever node's arrive first. So the nodes
+  // work in parallel, and no node has more than a window of large values queued for this
+  // client. MOVED, ASK and a failed node put a request back for the next round.
+  std::vector<Response> Execute(std::span<const Request> reqs, Clock::time_point deadline,
+                                size_t first_window) {
     BeginCall();
     SigpipeGuard no_sigpipe;
-    std::vector<Response> out(reqs.size());
-    std::vector<int> attempts(reqs.size(), 0);
-    std::vector<int> ask_node(reqs.size(), -1);
-    std::vector<size_t> pending(reqs.size());
-    for (size_t i = 0; i < reqs.size(); ++i) pending[i] = i;
+    Call call;
+    call.reqs = reqs;
+    call.out.resize(reqs.size());
+    call.attempts.assign(reqs.size(), 0);
+    call.ask_node.assign(reqs.size(), -1);
+    call.sent_asking.assign(reqs.size(), 0);
+    call.first_window = first_window;
+    call.pending.resize(reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) call.pending[i] = i;
 
-    while (!pending.empty()) {
+    while (!call.pending.empty()) {
       if (Left(deadline).count() <= 0) {
-        for (size_t i : pending) out[i].status = DeadlineExceeded("l3: deadline passed");
+        for (size_t i : call.pending) call.out[i].status = DeadlineExceeded("l3: deadline passed");
         break;
       }
       MaybeRefresh(deadline);
       std::map<int, std::vector<size_t>> by_node;
-      for (size_t i : pending) {
-        const int node = ask_node[i] >= 0 ? ask_node[i] : slot_owner[reqs[i].slot];
+      for (size_t i : call.pending) {
+        const int node = call.ask_node[i] >= 0 ? call.ask_node[i] : slot_owner[reqs[i].slot];
         if (node < 0) {
-          out[i].status = Unavailable("l3: slot " + std::to_string(reqs[i].slot) +
-                                      " has no master in the slot map");
+          call.out[i].status = Unavailable("l3: slot " + std::to_string(reqs[i].slot) +
+                                           " has no master in the slot map");
           map_stale = true;
           continue;
         }
         by_node[node].push_back(i);
       }
-      pending.clear();
+      call.pending.clear();
 
-      // Send every node's batch before reading any reply, so the nodes work in parallel.
-      std::vector<int> sent;
+      std::vector<Flight> flights;
       for (auto& [node, idx] : by_node) {
         Node& n = *nodes[node];
-        Status st = Connect(n, deadline);
-        if (st.ok()) {
-          for (size_t i : idx) {
-            if (ask_node[i] >= 0) {
-              const char* asking = "ASKING";
-              const size_t len = 6;
-              redisAppendCommandArgv(n.ctx.get(), 1, &asking, &len);
-              ++stats.commands;
-            }
-            std::vector<const char*> argv;
-            std::vector<size_t> lens;
-            for (auto a : reqs[i].argv) {
-              argv.push_back(a.data());
-              lens.push_back(a.size());
-            }
-            redisAppendCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(),
-                                   lens.data());
-            ++stats.commands;
-          }
-          int done = 0;
-          while (!done && redisBufferWrite(n.ctx.get(), &done) == REDIS_OK) {
-          }
-          if (!done) {  // as a lost connection below: retried
-            const bool timed_out = TimedOut();
-            const Status lost = Unavailable("l3: " + n.addr + ": " + n.ctx->errstr);
-            Disconnect(n, timed_out);
-            for (size_t i : idx) {
-              out[i].status = lost;
-              if (++attempts[i] <= options.max_redirects) pending.push_back(i);
-            }
-            continue;
-          }
-        }
-        if (!st.ok()) {  // down, in backoff, or AUTH refused: this call fails for these keys
-          for (size_t i : idx) out[i].status = st;
+        if (Status st = Connect(n, deadline); !st.ok()) {
+          // Down, in backoff, or AUTH refused: this call fails for these keys.
+          for (size_t i : idx) call.out[i].status = st;
           continue;
         }
-        sent.push_back(node);
+        Flight f;
+        f.node = node;
+        f.idx = std::move(idx);
+        f.io = std::min(options.command_timeout, std::max(Left(deadline), Millis(1)));
+        flights.push_back(std::move(f));
       }
+      for (Flight& f : flights) (void)TopUp(call, f);
 
-      for (int node : sent) {
-        Node& n = *nodes[node];
-        Status lost;  // set once the connection fails: the rest of the batch has no replies
-        for (size_t i : by_node[node]) {
-          const bool asked = ask_node[i] >= 0;
-          ask_node[i] = -1;
-          ReplyPtr r;
-          for (int k = asked ? 2 : 1; k > 0 && lost.ok(); --k) {  // ASKING's +OK first
-            void* raw = nullptr;
-            if (redisGetReply(n.ctx.get(), &raw) != REDIS_OK) {
-              const bool timed_out = TimedOut();
-              lost = Unavailable("l3: " + n.addr + ": " + n.ctx->errstr);
-              Disconnect(n, timed_out);
-              break;
+      std::vector<pollfd> fds;
+      std::vector<Flight*> polled;
+      for (;;) {
+        fds.clear();
+        polled.clear();
+        auto now = Clock::now();
+        auto wake = deadline;
+        for (Flight& f : flights) {
+          if (!f.open || f.answered >= f.sent) continue;
+          fds.push_back(pollfd{nodes[f.node]->ctx->fd, POLLIN, 0});
+          polled.push_back(&f);
+          wake = std::min(wake, f.progress + f.io);
+        }
+        if (fds.empty()) break;
+        if (now >= deadline) {
+          // Out of time with replies outstanding: those connections are out of step. Not the
+          // nodes' fault: no backoff, no refresh.
+          for (Flight* f : polled) {
+            nodes[f->node]->ctx.reset();
+            f->open = false;
+            for (size_t k = f->answered; k < f->idx.size(); ++k) {
+              call.out[f->idx[k]].status = DeadlineExceeded("l3: deadline passed");
             }
-            r.reset(static_cast<redisReply*>(raw));
           }
-          if (!lost.ok()) {
-            // Retried next round: the map may name a promoted replica by then; else the call
-            // fails with the node's state (in backoff).
-            out[i].status = lost;
-            if (++attempts[i] <= options.max_redirects) pending.push_back(i);
-            continue;
+          break;
+        }
+        const auto wait = std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration(0)));
+        const int ready = poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+        if (ready < 0 && errno != EINTR) {
+          const Status lost = Unavailable(std::string("l3: poll: ") + std::strerror(errno));
+          for (Flight* f : polled) Lose(call, *f, false, lost);
+          break;
+        }
+        now = Clock::now();
+        for (size_t k = 0; k < fds.size(); ++k) {
+          Flight& f = *polled[k];
+          if (ready > 0 && fds[k].revents != 0) {
+            ReadSome(call, f);
+          } else if (now >= f.progress + f.io) {
+            Lose(call, f, true,
+                 Unavailable("l3: " + nodes[f.node]->addr + ": no reply in " +
+                             std::to_string(f.io.count()) + " ms"));
           }
-          Classify(i, std::move(r), reqs[i], attempts[i], ask_node[i], out[i], pending);
         }
       }
+      // Requests of flights that ended early (a lost connection) are back in `pending`.
     }
-    for (const auto& o : out) stats.errors += !o.status.ok();
-    return out;
+    for (const auto& o : call.out) stats.errors += !o.status.ok();
+    return std::move(call.out);
   }
 
   // Sorts one reply: a result, or a redirection that puts request `i` back into `pending`.
-  void Classify(size_t i, ReplyPtr r, const Request& req, int& attempts, int& ask_node,
-                Response& out, std::vector<size_t>& pending) {
-    if (r->type != REDIS_REPLY_ERROR) {
+  void Classify(size_t i, Reply r, const Request& req, int& attempts, int& ask_node, Response& out,
+                std::vector<size_t>& pending) {
+    if (r.type != REDIS_REPLY_ERROR) {
       out.status = Status::Ok();
       out.reply = std::move(r);
       return;
     }
-    const std::string_view err = ReplyText(r.get());
+    const std::string_view err = r.str;
     const bool moved = err.rfind("MOVED ", 0) == 0;
     const bool ask = err.rfind("ASK ", 0) == 0;
     if (moved || ask) {
@@ -528,7 +784,7 @@ struct RedisCluster::Impl {
     Request r;
     r.slot = KeySlot(argv[1]);
     r.argv = std::move(argv);
-    return std::move(Execute(std::span<const Request>(&r, 1), deadline)[0]);
+    return std::move(Execute(std::span<const Request>(&r, 1), deadline, 1)[0]);
   }
 
   std::vector<KeyResult> Multi(std::string_view cmd, std::span<const std::string> keys,
@@ -538,22 +794,24 @@ struct RedisCluster::Impl {
       reqs[i].slot = KeySlot(keys[i]);
       reqs[i].argv = {cmd, keys[i]};
     }
-    std::vector<Response> resp = Execute(reqs, deadline);
-    std::vector<KeyResult> out(keys.size());
     const bool get = cmd == "GET";
+    // EXISTS replies are a few bytes: all of a node's at once. GET values may be megabytes:
+    // a small window until the first one's size is known.
+    std::vector<Response> resp = Execute(reqs, deadline, get ? kFirstGetWindow : reqs.size());
+    std::vector<KeyResult> out(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       Response& r = resp[i];
       if (!r.status.ok()) {
         out[i].status = std::move(r.status);
-      } else if (get && r.reply->type == REDIS_REPLY_STRING) {
+      } else if (get && r.reply.type == REDIS_REPLY_STRING) {
         out[i].found = true;
-        out[i].value.assign(r.reply->str, r.reply->len);
-      } else if (get && r.reply->type == REDIS_REPLY_NIL) {
+        out[i].value = std::move(r.reply.str);
+      } else if (get && r.reply.type == REDIS_REPLY_NIL) {
         out[i].found = false;
-      } else if (!get && r.reply->type == REDIS_REPLY_INTEGER) {
-        out[i].found = r.reply->integer > 0;
+      } else if (!get && r.reply.type == REDIS_REPLY_INTEGER) {
+        out[i].found = r.reply.integer > 0;
       } else {
-        out[i].status = Internal("l3: unexpected reply type " + std::to_string(r.reply->type) +
+        out[i].status = Internal("l3: unexpected reply type " + std::to_string(r.reply.type) +
                                  " to " + std::string(cmd));
       }
     }
@@ -588,16 +846,16 @@ StatusOr<RedisCluster> RedisCluster::Open(RedisClusterOptions options) {
 StatusOr<std::optional<std::string>> RedisCluster::Get(std::string_view key, Deadline deadline) {
   Response r = impl_->One({"GET", key}, impl_->DeadlineOf(deadline));
   if (!r.status.ok()) return r.status;
-  if (r.reply->type == REDIS_REPLY_NIL) return std::optional<std::string>();
-  if (r.reply->type != REDIS_REPLY_STRING) return Internal("l3: GET: unexpected reply type");
-  return std::optional<std::string>(std::string(r.reply->str, r.reply->len));
+  if (r.reply.type == REDIS_REPLY_NIL) return std::optional<std::string>();
+  if (r.reply.type != REDIS_REPLY_STRING) return Internal("l3: GET: unexpected reply type");
+  return std::optional<std::string>(std::move(r.reply.str));
 }
 
 StatusOr<bool> RedisCluster::Exists(std::string_view key, Deadline deadline) {
   Response r = impl_->One({"EXISTS", key}, impl_->DeadlineOf(deadline));
   if (!r.status.ok()) return r.status;
-  if (r.reply->type != REDIS_REPLY_INTEGER) return Internal("l3: EXISTS: unexpected reply type");
-  return r.reply->integer > 0;
+  if (r.reply.type != REDIS_REPLY_INTEGER) return Internal("l3: EXISTS: unexpected reply type");
+  return r.reply.integer > 0;
 }
 
 Status RedisCluster::Set(std::string_view key, std::string_view value, Millis ttl,
@@ -610,15 +868,15 @@ Status RedisCluster::Set(std::string_view key, std::string_view value, Millis tt
   }
   Response r = impl_->One(std::move(argv), impl_->DeadlineOf(deadline));
   if (!r.status.ok()) return r.status;
-  if (r.reply->type != REDIS_REPLY_STATUS) return Internal("l3: SET: unexpected reply type");
+  if (r.reply.type != REDIS_REPLY_STATUS) return Internal("l3: SET: unexpected reply type");
   return Status::Ok();
 }
 
 StatusOr<bool> RedisCluster::Del(std::string_view key, Deadline deadline) {
   Response r = impl_->One({"DEL", key}, impl_->DeadlineOf(deadline));
   if (!r.status.ok()) return r.status;
-  if (r.reply->type != REDIS_REPLY_INTEGER) return Internal("l3: DEL: unexpected reply type");
-  return r.reply->integer > 0;
+  if (r.reply.type != REDIS_REPLY_INTEGER) return Internal("l3: DEL: unexpected reply type");
+  return r.reply.integer > 0;
 }
 
 std::vector<KeyResult> RedisCluster::MultiGet(std::span<const std::string> keys,

@@ -8,9 +8,13 @@
 // at the node named) redirections, at most `max_redirects` per key; a node that fails (refused,
 // reset, timed out) is disconnected, the map refreshed (so a promoted replica takes over its
 // slots), and the node reconnected only after an exponential backoff. Commands: GET, EXISTS,
-// SET (optional PX ttl), DEL, and pipelined multi-key GET / EXISTS grouped by node, every node's
-// batch sent before any reply is read. Every call has a deadline: it returns by then (plus one
-// socket timeout at most), with UNAVAILABLE or DEADLINE_EXCEEDED for what it could not do.
+// SET (optional PX ttl), DEL, and pipelined multi-key GET / EXISTS grouped by node: every node
+// works at once, each with a window of requests in flight (all EXISTS; GETs up to
+// `pipeline_bytes` of values, at least 2), topped up as its replies arrive (poll over the nodes'
+// sockets), so that large values stream without piling up in the servers' output buffers.
+// Every call has a deadline: it returns by then (plus one socket timeout at most; a pipelined
+// read stops at the deadline itself), with UNAVAILABLE or DEADLINE_EXCEEDED for what it could
+// not do.
 // Reads go to masters only, so a value read is the latest write the master acknowledged.
 //
 // A connection the server closed while idle (timeout, CLIENT KILL, restart) is reopened at once;
@@ -55,6 +59,9 @@ struct RedisClusterOptions {
   Millis backoff_min{20};        // after a node's first failure; doubles per failure
   Millis backoff_max{1000};
   Millis min_refresh_interval{50};  // slot map refreshes on errors come at most this often
+  // Multi-key calls keep at most this many reply bytes in flight per node (judged by the
+  // largest value seen so far in the call), and never fewer than 2 requests.
+  size_t pipeline_bytes = 8 << 20;
 };
 
 struct RedisClusterStats {

@@ -227,6 +227,87 @@ TEST_F(ClusterTest, DeadlineIsKept) {
   EXPECT_TRUE(c.Get("dl-0").ok());
 }
 
+// Values from empty to several MiB (bulk strings received in place past the read chunk, binary
+// bytes that look like RESP, missing keys between them) come back whole, with the smallest
+// window (pipeline_bytes 1: two in flight per node) and with a wide one.
+TEST_F(ClusterTest, LargeValuesThroughThePipelineWindow) {
+  std::vector<std::string> keys = Keys("big-", 30);
+  std::vector<std::string> values(keys.size());
+  const size_t sizes[] = {
+      0, 1, 100, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, 3 << 20, (5 << 20) + 7, 64 << 10, 2};
+  {
+    HIQ_OPEN_OR_FAIL(w, OptionsFor(*cluster_));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (i % 5 == 4) continue;  // missing
+      std::string v(sizes[i % std::size(sizes)], '\0');
+      for (size_t j = 0; j < v.size(); ++j) v[j] = "\r\n$-1:+-\x00\xff"[(i + j * 7) % 11];
+      values[i] = v;
+      HIQ_ASSERT_OK(w.Set(keys[i], v, milliseconds(0), Clock::now() + std::chrono::seconds(5)));
+    }
+  }
+  for (size_t pipeline_bytes : {size_t{1}, size_t{64} << 20}) {
+    RedisClusterOptions o = OptionsFor(*cluster_);
+    o.pipeline_bytes = pipeline_bytes;
+    HIQ_OPEN_OR_FAIL(c, o);
+    for (int round = 0; round < 2; ++round) {
+      const uint64_t before = c.stats().commands;
+      const auto got = c.MultiGet(keys, Clock::now() + std::chrono::seconds(5));
+      ASSERT_EQ(got.size(), keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        ASSERT_TRUE(got[i].status.ok()) << keys[i] << ": " << got[i].status.ToString();
+        EXPECT_EQ(got[i].found, i % 5 != 4) << keys[i];
+        EXPECT_TRUE(got[i].value == values[i])
+            << keys[i] << ": " << got[i].value.size() << " bytes, want " << values[i].size();
+      }
+      EXPECT_EQ(c.stats().commands - before, keys.size());  // no retries
+      const auto ex = c.MultiExists(keys);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        ASSERT_TRUE(ex[i].status.ok()) << ex[i].status.ToString();
+        EXPECT_EQ(ex[i].found, i % 5 != 4);
+      }
+    }
+    EXPECT_EQ(c.stats().node_failures, 0u);
+  }
+  HIQ_OPEN_OR_FAIL(d, OptionsFor(*cluster_));
+  for (const auto& k : keys) (void)d.Del(k);
+}
+
+// A deadline that passes while large values are still arriving ends the call then: the values
+// read so far are answered, the rest are DEADLINE_EXCEEDED, and the connections left out of
+// step are reopened by the next call without counting against the nodes.
+TEST_F(ClusterTest, DeadlineEndsALargeMultiGetMidway) {
+  RedisClusterOptions o = OptionsFor(*cluster_);
+  o.command_timeout = milliseconds(5000);  // only the deadline can end the reads
+  HIQ_OPEN_OR_FAIL(c, o);
+  const auto keys = Keys("slow-", 6);
+  const std::string big(16 << 20, 's');
+  for (const auto& k : keys) {
+    HIQ_ASSERT_OK(c.Set(k, big, milliseconds(0), Clock::now() + std::chrono::seconds(10)));
+  }
+  const uint64_t failures = c.stats().node_failures;
+  const auto t0 = Clock::now();
+  const auto got = c.MultiGet(keys, t0 + milliseconds(2));  // 96 MiB cannot arrive in 2 ms
+  const auto took = Clock::now() - t0;
+  EXPECT_LT(took, milliseconds(150));
+  size_t late = 0;
+  for (const auto& r : got) {
+    if (r.status.ok()) {
+      EXPECT_TRUE(r.found && r.value == big);
+    } else {
+      EXPECT_EQ(r.status.code(), StatusCode::kDeadlineExceeded) << r.status.ToString();
+      ++late;
+    }
+  }
+  EXPECT_GT(late, 0u);
+  const auto again = c.MultiGet(keys, Clock::now() + std::chrono::seconds(10));
+  for (const auto& r : again) {
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_TRUE(r.found && r.value == big);
+  }
+  EXPECT_EQ(c.stats().node_failures, failures);
+  for (const auto& k : keys) (void)c.Del(k);
+}
+
 TEST_F(ClusterTest, ReconnectsAfterTheServerClosedTheConnections) {
   HIQ_OPEN_OR_FAIL(c, OptionsFor(*cluster_));
   const auto keys = Keys("rc-", 60);
