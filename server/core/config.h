@@ -71,7 +71,7 @@ struct DaemonConfig {
   uint32_t l3_connect_timeout_ms = 200;
   uint32_t l3_command_timeout_ms = 200;
   uint32_t l3_lookup_deadline_ms = 5;
-  uint32_t l3_fetch_deadline_ms = 200;
+  uint32_t l3_fetch_deadline_ms = 500;  // a 2,048-token Qwen3-8B int8 prefix with margin
   uint64_t l3_write_queue_bytes = 1ull << 30;
   uint32_t l3_write_queue_blocks = 4096;
   uint32_t l3_writer_threads = 2;
