@@ -165,7 +165,7 @@ bool EngineModel::Admit(const Request& r) {
         restored > 0) {
       counters_.verify.Add(data_->Verify(*kv_, keys.subspan(l1, restored),
                                          std::span(rows).first(size_t{restored} * bt), bt,
-                                         options_.exact));
+                                         options_.codec));
       ++counters_.verified_restores;
     }
     ++counters_.restore_calls;

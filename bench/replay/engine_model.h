@@ -55,7 +55,7 @@ class EngineModel {
     uint32_t l1_tokens = 16384;
     uint32_t block_tokens = 64;
     uint32_t verify_every = 8;  // verify restore calls 1, 1 + n, 1 + 2n, ...; 0 = never
-    bool exact = false;         // CODEC_RAW: restored data must be bit-exact
+    Codec codec = Codec::kInt8PerHead;  // the pool's: picks the bound restores are checked with
     uint64_t seed = 1;
   };
 

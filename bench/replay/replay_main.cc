@@ -1,9 +1,10 @@
 // replay_bench: replays the HiQCache capacity experiments against the real hiqcached.
 //
 //   Experiment B  same host budget (8 GB): BF16 (CODEC_RAW), INT8 with HiQCache's padded rows
-//                 (emulated), and hiqcache's INT8 (1,040-byte rows): capacity, hit rates, bytes.
+//                 (emulated), hiqcache's INT8 (1,040-byte rows), and hiqcache's FP8 E4M3 and
+//                 INT4 g32 codecs (which fail the fidelity gates): capacity, hit rates, bytes.
 //   Experiment A  same token capacity (54,254 tokens, BF16's in 8 GB): host memory each needs.
-//   Sweep         hit rate against host budget, 0.5 to 16 GB, for the three configurations.
+//   Sweep         hit rate against host budget, 0.5 to 16 GB, for every configuration.
 //
 // Every run starts its own hiqcached (HOST backend) sized to the budget and drives it through the
 // client library with EngineModel; see replay_runner.h for layer scaling. Writes
@@ -51,7 +52,7 @@ void PrintUsage() {
       "                    [--verify-every N] [--seed N]\n"
       "  --quick    budgets 1,2,4,8,16 GB and no full-geometry run (CI-sized, ~1 min)\n"
       "  --layers   layers of the scaled runs (budgets scaled by N/36), default 2\n"
-      "  --full     36-layer 8 GB runs: ours (default: hiqcache only), all three, none\n"
+      "  --full     36-layer 8 GB runs: ours (default: hiqcache only), all, none\n"
       "default --out: %s/bench/results\n",
       HIQ_SOURCE_DIR);
 }
@@ -219,7 +220,7 @@ int Run(const Flags& f, const std::string& command) {
       const RunResult* r = run({c, gb * 1e9, f.layers}, &report.sweep);
       if (r == nullptr) continue;
       std::printf(
-          "  sweep %5.2f GB %-11s capacity %7llu tokens  prefix hit %5.1f%%  L2 hit %5.1f%%\n", gb,
+          "  sweep %5.2f GB %-17s capacity %7llu tokens  prefix hit %5.1f%%  L2 hit %5.1f%%\n", gb,
           c.name.c_str(), static_cast<unsigned long long>(r->capacity_tokens()),
           100 * r->PrefixHitRate(), 100 * r->L2HitRate());
       if (gb == f.budget_b_gb) report.experiment_b.push_back(*r);
@@ -241,7 +242,7 @@ int Run(const Flags& f, const std::string& command) {
     }
     if (const RunResult* r = run({c, *budget, f.layers}, &report.experiment_a)) {
       std::printf(
-          "  same capacity: %-11s needs %.3f GB (capacity %llu tokens), prefix hit %.1f%%\n",
+          "  same capacity: %-17s needs %.3f GB (capacity %llu tokens), prefix hit %.1f%%\n",
           c.name.c_str(), *budget / 1e9, static_cast<unsigned long long>(r->capacity_tokens()),
           100 * r->PrefixHitRate());
     }
@@ -252,7 +253,7 @@ int Run(const Flags& f, const std::string& command) {
       if (f.full == FullGeometry::kOurs && c.name != "hiqcache") continue;
       if (const RunResult* r = run({c, f.budget_b_gb * 1e9, kModelLayers}, &report.full_geometry)) {
         std::printf(
-            "  full geometry %.0f GB %-11s capacity %llu tokens, prefix hit %.1f%%, "
+            "  full geometry %.0f GB %-17s capacity %llu tokens, prefix hit %.1f%%, "
             "L2 hit %.1f%%, %.0f s\n",
             f.budget_b_gb, c.name.c_str(), static_cast<unsigned long long>(r->capacity_tokens()),
             100 * r->PrefixHitRate(), 100 * r->L2HitRate(), r->wall_seconds);

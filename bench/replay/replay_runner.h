@@ -29,17 +29,19 @@ constexpr uint32_t kModelLayers = 36;  // Qwen3-8B: 36 layers x 8 KV heads x 128
 
 // One way of storing the CPU tier.
 struct StoreConfig {
-  std::string name;   // "bf16", "int8_padded", "hiqcache"
+  std::string name;   // "bf16", "int8_padded", "hiqcache", "fp8_e4m3_per_head", ...
   std::string label;  // for tables and plots
   Codec codec = Codec::kInt8PerHead;
-  // Bytes per token of the format at full Qwen3-8B geometry: 147,456 / 82,944 / 74,880.
+  // Bytes per token of the format at full Qwen3-8B geometry: 147,456 (BF16) / 82,944 (padded
+  // INT8) / 74,880 (INT8, FP8) / 41,472 (INT4 g32).
   uint64_t model_bytes_per_token = 0;
   // Daemon pool bytes per budget byte. Padded INT8 (1,152-byte rows) is emulated by running our
   // codec in a pool scaled by 74,880 / 82,944, so that the capacity is budget / 82,944 tokens.
   double pool_factor = 1.0;
 };
 
-// The three configurations of the experiments.
+// The configurations of the experiments: BF16, padded INT8, hiqcache's INT8, and the FP8 and INT4
+// codecs (capacity and hit rate only; both fail the fidelity gates on real weights).
 std::vector<StoreConfig> StandardConfigs();
 
 struct RunSpec {

@@ -47,7 +47,9 @@ SyntheticKv::SyntheticKv(const Geometry& g, uint64_t seed, uint32_t table_rows)
       table_rows_(table_rows),
       row_elements_(uint64_t{g.num_kv_heads} * g.head_dim),
       table_(table_rows * row_elements_),
-      scales_(uint64_t{table_rows} * g.num_kv_heads) {
+      scales_(uint64_t{table_rows} * g.num_kv_heads),
+      fp8_scales_(scales_.size()),
+      int4_scales_(table_rows * row_elements_ / kn::kInt4GroupElems) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (uint32_t r = 0; r < table_rows_; ++r) {
@@ -65,7 +67,36 @@ SyntheticKv::SyntheticKv(const Geometry& g, uint64_t seed, uint32_t table_rows)
       }
       scales_[uint64_t{r} * g.num_kv_heads + h] =
           kn::Bf16ToFloat(kn::ScaleBf16FromAmaxBits(amax, kn::DType::kBF16));
+      fp8_scales_[uint64_t{r} * g.num_kv_heads + h] =
+          kn::Bf16ToFloat(kn::Fp8ScaleBf16FromAmaxBits(amax, kn::DType::kBF16));
     }
+    // INT4 groups run along the row: head_dim % 32 == 0, so no group straddles two heads.
+    const uint16_t* row = &table_[r * row_elements_];
+    for (uint64_t gi = 0; gi < row_elements_ / kn::kInt4GroupElems; ++gi) {
+      uint16_t amax = 0;
+      for (uint32_t i = 0; i < kn::kInt4GroupElems; ++i) {
+        amax = std::max<uint16_t>(amax, row[gi * kn::kInt4GroupElems + i] & 0x7FFF);
+      }
+      int4_scales_[r * row_elements_ / kn::kInt4GroupElems + gi] =
+          kn::Bf16ToFloat(kn::Int4ScaleBf16FromAmaxBits(amax, kn::DType::kBF16));
+    }
+  }
+}
+
+double SyntheticKv::ErrorBound(Codec codec, uint64_t head, uint32_t d, uint32_t head_dim,
+                               double xh) const {
+  const double ax = std::fabs(xh);
+  switch (codec) {
+    case Codec::kFp8E4m3PerHead: {
+      const double a = ax <= 0x1.0p-126 ? 0x1.0p-134 : 0.0;  // bf16 subnormal x^
+      return 0x1.0p-4 * ax + 0x1.0p-10 * fp8_scales_[head] + (1 + 0x1.0p-4) * (0x1.0p-8 * ax + a);
+    }
+    case Codec::kInt4G32PerHead: {
+      const double s = int4_scales_[(head * head_dim + d) / kn::kInt4GroupElems];
+      return (0.5 + 0x1.0p-8) * s + 0x1.0p-8 * ax;
+    }
+    default:
+      return (0.5 + 0x1.0p-8) * scales_[head] + 0x1.0p-8 * ax;
   }
 }
 
@@ -101,8 +132,9 @@ void SyntheticKv::Fill(const HostKvPool& kv, std::span<const BlockKey> keys,
 
 VerifyResult SyntheticKv::Verify(const HostKvPool& kv, std::span<const BlockKey> keys,
                                  std::span<const uint32_t> rows, uint32_t block_tokens,
-                                 bool exact) const {
+                                 Codec codec) const {
   const Geometry& g = geometry_;
+  const bool exact = codec == Codec::kRaw;
   std::vector<VerifyResult> per_block(keys.size());
   const bool big = keys.size() * block_tokens * g.BytesPerToken() >= (8u << 20);
   ParallelFor(static_cast<uint32_t>(keys.size()), big, [&](uint32_t b) {
@@ -123,12 +155,12 @@ VerifyResult SyntheticKv::Verify(const HostKvPool& kv, std::span<const BlockKey>
               }
               continue;
             }
-            const double s = scales_[uint64_t{idx} * g.num_kv_heads + h];
+            const uint64_t head = uint64_t{idx} * g.num_kv_heads + h;
             for (uint32_t d = 0; d < g.head_dim; ++d) {
               const double x = kn::Bf16ToFloat(want[d]);
               const double xh = kn::Bf16ToFloat(got[d]);
               const double err = std::fabs(xh - x);
-              const double bound = (0.5 + 1.0 / 256) * s + std::fabs(xh) / 256;
+              const double bound = ErrorBound(codec, head, d, g.head_dim, xh);
               if (!(err <= bound)) ++v.violations;  // NaN counts as a violation
               if (bound > 0) v.max_error_ratio = std::max(v.max_error_ratio, err / bound);
             }

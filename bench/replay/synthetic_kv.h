@@ -21,7 +21,7 @@ namespace hiqcache::replay {
 struct VerifyResult {
   uint64_t elements = 0;
   uint64_t violations = 0;
-  double max_error_ratio = 0;  // max |x^ - x| / bound (INT8) or 0/1 mismatches (exact)
+  double max_error_ratio = 0;  // max |x^ - x| / bound (lossy codecs) or 0/1 mismatches (RAW)
 
   void Add(const VerifyResult& o);
 };
@@ -35,20 +35,28 @@ class SyntheticKv {
   void Fill(const HostKvPool& kv, std::span<const BlockKey> keys, std::span<const uint32_t> rows,
             uint32_t block_tokens) const;
 
-  // Compares those rows with what Fill wrote: bit-exact when `exact` (CODEC_RAW), else elementwise
-  // |x^ - x| <= (0.5 + 2^-8) * s + 2^-8 * |x^| with s = bf16(max(amax, 2^-112) / 127) of the
-  // original head (DESIGN.md "Record format").
+  // Compares those rows with what Fill wrote, with `codec`'s elementwise bound (codec_math.h):
+  //   CODEC_RAW          bit-exact
+  //   INT8 per head      |x^ - x| <= (0.5 + 2^-8) s + 2^-8 |x^|, s = bf16(max(amax, 2^-112) / 127)
+  //   FP8 E4M3 per head  |x^ - x| <= 2^-4 |x^| + 2^-10 s + (1 + 2^-4)(2^-8 |x^| + a),
+  //                      s = bf16(max(amax, 2^-112) / 448), a = 2^-134 where |x^| <= 2^-126
+  //   INT4 g32 per head  INT8's bound with s = bf16(max(amax, 2^-112) / 7) of the 32-element group
+  // (amax of the original head or group; DESIGN.md "Record format").
   VerifyResult Verify(const HostKvPool& kv, std::span<const BlockKey> keys,
-                      std::span<const uint32_t> rows, uint32_t block_tokens, bool exact) const;
+                      std::span<const uint32_t> rows, uint32_t block_tokens, Codec codec) const;
 
  private:
   uint32_t RowIndex(const BlockKey& key, uint32_t token, uint32_t layer, uint32_t plane) const;
+  // `codec`'s bound for element d of table head `head` ([row][head] index) restored as xh.
+  double ErrorBound(Codec codec, uint64_t head, uint32_t d, uint32_t head_dim, double xh) const;
 
   Geometry geometry_;
   uint32_t table_rows_;
   uint64_t row_elements_;
   std::vector<uint16_t> table_;  // [table_rows][heads][head_dim], BF16 bits
-  std::vector<float> scales_;    // [table_rows][heads]: s of each head
+  std::vector<float> scales_;       // [table_rows][heads]: INT8 s of each head
+  std::vector<float> fp8_scales_;   // [table_rows][heads]: FP8 s of each head
+  std::vector<float> int4_scales_;  // [table_rows][heads * head_dim / 32]: INT4 s of each group
 };
 
 }  // namespace hiqcache::replay
