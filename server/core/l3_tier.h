@@ -89,7 +89,7 @@ struct L3Options {
   std::chrono::milliseconds connect_timeout{200};
   std::chrono::milliseconds command_timeout{200};
   std::chrono::milliseconds lookup_deadline{5};
-  std::chrono::milliseconds fetch_deadline{200};
+  std::chrono::milliseconds fetch_deadline{500};
   uint64_t write_queue_bytes = 1ull << 30;
   uint32_t write_queue_blocks = 4096;
   uint32_t writer_threads = 2;
