@@ -14,38 +14,15 @@
 #include "codec_cpu_int4.h"
 #include "codec_math.h"
 #include "codec_reference.h"
+#include "codec_simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace hiqcache::kernels {
 namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
-using DU32 = hn::RebindToUnsigned<DF>;
 using DI32 = hn::RebindToSigned<DF>;
-using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one u16 per f32 lane
-using DF16 = hn::Rebind<hwy::float16_t, DF>;
 using DI8 = hn::Rebind<int8_t, DF>;
-using DU16F = hn::ScalableTag<uint16_t>;  // full width: twice the lanes of DF
-
-// Whether hn::DemoteTo(f32 -> f16) is the hardware conversion (round to nearest even, exact
-// subnormals): x86 with F16C (the AVX2 and AVX-512 targets). Highway 1.0's emulation, used on
-// SSSE3/SSE4, EMU128/SCALAR and NEON without FP16 support, truncates the mantissa instead, so
-// every other target stores FP16 through FloatToFp16Vec below.
-#undef HIQ_HW_F16_DEMOTE  // this part is compiled once per target
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-#define HIQ_HW_F16_DEMOTE 1
-#else
-#define HIQ_HW_F16_DEMOTE 0
-#endif
-
-// Rows ahead of the current one whose cache lines are prefetched (decode, and encode rows with
-// too many heads for a batch). Rows are scattered to arbitrary slots, which the hardware
-// prefetchers cannot predict. The prefetches go to L2 (locality hint 2, prefetcht1). On the
-// Zen 4 VM of 2026-12-01 the distance (1-16 rows, or no prefetch) made no measurable difference
-// to decode, which is bound there by its stores' read-for-ownership traffic.
-constexpr uint32_t kPrefetchRows = 2;
-constexpr int kPrefetchLocality = 2;
 
 // Encode works on batches of rows of about kEncodeBatchBytes of input (4 Qwen3-8B rows), at
 // most kEncodeBatchMaxRows rows and kEncodeBatchMaxHeads heads: first the amax of every head of
@@ -59,76 +36,6 @@ constexpr size_t kEncodeBatchBytes = 8 << 10;
 constexpr uint32_t kEncodeBatchMaxRows = 16;
 constexpr uint32_t kEncodeBatchMaxHeads = 256;
 
-// Loads Lanes(DF) BF16/FP16 elements as f32 (exact).
-template <DType kDType>
-HWY_INLINE hn::Vec<DF> LoadHalf(const uint8_t* p) {
-  const DF df;
-  if constexpr (kDType == DType::kBF16) {
-    const DU32 du32;
-    const DU16 du16;
-    auto u = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
-    return hn::BitCast(df, hn::ShiftLeft<16>(u));
-  } else {
-    const DF16 df16;
-    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
-  }
-}
-
-// f32 -> fp16 bits (in u32 lanes), round to nearest even incl. subnormals, for |y| <= 65504:
-// the vector form of FloatToFp16Sat for targets without a hardware conversion.
-HWY_INLINE hn::Vec<DU32> FloatToFp16Vec(hn::Vec<DF> y) {
-  const DF df;
-  const DU32 du32;
-  const auto bits = hn::BitCast(du32, y);
-  const auto mag = hn::And(bits, hn::Set(du32, 0x7FFFFFFFu));
-  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 0x8000u));
-  // Normal results: round the 13 dropped mantissa bits to nearest even, rebias 127 -> 15.
-  const auto lsb = hn::And(hn::ShiftRight<13>(mag), hn::Set(du32, 1u));
-  const auto normal = hn::Sub(hn::ShiftRight<13>(hn::Add(mag, hn::Add(hn::Set(du32, 0xFFFu), lsb))),
-                              hn::Set(du32, 112u << 10));
-  // Subnormal results (|y| < 2^-14): adding 0.5 leaves a grid of 2^-24 in the mantissa, so the
-  // fp32 addition itself rounds |y| / 2^-24 to nearest even.
-  const auto sub = hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(df, mag), hn::Set(df, 0.5f))),
-                           hn::Set(du32, 0x3F000000u));
-  const auto is_sub = hn::Lt(mag, hn::Set(du32, 0x38800000u));
-  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
-}
-
-// Stores f32 lanes as BF16/FP16: round to nearest even, saturated to the largest finite value.
-template <DType kDType>
-HWY_INLINE void StoreHalf(hn::Vec<DF> y, uint8_t* p) {
-  const DF df;
-  const DU32 du32;
-  const DU16 du16;
-  const DI32 di32;  // values are < 2^16: the saturating i32 -> u16 demotion is exact
-  if constexpr (kDType == DType::kBF16) {
-    const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-    auto bits = hn::BitCast(du32, y);
-    auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
-    bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
-  } else {
-    const auto lim = hn::Set(df, 65504.0f);
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-#if HIQ_HW_F16_DEMOTE
-    const DF16 df16;
-    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
-#else
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(y))), du16,
-               reinterpret_cast<uint16_t*>(p));
-#endif
-  }
-}
-
-// x86 targets with AVX2 or AVX-512, where a few steps below use raw intrinsics: Highway 1.0
-// has no rounding f32 -> i32 conversion without an overflow fix-up (the codes never need one),
-// and its i32 -> i8 demotion costs three shuffles per vector where four vectors can share three.
-#undef HIQ_X86_AVX3
-#undef HIQ_X86_AVX2
-#define HIQ_X86_AVX3 (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3)
-#define HIQ_X86_AVX2 (HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2)
-
 // q = rne(x / s) as i32, with the IEEE fp32 quotient (exactly QuantizeElement's).
 //
 // No clamp to [-127, 127] is needed: |x| <= amax and s = bf16_rne(max(amax, 2^-112) / 127) is
@@ -140,10 +47,10 @@ HWY_INLINE void StoreHalf(hn::Vec<DF> y, uint8_t* p) {
 // at exact ties) gives the same bytes but measured slower on Zen 4: 8.4 against 10.8 GB/s
 // single-threaded with the data in L2, as the divider there keeps up with the other ports.
 HWY_INLINE hn::Vec<DI32> QuantizeVec(hn::Vec<DF> x, hn::Vec<DF> vs) {
-#if HIQ_X86_AVX3
+#if HIQ_CODEC_X86_AVX3
   return hn::Vec<DI32>{_mm512_cvt_roundps_epi32(_mm512_div_ps(x.raw, vs.raw),
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
-#elif HIQ_X86_AVX2
+#elif HIQ_CODEC_X86_AVX2
   return hn::Vec<DI32>{_mm256_cvttps_epi32(_mm256_round_ps(
       _mm256_div_ps(x.raw, vs.raw), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 #else
@@ -160,14 +67,14 @@ HWY_INLINE void StoreCodes(hn::Vec<DI32> q, int8_t* dst) {
 // Stores 4 * Lanes(DI32) codes, a's first. REQUIRES: values in [-127, 127].
 HWY_INLINE void StoreCodes4(hn::Vec<DI32> a, hn::Vec<DI32> b, hn::Vec<DI32> c, hn::Vec<DI32> d,
                             int8_t* dst) {
-#if HIQ_X86_AVX3
+#if HIQ_CODEC_X86_AVX3
   // Per 128-bit block k the packs leave dwords a[4k..4k+3], b[..], c[..], d[..]; gather them.
   const __m512i ab = _mm512_packs_epi32(a.raw, b.raw);
   const __m512i cd = _mm512_packs_epi32(c.raw, d.raw);
   const __m512i abcd = _mm512_packs_epi16(ab, cd);
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(idx, abcd));
-#elif HIQ_X86_AVX2
+#elif HIQ_CODEC_X86_AVX2
   const __m256i ab = _mm256_packs_epi32(a.raw, b.raw);
   const __m256i cd = _mm256_packs_epi32(c.raw, d.raw);
   const __m256i abcd = _mm256_packs_epi16(ab, cd);
@@ -182,26 +89,6 @@ HWY_INLINE void StoreCodes4(hn::Vec<DI32> a, hn::Vec<DI32> b, hn::Vec<DI32> c, h
 #endif
 }
 
-// The largest |x| of a head as BF16/FP16 bits with the sign cleared (|x| orders like them).
-HWY_INLINE uint32_t HeadAmaxBits(const uint8_t* src, uint32_t d) {
-  const DU16F du16f;
-  const size_t n16 = hn::Lanes(du16f);
-  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-  auto vmax = hn::Zero(du16f);
-  const auto abs_mask = hn::Set(du16f, 0x7FFFu);
-  uint32_t i = 0;
-  for (; i + n16 <= d; i += n16) {
-    vmax = hn::Max(vmax, hn::And(hn::LoadU(du16f, s16 + i), abs_mask));
-  }
-  uint32_t amax_bits = i > 0 ? hn::GetLane(hn::MaxOfLanes(du16f, vmax)) : 0;
-  for (; i < d; ++i) {
-    uint16_t v;
-    std::memcpy(&v, src + 2 * i, 2);
-    amax_bits = std::max<uint32_t>(amax_bits, v & 0x7FFFu);
-  }
-  return amax_bits;
-}
-
 // Writes the d codes of a head with scale s.
 template <DType kDType>
 HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, int8_t* codes) {
@@ -211,11 +98,14 @@ HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, int8_t* co
   uint32_t i = 0;
   for (; i + 4 * n <= d; i += 4 * n) {
     const uint8_t* p = src + 2 * i;
-    StoreCodes4(QuantizeVec(LoadHalf<kDType>(p), vs), QuantizeVec(LoadHalf<kDType>(p + 2 * n), vs),
-                QuantizeVec(LoadHalf<kDType>(p + 4 * n), vs),
-                QuantizeVec(LoadHalf<kDType>(p + 6 * n), vs), codes + i);
+    StoreCodes4(QuantizeVec(LoadHalf<kDType>(df, p), vs),
+                QuantizeVec(LoadHalf<kDType>(df, p + 2 * n), vs),
+                QuantizeVec(LoadHalf<kDType>(df, p + 4 * n), vs),
+                QuantizeVec(LoadHalf<kDType>(df, p + 6 * n), vs), codes + i);
   }
-  for (; i + n <= d; i += n) StoreCodes(QuantizeVec(LoadHalf<kDType>(src + 2 * i), vs), codes + i);
+  for (; i + n <= d; i += n) {
+    StoreCodes(QuantizeVec(LoadHalf<kDType>(df, src + 2 * i), vs), codes + i);
+  }
   for (; i < d; ++i) {
     uint16_t v;
     std::memcpy(&v, src + 2 * i, 2);
@@ -237,24 +127,11 @@ HWY_INLINE void DecodeHead(const int8_t* codes, const uint8_t* scale_in, uint32_
   uint32_t i = 0;
   for (; i < vec_end; i += n) {
     auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(di8, codes + i)));
-    StoreHalf<kDType>(hn::Mul(q, vs), dst + 2 * i);
+    StoreHalf<kDType>(df, hn::Mul(q, vs), dst + 2 * i);
   }
   for (; i < d; ++i) {
     uint16_t out = DequantizeElement(codes[i], s, kDType);
     std::memcpy(dst + 2 * i, &out, 2);
-  }
-}
-
-// Prefetches every cache line of the heads of `row` (for writing when kWrite).
-template <bool kWrite>
-HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint32_t row) {
-  const size_t head_bytes = static_cast<size_t>(fmt.head_dim) * 2;
-  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-    const uint8_t* p = view.Head(row, h);
-    for (size_t off = 0; off < head_bytes; off += 64) {
-      __builtin_prefetch(p + off, kWrite, kPrefetchLocality);
-    }
-    __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
   }
 }
 

@@ -2,9 +2,8 @@
 //
 // Same structure as codec_cpu.cc's INT8 rows: per row, the amax of every head first (the row's
 // loads are independent, so their cache misses overlap), then scale and codes; rows ahead are
-// prefetched to L2. The helpers below that mirror codec_cpu.cc's (16-bit loads and stores,
-// amax, prefetch) are kept here, in an anonymous namespace, so the INT8 executor can change
-// without touching FP8; they could move to a shared -inl.h header once both settle.
+// prefetched to L2. The 16-bit loads and stores, the amax and the prefetch are codec_simd-inl.h's,
+// shared with the INT8 and INT4 executors.
 //
 // The conversions are the vector forms of codec_math.h's FloatToE4m3Sat and E4m3ToFloat, with
 // the same operations, so every Highway target produces the reference's bytes.
@@ -19,93 +18,17 @@
 #include <hwy/highway.h>
 
 #include "codec_math.h"
+#include "codec_simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace hiqcache::kernels {
 namespace HWY_NAMESPACE {
 namespace {
-namespace hn = hwy::HWY_NAMESPACE;
 
 using DF = hn::ScalableTag<float>;
 using DU32 = hn::RebindToUnsigned<DF>;
 using DI32 = hn::RebindToSigned<DF>;
-using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one u16 per f32 lane
-using DF16 = hn::Rebind<hwy::float16_t, DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;
-using DU16F = hn::ScalableTag<uint16_t>;  // full width: twice the lanes of DF
-
-// hn::DemoteTo(f32 -> f16) rounds to nearest even only with F16C (see codec_cpu.cc).
-#undef HIQ_FP8_HW_F16_DEMOTE  // this part is compiled once per target
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-#define HIQ_FP8_HW_F16_DEMOTE 1
-#else
-#define HIQ_FP8_HW_F16_DEMOTE 0
-#endif
-#undef HIQ_FP8_X86_AVX3
-#undef HIQ_FP8_X86_AVX2
-#define HIQ_FP8_X86_AVX3 (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3)
-#define HIQ_FP8_X86_AVX2 (HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2)
-
-constexpr uint32_t kPrefetchRows = 2;
-constexpr int kPrefetchLocality = 2;
-
-// Loads Lanes(DF) BF16/FP16 elements as f32 (exact).
-template <DType kDType>
-HWY_INLINE hn::Vec<DF> LoadHalf(const uint8_t* p) {
-  const DF df;
-  if constexpr (kDType == DType::kBF16) {
-    const DU32 du32;
-    const DU16 du16;
-    auto u = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
-    return hn::BitCast(df, hn::ShiftLeft<16>(u));
-  } else {
-    const DF16 df16;
-    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
-  }
-}
-
-// f32 -> fp16 bits (u32 lanes), round to nearest even incl. subnormals, for |y| <= 65504.
-HWY_INLINE hn::Vec<DU32> FloatToFp16Vec(hn::Vec<DF> y) {
-  const DF df;
-  const DU32 du32;
-  const auto bits = hn::BitCast(du32, y);
-  const auto mag = hn::And(bits, hn::Set(du32, 0x7FFFFFFFu));
-  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 0x8000u));
-  const auto lsb = hn::And(hn::ShiftRight<13>(mag), hn::Set(du32, 1u));
-  const auto normal = hn::Sub(hn::ShiftRight<13>(hn::Add(mag, hn::Add(hn::Set(du32, 0xFFFu), lsb))),
-                              hn::Set(du32, 112u << 10));
-  const auto sub = hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(df, mag), hn::Set(df, 0.5f))),
-                           hn::Set(du32, 0x3F000000u));
-  const auto is_sub = hn::Lt(mag, hn::Set(du32, 0x38800000u));
-  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
-}
-
-// Stores f32 lanes as BF16/FP16: round to nearest even, saturated to the largest finite value.
-template <DType kDType>
-HWY_INLINE void StoreHalf(hn::Vec<DF> y, uint8_t* p) {
-  const DF df;
-  const DU32 du32;
-  const DU16 du16;
-  const DI32 di32;
-  if constexpr (kDType == DType::kBF16) {
-    const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-    auto bits = hn::BitCast(du32, y);
-    auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
-    bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
-  } else {
-    const auto lim = hn::Set(df, 65504.0f);
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-#if HIQ_FP8_HW_F16_DEMOTE
-    const DF16 df16;
-    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
-#else
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(y))), du16,
-               reinterpret_cast<uint16_t*>(p));
-#endif
-  }
-}
 
 // FloatToE4m3Sat(x / s) per lane, as i32 in [0, 0xFE]. The quotient is IEEE fp32 division.
 HWY_INLINE hn::Vec<DI32> QuantizeFp8Vec(hn::Vec<DF> x, hn::Vec<DF> vs) {
@@ -137,14 +60,14 @@ HWY_INLINE void StoreCodes(hn::Vec<DI32> c, uint8_t* dst) {
 // Stores 4 * Lanes(DI32) codes, a's first. REQUIRES: values in [0, 0xFE].
 HWY_INLINE void StoreCodes4(hn::Vec<DI32> a, hn::Vec<DI32> b, hn::Vec<DI32> c, hn::Vec<DI32> d,
                             uint8_t* dst) {
-#if HIQ_FP8_X86_AVX3
+#if HIQ_CODEC_X86_AVX3
   // Unsigned-saturating packs; per 128-bit block k they leave a[4k..], b[..], c[..], d[..].
   const __m512i ab = _mm512_packus_epi32(a.raw, b.raw);
   const __m512i cd = _mm512_packus_epi32(c.raw, d.raw);
   const __m512i abcd = _mm512_packus_epi16(ab, cd);
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(idx, abcd));
-#elif HIQ_FP8_X86_AVX2
+#elif HIQ_CODEC_X86_AVX2
   const __m256i ab = _mm256_packus_epi32(a.raw, b.raw);
   const __m256i cd = _mm256_packus_epi32(c.raw, d.raw);
   const __m256i abcd = _mm256_packus_epi16(ab, cd);
@@ -171,26 +94,6 @@ HWY_INLINE hn::Vec<DF> LoadE4m3(const uint8_t* codes) {
   return hn::BitCast(df, hn::Or(hn::BitCast(du32, mag), sign));
 }
 
-// The largest |x| of a head as BF16/FP16 bits with the sign cleared (|x| orders like them).
-HWY_INLINE uint32_t HeadAmaxBits(const uint8_t* src, uint32_t d) {
-  const DU16F du16f;
-  const size_t n16 = hn::Lanes(du16f);
-  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-  auto vmax = hn::Zero(du16f);
-  const auto abs_mask = hn::Set(du16f, 0x7FFFu);
-  uint32_t i = 0;
-  for (; i + n16 <= d; i += n16) {
-    vmax = hn::Max(vmax, hn::And(hn::LoadU(du16f, s16 + i), abs_mask));
-  }
-  uint32_t amax_bits = i > 0 ? hn::GetLane(hn::MaxOfLanes(du16f, vmax)) : 0;
-  for (; i < d; ++i) {
-    uint16_t v;
-    std::memcpy(&v, src + 2 * i, 2);
-    amax_bits = std::max<uint32_t>(amax_bits, v & 0x7FFFu);
-  }
-  return amax_bits;
-}
-
 // Writes the d codes of a head with scale s.
 template <DType kDType>
 HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, uint8_t* codes) {
@@ -200,13 +103,13 @@ HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, uint8_t* c
   uint32_t i = 0;
   for (; i + 4 * n <= d; i += 4 * n) {
     const uint8_t* p = src + 2 * i;
-    StoreCodes4(QuantizeFp8Vec(LoadHalf<kDType>(p), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(p + 2 * n), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(p + 4 * n), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(p + 6 * n), vs), codes + i);
+    StoreCodes4(QuantizeFp8Vec(LoadHalf<kDType>(df, p), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 2 * n), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 4 * n), vs),
+                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 6 * n), vs), codes + i);
   }
   for (; i + n <= d; i += n) {
-    StoreCodes(QuantizeFp8Vec(LoadHalf<kDType>(src + 2 * i), vs), codes + i);
+    StoreCodes(QuantizeFp8Vec(LoadHalf<kDType>(df, src + 2 * i), vs), codes + i);
   }
   for (; i < d; ++i) {
     uint16_t v;
@@ -225,23 +128,10 @@ HWY_INLINE void DecodeHead(const uint8_t* codes, const uint8_t* scale_in, uint32
   const float s = Bf16ToFloat(s_bits);
   const auto vs = hn::Set(df, s);
   uint32_t i = 0;
-  for (; i + n <= d; i += n) StoreHalf<kDType>(hn::Mul(LoadE4m3(codes + i), vs), dst + 2 * i);
+  for (; i + n <= d; i += n) StoreHalf<kDType>(df, hn::Mul(LoadE4m3(codes + i), vs), dst + 2 * i);
   for (; i < d; ++i) {
     const uint16_t out = DequantizeFp8Element(codes[i], s, kDType);
     std::memcpy(dst + 2 * i, &out, 2);
-  }
-}
-
-// Prefetches every cache line of the heads of `row` (for writing when kWrite).
-template <bool kWrite>
-HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint32_t row) {
-  const size_t head_bytes = static_cast<size_t>(fmt.head_dim) * 2;
-  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-    const uint8_t* p = view.Head(row, h);
-    for (size_t off = 0; off < head_bytes; off += 64) {
-      __builtin_prefetch(p + off, kWrite, kPrefetchLocality);
-    }
-    __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
   }
 }
 

@@ -4,9 +4,9 @@
 // patterns, its scale (codec_math.h, scalar), the quotients x / s in fp32 lanes rounded to
 // nearest even and clamped to +-7, narrowed to int8 in a 32-byte scratch and packed two per byte
 // (element 2i low). Decode unpacks 16 bytes into 32 sign-extended int8 values and converts them
-// like INT8's codes. Rows ahead are prefetched to L2. The 16-bit load/store helpers mirror
-// codec_cpu_fp8.cc's and are kept here, in an anonymous namespace, so the INT8 and FP8 executors
-// can change without touching INT4 (they could move to a shared -inl.h header once all settle).
+// like INT8's codes. Rows ahead are prefetched to L2. The 16-bit loads and stores and the prefetch
+// are codec_simd-inl.h's, shared with the INT8 and FP8 executors (here on a DF capped at one
+// group).
 //
 // Every operation is the vector form of the reference's (IEEE division, round-half-even, the
 // same fp32 -> BF16/FP16 rounding), so every Highway target produces the reference's bytes.
@@ -21,19 +21,16 @@
 #include <hwy/highway.h>
 
 #include "codec_math.h"
+#include "codec_simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace hiqcache::kernels {
 namespace HWY_NAMESPACE {
 namespace {
-namespace hn = hwy::HWY_NAMESPACE;
 
 // At most one group (32 elements) per vector, so the lane count divides the group.
 using DF = hn::CappedTag<float, kInt4GroupElems>;
-using DU32 = hn::RebindToUnsigned<DF>;
 using DI32 = hn::RebindToSigned<DF>;
-using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one u16 per f32 lane
-using DF16 = hn::Rebind<hwy::float16_t, DF>;
 using DI8 = hn::Rebind<int8_t, DF>;  // one code per f32 lane
 // Packing: at most 16 u16 lanes = one group's 32 int8 codes or 16 packed bytes.
 using DP16 = hn::CappedTag<uint16_t, kInt4GroupElems / 2>;
@@ -41,75 +38,6 @@ using DPI16 = hn::RebindToSigned<DP16>;
 using DP8 = hn::Rebind<uint8_t, DP16>;
 using DPI8 = hn::Repartition<int8_t, DP16>;             // the bytes of the DP16 lanes
 using DG16 = hn::CappedTag<uint16_t, kInt4GroupElems>;  // one group's 16-bit elements
-
-// hn::DemoteTo(f32 -> f16) rounds to nearest even only with F16C (see codec_cpu.cc).
-#undef HIQ_INT4_HW_F16_DEMOTE  // this part is compiled once per target
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-#define HIQ_INT4_HW_F16_DEMOTE 1
-#else
-#define HIQ_INT4_HW_F16_DEMOTE 0
-#endif
-
-constexpr uint32_t kPrefetchRows = 2;
-constexpr int kPrefetchLocality = 2;
-
-// Loads Lanes(DF) BF16/FP16 elements as f32 (exact).
-template <DType kDType>
-HWY_INLINE hn::Vec<DF> LoadHalf(const uint8_t* p) {
-  const DF df;
-  if constexpr (kDType == DType::kBF16) {
-    const DU32 du32;
-    const DU16 du16;
-    auto u = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
-    return hn::BitCast(df, hn::ShiftLeft<16>(u));
-  } else {
-    const DF16 df16;
-    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
-  }
-}
-
-// f32 -> fp16 bits (u32 lanes), round to nearest even incl. subnormals, for |y| <= 65504.
-HWY_INLINE hn::Vec<DU32> FloatToFp16Vec(hn::Vec<DF> y) {
-  const DF df;
-  const DU32 du32;
-  const auto bits = hn::BitCast(du32, y);
-  const auto mag = hn::And(bits, hn::Set(du32, 0x7FFFFFFFu));
-  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 0x8000u));
-  const auto lsb = hn::And(hn::ShiftRight<13>(mag), hn::Set(du32, 1u));
-  const auto normal = hn::Sub(hn::ShiftRight<13>(hn::Add(mag, hn::Add(hn::Set(du32, 0xFFFu), lsb))),
-                              hn::Set(du32, 112u << 10));
-  const auto sub = hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(df, mag), hn::Set(df, 0.5f))),
-                           hn::Set(du32, 0x3F000000u));
-  const auto is_sub = hn::Lt(mag, hn::Set(du32, 0x38800000u));
-  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
-}
-
-// Stores f32 lanes as BF16/FP16: round to nearest even, saturated to the largest finite value.
-template <DType kDType>
-HWY_INLINE void StoreHalf(hn::Vec<DF> y, uint8_t* p) {
-  const DF df;
-  const DU32 du32;
-  const DU16 du16;
-  const DI32 di32;
-  if constexpr (kDType == DType::kBF16) {
-    const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-    auto bits = hn::BitCast(du32, y);
-    auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
-    bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
-  } else {
-    const auto lim = hn::Set(df, 65504.0f);
-    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
-#if HIQ_INT4_HW_F16_DEMOTE
-    const DF16 df16;
-    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
-#else
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(y))), du16,
-               reinterpret_cast<uint16_t*>(p));
-#endif
-  }
-}
 
 // The largest |x| of one group (32 elements) as BF16/FP16 bits with the sign cleared.
 HWY_INLINE uint32_t GroupAmaxBits(const uint8_t* src) {
@@ -137,7 +65,7 @@ HWY_INLINE void QuantizeGroup(const uint8_t* src, float s, uint8_t* codes) {
   HWY_ALIGN int8_t q8[kInt4GroupElems];
   for (size_t i = 0; i < kInt4GroupElems; i += n) {
     const auto q =
-        hn::Min(hn::Max(hn::Round(hn::Div(LoadHalf<kDType>(src + 2 * i), vs)), qmin), qmax);
+        hn::Min(hn::Max(hn::Round(hn::Div(LoadHalf<kDType>(df, src + 2 * i), vs)), qmin), qmax);
     hn::StoreU(hn::DemoteTo(di8, hn::ConvertTo(di32, q)), di8, q8 + i);
   }
 #if HWY_TARGET == HWY_SCALAR  // single lanes: no byte view of a u16 vector
@@ -190,20 +118,7 @@ HWY_INLINE void DequantizeGroup(const uint8_t* codes, float s, uint8_t* dst) {
   const auto vs = hn::Set(df, s);
   for (size_t i = 0; i < kInt4GroupElems; i += n) {
     const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(di8, q8 + i)));
-    StoreHalf<kDType>(hn::Mul(q, vs), dst + 2 * i);
-  }
-}
-
-// Prefetches every cache line of the heads of `row` (for writing when kWrite).
-template <bool kWrite>
-HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint32_t row) {
-  const size_t head_bytes = static_cast<size_t>(fmt.head_dim) * 2;
-  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-    const uint8_t* p = view.Head(row, h);
-    for (size_t off = 0; off < head_bytes; off += 64) {
-      __builtin_prefetch(p + off, kWrite, kPrefetchLocality);
-    }
-    __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
+    StoreHalf<kDType>(df, hn::Mul(q, vs), dst + 2 * i);
   }
 }
 

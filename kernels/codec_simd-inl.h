@@ -1,0 +1,160 @@
+// Per-target SIMD helpers shared by the CPU codec executors (codec_cpu.cc for INT8,
+// codec_cpu_fp8.cc, codec_cpu_int4.cc): BF16/FP16 loads and stores in f32 lanes, the amax of a
+// head, the row prefetch, and the target macros. Every operation is the vector form of
+// codec_math.h's, so every Highway target produces the scalar reference's bytes.
+//
+// A Highway "-inl.h" header: each executor includes it after <hwy/highway.h>, and
+// foreach_target.h re-includes it once per target (the toggled guard below), so its functions
+// land in hiqcache::kernels::HWY_NAMESPACE of that target. Pure functions; thread-safe.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include <hwy/highway.h>
+
+#include "codec_math.h"
+#include "record_format.h"
+#include "tensor_view.h"
+
+// Per-target include guard (see hwy/contrib/*/-inl.h).
+#if defined(HIQ_CODEC_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef HIQ_CODEC_SIMD_INL_H_
+#undef HIQ_CODEC_SIMD_INL_H_
+#else
+#define HIQ_CODEC_SIMD_INL_H_
+#endif
+
+// Whether hn::DemoteTo(f32 -> f16) is the hardware conversion (round to nearest even, exact
+// subnormals): x86 with F16C (the AVX2 and AVX-512 targets). Highway 1.0's emulation, used on
+// SSSE3/SSE4, EMU128/SCALAR and NEON without FP16 support, truncates the mantissa instead, so
+// every other target stores FP16 through FloatToFp16Vec below.
+#undef HIQ_CODEC_HW_F16_DEMOTE
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+#define HIQ_CODEC_HW_F16_DEMOTE 1
+#else
+#define HIQ_CODEC_HW_F16_DEMOTE 0
+#endif
+
+// x86 targets with AVX2 or AVX-512, where the executors use a few raw intrinsics: Highway 1.0
+// has no rounding f32 -> i32 conversion without an overflow fix-up (the codes never need one),
+// and its i32 -> i8 demotion costs three shuffles per vector where four vectors can share three.
+#undef HIQ_CODEC_X86_AVX3
+#undef HIQ_CODEC_X86_AVX2
+#define HIQ_CODEC_X86_AVX3 (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3)
+#define HIQ_CODEC_X86_AVX2 (HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2)
+
+HWY_BEFORE_NAMESPACE();
+namespace hiqcache::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Rows ahead of the current one whose cache lines are prefetched (decode, and encode rows that
+// are not batched). Rows are scattered to arbitrary slots, which the hardware prefetchers cannot
+// predict. The prefetches go to L2 (locality hint 2, prefetcht1). On the Zen 4 VM of 2026-12-01
+// the distance (1-16 rows, or no prefetch) made no measurable difference to decode, which is
+// bound there by its stores' read-for-ownership traffic.
+constexpr uint32_t kPrefetchRows = 2;
+constexpr int kPrefetchLocality = 2;
+
+// Loads Lanes(df) BF16/FP16 elements as f32 (exact).
+template <DType kDType, class DF>
+HWY_INLINE hn::Vec<DF> LoadHalf(DF df, const uint8_t* p) {
+  if constexpr (kDType == DType::kBF16) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::Rebind<uint16_t, DF> du16;
+    auto u = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
+    return hn::BitCast(df, hn::ShiftLeft<16>(u));
+  } else {
+    const hn::Rebind<hwy::float16_t, DF> df16;
+    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
+  }
+}
+
+// f32 -> fp16 bits (in u32 lanes), round to nearest even incl. subnormals, for |y| <= 65504:
+// the vector form of FloatToFp16Sat for targets without a hardware conversion.
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> FloatToFp16Vec(DF df, hn::Vec<DF> y) {
+  const hn::RebindToUnsigned<DF> du32;
+  const auto bits = hn::BitCast(du32, y);
+  const auto mag = hn::And(bits, hn::Set(du32, 0x7FFFFFFFu));
+  const auto sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 0x8000u));
+  // Normal results: round the 13 dropped mantissa bits to nearest even, rebias 127 -> 15.
+  const auto lsb = hn::And(hn::ShiftRight<13>(mag), hn::Set(du32, 1u));
+  const auto normal = hn::Sub(hn::ShiftRight<13>(hn::Add(mag, hn::Add(hn::Set(du32, 0xFFFu), lsb))),
+                              hn::Set(du32, 112u << 10));
+  // Subnormal results (|y| < 2^-14): adding 0.5 leaves a grid of 2^-24 in the mantissa, so the
+  // fp32 addition itself rounds |y| / 2^-24 to nearest even.
+  const auto sub = hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(df, mag), hn::Set(df, 0.5f))),
+                           hn::Set(du32, 0x3F000000u));
+  const auto is_sub = hn::Lt(mag, hn::Set(du32, 0x38800000u));
+  return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
+}
+
+// Stores the Lanes(df) f32 lanes of y as BF16/FP16: round to nearest even, saturated to the
+// largest finite value.
+template <DType kDType, class DF>
+HWY_INLINE void StoreHalf(DF df, hn::Vec<DF> y, uint8_t* p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  // Values are < 2^16: the saturating i32 -> u16 demotion is exact.
+  const hn::RebindToSigned<DF> di32;
+  if constexpr (kDType == DType::kBF16) {
+    const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
+    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
+    auto bits = hn::BitCast(du32, y);
+    auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
+    bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
+  } else {
+    const auto lim = hn::Set(df, 65504.0f);
+    y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
+#if HIQ_CODEC_HW_F16_DEMOTE
+    const hn::Rebind<hwy::float16_t, DF> df16;
+    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
+#else
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(df, y))), du16,
+               reinterpret_cast<uint16_t*>(p));
+#endif
+  }
+}
+
+// The largest |x| of a head of d elements as BF16/FP16 bits with the sign cleared (|x| orders
+// like them).
+HWY_INLINE uint32_t HeadAmaxBits(const uint8_t* src, uint32_t d) {
+  const hn::ScalableTag<uint16_t> du16f;
+  const size_t n16 = hn::Lanes(du16f);
+  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+  auto vmax = hn::Zero(du16f);
+  const auto abs_mask = hn::Set(du16f, 0x7FFFu);
+  uint32_t i = 0;
+  for (; i + n16 <= d; i += n16) {
+    vmax = hn::Max(vmax, hn::And(hn::LoadU(du16f, s16 + i), abs_mask));
+  }
+  uint32_t amax_bits = i > 0 ? hn::GetLane(hn::MaxOfLanes(du16f, vmax)) : 0;
+  for (; i < d; ++i) {
+    uint16_t v;
+    std::memcpy(&v, src + 2 * i, 2);
+    amax_bits = std::max<uint32_t>(amax_bits, v & 0x7FFFu);
+  }
+  return amax_bits;
+}
+
+// Prefetches every cache line of the heads of `row` (for writing when kWrite).
+template <bool kWrite>
+HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint32_t row) {
+  const size_t head_bytes = static_cast<size_t>(fmt.head_dim) * 2;
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    const uint8_t* p = view.Head(row, h);
+    for (size_t off = 0; off < head_bytes; off += 64) {
+      __builtin_prefetch(p + off, kWrite, kPrefetchLocality);
+    }
+    __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace hiqcache::kernels
+HWY_AFTER_NAMESPACE();
+
+#endif  // HIQ_CODEC_SIMD_INL_H_
