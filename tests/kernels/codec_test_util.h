@@ -1,6 +1,7 @@
 // Test helpers for the codec executors: an independent float64 model of the record format,
 // input generators for the input classes the tests cover, pools of per-layer K/V buffers with
-// the view shapes engines use, and block payload sets.
+// the view shapes engines use, block payload sets, and the SIMD CPU executor and the scalar
+// reference wrapped as Executors for the SIMD tests.
 //
 // Header-only and CUDA-free, so the GPU tests (tests/gpu) can reuse it. The float64 model does
 // not call codec_math.h: it is written from DESIGN.md "Record format" alone, so a bug in the
@@ -14,11 +15,15 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "codec_cpu.h"
 #include "codec_job.h"
+#include "codec_reference.h"
 #include "record_format.h"
 #include "tensor_view.h"
 
@@ -1156,6 +1161,80 @@ inline std::vector<std::string> RunNonfiniteCase(const CaseSpec& spec,
     }
   }
   return errors;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The SIMD CPU executor (codec_cpu.h) and the scalar reference as Executors, for the SIMD tests.
+
+// Row-at-a-time use of EncodeRowSimd / DecodeRowSimd over a whole job.
+inline void EncodeRowsSimd(const EncodeJob& job) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    bool finite = true;
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+          finite &= EncodeRowSimd(lay.row, job.layers[l].planes[p],
+                                  job.rows[static_cast<size_t>(b) * lay.block_tokens + t],
+                                  job.blocks[b] + lay.RowOffset(l, p, t));
+        }
+      }
+    }
+    if (job.nonfinite != nullptr) job.nonfinite[b] = finite ? 0 : 1;
+  }
+}
+
+inline void DecodeRowsSimd(const DecodeJob& job) {
+  const BlockLayout& lay = job.layout;
+  for (uint32_t b = 0; b < job.num_blocks; ++b) {
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        for (uint32_t t = 0; t < lay.block_tokens; ++t) {
+          DecodeRowSimd(lay.row, job.blocks[b] + lay.RowOffset(l, p, t), job.layers[l].planes[p],
+                        job.rows[static_cast<size_t>(b) * lay.block_tokens + t]);
+        }
+      }
+    }
+  }
+}
+
+// The SIMD executors under test: single rows ("simd_rows", always first), a CpuCodec per count
+// of `threads` (Encode, Decode), and a 2-thread CpuCodec that decodes with DecodeLayer in
+// reverse layer order, as a restore that signals per layer might call it. The codecs are shared
+// by the returned closures.
+inline std::vector<Executor> SimdExecutors(std::initializer_list<unsigned> threads) {
+  std::vector<Executor> ex;
+  ex.push_back({"simd_rows", EncodeRowsSimd, DecodeRowsSimd});
+  for (unsigned n : threads) {
+    auto codec = std::make_shared<CpuCodec>(n);
+    ex.push_back({"cpu_codec_" + std::to_string(n) + "t",
+                  [codec](const EncodeJob& j) { codec->Encode(j); },
+                  [codec](const DecodeJob& j) { codec->Decode(j); }});
+  }
+  auto codec = std::make_shared<CpuCodec>(2);
+  ex.push_back({"cpu_codec_2t_by_layer", [codec](const EncodeJob& j) { codec->Encode(j); },
+                [codec](const DecodeJob& j) {
+                  for (uint32_t l = j.layout.num_layers; l-- > 0;) codec->DecodeLayer(j, l);
+                }});
+  return ex;
+}
+
+// The scalar reference (codec_reference.h) as an Executor.
+inline Executor ReferenceExecutor() {
+  return {"reference", [](const EncodeJob& j) { EncodeBlocksReference(j); },
+          [](const DecodeJob& j) { DecodeBlocksReference(j); }};
+}
+
+// Non-finite `bits` at element `elem` of three rows of a case's row list: in block 1 (its last
+// plane and head), in the last row of block 3, and in a row past the list (no block holds it).
+inline std::vector<Plant> NonfinitePlants(const BlockLayout& lay, uint16_t bits, uint32_t elem) {
+  const uint32_t last_plane = lay.kv_planes - 1;
+  const uint32_t t = lay.block_tokens;
+  return {
+      {1, last_plane, 1 * t + 2, lay.row.num_heads - 1, elem, bits},  // block 1
+      {0, 0, 3 * t + t - 1, 0, elem, bits},                           // block 3, last row
+      {0, last_plane, 5 * t + 7, 0, elem, bits},                      // a row no block holds
+  };
 }
 
 }  // namespace hiqcache::kernels::testutil
