@@ -61,10 +61,13 @@ TEST(ThreadPool, RunsItemsInParallel) {
   std::set<std::thread::id> ids;
   std::mutex ids_mu;
   pool.ParallelFor(64, [&](size_t i) {
+    bool other_thread = false;
     {
       std::lock_guard<std::mutex> lock(ids_mu);
       ids.insert(std::this_thread::get_id());
       if (i == 0) first_thread = std::this_thread::get_id();
+      // Read under the lock: item 0 may be writing it on another thread right now.
+      other_thread = first_thread != std::this_thread::get_id();
     }
     if (i == 0) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -75,7 +78,7 @@ TEST(ThreadPool, RunsItemsInParallel) {
         }
         std::this_thread::yield();
       }
-    } else if (std::this_thread::get_id() != first_thread) {
+    } else if (other_thread) {
       other_started = true;
     }
   });
