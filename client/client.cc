@@ -173,6 +173,11 @@ DaemonStats FromProto(const v1::GetStatsResponse& r) {
     s.l3.fetch_latency_samples = l.fetch_latency_samples();
     s.l3.fetch_p50_us = l.fetch_p50_us();
     s.l3.fetch_p99_us = l.fetch_p99_us();
+    s.l3.write_policy = l.write_policy();
+    s.l3.spilled_blocks = l.spilled_blocks();
+    s.l3.budget_bytes = l.budget_bytes();
+    s.l3.budget_used_bytes = l.budget_used_bytes();
+    s.l3.budget_deletes = l.budget_deletes();
   }
   for (const v1::PoolInfo& p : r.pools()) {
     PoolStats o;

@@ -444,6 +444,44 @@ int hiq_get_stats(hiq_client* client, hiq_stats* stats) {
   });
 }
 
+int hiq_get_l3_stats(hiq_client* client, hiq_l3_stats* stats) {
+  return Guarded([&]() -> int {
+    HIQ_C_REQUIRE(client != nullptr && stats != nullptr, "hiq_get_l3_stats: NULL argument");
+    std::memset(stats, 0, sizeof(*stats));
+    // One namespace page is enough: only the daemon-wide l3 part is read.
+    auto s = client->client->GetStats(/*namespaces_offset=*/0, /*namespaces_limit=*/1);
+    if (!s.ok()) return Fail(s.status());
+    const hiqcache::L3Stats& l = s->l3;
+    if (!l.enabled) return HIQ_OK;
+    stats->enabled = 1;
+    stats->on_evict = l.write_policy == "on_evict" ? 1 : 0;
+    stats->lookup_hits = l.lookup_hits;
+    stats->lookup_misses = l.lookup_misses;
+    stats->lookup_errors = l.lookup_errors;
+    stats->fetches = l.fetches;
+    stats->fetched_blocks = l.fetched_blocks;
+    stats->fetch_errors = l.fetch_errors;
+    stats->corrupt_values = l.corrupt_values;
+    stats->promoted_blocks = l.promoted_blocks;
+    stats->writes = l.writes;
+    stats->write_errors = l.write_errors;
+    stats->dropped_writes = l.dropped_writes;
+    stats->skipped_writes = l.skipped_writes;
+    stats->spilled_blocks = l.spilled_blocks;
+    stats->write_queue_bytes = l.write_queue_bytes;
+    stats->write_queue_blocks = l.write_queue_blocks;
+    stats->bytes_in = l.bytes_in;
+    stats->bytes_out = l.bytes_out;
+    stats->fetch_latency_samples = l.fetch_latency_samples;
+    stats->fetch_p50_us = l.fetch_p50_us;
+    stats->fetch_p99_us = l.fetch_p99_us;
+    stats->budget_bytes = l.budget_bytes;
+    stats->budget_used_bytes = l.budget_used_bytes;
+    stats->budget_deletes = l.budget_deletes;
+    return HIQ_OK;
+  });
+}
+
 int hiq_compute_block_keys(const uint32_t* tokens, uint64_t num_tokens, uint32_t block_tokens,
                            const char* salt, uint64_t salt_len, uint8_t* keys_out,
                            uint64_t max_keys, uint64_t* num_keys) {

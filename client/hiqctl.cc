@@ -348,7 +348,11 @@ std::string L3Json(const L3Stats& l) {
       << ", \"write_queue_blocks\": " << l.write_queue_blocks << ", \"bytes_in\": " << l.bytes_in
       << ", \"bytes_out\": " << l.bytes_out
       << ", \"fetch_latency_samples\": " << l.fetch_latency_samples
-      << ", \"fetch_p50_us\": " << l.fetch_p50_us << ", \"fetch_p99_us\": " << l.fetch_p99_us;
+      << ", \"fetch_p50_us\": " << l.fetch_p50_us << ", \"fetch_p99_us\": " << l.fetch_p99_us
+      << ", \"write_policy\": " << Json::Str(l.write_policy)
+      << ", \"spilled_blocks\": " << l.spilled_blocks << ", \"budget_bytes\": " << l.budget_bytes
+      << ", \"budget_used_bytes\": " << l.budget_used_bytes
+      << ", \"budget_deletes\": " << l.budget_deletes;
   }
   o << "}";
   return o.str();
@@ -419,10 +423,16 @@ int CmdStats(const Args& args, const std::string& target) {
                 << l.fetch_latency_samples << ")";
     }
     std::cout << "\n"
-              << "  l3 write  " << l.writes << " written (" << Bytes(l.bytes_out) << "), "
-              << l.dropped_writes << " dropped, " << l.skipped_writes << " skipped, "
-              << l.write_errors << " errors; queue " << l.write_queue_blocks << " blocks ("
-              << Bytes(l.write_queue_bytes) << ")\n";
+              << "  l3 write  " << l.write_policy << ": " << l.writes << " written ("
+              << Bytes(l.bytes_out) << "), " << l.dropped_writes << " dropped, "
+              << l.skipped_writes << " skipped, " << l.write_errors << " errors";
+    if (l.write_policy == "on_evict") std::cout << ", " << l.spilled_blocks << " spilled";
+    std::cout << "; queue " << l.write_queue_blocks << " blocks (" << Bytes(l.write_queue_bytes)
+              << ")\n";
+    if (l.budget_bytes > 0) {
+      std::cout << "  l3 budget " << Bytes(l.budget_used_bytes) << " of " << Bytes(l.budget_bytes)
+                << " used, " << l.budget_deletes << " deleted to stay within it\n";
+    }
   }
   std::cout << "\n";
   if (s.namespaces.empty()) {

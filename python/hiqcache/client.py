@@ -171,6 +171,11 @@ class L3Stats:
     fetch_latency_samples: int = 0  # the last fetches (at most 1024) the percentiles cover
     fetch_p50_us: int = 0
     fetch_p99_us: int = 0
+    write_policy: str = ""  # "write_through" or "on_evict"
+    spilled_blocks: int = 0  # on_evict: evicted blocks copied into the write queue
+    budget_bytes: int = 0  # l3_budget_bytes; 0 = none
+    budget_used_bytes: int = 0  # value bytes this daemon's ledger counts in L3 now
+    budget_deletes: int = 0  # blocks deleted from L3 to stay within the budget
 
 
 @dataclass(frozen=True)

@@ -584,7 +584,7 @@ size_t CacheCore::PromoteFromL3(const Pool& pool, std::span<const BlockKey> keys
     switch (res[j].outcome) {
       case BlockStore::WriteOutcome::kReserved:
         std::memcpy(res[j].payload, fetched[j].payload(), payload_bytes);
-        store_->CommitWrite(res[j].handle, fetched[j].payload_checksum);
+        store_->CommitWrite(res[j].handle, fetched[j].payload_checksum, /*from_l3=*/true);
         ++promoted;
         break;
       case BlockStore::WriteOutcome::kPresent:  // a concurrent backup or promotion

@@ -124,13 +124,9 @@ Status Validate(const DaemonConfig& c) {
       }
     }
   }
-  if (c.l3_write_policy != "write_through") {
-    return InvalidArgument("l3_write_policy: must be write_through (on_evict is not implemented "
-                           "yet), got " + c.l3_write_policy);
-  }
-  if (c.l3_budget_bytes != 0) {
-    return InvalidArgument("l3_budget_bytes: must be 0 (the cluster's maxmemory and l3_ttl bound "
-                           "L3; a per-daemon budget is not implemented yet)");
+  if (c.l3_write_policy != "write_through" && c.l3_write_policy != "on_evict") {
+    return InvalidArgument("l3_write_policy: must be write_through or on_evict, got '" +
+                           c.l3_write_policy + "'");
   }
   HIQ_RETURN_IF_ERROR(positive(c.l3_connect_timeout_ms, "l3_connect_timeout_ms"));
   HIQ_RETURN_IF_ERROR(positive(c.l3_command_timeout_ms, "l3_command_timeout_ms"));
@@ -385,6 +381,9 @@ Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
     }
   }
   o->key_prefix = c.l3_key_prefix;
+  o->policy = c.l3_write_policy == "on_evict" ? L3WritePolicy::kOnEvict
+                                              : L3WritePolicy::kWriteThrough;
+  o->budget_bytes = c.l3_budget_bytes;
   o->ttl = std::chrono::milliseconds(uint64_t{c.l3_ttl} * 1000);
   o->connect_timeout = std::chrono::milliseconds(c.l3_connect_timeout_ms);
   o->command_timeout = std::chrono::milliseconds(c.l3_command_timeout_ms);

@@ -65,9 +65,9 @@ struct DaemonConfig {
   std::string l3_user;                // ACL user ("" = AUTH with the password alone)
   std::string l3_password_file;       // first line = the password ("" = no AUTH)
   std::string l3_key_prefix = "hiq:";
-  std::string l3_write_policy = "write_through";  // only write_through so far
+  std::string l3_write_policy = "write_through";  // or "on_evict"
   uint32_t l3_ttl = 0;                            // seconds; 0 = no expiry
-  uint64_t l3_budget_bytes = 0;  // 0 = bounded by the cluster's maxmemory (the only mode yet)
+  uint64_t l3_budget_bytes = 0;  // value bytes of this daemon in L3; 0 = the cluster's maxmemory
   uint32_t l3_connect_timeout_ms = 200;
   uint32_t l3_command_timeout_ms = 200;
   uint32_t l3_lookup_deadline_ms = 5;

@@ -5,8 +5,10 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "hiqcache/log.h"
 
@@ -53,9 +55,14 @@ class RedisL3Tier final : public L3Tier {
     for (uint32_t i = 0; i < std::max<uint32_t>(1, o.writer_threads); ++i) {
       writers_.emplace_back([this] { WriterLoop(); });
     }
+    if (o_.policy == L3WritePolicy::kOnEvict) {
+      store_->SetEvictionSink([this](const BlockStore::EvictedBlock& b) { Evicted(b); });
+    }
   }
 
   ~RedisL3Tier() override {
+    // No eviction reaches the queue once this returns (it waits for a call in progress).
+    if (o_.policy == L3WritePolicy::kOnEvict) store_->SetEvictionSink({});
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
@@ -148,17 +155,52 @@ class RedisL3Tier final : public L3Tier {
 
   void Published(uint32_t ns_id, const NamespaceHash& ns, uint64_t payload_bytes,
                  const BlockKey& key) override {
+    if (o_.policy != L3WritePolicy::kWriteThrough) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.size() + 1 > o_.write_queue_blocks ||
-          queue_bytes_ + payload_bytes > o_.write_queue_bytes) {
+      if (!RoomLocked(payload_bytes)) {
         ++dropped_writes_;
         return;
       }
-      queue_.push_back(WriteItem{ns_id, ns, payload_bytes, key});
+      queue_.push_back(WriteItem{ns_id, ns, payload_bytes, key, {}});
       queue_bytes_ += payload_bytes;
     }
     queue_cv_.notify_one();
+  }
+
+  // The store's eviction sink (on_evict), called with the store's lock held: the block is encoded
+  // into the queue now (one copy of its payload), or dropped when the queue has no room. The
+  // room is taken under the tier's lock first, the copy made outside it.
+  void Evicted(const BlockStore::EvictedBlock& b) {
+    const uint64_t bytes = b.payload.size();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_ || !RoomLocked(bytes)) {
+        ++dropped_writes_;
+        return;
+      }
+      queue_bytes_ += bytes;
+      ++copying_;
+    }
+    WriteItem item{0, b.ns_hash, bytes, b.key, {}};
+    bool ok = true;
+    try {
+      item.value = l3::EncodeL3Value(b.ns_hash, b.key, b.payload, b.checksum);
+    } catch (const std::bad_alloc&) {
+      ok = false;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --copying_;
+      if (ok) {
+        queue_.push_back(std::move(item));
+        ++spilled_blocks_;
+      } else {
+        queue_bytes_ -= std::min(queue_bytes_, bytes);
+        ++dropped_writes_;
+      }
+    }
+    if (ok) queue_cv_.notify_one();
   }
 
   L3Stats Stats() const override {
@@ -179,8 +221,16 @@ class RedisL3Tier final : public L3Tier {
     s.bytes_out = Get(bytes_out_);
     std::lock_guard<std::mutex> lock(mu_);
     s.dropped_writes = dropped_writes_;
+    s.spilled_blocks = spilled_blocks_;
     s.write_queue_bytes = queue_bytes_;
-    s.write_queue_blocks = queue_.size();
+    s.write_queue_blocks = queue_.size() + copying_;
+    s.on_evict = o_.policy == L3WritePolicy::kOnEvict;
+    s.budget_bytes = o_.budget_bytes;
+    s.budget_deletes = Get(budget_deletes_);
+    {
+      std::lock_guard<std::mutex> ledger_lock(ledger_mu_);
+      s.budget_used_bytes = ledger_bytes_;
+    }
     std::vector<uint32_t> us = fetch_us_;  // at most kL3FetchLatencySamples: sorted here
     std::sort(us.begin(), us.end());
     s.fetch_latency_samples = us.size();
@@ -197,11 +247,76 @@ class RedisL3Tier final : public L3Tier {
 
  private:
   struct WriteItem {
-    uint32_t ns_id;
+    uint32_t ns_id;  // write_through: the block is copied out of the pool by the writer
     NamespaceHash ns;
     uint64_t payload_bytes;
     BlockKey key;
+    std::string value;  // on_evict: the value, encoded at eviction
   };
+
+  // REQUIRES: mu_ held. Whether the queue has room for one more block of `bytes`.
+  bool RoomLocked(uint64_t bytes) const {
+    return queue_.size() + copying_ + 1 <= o_.write_queue_blocks &&
+           queue_bytes_ + bytes <= o_.write_queue_bytes;
+  }
+
+  // The budget's ledger: every block this tier wrote, oldest write first, with its value size
+  // and expiry (TTL). Identity = namespace hash + block key (32 bytes, not the Redis key, to keep
+  // the ledger small).
+  using LedgerKey = std::array<uint8_t, 32>;
+  struct LedgerKeyHash {
+    size_t operator()(const LedgerKey& k) const {
+      uint64_t a, b;
+      std::memcpy(&a, k.data() + 16, 8);
+      std::memcpy(&b, k.data() + 24, 8);
+      return static_cast<size_t>(a ^ (b * 0x9E3779B97F4A7C15ull));
+    }
+  };
+  struct LedgerEntry {
+    LedgerKey key;
+    uint64_t bytes;
+    Clock::time_point expires;  // max() without a TTL
+  };
+  static LedgerKey LedgerKeyOf(const NamespaceHash& ns, const BlockKey& key) {
+    LedgerKey k;
+    std::memcpy(k.data(), ns.data(), 16);
+    std::memcpy(k.data() + 16, key.data(), 16);
+    return k;
+  }
+
+  // Makes room in the budget for a write of `bytes` to `key`: forgets expired entries and `key`'s
+  // own earlier write, takes the bytes in flight, and returns the blocks to DEL first (oldest
+  // first). False when `bytes` alone exceeds the budget (the write is dropped).
+  bool ReserveBudget(const LedgerKey& key, uint64_t bytes, std::vector<LedgerKey>* victims) {
+    std::lock_guard<std::mutex> lock(ledger_mu_);
+    if (bytes > o_.budget_bytes) return false;
+    const auto now = Clock::now();
+    while (!ledger_.empty() && ledger_.front().expires <= now) ForgetLocked(ledger_.begin());
+    if (auto it = ledger_index_.find(key); it != ledger_index_.end()) ForgetLocked(it->second);
+    while (!ledger_.empty() && ledger_bytes_ + inflight_bytes_ + bytes > o_.budget_bytes) {
+      victims->push_back(ledger_.front().key);
+      ForgetLocked(ledger_.begin());
+    }
+    inflight_bytes_ += bytes;
+    return true;
+  }
+  // The write of ReserveBudget ended; a written block enters the ledger.
+  void EndBudget(const LedgerKey& key, uint64_t bytes, bool written) {
+    std::lock_guard<std::mutex> lock(ledger_mu_);
+    inflight_bytes_ -= std::min(inflight_bytes_, bytes);
+    if (!written) return;
+    if (auto it = ledger_index_.find(key); it != ledger_index_.end()) ForgetLocked(it->second);
+    const auto expires = o_.ttl.count() > 0 ? Clock::now() + o_.ttl : Clock::time_point::max();
+    ledger_.push_back(LedgerEntry{key, bytes, expires});
+    ledger_index_[key] = std::prev(ledger_.end());
+    ledger_bytes_ += bytes;
+  }
+  // REQUIRES: ledger_mu_ held.
+  void ForgetLocked(std::list<LedgerEntry>::iterator it) {
+    ledger_bytes_ -= std::min(ledger_bytes_, it->bytes);
+    ledger_index_.erase(it->key);
+    ledger_.erase(it);
+  }
 
   // A fetch ended: its duration goes to the metrics' callback and to the latency window.
   void Finished(Clock::duration d, bool ok) {
@@ -287,7 +402,7 @@ class RedisL3Tier final : public L3Tier {
         std::unique_lock<std::mutex> lock(mu_);
         queue_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
         if (stop_) return;
-        item = queue_.front();
+        item = std::move(queue_.front());
         queue_.pop_front();
         queue_bytes_ -= std::min(queue_bytes_, item.payload_bytes);
       }
@@ -303,34 +418,63 @@ class RedisL3Tier final : public L3Tier {
         Add(&write_errors_, 1);
         continue;
       }
-      uint64_t tag;
-      std::memcpy(&tag, item.ns.data(), sizeof(tag));
-      BlockStore::ReadPin pin;
-      uint64_t checksum = 0;
-      if (!store_->PinCommitted(item.ns_id, item.key, tag, &pin, &checksum)) {
-        Add(&skipped_writes_, 1);
-        continue;
-      }
-      std::string value;
-      try {
-        value = l3::EncodeL3Value(item.ns, item.key,
-                                  std::span<const uint8_t>(pin.payload, item.payload_bytes),
-                                  checksum);
-      } catch (const std::bad_alloc&) {
+      std::string value = std::move(item.value);
+      if (value.empty()) {  // write_through: copy the block out of the pool now
+        uint64_t tag;
+        std::memcpy(&tag, item.ns.data(), sizeof(tag));
+        BlockStore::ReadPin pin;
+        uint64_t checksum = 0;
+        if (!store_->PinCommitted(item.ns_id, item.key, tag, &pin, &checksum)) {
+          Add(&skipped_writes_, 1);
+          continue;
+        }
+        try {
+          value = l3::EncodeL3Value(item.ns, item.key,
+                                    std::span<const uint8_t>(pin.payload, item.payload_bytes),
+                                    checksum);
+        } catch (const std::bad_alloc&) {
+          store_->Unpin(pin.handle);
+          Add(&write_errors_, 1);
+          continue;
+        }
         store_->Unpin(pin.handle);
-        Add(&write_errors_, 1);
-        continue;
       }
-      store_->Unpin(pin.handle);
-      const std::string name = l3::L3Key(o_.key_prefix, item.ns, item.key);
-      Status st = conn->Set(name, value, o_.ttl, Clock::now() + o_.command_timeout * 2);
-      if (st.ok()) {
-        Add(&writes_, 1);
-        Add(&bytes_out_, value.size());
-      } else {
-        Add(&write_errors_, 1);
-        HIQ_LOG(DEBUG) << "event=l3_write_failed error=\"" << LogSafe(st.message()) << "\"";
+      Write(*conn, item, value);
+    }
+  }
+
+  // SETs one value (within the budget, when there is one).
+  void Write(l3::RedisCluster& conn, const WriteItem& item, const std::string& value) {
+    const LedgerKey lkey = LedgerKeyOf(item.ns, item.key);
+    const bool budgeted = o_.budget_bytes > 0;
+    if (budgeted) {
+      std::vector<LedgerKey> victims;
+      if (!ReserveBudget(lkey, value.size(), &victims)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++dropped_writes_;
+        return;
       }
+      for (const LedgerKey& v : victims) {
+        NamespaceHash ns;
+        BlockKey key;
+        std::memcpy(ns.data(), v.data(), 16);
+        std::memcpy(key.data(), v.data() + 16, 16);
+        // A failed DEL leaves the value to its TTL or the cluster's maxmemory: the ledger has
+        // forgotten it either way, so the budget can be passed by what failed to be deleted.
+        auto del = conn.Del(l3::L3Key(o_.key_prefix, ns, key),
+                            Clock::now() + o_.command_timeout * 2);
+        Add(del.ok() ? &budget_deletes_ : &write_errors_, 1);
+      }
+    }
+    const std::string name = l3::L3Key(o_.key_prefix, item.ns, item.key);
+    Status st = conn.Set(name, value, o_.ttl, Clock::now() + o_.command_timeout * 2);
+    if (budgeted) EndBudget(lkey, value.size(), st.ok());
+    if (st.ok()) {
+      Add(&writes_, 1);
+      Add(&bytes_out_, value.size());
+    } else {
+      Add(&write_errors_, 1);
+      HIQ_LOG(DEBUG) << "event=l3_write_failed error=\"" << LogSafe(st.message()) << "\"";
     }
   }
 
@@ -341,7 +485,7 @@ class RedisL3Tier final : public L3Tier {
   std::atomic<uint64_t> lookup_hits_{0}, lookup_misses_{0}, lookup_errors_{0};
   std::atomic<uint64_t> fetches_{0}, fetched_blocks_{0}, fetch_errors_{0}, corrupt_values_{0};
   std::atomic<uint64_t> promotions_{0}, writes_{0}, write_errors_{0}, skipped_writes_{0};
-  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, budget_deletes_{0};
 
   mutable std::mutex mu_;
   bool stop_ = false;                                    // GUARDED_BY(mu_)
@@ -352,9 +496,18 @@ class RedisL3Tier final : public L3Tier {
   std::deque<WriteItem> queue_;  // GUARDED_BY(mu_)
   uint64_t queue_bytes_ = 0;     // GUARDED_BY(mu_)
   uint64_t dropped_writes_ = 0;  // GUARDED_BY(mu_)
+  uint64_t spilled_blocks_ = 0;  // GUARDED_BY(mu_)
+  uint32_t copying_ = 0;         // GUARDED_BY(mu_): evicted blocks being encoded, room taken
   std::vector<uint32_t> fetch_us_;  // GUARDED_BY(mu_): the last fetches' durations, a ring
   size_t fetch_next_ = 0;           // GUARDED_BY(mu_): the ring's next slot
   std::condition_variable queue_cv_;
+
+  mutable std::mutex ledger_mu_;  // after mu_ (never held while taking it)
+  std::list<LedgerEntry> ledger_;  // GUARDED_BY(ledger_mu_): oldest write first
+  std::unordered_map<LedgerKey, std::list<LedgerEntry>::iterator, LedgerKeyHash>
+      ledger_index_;             // GUARDED_BY(ledger_mu_)
+  uint64_t ledger_bytes_ = 0;    // GUARDED_BY(ledger_mu_)
+  uint64_t inflight_bytes_ = 0;  // GUARDED_BY(ledger_mu_): reserved by writes in progress
 
   std::thread opener_;
   std::vector<std::thread> writers_;

@@ -40,6 +40,7 @@ struct L3Stats {
   uint64_t write_errors = 0;     // SETs that failed
   uint64_t dropped_writes = 0;   // writes not queued: the queue was full
   uint64_t skipped_writes = 0;   // queued writes whose block had left the pool meanwhile
+  uint64_t spilled_blocks = 0;   // on_evict: evicted blocks copied into the write queue
   uint64_t write_queue_bytes = 0;   // payload bytes queued now
   uint64_t write_queue_blocks = 0;  // blocks queued now
   uint64_t bytes_in = 0;         // value bytes fetched
@@ -49,6 +50,12 @@ struct L3Stats {
   uint64_t fetch_latency_samples = 0;
   uint64_t fetch_p50_us = 0;
   uint64_t fetch_p99_us = 0;
+  // l3_budget_bytes: value bytes this daemon wrote that its ledger still counts (written, not
+  // expired, not deleted), and the blocks it deleted to stay within the budget.
+  uint64_t budget_bytes = 0;       // the budget; 0 = none
+  uint64_t budget_used_bytes = 0;
+  uint64_t budget_deletes = 0;
+  bool on_evict = false;           // the write policy: on_evict, else write_through
 };
 constexpr size_t kL3FetchLatencySamples = 1024;
 
@@ -73,10 +80,16 @@ class L3Tier {
   // Counts blocks the core promoted into the pool.
   virtual void CountPromoted(uint64_t blocks) = 0;
   // Block `key` of namespace `ns_id` (hash `ns`, payloads of `payload_bytes`) was published in
-  // the pool: queue its copy to L3. Never blocks; a full queue drops it (counted).
+  // the pool: under write_through, queue its copy to L3 (under on_evict, nothing: the tier
+  // copies blocks out as the pool evicts them). Never blocks; a full queue drops it (counted).
   virtual void Published(uint32_t ns_id, const NamespaceHash& ns, uint64_t payload_bytes,
                          const BlockKey& key) = 0;
   virtual L3Stats Stats() const = 0;
+};
+
+enum class L3WritePolicy {
+  kWriteThrough,  // every block a backup publishes is copied to L3 (other nodes see it at once)
+  kOnEvict,       // a block is copied to L3 when the pool evicts it to make room
 };
 
 // Options of the Redis Cluster tier (DaemonConfig's l3_* keys).
@@ -85,7 +98,13 @@ struct L3Options {
   std::string user;
   std::string password;
   std::string key_prefix = "hiq:";
+  L3WritePolicy policy = L3WritePolicy::kWriteThrough;
   std::chrono::milliseconds ttl{0};  // 0 = no expiry
+  // Value bytes this daemon keeps in L3 at most (0 = no budget: the cluster's maxmemory and the
+  // TTL bound it). The tier keeps a ledger of its own writes (about 100 bytes of memory per block)
+  // and DELs its oldest before a write would pass the budget. The ledger is this process's: what
+  // a previous daemon wrote is bounded by the TTL only.
+  uint64_t budget_bytes = 0;
   std::chrono::milliseconds connect_timeout{200};
   std::chrono::milliseconds command_timeout{200};
   std::chrono::milliseconds lookup_deadline{5};
@@ -105,7 +124,8 @@ struct L3Options {
 bool L3Available();
 
 // The Redis Cluster tier over `store` (which must outlive it); its writers copy published blocks
-// out of the store. Connections open in the background: the tier is usable (answering misses)
+// out of the store (write_through), or it sets itself as the store's eviction sink (on_evict) and
+// copies evicted blocks into its write queue while the store evicts them. Connections open in the background: the tier is usable (answering misses)
 // while the cluster is unreachable. FAILED_PRECONDITION in a build without hiredis.
 StatusOr<std::unique_ptr<L3Tier>> CreateRedisL3Tier(const L3Options& options, BlockStore* store);
 

@@ -287,6 +287,17 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
     counter("hiqcache_l3_skipped_writes_total",
             "Queued L3 writes whose block had left the pool before its turn.",
             l3.skipped_writes);
+    counter("hiqcache_l3_spilled_blocks_total",
+            "Blocks the pool evicted and copied into the L3 write queue (l3_write_policy "
+            "on_evict).",
+            l3.spilled_blocks);
+    counter("hiqcache_l3_budget_deletes_total",
+            "Blocks this daemon deleted from L3 to stay within l3_budget_bytes.",
+            l3.budget_deletes);
+    Gauge(&out, "hiqcache_l3_budget_bytes", "l3_budget_bytes (0 = no budget).", l3.budget_bytes);
+    Gauge(&out, "hiqcache_l3_budget_used_bytes",
+          "Value bytes in L3 that this daemon wrote and its budget ledger still counts.",
+          l3.budget_used_bytes);
     Gauge(&out, "hiqcache_l3_write_queue_bytes", "Payload bytes queued for L3 writes.",
           l3.write_queue_bytes);
     Gauge(&out, "hiqcache_l3_write_queue_blocks", "Blocks queued for L3 writes.",

@@ -40,6 +40,7 @@ struct BlockEntry {
   uint32_t pins = 0;
   bool indexed = false;
   bool in_lru = false;
+  bool from_l3 = false;  // promoted from L3: not offered to the eviction sink
   uint64_t last_use = 0;
   std::list<BlockEntry*>::iterator lru_it;
 };
@@ -678,6 +679,22 @@ void BlockStore::EvictEntryLocked(BlockEntry* e) {
   if (e->pins == 0) FreeSlotLocked(e);
 }
 
+void BlockStore::EvictForRoomLocked(BlockEntry* e) {
+  if (sink_ && e->state == BlockState::kCommitted && !e->from_l3) {
+    const NsState& ns = *namespaces_.at(e->ns);
+    sink_(EvictedBlock{ns.hash, e->key,
+                       std::span<const uint8_t>(base_ + e->offset + kBlockHeaderBytes,
+                                                ns.payload_bytes),
+                       HeaderOf(e)->checksum});
+  }
+  EvictEntryLocked(e);
+}
+
+void BlockStore::SetEvictionSink(EvictionSink sink) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sink_ = std::move(sink);
+}
+
 bool BlockStore::ReclaimLocked(NsState& ns) {
   // Candidate 1: this namespace's least recently used unpinned block.
   BlockEntry* own = nullptr;
@@ -709,12 +726,12 @@ bool BlockStore::ReclaimLocked(NsState& ns) {
     }
   }
   if (own != nullptr && (other == nullptr || own->last_use <= other_newest)) {
-    EvictEntryLocked(own);
+    EvictForRoomLocked(own);
     return true;
   }
   if (other == nullptr) return false;
   for (auto& e : other->entries) {
-    if (e.state != BlockState::kFree) EvictEntryLocked(&e);
+    if (e.state != BlockState::kFree) EvictForRoomLocked(&e);
   }
   FreeExtentLocked(other);
   return true;
@@ -750,6 +767,7 @@ std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
     }
     e->key = keys[i];
     e->state = BlockState::kWriting;
+    e->from_l3 = false;
     e->pins = 1;
     e->indexed = true;
     e->last_use = ++clock_;
@@ -771,14 +789,15 @@ std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
   return out;
 }
 
-void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum) {
+void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum, bool from_l3) {
   std::lock_guard<std::mutex> lock(mu_);
   NsState& ns = *namespaces_.at(e->ns);
   BlockHeader* h = HeaderOf(e);
   h->checksum = checksum;
   h->commit_seq = ++clock_;
   StoreState(h, BlockState::kCommitted);
-  ns.counters.backups += 1;
+  if (!from_l3) ns.counters.backups += 1;
+  e->from_l3 = from_l3;
   if (--e->pins == 0 && !e->indexed) {  // evicted while being written
     FreeSlotLocked(e);
     return;

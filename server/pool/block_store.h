@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -169,8 +170,10 @@ class BlockStore {
   // second time). Reserved blocks are invisible to lookups until CommitWrite. A namespace the
   // store does not know (never added, or removed) gets every key kNoSpace.
   std::vector<WriteReservation> ReserveWrites(uint32_t ns, std::span<const BlockKey> keys);
-  // Publishes a fully written block (checksum of its payload) and unpins it.
-  void CommitWrite(BlockHandle handle, uint64_t checksum);
+  // Publishes a fully written block (checksum of its payload) and unpins it. A backup counts in
+  // its namespace's `backups`; a block promoted from L3 (`from_l3`) does not, and is not offered
+  // to the eviction sink when it leaves (L3 holds it already).
+  void CommitWrite(BlockHandle handle, uint64_t checksum, bool from_l3 = false);
   // Drops a reserved block (its payload is not valid); `rejected` counts it as rejected.
   void AbortWrite(BlockHandle handle, bool rejected);
 
@@ -192,8 +195,24 @@ class BlockStore {
                     uint64_t* checksum);
   void Unpin(BlockHandle handle);
 
-  // Removes the keys of `ns` from the cache; returns how many were present.
+  // Removes the keys of `ns` from the cache; returns how many were present. (Not offered to the
+  // eviction sink: the caller asked for them to go.)
   uint32_t Evict(uint32_t ns, std::span<const BlockKey> keys);
+
+  // A committed block the store is about to evict to make room (the L3 tier's on_evict policy
+  // copies it out). `payload` is valid only during the call.
+  struct EvictedBlock {
+    const std::array<uint8_t, 16>& ns_hash;  // NamespaceInfo::hash
+    const BlockKey& key;
+    std::span<const uint8_t> payload;
+    uint64_t checksum;  // the block header's payload checksum (XXH3-64)
+  };
+  // Called with the store's lock held for every block evicted to make room (not for Evict, nor
+  // for blocks dropped as corrupt or orphaned, nor for blocks promoted from L3), before its slot
+  // is reused: it must not call the store and should return quickly (copy or drop). Setting it
+  // (or clearing it with an empty function) waits for a call in progress. Default: none.
+  using EvictionSink = std::function<void(const EvictedBlock&)>;
+  void SetEvictionSink(EvictionSink sink);
 
   StoreStats Stats() const;
 
@@ -212,6 +231,8 @@ class BlockStore {
   bool AllocateExtentLocked(NsState& ns);
   bool ReclaimLocked(NsState& ns);
   void EvictEntryLocked(BlockEntry* e);  // leaves the index; slot freed now or on last unpin
+  // REQUIRES: mu_ held. EvictEntryLocked for room: the sink sees the block first.
+  void EvictForRoomLocked(BlockEntry* e);
   void UnindexLocked(BlockEntry* e);     // leaves the index and the LRU (no counter)
   void FreeSlotLocked(BlockEntry* e);
   void FreeExtentLocked(Extent* ext);
@@ -251,6 +272,7 @@ class BlockStore {
   uint64_t corrupt_ = 0;      // GUARDED_BY(mu_)
   uint64_t reads_ = 0;        // GUARDED_BY(mu_): block reads, for verify_reads_one_in_
   std::unordered_set<uint32_t> emptied_;  // GUARDED_BY(mu_): block count dropped to 0
+  EvictionSink sink_;                     // GUARDED_BY(mu_)
 };
 
 }  // namespace hiqcache::server

@@ -363,6 +363,11 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
     out->set_fetch_latency_samples(l3.fetch_latency_samples);
     out->set_fetch_p50_us(l3.fetch_p50_us);
     out->set_fetch_p99_us(l3.fetch_p99_us);
+    out->set_write_policy(l3.on_evict ? "on_evict" : "write_through");
+    out->set_spilled_blocks(l3.spilled_blocks);
+    out->set_budget_bytes(l3.budget_bytes);
+    out->set_budget_used_bytes(l3.budget_used_bytes);
+    out->set_budget_deletes(l3.budget_deletes);
   }
   for (const NamespaceSnapshot& n : snap.namespaces) {
     auto* out = resp->add_namespaces();

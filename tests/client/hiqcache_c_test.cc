@@ -50,6 +50,7 @@ namespace {
   X(hiq_restore) \
   X(hiq_evict) \
   X(hiq_get_stats) \
+  X(hiq_get_l3_stats) \
   X(hiq_compute_block_keys) \
   X(hiq_cuda_available) \
   X(hiq_cuda_device_uuid) \
@@ -329,6 +330,13 @@ TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
   EXPECT_EQ(stats.blocks, kBlocks);
   EXPECT_EQ(stats.num_pools, 1u);
   EXPECT_STREQ(stats.device, "host");
+  hiq_l3_stats l3;
+  std::memset(&l3, 0xAB, sizeof(l3));
+  ASSERT_EQ(c.hiq_get_l3_stats(client_, &l3), HIQ_OK);
+  EXPECT_EQ(l3.enabled, 0u);  // this daemon has no L3 store: every figure zeroed
+  EXPECT_EQ(l3.writes, 0u);
+  EXPECT_EQ(l3.budget_deletes, 0u);
+  EXPECT_EQ(c.hiq_get_l3_stats(client_, nullptr), HIQ_INVALID_ARGUMENT);
 
   uint32_t evicted = 0;
   ASSERT_EQ(c.hiq_evict(client_, handle, keys.data(), 1, &evicted), HIQ_OK);
@@ -343,6 +351,27 @@ TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
 
 // HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
 // is not a multiple of 32 refused naming geometry.head_dim, and codec 4 still unknown.
+// hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
+// 1): enabled, with the policy and budget it was started with.
+TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
+  testing::DaemonProcess d("16MiB", {"--device", "host", "--prefault", "false", "--l3-seeds",
+                                     "127.0.0.1:1", "--l3-write-policy", "on_evict",
+                                     "--l3-budget-bytes", "3MiB"});
+  if (!d.Start()) GTEST_SKIP() << "this hiqcached has no L3 store (built without hiredis)";
+  hiq_client* client = nullptr;
+  ASSERT_EQ(C().hiq_connect(d.target().c_str(), 5000, &client), HIQ_OK) << C().hiq_last_error();
+  hiq_l3_stats l3;
+  std::memset(&l3, 0xAB, sizeof(l3));
+  ASSERT_EQ(C().hiq_get_l3_stats(client, &l3), HIQ_OK) << C().hiq_last_error();
+  EXPECT_EQ(l3.enabled, 1u);
+  EXPECT_EQ(l3.on_evict, 1u);
+  EXPECT_EQ(l3.budget_bytes, 3u << 20);
+  EXPECT_EQ(l3.budget_used_bytes, 0u);
+  EXPECT_EQ(l3.writes + l3.fetches + l3.spilled_blocks + l3.write_queue_blocks, 0u);
+  C().hiq_close(client);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
 TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
   const Api& c = C();
   for (uint32_t dim : {64u, 48u}) {

@@ -10,8 +10,11 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <sstream>
+#include <thread>
 
 #include "daemon_process.h"
 #include "it_util.h"
@@ -123,14 +126,18 @@ class L3DaemonTest : public ::testing::Test {
   }
   // Flips one payload byte of the value L3 holds for `key` of namespace `namespace_id` (hex) and
   // writes it back by hand. "" or what failed.
-  std::string CorruptValue(const std::string& namespace_id, const BlockKey& key) {
+  // The Redis key of block `key` of namespace `namespace_id` (hex), default prefix.
+  static std::string L3Name(const std::string& namespace_id, const BlockKey& key) {
     l3::NamespaceHash ns{};
     for (int i = 0; i < 16; ++i) {
       ns[i] = static_cast<uint8_t>(std::stoul(namespace_id.substr(2 * i, 2), nullptr, 16));
     }
     l3::L3BlockKey k;
     std::memcpy(k.data(), key.data(), 16);
-    const std::string name = l3::L3Key("hiq:", ns, k);
+    return l3::L3Key("hiq:", ns, k);
+  }
+  std::string CorruptValue(const std::string& namespace_id, const BlockKey& key) {
+    const std::string name = L3Name(namespace_id, key);
     const l3_test::ClusterNode* master = cluster_->MasterOfSlot(l3::KeySlot(name));
     if (master == nullptr) return "no master for " + name;
     l3_test::AdminReply got = cluster_->Admin(master->port, {"GET", name});
@@ -343,6 +350,14 @@ TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
   EXPECT_EQ(lb.fetch_latency_samples, 1u);
   EXPECT_GT(lb.fetch_p50_us, 0u);
   EXPECT_EQ(lb.fetch_p99_us, lb.fetch_p50_us);  // one sample
+  EXPECT_EQ(lb.write_policy, "write_through");
+  EXPECT_EQ(lb.budget_bytes + lb.budget_used_bytes + lb.budget_deletes + lb.spilled_blocks, 0u);
+  // Promoted blocks are restores of B's namespace, not backups.
+  const NamespaceStats* nsb = FindNamespace(*sb, pb->info.namespace_id);
+  ASSERT_NE(nsb, nullptr);
+  EXPECT_EQ(nsb->blocks, 2u);
+  EXPECT_EQ(nsb->backups, 0u);
+  EXPECT_EQ(nsb->restores, 2u);
   // The same counts as /metrics.
   EXPECT_EQ(b.M("hiqcache_l3_promoted_blocks_total"), lb.promoted_blocks);
   EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), lb.corrupt_values);
@@ -357,8 +372,8 @@ TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
       << text.output;
   EXPECT_NE(text.output.find(" 2 promoted, 1 corrupt, 0 errors; p50 "), std::string::npos)
       << text.output;
-  EXPECT_NE(text.output.find("  l3 write  0 written (0 B), 0 dropped, 0 skipped, 0 errors; "
-                             "queue 0 blocks (0 B)\n"),
+  EXPECT_NE(text.output.find("  l3 write  write_through: 0 written (0 B), 0 dropped, 0 skipped, "
+                             "0 errors; queue 0 blocks (0 B)\n"),
             std::string::npos)
       << text.output;
   deploy_test::RunResult json = Hiqctl(b.daemon->target(), true);
@@ -373,6 +388,10 @@ TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
   }
   deploy_test::RunResult json_a = Hiqctl(a.daemon->target(), true);
   EXPECT_NE(json_a.output.find("\"writes\": 3, "), std::string::npos) << json_a.output;
+  EXPECT_NE(json_a.output.find("\"write_policy\": \"write_through\", \"spilled_blocks\": 0, "
+                               "\"budget_bytes\": 0, "),
+            std::string::npos)
+      << json_a.output;
 #endif
 
   // Without L3: enabled false, no l3 lines, {"enabled": false}.
@@ -435,6 +454,264 @@ TEST_F(L3DaemonTest, MasterKilledMidRunGivesMissesOnly) {
   }
   EXPECT_TRUE(killed);
   EXPECT_GT(full, 0);
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 0);
+  EXPECT_EQ(a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// l3_write_policy = on_evict: nothing reaches L3 while the pool holds it; what the pool evicts to
+// make room is copied out and written, so another node restores it; blocks that came from L3 are
+// not written back when they are evicted again.
+TEST_F(L3DaemonTest, OnEvictSpillsWhatThePoolEvicts) {
+  // 16 MiB pool, 266,240-byte blocks: about 60 blocks; 96 are backed up.
+  Node a = StartNode(cluster_->Seeds(), "16MiB", {"--l3-write-policy", "on_evict"});
+  Node b = StartNode(cluster_->Seeds());
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  PoolOptions o = Options("l3-on-evict", Codec::kInt8PerHead);
+  o.geometry = Geom(8, 8, 128);
+  auto pa = MakePool(*a.client, o);
+  auto pb = MakePool(*b.client, o);
+  ASSERT_TRUE(pa.ok()) << pa.status().ToString();
+  ASSERT_TRUE(pb.ok()) << pb.status().ToString();
+  constexpr uint32_t kRounds = 12, kPer = 8;
+  const uint64_t seed = 1100;
+  const std::vector<BlockKey> keys = Keys(seed, kRounds * kPer, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, kPer * kBt);
+  auto l3_of = [](Node& n) {
+    auto s = n.client->GetStats();
+    return s.ok() ? s->l3 : L3Stats{};
+  };
+  auto evictions_of = [&](Node& n) -> uint64_t {
+    auto s = n.client->GetStats();
+    const NamespaceStats* ns = s.ok() ? FindNamespace(*s, pa->info.namespace_id) : nullptr;
+    return ns == nullptr ? 0 : ns->evictions;
+  };
+  auto backup_round = [&](uint32_t r, uint64_t round_seed, const std::vector<BlockKey>& ks) {
+    FillRows(pa->kv, round_seed, rows, kBt, r * kPer);
+    BackupResult bk = a.client->Backup(pa->handle, std::span(ks).subspan(r * kPer, kPer), rows);
+    ASSERT_TRUE(bk.status.ok()) << bk.status.ToString();
+    ASSERT_EQ(bk.held(), kPer);
+  };
+  backup_round(0, seed, keys);
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(l3_of(a).write_policy, "on_evict");
+  EXPECT_EQ(l3_of(a).writes, 0u) << "nothing is evicted yet, so nothing goes to L3";
+  for (uint32_t r = 1; r < kRounds; ++r) backup_round(r, seed, keys);
+  // Every block evicted for room was spilled (the queue is far from full) and written.
+  const uint64_t evicted = evictions_of(a);
+  ASSERT_GT(evicted, 0u) << "the pool was meant to be too small";
+  ASSERT_TRUE(Eventually(
+      [&] {
+        const L3Stats l = l3_of(a);
+        return l.writes == evicted && l.write_queue_blocks == 0;
+      },
+      std::chrono::seconds(20)))
+      << Scrape(a.metrics_port);
+  L3Stats la = l3_of(a);
+  EXPECT_EQ(la.spilled_blocks, evicted);
+  EXPECT_EQ(la.dropped_writes + la.write_errors + la.skipped_writes, 0u);
+  // B restores A's oldest blocks (evicted from A) from L3; A's newest (never evicted) are not
+  // in L3.
+  LookupResult l = b.client->Lookup(pb->handle, std::span(keys).first(kPer));
+  ASSERT_TRUE(l.status.ok());
+  EXPECT_EQ(l.prefix_blocks, kPer);
+  EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).last(kPer)).prefix_blocks, 0u);
+  FillSentinel(pb->kv);
+  RestoreResult rb = b.client->Restore(pb->handle, std::span(keys).first(kPer), rows);
+  ASSERT_TRUE(rb.status.ok()) << rb.status.ToString();
+  EXPECT_EQ(rb.restored_blocks, kPer);
+  CheckResult c = CheckRows(pb->kv, seed, rows, kBt, /*exact=*/false);
+  EXPECT_TRUE(c.ok()) << c.bad_heads << " of " << c.heads_checked << " wrong: " << c.first;
+
+  // A promotes its first kPer blocks back from L3, then backs up a pool's worth of new blocks:
+  // everything it held is evicted again, the promoted blocks without a second write.
+  FillSentinel(pa->kv);
+  RestoreResult ra = a.client->Restore(pa->handle, std::span(keys).first(kPer), rows);
+  ASSERT_TRUE(ra.status.ok()) << ra.status.ToString();
+  ASSERT_EQ(ra.restored_blocks, kPer);
+  EXPECT_TRUE(CheckRows(pa->kv, seed, rows, kBt, false).ok());
+  const uint64_t evicted_before = evictions_of(a);
+  const uint64_t spilled_before = l3_of(a).spilled_blocks;
+  const uint64_t seed2 = 1200;
+  const std::vector<BlockKey> keys2 = Keys(seed2, kRounds * kPer, kBt);
+  for (uint32_t r = 0; r < kRounds; ++r) backup_round(r, seed2, keys2);
+  EXPECT_EQ(a.client->Lookup(pa->handle, std::span(keys).first(1)).prefix_blocks, 1u)
+      << "still in L3";
+  la = l3_of(a);
+  const uint64_t evicted_now = evictions_of(a) - evicted_before;
+  ASSERT_GE(evicted_now, kPer);
+  EXPECT_EQ(la.spilled_blocks - spilled_before, evicted_now - kPer)
+      << "the " << kPer << " promoted blocks are not written back";
+  EXPECT_EQ(a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// l3_budget_bytes: the daemon deletes its oldest writes so that what it keeps in L3 stays within
+// the budget; the cluster then holds exactly the newest blocks that fit.
+TEST_F(L3DaemonTest, BudgetKeepsTheNewestBlocksWithinIt) {
+  // One value's size, from a first daemon without a budget.
+  uint64_t value_bytes = 0;
+  {
+    Node probe = StartNode(cluster_->Seeds());
+    ASSERT_NE(probe.client, nullptr);
+    auto p = MakePool(*probe.client, Options("l3-budget-probe", Codec::kInt8PerHead));
+    ASSERT_TRUE(p.ok());
+    const std::vector<BlockKey> k = Keys(1300, 1, kBt);
+    FillRows(p->kv, 1300, RowRange(0, kBt), kBt);
+    ASSERT_EQ(probe.client->Backup(p->handle, k, RowRange(0, kBt)).held(), 1u);
+    ASSERT_TRUE(WaitWrites(probe, 1));
+    value_bytes = probe.client->GetStats()->l3.bytes_out;
+    EXPECT_EQ(probe.daemon->Stop(), 0);
+  }
+  ASSERT_GT(value_bytes, 0u);
+  for (const auto* m : cluster_->Masters()) ASSERT_TRUE(cluster_->Admin(m->port, {"FLUSHALL"}).ok());
+  constexpr uint32_t kFit = 10, kRounds = 3;
+  const uint64_t budget = kFit * value_bytes + value_bytes / 2;
+  Node a = StartNode(cluster_->Seeds(), "64MiB", {"--l3-budget-bytes", std::to_string(budget)});
+  Node b = StartNode(cluster_->Seeds());
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  auto pa = MakePool(*a.client, Options("l3-budget", Codec::kInt8PerHead, kFit * kBt));
+  auto pb = MakePool(*b.client, Options("l3-budget", Codec::kInt8PerHead, kFit * kBt));
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  const uint64_t seed = 1310;
+  const std::vector<BlockKey> keys = Keys(seed, kRounds * kFit, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, kFit * kBt);
+  for (uint32_t r = 0; r < kRounds; ++r) {
+    FillRows(pa->kv, seed, rows, kBt, r * kFit);
+    ASSERT_EQ(a.client->Backup(pa->handle, std::span(keys).subspan(r * kFit, kFit), rows).held(),
+              kFit);
+    ASSERT_TRUE(WaitWrites(a, (r + 1) * kFit)) << Scrape(a.metrics_port);
+  }
+  const L3Stats la = a.client->GetStats()->l3;
+  EXPECT_EQ(la.budget_bytes, budget);
+  EXPECT_EQ(la.budget_used_bytes, kFit * value_bytes);
+  EXPECT_EQ(la.budget_deletes, (kRounds - 1) * kFit);
+  EXPECT_EQ(la.write_errors + la.dropped_writes, 0u);
+  EXPECT_EQ(a.M("hiqcache_l3_budget_used_bytes"), static_cast<double>(kFit * value_bytes));
+  // The cluster holds the newest kFit values, nothing else.
+  long long keys_held = 0;
+  for (const auto* m : cluster_->Masters()) keys_held += cluster_->Admin(m->port, {"DBSIZE"}).integer;
+  EXPECT_EQ(keys_held, kFit);
+  EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).last(kFit)).prefix_blocks, kFit);
+  EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).first(1)).prefix_blocks, 0u);
+  EXPECT_EQ(
+      b.client->Lookup(pb->handle, std::span(keys).subspan((kRounds - 1) * kFit - 1, 2))
+          .prefix_blocks,
+      0u);
+  // A value larger than the whole budget is not written (a dropped write), nothing deleted.
+  PoolOptions big = Options("l3-budget-big", Codec::kInt8PerHead);
+  big.geometry = Geom(16, 8, 128);
+  auto pbig = MakePool(*a.client, big);
+  ASSERT_TRUE(pbig.ok());
+  const std::vector<BlockKey> kbig = Keys(1320, 1, kBt);
+  FillRows(pbig->kv, 1320, RowRange(0, kBt), kBt);
+  ASSERT_EQ(a.client->Backup(pbig->handle, kbig, RowRange(0, kBt)).held(), 1u);
+  ASSERT_TRUE(Eventually([&] { return a.client->GetStats()->l3.dropped_writes == 1; },
+                         std::chrono::seconds(10)));
+  EXPECT_EQ(a.client->GetStats()->l3.budget_deletes, (kRounds - 1) * kFit);
+  EXPECT_EQ(a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// Slots move between masters (redis-cli --cluster reshard, keys migrated) while node A keeps
+// backing up and node B keeps looking up and restoring: every restore is correct or a miss,
+// every write lands, and B restores everything once the move is done.
+TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
+  Node a = StartNode(cluster_->Seeds());
+  Node b = StartNode(cluster_->Seeds());
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  auto pa = MakePool(*a.client, Options("l3-reshard", Codec::kInt8PerHead, 512));
+  auto pb = MakePool(*b.client, Options("l3-reshard", Codec::kInt8PerHead, 512));
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  constexpr uint32_t kBlocks = 8, kNew = 2;
+  const uint64_t seed = 1400;
+  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, kBlocks * kBt);
+  FillRows(pa->kv, seed, rows, kBt);
+  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), kBlocks);
+  ASSERT_TRUE(WaitWrites(a, kBlocks));
+  // Which master holds each block before the move. The move takes every slot of the master of
+  // block 0 to another master.
+  std::vector<int> port_before;
+  for (const BlockKey& k : keys) {
+    port_before.push_back(
+        cluster_->MasterOfSlot(l3::KeySlot(L3Name(pa->info.namespace_id, k)))->port);
+  }
+  const l3_test::ClusterNode* from = nullptr;
+  const l3_test::ClusterNode* to = nullptr;
+  for (const auto* m : cluster_->Masters()) {
+    if (m->port == port_before[0]) {
+      from = m;
+    } else if (to == nullptr) {
+      to = m;
+    }
+  }
+  ASSERT_TRUE(from != nullptr && to != nullptr);
+  std::atomic<bool> done{false};
+  std::thread reshard([&] {
+    const std::vector<std::string> argv = {
+        l3_test::FindProgram("redis-cli"), "--cluster", "reshard", from->addr(),
+        "--cluster-from", from->id, "--cluster-to", to->id, "--cluster-slots",
+        std::to_string(l3::kClusterSlots), "--cluster-yes", "--cluster-pipeline", "5"};
+    std::string cmd;
+    for (const auto& arg : argv) cmd += "'" + arg + "' ";
+    EXPECT_EQ(std::system((cmd + ">/dev/null 2>&1").c_str()), 0);
+    done = true;
+  });
+  uint32_t rounds = 0, full = 0, partial = 0, after = 0;
+  uint64_t written = kBlocks;
+  const std::vector<uint32_t> new_rows = RowRange(kBlocks * kBt, kNew * kBt);
+  while (!done.load() || after < 2) {
+    if (done.load()) ++after;
+    // A: new blocks each round (their slots may be moving).
+    const std::vector<BlockKey> fresh = Keys(seed + 100 + rounds, kNew, kBt);
+    FillRows(pa->kv, seed + 100 + rounds, new_rows, kBt);
+    ASSERT_EQ(a.client->Backup(pa->handle, fresh, new_rows).held(), kNew);
+    written += kNew;
+    // B: from L3 every round.
+    ASSERT_TRUE(b.client->Evict(pb->handle, keys).ok());
+    LookupResult l = b.client->Lookup(pb->handle, keys);
+    ASSERT_TRUE(l.status.ok()) << l.status.ToString();
+    FillSentinel(pb->kv);
+    RestoreResult r = b.client->Restore(pb->handle, keys, rows);
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    ASSERT_LE(r.restored_blocks, kBlocks);
+    CheckResult c = CheckRows(pb->kv, seed, std::span(rows).first(r.restored_blocks * kBt), kBt,
+                              false);
+    ASSERT_TRUE(c.ok()) << "round " << rounds << ": " << c.first;
+    EXPECT_EQ(ChangedOutside(pb->kv, std::span(rows).first(r.restored_blocks * kBt)), 0u)
+        << "rows past the restored run are untouched";
+    full += r.restored_blocks == kBlocks;
+    partial += r.restored_blocks < kBlocks;
+    ++rounds;
+  }
+  reshard.join();
+  // After the move: the whole prefix comes back, and every write A made landed.
+  ASSERT_TRUE(Eventually([&] { return a.M("hiqcache_l3_writes_total") >= written; },
+                         std::chrono::seconds(20)))
+      << Scrape(a.metrics_port);
+  ASSERT_TRUE(b.client->Evict(pb->handle, keys).ok());
+  FillSentinel(pb->kv);
+  RestoreResult r = b.client->Restore(pb->handle, keys, rows);
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(r.restored_blocks, kBlocks);
+  EXPECT_TRUE(CheckRows(pb->kv, seed, rows, kBt, false).ok());
+  uint32_t moved = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int now =
+        cluster_->MasterOfSlot(l3::KeySlot(L3Name(pa->info.namespace_id, keys[i])))->port;
+    moved += now != port_before[i];
+  }
+  std::cout << "reshard: " << rounds << " rounds, " << full << " full restores, " << partial
+            << " partial; " << moved << " of " << kBlocks << " blocks changed master\n";
+  EXPECT_NE(port_before[0], cluster_->MasterOfSlot(
+                               l3::KeySlot(L3Name(pa->info.namespace_id, keys[0])))->port)
+      << "block 0 was meant to change master";
+  EXPECT_GT(full, 0u);
+  EXPECT_EQ(a.M("hiqcache_l3_errors_total{op=\"write\"}"), 0);
   EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 0);
   EXPECT_EQ(a.daemon->Stop(), 0);
   EXPECT_EQ(b.daemon->Stop(), 0);

@@ -199,6 +199,7 @@ def test_stats_show_l3_when_the_daemon_has_it():
             assert l3.fetches == 1 and l3.fetch_errors == 1 and l3.fetched_blocks == 0
             assert l3.fetch_latency_samples == 1
             assert l3.promoted_blocks == 0 and l3.corrupt_values == 0
+            assert l3.write_policy == "write_through" and l3.budget_bytes == 0
     finally:
         kv.close()
         d.close()

@@ -483,6 +483,49 @@ TEST_F(SmallStoreTest, EvictCountsOnlyCommittedKeys) {
   ExpectConsistent(store_, slot_);
 }
 
+// The eviction sink (L3's on_evict) sees every block evicted for room, with its payload and
+// checksum, before the slot is reused; not the blocks Evict removes, nor blocks promoted from L3.
+TEST_F(SmallStoreTest, EvictionSinkSeesBlocksEvictedForRoomOnly) {
+  struct Seen {
+    BlockKey key;
+    std::vector<uint8_t> payload;
+    uint64_t checksum;
+  };
+  std::vector<Seen> seen;
+  store_.SetEvictionSink([&](const BlockStore::EvictedBlock& b) {
+    EXPECT_EQ(b.ns_hash, table_.Get(ns_).hash);
+    seen.push_back({b.key, std::vector<uint8_t>(b.payload.begin(), b.payload.end()), b.checksum});
+  });
+  const uint64_t payload_bytes = layout_.BlockBytes();
+  std::vector<std::vector<uint8_t>> written;
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    const BlockKey k = KeyOf(i);
+    auto r = store_.ReserveWrites(ns_, std::span<const BlockKey>(&k, 1));
+    ASSERT_EQ(r[0].outcome, Outcome::kReserved);
+    for (uint64_t b = 0; b < payload_bytes; ++b) r[0].payload[b] = static_cast<uint8_t>(i * 31 + b);
+    written.emplace_back(r[0].payload, r[0].payload + payload_bytes);
+    // Block 1 came from L3: it is not offered back, and not counted as a backup.
+    store_.CommitWrite(r[0].handle, XXH3_64bits(r[0].payload, payload_bytes), /*from_l3=*/i == 1);
+  }
+  EXPECT_EQ(Counters().backups, kBlocks - 1);
+  const BlockKey gone = KeyOf(2);
+  ASSERT_EQ(store_.Evict(ns_, std::span<const BlockKey>(&gone, 1)), 1u);  // asked: not offered
+  EXPECT_TRUE(seen.empty());
+  // Three more blocks: the free slot, then the LRU blocks 0 and 1 (1 from L3: not offered) go.
+  for (uint64_t i = 10; i < 13; ++i) ASSERT_NE(Put(store_, ns_, KeyOf(i)), nullptr);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].key, KeyOf(0));
+  EXPECT_EQ(seen[0].payload, written[0]);
+  EXPECT_EQ(seen[0].checksum, XXH3_64bits(written[0].data(), payload_bytes));
+  EXPECT_EQ(Counters().evictions, 3u);
+  // Cleared: evictions go on, unseen.
+  store_.SetEvictionSink({});
+  ASSERT_NE(Put(store_, ns_, KeyOf(13)), nullptr);
+  EXPECT_EQ(seen.size(), 1u);
+  EXPECT_EQ(Counters().evictions, 4u);
+  ExpectConsistent(store_, slot_);
+}
+
 TEST(BlockStoreNamespacesTest, DifferentSlotSizesShareThePool) {
   // Pool for ~6 slots of A; B's slots are about twice as large.
   const kernels::BlockLayout la = Layout(1, 1, 64, 4);  // 528 B payload

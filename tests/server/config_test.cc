@@ -490,11 +490,23 @@ TEST(LoadConfigL3Test, KeysFlagsRenderAndErrors) {
   HIQ_ASSERT_OK(L3OptionsFromConfig(*r, &o));
   EXPECT_EQ(o.ttl, std::chrono::milliseconds(3600000));
   EXPECT_EQ(o.lookup_deadline, std::chrono::milliseconds(3));
+  EXPECT_EQ(o.policy, L3WritePolicy::kWriteThrough);
+  EXPECT_EQ(o.budget_bytes, 0u);
+  auto evict = Load({"--l3-seeds", "127.0.0.1:7000", "--l3-write-policy", "on_evict",
+                     "--l3-budget-bytes", "2GiB"});
+  ASSERT_TRUE(evict.ok()) << evict.status().ToString();
+  DaemonConfig evict_back;
+  HIQ_ASSERT_OK(ApplyConfigText(RenderConfig(*evict), "<rendered>", &evict_back));
+  EXPECT_EQ(evict_back.l3_write_policy, "on_evict");
+  EXPECT_EQ(evict_back.l3_budget_bytes, 2ull << 30);
+  HIQ_ASSERT_OK(L3OptionsFromConfig(evict_back, &o));
+  EXPECT_EQ(o.policy, L3WritePolicy::kOnEvict);
+  EXPECT_EQ(o.budget_bytes, 2ull << 30);
 
   ExpectErrorNaming(Load({"--l3-seeds", "nohost"}), "l3_seeds");
   ExpectErrorNaming(Load({"--l3-seeds", "h:99999"}), "l3_seeds");
-  ExpectErrorNaming(Load({"--l3-write-policy", "on_evict"}), "l3_write_policy");
-  ExpectErrorNaming(Load({"--l3-budget-bytes", "1GiB"}), "l3_budget_bytes");
+  ExpectErrorNaming(Load({"--l3-write-policy", "on_write"}), "l3_write_policy");
+  ExpectErrorNaming(Load({"--l3-budget-bytes", "lots"}), "--l3-budget-bytes");
   ExpectErrorNaming(Load({"--l3-lookup-deadline-ms", "0"}), "l3_lookup_deadline_ms");
   ExpectErrorNaming(Load({"--l3-writer-threads", "0"}), "l3_writer_threads");
   ExpectErrorNaming(Load({"--l3-ttl", "soon"}), "--l3-ttl");

@@ -163,6 +163,11 @@ struct L3Stats {
   uint64_t fetch_latency_samples = 0;
   uint64_t fetch_p50_us = 0;
   uint64_t fetch_p99_us = 0;
+  std::string write_policy;     // "write_through" or "on_evict"
+  uint64_t spilled_blocks = 0;  // on_evict: evicted blocks copied into the write queue
+  uint64_t budget_bytes = 0;    // l3_budget_bytes; 0 = none
+  uint64_t budget_used_bytes = 0;  // value bytes this daemon's ledger counts in L3 now
+  uint64_t budget_deletes = 0;     // blocks deleted from L3 to stay within the budget
 };
 
 struct DaemonStats {
@@ -181,7 +186,8 @@ struct DaemonStats {
   std::vector<PoolStats> pools;
   // The caller as the daemon identified it (0 / false for an anonymous caller).
   uint32_t caller_uid = 0;
-  bool caller_admin = false;  L3Stats l3;
+  bool caller_admin = false;
+  L3Stats l3;  // enabled = false when the daemon has no L3 store
 };
 
 class Client {

@@ -172,6 +172,36 @@ typedef struct hiq_stats {
   char device[16]; /* "host" or "cuda" */
 } hiq_stats;
 
+/* What the daemon's L3 store (Redis Cluster) did since start; enabled = 0 (and every figure 0)
+ * when it has none. An L3 error or deadline is a miss, counted in the *_errors fields. */
+typedef struct hiq_l3_stats {
+  uint32_t enabled;
+  uint32_t on_evict; /* the write policy: 1 = on_evict, 0 = write_through */
+  uint64_t lookup_hits;    /* blocks Lookup found in L3 after the pool's leading run */
+  uint64_t lookup_misses;  /* keys Lookup asked L3 for after the run L3 held */
+  uint64_t lookup_errors;
+  uint64_t fetches;        /* restores that fetched from L3 */
+  uint64_t fetched_blocks; /* values fetched and verified */
+  uint64_t fetch_errors;
+  uint64_t corrupt_values; /* fetched values that failed to verify: dropped, a miss */
+  uint64_t promoted_blocks;
+  uint64_t writes;
+  uint64_t write_errors;
+  uint64_t dropped_writes; /* not queued: the write queue was full (or over the budget) */
+  uint64_t skipped_writes; /* queued, but the block left the pool before its turn */
+  uint64_t spilled_blocks; /* on_evict: evicted blocks copied into the write queue */
+  uint64_t write_queue_bytes;
+  uint64_t write_queue_blocks;
+  uint64_t bytes_in;  /* value bytes fetched */
+  uint64_t bytes_out; /* value bytes written */
+  uint64_t fetch_latency_samples; /* the last fetches (at most 1024) the percentiles cover */
+  uint64_t fetch_p50_us;
+  uint64_t fetch_p99_us;
+  uint64_t budget_bytes;      /* l3_budget_bytes; 0 = none */
+  uint64_t budget_used_bytes; /* value bytes this daemon's ledger counts in L3 now */
+  uint64_t budget_deletes;    /* blocks deleted from L3 to stay within the budget */
+} hiq_l3_stats;
+
 /* --- library ---------------------------------------------------------------------------- */
 
 HIQ_C_API int hiq_abi_version(void);
@@ -242,6 +272,8 @@ HIQ_C_API int hiq_restore(hiq_client* client, hiq_pool pool, const uint8_t* keys
 HIQ_C_API int hiq_evict(hiq_client* client, hiq_pool pool, const uint8_t* keys, uint32_t num_keys,
                         uint32_t* evicted);
 HIQ_C_API int hiq_get_stats(hiq_client* client, hiq_stats* stats);
+/* The L3 part of GetStats (one GetStats call; *stats is zeroed first). */
+HIQ_C_API int hiq_get_l3_stats(hiq_client* client, hiq_l3_stats* stats);
 
 /* Keys of the floor(num_tokens / block_tokens) full blocks (hiqcache/block_keys.h: chained
  * XXH3-128 with `salt`, salt_len bytes, NULL = empty). Writes min(that, max_keys) keys into

@@ -397,7 +397,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., clients: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., device: _Optional[str] = ..., shm_name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., cuda_staging_bytes: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_admin: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ...) -> None: ...
 
 class L3Stats(_message.Message):
-    __slots__ = ("enabled", "lookup_hits", "lookup_misses", "lookup_errors", "fetches", "fetched_blocks", "fetch_errors", "corrupt_values", "promoted_blocks", "writes", "write_errors", "dropped_writes", "skipped_writes", "write_queue_bytes", "write_queue_blocks", "bytes_in", "bytes_out", "fetch_latency_samples", "fetch_p50_us", "fetch_p99_us")
+    __slots__ = ("enabled", "lookup_hits", "lookup_misses", "lookup_errors", "fetches", "fetched_blocks", "fetch_errors", "corrupt_values", "promoted_blocks", "writes", "write_errors", "dropped_writes", "skipped_writes", "write_queue_bytes", "write_queue_blocks", "bytes_in", "bytes_out", "fetch_latency_samples", "fetch_p50_us", "fetch_p99_us", "write_policy", "spilled_blocks", "budget_bytes", "budget_used_bytes", "budget_deletes")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +418,11 @@ class L3Stats(_message.Message):
     FETCH_LATENCY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FETCH_P50_US_FIELD_NUMBER: _ClassVar[int]
     FETCH_P99_US_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DELETES_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     lookup_hits: int
     lookup_misses: int
@@ -438,4 +443,9 @@ class L3Stats(_message.Message):
     fetch_latency_samples: int
     fetch_p50_us: int
     fetch_p99_us: int
-    def __init__(self, enabled: _Optional[bool] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_errors: _Optional[int] = ..., fetches: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetch_errors: _Optional[int] = ..., corrupt_values: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., skipped_writes: _Optional[int] = ..., write_queue_bytes: _Optional[int] = ..., write_queue_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetch_latency_samples: _Optional[int] = ..., fetch_p50_us: _Optional[int] = ..., fetch_p99_us: _Optional[int] = ...) -> None: ...
+    write_policy: str
+    spilled_blocks: int
+    budget_bytes: int
+    budget_used_bytes: int
+    budget_deletes: int
+    def __init__(self, enabled: _Optional[bool] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_errors: _Optional[int] = ..., fetches: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetch_errors: _Optional[int] = ..., corrupt_values: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., skipped_writes: _Optional[int] = ..., write_queue_bytes: _Optional[int] = ..., write_queue_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetch_latency_samples: _Optional[int] = ..., fetch_p50_us: _Optional[int] = ..., fetch_p99_us: _Optional[int] = ..., write_policy: _Optional[str] = ..., spilled_blocks: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_deletes: _Optional[int] = ...) -> None: ...
