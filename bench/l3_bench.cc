@@ -11,8 +11,13 @@
 // (redisCommand, sequential). Rates are GB/s of BF16-equivalent bytes (what the engine's KV
 // occupies), as in e2e_bench; the wire figure counts the value bytes Redis sent.
 //
+// Then: backups into a full pool (every backup evicts as much as it stores) on three daemons
+// with the same small pool, L3 off / write_through / on_evict, against each other in the same
+// run; and a master killed while restores from L3 run back to back (time until restores are
+// whole again, the short restores meanwhile).
+//
 // Usage: l3_bench [--tokens N] [--reps N] [--pool-bytes SIZE] [--lookups N]
-//                 [--fetch-deadline-ms N] [--lookup-deadline-ms N]
+//                 [--fetch-deadline-ms N] [--lookup-deadline-ms N] [--evict-pool-blocks N]
 // Without --fetch-deadline-ms the daemon runs with its default fetch deadline and command
 // timeout, so a run also checks that a 2,048-token restore from L3 fits them; with it, both are
 // set to N.
@@ -24,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -84,7 +90,7 @@ struct PlainConnections {
 
 int main(int argc, char** argv) {
   uint32_t tokens = 2048, reps = 7, lookups = 200, fetch_deadline_ms = 0,  // 0: the default
-      lookup_deadline_ms = 5;
+      lookup_deadline_ms = 5, evict_pool_blocks = 48;
   std::string pool_bytes = "1GiB";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -94,6 +100,7 @@ int main(int argc, char** argv) {
     else if (a == "--lookups") lookups = v;
     else if (a == "--fetch-deadline-ms") fetch_deadline_ms = v;
     else if (a == "--lookup-deadline-ms") lookup_deadline_ms = v;
+    else if (a == "--evict-pool-blocks") evict_pool_blocks = v;
     else if (a == "--pool-bytes") pool_bytes = argv[i + 1];
   }
   const uint32_t block_tokens = 64;
@@ -355,6 +362,153 @@ int main(int argc, char** argv) {
   lat("L3 off (second daemon)", l_off);
   lat("reference: L2 hit (L3 not asked)", l_l2);
   std::printf("  short answers (L3 deadline or error): %u of %u\n", short_answers, lookups);
+
+  // Backups into a full pool, by write policy: every backup evicts as many blocks as it stores.
+  // Three daemons with the same small pool: L3 off, write_through, on_evict (whose evictions
+  // copy each evicted block into the write queue under the pool's lock). Fresh keys per rep,
+  // the arms interleaved; the first reps fill the pools and are not counted.
+  {
+    const uint64_t slot_bytes = info->encoded_bytes_per_token * block_tokens + 64;
+    const std::string small = std::to_string(evict_pool_blocks * slot_bytes + (8u << 20));
+    std::vector<std::string> wt = l3_flags, oe = l3_flags;
+    oe.insert(oe.end(), {"--l3-write-policy", "on_evict"});
+    // on_evict with nothing listening at its seed: the evicted blocks are copied into the queue
+    // as always, and the writers drop them at once. What the copy alone costs the backup, without
+    // the SETs and the Redis servers competing for this machine's cores.
+    std::vector<std::string> oe_dead = {"--l3-seeds", "127.0.0.1:1", "--l3-write-policy",
+                                        "on_evict"};
+    hiqcache::testing::DaemonProcess e_off(small), e_wt(small, wt), e_oe(small, oe),
+        e_copy(small, oe_dead);
+    if (!e_off.Start() || !e_wt.Start() || !e_oe.Start() || !e_copy.Start()) {
+      return Fail("hiqcached", "evict arms");
+    }
+    struct Arm {
+      const char* name;
+      hiqcache::testing::DaemonProcess* d;
+      std::unique_ptr<hiqcache::Client> c;
+      hiqcache::PoolHandle p{};
+      std::vector<double> t;
+    };
+    std::vector<Arm> arms;
+    arms.push_back({"L3 off", &e_off, nullptr, {}, {}});
+    arms.push_back({"write_through", &e_wt, nullptr, {}, {}});
+    arms.push_back({"on_evict", &e_oe, nullptr, {}, {}});
+    arms.push_back({"on_evict, no L3", &e_copy, nullptr, {}, {}});
+    for (Arm& arm : arms) {
+      co.target = arm.d->target();
+      auto cl = hiqcache::Client::Connect(co);
+      if (!cl.ok()) return Fail("connect", arm.name);
+      arm.c = std::move(cl).value();
+      auto ph = arm.c->RegisterPool(spec);
+      if (!ph.ok()) return Fail("register", ph.status().ToString());
+      arm.p = *ph;
+    }
+    const uint32_t fill = (evict_pool_blocks + blocks - 1) / blocks + 1;
+    for (uint32_t rep = 0; rep < fill + reps; ++rep) {
+      std::vector<uint32_t> ids(tokens);
+      for (uint32_t i = 0; i < tokens; ++i) ids[i] = 20000003u + rep * tokens + i;
+      const auto fresh = hiqcache::ComputeBlockKeys(ids, block_tokens, "l3-evict");
+      for (size_t k = 0; k < arms.size(); ++k) {
+        Arm& arm = arms[(rep + k) % arms.size()];
+        const auto t0 = Clock::now();
+        auto b = arm.c->Backup(arm.p, fresh, src_rows);
+        const double dt = Seconds(Clock::now() - t0);
+        if (!b.status.ok() || b.held() != blocks) return Fail("backup", arm.name);
+        if (rep >= fill) arm.t.push_back(dt);
+        // The arm's writers drain before the next arm runs, so that no arm is measured against
+        // another's L3 traffic (a backup-heavy engine would not wait: the queue's bound then
+        // drops writes, counted).
+        const auto drain_end = Clock::now() + std::chrono::seconds(30);
+        for (;;) {
+          auto st = arm.c->GetStats();
+          if (!st.ok() || st->l3.write_queue_blocks == 0 || Clock::now() > drain_end) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last SETs in flight
+      }
+    }
+    const double off = Median(arms[0].t);
+    std::printf("Backup of %u blocks into a full pool (%u blocks), by L3 write policy, medians of "
+                "%u:\n",
+                blocks, evict_pool_blocks, reps);
+    for (Arm& arm : arms) {
+      auto st = arm.c->GetStats();
+      uint64_t ev = 0;
+      if (st.ok()) {
+        for (const auto& n : st->namespaces) ev += n.evictions;
+      }
+      const double med = Median(arm.t);
+      std::printf("  %-16s %8.1f ms  %6.2f GB/s BF16-eq  %5.2fx L3 off;  evicted %llu, spilled "
+                  "%llu, written %llu, dropped %llu\n",
+                  arm.name, med * 1e3, gb / med, med / off, static_cast<unsigned long long>(ev),
+                  static_cast<unsigned long long>(st.ok() ? st->l3.spilled_blocks : 0),
+                  static_cast<unsigned long long>(st.ok() ? st->l3.writes : 0),
+                  static_cast<unsigned long long>(st.ok() ? st->l3.dropped_writes : 0));
+      (void)arm.c->ReleasePool(arm.p);
+    }
+    e_off.Stop();
+    e_wt.Stop();
+    e_oe.Stop();
+    e_copy.Stop();
+  }
+
+  // A master killed while restores from L3 run back to back: per restore, how many blocks came
+  // back and how long it took, until restores are whole again after the cluster failed over.
+  {
+    const auto masters = cluster.Masters();
+    std::vector<double> before, during, after;
+    uint32_t partial = 0, wrong_rounds = 0, whole_after = 0;
+    Clock::time_point killed_at{}, whole_at{};
+    bool killed = false;
+    const auto give_up = Clock::now() + std::chrono::seconds(60);
+    for (uint32_t round = 0; Clock::now() < give_up; ++round) {
+      if (!killed && round == 5) {
+        cluster.Kill(*masters[0]);
+        killed = true;
+        killed_at = Clock::now();
+      }
+      if (auto e = (*ca)->Evict(*pa, keys); !e.ok()) return Fail("evict", "failover");
+      const auto t0 = Clock::now();
+      auto r = (*ca)->Restore(*pa, keys, dst_rows);
+      const double dt = Seconds(Clock::now() - t0);
+      if (!r.status.ok()) ++wrong_rounds;  // an error reaching the engine (never expected)
+      const bool whole = r.status.ok() && r.restored_blocks == blocks;
+      if (!killed) {
+        before.push_back(dt);
+      } else if (whole_at == Clock::time_point{}) {
+        if (whole) {
+          whole_at = Clock::now();
+          after.push_back(dt);
+          ++whole_after;
+        } else {
+          during.push_back(dt);
+          ++partial;
+        }
+      } else {
+        after.push_back(dt);
+        whole_after += whole;
+        if (after.size() >= 5) break;
+      }
+    }
+    auto st = (*ca)->GetStats();
+    std::printf("A master killed during back-to-back %u-block restores from L3 (cluster node "
+                "timeout 1 s):\n",
+                blocks);
+    std::printf("  before: %zu restores, p50 %.1f ms\n", before.size(), Median(before) * 1e3);
+    if (whole_at == Clock::time_point{}) {
+      std::printf("  restores never whole again within 60 s (%u short)\n", partial);
+    } else {
+      std::printf("  kill -> first whole restore: %.2f s; %u short restores meanwhile (p50 %.1f "
+                  "ms, max %.1f ms)\n",
+                  Seconds(whole_at - killed_at), partial, Median(during) * 1e3,
+                  during.empty() ? 0.0 : *std::max_element(during.begin(), during.end()) * 1e3);
+      std::printf("  after: %zu restores, %u whole, p50 %.1f ms\n", after.size(), whole_after,
+                  Median(after) * 1e3);
+    }
+    std::printf("  errors reaching the client: %u; corrupt values: %llu\n", wrong_rounds,
+                static_cast<unsigned long long>(st.ok() ? st->l3.corrupt_values : 0));
+  }
+
   (void)(*ca)->ReleasePool(*pa);
   (void)(*cc)->ReleasePool(*pc);
   a.Stop();

@@ -1,5 +1,8 @@
 #include "l3_tier.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -182,10 +185,10 @@ class RedisL3Tier final : public L3Tier {
       queue_bytes_ += bytes;
       ++copying_;
     }
-    WriteItem item{0, b.ns_hash, bytes, b.key, {}};
+    WriteItem item{0, b.ns_hash, bytes, b.key, TakeBuffer()};
     bool ok = true;
     try {
-      item.value = l3::EncodeL3Value(b.ns_hash, b.key, b.payload, b.checksum);
+      l3::EncodeL3ValueInto(b.ns_hash, b.key, b.payload, b.checksum, &item.value);
     } catch (const std::bad_alloc&) {
       ok = false;
     }
@@ -394,6 +397,9 @@ class RedisL3Tier final : public L3Tier {
   }
 
   void WriterLoop() {
+    // Background work: below the threads that serve engines (nice +10, this thread only). A
+    // daemon without the privilege to lower it stays as it is.
+    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
     std::unique_ptr<l3::RedisCluster> conn;
     Clock::time_point retry_at{};
     for (;;) {
@@ -416,22 +422,25 @@ class RedisL3Tier final : public L3Tier {
       }
       if (conn == nullptr) {
         Add(&write_errors_, 1);
+        GiveBuffer(std::move(item.value));
         continue;
       }
       std::string value = std::move(item.value);
       if (value.empty()) {  // write_through: copy the block out of the pool now
+        value = TakeBuffer();
         uint64_t tag;
         std::memcpy(&tag, item.ns.data(), sizeof(tag));
         BlockStore::ReadPin pin;
         uint64_t checksum = 0;
         if (!store_->PinCommitted(item.ns_id, item.key, tag, &pin, &checksum)) {
           Add(&skipped_writes_, 1);
+          GiveBuffer(std::move(value));
           continue;
         }
         try {
-          value = l3::EncodeL3Value(item.ns, item.key,
-                                    std::span<const uint8_t>(pin.payload, item.payload_bytes),
-                                    checksum);
+          l3::EncodeL3ValueInto(item.ns, item.key,
+                                std::span<const uint8_t>(pin.payload, item.payload_bytes),
+                                checksum, &value);
         } catch (const std::bad_alloc&) {
           store_->Unpin(pin.handle);
           Add(&write_errors_, 1);
@@ -440,7 +449,27 @@ class RedisL3Tier final : public L3Tier {
         store_->Unpin(pin.handle);
       }
       Write(*conn, item, value);
+      GiveBuffer(std::move(value));
     }
+  }
+
+  // Value buffers are reused (a spare list bounded by l3_write_queue_bytes), so that a block's
+  // copy writes memory already faulted in: a fresh multi-MB buffer costs its page faults, which
+  // on_evict would pay inside the pool's lock.
+  std::string TakeBuffer() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_.empty()) return {};
+    std::string b = std::move(spare_.back());
+    spare_.pop_back();
+    spare_bytes_ -= std::min(spare_bytes_, uint64_t{b.capacity()});
+    return b;
+  }
+  void GiveBuffer(std::string b) {
+    if (b.capacity() == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_bytes_ + b.capacity() > o_.write_queue_bytes) return;
+    spare_bytes_ += b.capacity();
+    spare_.push_back(std::move(b));
   }
 
   // SETs one value (within the budget, when there is one).
@@ -498,6 +527,8 @@ class RedisL3Tier final : public L3Tier {
   uint64_t dropped_writes_ = 0;  // GUARDED_BY(mu_)
   uint64_t spilled_blocks_ = 0;  // GUARDED_BY(mu_)
   uint32_t copying_ = 0;         // GUARDED_BY(mu_): evicted blocks being encoded, room taken
+  std::vector<std::string> spare_;  // GUARDED_BY(mu_): value buffers for reuse
+  uint64_t spare_bytes_ = 0;        // GUARDED_BY(mu_): their capacity
   std::vector<uint32_t> fetch_us_;  // GUARDED_BY(mu_): the last fetches' durations, a ring
   size_t fetch_next_ = 0;           // GUARDED_BY(mu_): the ring's next slot
   std::condition_variable queue_cv_;

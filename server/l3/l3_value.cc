@@ -35,8 +35,9 @@ std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const L3Bloc
   return out;
 }
 
-std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
-                          std::span<const uint8_t> payload, uint64_t payload_checksum) {
+void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
+                       std::span<const uint8_t> payload, uint64_t payload_checksum,
+                       std::string* out) {
   L3ValueHeader h{};
   h.magic = kL3ValueMagic;
   h.version = kL3ValueVersion;
@@ -46,9 +47,16 @@ std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
   h.payload_bytes = payload.size();
   h.payload_checksum = payload_checksum;
   h.header_checksum = XXH3_64bits(&h, kHeaderCheckedBytes);
-  std::string out(kL3ValueHeaderBytes + payload.size(), '\0');
-  std::memcpy(out.data(), &h, sizeof(h));
-  if (!payload.empty()) std::memcpy(out.data() + sizeof(h), payload.data(), payload.size());
+  // A buffer of this size already (reused) is not filled first: header and payload overwrite it.
+  out->resize(kL3ValueHeaderBytes + payload.size());
+  std::memcpy(out->data(), &h, sizeof(h));
+  if (!payload.empty()) std::memcpy(out->data() + sizeof(h), payload.data(), payload.size());
+}
+
+std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+                          std::span<const uint8_t> payload, uint64_t payload_checksum) {
+  std::string out;
+  EncodeL3ValueInto(ns, key, payload, payload_checksum, &out);
   return out;
 }
 

@@ -58,6 +58,11 @@ std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
                           std::span<const uint8_t> payload, uint64_t payload_checksum);
 std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
                           std::span<const uint8_t> payload);
+// The same into `*out` (resized; a buffer reused at the same size is not cleared first, so no
+// page is touched twice). May throw std::bad_alloc.
+void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
+                       std::span<const uint8_t> payload, uint64_t payload_checksum,
+                       std::string* out);
 
 // Checks `value` completely and returns its payload (a view into `value`). Errors (DATA_LOSS
 // unless noted) name what failed: too short for a header, bad magic, unsupported version
