@@ -39,7 +39,7 @@ struct L3ValueHeader {
   // XXH3-64 of the payload: the same function and value as BlockHeader::checksum (pool_format.h),
   // so a block read from the pool is checked the same way wherever it travels.
   uint64_t payload_checksum;
-  // XXH3-64 of the 48 bytes above: a corrupt length or key is reported as a corrupt header, not
+  // XXH3-64 of the 56 bytes above: a corrupt length or key is reported as a corrupt header, not
   // as a foreign value.
   uint64_t header_checksum;
 };
