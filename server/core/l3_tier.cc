@@ -122,11 +122,20 @@ class RedisL3Tier final : public L3Tier {
       return out;
     }
     std::vector<std::string> names = KeysOf(o_.key_prefix, ns, keys);
-    std::vector<l3::KeyResult> res = conn->MultiGet(names, deadline);
+    // A value is exactly header + payload: anything longer is refused before it is received.
+    std::vector<l3::KeyResult> res =
+        conn->MultiGet(names, deadline, l3::kL3ValueHeaderBytes + payload_bytes);
     GiveReader(std::move(conn));
     bool ok = true;
     uint64_t in = 0;
     for (size_t i = 0; i < res.size(); ++i) {
+      if (res[i].status.code() == StatusCode::kResourceExhausted) {
+        // Longer than any value of this namespace: a foreign or corrupt value, not received.
+        Add(&corrupt_values_, 1);
+        HIQ_LOG(WARN) << "event=l3_value_dropped key=\"" << LogSafe(names[i]) << "\" error=\""
+                      << LogSafe(res[i].status.message()) << "\"";
+        break;
+      }
       if (!res[i].status.ok()) {
         ok = false;
         Add(&fetch_errors_, 1);

@@ -143,6 +143,11 @@ struct Response {
 // object, which the caller copies again: with multi-megabyte values, three fresh copies).
 class ReplyParser {
  public:
+  // A bulk string longer than `max_bulk` bytes is refused (RESOURCE_EXHAUSTED) before anything
+  // is allocated for it: a server (or a stranger's key) cannot make the client hold more than
+  // the caller expects.
+  explicit ReplyParser(size_t max_bulk = kMaxBulk) : max_bulk_(max_bulk) {}
+
   // Consumes from `data` until a reply is complete or `data` is used up; returns the bytes
   // used. `*done` says whether a reply is complete (Take() it); an error means the stream is out of step.
   StatusOr<size_t> Feed(std::string_view data, bool* done) {
@@ -182,7 +187,7 @@ class ReplyParser {
 
  private:
   static constexpr size_t kMaxLine = 64 << 10;
-  static constexpr long long kMaxBulk = 1ll << 32;
+  static constexpr size_t kMaxBulk = size_t{1} << 32;
   enum State { kHeader, kBody, kCrlf };
 
   Status Header(bool* done) {
@@ -209,7 +214,12 @@ class ReplyParser {
         Finish(done);
         return Status::Ok();
       case '$':
-        if (!number() || v < -1 || v > kMaxBulk) return Internal("l3: malformed bulk length");
+        if (!number() || v < -1) return Internal("l3: malformed bulk length");
+        if (v > 0 && static_cast<unsigned long long>(v) > max_bulk_) {
+          return ResourceExhausted("l3: a value of " + std::to_string(v) +
+                                   " bytes, more than the " + std::to_string(max_bulk_) +
+                                   " expected");
+        }
         if (v == -1) {
           reply_.type = REDIS_REPLY_NIL;
           Finish(done);
@@ -232,6 +242,7 @@ class ReplyParser {
     *done = true;
   }
 
+  size_t max_bulk_;
   State state_ = kHeader;
   std::string line_;
   size_t have_ = 0;
@@ -504,6 +515,7 @@ struct RedisCluster::Impl {
     std::vector<size_t> pending;
     size_t first_window = 0;
     size_t largest_reply = 0;  // bytes of the largest string reply so far
+    size_t max_bulk = 0;       // longest bulk string a reply may carry
   };
 
   // Requests a node has in flight: `first_window` until a reply's size is known, then as many as
@@ -516,8 +528,13 @@ struct RedisCluster::Impl {
 
   // `f`'s connection failed: drop it and put its unanswered requests back for the next round
   // (the map may name a promoted replica by then; else they fail with the node's state).
-  void Lose(Call& call, Flight& f, bool timed_out, const Status& lost) {
-    Disconnect(*nodes[f.node], timed_out);
+  // `node_fault` false: the connection is only out of step (no backoff, no map refresh).
+  void Lose(Call& call, Flight& f, bool timed_out, const Status& lost, bool node_fault = true) {
+    if (node_fault) {
+      Disconnect(*nodes[f.node], timed_out);
+    } else {
+      nodes[f.node]->ctx.reset();
+    }
     f.open = false;
     for (size_t k = f.answered; k < f.idx.size(); ++k) {
       const size_t i = f.idx[k];
@@ -590,6 +607,16 @@ struct RedisCluster::Impl {
     while (!data.empty()) {
       bool done = false;
       auto used = f.parser.Feed(data, &done);
+      if (!used.ok() && used.status().code() == StatusCode::kResourceExhausted &&
+          f.answered < f.sent) {
+        // A value larger than the caller takes: that key fails; the rest of the stream is
+        // unread, so the connection goes and the other requests are retried.
+        call.out[f.idx[f.answered]].status = used.status();
+        ++f.answered;
+        Lose(call, f, false, Unavailable("l3: " + n.addr + ": connection dropped mid-reply"),
+             /*node_fault=*/false);
+        return;
+      }
       if (!used.ok() || (done && f.answered >= f.sent)) {  // out of step with the requests
         Lose(call, f, false,
              Unavailable("l3: " + n.addr + ": " +
@@ -623,7 +650,7 @@ struct RedisCluster::Impl {
   // work in parallel, and no node has more than a window of large values queued for this
   // client. MOVED, ASK and a failed node put a request back for the next round.
   std::vector<Response> Execute(std::span<const Request> reqs, Clock::time_point deadline,
-                                size_t first_window) {
+                                size_t first_window, size_t max_bulk) {
     BeginCall();
     SigpipeGuard no_sigpipe;
     Call call;
@@ -633,6 +660,7 @@ struct RedisCluster::Impl {
     call.ask_node.assign(reqs.size(), -1);
     call.sent_asking.assign(reqs.size(), 0);
     call.first_window = first_window;
+    call.max_bulk = max_bulk;
     call.pending.resize(reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) call.pending[i] = i;
 
@@ -663,7 +691,7 @@ struct RedisCluster::Impl {
           for (size_t i : idx) call.out[i].status = st;
           continue;
         }
-        Flight f;
+        Flight f{.parser = ReplyParser(call.max_bulk)};
         f.node = node;
         f.idx = std::move(idx);
         f.io = std::min(options.command_timeout, std::max(Left(deadline), Millis(1)));
@@ -784,11 +812,12 @@ struct RedisCluster::Impl {
     Request r;
     r.slot = KeySlot(argv[1]);
     r.argv = std::move(argv);
-    return std::move(Execute(std::span<const Request>(&r, 1), deadline, 1)[0]);
+    return std::move(
+        Execute(std::span<const Request>(&r, 1), deadline, 1, options.max_value_bytes)[0]);
   }
 
   std::vector<KeyResult> Multi(std::string_view cmd, std::span<const std::string> keys,
-                               Clock::time_point deadline) {
+                               Clock::time_point deadline, size_t max_value_bytes) {
     std::vector<Request> reqs(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       reqs[i].slot = KeySlot(keys[i]);
@@ -797,7 +826,9 @@ struct RedisCluster::Impl {
     const bool get = cmd == "GET";
     // EXISTS replies are a few bytes: all of a node's at once. GET values may be megabytes:
     // a small window until the first one's size is known.
-    std::vector<Response> resp = Execute(reqs, deadline, get ? kFirstGetWindow : reqs.size());
+    std::vector<Response> resp =
+        Execute(reqs, deadline, get ? kFirstGetWindow : reqs.size(),
+                max_value_bytes == 0 ? options.max_value_bytes : max_value_bytes);
     std::vector<KeyResult> out(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       Response& r = resp[i];
@@ -880,13 +911,14 @@ StatusOr<bool> RedisCluster::Del(std::string_view key, Deadline deadline) {
 }
 
 std::vector<KeyResult> RedisCluster::MultiGet(std::span<const std::string> keys,
-                                              Deadline deadline) {
-  return impl_->Multi("GET", keys, impl_->DeadlineOf(deadline));
+                                              Deadline deadline, size_t max_value_bytes) {
+  return impl_->Multi("GET", keys, impl_->DeadlineOf(deadline), max_value_bytes);
 }
 
 std::vector<KeyResult> RedisCluster::MultiExists(std::span<const std::string> keys,
                                                  Deadline deadline) {
-  return impl_->Multi("EXISTS", keys, impl_->DeadlineOf(deadline));
+  // Integer replies: no value of any size is expected.
+  return impl_->Multi("EXISTS", keys, impl_->DeadlineOf(deadline), 1);
 }
 
 Status RedisCluster::RefreshSlots(Deadline deadline) {

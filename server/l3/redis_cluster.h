@@ -62,6 +62,10 @@ struct RedisClusterOptions {
   // Multi-key calls keep at most this many reply bytes in flight per node (judged by the
   // largest value seen so far in the call), and never fewer than 2 requests.
   size_t pipeline_bytes = 8 << 20;
+  // The longest value a reply may carry; a longer one fails its key (RESOURCE_EXHAUSTED)
+  // before anything is allocated for it, and its connection is dropped. MultiGet may lower it
+  // per call.
+  size_t max_value_bytes = 512 << 20;
 };
 
 struct RedisClusterStats {
@@ -107,7 +111,9 @@ class RedisCluster {
   // One result per key, in order; keys are grouped by node and each node's commands pipelined.
   // A key whose node is down or that ran out of redirects or time has a non-OK status; the
   // others are answered. The call as a whole returns by the deadline.
-  std::vector<KeyResult> MultiGet(std::span<const std::string> keys, Deadline deadline = {});
+  // `max_value_bytes` (0 = options.max_value_bytes): a longer value fails its key.
+  std::vector<KeyResult> MultiGet(std::span<const std::string> keys, Deadline deadline = {},
+                                  size_t max_value_bytes = 0);
   std::vector<KeyResult> MultiExists(std::span<const std::string> keys, Deadline deadline = {});
 
   // Reloads the slot map now (from any reachable node).

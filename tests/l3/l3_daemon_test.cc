@@ -292,6 +292,24 @@ TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
   EXPECT_TRUE(c.ok()) << c.first;
   EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 1);
   EXPECT_EQ(b.M("hiqcache_l3_promoted_blocks_total"), 1);
+
+  // Block 2's value replaced by 64 MiB under the same key (a stranger's value, say): refused
+  // before it is received, counted, a miss; the fetch ends in time.
+  ASSERT_TRUE(b.client->Evict(pb->handle, keys).ok());
+  ASSERT_EQ(CorruptValue(pb->info.namespace_id, keys[1]), "");  // the same byte: flipped back
+  const std::string name = L3Name(pb->info.namespace_id, keys[2]);
+  const l3_test::ClusterNode* master = cluster_->MasterOfSlot(l3::KeySlot(name));
+  ASSERT_NE(master, nullptr);
+  ASSERT_TRUE(cluster_->Admin(master->port, {"SET", name, std::string(64 << 20, 'x')}).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  FillSentinel(pb->kv);
+  RestoreResult r2 = b.client->Restore(pb->handle, keys, rows);
+  ASSERT_TRUE(r2.status.ok()) << r2.status.ToString();
+  EXPECT_EQ(r2.restored_blocks, 2u);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_TRUE(CheckRows(pb->kv, seed, std::span(rows).first(2 * kBt), kBt, false).ok());
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 2);
+  EXPECT_EQ(b.M("hiqcache_l3_errors_total{op=\"fetch\"}"), 0);
   EXPECT_EQ(a.daemon->Stop(), 0);
   EXPECT_EQ(b.daemon->Stop(), 0);
 }

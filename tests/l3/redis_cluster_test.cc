@@ -152,6 +152,37 @@ TEST_F(ClusterTest, SetGetExistsDelOnEveryMaster) {
   EXPECT_EQ(c.stats().errors, 0u);
 }
 
+// A value longer than the caller takes fails its key alone (nothing is allocated for it); the
+// other keys of the call, on that node too, are answered; the node is not failed.
+TEST_F(ClusterTest, ValuesLongerThanAskedFailTheirKeyOnly) {
+  RedisClusterOptions o = OptionsFor(*cluster_);
+  o.max_value_bytes = 200;
+  HIQ_OPEN_OR_FAIL(c, o);
+  const auto keys = Keys("long-", 60);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    HIQ_ASSERT_OK(c.Set(keys[i], i % 5 == 2 ? std::string(150'000, 'L') : ValueOf(keys[i])));
+  }
+  const auto got = c.MultiGet(keys, std::nullopt, 150);
+  ASSERT_EQ(got.size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i % 5 == 2) {
+      EXPECT_EQ(got[i].status.code(), StatusCode::kResourceExhausted) << keys[i];
+      EXPECT_NE(got[i].status.message().find("150000 bytes"), std::string::npos)
+          << got[i].status.message();
+    } else {
+      ASSERT_TRUE(got[i].status.ok()) << keys[i] << ": " << got[i].status.ToString();
+      EXPECT_EQ(got[i].value, ValueOf(keys[i]));
+    }
+  }
+  EXPECT_EQ(c.stats().node_failures, 0u);
+  // A single GET takes options.max_value_bytes.
+  auto one = c.Get(keys[2]);
+  EXPECT_EQ(one.status().code(), StatusCode::kResourceExhausted);
+  auto fine = c.Get(keys[3]);
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(**fine, ValueOf(keys[3]));
+}
+
 TEST_F(ClusterTest, SetWithTtlExpires) {
   HIQ_OPEN_OR_FAIL(c, OptionsFor(*cluster_));
   HIQ_ASSERT_OK(c.Set("ttl-key", "v", milliseconds(100)));
