@@ -9,10 +9,13 @@
 #         integration tests and the robustness tests, against the ASan daemon of that directory
 #   fuzz  clang, HIQ_FUZZ=ON: the request fuzzer (libFuzzer + ASan + UBSan) for HIQ_FUZZ_SECONDS
 #         (60) from the seed corpus tests/fuzz/corpus, then the pool image fuzzer for
-#         HIQ_POOL_FUZZ_SECONDS (40) from tests/fuzz/pool_corpus; skipped when clang++ is missing
+#         HIQ_POOL_FUZZ_SECONDS (40) from tests/fuzz/pool_corpus, then the L3 reply fuzzer for
+#         HIQ_L3_FUZZ_SECONDS (20) from tests/fuzz/l3_reply_corpus (where hiredis is installed);
+#         skipped when clang++ is missing
 #         (deploy/install-deps.sh installs it)
-#   tsan  g++ -fsanitize=thread: thread pool, transfer engine, client fail-open (multi-threaded
-#         client) and the multi-process load test against a TSan daemon
+#   tsan  g++ -fsanitize=thread: thread pool, transfer engine, L3 tier (where hiredis is
+#         installed), client fail-open (multi-threaded client) and the multi-process load test
+#         against a TSan daemon
 # HIQ_CHECK_STAGES selects them ("asan fuzz tsan" by default; "" skips all). A failure in any
 # stage fails the script.
 set -euo pipefail
@@ -92,7 +95,12 @@ if has fuzz && ! command -v clang++ >/dev/null; then
 elif has fuzz; then
   t=$(date +%s)
   CC=clang CXX=clang++ configure_check "$fuzz_dir" -DHIQ_FUZZ=ON -DHIQ_BUILD_TESTS=OFF
-  cmake --build "$fuzz_dir" -j "$jobs" --target hiq_request_fuzzer hiq_pool_image_fuzzer
+  fuzzers=(hiq_request_fuzzer hiq_pool_image_fuzzer)
+  # The L3 reply fuzzer exists where hiredis was found (as hiqcached's L3 store).
+  if cmake --build "$fuzz_dir" --target help | grep -q hiq_l3_reply_fuzzer; then
+    fuzzers+=(hiq_l3_reply_fuzzer)
+  fi
+  cmake --build "$fuzz_dir" -j "$jobs" --target "${fuzzers[@]}"
   stage_done fuzz-build "$t"
   t=$(date +%s)
   # New inputs go to fuzz-corpus/ (the committed seeds are only read); findings (crash-*,
@@ -114,6 +122,18 @@ elif has fuzz; then
     2>"$fuzz_dir/pool-fuzz.log" || { tail -80 "$fuzz_dir/pool-fuzz.log"; exit 1; }
   grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" \
     "$fuzz_dir/pool-fuzz.log" >&2 || true
+  # The L3 reply fuzzer (what a Redis node sends must not crash the daemon's reader):
+  # HIQ_L3_FUZZ_SECONDS (20) from tests/fuzz/l3_reply_corpus.
+  if [[ " ${fuzzers[*]} " == *" hiq_l3_reply_fuzzer "* ]]; then
+    mkdir -p "$fuzz_dir/l3-fuzz-corpus" "$fuzz_dir/l3-fuzz-artifacts"
+    "$fuzz_dir/tests/fuzz/hiq_l3_reply_fuzzer" -max_total_time="${HIQ_L3_FUZZ_SECONDS:-20}" \
+      -timeout=10 -rss_limit_mb=2048 -max_len=8192 -print_final_stats=1 \
+      -artifact_prefix="$fuzz_dir/l3-fuzz-artifacts/" "$fuzz_dir/l3-fuzz-corpus" \
+      "$root/tests/fuzz/l3_reply_corpus" \
+      2>"$fuzz_dir/l3-fuzz.log" || { tail -80 "$fuzz_dir/l3-fuzz.log"; exit 1; }
+    grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" \
+      "$fuzz_dir/l3-fuzz.log" >&2 || true
+  fi
   stage_done fuzz "$t"
 fi
 
@@ -122,6 +142,10 @@ tsan_tests=(thread_pool_test transfer_engine_test client_failopen_test load_test
 if has tsan; then
   t=$(date +%s)
   CC=gcc CXX=g++ configure_check "$tsan_dir" -DHIQ_SANITIZE=thread
+  # The L3 tier's threads (writers, eviction sink, readers) where hiredis is installed.
+  if cmake --build "$tsan_dir" --target help | grep -q l3_tier_test; then
+    tsan_tests+=(l3_tier_test)
+  fi
   cmake --build "$tsan_dir" -j "$jobs" --target hiqcached hiq_rob_worker "${tsan_tests[@]}"
   stage_done tsan-build "$t"
   t=$(date +%s)
