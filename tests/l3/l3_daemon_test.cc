@@ -735,6 +735,59 @@ TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
   EXPECT_EQ(b.daemon->Stop(), 0);
 }
 
+// The whole cluster goes away mid-run: blocks in the pool are still served, blocks only L3
+// held are misses answered within the deadlines, no call fails, and the metrics show it.
+TEST_F(L3DaemonTest, ClusterGoneMidRunServesFromL2) {
+  Node a = StartNode(cluster_->Seeds());
+  Node b = StartNode(cluster_->Seeds());
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  auto pa = MakePool(*a.client, Options("l3-gone", Codec::kInt8PerHead));
+  auto pb = MakePool(*b.client, Options("l3-gone", Codec::kInt8PerHead));
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  const uint64_t seed = 1500;
+  constexpr uint32_t kBlocks = 4;
+  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBt);
+  const std::vector<uint32_t> rows = RowRange(0, kBlocks * kBt);
+  FillRows(pa->kv, seed, rows, kBt);
+  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), kBlocks);
+  ASSERT_TRUE(WaitWrites(a, kBlocks));
+  // B takes the first two blocks into its pool while the cluster is up.
+  RestoreResult first = b.client->Restore(pb->handle, std::span(keys).first(2),
+                                          std::span(rows).first(2 * kBt));
+  ASSERT_TRUE(first.status.ok()) << first.status.ToString();
+  ASSERT_EQ(first.restored_blocks, 2u);
+  cluster_->Stop();
+  for (int round = 0; round < 5; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    LookupResult l = b.client->Lookup(pb->handle, keys);
+    ASSERT_TRUE(l.status.ok()) << l.status.ToString();
+    EXPECT_EQ(l.prefix_blocks, 2u) << "round " << round;
+    FillSentinel(pb->kv);
+    RestoreResult r = b.client->Restore(pb->handle, keys, rows);
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_EQ(r.restored_blocks, 2u);
+    EXPECT_TRUE(CheckRows(pb->kv, seed, std::span(rows).first(2 * kBt), kBt, false).ok());
+    EXPECT_EQ(ChangedOutside(pb->kv, std::span(rows).first(2 * kBt)), 0u);
+    // Both calls within their deadlines (500 ms lookup, 2 s fetch here) plus slack.
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3)) << round;
+    // A's pool still serves everything it holds.
+    EXPECT_EQ(a.client->Restore(pa->handle, keys, rows).restored_blocks, kBlocks);
+    // New backups on A succeed; their L3 writes fail and are counted.
+    const std::vector<BlockKey> fresh = Keys(seed + 10 + round, 1, kBt);
+    FillRows(pa->kv, seed + 10 + round, RowRange(0, kBt), kBt);
+    EXPECT_EQ(a.client->Backup(pa->handle, fresh, RowRange(0, kBt)).held(), 1u);
+  }
+  EXPECT_GT(b.M("hiqcache_l3_errors_total{op=\"lookup\"}") +
+                b.M("hiqcache_l3_errors_total{op=\"fetch\"}"),
+            0);
+  EXPECT_TRUE(Eventually([&] { return a.M("hiqcache_l3_errors_total{op=\"write\"}") >= 5; },
+                         std::chrono::seconds(20)));
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 0);
+  EXPECT_EQ(a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
 // No cluster at all: the daemon starts, serves from its pool, and counts L3 errors.
 TEST(L3AbsentTest, ServesFromL2AndCountsErrors) {
   Node a = StartNode({"127.0.0.1:" + std::to_string(FreePort())});
