@@ -119,6 +119,32 @@ class L3DaemonTest : public ::testing::Test {
     const std::string err = cluster_->Start();
     ASSERT_EQ(err, "") << err;
   }
+  // Two nodes on the cluster, a pool of `model` (int8, `pool_rows` rows) on each, and `blocks`
+  // blocks of `seed` backed up on A and written to L3.
+  struct TwoNodes {
+    Node a, b;
+    TestPool pa, pb;
+    std::vector<BlockKey> keys;
+    std::vector<uint32_t> rows;
+  };
+  void StartTwoNodes(const std::string& model, uint64_t seed, uint32_t blocks, TwoNodes* t,
+                     uint32_t pool_rows = 128) {
+    t->a = StartNode(cluster_->Seeds());
+    t->b = StartNode(cluster_->Seeds());
+    ASSERT_NE(t->a.client, nullptr);
+    ASSERT_NE(t->b.client, nullptr);
+    auto pa = MakePool(*t->a.client, Options(model, Codec::kInt8PerHead, pool_rows));
+    auto pb = MakePool(*t->b.client, Options(model, Codec::kInt8PerHead, pool_rows));
+    ASSERT_TRUE(pa.ok()) << pa.status().ToString();
+    ASSERT_TRUE(pb.ok()) << pb.status().ToString();
+    t->pa = std::move(pa).value();
+    t->pb = std::move(pb).value();
+    t->keys = Keys(seed, blocks, kBt);
+    t->rows = RowRange(0, blocks * kBt);
+    FillRows(t->pa.kv, seed, t->rows, kBt);
+    ASSERT_EQ(t->a.client->Backup(t->pa.handle, t->keys, t->rows).held(), blocks);
+    ASSERT_TRUE(WaitWrites(t->a, blocks)) << Scrape(t->a.metrics_port);
+  }
   // Waits until node `n` has written at least `writes` blocks to L3.
   static bool WaitWrites(const Node& n, double writes) {
     return Eventually([&] { return n.M("hiqcache_l3_writes_total") >= writes; },
@@ -267,19 +293,13 @@ TEST_F(L3DaemonTest, EvictedBlocksComeBackFromL3) {
 }
 
 TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
-  Node a = StartNode(cluster_->Seeds());
-  Node b = StartNode(cluster_->Seeds());
-  ASSERT_NE(a.client, nullptr);
-  ASSERT_NE(b.client, nullptr);
-  auto pa = MakePool(*a.client, Options("l3-corrupt", Codec::kInt8PerHead));
-  auto pb = MakePool(*b.client, Options("l3-corrupt", Codec::kInt8PerHead));
-  ASSERT_TRUE(pa.ok() && pb.ok());
   const uint64_t seed = 700;
-  const std::vector<BlockKey> keys = Keys(seed, 3, kBt);
-  const std::vector<uint32_t> rows = RowRange(0, 3 * kBt);
-  FillRows(pa->kv, seed, rows, kBt);
-  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), 3u);
-  ASSERT_TRUE(WaitWrites(a, 3));
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-corrupt", seed, 3, &t));
+  Node &a = t.a, &b = t.b;
+  TestPool* pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
   // Block 1's value, one payload byte flipped, written back by hand.
   ASSERT_EQ(CorruptValue(pb->info.namespace_id, keys[1]), "");
 
@@ -317,24 +337,12 @@ TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
 // GetStats' l3 (and `hiqctl stats`, text and --json) after B promoted two blocks from L3 and
 // dropped a corrupt third; A's side shows the writes. A daemon without L3 says so.
 TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
-  Node a = StartNode(cluster_->Seeds());
-  Node b = StartNode(cluster_->Seeds());
-  ASSERT_NE(a.client, nullptr);
-  ASSERT_NE(b.client, nullptr);
-  auto pa = MakePool(*a.client, Options("l3-stats", Codec::kInt8PerHead));
-  auto pb = MakePool(*b.client, Options("l3-stats", Codec::kInt8PerHead));
-  ASSERT_TRUE(pa.ok() && pb.ok());
-  const uint64_t seed = 750;
-  const std::vector<BlockKey> keys = Keys(seed, 3, kBt);
-  const std::vector<uint32_t> rows = RowRange(0, 3 * kBt);
-  FillRows(pa->kv, seed, rows, kBt);
-  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), 3u);
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto s = a.client->GetStats();
-        return s.ok() && s->l3.writes >= 3;
-      },
-      std::chrono::seconds(20)));
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-stats", 750, 3, &t));
+  Node &a = t.a, &b = t.b;
+  TestPool* pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
   ASSERT_EQ(CorruptValue(pb->info.namespace_id, keys[2]), "");
   EXPECT_EQ(b.client->Lookup(pb->handle, keys).prefix_blocks, 3u);
   RestoreResult r = b.client->Restore(pb->handle, keys, rows);
@@ -433,20 +441,14 @@ TEST_F(L3DaemonTest, GetStatsAndHiqctlShowL3) {
 }
 
 TEST_F(L3DaemonTest, MasterKilledMidRunGivesMissesOnly) {
-  Node a = StartNode(cluster_->Seeds());
-  Node b = StartNode(cluster_->Seeds());
-  ASSERT_NE(a.client, nullptr);
-  ASSERT_NE(b.client, nullptr);
-  auto pa = MakePool(*a.client, Options("l3-failover", Codec::kInt8PerHead));
-  auto pb = MakePool(*b.client, Options("l3-failover", Codec::kInt8PerHead));
-  ASSERT_TRUE(pa.ok() && pb.ok());
   const uint64_t seed = 800;
   constexpr uint32_t kBlocks = 6;
-  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBt);
-  const std::vector<uint32_t> rows = RowRange(0, kBlocks * kBt);
-  FillRows(pa->kv, seed, rows, kBt);
-  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), kBlocks);
-  ASSERT_TRUE(WaitWrites(a, kBlocks));
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-failover", seed, kBlocks, &t));
+  Node &a = t.a, &b = t.b;
+  TestPool* pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
   const auto t_end = std::chrono::steady_clock::now() + std::chrono::seconds(8);
   bool killed = false;
   int rounds = 0, full = 0;
@@ -637,20 +639,14 @@ TEST_F(L3DaemonTest, BudgetKeepsTheNewestBlocksWithinIt) {
 // backing up and node B keeps looking up and restoring: every restore is correct or a miss,
 // every write lands, and B restores everything once the move is done.
 TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
-  Node a = StartNode(cluster_->Seeds());
-  Node b = StartNode(cluster_->Seeds());
-  ASSERT_NE(a.client, nullptr);
-  ASSERT_NE(b.client, nullptr);
-  auto pa = MakePool(*a.client, Options("l3-reshard", Codec::kInt8PerHead, 512));
-  auto pb = MakePool(*b.client, Options("l3-reshard", Codec::kInt8PerHead, 512));
-  ASSERT_TRUE(pa.ok() && pb.ok());
   constexpr uint32_t kBlocks = 8, kNew = 2;
   const uint64_t seed = 1400;
-  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBt);
-  const std::vector<uint32_t> rows = RowRange(0, kBlocks * kBt);
-  FillRows(pa->kv, seed, rows, kBt);
-  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), kBlocks);
-  ASSERT_TRUE(WaitWrites(a, kBlocks));
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-reshard", seed, kBlocks, &t, 512));
+  Node &a = t.a, &b = t.b;
+  TestPool *pa = &t.pa, *pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
   // Which master holds each block before the move. The move takes every slot of the master of
   // block 0 to another master.
   std::vector<int> port_before;
@@ -738,20 +734,14 @@ TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
 // The whole cluster goes away mid-run: blocks in the pool are still served, blocks only L3
 // held are misses answered within the deadlines, no call fails, and the metrics show it.
 TEST_F(L3DaemonTest, ClusterGoneMidRunServesFromL2) {
-  Node a = StartNode(cluster_->Seeds());
-  Node b = StartNode(cluster_->Seeds());
-  ASSERT_NE(a.client, nullptr);
-  ASSERT_NE(b.client, nullptr);
-  auto pa = MakePool(*a.client, Options("l3-gone", Codec::kInt8PerHead));
-  auto pb = MakePool(*b.client, Options("l3-gone", Codec::kInt8PerHead));
-  ASSERT_TRUE(pa.ok() && pb.ok());
   const uint64_t seed = 1500;
   constexpr uint32_t kBlocks = 4;
-  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBt);
-  const std::vector<uint32_t> rows = RowRange(0, kBlocks * kBt);
-  FillRows(pa->kv, seed, rows, kBt);
-  ASSERT_EQ(a.client->Backup(pa->handle, keys, rows).held(), kBlocks);
-  ASSERT_TRUE(WaitWrites(a, kBlocks));
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-gone", seed, kBlocks, &t));
+  Node &a = t.a, &b = t.b;
+  TestPool *pa = &t.pa, *pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
   // B takes the first two blocks into its pool while the cluster is up.
   RestoreResult first = b.client->Restore(pb->handle, std::span(keys).first(2),
                                           std::span(rows).first(2 * kBt));
