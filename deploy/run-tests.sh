@@ -103,36 +103,28 @@ elif has fuzz; then
   cmake --build "$fuzz_dir" -j "$jobs" --target "${fuzzers[@]}"
   stage_done fuzz-build "$t"
   t=$(date +%s)
-  # New inputs go to fuzz-corpus/ (the committed seeds are only read); findings (crash-*,
-  # leak-*, timeout-*) to fuzz-artifacts/, the log to fuzz.log.
-  mkdir -p "$fuzz_dir/fuzz-corpus" "$fuzz_dir/fuzz-artifacts"
-  "$fuzz_dir/tests/fuzz/hiq_request_fuzzer" -max_total_time="${HIQ_FUZZ_SECONDS:-60}" \
-    -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
-    -artifact_prefix="$fuzz_dir/fuzz-artifacts/" "$fuzz_dir/fuzz-corpus" "$root/tests/fuzz/corpus" \
-    2>"$fuzz_dir/fuzz.log" || { tail -80 "$fuzz_dir/fuzz.log"; exit 1; }
-  grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)|^request_fuzzer: outcomes" \
-    "$fuzz_dir/fuzz.log" >&2 || true
-  # The pool image fuzzer (a poisoned pool must not crash a restart): HIQ_POOL_FUZZ_SECONDS (40)
-  # from tests/fuzz/pool_corpus; its own corpus, artifacts (pool-fuzz-artifacts/) and log.
-  mkdir -p "$fuzz_dir/pool-fuzz-corpus" "$fuzz_dir/pool-fuzz-artifacts"
-  "$fuzz_dir/tests/fuzz/hiq_pool_image_fuzzer" -max_total_time="${HIQ_POOL_FUZZ_SECONDS:-40}" \
-    -timeout=10 -rss_limit_mb=2048 -max_len=131072 -print_final_stats=1 \
-    -artifact_prefix="$fuzz_dir/pool-fuzz-artifacts/" "$fuzz_dir/pool-fuzz-corpus" \
-    "$root/tests/fuzz/pool_corpus" \
-    2>"$fuzz_dir/pool-fuzz.log" || { tail -80 "$fuzz_dir/pool-fuzz.log"; exit 1; }
-  grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" \
-    "$fuzz_dir/pool-fuzz.log" >&2 || true
+  # run_fuzzer NAME SECONDS MAX_LEN SEEDS TAG: NAME from the committed SEEDS (only read); new
+  # inputs go to TAG-corpus/, findings (crash-*, leak-*, timeout-*) to TAG-artifacts/, the log to
+  # TAG.log, all in the fuzz build folder.
+  run_fuzzer() {
+    local name=$1 seconds=$2 max_len=$3 seeds=$4 tag=$5
+    mkdir -p "$fuzz_dir/$tag-corpus" "$fuzz_dir/$tag-artifacts"
+    "$fuzz_dir/tests/fuzz/$name" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+      -max_len="$max_len" -print_final_stats=1 -artifact_prefix="$fuzz_dir/$tag-artifacts/" \
+      "$fuzz_dir/$tag-corpus" "$seeds" 2>"$fuzz_dir/$tag.log" \
+      || { tail -80 "$fuzz_dir/$tag.log"; exit 1; }
+    grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)|^request_fuzzer: outcomes" \
+      "$fuzz_dir/$tag.log" >&2 || true
+  }
+  run_fuzzer hiq_request_fuzzer "${HIQ_FUZZ_SECONDS:-60}" 4096 "$root/tests/fuzz/corpus" fuzz
+  # The pool image fuzzer (a poisoned pool must not crash a restart): HIQ_POOL_FUZZ_SECONDS (40).
+  run_fuzzer hiq_pool_image_fuzzer "${HIQ_POOL_FUZZ_SECONDS:-40}" 131072 \
+    "$root/tests/fuzz/pool_corpus" pool-fuzz
   # The L3 reply fuzzer (what a Redis node sends must not crash the daemon's reader):
-  # HIQ_L3_FUZZ_SECONDS (20) from tests/fuzz/l3_reply_corpus.
+  # HIQ_L3_FUZZ_SECONDS (20), where hiredis is installed.
   if [[ " ${fuzzers[*]} " == *" hiq_l3_reply_fuzzer "* ]]; then
-    mkdir -p "$fuzz_dir/l3-fuzz-corpus" "$fuzz_dir/l3-fuzz-artifacts"
-    "$fuzz_dir/tests/fuzz/hiq_l3_reply_fuzzer" -max_total_time="${HIQ_L3_FUZZ_SECONDS:-20}" \
-      -timeout=10 -rss_limit_mb=2048 -max_len=8192 -print_final_stats=1 \
-      -artifact_prefix="$fuzz_dir/l3-fuzz-artifacts/" "$fuzz_dir/l3-fuzz-corpus" \
-      "$root/tests/fuzz/l3_reply_corpus" \
-      2>"$fuzz_dir/l3-fuzz.log" || { tail -80 "$fuzz_dir/l3-fuzz.log"; exit 1; }
-    grep -aE "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" \
-      "$fuzz_dir/l3-fuzz.log" >&2 || true
+    run_fuzzer hiq_l3_reply_fuzzer "${HIQ_L3_FUZZ_SECONDS:-20}" 8192 \
+      "$root/tests/fuzz/l3_reply_corpus" l3-fuzz
   fi
   stage_done fuzz "$t"
 fi
