@@ -465,15 +465,33 @@ Status ApplyConfigText(const std::string& text, const std::string& source, Daemo
   std::stringstream ss(text);
   std::string line;
   int lineno = 0;
+  // Tables: [l3], whose keys are the l3_* settings without their prefix ("seeds" is l3_seeds),
+  // and [hiqcached], the top-level settings (as if no table had been opened).
+  std::string table;
   while (std::getline(ss, line)) {
     ++lineno;
     line = Trim(StripComment(line));
-    if (line.empty() || line[0] == '[') continue;  // tables are not used; tolerated
-    size_t eq = line.find('=');
+    if (line.empty()) continue;
     std::string where = source + ":" + std::to_string(lineno);
+    if (line[0] == '[') {
+      if (line.back() != ']') return InvalidArgument(where + ": malformed table header");
+      table = Trim(line.substr(1, line.size() - 2));
+      if (table == "hiqcached") {
+        table.clear();
+      } else if (table != "l3") {
+        return InvalidArgument(where + ": unknown table [" + table +
+                               "] (tables: [hiqcached], the top-level settings, and [l3])");
+      }
+      continue;
+    }
+    size_t eq = line.find('=');
     if (eq == std::string::npos) return InvalidArgument(where + ": expected key = value");
-    HIQ_RETURN_IF_ERROR(
-        ApplyKey(Trim(line.substr(0, eq)), Trim(line.substr(eq + 1)), where, c, false));
+    std::string key = Trim(line.substr(0, eq));
+    if (!table.empty()) {
+      where += " [" + table + "]";
+      key = table + "_" + key;
+    }
+    HIQ_RETURN_IF_ERROR(ApplyKey(key, Trim(line.substr(eq + 1)), where, c, false));
   }
   return Status::Ok();
 }

@@ -515,5 +515,42 @@ TEST(LoadConfigL3Test, KeysFlagsRenderAndErrors) {
   ExpectErrorNaming(L3OptionsFromConfig(c, &o), "l3_password_file");
 }
 
+// The [l3] table: its keys are the l3_* settings without the prefix; top-level keys before it
+// stay top-level; no other table exists.
+TEST(LoadConfigL3Test, TheL3Table) {
+  DaemonConfig c;
+  HIQ_ASSERT_OK(ApplyConfigText("pool_bytes = \"1GiB\"\n"
+                                "[l3]\n"
+                                "key_prefix = \"fleet2:\"   # a comment\n"
+                                "ttl = 60\n"
+                                "write_policy = \"on_evict\"\n"
+                                "budget_bytes = \"3GiB\"\n",
+                                "<text>", &c));
+  EXPECT_EQ(c.pool_bytes, 1ull << 30);
+  EXPECT_EQ(c.l3_key_prefix, "fleet2:");
+  EXPECT_EQ(c.l3_ttl, 60u);
+  EXPECT_EQ(c.l3_write_policy, "on_evict");
+  EXPECT_EQ(c.l3_budget_bytes, 3ull << 30);
+  // A top-level key inside [l3] is an l3 key that does not exist, named with its table.
+  DaemonConfig d;
+  Status st = ApplyConfigText("[l3]\npool_bytes = \"1GiB\"\n", "<text>", &d);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("[l3]"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("l3_pool_bytes"), std::string::npos) << st.message();
+  // [hiqcached] holds the top-level settings again.
+  DaemonConfig e;
+  HIQ_ASSERT_OK(ApplyConfigText("[l3]\nttl = 5\n[hiqcached]\npool_bytes = 1024\n", "<text>", &e));
+  EXPECT_EQ(e.l3_ttl, 5u);
+  EXPECT_EQ(e.pool_bytes, 1024u);
+  // Other tables, and malformed headers, are refused naming the line.
+  st = ApplyConfigText("[pool]\nbytes = 1\n", "<text>", &d);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("<text>:1: unknown table [pool]"), std::string::npos)
+      << st.message();
+  st = ApplyConfigText("[l3\n", "<text>", &d);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("malformed table header"), std::string::npos) << st.message();
+}
+
 }  // namespace
 }  // namespace hiqcache::server
