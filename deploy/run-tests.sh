@@ -81,6 +81,11 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 if has asan; then
   t=$(date +%s)
   CC=gcc CXX=g++ configure_check "$asan_dir" -DHIQ_SANITIZE=address,undefined
+  # The L3 store (its RESP reader, value format, tier, and daemons on a real cluster) where
+  # hiredis is installed.
+  if cmake --build "$asan_dir" --target help | grep -q l3_tier_test; then
+    asan_tests+=(l3_value_test redis_cluster_test l3_tier_test l3_daemon_test)
+  fi
   cmake --build "$asan_dir" -j "$jobs" --target hiqcached hiq_it_peer hiq_rob_worker "${asan_tests[@]}"
   stage_done asan-build "$t"
   t=$(date +%s)

@@ -512,8 +512,9 @@ std::string UsageText() {
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
          "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
          "                 [--l3-key-prefix TEXT] [--l3-ttl SECONDS]\n"
+         "                 [--l3-write-policy write_through|on_evict] [--l3-budget-bytes SIZE]\n"
          "                 [--l3-lookup-deadline-ms MS] [--l3-fetch-deadline-ms MS]\n"
-         "                 (every l3_* key of deploy/hiqcached.toml is also a flag)\n"
+         "                 (each key K of the config's [l3] table is also a flag, --l3-K)\n"
          "                 [--print-default-config] [--check-config]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
