@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import hiqcache as hq
+import redis_cluster
 from daemon import ROOT, Daemon
 from real_model import model_dir
 from vllm_engine import engine_env
@@ -171,6 +172,64 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
         assert len(models) == 1 and next(iter(models)).startswith(model)
         assert {n.codec for n in stats.namespaces} == {hq.Codec.RAW, hq.Codec.INT8_PER_HEAD}
     save_results("vllm_restore_fidelity", figures)
+
+
+def test_two_nodes_share_prefixes_through_l3(model, prompts, reference, tmp_path):
+    """Two daemons with separate pools stand for two nodes on one Redis Cluster (L3, write
+    through). Engine A on node A serves each group's first prompt; engine B on node B, a fresh
+    process whose daemon's pool is empty, serves the second prompts and takes every full block of
+    the shared prefix from L3 through its own daemon: tokens and logprobs equal vLLM's own prefix
+    cache exactly (raw)."""
+    if not redis_cluster.available():
+        pytest.skip("redis-server / redis-cli not installed")
+    groups = 3
+    with redis_cluster.RedisCluster() as rc:
+        extra = ("--l3-seeds", rc.seeds, "--l3-lookup-deadline-ms", "500",
+                 "--l3-fetch-deadline-ms", "3000", "--prefault", "false")
+        da, db = Daemon(pool_bytes="256MiB", extra=extra), Daemon(pool_bytes="256MiB", extra=extra)
+        try:
+            try:
+                da.start()
+            except RuntimeError as e:  # a daemon built without hiredis refuses l3_seeds
+                if "without the L3 store" in str(e):
+                    pytest.skip("hiqcached was built without the L3 store")
+                raise
+            db.start()
+            a = run_engine("l3-a", {"model": model,
+                                    "connector": {"target": da.target, "codec": "raw"},
+                                    "batches": [[p1] for p1, _, _ in prompts[:groups]]}, tmp_path)
+            assert a["connector"]["saved_blocks"] > 0
+
+            def a_written():
+                s = hq.Client(da.target).get_stats()
+                backups = sum(n.backups for n in s.namespaces)
+                return s.l3.write_queue_blocks == 0 and s.l3.writes == backups > 0
+            wait_for(a_written, 60, "node A's blocks in L3")
+            assert rc.keys() == hq.Client(da.target).get_stats().l3.writes
+
+            b = run_engine("l3-b", {"model": model,
+                                    "connector": {"target": db.target, "codec": "raw"},
+                                    "batches": [[p2] for _, p2, _ in prompts[:groups]]}, tmp_path)
+            want_blocks = sum(full_blocks(len(p2), n) for _, p2, n in prompts[:groups])
+            assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
+            assert b["connector"]["failed_blocks"] == 0
+            for i in range(groups):
+                got, ref = b["results"][i], reference["second"][i]
+                assert got["num_cached_tokens"] == ref["num_cached_tokens"] > 0
+                assert got["tokens"] == ref["tokens"], i
+                assert got["logprobs"] == ref["logprobs"], i
+            sb = hq.Client(db.target).get_stats()
+            assert sb.l3.promoted_blocks == want_blocks, sb.l3
+            assert sb.l3.corrupt_values == 0 and sb.l3.fetch_errors == 0
+            # B's pool got the prefix from L3 (promoted: restores, not backups of B's).
+            assert sum(n.restores for n in sb.namespaces) >= want_blocks
+            save_results("vllm_l3_two_nodes", {
+                "prompts": groups, "blocks_from_l3": want_blocks,
+                "l3_fetches": sb.l3.fetches, "l3_bytes_in": sb.l3.bytes_in,
+                "l3_fetch_p50_us": sb.l3.fetch_p50_us})
+        finally:
+            da.close()
+            db.close()
 
 
 def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, prompts,
