@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "codec_cpu_test_util.h"
 #include "codec_reference.h"
 #include "codec_test_util.h"
 
@@ -20,31 +21,12 @@ namespace {
 
 using namespace testutil;  // NOLINT: test-only helpers
 
-void ExpectNoErrors(const std::vector<std::string>& errors) {
-  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
-  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
-}
-
 // Every input class x geometry x dtype (the view shape rotates), all executors.
 TEST(CodecCpu, MatchesFloat64ModelEverywhere) {
   BoundStats bound;
-  std::vector<std::string> errors;
-  const std::vector<Executor> execs = SimdExecutors({1u, 2u, 3u});
-  uint64_t seed = 1000;
-  size_t vk = 0;
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (const Geometry& g : TestGeometries()) {
-      for (InputClass c : AllInputClasses()) {
-        CaseSpec spec;
-        spec.layout = MakeLayout(g, dtype);
-        spec.input = c;
-        spec.view = AllViewKinds()[vk++ % AllViewKinds().size()];
-        spec.seed = seed++;
-        if (g.heads * g.dim >= 4096) spec.num_blocks = 2;
-        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
-      }
-    }
-  }
+  const std::vector<std::string> errors =
+      RunEveryInputClass(CodecKind::kInt8PerHead, TestGeometries(), AllInputClasses(), 1000,
+                         SimdExecutors({1u, 2u, 3u}), &bound);
   ExpectNoErrors(errors);
   EXPECT_EQ(bound.violations, 0u);
   EXPECT_GT(bound.max_err_over_s, 0.4);
@@ -56,22 +38,8 @@ TEST(CodecCpu, MatchesFloat64ModelEverywhere) {
 // Every view shape with every dtype for the engine geometry, and odd block sizes.
 TEST(CodecCpu, EveryViewShape) {
   BoundStats bound;
-  std::vector<std::string> errors;
-  const std::vector<Executor> execs = SimdExecutors({1u, 2u, 3u});
-  uint64_t seed = 2000;
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (ViewKind vk : AllViewKinds()) {
-      for (uint32_t tokens : {1u, 5u, 16u}) {
-        CaseSpec spec;
-        spec.layout = MakeLayout({8, 128, 2}, dtype, CodecKind::kInt8PerHead, 2, tokens);
-        spec.input = InputClass::kRowMix;
-        spec.view = vk;
-        spec.seed = seed++;
-        spec.num_blocks = 4;
-        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
-      }
-    }
-  }
+  const std::vector<std::string> errors =
+      RunEveryViewShape(CodecKind::kInt8PerHead, 2000, SimdExecutors({1u, 2u, 3u}), &bound);
   ExpectNoErrors(errors);
   EXPECT_EQ(bound.violations, 0u);
 }
@@ -172,68 +140,20 @@ TEST(CodecCpu, EveryValueAtManyScales) {
 // SIMD and scalar reference: identical bytes on a larger job, and identical restored pools,
 // for 1, 2, 3 and 8 threads (more threads than cores, and than some jobs' items).
 TEST(CodecCpu, SameBytesAsReferenceForAnyThreadCount) {
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    const BlockLayout lay = MakeLayout({8, 128, 2}, dtype, CodecKind::kInt8PerHead, 3, 64);
-    KvPool src(lay, 512, ViewKind::kPaged, 5);
-    src.Fill(InputClass::kRowMix, 5);
-    Rng rng(5);
-    const std::vector<uint32_t> rows = RandomRows(512, 5 * lay.block_tokens, rng);
-    BlockSet ref(lay, 5);
-    EncodeBlocksReference(MakeEncodeJob(src, rows, ref, nullptr));
-    KvPool ref_out(lay, 512, ViewKind::kPaged, 5);
-    ref_out.FillBytes(0x3C);
-    DecodeBlocksReference(MakeDecodeJob(ref_out, rows, ref));
-    for (unsigned threads : {1u, 2u, 3u, 8u}) {
-      CpuCodec codec(threads);
-      EXPECT_EQ(codec.threads(), threads);
-      BlockSet got(lay, 5);
-      std::vector<uint8_t> flags(5, 0xEE);
-      codec.Encode(MakeEncodeJob(src, rows, got, flags.data()));
-      EXPECT_TRUE(got == ref) << DTypeName(dtype) << " " << threads << " threads";
-      EXPECT_EQ(flags, std::vector<uint8_t>(5, 0));
-      KvPool out(lay, 512, ViewKind::kPaged, 5);
-      out.FillBytes(0x3C);
-      codec.Decode(MakeDecodeJob(out, rows, got));
-      for (uint32_t l = 0; l < lay.num_layers; ++l) {
-        EXPECT_TRUE(out.buffer(l) == ref_out.buffer(l))
-            << DTypeName(dtype) << " " << threads << " threads, layer " << l;
-      }
-    }
-  }
+  ExpectNoErrors(RunSameBytesAsReference(CodecKind::kInt8PerHead));
 }
 
 // NaN (quiet, signaling, both signs) and +-Inf flag exactly the blocks holding them, whether
 // they sit in the vector part of a head or in its scalar tail (head_dim 100: 96 + 4 with 16 or
 // 8 lanes; 7: no vector part); the other blocks' payloads still match the model.
 TEST(CodecCpu, NonfiniteRowsFlagTheirBlocks) {
-  std::vector<std::string> errors;
   std::vector<Executor> execs = SimdExecutors({1u, 2u, 3u});
   execs.push_back({"reference", [](const EncodeJob& j) { EncodeBlocksReference(j); },
                    [](const DecodeJob& j) { DecodeBlocksReference(j); }});
-  uint64_t seed = 3000;
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    const uint16_t inf = InfBits(dtype);
-    const uint16_t quiet = static_cast<uint16_t>(inf | (inf >> 1 & ~inf));
-    const uint16_t values[] = {inf, static_cast<uint16_t>(0x8000u | inf), quiet,
-                               static_cast<uint16_t>(0x8000u | quiet),
-                               static_cast<uint16_t>(inf | 1u)};
-    for (const Geometry& g :
-         {Geometry{2, 100, 2}, Geometry{1, 576, 1}, Geometry{3, 72, 2}, Geometry{1, 7, 1}}) {
-      for (uint32_t elem : {3u, g.dim - 1}) {  // vector part (if any), last element (tail)
-        for (uint16_t v : values) {
-          CaseSpec spec;
-          spec.layout = MakeLayout(g, dtype);
-          spec.num_blocks = 4;
-          spec.view = AllViewKinds()[seed % 4];
-          spec.seed = seed++;
-          for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v, elem), execs)) {
-            errors.push_back(e);
-          }
-        }
-      }
-    }
-  }
-  ExpectNoErrors(errors);
+  ExpectNoErrors(RunNonfiniteFlags(
+      CodecKind::kInt8PerHead,
+      {Geometry{2, 100, 2}, Geometry{1, 576, 1}, Geometry{3, 72, 2}, Geometry{1, 7, 1}},
+      /*negative_quiet_nan=*/true, 3000, execs));
 }
 
 TEST(CodecCpu, NonfiniteFlagsMayBeNull) {
@@ -353,46 +273,14 @@ TEST(CodecCpu, EmptyJobsTouchNothing) {
 // SSSE3, EMU128), selected in turn: each must produce the model's bytes. A machine with an
 // older CPU runs one of the lesser targets in production.
 TEST(CodecCpu, EveryHighwayTarget) {
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
-  std::vector<std::string> errors;
-  std::string names;
-  for (int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    names += std::string(hwy::TargetName(target)) + " ";
+  ExpectNoErrorsOnEveryHighwayTarget([](int64_t target) {
     EXPECT_STREQ(CpuCodec::TargetName(), hwy::TargetName(target));
     const std::vector<Executor> execs = {SimdExecutors({1u, 2u, 3u})[0],
                                          SimdExecutors({1u, 2u, 3u})[2]};
-    BoundStats bound;
-    uint64_t seed = 5000;
-    for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      for (const Geometry& g : TestGeometries()) {
-        for (InputClass c : {InputClass::kRowMix, InputClass::kGrid, InputClass::kTiny}) {
-          CaseSpec spec;
-          spec.layout = MakeLayout(g, dtype, CodecKind::kInt8PerHead, 1, 4);
-          spec.input = c;
-          spec.view = AllViewKinds()[seed % 4];
-          spec.seed = seed++;
-          spec.num_blocks = 2;
-          for (auto& e : RunCase(spec, execs, &bound)) {
-            errors.push_back(std::string(hwy::TargetName(target)) + ": " + e);
-          }
-        }
-      }
-      CaseSpec spec;
-      spec.layout = MakeLayout({2, 100, 2}, dtype);
-      spec.num_blocks = 4;
-      spec.seed = seed++;
-      for (auto& e : RunNonfiniteCase(
-               spec, NonfinitePlants(spec.layout, static_cast<uint16_t>(InfBits(dtype) | 1u), 99),
-               execs)) {
-        errors.push_back(std::string(hwy::TargetName(target)) + ": " + e);
-      }
-    }
-  }
-  hwy::SetSupportedTargetsForTest(0);
-  ExpectNoErrors(errors);
-  std::printf("  targets: %s\n", names.c_str());
+    return RunOneHighwayTarget(CodecKind::kInt8PerHead, TestGeometries(),
+                               {InputClass::kRowMix, InputClass::kGrid, InputClass::kTiny},
+                               {2, 100, 2}, 5000, execs);
+  });
 }
 
 }  // namespace

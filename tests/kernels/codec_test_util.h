@@ -1237,4 +1237,169 @@ inline std::vector<Plant> NonfinitePlants(const BlockLayout& lay, uint16_t bits,
   };
 }
 
+// ---------------------------------------------------------------------------------------------
+// Sweeps shared by the SIMD tests of every codec (codec_cpu_test.cc, codec_cpu_fp8_test.cc,
+// codec_cpu_int4_test.cc): what differs between codecs is passed in. Each returns one message
+// per failure (empty: all agree); seeds count up from `seed`, one per case.
+
+// Every input class x geometry x dtype (the view shape rotates), all executors; rows of 4096
+// elements or more get 2 blocks instead of 3.
+inline std::vector<std::string> RunEveryInputClass(CodecKind codec,
+                                                   const std::vector<Geometry>& geometries,
+                                                   const std::vector<InputClass>& classes,
+                                                   uint64_t seed,
+                                                   const std::vector<Executor>& execs,
+                                                   BoundStats* bound) {
+  std::vector<std::string> errors;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : geometries) {
+      for (InputClass c : classes) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, codec);
+        spec.input = c;
+        spec.view = AllViewKinds()[vk++ % AllViewKinds().size()];
+        spec.seed = seed++;
+        if (g.heads * g.dim >= 4096) spec.num_blocks = 2;
+        for (auto& e : RunCase(spec, execs, bound)) errors.push_back(e);
+      }
+    }
+  }
+  return errors;
+}
+
+// Every view shape with both dtypes for the engine geometry, and odd block sizes (1, 5, 16).
+inline std::vector<std::string> RunEveryViewShape(CodecKind codec, uint64_t seed,
+                                                  const std::vector<Executor>& execs,
+                                                  BoundStats* bound) {
+  std::vector<std::string> errors;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (ViewKind vk : AllViewKinds()) {
+      for (uint32_t tokens : {1u, 5u, 16u}) {
+        CaseSpec spec;
+        spec.layout = MakeLayout({8, 128, 2}, dtype, codec, 2, tokens);
+        spec.input = InputClass::kRowMix;
+        spec.view = vk;
+        spec.seed = seed++;
+        spec.num_blocks = 4;
+        for (auto& e : RunCase(spec, execs, bound)) errors.push_back(e);
+      }
+    }
+  }
+  return errors;
+}
+
+// CpuCodec and the scalar reference on a larger job (engine geometry, 3 layers, 64-token
+// blocks, 5 blocks of a 512-row paged pool): identical payloads, no flags and identical
+// restored pools (sentinel bytes included) for 1, 2, 3 and 8 threads (more threads than cores,
+// and than some jobs' items), both dtypes.
+inline std::vector<std::string> RunSameBytesAsReference(CodecKind codec) {
+  std::vector<std::string> errors;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const BlockLayout lay = MakeLayout({8, 128, 2}, dtype, codec, 3, 64);
+    KvPool src(lay, 512, ViewKind::kPaged, 5);
+    src.Fill(InputClass::kRowMix, 5);
+    Rng rng(5);
+    const std::vector<uint32_t> rows = RandomRows(512, 5 * lay.block_tokens, rng);
+    BlockSet ref(lay, 5);
+    EncodeBlocksReference(MakeEncodeJob(src, rows, ref, nullptr));
+    KvPool ref_out(lay, 512, ViewKind::kPaged, 5);
+    ref_out.FillBytes(0x3C);
+    DecodeBlocksReference(MakeDecodeJob(ref_out, rows, ref));
+    for (unsigned threads : {1u, 2u, 3u, 8u}) {
+      const std::string prefix = std::string(CodecName(codec)) + " " + DTypeName(dtype) + " " +
+                                 std::to_string(threads) + " threads";
+      CpuCodec cpu(threads);
+      if (cpu.threads() != threads) {
+        errors.push_back(prefix + ": threads() is " + std::to_string(cpu.threads()));
+      }
+      BlockSet got(lay, 5);
+      std::vector<uint8_t> flags(5, 0xEE);
+      cpu.Encode(MakeEncodeJob(src, rows, got, flags.data()));
+      if (!(got == ref)) errors.push_back(prefix + ": payloads differ from the reference");
+      if (flags != std::vector<uint8_t>(5, 0)) {
+        errors.push_back(prefix + ": nonfinite flags on finite input");
+      }
+      KvPool out(lay, 512, ViewKind::kPaged, 5);
+      out.FillBytes(0x3C);
+      cpu.Decode(MakeDecodeJob(out, rows, got));
+      for (uint32_t l = 0; l < lay.num_layers; ++l) {
+        if (!(out.buffer(l) == ref_out.buffer(l))) {
+          errors.push_back(prefix + ", layer " + std::to_string(l) +
+                           ": restored pool differs from the reference's");
+        }
+      }
+    }
+  }
+  return errors;
+}
+
+// NaN (quiet, signaling; -qNaN too when `negative_quiet_nan`) and +-Inf planted by
+// NonfinitePlants at element 3 and at the last element of a head, for each geometry and both
+// dtypes (4 blocks, the view shape rotating with the seed): RunNonfiniteCase checks that
+// exactly the blocks holding them are flagged and that the others still match the model.
+inline std::vector<std::string> RunNonfiniteFlags(CodecKind codec,
+                                                  const std::vector<Geometry>& geometries,
+                                                  bool negative_quiet_nan, uint64_t seed,
+                                                  const std::vector<Executor>& execs) {
+  std::vector<std::string> errors;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t inf = InfBits(dtype);
+    const uint16_t quiet = static_cast<uint16_t>(inf | (inf >> 1 & ~inf));
+    std::vector<uint16_t> values = {inf, static_cast<uint16_t>(0x8000u | inf), quiet};
+    if (negative_quiet_nan) values.push_back(static_cast<uint16_t>(0x8000u | quiet));
+    values.push_back(static_cast<uint16_t>(inf | 1u));
+    for (const Geometry& g : geometries) {
+      for (uint32_t elem : {3u, g.dim - 1}) {
+        for (uint16_t v : values) {
+          CaseSpec spec;
+          spec.layout = MakeLayout(g, dtype, codec);
+          spec.num_blocks = 4;
+          spec.view = AllViewKinds()[seed % 4];
+          spec.seed = seed++;
+          for (auto& e : RunNonfiniteCase(spec, NonfinitePlants(spec.layout, v, elem), execs)) {
+            errors.push_back(e);
+          }
+        }
+      }
+    }
+  }
+  return errors;
+}
+
+// What the EveryHighwayTarget tests run on each target, once it is selected: the classes on
+// every geometry (1 layer, 4-token blocks, 2 blocks, the view shape rotating), then a signaling
+// NaN in the last element of `nonfinite` (4 blocks), for both dtypes.
+inline std::vector<std::string> RunOneHighwayTarget(CodecKind codec,
+                                                    const std::vector<Geometry>& geometries,
+                                                    const std::vector<InputClass>& classes,
+                                                    const Geometry& nonfinite, uint64_t seed,
+                                                    const std::vector<Executor>& execs) {
+  std::vector<std::string> errors;
+  BoundStats bound;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Geometry& g : geometries) {
+      for (InputClass c : classes) {
+        CaseSpec spec;
+        spec.layout = MakeLayout(g, dtype, codec, 1, 4);
+        spec.input = c;
+        spec.view = AllViewKinds()[seed % 4];
+        spec.seed = seed++;
+        spec.num_blocks = 2;
+        for (auto& e : RunCase(spec, execs, &bound)) errors.push_back(e);
+      }
+    }
+    CaseSpec spec;
+    spec.layout = MakeLayout(nonfinite, dtype, codec);
+    spec.num_blocks = 4;
+    spec.seed = seed++;
+    const uint16_t snan = static_cast<uint16_t>(InfBits(dtype) | 1u);
+    for (auto& e :
+         RunNonfiniteCase(spec, NonfinitePlants(spec.layout, snan, nonfinite.dim - 1), execs)) {
+      errors.push_back(e);
+    }
+  }
+  return errors;
+}
+
 }  // namespace hiqcache::kernels::testutil

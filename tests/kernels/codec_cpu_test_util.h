@@ -1,0 +1,173 @@
+// Helpers of the SIMD CPU executor's tests (codec_cpu_test.cc, codec_cpu_fp8_test.cc,
+// codec_cpu_int4_test.cc) that need gtest and Highway: codec_test_util.h uses neither, so the
+// GPU tests and the benchmarks can include it without them.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "codec_cpu.h"
+#include "codec_reference.h"
+#include "codec_test_util.h"
+
+namespace hiqcache::kernels::testutil {
+
+// Reports the first 10 messages as failures, and fails with their count if there are any.
+inline void ExpectNoErrors(const std::vector<std::string>& errors) {
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
+  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
+}
+
+// Selects every Highway target compiled in and supported here in turn and runs `cases` on it
+// (its messages get the target's name in front); then restores the default selection, expects
+// no messages and prints the targets' names.
+inline void ExpectNoErrorsOnEveryHighwayTarget(
+    const std::function<std::vector<std::string>(int64_t target)>& cases) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  std::vector<std::string> errors;
+  std::string names;
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    names += std::string(hwy::TargetName(target)) + " ";
+    for (auto& e : cases(target)) errors.push_back(std::string(hwy::TargetName(target)) + ": " + e);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  ExpectNoErrors(errors);
+  std::printf("  targets: %s\n", names.c_str());
+}
+
+// Rows whose groups (a whole head for FP8, 32 elements for INT4) hold every finite value of the
+// dtype up to their amax (both signs, after the amax element) for many amaxes: qmax * m * 2^e
+// (quotients land on ties, FP8's subnormal codes), 24 random ones and 8 whose scale rounds down
+// (the amax's own quotient exceeds qmax: FP8's saturation, INT4's clamp). The SIMD encode and
+// decode of every row (8 x 128) must write the float64 model's bytes, for both dtypes.
+inline void ExpectEveryValueAtManyScales(CodecKind codec, double qmax, uint64_t rng_seed) {
+  Rng rng(rng_seed);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const uint16_t max_bits = FormatOf(dtype).max_bits;
+    std::vector<double> amaxes = {0.0, MaxFinite(dtype)};
+    for (int e = -8; e <= 6; ++e) {
+      for (int m : {1, 3, 5, 7}) amaxes.push_back(qmax * m * std::ldexp(1.0, e));  // s = m*2^e
+    }
+    std::vector<uint16_t> amax_bits;
+    for (double a : amaxes) amax_bits.push_back(DoubleToHalfBits(a, dtype));
+    for (int i = 0; i < 24; ++i) amax_bits.push_back(static_cast<uint16_t>(rng.Below(max_bits)));
+    // Scales that round down: amax / s > qmax for the amax element itself.
+    int rounding_down = 0;
+    for (uint32_t a = 1; a < max_bits && rounding_down < 8; a += 97) {
+      const double s =
+          ScaleValue(DoubleToHalfBits(HalfBitsToDouble(a, dtype) / qmax, DType::kBF16));
+      if (HalfBitsToDouble(a, dtype) / s > qmax) {
+        amax_bits.push_back(static_cast<uint16_t>(a));
+        ++rounding_down;
+      }
+    }
+    EXPECT_EQ(rounding_down, 8);
+
+    RowFormat fmt;
+    fmt.num_heads = 8;
+    fmt.head_dim = 128;
+    fmt.dtype = dtype;
+    fmt.codec = codec;
+    const size_t group = codec == CodecKind::kInt4G32PerHead ? kModelInt4Group : fmt.head_dim;
+    std::vector<uint16_t> row(fmt.ElementsPerRow()), out(fmt.ElementsPerRow());
+    std::vector<uint8_t> got(fmt.RowBytes()), want(fmt.RowBytes());
+    StridedView view;
+    view.base = reinterpret_cast<uint8_t*>(row.data());
+    view.row_stride = fmt.InputRowBytes();
+    view.head_stride = fmt.head_dim * 2;
+    view.num_rows = 1;
+    StridedView out_view = view;
+    out_view.base = reinterpret_cast<uint8_t*>(out.data());
+    std::vector<uint16_t> want_out(fmt.ElementsPerRow());
+    uint64_t rows_checked = 0;
+    int mismatches = 0;
+    for (uint16_t a : amax_bits) {
+      uint32_t next = 0;
+      while (next <= a) {
+        // Every group of the row: its amax first, then the next values up to it.
+        for (size_t i = 0; i < row.size(); ++i) {
+          if (i % group == 0) {
+            row[i] = a;
+            continue;
+          }
+          const uint32_t v = next <= a ? next++ : 0;
+          row[i] = static_cast<uint16_t>(v | ((i & 1) ? 0x8000u : 0u));
+        }
+        ASSERT_TRUE(EncodeRowSimd(fmt, view, 0, got.data()));
+        const uint8_t* heads[8];
+        uint8_t* out_heads[8];
+        for (uint32_t h = 0; h < 8; ++h) {
+          heads[h] = view.base + h * view.head_stride;
+          out_heads[h] = reinterpret_cast<uint8_t*>(want_out.data()) + h * view.head_stride;
+        }
+        ASSERT_TRUE(ModelEncodeRow(fmt, heads, want.data()));
+        DecodeRowSimd(fmt, got.data(), out_view, 0);
+        ModelDecodeRow(fmt, want.data(), out_heads);
+        ++rows_checked;
+        if ((got != want || out != want_out) && mismatches++ < 5) {
+          size_t off = 0;
+          while (off < got.size() && got[off] == want[off]) ++off;
+          ADD_FAILURE() << DTypeName(dtype) << " amax 0x" << std::hex << a << ": byte " << std::dec
+                        << off << (off < got.size() ? "" : " (decode differs)");
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << DTypeName(dtype);
+    EXPECT_GT(rows_checked, 1000u);
+  }
+}
+
+// Records whose code bytes count up through all 256 byte values (every FP8 code, every pair of
+// INT4 nibbles) under many scales (alternating with their mirror image across scales, per head
+// or per group) for 4 heads of each of `dims`: the SIMD decode writes the scalar reference's
+// bits, for both dtypes.
+inline void ExpectEveryCodeDecodesLikeTheReference(CodecKind codec,
+                                                   std::initializer_list<uint32_t> dims) {
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (uint32_t dim : dims) {
+      RowFormat fmt;
+      fmt.num_heads = 4;
+      fmt.head_dim = dim;
+      fmt.dtype = dtype;
+      fmt.codec = codec;
+      std::vector<uint8_t> rec(fmt.RowBytes());
+      std::vector<uint16_t> got(fmt.ElementsPerRow()), want(fmt.ElementsPerRow());
+      StridedView gv;
+      gv.base = reinterpret_cast<uint8_t*>(got.data());
+      gv.row_stride = fmt.InputRowBytes();
+      gv.head_stride = dim * 2;
+      gv.num_rows = 1;
+      StridedView wv = gv;
+      wv.base = reinterpret_cast<uint8_t*>(want.data());
+      int mismatches = 0;
+      for (uint32_t sb = 0x0080; sb <= 0x7F7F; sb += 37) {
+        for (uint32_t first = 0; first < 256; first += static_cast<uint32_t>(fmt.CodeBytes())) {
+          for (size_t i = 0; i < fmt.CodeBytes(); ++i) rec[i] = static_cast<uint8_t>(first + i);
+          for (size_t g = 0; g < fmt.ScaleCount(); ++g) {
+            const uint16_t s = static_cast<uint16_t>(g % 2 ? 0x7F7F + 0x0080 - sb : sb);
+            std::memcpy(rec.data() + fmt.CodeBytes() + 2 * g, &s, 2);
+          }
+          DecodeRowSimd(fmt, rec.data(), gv, 0);
+          DecodeRowReference(fmt, rec.data(), wv, 0);
+          if (got != want && mismatches++ < 5) {
+            ADD_FAILURE() << DTypeName(dtype) << " dim " << dim << " scale 0x" << std::hex << sb;
+          }
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << DTypeName(dtype) << " dim " << dim;
+    }
+  }
+}
+
+}  // namespace hiqcache::kernels::testutil
