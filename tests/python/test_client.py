@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hiqcache as hq
-from daemon import ROOT, Daemon
+from daemon import ROOT, Daemon, start_or_skip_without_l3
 from kv_util import HostKv, fp8_violations, int4_violations, int8_violations, to_bf16_bits
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
@@ -182,12 +182,7 @@ def test_stats_show_l3_when_the_daemon_has_it():
     d = Daemon(extra=("--l3-seeds", f"127.0.0.1:{port}", "--prefault", "false"))
     kv = HostKv(hq.Geometry(num_layers=2, num_kv_heads=2, head_dim=64), 4 * BT)
     try:
-        try:
-            d.start()
-        except RuntimeError as e:  # a daemon built without hiredis refuses l3_seeds
-            if "without the L3 store" in str(e):
-                pytest.skip("hiqcached was built without the L3 store")
-            raise
+        start_or_skip_without_l3(d)
         with hq.Client(d.target) as c:
             pool = c.register_pool(kv.spec("m-l3", BT))
             keys = keys_for(range(2 * BT))

@@ -23,7 +23,7 @@ import pytest
 
 import hiqcache as hq
 import redis_cluster
-from daemon import ROOT, Daemon
+from daemon import ROOT, Daemon, start_or_skip_without_l3
 from real_model import model_dir
 from vllm_engine import engine_env
 
@@ -188,12 +188,7 @@ def test_two_nodes_share_prefixes_through_l3(model, prompts, reference, tmp_path
                  "--l3-fetch-deadline-ms", "3000", "--prefault", "false")
         da, db = Daemon(pool_bytes="256MiB", extra=extra), Daemon(pool_bytes="256MiB", extra=extra)
         try:
-            try:
-                da.start()
-            except RuntimeError as e:  # a daemon built without hiredis refuses l3_seeds
-                if "without the L3 store" in str(e):
-                    pytest.skip("hiqcached was built without the L3 store")
-                raise
+            start_or_skip_without_l3(da)
             db.start()
             a = run_engine("l3-a", {"model": model,
                                     "connector": {"target": da.target, "codec": "raw"},
