@@ -100,11 +100,7 @@ TEST(CodecCpu, EveryValueAtManyScales) {
     fmt.dtype = dtype;
     std::vector<uint16_t> row(fmt.ElementsPerRow());
     std::vector<uint8_t> got(fmt.RowBytes()), want(fmt.RowBytes());
-    StridedView view;
-    view.base = reinterpret_cast<uint8_t*>(row.data());
-    view.row_stride = fmt.InputRowBytes();
-    view.head_stride = fmt.head_dim * 2;
-    view.num_rows = 1;
+    const StridedView view = OneRowView(fmt, row.data());
     uint64_t rows_checked = 0;
     int mismatches = 0;
     for (uint16_t a : amax_bits) {

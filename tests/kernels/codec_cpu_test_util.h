@@ -82,13 +82,8 @@ inline void ExpectEveryValueAtManyScales(CodecKind codec, double qmax, uint64_t 
     const size_t group = codec == CodecKind::kInt4G32PerHead ? kModelInt4Group : fmt.head_dim;
     std::vector<uint16_t> row(fmt.ElementsPerRow()), out(fmt.ElementsPerRow());
     std::vector<uint8_t> got(fmt.RowBytes()), want(fmt.RowBytes());
-    StridedView view;
-    view.base = reinterpret_cast<uint8_t*>(row.data());
-    view.row_stride = fmt.InputRowBytes();
-    view.head_stride = fmt.head_dim * 2;
-    view.num_rows = 1;
-    StridedView out_view = view;
-    out_view.base = reinterpret_cast<uint8_t*>(out.data());
+    const StridedView view = OneRowView(fmt, row.data());
+    const StridedView out_view = OneRowView(fmt, out.data());
     std::vector<uint16_t> want_out(fmt.ElementsPerRow());
     uint64_t rows_checked = 0;
     int mismatches = 0;

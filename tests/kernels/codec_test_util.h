@@ -70,6 +70,16 @@ struct HalfFormat {
   uint16_t max_bits;  // largest finite magnitude
 };
 
+// One row of `fmt` (its heads contiguous) at `base`, as the codec's StridedView names it.
+inline StridedView OneRowView(const RowFormat& fmt, void* base) {
+  StridedView view;
+  view.base = static_cast<uint8_t*>(base);
+  view.row_stride = fmt.InputRowBytes();
+  view.head_stride = fmt.head_dim * 2;
+  view.num_rows = 1;
+  return view;
+}
+
 inline HalfFormat FormatOf(DType dtype) {
   return dtype == DType::kBF16 ? HalfFormat{7, 127, 0x7F80, 0x7F7F}
                                : HalfFormat{10, 15, 0x7C00, 0x7BFF};
