@@ -84,7 +84,7 @@ class RedisL3Tier final : public L3Tier {
     for (const NamespaceHash& h : ns) {
       for (auto& k : KeysOf(o_.key_prefix, h, keys)) all.push_back(std::move(k));
     }
-    auto conn = TakeReader();
+    auto conn = Suspended() ? nullptr : TakeReader();
     if (conn == nullptr) {
       Add(&lookup_errors_, 1);
       Add(&lookup_misses_, keys.size());
@@ -92,6 +92,7 @@ class RedisL3Tier final : public L3Tier {
     }
     std::vector<l3::KeyResult> res = conn->MultiExists(all, deadline);
     GiveReader(std::move(conn));
+    Judge(res);
     size_t run = keys.size();
     bool error = false;
     for (size_t n = 0; n < ns.size(); ++n) {
@@ -115,7 +116,7 @@ class RedisL3Tier final : public L3Tier {
     const auto t0 = Clock::now();
     const auto deadline = t0 + o_.fetch_deadline;
     Add(&fetches_, 1);
-    auto conn = TakeReader();
+    auto conn = Suspended() ? nullptr : TakeReader();
     if (conn == nullptr) {
       Add(&fetch_errors_, 1);
       Finished(Clock::now() - t0, false);
@@ -126,6 +127,7 @@ class RedisL3Tier final : public L3Tier {
     std::vector<l3::KeyResult> res =
         conn->MultiGet(names, deadline, l3::kL3ValueHeaderBytes + payload_bytes);
     GiveReader(std::move(conn));
+    Judge(res);
     bool ok = true;
     uint64_t in = 0;
     for (size_t i = 0; i < res.size(); ++i) {
@@ -330,6 +332,42 @@ class RedisL3Tier final : public L3Tier {
     ledger_.erase(it);
   }
 
+  // A hung or unreachable cluster must not cost every call its deadline. A call in which no key
+  // was answered (all UNAVAILABLE or DEADLINE_EXCEEDED) suspends L3 for a backoff, 100 ms
+  // doubling to 2 s: meanwhile Probe and Fetch answer "not held" at once (counted as errors), and
+  // the first call after it tries the cluster again. Any answer ends the suspension.
+  bool Suspended() const {
+    return Clock::now().time_since_epoch().count() < suspend_until_.load(std::memory_order_relaxed);
+  }
+  void Judge(const std::vector<l3::KeyResult>& res) {
+    bool answered = res.empty(), unreachable = false;
+    for (const auto& r : res) {
+      if (r.status.ok()) {
+        answered = true;
+        break;
+      }
+      unreachable = unreachable || r.status.code() == StatusCode::kUnavailable ||
+                    r.status.code() == StatusCode::kDeadlineExceeded;
+    }
+    if (answered) {
+      if (suspend_ms_.exchange(0, std::memory_order_relaxed) != 0) {
+        HIQ_LOG(INFO) << "event=l3_resumed";
+      }
+      return;
+    }
+    if (!unreachable) return;
+    int64_t prev = suspend_ms_.load(std::memory_order_relaxed);
+    const int64_t next = std::clamp<int64_t>(prev * 2, 100, 2000);
+    if (!suspend_ms_.compare_exchange_strong(prev, next, std::memory_order_relaxed)) return;
+    suspend_until_.store((Clock::now() + std::chrono::milliseconds(next)).time_since_epoch().count(),
+                         std::memory_order_relaxed);
+    if (prev == 0) {
+      HIQ_LOG(WARN) << "event=l3_suspended error=\"" << LogSafe(res.front().status.message())
+                    << "\" (no L3 node answered: lookups and restores answer from L2 alone, "
+                       "retrying with backoff)";
+    }
+  }
+
   // A fetch ended: its duration goes to the metrics' callback and to the latency window.
   void Finished(Clock::duration d, bool ok) {
     if (o_.on_fetch) o_.on_fetch(d, ok);
@@ -524,6 +562,8 @@ class RedisL3Tier final : public L3Tier {
   std::atomic<uint64_t> fetches_{0}, fetched_blocks_{0}, fetch_errors_{0}, corrupt_values_{0};
   std::atomic<uint64_t> promotions_{0}, writes_{0}, write_errors_{0}, skipped_writes_{0};
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, budget_deletes_{0};
+  std::atomic<int64_t> suspend_until_{0};  // steady_clock ticks: L3 suspended until then
+  std::atomic<int64_t> suspend_ms_{0};     // the current suspension's backoff; 0 = none
 
   mutable std::mutex mu_;
   bool stop_ = false;                                    // GUARDED_BY(mu_)

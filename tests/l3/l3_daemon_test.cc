@@ -8,10 +8,12 @@
 // is not installed.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <iostream>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -776,6 +778,71 @@ TEST_F(L3DaemonTest, ClusterGoneMidRunServesFromL2) {
   EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 0);
   EXPECT_EQ(a.daemon->Stop(), 0);
   EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// Every server hangs (SIGSTOP: connections still open, nothing answers) while node C's socket
+// timeouts are 10 s: its lookups and restores still return within their own deadlines, with what
+// its pool holds, and after the first call that nobody answered L3 is suspended (backoff), so the
+// calls after it do not each wait out their deadline; once the servers go on (SIGCONT), C gets
+// L3 hits again.
+TEST_F(L3DaemonTest, HungClusterNeverHoldsACallPastItsDeadline) {
+  const uint64_t seed = 1600;
+  constexpr uint32_t kBlocks = 4;
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoNodes("l3-hung", seed, kBlocks, &t));
+  Node c = StartNode(cluster_->Seeds(), "64MiB",
+                     {"--l3-command-timeout-ms", "10000", "--l3-connect-timeout-ms", "10000",
+                      "--l3-lookup-deadline-ms", "200", "--l3-fetch-deadline-ms", "1000"});
+  ASSERT_NE(c.client, nullptr);
+  auto pc = MakePool(*c.client, Options("l3-hung", Codec::kInt8PerHead));
+  ASSERT_TRUE(pc.ok());
+  // C holds the first block in its pool; the cluster holds all four.
+  ASSERT_EQ(c.client->Restore(pc->handle, std::span(t.keys).first(1),
+                              std::span(t.rows).first(kBt)).restored_blocks, 1u);
+  ASSERT_EQ(c.client->Lookup(pc->handle, t.keys).prefix_blocks, kBlocks);
+  for (const auto& n : cluster_->nodes()) ASSERT_EQ(::kill(n.pid, SIGSTOP), 0);
+  using Clock = std::chrono::steady_clock;
+  Clock::duration total{};
+  for (int round = 0; round < 3; ++round) {
+    auto t0 = Clock::now();
+    LookupResult l = c.client->Lookup(pc->handle, t.keys);
+    const auto lookup_took = Clock::now() - t0;
+    ASSERT_TRUE(l.status.ok()) << l.status.ToString();
+    EXPECT_EQ(l.prefix_blocks, 1u);
+    // The deadline (200 ms) with room for a loaded machine; the socket timeout would be 10 s.
+    EXPECT_LT(lookup_took, std::chrono::milliseconds(2000)) << round;
+    FillSentinel(pc->kv);
+    t0 = Clock::now();
+    RestoreResult r = c.client->Restore(pc->handle, t.keys, t.rows);
+    const auto restore_took = Clock::now() - t0;
+    ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+    EXPECT_EQ(r.restored_blocks, 1u);
+    EXPECT_TRUE(CheckRows(pc->kv, seed, std::span(t.rows).first(kBt), kBt, false).ok());
+    EXPECT_LT(restore_took, std::chrono::milliseconds(4000)) << round;  // deadline 1 s
+    total += lookup_took + restore_took;
+    std::cout << "hung cluster, round " << round << ": lookup "
+              << std::chrono::duration_cast<milliseconds>(lookup_took).count() << " ms, restore "
+              << std::chrono::duration_cast<milliseconds>(restore_took).count() << " ms\n";
+  }
+  // Every call waiting out its deadline would take 3 x (200 + 1000) ms.
+  EXPECT_LT(total, std::chrono::milliseconds(2400));
+  EXPECT_GT(c.M("hiqcache_l3_errors_total{op=\"lookup\"}"), 0);
+  EXPECT_GT(c.M("hiqcache_l3_errors_total{op=\"fetch\"}"), 0);
+  for (const auto& n : cluster_->nodes()) ASSERT_EQ(::kill(n.pid, SIGCONT), 0);
+  // The servers answer again: the whole prefix comes back (the stalled connections are
+  // replaced once their calls ran out of time).
+  EXPECT_TRUE(Eventually(
+      [&] {
+        FillSentinel(pc->kv);
+        RestoreResult r = c.client->Restore(pc->handle, t.keys, t.rows);
+        return r.status.ok() && r.restored_blocks == kBlocks &&
+               CheckRows(pc->kv, seed, t.rows, kBt, false).ok();
+      },
+      std::chrono::seconds(20)));
+  EXPECT_EQ(c.M("hiqcache_l3_corrupt_values_total"), 0);
+  EXPECT_EQ(c.daemon->Stop(), 0);
+  EXPECT_EQ(t.b.daemon->Stop(), 0);
+  EXPECT_EQ(t.a.daemon->Stop(), 0);
 }
 
 // No cluster at all: the daemon starts, serves from its pool, and counts L3 errors.
