@@ -334,7 +334,7 @@ class RedisL3Tier final : public L3Tier {
 
   // A hung or unreachable cluster must not cost every call its deadline. A call in which no key
   // was answered (all UNAVAILABLE or DEADLINE_EXCEEDED) suspends L3 for a backoff, 100 ms
-  // doubling to 2 s: meanwhile Probe and Fetch answer "not held" at once (counted as errors), and
+  // doubling to 1 s: meanwhile Probe and Fetch answer "not held" at once (counted as errors), and
   // the first call after it tries the cluster again. Any answer ends the suspension.
   bool Suspended() const {
     return Clock::now().time_since_epoch().count() < suspend_until_.load(std::memory_order_relaxed);
@@ -357,7 +357,7 @@ class RedisL3Tier final : public L3Tier {
     }
     if (!unreachable) return;
     int64_t prev = suspend_ms_.load(std::memory_order_relaxed);
-    const int64_t next = std::clamp<int64_t>(prev * 2, 100, 2000);
+    const int64_t next = std::clamp<int64_t>(prev * 2, 100, 1000);
     if (!suspend_ms_.compare_exchange_strong(prev, next, std::memory_order_relaxed)) return;
     suspend_until_.store((Clock::now() + std::chrono::milliseconds(next)).time_since_epoch().count(),
                          std::memory_order_relaxed);
