@@ -51,37 +51,6 @@ HWY_INLINE hn::Vec<DI32> QuantizeFp8Vec(hn::Vec<DF> x, hn::Vec<DF> vs) {
   return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
 }
 
-// Stores Lanes(DI32) codes (values in [0, 0xFE]).
-HWY_INLINE void StoreCodes(hn::Vec<DI32> c, uint8_t* dst) {
-  const DU8 du8;
-  hn::StoreU(hn::DemoteTo(du8, c), du8, dst);
-}
-
-// Stores 4 * Lanes(DI32) codes, a's first. REQUIRES: values in [0, 0xFE].
-HWY_INLINE void StoreCodes4(hn::Vec<DI32> a, hn::Vec<DI32> b, hn::Vec<DI32> c, hn::Vec<DI32> d,
-                            uint8_t* dst) {
-#if HIQ_CODEC_X86_AVX3
-  // Unsigned-saturating packs; per 128-bit block k they leave a[4k..], b[..], c[..], d[..].
-  const __m512i ab = _mm512_packus_epi32(a.raw, b.raw);
-  const __m512i cd = _mm512_packus_epi32(c.raw, d.raw);
-  const __m512i abcd = _mm512_packus_epi16(ab, cd);
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(idx, abcd));
-#elif HIQ_CODEC_X86_AVX2
-  const __m256i ab = _mm256_packus_epi32(a.raw, b.raw);
-  const __m256i cd = _mm256_packus_epi32(c.raw, d.raw);
-  const __m256i abcd = _mm256_packus_epi16(ab, cd);
-  const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(abcd, idx));
-#else
-  const size_t n = hn::Lanes(DI32());
-  StoreCodes(a, dst);
-  StoreCodes(b, dst + n);
-  StoreCodes(c, dst + 2 * n);
-  StoreCodes(d, dst + 3 * n);
-#endif
-}
-
 // E4m3ToFloat per lane of Lanes(DF) codes at `codes`.
 HWY_INLINE hn::Vec<DF> LoadE4m3(const uint8_t* codes) {
   const DF df;

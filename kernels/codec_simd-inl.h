@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <hwy/highway.h>
 
@@ -151,6 +152,42 @@ HWY_INLINE void PrefetchRow(const RowFormat& fmt, const StridedView& view, uint3
     }
     __builtin_prefetch(p + head_bytes - 1, kWrite, kPrefetchLocality);
   }
+}
+
+// Stores Lanes(i32) codes of `q` (a vector of i32 lanes) as bytes: int8_t codes in [-127, 127]
+// (INT8) or uint8_t codes in [0, 0xFE] (FP8).
+template <typename Byte, class VI32>
+HWY_INLINE void StoreCodes(VI32 q, Byte* dst) {
+  const hn::Rebind<Byte, hn::DFromV<VI32>> d8;
+  hn::StoreU(hn::DemoteTo(d8, q), d8, dst);
+}
+
+// Stores 4 * Lanes(i32) codes as bytes, a's first, with the value ranges of StoreCodes.
+template <typename Byte, class VI32>
+HWY_INLINE void StoreCodes4(VI32 a, VI32 b, VI32 c, VI32 d, Byte* dst) {
+  static_assert(std::is_same_v<Byte, int8_t> || std::is_same_v<Byte, uint8_t>);
+  constexpr bool kSigned = std::is_same_v<Byte, int8_t>;
+#if HIQ_CODEC_X86_AVX3
+  // Per 128-bit block k the packs leave dwords a[4k..4k+3], b[..], c[..], d[..]; gather them.
+  // Every code fits a signed 16-bit lane, so the first pack is the signed one for both kinds.
+  const __m512i ab = _mm512_packs_epi32(a.raw, b.raw);
+  const __m512i cd = _mm512_packs_epi32(c.raw, d.raw);
+  const __m512i abcd = kSigned ? _mm512_packs_epi16(ab, cd) : _mm512_packus_epi16(ab, cd);
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(idx, abcd));
+#elif HIQ_CODEC_X86_AVX2
+  const __m256i ab = _mm256_packs_epi32(a.raw, b.raw);
+  const __m256i cd = _mm256_packs_epi32(c.raw, d.raw);
+  const __m256i abcd = kSigned ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+  const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(abcd, idx));
+#else
+  const size_t n = hn::Lanes(hn::DFromV<VI32>());
+  StoreCodes(a, dst);
+  StoreCodes(b, dst + n);
+  StoreCodes(c, dst + 2 * n);
+  StoreCodes(d, dst + 3 * n);
+#endif
 }
 
 }  // namespace HWY_NAMESPACE
