@@ -61,25 +61,9 @@ HWY_INLINE hn::Vec<DI32> QuantizeVec(hn::Vec<DF> x, hn::Vec<DF> vs) {
 // Writes the d codes of a head with scale s.
 template <DType kDType>
 HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, int8_t* codes) {
-  const DF df;
-  const size_t n = hn::Lanes(df);
-  const auto vs = hn::Set(df, s);
-  uint32_t i = 0;
-  for (; i + 4 * n <= d; i += 4 * n) {
-    const uint8_t* p = src + 2 * i;
-    StoreCodes4(QuantizeVec(LoadHalf<kDType>(df, p), vs),
-                QuantizeVec(LoadHalf<kDType>(df, p + 2 * n), vs),
-                QuantizeVec(LoadHalf<kDType>(df, p + 4 * n), vs),
-                QuantizeVec(LoadHalf<kDType>(df, p + 6 * n), vs), codes + i);
-  }
-  for (; i + n <= d; i += n) {
-    StoreCodes(QuantizeVec(LoadHalf<kDType>(df, src + 2 * i), vs), codes + i);
-  }
-  for (; i < d; ++i) {
-    uint16_t v;
-    std::memcpy(&v, src + 2 * i, 2);
-    codes[i] = QuantizeElement(HalfToFloat(v, kDType), s);
-  }
+  QuantizeHeadWith<kDType>(
+      src, d, s, codes, [](hn::Vec<DF> x, hn::Vec<DF> vs) HWY_ATTR { return QuantizeVec(x, vs); },
+      [](float x, float scale) { return QuantizeElement(x, scale); });
 }
 
 template <DType kDType>

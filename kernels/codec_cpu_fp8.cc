@@ -66,25 +66,10 @@ HWY_INLINE hn::Vec<DF> LoadE4m3(const uint8_t* codes) {
 // Writes the d codes of a head with scale s.
 template <DType kDType>
 HWY_INLINE void QuantizeHead(const uint8_t* src, uint32_t d, float s, uint8_t* codes) {
-  const DF df;
-  const size_t n = hn::Lanes(df);
-  const auto vs = hn::Set(df, s);
-  uint32_t i = 0;
-  for (; i + 4 * n <= d; i += 4 * n) {
-    const uint8_t* p = src + 2 * i;
-    StoreCodes4(QuantizeFp8Vec(LoadHalf<kDType>(df, p), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 2 * n), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 4 * n), vs),
-                QuantizeFp8Vec(LoadHalf<kDType>(df, p + 6 * n), vs), codes + i);
-  }
-  for (; i + n <= d; i += n) {
-    StoreCodes(QuantizeFp8Vec(LoadHalf<kDType>(df, src + 2 * i), vs), codes + i);
-  }
-  for (; i < d; ++i) {
-    uint16_t v;
-    std::memcpy(&v, src + 2 * i, 2);
-    codes[i] = QuantizeFp8Element(HalfToFloat(v, kDType), s);
-  }
+  QuantizeHeadWith<kDType>(
+      src, d, s, codes,
+      [](hn::Vec<DF> x, hn::Vec<DF> vs) HWY_ATTR { return QuantizeFp8Vec(x, vs); },
+      [](float x, float scale) { return QuantizeFp8Element(x, scale); });
 }
 
 template <DType kDType>

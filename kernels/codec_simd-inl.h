@@ -190,6 +190,31 @@ HWY_INLINE void StoreCodes4(VI32 a, VI32 b, VI32 c, VI32 d, Byte* dst) {
 #endif
 }
 
+// Writes the d codes of a head with scale s: `quantize(x, vs)` maps a vector of f32 values to i32
+// codes (vs = s in every lane), `quantize_one(x, s)` one value (the head's tail), as
+// codec_math.h's element function of the codec does. Lambdas passed here need HWY_ATTR.
+template <DType kDType, typename Byte, class QuantizeVecFn, class QuantizeOneFn>
+HWY_INLINE void QuantizeHeadWith(const uint8_t* src, uint32_t d, float s, Byte* codes,
+                                 QuantizeVecFn quantize, QuantizeOneFn quantize_one) {
+  const hn::ScalableTag<float> df;
+  const size_t n = hn::Lanes(df);
+  const auto vs = hn::Set(df, s);
+  uint32_t i = 0;
+  for (; i + 4 * n <= d; i += 4 * n) {
+    const uint8_t* p = src + 2 * i;
+    StoreCodes4(quantize(LoadHalf<kDType>(df, p), vs),
+                quantize(LoadHalf<kDType>(df, p + 2 * n), vs),
+                quantize(LoadHalf<kDType>(df, p + 4 * n), vs),
+                quantize(LoadHalf<kDType>(df, p + 6 * n), vs), codes + i);
+  }
+  for (; i + n <= d; i += n) StoreCodes(quantize(LoadHalf<kDType>(df, src + 2 * i), vs), codes + i);
+  for (; i < d; ++i) {
+    uint16_t v;
+    std::memcpy(&v, src + 2 * i, 2);
+    codes[i] = quantize_one(HalfToFloat(v, kDType), s);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace hiqcache::kernels
 HWY_AFTER_NAMESPACE();
