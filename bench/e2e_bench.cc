@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,6 +20,7 @@
 #include "daemon_process.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
+#include "gaussian_kv.h"
 #include "hiqcache/host_shm.h"
 
 namespace {
@@ -54,12 +54,6 @@ double CpuSeconds(pid_t pid) {
     if (i == 15) stime = std::stoull(field);
   }
   return double(utime + stime) / double(::sysconf(_SC_CLK_TCK));
-}
-
-uint16_t Bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
 }  // namespace
@@ -97,22 +91,10 @@ int main(int argc, char** argv) {
   auto client = hiqcache::Client::Connect(target);
   if (!client.ok()) return std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str()), 1;
 
-  hiqcache::Geometry g;
-  g.num_layers = 36;
-  g.num_kv_heads = 8;
-  g.head_dim = 128;
   // Rows [0, tokens) are backed up, rows [tokens, 2*tokens) receive the restore.
-  auto kv = hiqcache::HostKvPool::Create(g, hiqcache::KvLayout::kSglang, 2 * tokens);
+  auto kv = hiqcache::bench::GaussianQwen3Kv(2 * tokens, tokens);
   if (!kv.ok()) return std::fprintf(stderr, "kv: %s\n", kv.status().ToString().c_str()), 1;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (uint32_t l = 0; l < g.num_layers; ++l)
-    for (uint32_t p = 0; p < 2; ++p)
-      for (uint32_t r = 0; r < tokens; ++r)
-        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-          uint16_t* head = kv->Head(l, p, r, h);
-          for (uint32_t d = 0; d < g.head_dim; ++d) head[d] = Bf16(normal(rng));
-        }
+  const hiqcache::Geometry& g = kv->geometry();
   auto spec = hiqcache::MakeHostPoolSpec("Qwen/Qwen3-8B@bench", *kv, block_tokens);
   auto pool = (*client)->RegisterPool(spec);
   if (!pool.ok()) return std::fprintf(stderr, "register: %s\n", pool.status().ToString().c_str()), 1;

@@ -30,7 +30,6 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +37,7 @@
 #include "daemon_process.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
+#include "gaussian_kv.h"
 #include "hiqcache/host_shm.h"
 #include "l3_value.h"
 #include "redis_cluster.h"
@@ -57,12 +57,6 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
-
-uint16_t Bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
 
 int Fail(const char* what, const std::string& detail) {
   std::fprintf(stderr, "l3_bench: %s: %s\n", what, detail.c_str());
@@ -135,22 +129,10 @@ int main(int argc, char** argv) {
   auto cc = hiqcache::Client::Connect(co);
   if (!ca.ok() || !cc.ok()) return Fail("connect", "client");
 
-  hiqcache::Geometry g;
-  g.num_layers = 36;
-  g.num_kv_heads = 8;
-  g.head_dim = 128;
   // Rows [0, tokens) are backed up, rows [tokens, 2*tokens) receive the restores.
-  auto kv = hiqcache::HostKvPool::Create(g, hiqcache::KvLayout::kSglang, 2 * tokens);
+  auto kv = hiqcache::bench::GaussianQwen3Kv(2 * tokens, tokens);
   if (!kv.ok()) return Fail("kv", kv.status().ToString());
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (uint32_t l = 0; l < g.num_layers; ++l)
-    for (uint32_t p = 0; p < 2; ++p)
-      for (uint32_t r = 0; r < tokens; ++r)
-        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
-          uint16_t* head = kv->Head(l, p, r, h);
-          for (uint32_t d = 0; d < g.head_dim; ++d) head[d] = Bf16(normal(rng));
-        }
+  const hiqcache::Geometry& g = kv->geometry();
   auto spec = hiqcache::MakeHostPoolSpec("Qwen/Qwen3-8B@l3bench", *kv, block_tokens);
   auto pa = (*ca)->RegisterPool(spec);
   auto pc = (*cc)->RegisterPool(spec);
