@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,6 +19,8 @@
 #include "hiqcache/session.h"
 #include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
+#include "pool_slots.h"
+#include "session_watcher.h"
 
 namespace hiqcache {
 namespace {
@@ -27,6 +28,8 @@ namespace {
 namespace v1 = ::hiqcache::v1;
 using client_internal::AttachSession;
 using client_internal::FromGrpc;
+using client_internal::PoolSlots;
+using client_internal::SessionWatcher;
 using Clock = std::chrono::steady_clock;
 
 // --- PoolSpec -> proto -------------------------------------------------------------------------
@@ -254,25 +257,6 @@ class OwnedFd {
   int fd_;
 };
 
-// Zeroes `count` HOST event slots of the object open as `fd` (release stores, as
-// HostEventPool::Reset does).
-Status ResetEventSlots(int fd, uint32_t count) {
-  const size_t bytes = size_t{count} * HostEventPool::kSlotBytes;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
-    return FailedPrecondition("events: the event object is smaller than " + std::to_string(count) +
-                              " slots");
-  }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) return Internal(std::string("mmap of the event fd: ") + std::strerror(errno));
-  for (uint32_t i = 0; i < count; ++i) {
-    auto* slot = reinterpret_cast<uint64_t*>(static_cast<char*>(p) + i * HostEventPool::kSlotBytes);
-    std::atomic_ref<uint64_t>(*slot).store(0, std::memory_order_release);
-  }
-  ::munmap(p, bytes);
-  return Status::Ok();
-}
-
 }  // namespace
 
 uint32_t BackupResult::held() const {
@@ -294,6 +278,11 @@ class Client::Impl {
         watcher_([this] { WatchChannel(); }) {}
 
   ~Impl() {
+    {
+      // First, so that nothing is released for the sessions closed below.
+      std::lock_guard<std::mutex> lock(session_watcher_mu_);
+      session_watcher_.reset();
+    }
     stop_.store(true);
     watcher_.join();
   }
@@ -320,6 +309,10 @@ class Client::Impl {
     uint32_t block_tokens = 0;
     std::vector<int> buffer_fds;  // SharedBuffer::host_fd per buffer (borrowed; -1 = none)
     int events_fd = -1;           // EventPoolSpec::host_fd (borrowed)
+    // The client's own mapping of the event slots (null: none), released when the session of
+    // the registration ends without the client closing it.
+    std::shared_ptr<PoolSlots> slots;
+    uint32_t num_layers = 0;
 
     std::mutex mu;           // serializes (re)registration; guards the fields below
     uint64_t server_id = 0;  // 0 = not registered
@@ -339,6 +332,18 @@ class Client::Impl {
     auto it = pools_.find(h.id);
     return it == pools_.end() ? nullptr : it->second;
   }
+  // Marks the slots a request names for the daemon's tickets; returns the pool's slots (null:
+  // none, or an unknown handle).
+  std::shared_ptr<PoolSlots> NoteRequest(PoolHandle h, int32_t done_event,
+                                         int32_t layer_event_base) const {
+    std::shared_ptr<Pool> pool = Find(h);
+    if (pool == nullptr || pool->slots == nullptr) return nullptr;
+    pool->slots->NoteDaemonSlots(done_event, layer_event_base, pool->num_layers);
+    return pool->slots;
+  }
+  // Has the session watcher (started on first use) release `slots` when `session` ends.
+  void WatchSession(const std::shared_ptr<Session>& session,
+                    const std::shared_ptr<PoolSlots>& slots);
 
   // Whether pool.server_id still names this registration on the daemon. REQUIRES: pool.mu held.
   bool IdIsCurrent(const Pool& pool) const {
@@ -405,8 +410,29 @@ class Client::Impl {
   uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
   std::unordered_map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
 
+  std::mutex session_watcher_mu_;
+  std::unique_ptr<SessionWatcher> session_watcher_;  // GUARDED_BY(session_watcher_mu_)
+  bool session_watcher_failed_ = false;              // GUARDED_BY(session_watcher_mu_)
+
   std::thread watcher_;  // last: starts after everything it reads
 };
+
+void Client::Impl::WatchSession(const std::shared_ptr<Session>& session,
+                                const std::shared_ptr<PoolSlots>& slots) {
+  if (session == nullptr || slots == nullptr) return;
+  std::lock_guard<std::mutex> lock(session_watcher_mu_);
+  if (session_watcher_ == nullptr && !session_watcher_failed_) {
+    auto started = SessionWatcher::Start(target_);
+    if (started.ok()) {
+      session_watcher_ = std::move(started).value();
+    } else {
+      session_watcher_failed_ = true;
+      HIQ_LOG(WARN) << "hiqcache client: " << started.status().ToString()
+                    << "; waiters are not released if hiqcached dies";
+    }
+  }
+  if (session_watcher_ != nullptr) session_watcher_->Watch(session, slots);
+}
 
 std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
   if (!session_capable_) return nullptr;
@@ -482,7 +508,6 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   pool.last_attempt = Clock::now();
   const uint64_t epoch = epoch_.load();
   std::shared_ptr<Session> session = CurrentSession(/*force=*/true);
-  const bool host = pool.request.device().kind() != v1::DEVICE_KIND_CUDA;
   bool fd_only = pool.events_fd >= 0 && pool.request.events().host_shm_name().empty();
   for (int i = 0; i < pool.request.buffers_size(); ++i) {
     fd_only |= pool.buffer_fds[i] >= 0 && pool.request.buffers(i).host_shm_name().empty();
@@ -490,7 +515,7 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   v1::RegisterPoolRequest by_fd;
   const v1::RegisterPoolRequest* request = &pool.request;
   Status s;
-  if (host && session != nullptr) {
+  if (session != nullptr) {
     StatusOr<bool> passed = PassFds(pool, *session, &by_fd);
     if (passed.ok() && *passed) {
       request = &by_fd;
@@ -502,12 +527,12 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
         s = Status::Ok();
       }
     }
-  } else if (host && fd_only && session_capable_) {
+  } else if (fd_only && session_capable_) {
     // A unix target whose session cannot be opened now is a daemon that is down or restarting:
     // UNAVAILABLE, so that a pending pool registers once it is back.
     s = Unavailable("buffers: a buffer or event object given only by host_fd needs a session "
                     "with hiqcached at " + target_ + ", which cannot be opened now");
-  } else if (host && fd_only) {
+  } else if (fd_only) {
     s = FailedPrecondition(
         "buffers: a buffer or event object given only by host_fd needs a session with hiqcached "
         "at " + target_ + " (a unix target, and a daemon that serves sessions)");
@@ -526,23 +551,10 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
     return s;
   }
   if (pool.registered_once) {
-    // A new registration's tickets start again at 1: stale values in the HOST event slots
-    // would make waiters return before their work is done.
-    const v1::EventPool& ev = pool.request.events();
-    if (host && ev.count() > 0 && pool.events_fd >= 0) {
-      Status r = ResetEventSlots(pool.events_fd, ev.count());
-      if (!r.ok()) {
-        HIQ_LOG(WARN) << "hiqcache client: cannot reset the event slots of pool " << pool.handle
-                      << ": " << r.ToString();
-      }
-    } else if (host && !ev.host_shm_name().empty() && ev.count() > 0) {
-      auto events = HostEventPool::Open(ev.host_shm_name(), ev.count());
-      if (events.ok()) {
-        events->Reset();
-      } else {
-        HIQ_LOG(WARN) << "hiqcache client: cannot reset event slots " << ev.host_shm_name() << ": "
-                      << events.status().ToString();
-      }
+    // A re-registered HOST pool starts from zeroed slots. The daemon took its ticket floor
+    // from them during RegisterPool, so its new tickets lie above every value they held.
+    if (pool.slots != nullptr && pool.request.device().kind() != v1::DEVICE_KIND_CUDA) {
+      pool.slots->Reset();
     }
     HIQ_LOG(INFO) << "hiqcache client: pool " << pool.handle << " re-registered with " << target_
                   << " as pool " << resp.pool_id();
@@ -557,6 +569,7 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   pool.info.capacity_tokens = resp.capacity_tokens();
   pool.registered_once = true;
   pool.last_error = Status::Ok();
+  WatchSession(pool.session, pool.slots);
   return Status::Ok();
 }
 
@@ -628,6 +641,15 @@ StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pendi
     pool->buffer_fds.push_back(b.cuda_ipc_handle.empty() ? b.host_fd : -1);
   }
   pool->events_fd = spec.events.host_fd;
+  pool->num_layers = spec.geometry.num_layers;
+  if (auto slots = PoolSlots::Map(spec.events); slots.ok()) {
+    pool->slots = std::move(slots).value();
+  } else {
+    // The daemon reports the same object when it opens it; without a mapping here, waiters are
+    // not released should it die.
+    HIQ_LOG(WARN) << "hiqcache client: cannot map the event slots of a pool: "
+                  << slots.status().ToString();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     pool->handle = next_handle_++;
@@ -666,6 +688,7 @@ Status Client::Impl::ReleasePool(PoolHandle h) {
     pool = std::move(it->second);
     pools_.erase(it);
   }
+  if (pool->slots != nullptr) pool->slots->Forget();
   std::lock_guard<std::mutex> lock(pool->mu);
   if (!IdIsCurrent(*pool)) return Status::Ok();
   grpc::ClientContext ctx;
@@ -722,6 +745,7 @@ BackupResult Client::Impl::Backup(PoolHandle h, std::span<const BlockKey> keys,
                                   std::span<const uint32_t> rows, const BackupOptions& o) {
   BackupResult result;
   result.blocks.assign(keys.size(), BlockStatus::kNotStored);
+  const std::shared_ptr<PoolSlots> slots = NoteRequest(h, o.done_event, -1);
   v1::BackupResponse resp;
   result.status = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t block_tokens) {
     if (rows.size() != keys.size() * block_tokens) {
@@ -747,12 +771,14 @@ BackupResult Client::Impl::Backup(PoolHandle h, std::span<const BlockKey> keys,
                              " results for " + std::to_string(keys.size()) + " blocks");
   }
   result.ticket = resp.ticket();
+  if (slots != nullptr) slots->NoteTicket(result.ticket);
   return result;
 }
 
 RestoreResult Client::Impl::Restore(PoolHandle h, std::span<const BlockKey> keys,
                                     std::span<const uint32_t> rows, const RestoreOptions& o) {
   RestoreResult result;
+  const std::shared_ptr<PoolSlots> slots = NoteRequest(h, o.done_event, o.layer_event_base);
   v1::RestoreResponse resp;
   result.status = WithPool(h, [&](grpc::ClientContext* ctx, uint64_t id, uint32_t block_tokens) {
     if (rows.size() != keys.size() * block_tokens) {
@@ -773,6 +799,7 @@ RestoreResult Client::Impl::Restore(PoolHandle h, std::span<const BlockKey> keys
   if (!result.status.ok()) return result;
   result.restored_blocks = std::min<uint32_t>(resp.restored_blocks(), keys.size());
   result.ticket = resp.ticket();
+  if (slots != nullptr) slots->NoteTicket(result.ticket);
   return result;
 }
 

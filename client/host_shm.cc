@@ -181,13 +181,20 @@ void HostShm::Reset() {
 Status WaitForTicket(const uint64_t* slot, uint64_t ticket, std::chrono::nanoseconds timeout) {
   // atomic_ref needs a non-const referent; the loads below never write.
   std::atomic_ref<uint64_t> value(*const_cast<uint64_t*>(slot));
-  // Bits 0..62 hold the latest completed ticket; bit 63 says that ticket's work failed.
+  // Bits 0..62 hold the latest completed ticket; bit 63 says that ticket's work failed, or (a
+  // later ticket with the bit, stored by the client when the daemon died) that work up to it may
+  // not have completed.
   auto done = [&](Status* out) {
     const uint64_t v = value.load(std::memory_order_acquire);
-    if ((v & ~kEventFailedBit) < ticket) return false;
-    if ((v & kEventFailedBit) != 0 && (v & ~kEventFailedBit) == ticket) {
-      *out = Aborted("hiqcached reports that work " + std::to_string(ticket) +
-                     " failed: its rows were not written (treat as a miss)");
+    const uint64_t part = v & ~kEventFailedBit;
+    if (part < ticket) return false;
+    if ((v & kEventFailedBit) != 0) {
+      *out = Aborted(part == ticket ? "hiqcached reports that work " + std::to_string(ticket) +
+                                          " failed: its rows were not written (treat as a miss)"
+                                    : "work " + std::to_string(ticket) +
+                                          " was released with the failed bit (slot holds ticket " +
+                                          std::to_string(part) +
+                                          "): its rows may not be written (treat as a miss)");
     } else {
       *out = Status::Ok();
     }

@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -346,6 +347,51 @@ TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
 
   ASSERT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
   EXPECT_EQ(c.hiq_lookup(client_, handle, keys.data(), 1, &prefix), HIQ_INVALID_ARGUMENT);
+  c.hiq_host_pool_destroy(pool);
+}
+
+// A dead daemon releases a C engine too: an asynchronous backup that waits for a wait value the
+// engine never stores, the daemon killed with SIGKILL, and hiq_host_pool_wait on its done slot
+// returns HIQ_ABORTED within 3 s (the slot holds the ticket with the failed bit).
+TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
+  const Api& c = C();
+  hiq_geometry g{};
+  g.num_layers = 2;
+  g.num_kv_heads = 2;
+  g.head_dim = 64;
+  const uint32_t kBlockTokens = 4;
+  hiq_host_pool* pool = nullptr;
+  ASSERT_EQ(c.hiq_host_pool_create(&g, HIQ_LAYOUT_SGLANG, 32, 0, 4, &pool), HIQ_OK)
+      << c.hiq_last_error();
+  hiq_pool handle = 0;
+  ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-death", nullptr, kBlockTokens,
+                                     HIQ_CODEC_INT8_PER_HEAD, pool, &handle, nullptr),
+            HIQ_OK)
+      << c.hiq_last_error();
+  const std::vector<uint32_t> rows = {0, 1, 2, 3};
+  std::vector<uint32_t> tokens = {1, 2, 3, 4};
+  uint8_t key[16];
+  uint64_t nkeys = 0;
+  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBlockTokens, nullptr, 0, key,
+                                     1, &nkeys),
+            HIQ_OK);
+  uint64_t ticket = 0;
+  // Wait slot 0 (never stored), done slot 1, asynchronous.
+  ASSERT_EQ(c.hiq_backup(client_, handle, key, 1, rows.data(), rows.size(), 0, 1, 1, 0, nullptr,
+                         &ticket),
+            HIQ_OK)
+      << c.hiq_last_error();
+  ASSERT_GT(ticket, 0u);
+  EXPECT_EQ(c.hiq_host_pool_wait(pool, 1, ticket, 200), HIQ_DEADLINE_EXCEEDED);
+
+  daemon_->Kill();
+  const auto killed_at = std::chrono::steady_clock::now();
+  EXPECT_EQ(c.hiq_host_pool_wait(pool, 1, ticket, 3000), HIQ_ABORTED) << c.hiq_last_error();
+  EXPECT_LT(std::chrono::steady_clock::now() - killed_at, std::chrono::seconds(3));
+  EXPECT_EQ(c.hiq_host_pool_event_read(pool, 1), ticket | (uint64_t{1} << 63));
+  EXPECT_EQ(c.hiq_host_pool_event_read(pool, 0), 0u) << "the engine's wait slot was written";
+  c.hiq_close(client_);
+  client_ = nullptr;
   c.hiq_host_pool_destroy(pool);
 }
 

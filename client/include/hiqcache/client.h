@@ -10,12 +10,24 @@
 // (hiqcache/session.h) on first use: the kernel's credentials of that connection name the caller,
 // every call carries its token, and the pools registered through it belong to this process; the
 // session closing (the Client destroyed, or the process dying) releases them. HOST buffers and the
-// HOST event object are passed as file descriptors over the session: the client opens each
-// host_shm_name itself (O_RDWR, with its own rights), or uses SharedBuffer::host_fd, and sends the
-// daemon fd ids instead of names, so the daemon never opens a client's memory by name. CUDA pools
-// go as before (IPC handles). Without a session -- a TCP target, a daemon that predates sessions,
-// or one whose session socket cannot be reached -- calls are anonymous and HOST objects are sent
-// by name (logged once); a buffer given only by host_fd then cannot be registered.
+// event slot object (both device kinds) are passed as file descriptors over the session: the
+// client opens each host_shm_name itself (O_RDWR, with its own rights), or uses
+// SharedBuffer::host_fd / EventPoolSpec::host_fd, and sends the daemon fd ids instead of names, so
+// the daemon never opens a client's memory by name. CUDA buffers go as IPC handles. Without a
+// session -- a TCP target, a daemon that predates sessions, or one whose session socket cannot be
+// reached -- calls are anonymous and HOST objects are sent by name (logged once); an object given
+// only by host_fd then cannot be registered.
+//
+// A dead daemon releases the engine (docs/design.md "Completion: ticket slots"). The client maps
+// each pool's event slots itself (the object its EventPoolSpec names) and keeps the highest ticket
+// the daemon answered for the pool (Backup, Restore). A thread watches the session connection;
+// when it ends without the client closing it (the daemon exited, was killed, or restarts), the
+// client stores H | kEventFailedBit (host_shm.h), H being that highest ticket, into every slot a
+// request named for the daemon's tickets (done_event, layer_event_base + l) whose ticket part is
+// below H -- compare-and-swap, never lowering a slot -- and once more a second later. Every waiter,
+// host or CUDA stream, is then released, and a host Wait reports ABORTED: recompute those blocks.
+// Slots named only as wait_event are the engine's and are left alone. A pool released with
+// ReleasePool, or a Client destroyed, writes nothing.
 //
 // The client keeps every registration's PoolSpec. PoolHandle is the client's own id and stays
 // valid across daemon restarts: when the session dies (the daemon restarted), a call answers
@@ -25,8 +37,8 @@
 // the pool's session is alive the daemon has not restarted, so a broken connection or an
 // UNAVAILABLE answer keeps the pool id. A pool registered with pending_if_unavailable while the
 // daemon was down is registered by the first call after the daemon is back. After a
-// re-registration of a HOST pool the client zeroes its event slots, because the new
-// registration's tickets start again at 1.
+// re-registration of a HOST pool the client zeroes its event slots; the daemon has taken its
+// ticket floor from them by then, so its tickets continue above every value they held.
 //
 // Thread-safety: one Client may be shared by any number of threads; all methods are safe to call
 // concurrently. A PoolHandle must not be used after ReleasePool on it.
@@ -73,9 +85,9 @@ enum class BlockStatus : uint8_t {
   kNotStored = 3,       // client side: the call failed (see BackupResult::status)
 };
 
-// Event arguments. HOST: indices into the registered EventPool's slots. With sync = true the
-// reply comes after completion; with sync = false once the work is enqueued, and completion is
-// signalled by the events (slot value >= ticket).
+// Event arguments: indices into the registered EventPool's ticket slots (both device kinds).
+// With sync = true the reply comes after completion; with sync = false once the work is
+// enqueued, and completion is signalled by the slots (slot value >= ticket).
 struct BackupOptions {
   int32_t wait_event = -1;  // start once this slot holds >= wait_value (-1 = none)
   uint64_t wait_value = 0;  // 0 means 1

@@ -97,8 +97,9 @@ class HostEventPool {
   void Store(uint32_t slot, uint64_t value) const;
   // Zeroes every slot (release stores).
   void Reset() const;
-  // Waits until slot `slot` holds a value >= ticket: spins briefly, then sleeps with growing
-  // backoff (up to 1 ms). OK, DEADLINE_EXCEEDED after `timeout`, INVALID_ARGUMENT for a bad slot.
+  // Waits until slot `slot` holds a ticket >= ticket: spins briefly, then sleeps with growing
+  // backoff (up to 1 ms). OK; ABORTED when that value carries kEventFailedBit; DEADLINE_EXCEEDED
+  // after `timeout`; INVALID_ARGUMENT for a bad slot.
   Status Wait(uint32_t slot, uint64_t ticket, std::chrono::nanoseconds timeout) const;
 
  private:
@@ -106,8 +107,10 @@ class HostEventPool {
   uint32_t count_ = 0;
 };
 
-// Bit 63 of a slot: the work of the ticket in bits 0..62 failed and wrote nothing. Wait() then
-// returns ABORTED for that ticket: the caller must treat its rows as a miss.
+// Bit 63 of a slot: the work of the ticket in bits 0..62 failed and wrote nothing (the daemon's
+// value), or the daemon died with work up to that ticket outstanding (the client library's value,
+// client.h). A Wait() for any ticket up to the ticket part then returns ABORTED: the caller must
+// treat its rows as a miss.
 constexpr uint64_t kEventFailedBit = 1ull << 63;
 
 // Waits until the 64-bit slot at `slot` holds a value >= ticket (the algorithm of

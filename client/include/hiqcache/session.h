@@ -63,6 +63,9 @@ class Session {
   // False once the daemon has closed the connection (it exited or restarted, or refused this
   // session): its pools are gone and its token is void. Never blocks.
   bool alive() const;
+  // The connection's descriptor, for poll() only (POLLRDHUP or POLLHUP: the daemon closed it).
+  // Owned by this object: never read, write or close it.
+  int poll_fd() const { return fd_; }
 
  private:
   Session(int fd, std::string path, std::chrono::milliseconds timeout);
