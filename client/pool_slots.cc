@@ -74,9 +74,8 @@ void PoolSlots::NoteDaemonSlots(int32_t done_event, int32_t layer_event_base, ui
 
 void PoolSlots::NoteTicket(uint64_t ticket) {
   uint64_t cur = highest_.load(std::memory_order_relaxed);
-  while (cur < ticket &&
-         !highest_.compare_exchange_weak(cur, ticket, std::memory_order_release,
-                                         std::memory_order_relaxed)) {
+  while (cur < ticket && !highest_.compare_exchange_weak(cur, ticket, std::memory_order_release,
+                                                         std::memory_order_relaxed)) {
   }
 }
 

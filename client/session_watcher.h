@@ -65,8 +65,8 @@ class SessionWatcher {
   void Release(const Entry& entry, bool first) const;
 
   const std::string target_;
-  const int wake_fd_;       // eventfd, CLOEXEC
-  const pid_t owner_pid_;   // the process that runs the thread
+  const int wake_fd_;      // eventfd, CLOEXEC
+  const pid_t owner_pid_;  // the process that runs the thread
   std::mutex mu_;
   std::vector<Entry> entries_;  // GUARDED_BY(mu_); removed only by the thread
   bool stop_ = false;           // GUARDED_BY(mu_)

@@ -144,10 +144,10 @@ TEST(DaemonDeathTest, KilledDaemonReleasesWaitersWithTheFailedBit) {
     EXPECT_TRUE(Eventually([&] { return ev.Read(kOldDone) == failed; }, 3s))
         << "no second pass: the slot lowered after the first still holds " << ev.Read(kOldDone);
   } else {
-    std::cout << "[ note ] second pass not checked: the first pass was observed "
-              << std::chrono::duration_cast<std::chrono::milliseconds>(lowered_at - killed_at)
-                     .count()
-              << " ms after the kill\n";
+    std::cout
+        << "[ note ] second pass not checked: the first pass was observed "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(lowered_at - killed_at).count()
+        << " ms after the kill\n";
   }
   EXPECT_EQ(ev.Read(kPast), past);
   EXPECT_EQ(ev.Read(kWait), 0u);
@@ -177,8 +177,7 @@ TEST(DaemonDeathTest, ReleasedPoolAndClosedClientWriteNothing) {
 
   daemon.Kill();
   // b shows that this client does release after a death.
-  EXPECT_TRUE(Eventually([&] { return (*b)->events.Read(kOldDone) == (b2 | kEventFailedBit); },
-                         3s))
+  EXPECT_TRUE(Eventually([&] { return (*b)->events.Read(kOldDone) == (b2 | kEventFailedBit); }, 3s))
       << (*b)->events.Read(kOldDone);
   std::this_thread::sleep_for(1500ms);  // past the second pass
   EXPECT_EQ((*a)->events.Read(kOldDone), a1) << "a released pool's slot was written";
