@@ -2,7 +2,10 @@
 
 #include <cuda.h>  // CUresult / CUdeviceptr types only: the driver is reached through the runtime
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -14,11 +17,10 @@ namespace hiqcache {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes,
               "cudaIpcMemHandle_t size changed: the wire format carries 64 bytes");
-static_assert(sizeof(cudaIpcEventHandle_t) == kCudaIpcHandleBytes,
-              "cudaIpcEventHandle_t size changed: the wire format carries 64 bytes");
 static_assert(sizeof(cudaUUID_t) == 16);
 static_assert(std::is_same_v<cudaStream_t, CUstream_st*>);
-static_assert(std::is_same_v<cudaEvent_t, CUevent_st*>);
+static_assert(std::endian::native == std::endian::little,
+              "StreamWait waits on a slot's low 32-bit word at its first byte");
 
 namespace {
 
@@ -73,35 +75,77 @@ class ScopedDevice {
   Status status_;
 };
 
-// cuMemGetAddressRange through the runtime's driver entry point, so that nothing links libcuda
-// and a binary starts (and reports "no GPU") on a machine without the driver.
+// A driver function (its CUDA 12.0 ABI) through the runtime's driver entry point, so that nothing
+// links libcuda and a binary starts (and reports "no GPU") on a machine without the driver.
+StatusOr<void*> DriverFunction(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess) return FromCuda(err, "cudaGetDriverEntryPointByVersion");
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return FailedPrecondition(std::string(name) + " is not available from the CUDA driver");
+  }
+  return fn;
+}
+
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 StatusOr<MemGetAddressRangeFn> MemGetAddressRange() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                           cudaEnableDefault, &found);
-  if (err != cudaSuccess) return FromCuda(err, "cudaGetDriverEntryPointByVersion");
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return FailedPrecondition("cuMemGetAddressRange is not available from the CUDA driver");
-  }
+  HIQ_ASSIGN_OR_RETURN(void* fn, DriverFunction("cuMemGetAddressRange"));
   return reinterpret_cast<MemGetAddressRangeFn>(fn);
 }
 
-// cuPointerGetAttribute, the same way.
+// cuPointerGetAttribute; null when the driver lacks it.
 using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
 
 PointerGetAttributeFn PointerGetAttribute() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
-                                                           cudaEnableDefault, &found);
-  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
+  StatusOr<void*> fn = DriverFunction("cuPointerGetAttribute");
+  return fn.ok() ? reinterpret_cast<PointerGetAttributeFn>(*fn) : nullptr;
+}
+
+// The stream memory operations the ticket slots use, and cuGetErrorName for their errors.
+using StreamWaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using StreamWriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using GetErrorNameFn = CUresult (*)(CUresult, const char**);
+
+struct StreamMemOps {
+  Status status;  // why the functions below are missing
+  StreamWaitValue32Fn wait32 = nullptr;
+  StreamWriteValue64Fn write64 = nullptr;
+  GetErrorNameFn error_name = nullptr;
+};
+
+const StreamMemOps& MemOps() {
+  static const StreamMemOps* ops = [] {
+    auto* o = new StreamMemOps();  // never destroyed: used at exit
+    StatusOr<void*> wait = DriverFunction("cuStreamWaitValue32");
+    StatusOr<void*> write = DriverFunction("cuStreamWriteValue64");
+    StatusOr<void*> name = DriverFunction("cuGetErrorName");
+    if (!wait.ok()) o->status = wait.status();
+    if (!write.ok()) o->status = write.status();
+    if (o->status.ok()) {
+      o->wait32 = reinterpret_cast<StreamWaitValue32Fn>(*wait);
+      o->write64 = reinterpret_cast<StreamWriteValue64Fn>(*write);
+    }
+    if (name.ok()) o->error_name = reinterpret_cast<GetErrorNameFn>(*name);
+    return o;
+  }();
+  return *ops;
+}
+
+// A failed driver call as a Status.
+Status FromDriver(CUresult res, const std::string& what) {
+  if (res == CUDA_SUCCESS) return Status::Ok();
+  const char* name = nullptr;
+  if (MemOps().error_name != nullptr) MemOps().error_name(res, &name);
+  const std::string text = what + ": CUresult " + std::to_string(static_cast<int>(res)) +
+                           (name != nullptr ? std::string(" (") + name + ")" : "");
+  if (res == CUDA_ERROR_INVALID_VALUE || res == CUDA_ERROR_INVALID_HANDLE) {
+    return InvalidArgument(text);
   }
-  return reinterpret_cast<PointerGetAttributeFn>(fn);
+  if (res == CUDA_ERROR_NOT_SUPPORTED) return FailedPrecondition(text);
+  return Internal(text);
 }
 
 // Memory that cudaIpcGetMemHandle cannot export (VMM: cuMemCreate, PyTorch's expandable
@@ -213,93 +257,116 @@ Status ExportCudaTensors(std::span<const CudaTensor> tensors, PoolSpec* spec) {
   return ResolveCudaTensors(tensors, CudaRuntimeMemory(), spec);
 }
 
-// --- CudaEventPool -----------------------------------------------------------------------------
+// --- CudaTicketSlots ---------------------------------------------------------------------------
 
-StatusOr<CudaEventPool> CudaEventPool::Create(int device, uint32_t count) {
-  if (count == 0) return InvalidArgument("CudaEventPool: count must be > 0");
+StatusOr<CudaTicketSlots> CudaTicketSlots::Create(int device, uint32_t count) {
+  if (count == 0) return InvalidArgument("CudaTicketSlots: count must be > 0");
+  // Whole pages: cudaHostRegister page-locks whole pages anyway.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t bytes = (size_t{count} * kSlotBytes + page - 1) / page * page;
   ScopedDevice guard(device);
   HIQ_RETURN_IF_ERROR(guard.status());
-  CudaEventPool pool;
-  pool.device_ = device;
-  pool.events_.reserve(count);
-  pool.handles_.reserve(count);
-  for (uint32_t i = 0; i < count; ++i) {
-    cudaEvent_t event = nullptr;
-    HIQ_RETURN_IF_ERROR(
-        FromCuda(cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
-                 "cudaEventCreateWithFlags(interprocess)"));
-    pool.events_.push_back(event);  // owned from here on
-    cudaIpcEventHandle_t h;
-    HIQ_RETURN_IF_ERROR(FromCuda(cudaIpcGetEventHandle(&h, event), "cudaIpcGetEventHandle"));
-    pool.handles_.emplace_back(reinterpret_cast<const char*>(&h), sizeof(h));
-  }
-  return pool;
+  HIQ_RETURN_IF_ERROR(MemOps().status);
+  CudaTicketSlots slots;
+  HIQ_ASSIGN_OR_RETURN(slots.shm_, HostShm::CreateMemfd("cuda-slots", bytes, /*fixed_size=*/true));
+  slots.device_ = device;
+  slots.count_ = count;
+  HIQ_RETURN_IF_ERROR(FromCuda(
+      cudaHostRegister(slots.shm_.data(), bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+      "cudaHostRegister(ticket slots)"));
+  slots.registered_ = true;
+  void* device_ptr = nullptr;
+  HIQ_RETURN_IF_ERROR(FromCuda(cudaHostGetDevicePointer(&device_ptr, slots.shm_.data(), 0),
+                               "cudaHostGetDevicePointer(ticket slots)"));
+  slots.device_ptr_ = reinterpret_cast<uintptr_t>(device_ptr);
+  return slots;
 }
 
-CudaEventPool::~CudaEventPool() { Reset(); }
+CudaTicketSlots::~CudaTicketSlots() { Reset(); }
 
-CudaEventPool::CudaEventPool(CudaEventPool&& other) noexcept
-    : device_(std::exchange(other.device_, -1)),
-      events_(std::exchange(other.events_, {})),
-      handles_(std::exchange(other.handles_, {})) {}
+CudaTicketSlots::CudaTicketSlots(CudaTicketSlots&& other) noexcept
+    : shm_(std::move(other.shm_)),
+      device_(std::exchange(other.device_, -1)),
+      count_(std::exchange(other.count_, 0)),
+      device_ptr_(std::exchange(other.device_ptr_, 0)),
+      registered_(std::exchange(other.registered_, false)) {}
 
-CudaEventPool& CudaEventPool::operator=(CudaEventPool&& other) noexcept {
+CudaTicketSlots& CudaTicketSlots::operator=(CudaTicketSlots&& other) noexcept {
   if (this != &other) {
     Reset();
+    shm_ = std::move(other.shm_);
     device_ = std::exchange(other.device_, -1);
-    events_ = std::exchange(other.events_, {});
-    handles_ = std::exchange(other.handles_, {});
+    count_ = std::exchange(other.count_, 0);
+    device_ptr_ = std::exchange(other.device_ptr_, 0);
+    registered_ = std::exchange(other.registered_, false);
   }
   return *this;
 }
 
-void CudaEventPool::Reset() {
-  if (events_.empty()) return;
-  ScopedDevice guard(device_);
-  for (CUevent_st* e : events_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
-  events_.clear();
-  handles_.clear();
+void CudaTicketSlots::Reset() {
+  if (registered_) {
+    ScopedDevice guard(device_);
+    LogIfError(cudaHostUnregister(shm_.data()), "cudaHostUnregister(ticket slots)");
+    registered_ = false;
+  }
+  shm_ = HostShm();
+  device_ = -1;
+  count_ = 0;
+  device_ptr_ = 0;
 }
 
-EventPoolSpec CudaEventPool::Spec() const {
+EventPoolSpec CudaTicketSlots::Spec() const {
   EventPoolSpec spec;
-  spec.cuda_ipc_event_handles = handles_;
+  spec.host_fd = shm_.fd();
+  spec.count = count_;
   return spec;
 }
 
-Status CudaEventPool::StreamWait(CUstream_st* stream, uint32_t i) const {
-  if (i >= events_.size()) {
-    return InvalidArgument("CudaEventPool: event " + std::to_string(i) + " out of range (" +
-                           std::to_string(events_.size()) + " events)");
-  }
-  return FromCuda(cudaStreamWaitEvent(stream, events_[i], 0), "cudaStreamWaitEvent");
+Status CudaTicketSlots::CheckSlot(uint32_t slot) const {
+  if (slot < count_) return Status::Ok();
+  return InvalidArgument("CudaTicketSlots: slot " + std::to_string(slot) + " out of range (" +
+                         std::to_string(count_) + " slots)");
 }
 
-Status CudaEventPool::Record(uint32_t i, CUstream_st* stream) const {
-  if (i >= events_.size()) {
-    return InvalidArgument("CudaEventPool: event " + std::to_string(i) + " out of range");
-  }
-  return FromCuda(cudaEventRecord(events_[i], stream), "cudaEventRecord");
+uint64_t CudaTicketSlots::Read(uint32_t slot) const {
+  auto* p = reinterpret_cast<uint64_t*>(static_cast<char*>(shm_.data()) + slot * kSlotBytes);
+  return std::atomic_ref<uint64_t>(*p).load(std::memory_order_acquire);
 }
 
-StatusOr<bool> CudaEventPool::Query(uint32_t i) const {
-  if (i >= events_.size()) {
-    return InvalidArgument("CudaEventPool: event " + std::to_string(i) + " out of range");
-  }
-  const cudaError_t err = cudaEventQuery(events_[i]);
-  if (err == cudaSuccess) return true;
-  if (err == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return FromCuda(err, "cudaEventQuery");
+void CudaTicketSlots::Store(uint32_t slot, uint64_t value) const {
+  auto* p = reinterpret_cast<uint64_t*>(static_cast<char*>(shm_.data()) + slot * kSlotBytes);
+  std::atomic_ref<uint64_t>(*p).store(value, std::memory_order_release);
 }
 
-Status CudaEventPool::Synchronize(uint32_t i) const {
-  if (i >= events_.size()) {
-    return InvalidArgument("CudaEventPool: event " + std::to_string(i) + " out of range");
-  }
-  return FromCuda(cudaEventSynchronize(events_[i]), "cudaEventSynchronize");
+Status CudaTicketSlots::Wait(uint32_t slot, uint64_t ticket,
+                             std::chrono::nanoseconds timeout) const {
+  HIQ_RETURN_IF_ERROR(CheckSlot(slot));
+  return WaitForTicket(
+      reinterpret_cast<const uint64_t*>(static_cast<char*>(shm_.data()) + slot * kSlotBytes),
+      ticket, timeout);
+}
+
+Status CudaTicketSlots::StreamWait(CUstream_st* stream, uint32_t slot, uint64_t ticket) const {
+  HIQ_RETURN_IF_ERROR(CheckSlot(slot));
+  const StreamMemOps& ops = MemOps();
+  HIQ_RETURN_IF_ERROR(ops.status);
+  ScopedDevice guard(device_);
+  HIQ_RETURN_IF_ERROR(guard.status());
+  return FromDriver(ops.wait32(stream, static_cast<CUdeviceptr>(device_address(slot)),
+                               static_cast<cuuint32_t>(ticket), CU_STREAM_WAIT_VALUE_GEQ),
+                    "cuStreamWaitValue32(slot " + std::to_string(slot) + ", ticket " +
+                        std::to_string(ticket) + ")");
+}
+
+Status CudaTicketSlots::StreamWrite(CUstream_st* stream, uint32_t slot, uint64_t value) const {
+  HIQ_RETURN_IF_ERROR(CheckSlot(slot));
+  const StreamMemOps& ops = MemOps();
+  HIQ_RETURN_IF_ERROR(ops.status);
+  ScopedDevice guard(device_);
+  HIQ_RETURN_IF_ERROR(guard.status());
+  return FromDriver(ops.write64(stream, static_cast<CUdeviceptr>(device_address(slot)), value,
+                                CU_STREAM_WRITE_VALUE_DEFAULT),
+                    "cuStreamWriteValue64(slot " + std::to_string(slot) + ")");
 }
 
 // --- CudaKvPool --------------------------------------------------------------------------------
@@ -494,13 +561,13 @@ uint16_t* CudaKvPool::Head(uint32_t layer, uint32_t plane, uint32_t row, uint32_
 }
 
 PoolSpec MakeCudaPoolSpec(std::string model, const CudaKvPool& kv, uint32_t block_tokens,
-                          const CudaEventPool* events, Codec codec) {
+                          const CudaTicketSlots* slots, Codec codec) {
   PoolSpec spec;
   spec.model = std::move(model);
   spec.block_tokens = block_tokens;
   spec.codec = codec;
   kv.AddTo(&spec);
-  if (events != nullptr) spec.events = events->Spec();
+  if (slots != nullptr) spec.events = slots->Spec();
   return spec;
 }
 

@@ -30,12 +30,11 @@ struct hiq_host_pool {
 };
 
 #if defined(HIQ_CLIENT_HAVE_CUDA)
-struct hiq_cuda_event_pool {
-  hiqcache::CudaEventPool events;
-  std::vector<uint8_t> handles;  // count * 64 bytes
+struct hiq_cuda_slots {
+  hiqcache::CudaTicketSlots slots;
 };
 #else
-struct hiq_cuda_event_pool {};
+struct hiq_cuda_slots {};
 #endif
 
 namespace {
@@ -196,8 +195,10 @@ int hiq_register_pool(hiq_client* client, const hiq_pool_desc* desc, int pending
     HIQ_C_REQUIRE(desc->model != nullptr, "model: must not be NULL");
     HIQ_C_REQUIRE(desc->num_buffers == 0 || desc->buffers != nullptr, "buffers: NULL");
     HIQ_C_REQUIRE(desc->geometry.num_layers == 0 || desc->layers != nullptr, "layers: NULL");
-    HIQ_C_REQUIRE(desc->num_cuda_events == 0 || desc->cuda_event_handles != nullptr,
-                  "cuda_event_handles: NULL");
+    HIQ_C_REQUIRE(desc->reserved_events == 0, "reserved_events: must be 0");
+    HIQ_C_REQUIRE(
+        desc->cuda_slots == nullptr || (desc->event_shm_name == nullptr && desc->event_count == 0),
+        "cuda_slots: give either cuda_slots or event_shm_name and event_count");
     HIQ_C_REQUIRE(desc->device_kind <= HIQ_DEVICE_CUDA, "device.kind: unknown value");
     if (Status s = CheckEnums(desc->geometry, desc->codec); !s.ok()) return Fail(s);
     hiqcache::PoolSpec spec;
@@ -229,9 +230,13 @@ int hiq_register_pool(hiq_client* client, const hiq_pool_desc* desc, int pending
     }
     if (desc->event_shm_name != nullptr) spec.events.host_shm_name = desc->event_shm_name;
     spec.events.count = desc->event_count;
-    for (uint32_t i = 0; i < desc->num_cuda_events; ++i) {
-      spec.events.cuda_ipc_event_handles.emplace_back(
-          reinterpret_cast<const char*>(desc->cuda_event_handles) + size_t{i} * 64, 64);
+    if (desc->cuda_slots != nullptr) {
+#if defined(HIQ_CLIENT_HAVE_CUDA)
+      spec.events = desc->cuda_slots->slots.Spec();
+#else
+      return Fail(StatusCode::kUnimplemented,
+                  "cuda_slots: this libhiqcache was built without CUDA");
+#endif
     }
     return Register(client, spec, pending_if_unavailable != 0, out, info);
   });
@@ -543,61 +548,66 @@ int hiq_cuda_export_pointer(const void* device_ptr, uint8_t* handle_out, uint64_
   });
 }
 
-int hiq_cuda_event_pool_create(int device, uint32_t count, hiq_cuda_event_pool** out) {
+int hiq_cuda_slots_create(int device, uint32_t count, hiq_cuda_slots** out) {
   return Guarded([&]() -> int {
-    HIQ_C_REQUIRE(out != nullptr, "hiq_cuda_event_pool_create: out is NULL");
+    HIQ_C_REQUIRE(out != nullptr, "hiq_cuda_slots_create: out is NULL");
     *out = nullptr;
-    auto events = hiqcache::CudaEventPool::Create(device, count);
-    if (!events.ok()) return Fail(events.status());
-    auto pool = std::make_unique<hiq_cuda_event_pool>();
-    pool->events = std::move(events).value();
-    for (const std::string& h : pool->events.handles()) {
-      pool->handles.insert(pool->handles.end(), h.begin(), h.end());
-    }
-    *out = pool.release();
+    auto slots = hiqcache::CudaTicketSlots::Create(device, count);
+    if (!slots.ok()) return Fail(slots.status());
+    *out = new hiq_cuda_slots{std::move(slots).value()};
     return HIQ_OK;
   });
 }
 
-void hiq_cuda_event_pool_destroy(hiq_cuda_event_pool* pool) {
+void hiq_cuda_slots_destroy(hiq_cuda_slots* slots) {
   try {
-    delete pool;
+    delete slots;
   } catch (...) {
   }
 }
 
-const uint8_t* hiq_cuda_event_pool_handles(const hiq_cuda_event_pool* pool, uint32_t* count) {
-  if (count != nullptr) *count = pool == nullptr ? 0 : pool->events.count();
-  return pool == nullptr ? nullptr : pool->handles.data();
+uint32_t hiq_cuda_slots_count(const hiq_cuda_slots* slots) {
+  return slots == nullptr ? 0 : slots->slots.count();
 }
 
-void* hiq_cuda_event_pool_event(const hiq_cuda_event_pool* pool, uint32_t i) {
-  if (pool == nullptr || i >= pool->events.count()) return nullptr;
-  return pool->events.event(i);
+uint64_t hiq_cuda_slots_read(const hiq_cuda_slots* slots, uint32_t slot) {
+  if (slots == nullptr || slot >= slots->slots.count()) return 0;
+  return slots->slots.Read(slot);
 }
 
-int hiq_cuda_event_pool_stream_wait(const hiq_cuda_event_pool* pool, uint32_t i, void* stream) {
+void hiq_cuda_slots_store(const hiq_cuda_slots* slots, uint32_t slot, uint64_t value) {
+  if (slots == nullptr || slot >= slots->slots.count()) return;
+  slots->slots.Store(slot, value);
+}
+
+int hiq_cuda_slots_wait(const hiq_cuda_slots* slots, uint32_t slot, uint64_t ticket,
+                        int64_t timeout_ms) {
   return Guarded([&]() -> int {
-    HIQ_C_REQUIRE(pool != nullptr, "hiq_cuda_event_pool_stream_wait: pool is NULL");
-    return Result(pool->events.StreamWait(static_cast<CUstream_st*>(stream), i));
+    HIQ_C_REQUIRE(slots != nullptr, "hiq_cuda_slots_wait: slots is NULL");
+    return Result(slots->slots.Wait(slot, ticket,
+                                    std::chrono::milliseconds(std::max<int64_t>(0, timeout_ms))));
   });
 }
 
-int hiq_cuda_event_pool_record(const hiq_cuda_event_pool* pool, uint32_t i, void* stream) {
+int hiq_cuda_slots_stream_wait(const hiq_cuda_slots* slots, uint32_t slot, uint64_t ticket,
+                               void* stream) {
   return Guarded([&]() -> int {
-    HIQ_C_REQUIRE(pool != nullptr, "hiq_cuda_event_pool_record: pool is NULL");
-    return Result(pool->events.Record(i, static_cast<CUstream_st*>(stream)));
+    HIQ_C_REQUIRE(slots != nullptr, "hiq_cuda_slots_stream_wait: slots is NULL");
+    return Result(slots->slots.StreamWait(static_cast<CUstream_st*>(stream), slot, ticket));
   });
 }
 
-int hiq_cuda_event_pool_query(const hiq_cuda_event_pool* pool, uint32_t i) {
+int hiq_cuda_slots_stream_write(const hiq_cuda_slots* slots, uint32_t slot, uint64_t value,
+                                void* stream) {
   return Guarded([&]() -> int {
-    HIQ_C_REQUIRE(pool != nullptr, "hiq_cuda_event_pool_query: pool is NULL");
-    auto done = pool->events.Query(i);
-    if (!done.ok()) return Fail(done.status());
-    if (*done) return HIQ_OK;
-    return Fail(StatusCode::kUnavailable, "event " + std::to_string(i) + " is pending");
+    HIQ_C_REQUIRE(slots != nullptr, "hiq_cuda_slots_stream_write: slots is NULL");
+    return Result(slots->slots.StreamWrite(static_cast<CUstream_st*>(stream), slot, value));
   });
+}
+
+uint64_t hiq_cuda_slots_device_address(const hiq_cuda_slots* slots, uint32_t slot) {
+  if (slots == nullptr || slot >= slots->slots.count()) return 0;
+  return slots->slots.device_address(slot);
 }
 
 #else  // !HIQ_CLIENT_HAVE_CUDA
@@ -612,21 +622,22 @@ int hiq_cuda_device_uuid(int, char* out, uint64_t out_len) {
   return NoCuda();
 }
 int hiq_cuda_export_pointer(const void*, uint8_t*, uint64_t*, uint64_t*, int*) { return NoCuda(); }
-int hiq_cuda_event_pool_create(int, uint32_t, hiq_cuda_event_pool** out) {
+int hiq_cuda_slots_create(int, uint32_t, hiq_cuda_slots** out) {
   if (out != nullptr) *out = nullptr;
   return NoCuda();
 }
-void hiq_cuda_event_pool_destroy(hiq_cuda_event_pool*) {}
-const uint8_t* hiq_cuda_event_pool_handles(const hiq_cuda_event_pool*, uint32_t* count) {
-  if (count != nullptr) *count = 0;
-  return nullptr;
-}
-void* hiq_cuda_event_pool_event(const hiq_cuda_event_pool*, uint32_t) { return nullptr; }
-int hiq_cuda_event_pool_stream_wait(const hiq_cuda_event_pool*, uint32_t, void*) {
+void hiq_cuda_slots_destroy(hiq_cuda_slots*) {}
+uint32_t hiq_cuda_slots_count(const hiq_cuda_slots*) { return 0; }
+uint64_t hiq_cuda_slots_read(const hiq_cuda_slots*, uint32_t) { return 0; }
+void hiq_cuda_slots_store(const hiq_cuda_slots*, uint32_t, uint64_t) {}
+int hiq_cuda_slots_wait(const hiq_cuda_slots*, uint32_t, uint64_t, int64_t) { return NoCuda(); }
+int hiq_cuda_slots_stream_wait(const hiq_cuda_slots*, uint32_t, uint64_t, void*) {
   return NoCuda();
 }
-int hiq_cuda_event_pool_record(const hiq_cuda_event_pool*, uint32_t, void*) { return NoCuda(); }
-int hiq_cuda_event_pool_query(const hiq_cuda_event_pool*, uint32_t) { return NoCuda(); }
+int hiq_cuda_slots_stream_write(const hiq_cuda_slots*, uint32_t, uint64_t, void*) {
+  return NoCuda();
+}
+uint64_t hiq_cuda_slots_device_address(const hiq_cuda_slots*, uint32_t) { return 0; }
 
 #endif  // HIQ_CLIENT_HAVE_CUDA
 

@@ -122,7 +122,7 @@ StatusOr<HostShm> HostShm::Open(std::string_view name, size_t min_size) {
   return shm;
 }
 
-StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size) {
+StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size, bool fixed_size) {
   if (size == 0) return InvalidArgument("HostShm::CreateMemfd: size must be > 0");
   HostShm shm;
   shm.name_ = std::string(kMemfdPrefix) + std::string(tag);
@@ -134,8 +134,11 @@ StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size) {
     return ResourceExhausted("ftruncate(" + shm.name_ + ", " + std::to_string(size) +
                              "): " + ErrnoText(errno));
   }
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
-    return Internal("fcntl(" + shm.name_ + ", F_ADD_SEALS, F_SEAL_SHRINK): " + ErrnoText(errno));
+  const int seals = F_SEAL_SHRINK | (fixed_size ? F_SEAL_GROW : 0);
+  if (::fcntl(fd, F_ADD_SEALS, seals) != 0) {
+    return Internal("fcntl(" + shm.name_ + ", F_ADD_SEALS, " +
+                    (fixed_size ? "F_SEAL_SHRINK|F_SEAL_GROW" : "F_SEAL_SHRINK") +
+                    "): " + ErrnoText(errno));
   }
   void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) return Internal("mmap(" + shm.name_ + "): " + ErrnoText(errno));

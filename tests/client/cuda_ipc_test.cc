@@ -369,9 +369,9 @@ TEST(CudaExportNoGpuTest, FailsCleanlyWithAReason) {
   auto pool = CudaKvPool::Allocate(0, g, KvLayout::kSglang, 16);
   ASSERT_FALSE(pool.ok());
   EXPECT_FALSE(pool.status().message().empty());
-  auto events = CudaEventPool::Create(0, 4);
-  ASSERT_FALSE(events.ok());
-  EXPECT_FALSE(events.status().message().empty());
+  auto slots = CudaTicketSlots::Create(0, 4);
+  ASSERT_FALSE(slots.ok());
+  EXPECT_FALSE(slots.status().message().empty());
   EXPECT_FALSE(CudaDeviceUuid(0).ok());
   int host_value = 0;
   EXPECT_FALSE(FindCudaAllocation(&host_value).ok());

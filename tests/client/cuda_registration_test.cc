@@ -1,7 +1,8 @@
 // CUDA registrations against the real hiqcached where no CUDA backend serves them (started with
-// --device host, as on a node without a GPU): well-formed CUDA pools are refused with
-// FAILED_PRECONDITION naming device.kind, malformed IPC handles with INVALID_ARGUMENT naming the
-// buffer or event, and neither disturbs the daemon. Runs on any machine (label unit).
+// --device host, as on a node without a GPU): well-formed CUDA pools, with or without ticket
+// slots, are refused with FAILED_PRECONDITION naming device.kind, malformed IPC handles with
+// INVALID_ARGUMENT naming the buffer, CUDA IPC events with FAILED_PRECONDITION naming
+// events.cuda_ipc_event_handles, and none disturbs the daemon. Runs on any machine (label unit).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "hiqcache/client.h"
 #include "hiqcache/cuda_ipc.h"
+#include "hiqcache/host_shm.h"
 #include "hiqcache/layouts.h"
 #include "integration/daemon_process.h"
 
@@ -39,9 +41,6 @@ PoolSpec CudaSpec(uint32_t slots = 256) {
   spec.buffers.push_back(b);
   for (uint32_t l = 0; l < g.num_layers; ++l) {
     spec.layers.push_back(SglangLayerView(g, slots, {0, 2 * l * t}, {0, (2 * l + 1) * t}));
-  }
-  for (int i = 0; i < 38; ++i) {
-    spec.events.cuda_ipc_event_handles.push_back(std::string(kCudaIpcHandleBytes, char(i)));
   }
   return spec;
 }
@@ -110,16 +109,33 @@ TEST_F(CudaRegistrationTest, MalformedBufferHandleIsInvalidArgument) {
   ExpectDaemonHealthy();
 }
 
-TEST_F(CudaRegistrationTest, MalformedEventHandleIsInvalidArgument) {
-  for (size_t n : {0u, 32u, 63u, 65u}) {
+// Ticket slots in a sealed memfd (CudaTicketSlots' layout, passed by fd over the session): the
+// pool is refused for its device kind, not for its slots.
+TEST_F(CudaRegistrationTest, CudaPoolWithTicketSlotsIsRefusedForItsDeviceKind) {
+  auto slots = HostEventPool::Create(38, "memfd:cuda-registration-slots");
+  ASSERT_TRUE(slots.ok()) << slots.status().ToString();
+  PoolSpec spec = CudaSpec();
+  spec.events = slots->Spec();
+  auto r = client_->RegisterPool(spec);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("device.kind"), std::string::npos) << r.status().ToString();
+  ExpectDaemonHealthy();
+}
+
+TEST_F(CudaRegistrationTest, IpcEventHandlesAreRefused) {
+  for (size_t n : {0u, 63u, 64u}) {
     PoolSpec spec = CudaSpec();
-    spec.events.cuda_ipc_event_handles[5] = std::string(n, '\x22');
+    for (int i = 0; i < 38; ++i) {
+      spec.events.cuda_ipc_event_handles.push_back(std::string(n, char(i)));
+    }
     auto r = client_->RegisterPool(spec);
     ASSERT_FALSE(r.ok()) << n;
-    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument)
+    if (n == kCudaIpcHandleBytes) {
+      EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+    }
+    EXPECT_NE(r.status().message().find("events.cuda_ipc_event_handles"), std::string::npos)
         << n << ": " << r.status().ToString();
-    EXPECT_NE(r.status().message().find("events.cuda_ipc_event_handles[5]"), std::string::npos)
-        << r.status().ToString();
   }
   ExpectDaemonHealthy();
 }

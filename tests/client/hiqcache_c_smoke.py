@@ -53,7 +53,7 @@ class PoolDesc(C.Structure):
                 ("num_buffers", C.c_uint32), ("cuda_device_uuid", C.c_char_p),
                 ("buffers", C.POINTER(Buffer)), ("layers", C.POINTER(LayerView)),
                 ("event_shm_name", C.c_char_p), ("event_count", C.c_uint32),
-                ("num_cuda_events", C.c_uint32), ("cuda_event_handles", C.c_void_p)]
+                ("reserved_events", C.c_uint32), ("cuda_slots", C.c_void_p)]
 
 
 class PoolInfo(C.Structure):
@@ -133,7 +133,7 @@ def wait_for_socket(path, proc, timeout=20.0):
 def main():
     lib = load(os.environ["HIQ_C_LIB"])
     daemon = os.environ["HIQ_DAEMON_PATH"]
-    assert lib.hiq_abi_version() == 1
+    assert lib.hiq_abi_version() == 2
 
     tmp = tempfile.mkdtemp(prefix="hiq-py-")
     sock = os.path.join(tmp, "hiqcached.sock")

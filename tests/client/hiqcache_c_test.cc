@@ -56,13 +56,15 @@ namespace {
   X(hiq_cuda_available) \
   X(hiq_cuda_device_uuid) \
   X(hiq_cuda_export_pointer) \
-  X(hiq_cuda_event_pool_create) \
-  X(hiq_cuda_event_pool_destroy) \
-  X(hiq_cuda_event_pool_handles) \
-  X(hiq_cuda_event_pool_event) \
-  X(hiq_cuda_event_pool_stream_wait) \
-  X(hiq_cuda_event_pool_record) \
-  X(hiq_cuda_event_pool_query)
+  X(hiq_cuda_slots_create) \
+  X(hiq_cuda_slots_destroy) \
+  X(hiq_cuda_slots_count) \
+  X(hiq_cuda_slots_read) \
+  X(hiq_cuda_slots_store) \
+  X(hiq_cuda_slots_wait) \
+  X(hiq_cuda_slots_stream_wait) \
+  X(hiq_cuda_slots_stream_write) \
+  X(hiq_cuda_slots_device_address)
 
 struct Api {
   void* lib = nullptr;
@@ -174,9 +176,14 @@ TEST_F(HiqcacheCTest, CudaEntryPointsAnswerWithoutAGpu) {
   const std::string why = C().hiq_last_error();
   EXPECT_FALSE(why.empty());
   std::printf("hiq_cuda_available: %d (%s)\n", rc, why.c_str());
-  hiq_cuda_event_pool* events = reinterpret_cast<hiq_cuda_event_pool*>(1);
-  EXPECT_NE(C().hiq_cuda_event_pool_create(0, 4, &events), HIQ_OK);
-  EXPECT_EQ(events, nullptr);
+  hiq_cuda_slots* slots = reinterpret_cast<hiq_cuda_slots*>(1);
+  EXPECT_NE(C().hiq_cuda_slots_create(0, 4, &slots), HIQ_OK);
+  EXPECT_EQ(slots, nullptr);
+  EXPECT_EQ(C().hiq_cuda_slots_count(nullptr), 0u);
+  EXPECT_EQ(C().hiq_cuda_slots_read(nullptr, 0), 0u);
+  EXPECT_NE(C().hiq_cuda_slots_wait(nullptr, 0, 1, 0), HIQ_OK);
+  EXPECT_NE(C().hiq_cuda_slots_stream_wait(nullptr, 0, 1, nullptr), HIQ_OK);
+  EXPECT_NE(C().hiq_cuda_slots_stream_write(nullptr, 0, 1, nullptr), HIQ_OK);
   char uuid[64];
   EXPECT_NE(C().hiq_cuda_device_uuid(0, uuid, sizeof(uuid)), HIQ_OK);
   uint8_t handle[64];
@@ -450,8 +457,9 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
   }
 }
 
-// The flat description path, for CUDA pools on a daemon without a CUDA backend: handle sizes are
-// checked (INVALID_ARGUMENT naming the buffer), then the device kind (FAILED_PRECONDITION).
+// The flat description path, for CUDA pools on a daemon without a CUDA backend: the slot fields
+// are checked locally, handle sizes by the daemon (INVALID_ARGUMENT naming the buffer), then the
+// device kind (FAILED_PRECONDITION).
 TEST_F(HiqcacheCDaemonTest, CudaDescriptionsAreValidated) {
   const Api& c = C();
   hiq_geometry g{};
@@ -476,7 +484,6 @@ TEST_F(HiqcacheCDaemonTest, CudaDescriptionsAreValidated) {
     }
     layers[l].has_v = 1;
   }
-  std::vector<uint8_t> events(64 * 4, 0x17);
   hiq_pool_desc desc{};
   desc.model = "c-abi-cuda";
   desc.geometry = g;
@@ -486,9 +493,19 @@ TEST_F(HiqcacheCDaemonTest, CudaDescriptionsAreValidated) {
   desc.num_buffers = 1;
   desc.buffers = &buffer;
   desc.layers = layers.data();
-  desc.num_cuda_events = 4;
-  desc.cuda_event_handles = events.data();
   hiq_pool out = 7;
+  // Slots given twice, or the reserved field set: refused before anything is sent.
+  desc.cuda_slots = reinterpret_cast<const hiq_cuda_slots*>(&out);  // never dereferenced
+  desc.event_shm_name = "/not-used";
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("cuda_slots"), std::string::npos)
+      << c.hiq_last_error();
+  desc.cuda_slots = nullptr;
+  desc.event_shm_name = nullptr;
+  desc.reserved_events = 1;
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("reserved_events"), std::string::npos);
+  desc.reserved_events = 0;
   EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &out, nullptr), HIQ_FAILED_PRECONDITION);
   EXPECT_EQ(out, 0u);
   EXPECT_NE(std::string(c.hiq_last_error()).find("device.kind"), std::string::npos)

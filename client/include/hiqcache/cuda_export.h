@@ -1,5 +1,5 @@
 // CUDA-backend helpers for engines whose KV pool lives in GPU memory (DESIGN.md "Data flow"):
-// export the KV buffers and completion events to hiqcached through CUDA IPC.
+// export the KV buffers to hiqcached through CUDA IPC, and complete work through ticket slots.
 //
 //   CudaRuntimeMemory()  the CudaMemoryInfo of this process's CUDA runtime: allocation bases
 //                        (cuMemGetAddressRange, reached through cudaGetDriverEntryPointByVersion),
@@ -8,50 +8,47 @@
 //                        views over arbitrary device tensors -> allocation bases + offsets.
 //   CudaKvPool           SGLang / vLLM KV layouts over device pointers (the engine's own tensors,
 //                        or memory the pool allocates itself, like HostKvPool for HOST).
-//   CudaEventPool        interprocess events (cudaEventInterprocess | cudaEventDisableTiming):
-//                        their handles go into EventPoolSpec; the engine's stream waits on event
-//                        i (cudaStreamWaitEvent) before reading what the daemon wrote.
+//   CudaTicketSlots      ticket slots in a sealed memfd, page-locked and mapped for the GPU: the
+//                        engine's streams wait on them (cuStreamWaitValue32) and write them
+//                        (cuStreamWriteValue64); its EventPoolSpec goes into the PoolSpec.
 //
-// Event rules (DESIGN.md "CUDA completion and event rules"). A CUDA event carries no ticket:
-// cudaStreamWaitEvent and cudaEventQuery see the event's most recent record at the time of the
-// call, so the order of records and waits is the whole protocol.
-//   1. wait_event: record it on the stream whose work must precede the daemon's (Record) BEFORE
-//      sending the request, and do not record it again until the reply has arrived. The daemon
-//      never waits for it on the host: its own stream waits for it on the device, so a record
-//      that completes late (the stream is behind, or waits for another TP rank) holds no daemon
-//      thread.
-//   2. Layer and done events: an asynchronous request (sync = false) is answered once the
-//      daemon's stream waits and event records are enqueued (after the pool's previous request
-//      completed on the device: a pool's requests run in order, one at a time). Right after an
-//      OK reply, make the consuming streams wait on them (StreamWait), then launch what reads
-//      the restored layer. Make every stream that must see this request's records wait before
-//      sending another request that names the same events: the next request's records replace
-//      them.
-//   3. Do not poll Query() to decide when to wait: before the reply it reports the PREVIOUS
-//      record (or "complete" for an event never recorded). After a sync = true reply the work is
-//      complete; Query then reports this request's records.
-//   4. An error reply (also for an asynchronous request whose enqueue failed) means the rows it
-//      names hold garbage: the daemon still records every event it names, so nothing waiting on
-//      them hangs, and the engine must treat those tokens as a miss (recompute).
-//   5. Free KV buffers or destroy events only after ReleasePool returned OK (the daemon closes
-//      its mappings once its device work on them has completed); a process that exits is
-//      released the same way.
+// Slot rules (docs/design.md "Completion: ticket slots"). Slot i is a uint64 in host memory that
+// the engine, its client library and the daemon all map: bits 0..62 a ticket, bit 63 the failed
+// bit (kEventFailedBit). A slot's ticket part only grows.
+//   1. wait_event, wait_value: the daemon touches the request's rows only once the slot holds
+//      >= wait_value, and it watches from the host, so a late write holds no daemon stream.
+//      StreamWrite(stream, slot, value) on the stream that writes (backup) or last reads
+//      (restore) those rows, before or after sending the request. Use a fresh, increasing value
+//      per request on a slot, and slots of their own for wait values.
+//   2. done_event, layer_event_base + l: once the reply gives ticket T, StreamWait(stream, slot,
+//      T) before the work that reads what the daemon wrote (or Wait on the host). T, a later
+//      ticket, or a value with the failed bit releases the wait: the failed bit means the work
+//      failed, or the daemon died and the client released the slot (client.h). A host Wait then
+//      answers ABORTED; a stream cannot tell, so read the slot (Read) before trusting what was
+//      computed from those rows, and treat them as a miss when the bit is set.
+//   3. An error reply means the rows it names hold garbage; the daemon still stores T | failed in
+//      every slot the request names, so nothing waiting hangs.
+//   4. Free KV buffers only after ReleasePool returned OK (the daemon closes its mappings once its
+//      device work on them has completed); a process that exits is released the same way.
+//      Destroy CudaTicketSlots only once no stream waits on or writes its slots.
 //
 // Library hiq_client_cuda, which exists only when hiqcache is built with CUDA; it defines
 // HIQ_CLIENT_HAVE_CUDA=1 for its users. The header includes no CUDA header: cudaStream_t is
-// CUstream_st*, cudaEvent_t is CUevent_st*. Memory must come from cudaMalloc (or an allocator
-// on top of it, such as PyTorch's caching allocator without expandable_segments): IPC cannot
-// export cudaMallocAsync pools, VMM (cuMemCreate) or managed memory. FindCudaAllocation refuses
-// such memory up front (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE), saying what to change
-// (PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False). cuda_device_uuid must name the
-// GPU that holds the buffers: the daemon rejects a registration whose buffers live on another
-// GPU (it would otherwise map them as peer memory, over NVLink).
+// CUstream_st*. Memory must come from cudaMalloc (or an allocator on top of it, such as
+// PyTorch's caching allocator without expandable_segments): IPC cannot export cudaMallocAsync
+// pools, VMM (cuMemCreate) or managed memory. FindCudaAllocation refuses such memory up front
+// (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE), saying what to change (PyTorch:
+// PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False). cuda_device_uuid must name the GPU that
+// holds the buffers: the daemon rejects a registration whose buffers live on another GPU (it
+// would otherwise map them as peer memory, over NVLink).
 //
-// Thread-safety: free functions are thread-safe. CudaKvPool and CudaEventPool are move-only
+// Thread-safety: free functions are thread-safe. CudaKvPool and CudaTicketSlots are move-only
 // owners; their const methods may be called from any thread. No call changes the calling
 // thread's current device on return.
 #pragma once
 
+#include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -59,13 +56,12 @@
 #include <vector>
 
 #include "hiqcache/cuda_ipc.h"
-#include "hiqcache/host_shm.h"  // KvLayout
+#include "hiqcache/host_shm.h"  // KvLayout, HostShm, WaitForTicket
 #include "hiqcache/layouts.h"
 #include "hiqcache/pool_spec.h"
 #include "hiqcache/status.h"
 
 struct CUstream_st;  // cudaStream_t
-struct CUevent_st;   // cudaEvent_t
 
 namespace hiqcache {
 
@@ -82,47 +78,59 @@ StatusOr<CudaAllocation> FindCudaAllocation(const void* ptr);
 // ResolveCudaTensors(tensors, CudaRuntimeMemory(), spec).
 Status ExportCudaTensors(std::span<const CudaTensor> tensors, PoolSpec* spec);
 
-class CudaEventPool {
+class CudaTicketSlots {
  public:
-  // `count` interprocess events on `device`. The pool owns them; destroy them only after
-  // ReleasePool returned OK (the daemon's opened copies stay valid until then).
-  static StatusOr<CudaEventPool> Create(int device, uint32_t count);
+  static constexpr size_t kSlotBytes = HostEventPool::kSlotBytes;
 
-  CudaEventPool() = default;
-  ~CudaEventPool();
-  CudaEventPool(CudaEventPool&& other) noexcept;
-  CudaEventPool& operator=(CudaEventPool&& other) noexcept;
-  CudaEventPool(const CudaEventPool&) = delete;
-  CudaEventPool& operator=(const CudaEventPool&) = delete;
+  // `count` zeroed slots for device `device`: a memfd sealed against shrinking and growing,
+  // mapped, page-locked (cudaHostRegister, portable and mapped) with its device address.
+  static StatusOr<CudaTicketSlots> Create(int device, uint32_t count);
 
-  uint32_t count() const { return static_cast<uint32_t>(events_.size()); }
+  CudaTicketSlots() = default;
+  ~CudaTicketSlots();  // unregisters and unmaps (errors are logged)
+  CudaTicketSlots(CudaTicketSlots&& other) noexcept;
+  CudaTicketSlots& operator=(CudaTicketSlots&& other) noexcept;
+  CudaTicketSlots(const CudaTicketSlots&) = delete;
+  CudaTicketSlots& operator=(const CudaTicketSlots&) = delete;
+
+  uint32_t count() const { return count_; }
   int device() const { return device_; }
-  // Wire forms (64 bytes each), in event order.
-  const std::vector<std::string>& handles() const { return handles_; }
-  // The EventPool piece of RegisterPool (cuda_ipc_event_handles).
+  bool valid() const { return count_ != 0; }
+  // The memfd and its host mapping.
+  const HostShm& shm() const { return shm_; }
+  // The EventPool piece of RegisterPool: host_fd (the memfd, passed over the session) and
+  // count. The spec borrows the fd: keep this object alive while the pool is registered.
   EventPoolSpec Spec() const;
-  // REQUIRES: i < count().
-  CUevent_st* event(uint32_t i) const { return events_[i]; }
+  // Device address of slot `slot` (for kernels of the engine's own). REQUIRES: slot < count().
+  uint64_t device_address(uint32_t slot) const { return device_ptr_ + slot * kSlotBytes; }
 
-  // Makes work enqueued later on `stream` wait until the most recent record of event i, at the
-  // time of this call, has completed (cudaStreamWaitEvent). A CUDA event carries no ticket:
-  // call this after the reply to the request that named the event (rule 2 above), never
-  // earlier, or it waits for the previous record. INVALID_ARGUMENT for a bad index.
-  Status StreamWait(CUstream_st* stream, uint32_t i) const;
-  // Records event i on `stream`, e.g. as a request's wait_event, before sending the request
-  // (the daemon's stream waits on it; rule 1 above).
-  Status Record(uint32_t i, CUstream_st* stream) const;
-  // True once the most recent record of event i has completed (also true if it was never
-  // recorded). Before a request's reply this is the PREVIOUS record: not a way to learn that the
-  // daemon's work is done (rule 3 above).
-  StatusOr<bool> Query(uint32_t i) const;
-  Status Synchronize(uint32_t i) const;
+  // Acquire load / release store from the host. REQUIRES: slot < count().
+  uint64_t Read(uint32_t slot) const;
+  void Store(uint32_t slot, uint64_t value) const;
+  // Host wait, as HostEventPool::Wait: OK once the slot holds a ticket >= ticket, ABORTED when
+  // that value carries the failed bit, DEADLINE_EXCEEDED after `timeout`, INVALID_ARGUMENT for a
+  // bad slot.
+  Status Wait(uint32_t slot, uint64_t ticket, std::chrono::nanoseconds timeout) const;
+
+  // Makes work enqueued later on `stream` wait until slot `slot` holds ticket `ticket` or later,
+  // failed or not. A 64-bit CU_STREAM_WAIT_VALUE_GEQ compares cyclically and would never accept
+  // a value with bit 63, so this waits with cuStreamWaitValue32 GEQ (cyclic) on the slot's low
+  // word: the slot's ticket part must stay within 2^31 of `ticket`.
+  // INVALID_ARGUMENT for a bad slot; the driver's error otherwise.
+  Status StreamWait(CUstream_st* stream, uint32_t slot, uint64_t ticket) const;
+  // Stores `value` into slot `slot` once the work enqueued on `stream` before it has completed
+  // (cuStreamWriteValue64, with its memory barrier): a request's wait_value.
+  Status StreamWrite(CUstream_st* stream, uint32_t slot, uint64_t value) const;
 
  private:
+  Status CheckSlot(uint32_t slot) const;
   void Reset();
+
+  HostShm shm_;
   int device_ = -1;
-  std::vector<CUevent_st*> events_;
-  std::vector<std::string> handles_;
+  uint32_t count_ = 0;
+  uint64_t device_ptr_ = 0;
+  bool registered_ = false;  // shm_.data() is page-locked with cudaHostRegister
 };
 
 // An engine-style KV pool in device memory: the views of every layer over device tensors, the
@@ -194,8 +202,9 @@ class CudaKvPool {
   std::vector<std::unique_ptr<void, DeviceFree>> owned_;  // cudaMalloc'ed by Allocate
 };
 
-// A CUDA PoolSpec for `kv` (and `events`, when not null), ready for Client::RegisterPool.
+// A CUDA PoolSpec for `kv` (and `slots`, when not null), ready for Client::RegisterPool.
 PoolSpec MakeCudaPoolSpec(std::string model, const CudaKvPool& kv, uint32_t block_tokens,
-                          const CudaEventPool* events = nullptr, Codec codec = Codec::kInt8PerHead);
+                          const CudaTicketSlots* slots = nullptr,
+                          Codec codec = Codec::kInt8PerHead);
 
 }  // namespace hiqcache

@@ -15,8 +15,14 @@
  *   - Out-parameters may be NULL where noted.
  *
  * Thread-safety: a hiq_client may be used from any number of threads at once; hiq_last_error is
- * per thread. hiq_host_pool and hiq_cuda_event_pool objects may be read concurrently (waits,
- * queries) but must not be destroyed while in use.
+ * per thread. hiq_host_pool and hiq_cuda_slots objects may be used concurrently (waits, reads,
+ * stores, stream operations) but must not be destroyed while in use.
+ *
+ * Completion uses ticket slots for both device kinds (docs/design.md "Completion: ticket slots";
+ * the rules are in hiqcache/cuda_export.h): slot i is a uint64 at byte 64*i, bits 0..62 a ticket,
+ * bit 63 the failed bit. A wait released by a value with the failed bit reports HIQ_ABORTED: treat
+ * those rows as a miss. When the daemon dies, the library stores the failed bit into the slots of
+ * the requests it answered, so no waiter hangs (hiqcache/client.h).
  *
  * CUDA: the hiq_cuda_* functions work when libhiqcache.so was built with CUDA (the CUDA runtime
  * is linked statically into it, so it needs only the NVIDIA driver at run time); otherwise they
@@ -40,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below changes layout or a function changes meaning. */
-#define HIQ_C_ABI_VERSION 1
+#define HIQ_C_ABI_VERSION 2
 
 enum hiq_status_code {
   HIQ_OK = 0,
@@ -88,7 +94,7 @@ enum hiq_block_status {
 
 typedef struct hiq_client hiq_client;                   /* a connection to hiqcached */
 typedef struct hiq_host_pool hiq_host_pool;             /* KV buffers + event slots in shm */
-typedef struct hiq_cuda_event_pool hiq_cuda_event_pool; /* interprocess CUDA events */
+typedef struct hiq_cuda_slots hiq_cuda_slots;           /* ticket slots for a CUDA pool */
 typedef uint64_t hiq_pool;                              /* a registered pool; 0 is never valid */
 
 typedef struct hiq_geometry {
@@ -143,12 +149,13 @@ typedef struct hiq_pool_desc {
   const char* cuda_device_uuid; /* CUDA: "GPU-..." (hiq_cuda_device_uuid); else NULL */
   const hiq_buffer* buffers;
   const hiq_layer_view* layers; /* geometry.num_layers entries */
-  /* HOST events: a shm object of event_count 64-byte slots (NULL/0 = none). */
+  /* Ticket slots: a shm object of event_count 64-byte slots (NULL/0 = none), or cuda_slots. */
   const char* event_shm_name;
   uint32_t event_count;
-  /* CUDA events: num_cuda_events handles of HIQ_IPC_HANDLE_BYTES bytes, back to back. */
-  uint32_t num_cuda_events;
-  const uint8_t* cuda_event_handles;
+  uint32_t reserved_events; /* 0 */
+  /* Ticket slots from hiq_cuda_slots_create (NULL = none or event_shm_name); with it,
+   * event_shm_name must be NULL and event_count 0. Keep it alive while the pool is registered. */
+  const hiq_cuda_slots* cuda_slots;
 } hiq_pool_desc;
 
 /* The daemon's answer to a registration. */
@@ -294,22 +301,29 @@ HIQ_C_API int hiq_cuda_device_uuid(int device, char* out, uint64_t out_len);
 HIQ_C_API int hiq_cuda_export_pointer(const void* device_ptr, uint8_t* handle_out,
                                       uint64_t* offset_bytes, uint64_t* allocation_bytes,
                                       int* device);
-/* `count` interprocess events (cudaEventInterprocess | cudaEventDisableTiming) on `device`. */
-HIQ_C_API int hiq_cuda_event_pool_create(int device, uint32_t count, hiq_cuda_event_pool** out);
-HIQ_C_API void hiq_cuda_event_pool_destroy(hiq_cuda_event_pool* pool);
-/* count * 64 bytes of handles, for hiq_pool_desc.cuda_event_handles (valid while pool lives). */
-HIQ_C_API const uint8_t* hiq_cuda_event_pool_handles(const hiq_cuda_event_pool* pool,
-                                                     uint32_t* count);
-/* The cudaEvent_t of event i (NULL when out of range). */
-HIQ_C_API void* hiq_cuda_event_pool_event(const hiq_cuda_event_pool* pool, uint32_t i);
-/* cudaStreamWaitEvent(stream, event i): later work on `stream` (a cudaStream_t; NULL = legacy
- * default stream) waits for the event's last record. */
-HIQ_C_API int hiq_cuda_event_pool_stream_wait(const hiq_cuda_event_pool* pool, uint32_t i,
-                                              void* stream);
-/* cudaEventRecord(event i, stream). */
-HIQ_C_API int hiq_cuda_event_pool_record(const hiq_cuda_event_pool* pool, uint32_t i, void* stream);
-/* HIQ_OK when the last record of event i has completed, HIQ_UNAVAILABLE while it is pending. */
-HIQ_C_API int hiq_cuda_event_pool_query(const hiq_cuda_event_pool* pool, uint32_t i);
+/* `count` zeroed ticket slots for CUDA device `device` (hiqcache::CudaTicketSlots: a sealed
+ * memfd, page-locked and mapped for the GPU), for hiq_pool_desc.cuda_slots. */
+HIQ_C_API int hiq_cuda_slots_create(int device, uint32_t count, hiq_cuda_slots** out);
+/* Only once no stream waits on or writes its slots. */
+HIQ_C_API void hiq_cuda_slots_destroy(hiq_cuda_slots* slots);
+HIQ_C_API uint32_t hiq_cuda_slots_count(const hiq_cuda_slots* slots);
+/* Acquire load / release store of slot `slot` from the host (0 / nothing when out of range). */
+HIQ_C_API uint64_t hiq_cuda_slots_read(const hiq_cuda_slots* slots, uint32_t slot);
+HIQ_C_API void hiq_cuda_slots_store(const hiq_cuda_slots* slots, uint32_t slot, uint64_t value);
+/* Host wait until slot `slot` holds a ticket >= ticket: HIQ_OK, HIQ_ABORTED with the failed bit,
+ * HIQ_DEADLINE_EXCEEDED after timeout_ms. */
+HIQ_C_API int hiq_cuda_slots_wait(const hiq_cuda_slots* slots, uint32_t slot, uint64_t ticket,
+                                  int64_t timeout_ms);
+/* Work enqueued later on `stream` (a cudaStream_t; NULL = legacy default stream) waits until
+ * slot `slot` holds ticket `ticket` or later, failed or not (a reply's done or layer slot). */
+HIQ_C_API int hiq_cuda_slots_stream_wait(const hiq_cuda_slots* slots, uint32_t slot,
+                                         uint64_t ticket, void* stream);
+/* Stores `value` into slot `slot` once the work enqueued on `stream` before it has completed
+ * (a request's wait_value). */
+HIQ_C_API int hiq_cuda_slots_stream_write(const hiq_cuda_slots* slots, uint32_t slot,
+                                          uint64_t value, void* stream);
+/* Device address of slot `slot` (0 when out of range), for the engine's own kernels. */
+HIQ_C_API uint64_t hiq_cuda_slots_device_address(const hiq_cuda_slots* slots, uint32_t slot);
 
 #ifdef __cplusplus
 } /* extern "C" */

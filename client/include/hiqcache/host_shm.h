@@ -37,11 +37,11 @@ class HostShm {
   // than `min_size`. Never unlinks.
   static StatusOr<HostShm> Open(std::string_view name, size_t min_size = 0);
   // A new zero-filled memfd of `size` bytes (MFD_CLOEXEC), sealed with F_SEAL_SHRINK so that
-  // nobody holding its fd can shrink it under the daemon's mapping. It has no shm name: name()
-  // is "memfd:<tag>" (kMemfdPrefix), for logs; the daemon gets it by fd over the client's session
-  // (SharedBuffer::host_fd, which AddTo and Spec fill in). The fd stays open while this handle
-  // lives.
-  static StatusOr<HostShm> CreateMemfd(std::string_view tag, size_t size);
+  // nobody holding its fd can shrink it under the daemon's mapping, and with F_SEAL_GROW too when
+  // `fixed_size`. It has no shm name: name() is "memfd:<tag>" (kMemfdPrefix), for logs; the daemon
+  // gets it by fd over the client's session (SharedBuffer::host_fd, which AddTo and Spec fill
+  // in). The fd stays open while this handle lives.
+  static StatusOr<HostShm> CreateMemfd(std::string_view tag, size_t size, bool fixed_size = false);
   static constexpr std::string_view kMemfdPrefix = "memfd:";
   // "/hiq-<pid>-<n>-<tag>": unique within this process and unlikely to collide across processes.
   static std::string UniqueName(std::string_view tag);

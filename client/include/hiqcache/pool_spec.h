@@ -91,13 +91,15 @@ struct SharedBuffer {
   int host_fd = -1;
 };
 
-// Completion events. HOST: a shm object of `count` 64-byte slots (slot i = little-endian uint64
-// at byte 64*i), named or by fd as for SharedBuffer. CUDA: interprocess event handles (64 bytes
-// each).
+// Ticket slots, for both device kinds (docs/design.md "Completion: ticket slots"): a shared
+// memory object of `count` 64-byte slots (slot i = little-endian uint64 at byte 64*i), by fd or
+// named as for SharedBuffer: HostEventPool::Spec, CudaTicketSlots::Spec (hiqcache/cuda_export.h).
 struct EventPoolSpec {
   std::string host_shm_name;
   int host_fd = -1;  // as SharedBuffer::host_fd
   uint32_t count = 0;
+  // Sent as given; the daemon refuses them (FAILED_PRECONDITION naming the field): completion
+  // uses the slots above.
   std::vector<std::string> cuda_ipc_event_handles;
 };
 
