@@ -5,15 +5,16 @@
 // client processes (gtest filter CudaClientChild.*, which skip unless HIQ_GPU_CHILD_TARGET is
 // set). A client cudaMallocs a Qwen3-8B-shaped KV pool (36 layers, 8 KV heads, head_dim 128,
 // BF16, 4,096 slots), fills it with a deterministic pattern, registers it through CUDA IPC
-// (hiqcache/cuda_export.h), backs up 64 blocks of 16 tokens, overwrites the pool, and restores
-// into other rows with per-layer IPC events; its own stream waits on each layer's event before a
-// kernel compares that layer bit for bit with the CPU executor's decode of the same records
-// (kernels::CpuCodec encode, DecodeBlocksReference decode). It then gathers every restored
-// element and checks it on the host against the DESIGN.md bound and against the CPU decode, and
-// checks that rows outside the restore kept their sentinel.
+// (hiqcache/cuda_export.h) with CudaTicketSlots, backs up 64 blocks of 16 tokens, overwrites the
+// pool, and restores into other rows with per-layer ticket slots; its own stream waits on each
+// layer's slot (StreamWait) before a kernel compares that layer bit for bit with the CPU
+// executor's decode of the same records (kernels::CpuCodec encode, DecodeBlocksReference
+// decode). It then gathers every restored element and checks it on the host against the
+// DESIGN.md bound and against the CPU decode, and checks that rows outside the restore kept
+// their sentinel.
 //
 //   RoundTrip          one client: sync restore + stream waits, then an asynchronous restore
-//                      whose layer events are watched while the daemon writes.
+//                      whose layer slots a stream waits on while the daemon writes.
 //   SharedBetweenTwo   one client backs up and exits; another (its pool carved out of one
 //                      allocation) restores the blocks and checks them.
 //   ClientKilled       a client is SIGKILLed while restores run: the daemon survives, drops the
@@ -56,7 +57,7 @@ constexpr uint32_t kLayers = 36, kHeads = 8, kDim = 128;
 constexpr uint32_t kSlots = 4096, kBlockTokens = 16, kBlocks = 64;
 constexpr uint32_t kTokens = kBlocks * kBlockTokens;  // 1,024
 constexpr uint32_t kRowElems = kHeads * kDim;
-constexpr uint32_t kDoneEvent = kLayers, kNumEvents = kLayers + 2;
+constexpr uint32_t kDoneSlot = kLayers, kNumSlots = kLayers + 2;
 constexpr const char* kModel = "Qwen/Qwen3-8B@hiq-gpu-client-test";
 
 #define HIQ_ASSERT_OK(expr)                                         \
@@ -278,9 +279,9 @@ class GpuClient {
       ASSERT_EQ(kv_.buffers().size(), size_t{2} * kLayers);
     }
     ASSERT_EQ(kv_.device_uuid().rfind("GPU-", 0), 0u) << kv_.device_uuid();
-    auto events = CudaEventPool::Create(0, kNumEvents);
-    HIQ_ASSERT_OK(events.status());
-    events_ = std::move(events).value();
+    auto slots = CudaTicketSlots::Create(0, kNumSlots);
+    HIQ_ASSERT_OK(slots.status());
+    slots_ = std::move(slots).value();
     auto stream = kernels::CudaStream::Create(0);
     HIQ_ASSERT_OK(stream.status());
     stream_ = std::move(stream).value();
@@ -291,7 +292,7 @@ class GpuClient {
     auto client = Client::Connect(options);
     HIQ_ASSERT_OK(client.status());
     client_ = std::move(client).value();
-    auto handle = client_->RegisterPool(MakeCudaPoolSpec(kModel, kv_, kBlockTokens, &events_));
+    auto handle = client_->RegisterPool(MakeCudaPoolSpec(kModel, kv_, kBlockTokens, &slots_));
     HIQ_ASSERT_OK(handle.status());
     pool_ = *handle;
     keys_ = Keys(env.seed);
@@ -368,47 +369,35 @@ class GpuClient {
     HIQ_ASSERT_CUDA(cudaMemset(mismatches_.data(), 0, mismatches_.size()));
   }
 
-  // Restore with sync = true and layer events; the stream waits on each layer's event, then
-  // the layer is compared on the device.
+  // Restore with sync = true and layer slots: every slot holds the ticket on the reply; the
+  // stream still waits on each layer's slot, then the layer is compared on the device.
   void RestoreSyncAndCompare(const Reference& ref) {
     RestoreOptions o;
     o.layer_event_base = 0;
-    o.done_event = kDoneEvent;
+    o.done_event = kDoneSlot;
     o.sync = true;
     RestoreResult r = client_->Restore(pool_, keys_, dst_rows_, o);
     HIQ_ASSERT_OK(r.status);
     ASSERT_EQ(r.restored_blocks, kBlocks);
     for (uint32_t l = 0; l < kLayers; ++l) {
-      HIQ_ASSERT_OK(events_.StreamWait(stream_.get(), l));
+      EXPECT_EQ(slots_.Read(l), r.ticket) << "layer " << l << " slot after a sync reply";
+      HIQ_ASSERT_OK(slots_.StreamWait(stream_.get(), l, r.ticket));
       EnqueueCompare(ref, l, stream_.get());
     }
-    HIQ_ASSERT_OK(events_.StreamWait(stream_.get(), kDoneEvent));
+    EXPECT_EQ(slots_.Read(kDoneSlot), r.ticket);
+    HIQ_ASSERT_OK(slots_.StreamWait(stream_.get(), kDoneSlot, r.ticket));
     HIQ_ASSERT_OK(stream_.Synchronize());
     ExpectNoMismatches("sync restore");
   }
 
-  // Restore with sync = false. Every layer event is first recorded behind a gate kernel, so it
-  // reads "pending" until the daemon records it again and that record completes; the host
-  // watches the events in layer order and compares each layer as soon as its event completes,
-  // while the daemon is still writing later layers.
+  // Restore with sync = false. Right after the reply (ticket T) a checking stream waits on each
+  // layer's slot for T (StreamWait) and compares the layer behind that wait, while the daemon is
+  // still writing later layers; the host watches the slots in layer order to time each layer.
+  // Before the reply every slot holds an earlier ticket, so no wait is satisfied early.
   void RestoreAsyncAndCompare(const Reference& ref, std::vector<double>* layer_ms) {
-    uint32_t* gate_host = nullptr;
-    HIQ_ASSERT_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), 4, cudaHostAllocMapped));
-    *gate_host = 0;
-    uint32_t* gate_dev = nullptr;
-    HIQ_ASSERT_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_dev), gate_host, 0));
-    auto gate_stream = kernels::CudaStream::Create(0);
-    HIQ_ASSERT_OK(gate_stream.status());
-    HIQ_ASSERT_OK(gputest::LaunchSpinUntil(gate_dev, 60'000'000'000ull, gate_stream->get()));
-    for (uint32_t e = 0; e < kNumEvents; ++e) HIQ_ASSERT_OK(events_.Record(e, gate_stream->get()));
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      auto q = events_.Query(l);
-      HIQ_ASSERT_OK(q.status());
-      ASSERT_FALSE(*q) << "gated event " << l << " completed";
-    }
     RestoreOptions o;
     o.layer_event_base = 0;
-    o.done_event = kDoneEvent;
+    o.done_event = kDoneSlot;
     o.sync = false;
     const auto start = Clock::now();
     RestoreResult r = client_->Restore(pool_, keys_, dst_rows_, o);
@@ -417,24 +406,19 @@ class GpuClient {
     auto check_stream = kernels::CudaStream::Create(0);
     HIQ_ASSERT_OK(check_stream.status());
     for (uint32_t l = 0; l < kLayers; ++l) {
-      const auto deadline = Clock::now() + std::chrono::seconds(20);
-      bool done = false;
-      while (!done && Clock::now() < deadline) {
-        auto q = events_.Query(l);
-        HIQ_ASSERT_OK(q.status());
-        done = *q;
-      }
-      ASSERT_TRUE(done) << "layer " << l << " event not signalled within 20 s";
+      HIQ_ASSERT_OK(slots_.StreamWait(check_stream->get(), l, r.ticket));
+      EnqueueCompare(ref, l, check_stream->get());  // runs once layer l is complete
+    }
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const Status s = slots_.Wait(l, r.ticket, std::chrono::seconds(20));
+      ASSERT_TRUE(s.ok()) << "layer " << l << " slot: " << s.ToString();
       if (layer_ms != nullptr) {
         layer_ms->push_back(
             std::chrono::duration<double, std::milli>(Clock::now() - start).count());
       }
-      EnqueueCompare(ref, l, check_stream->get());  // layer l is complete: compare it now
     }
-    *reinterpret_cast<volatile uint32_t*>(gate_host) = 1;
+    HIQ_ASSERT_OK(slots_.Wait(kDoneSlot, r.ticket, std::chrono::seconds(20)));
     HIQ_ASSERT_OK(check_stream->Synchronize());
-    HIQ_ASSERT_OK(gate_stream->Synchronize());
-    HIQ_ASSERT_CUDA(cudaFreeHost(gate_host));
     ExpectNoMismatches("async restore");
   }
 
@@ -498,7 +482,7 @@ class GpuClient {
   ChildEnv env_;
   void* slab_ = nullptr;
   CudaKvPool kv_;
-  CudaEventPool events_;
+  CudaTicketSlots slots_;
   kernels::CudaStream stream_;
   std::unique_ptr<Client> client_;
   PoolHandle pool_;
@@ -573,7 +557,7 @@ TEST(CudaClientChild, RestoreUntilKilled) {
   ASSERT_NO_FATAL_FAILURE(c.Backup());
   RestoreOptions o;
   o.layer_event_base = 0;
-  o.done_event = kDoneEvent;
+  o.done_event = kDoneSlot;
   for (int i = 0; i < 100000; ++i) {
     o.sync = (i % 2) == 1;
     RestoreResult r = c.client().Restore(c.pool(), c.keys(), c.dst_rows(), o);

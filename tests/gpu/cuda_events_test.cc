@@ -1,21 +1,28 @@
-// CUDA completion and event rules on a real GPU (label gpu; skips, with the reason, where no
-// CUDA device is usable). DESIGN.md "CUDA completion and event rules"; issue 11.
+// Completion through ticket slots on a real GPU (label gpu; skips, with the reason, where no CUDA
+// device is usable). docs/design.md "Completion: ticket slots".
 //
 // As cuda_client_test, the test process starts hiqcached --device cuda and re-executes this
 // binary as client processes (gtest filter CudaEventsChild.*, which skip unless
 // HIQ_GPU_CHILD_TARGET is set): a process cannot open its own IPC handles. Pools are small
-// (4 layers, 2 heads of 128, RAW codec, so restores are checked bit for bit).
+// (4 layers, 2 heads of 128, RAW codec, so restores are checked bit for bit); their slots are
+// CudaTicketSlots.
 //
-//   WaitEventRecordedLate        the engine's wait_event completes only when the test opens a
-//                                gate kernel: the asynchronous Restore is answered at once, the
-//                                daemon writes nothing before the gate opens (it neither runs
-//                                early nor holds a worker: another pool's sync backup completes
-//                                meanwhile), and the restore is correct after it.
-//   ClientKilledWithARecordPending  a client dies with its wait_event record pending behind a
-//                                gate that never opens: the daemon survives, drops the pool,
-//                                and serves a new client.
+//   WaitValueWrittenLate         the engine's stream writes the wait_value (StreamWrite) only
+//                                when the test opens a gate kernel: the asynchronous Restore is
+//                                answered at once, the daemon writes nothing before the gate
+//                                opens (it neither runs early nor holds a worker: another pool's
+//                                sync backup completes meanwhile), and the restore is correct
+//                                after it.
+//   DaemonKilledWhileAStreamWaits  the daemon is killed with SIGKILL while an engine stream waits
+//                                (StreamWait) on the done slot of a restore the daemon holds: the
+//                                client library releases the slot with the failed bit and the
+//                                stream completes within seconds.
+//   ClientKilledWithAWaitPending a client releases a pool whose restore waits for a value that
+//                                never comes, and another dies with such a wait pending: the
+//                                daemon survives, drops the pools, and serves five new clients
+//                                one after the other (nothing of its staging stays held).
 //   TwoClientsWaitingOnEachOther the daemon has ONE transfer worker. Two clients (TP ranks)
-//                                each record their wait_event behind a kernel that waits for a
+//                                each write their wait_value behind a kernel that waits for a
 //                                flag the other client sets only once its own request has been
 //                                answered, as ranks wait for each other in an all-reduce. A
 //                                worker that waited for the device would deadlock both.
@@ -54,7 +61,7 @@ constexpr uint32_t kLayers = 4, kHeads = 2, kDim = 128, kSlots = 256, kBlockToke
 constexpr uint32_t kBlocks = 4, kTokens = kBlocks * kBlockTokens;  // 64
 constexpr uint32_t kRowElems = kHeads * kDim;
 constexpr int32_t kWait = kLayers, kDone = kLayers + 1;
-constexpr uint32_t kNumEvents = kLayers + 2;
+constexpr uint32_t kNumSlots = kLayers + 2;
 constexpr uint32_t kSrc = 0, kDst = 128;  // first rows backed up from / restored into
 
 #define HIQ_ASSERT_OK(expr)                                         \
@@ -78,7 +85,7 @@ std::vector<uint32_t> RowsFrom(uint32_t first) {
   return rows;
 }
 
-// A mapped pinned host word the GPU can spin on (the gate of a late record).
+// A mapped pinned host word the GPU can spin on (the gate of a late write).
 class Gate {
  public:
   void Init() {
@@ -100,7 +107,7 @@ class Gate {
   uint32_t* dev_ = nullptr;
 };
 
-// One engine process's KV pool in GPU memory, its events and its stream.
+// One engine process's KV pool in GPU memory, its ticket slots and its stream.
 class EventsClient {
  public:
   void Init(const ChildEnv& env, const std::string& model, uint32_t tp_rank = 0,
@@ -117,9 +124,9 @@ class EventsClient {
     auto kv = CudaKvPool::Allocate(0, g, KvLayout::kSglang, kSlots);
     HIQ_ASSERT_OK(kv.status());
     kv_ = std::move(kv).value();
-    auto events = CudaEventPool::Create(0, kNumEvents);
-    HIQ_ASSERT_OK(events.status());
-    events_ = std::move(events).value();
+    auto slots = CudaTicketSlots::Create(0, kNumSlots);
+    HIQ_ASSERT_OK(slots.status());
+    slots_ = std::move(slots).value();
     auto stream = kernels::CudaStream::Create(0);
     HIQ_ASSERT_OK(stream.status());
     stream_ = std::move(stream).value();
@@ -130,7 +137,7 @@ class EventsClient {
     HIQ_ASSERT_OK(client.status());
     client_ = std::move(client).value();
     auto handle =
-        client_->RegisterPool(MakeCudaPoolSpec(model, kv_, kBlockTokens, &events_, Codec::kRaw));
+        client_->RegisterPool(MakeCudaPoolSpec(model, kv_, kBlockTokens, &slots_, Codec::kRaw));
     HIQ_ASSERT_OK(handle.status());
     pool_ = *handle;
     std::vector<uint32_t> tokens(kTokens);
@@ -184,22 +191,22 @@ class EventsClient {
     }
   }
 
-  // Waits (polling, bounded) until the most recent record of `event` has completed.
-  bool AwaitEvent(uint32_t event, std::chrono::seconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (Clock::now() < deadline) {
-      auto q = events_.Query(event);
-      if (q.ok() && *q) return true;
-      std::this_thread::sleep_for(milliseconds(1));
-    }
-    return false;
+  // A fresh wait value for the wait slot: one past its ticket part.
+  uint64_t NextWaitValue() const { return (slots_.Read(kWait) & ~kEventFailedBit) + 1; }
+  // Enqueues, on the engine's stream, a gate kernel (open when `flag` is set, or after
+  // `timeout_ns`) and behind it the store of `value` into the wait slot: a wait_value that the
+  // engine's stream writes late.
+  void WriteWaitValueBehind(const volatile uint32_t* flag, uint64_t timeout_ns, uint64_t value) {
+    HIQ_ASSERT_OK(gputest::LaunchSpinUntil(flag, timeout_ns, stream()));
+    HIQ_ASSERT_OK(slots_.StreamWrite(stream(), kWait, value));
   }
 
   Client& client() { return *client_; }
   PoolHandle pool() const { return pool_; }
   const std::vector<BlockKey>& keys() const { return keys_; }
-  CudaEventPool& events() { return events_; }
+  const CudaTicketSlots& slots() const { return slots_; }
   CUstream_st* stream() const { return stream_.get(); }
+  Status SyncStream() const { return stream_.Synchronize(); }
   void Release() {
     if (client_ && pool_.valid()) HIQ_ASSERT_OK(client_->ReleasePool(pool_));
     pool_ = {};
@@ -207,7 +214,7 @@ class EventsClient {
 
  private:
   CudaKvPool kv_;
-  CudaEventPool events_;
+  CudaTicketSlots slots_;
   kernels::CudaStream stream_;
   std::unique_ptr<Client> client_;
   PoolHandle pool_;
@@ -218,7 +225,7 @@ class EventsClient {
   const ChildEnv env = GetChildEnv(); \
   if (!env.ok) GTEST_SKIP() << "runs only as a client process of CudaEventsGpu.*";
 
-TEST(CudaEventsChild, WaitEventRecordedLate) {
+TEST(CudaEventsChild, WaitValueWrittenLate) {
   HIQ_CHILD_PRELUDE(env);
   EventsClient a, b;
   ASSERT_NO_FATAL_FAILURE(a.Init(env, "gpu-events/late-a"));
@@ -227,11 +234,12 @@ TEST(CudaEventsChild, WaitEventRecordedLate) {
   ASSERT_NO_FATAL_FAILURE(a.ClearDestination());
   Gate gate;
   ASSERT_NO_FATAL_FAILURE(gate.Init());
-  // The engine's stream is behind: its wait_event completes only when the gate opens.
-  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(gate.device(), 60'000'000'000ull, a.stream()));
-  HIQ_ASSERT_OK(a.events().Record(kWait, a.stream()));
+  // The engine's stream is behind: it writes the wait value only when the gate opens.
+  const uint64_t wait_value = a.NextWaitValue();
+  ASSERT_NO_FATAL_FAILURE(a.WriteWaitValueBehind(gate.device(), 60'000'000'000ull, wait_value));
   RestoreOptions o;
   o.wait_event = kWait;
+  o.wait_value = wait_value;
   o.layer_event_base = 0;
   o.done_event = kDone;
   o.sync = false;
@@ -242,42 +250,146 @@ TEST(CudaEventsChild, WaitEventRecordedLate) {
   ASSERT_EQ(r.restored_blocks, kBlocks);
   EXPECT_LT(reply_ms, 2000.0) << "the asynchronous restore was answered only after " << reply_ms
                               << " ms: a daemon thread waited for the engine's stream";
+  // The engine's stream waits for the layers and the done slot right after the reply.
+  auto reader = kernels::CudaStream::Create(0);
+  HIQ_ASSERT_OK(reader.status());
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    HIQ_ASSERT_OK(a.slots().StreamWait(reader->get(), l, r.ticket));
+  }
+  HIQ_ASSERT_OK(a.slots().StreamWait(reader->get(), kDone, r.ticket));
   // No worker is held: another pool's synchronous backup completes while the gate is shut.
   const auto t1 = Clock::now();
   ASSERT_NO_FATAL_FAILURE(b.BackupSync());
   EXPECT_LT(Clock::now() - t1, std::chrono::seconds(5));
-  // The daemon has not run early: nothing written, its done record still pending.
+  // The daemon has not run early: nothing written, no slot reached, the reader still waiting.
   std::this_thread::sleep_for(milliseconds(300));
   uint64_t differ = 0, sentinel = 0;
   ASSERT_NO_FATAL_FAILURE(a.Compare(&differ, &sentinel));
   EXPECT_EQ(sentinel, uint64_t{kLayers} * 2 * kTokens)
-      << "rows written before wait_event completed";
-  auto q = a.events().Query(kDone);
-  HIQ_ASSERT_OK(q.status());
-  EXPECT_FALSE(*q) << "done_event complete before wait_event";
+      << "rows written before the wait value was stored";
+  EXPECT_LT(a.slots().Read(kDone) & ~kEventFailedBit, r.ticket) << "done before the wait value";
+  EXPECT_LT(a.slots().Read(0) & ~kEventFailedBit, r.ticket) << "layer 0 done before the wait value";
+  EXPECT_EQ(cudaStreamQuery(reader->get()), cudaErrorNotReady)
+      << "a stream waiting on the layer slots went on before the wait value was stored";
+  (void)cudaGetLastError();
   gate.Open();
-  ASSERT_TRUE(a.AwaitEvent(kDone, std::chrono::seconds(20))) << "done_event never completed";
+  HIQ_ASSERT_OK(a.slots().Wait(kDone, r.ticket, std::chrono::seconds(20)));
+  HIQ_ASSERT_OK(reader->Synchronize());
+  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(a.slots().Read(l), r.ticket) << "layer " << l;
   ASSERT_NO_FATAL_FAILURE(a.Compare(&differ, &sentinel));
   EXPECT_EQ(differ, 0u) << "restored rows differ from the backed-up rows";
-  std::printf("late wait_event: async restore answered in %.2f ms with the gate shut\n", reply_ms);
+  std::printf("late wait value: async restore answered in %.2f ms with the gate shut\n", reply_ms);
   a.Release();
   b.Release();
   if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-late");
 }
 
-// Records its wait_event behind a gate that never opens, sends an asynchronous restore and a
-// backup that wait for it, says "ready" and waits to be killed.
-TEST(CudaEventsChild, RecordPendingUntilKilled) {
+// An asynchronous restore the daemon holds (its wait value never comes) and an engine stream
+// waiting on its done slot; says "ready", and once the test has killed the daemon ("killed"),
+// expects the stream to complete within 5 s, released with the failed bit.
+TEST(CudaEventsChild, StreamWaitsWhenDaemonDies) {
+  HIQ_CHILD_PRELUDE(env);
+  EventsClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/daemon-dies"));
+  ASSERT_NO_FATAL_FAILURE(c.BackupSync());
+  Gate gate;
+  ASSERT_NO_FATAL_FAILURE(gate.Init());
+  const uint64_t wait_value = c.NextWaitValue();
+  ASSERT_NO_FATAL_FAILURE(c.WriteWaitValueBehind(gate.device(), 600'000'000'000ull, wait_value));
+  RestoreOptions o;
+  o.wait_event = kWait;
+  o.wait_value = wait_value;
+  o.layer_event_base = 0;
+  o.done_event = kDone;
+  o.sync = false;
+  RestoreResult r = c.client().Restore(c.pool(), c.keys(), RowsFrom(kDst), o);
+  HIQ_ASSERT_OK(r.status);
+  auto waiter = kernels::CudaStream::Create(0);
+  HIQ_ASSERT_OK(waiter.status());
+  HIQ_ASSERT_OK(c.slots().StreamWait(waiter->get(), kDone, r.ticket));
+  std::this_thread::sleep_for(milliseconds(200));
+  ASSERT_EQ(cudaStreamQuery(waiter->get()), cudaErrorNotReady) << "the wait completed early";
+  (void)cudaGetLastError();
+  Touch(env.dir + "/ready");
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (!std::filesystem::exists(env.dir + "/killed") && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(std::filesystem::exists(env.dir + "/killed")) << "the daemon was not killed";
+  const auto killed = Clock::now();
+  cudaError_t q = cudaErrorNotReady;
+  while (q == cudaErrorNotReady && Clock::now() - killed < std::chrono::seconds(5)) {
+    q = cudaStreamQuery(waiter->get());
+    if (q == cudaErrorNotReady) std::this_thread::sleep_for(milliseconds(1));
+  }
+  const double released_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
+  EXPECT_EQ(q, cudaSuccess) << "the engine stream waiting on the done slot still waits 5 s after "
+                               "the daemon died (slot "
+                            << c.slots().Read(kDone) << ")";
+  (void)cudaGetLastError();
+  EXPECT_EQ(c.slots().Read(kDone), r.ticket | kEventFailedBit);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(c.slots().Read(l), r.ticket | kEventFailedBit) << "layer " << l;
+  }
+  EXPECT_EQ(c.slots().Wait(kDone, r.ticket, milliseconds(0)).code(), StatusCode::kAborted);
+  std::printf(
+      "stream waiting on the done slot released %.1f ms after the daemon's death was "
+      "noticed\n",
+      released_ms);
+  gate.Open();
+  HIQ_ASSERT_OK(waiter->Synchronize());
+  HIQ_ASSERT_OK(c.SyncStream());
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-daemon-dies");
+}
+
+// A restore whose wait value never comes, then ReleasePool: the release returns, the request is
+// cancelled without touching the rows, and its slots get the failed bit.
+TEST(CudaEventsChild, ReleaseWithAWaitPending) {
+  HIQ_CHILD_PRELUDE(env);
+  EventsClient c;
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/release-pending"));
+  ASSERT_NO_FATAL_FAILURE(c.BackupSync());
+  ASSERT_NO_FATAL_FAILURE(c.ClearDestination());
+  Gate gate;
+  ASSERT_NO_FATAL_FAILURE(gate.Init());
+  const uint64_t wait_value = c.NextWaitValue();
+  ASSERT_NO_FATAL_FAILURE(c.WriteWaitValueBehind(gate.device(), 600'000'000'000ull, wait_value));
+  RestoreOptions o;
+  o.wait_event = kWait;
+  o.wait_value = wait_value;
+  o.layer_event_base = 0;
+  o.done_event = kDone;
+  o.sync = false;
+  RestoreResult r = c.client().Restore(c.pool(), c.keys(), RowsFrom(kDst), o);
+  HIQ_ASSERT_OK(r.status);
+  const auto t0 = Clock::now();
+  ASSERT_NO_FATAL_FAILURE(c.Release());
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "ReleasePool waited for the engine";
+  EXPECT_EQ(c.slots().Wait(kDone, r.ticket, std::chrono::seconds(5)).code(), StatusCode::kAborted)
+      << "slot " << c.slots().Read(kDone);
+  uint64_t differ = 0, sentinel = 0;
+  ASSERT_NO_FATAL_FAILURE(c.Compare(&differ, &sentinel));
+  EXPECT_EQ(sentinel, uint64_t{kLayers} * 2 * kTokens) << "a cancelled restore wrote rows";
+  gate.Open();
+  HIQ_ASSERT_OK(c.SyncStream());
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-release-pending");
+}
+
+// Writes its wait value behind a gate that never opens, sends an asynchronous restore that waits
+// for it, says "ready" and waits to be killed.
+TEST(CudaEventsChild, WaitPendingUntilKilled) {
   HIQ_CHILD_PRELUDE(env);
   EventsClient c;
   ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/killed"));
   ASSERT_NO_FATAL_FAILURE(c.BackupSync());
   Gate gate;
   ASSERT_NO_FATAL_FAILURE(gate.Init());
-  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(gate.device(), 600'000'000'000ull, c.stream()));
-  HIQ_ASSERT_OK(c.events().Record(kWait, c.stream()));
+  const uint64_t wait_value = c.NextWaitValue();
+  ASSERT_NO_FATAL_FAILURE(c.WriteWaitValueBehind(gate.device(), 600'000'000'000ull, wait_value));
   RestoreOptions o;
   o.wait_event = kWait;
+  o.wait_value = wait_value;
   o.layer_event_base = 0;
   o.done_event = kDone;
   o.sync = false;
@@ -308,7 +420,7 @@ TEST(CudaEventsChild, RoundTrip) {
 }
 
 // TP rank `role` of 2. Flags: a shared memory object of two words, word r set by the OTHER rank
-// once its request was answered; this rank's wait_event is recorded behind a kernel spinning on
+// once its request was answered; this rank's wait value is written behind a kernel spinning on
 // word `role`.
 TEST(CudaEventsChild, PeerRank) {
   HIQ_CHILD_PRELUDE(env);
@@ -324,10 +436,12 @@ TEST(CudaEventsChild, PeerRank) {
   HIQ_ASSERT_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words), mem, 0));
   EventsClient c;
   ASSERT_NO_FATAL_FAILURE(c.Init(env, "gpu-events/tp", env.role, 2));
-  HIQ_ASSERT_OK(gputest::LaunchSpinUntil(dev_words + env.role, 60'000'000'000ull, c.stream()));
-  HIQ_ASSERT_OK(c.events().Record(kWait, c.stream()));
+  const uint64_t wait_value = c.NextWaitValue();
+  ASSERT_NO_FATAL_FAILURE(
+      c.WriteWaitValueBehind(dev_words + env.role, 60'000'000'000ull, wait_value));
   BackupOptions o;
   o.wait_event = kWait;
+  o.wait_value = wait_value;
   o.done_event = kDone;
   o.sync = false;
   const auto t0 = Clock::now();
@@ -335,8 +449,10 @@ TEST(CudaEventsChild, PeerRank) {
   HIQ_ASSERT_OK(r.status);
   const double reply_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   words[1 - env.role] = 1;  // answered: the peer's all-reduce may proceed
-  ASSERT_TRUE(c.AwaitEvent(kDone, std::chrono::seconds(30)))
-      << "rank " << env.role << ": done_event never completed (deadlock between the ranks?)";
+  const Status done = c.slots().Wait(kDone, r.ticket, std::chrono::seconds(30));
+  ASSERT_TRUE(done.ok()) << "rank " << env.role
+                         << ": the done slot was not reached (deadlock between the ranks?): "
+                         << done.ToString();
   // Published once the device work completed: poll Lookup briefly.
   uint32_t found = 0;
   for (int i = 0; i < 200 && found != kBlocks; ++i) {
@@ -346,7 +462,7 @@ TEST(CudaEventsChild, PeerRank) {
     if (found != kBlocks) std::this_thread::sleep_for(milliseconds(10));
   }
   EXPECT_EQ(found, kBlocks);
-  std::printf("rank %u: async backup answered in %.2f ms while its wait_event was pending\n",
+  std::printf("rank %u: async backup answered in %.2f ms while its wait value was pending\n",
               env.role, reply_ms);
   c.Release();
   HIQ_ASSERT_CUDA(cudaHostUnregister(mem));
@@ -397,30 +513,54 @@ class CudaEventsGpu : public ::testing::Test {
 
   bool DaemonAlive() const { return gpu_test::ChildAlive(daemon_->pid()); }
 
+  // Waits until child `pid` has created its "ready" marker.
+  void AwaitReady(pid_t pid) {
+    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    while (!std::filesystem::exists(dir_ + "/ready") && Clock::now() < deadline) {
+      int status;
+      ASSERT_NE(::waitpid(pid, &status, WNOHANG), pid) << "the client exited before it was ready";
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    ASSERT_TRUE(std::filesystem::exists(dir_ + "/ready"));
+  }
+
   std::unique_ptr<testing::DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
   std::string dir_, shm_;
 };
 
-TEST_F(CudaEventsGpu, WaitEventRecordedLate) {
+TEST_F(CudaEventsGpu, WaitValueWrittenLate) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon({}));
-  const pid_t pid = Spawn("WaitEventRecordedLate", 1);
+  const pid_t pid = Spawn("WaitValueWrittenLate", 1);
   ASSERT_GT(pid, 0);
   EXPECT_EQ(Wait(pid, std::chrono::seconds(120)), 0);
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-late"));
 }
 
-TEST_F(CudaEventsGpu, ClientKilledWithARecordPending) {
-  ASSERT_NO_FATAL_FAILURE(StartDaemon({"--release-timeout-ms", "2000"}));
-  const pid_t pid = Spawn("RecordPendingUntilKilled", 2);
+TEST_F(CudaEventsGpu, DaemonKilledWhileAStreamWaits) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon({"--wait-timeout-ms", "600000"}));
+  const pid_t pid = Spawn("StreamWaitsWhenDaemonDies", 5);
   ASSERT_GT(pid, 0);
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  while (!std::filesystem::exists(dir_ + "/ready") && Clock::now() < deadline) {
-    int status;
-    ASSERT_NE(::waitpid(pid, &status, WNOHANG), pid) << "client exited before it was killed";
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  ASSERT_TRUE(std::filesystem::exists(dir_ + "/ready"));
+  ASSERT_NO_FATAL_FAILURE(AwaitReady(pid));
+  client_.reset();
+  daemon_->Kill();
+  gpu_test::Touch(dir_ + "/killed");
+  EXPECT_EQ(Wait(pid, std::chrono::seconds(60)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-daemon-dies"))
+      << "the engine stream was not released after the daemon died";
+}
+
+TEST_F(CudaEventsGpu, ClientKilledWithAWaitPending) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartDaemon({"--release-timeout-ms", "2000", "--wait-timeout-ms", "600000"}));
+  const pid_t released = Spawn("ReleaseWithAWaitPending", 2);
+  ASSERT_GT(released, 0);
+  EXPECT_EQ(Wait(released, std::chrono::seconds(120)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-release-pending"))
+      << "ReleasePool with a wait pending did not complete";
+  const pid_t pid = Spawn("WaitPendingUntilKilled", 2);
+  ASSERT_GT(pid, 0);
+  ASSERT_NO_FATAL_FAILURE(AwaitReady(pid));
   ASSERT_EQ(::kill(pid, SIGKILL), 0);
   int status;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -434,14 +574,17 @@ TEST_F(CudaEventsGpu, ClientKilledWithARecordPending) {
     if (!gone) std::this_thread::sleep_for(milliseconds(20));
   }
   EXPECT_TRUE(gone) << "the dead client's pool is still registered";
-  std::printf("pool of the client killed with a record pending dropped after %.0f ms\n",
+  std::printf("pool of the client killed with a wait pending dropped after %.0f ms\n",
               std::chrono::duration<double, std::milli>(Clock::now() - killed).count());
   EXPECT_TRUE(DaemonAlive());
-  const pid_t next = Spawn("RoundTrip", 3);
-  ASSERT_GT(next, 0);
-  EXPECT_EQ(Wait(next, std::chrono::seconds(120)), 0);
-  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-3"))
-      << "a new client could not use the daemon after the death";
+  // Five engines in turn: nothing of the two abandoned requests still holds the daemon.
+  for (uint64_t seed = 10; seed < 15; ++seed) {
+    const pid_t next = Spawn("RoundTrip", seed);
+    ASSERT_GT(next, 0);
+    EXPECT_EQ(Wait(next, std::chrono::seconds(60)), 0) << "engine " << seed - 9;
+    EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-" + std::to_string(seed)))
+        << "engine " << seed - 9 << " could not use the daemon after the death";
+  }
   EXPECT_TRUE(DaemonAlive());
 }
 

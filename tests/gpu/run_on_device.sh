@@ -140,7 +140,7 @@ PY
   # Why tests skipped (once each), and the first failures with their messages.
   grep -E 'no usable CUDA|no CUDA|CUDA unavailable' "$OUT/$name.log" | sort | uniq -c | sed 's/^/    skip: /' | tee -a "$RESULTS"
   grep -E -A6 ': Failure$' "$OUT/$name.log" | head -n 60 | sed 's/^/    /' | tee -a "$RESULTS"
-  grep -E '^\[  FAILED  \]|^(async restore|pool of the killed)' "$OUT/$name.log" | sort -u | sed 's/^/    /' | tee -a "$RESULTS"
+  grep -E '^\[  FAILED  \]|^(async restore|pool of the (killed )?client|late wait value|stream waiting|rank [01]:)' "$OUT/$name.log" | sort -u | sed 's/^/    /' | tee -a "$RESULTS"
   [[ $rc -eq 0 ]] || overall=1
   device_ran=$(sed -n 's/.*device_tests_run=\([0-9]*\).*/\1/p' <<<"$summary")
   if [[ ${device_ran:-0} -eq 0 ]]; then
@@ -149,15 +149,16 @@ PY
   fi
 }
 
-# Budgets (s): codec 120, client 180, ctypes 30, bench 120 (at most 450 in all); each step
-# keeps the later steps' minimum (10 s each) in reserve.
+# Budgets (s): codec 90, client 150, events 90, ctypes 20, bench 100 (at most 450 in all); each
+# step keeps the later steps' minimum (10 s each) in reserve.
 log "== gpu tests"
-run_test codec_cuda_test 120 30
-run_test cuda_client_test 180 20
+run_test codec_cuda_test 90 40
+run_test cuda_client_test 150 30
+run_test cuda_events_test 90 20
 
 log "== C ABI from Python (ctypes)"
 if command -v python3 >/dev/null; then
-  limit=$(step_limit 30 10)
+  limit=$(step_limit 20 10)
   if (( limit == 0 )); then
     log "python ctypes smoke: not started (deadline)"
     overall=1
@@ -180,8 +181,11 @@ cleanup_mps() {  # a private MPS daemon left behind by an interrupted benchmark
   done
 }
 trap cleanup_mps EXIT
-limit=$(step_limit 120 0)
-if (( limit == 0 )); then
+limit=$(step_limit 100 0)
+if [[ ! -x $DEV/bin/gpu_bench ]]; then
+  log "gpu_bench: not packed (it did not build: see pack_for_device.sh's output)"
+  overall=1
+elif (( limit == 0 )); then
   log "gpu_bench: not started (deadline)"
   overall=1
 else
