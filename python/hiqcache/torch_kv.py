@@ -8,10 +8,10 @@
                                  writes the engine's KV in place)
   memfd_tensor(dtype, shape)     a new sealed memfd (HostShm.create_memfd) and a tensor over it:
                                  the preferred HOST buffer, registered by fd (shm.shared_buffer())
-  cuda_export(t)                 CUDA device: the IPC handle of the allocation holding t (the
-                                 base of PyTorch's caching-allocator segment), the byte offset of
-                                 t's first element from that base, and the bytes from the base to
-                                 the end of t's storage
+  cuda_export(t)                 CUDA device: the cudaIpcMemHandle_t of the allocation holding t
+                                 (the base of PyTorch's caching-allocator segment), the byte
+                                 offset of t's first element from that base, and the bytes from
+                                 the base to the end of t's storage
   CudaEventPool                  interprocess CUDA events for EventPoolSpec
 
 CUDA event rules (DESIGN.md "CUDA completion and event rules"): the engine records wait_event on
@@ -25,11 +25,13 @@ not run on one yet.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from hiqcache.host import HostShm
 from hiqcache.spec import EventPoolSpec, TensorView
+from hiqcache.torch_ipc import EXPANDABLE_SEGMENTS_MESSAGE, parse_torch_ipc_handle
 
 
 def paged_view(t: torch.Tensor, buffer: int, offset_bytes: int) -> TensorView:
@@ -81,21 +83,67 @@ def memfd_tensor(dtype: torch.dtype, shape: tuple[int, ...], tag: str = "torch-k
         raise
 
 
+_EXPANDABLE = re.compile(r"(?:^|,)expandable_segments:(True|False)(?=,|$)")
+
+
+def _expandable_setting(conf: str) -> bool | None:
+    """The expandable_segments value a PyTorch allocator settings string sets; None if none."""
+    found = _EXPANDABLE.findall("".join(conf.split()))
+    return found[-1] == "True" if found else None
+
+
+def expandable_segments_enabled() -> bool:
+    """Whether PyTorch's CUDA caching allocator uses expandable segments, whose memory CUDA IPC
+    cannot share. Never raises.
+
+    Read from torch._C._accelerator_getAllocatorSettings() where this torch has it: the
+    settings last applied, i.e. the string of the last
+    torch.cuda.memory._set_allocator_settings / torch._C._accelerator_setAllocatorSettings
+    call, else the environment's at start-up. That string decides when it names
+    expandable_segments. Otherwise (a string that does not name it, or an older torch) the
+    first variable set of those PyTorch reads decides: PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF,
+    PYTORCH_HIP_ALLOC_CONF where the getter exists (c10's AcceleratorAllocatorConfig), else
+    PYTORCH_CUDA_ALLOC_CONF first (older torch). A setting made at run time by a string that an
+    even later call replaced is not seen; cuda_export's handle check still catches such
+    memory."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+    if getter is not None:
+        names = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+        try:
+            setting = _expandable_setting(str(getter()))
+        except Exception:  # a torch whose getter fails: the environment decides
+            setting = None
+        if setting is not None:
+            return setting
+    for name in names:
+        conf = os.environ.get(name)
+        if conf is not None:
+            return bool(_expandable_setting(conf))
+    return False
+
+
 def cuda_export(t: torch.Tensor) -> tuple[bytes, int, int]:
-    """(IPC handle of the allocation base, offset of t's first element from it, bytes from the
-    base to the end of t's storage). The handle names the allocation, not t: hiqcached opens it
-    once and addresses t through the offset (DESIGN.md SharedBuffer)."""
+    """(cudaIpcMemHandle_t of the allocation base, offset of t's first element from it, bytes
+    from the base to the end of t's storage). The handle names the allocation, not t: hiqcached
+    opens it once and addresses t through the offset (DESIGN.md SharedBuffer).
+
+    ValueError for a tensor not on a GPU, for memory in PyTorch's expandable segments (set
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False) and for a PyTorch handle this module does
+    not know (hiqcache.torch_ipc)."""
     if not t.is_cuda:
         raise ValueError("cuda_export: not a CUDA tensor")
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if "expandable_segments:True" in conf.replace(" ", ""):
-        raise ValueError("cuda_export: PyTorch's expandable segments (VMM memory) cannot be "
-                         "shared by CUDA IPC; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+    if expandable_segments_enabled():
+        raise ValueError(f"cuda_export: {EXPANDABLE_SEGMENTS_MESSAGE}")
     storage = t.untyped_storage()
     # (device, handle, storage bytes, storage offset from the allocation base, ...)
     shared = storage._share_cuda_()
-    handle, size, base_offset = shared[1], int(shared[2]), int(shared[3])
-    return bytes(handle), base_offset + t.storage_offset() * t.element_size(), base_offset + size
+    try:
+        handle = parse_torch_ipc_handle(shared[1])
+    except ValueError as err:
+        raise ValueError(f"cuda_export: {err}") from None
+    size, base_offset = int(shared[2]), int(shared[3])
+    return handle, base_offset + t.storage_offset() * t.element_size(), base_offset + size
 
 
 def cuda_device_uuid(device: int) -> str:

@@ -1,9 +1,15 @@
 """hiqcache.torch_kv: TensorViews derived from PyTorch strides address exactly the elements the
 tensor does, checked through the real daemon on shm-backed tensors (HOST), for vLLM's
 FlashAttention pages [2][blocks][block_size][heads][dim] and for a head-major page
-[blocks][heads][block_size][dim]; the CUDA export needs a GPU and is skipped without one."""
+[blocks][heads][block_size][dim]; PyTorch's IPC handles (hiqcache.torch_ipc) of every known
+version give the cudaIpcMemHandle_t and others are refused; the expandable-segments check sees
+settings made at run time. The CUDA export needs a GPU and is skipped without one."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import types
 
 import pytest
 
@@ -11,7 +17,12 @@ torch = pytest.importorskip("torch")
 
 import hiqcache as hq  # noqa: E402
 from hiqcache.host import unique_name  # noqa: E402
-from hiqcache.torch_kv import cuda_export, memfd_tensor, paged_view, shm_tensor  # noqa: E402
+from hiqcache.torch_ipc import parse_torch_ipc_handle  # noqa: E402
+from hiqcache.torch_kv import (cuda_export, expandable_segments_enabled, memfd_tensor,  # noqa: E402
+                               paged_view, shm_tensor)
+
+HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 BS, HEADS, DIM, BLOCKS, LAYERS = 16, 2, 64, 6, 2
 
@@ -81,11 +92,89 @@ def test_views_torch_cannot_express_are_refused():
         cuda_export(t)
 
 
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_torch_ipc_handles_of_known_versions_give_the_cuda_handle(version):
+    assert parse_torch_ipc_handle(bytes([version]) + b"c" + HANDLE) == HANDLE
+
+
+def test_torch_ipc_handles_cuda_ipc_cannot_open_are_refused():
+    with pytest.raises(ValueError, match="expandable segment.*expandable_segments:False"):
+        parse_torch_ipc_handle(bytes([3]) + b"e" + bytes(40))
+    with pytest.raises(ValueError, match=r"version 4, known versions are 1, 2, 3"):
+        parse_torch_ipc_handle(bytes([4]) + b"c" + HANDLE)
+    with pytest.raises(ValueError, match=r"type byte 0x78, expected 0x63"):
+        parse_torch_ipc_handle(bytes([2]) + b"x" + HANDLE)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    (HANDLE, r"64 bytes, the size of a bare cudaIpcMemHandle_t; expected .* 66 bytes"),
+    (bytes([2]) + b"c" + HANDLE[:63], r"65 bytes, expected 66 bytes"),
+    (bytes([2]) + b"c" + HANDLE + b"\0", r"67 bytes, expected 66 bytes"),
+    (b"\x02", r"1 bytes, expected 66 bytes"),
+])
+def test_torch_ipc_handles_of_wrong_length_are_refused(raw, expected):
+    with pytest.raises(ValueError, match=expected):
+        parse_torch_ipc_handle(raw)
+
+
+def test_torch_ipc_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; import hiqcache.torch_ipc as t; "
+            "assert t.parse_torch_ipc_handle(b'\\x03c' + bytes(64)) == bytes(64)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_expandable_segments_set_at_run_time_are_seen(monkeypatch):
+    for name in ALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    settings = [""]  # what torch._C._accelerator_getAllocatorSettings answers
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings[0],
+                        raising=False)
+    assert not expandable_segments_enabled()
+    settings[0] = "max_split_size_mb:100, expandable_segments:True"
+    assert expandable_segments_enabled()
+    settings[0] = "expandable_segments:True,expandable_segments:False"
+    assert not expandable_segments_enabled()
+    # The settings last applied decide over the environment...
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert not expandable_segments_enabled()
+    # ...unless they do not name expandable_segments.
+    settings[0] = "max_split_size_mb:100"
+    assert expandable_segments_enabled()
+    # Where the getter exists, PYTORCH_ALLOC_CONF is read first (as c10 does).
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.5")
+    assert not expandable_segments_enabled()
+    # A fake tensor on a GPU: cuda_export refuses before it asks the storage for a handle.
+    settings[0] = "expandable_segments:True"
+    with pytest.raises(ValueError, match="expandable_segments:False"):
+        cuda_export(types.SimpleNamespace(is_cuda=True))
+
+
+def test_expandable_segments_check_falls_back_to_the_environment(monkeypatch):
+    for name in ALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    def broken() -> str:
+        raise RuntimeError("no allocator config")
+
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", broken, raising=False)
+    assert not expandable_segments_enabled()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert expandable_segments_enabled()
+    # An older torch without the getter reads PYTORCH_CUDA_ALLOC_CONF first.
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    assert expandable_segments_enabled()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments : False")
+    assert not expandable_segments_enabled()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_export_names_the_allocation_base():
     big = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
     part = big[1000:2000]
     h_big, off_big, end_big = cuda_export(big)
     h_part, off_part, _ = cuda_export(part)
-    assert len(h_big) == 64 and h_big == h_part
+    raw = big.untyped_storage()._share_cuda_()[1]
+    assert len(raw) == 66 and raw[1:2] == b"c"
+    assert len(h_big) == 64 and h_big == parse_torch_ipc_handle(raw) and h_big == h_part
     assert off_part - off_big == 1000 * 2 and end_big >= off_big + big.numel() * 2
