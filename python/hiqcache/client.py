@@ -20,8 +20,16 @@ The semantics are the C++ client's (client/include/hiqcache/client.h):
   own id and stays valid across daemon restarts: when the session ends (without a session: when
   the connection breaks), or a call answers UNAVAILABLE or NOT_FOUND (the daemon restarted and
   forgot its ids), the client opens a new session, registers the pool again (at most once per
-  reregister_interval per pool) and retries the call once. After re-registering a HOST pool it
-  zeroes the pool's event slots, since the new registration's tickets start again at 1.
+  reregister_interval per pool) and retries the call once. The slots keep their values: a new
+  registration's tickets start above the largest ticket in them.
+- Ticket slots (DESIGN.md "A dead daemon releases the engine"): the client maps the event slots
+  of each pool it registers through a session (HostEventPool, torch_kv.CudaTicketSlots: any
+  EventPoolSpec naming a memfd or shm object) and keeps the highest ticket the daemon answered
+  for it in that session. When the daemon ends the session without the client having closed it,
+  the client stores H | EVENT_FAILED_BIT in every slot of those pools whose ticket part is below
+  H (HostEventPool.release), before it opens another session, and once more a second later:
+  every waiter of the dead daemon is released and sees the failed bit. A client that closes its
+  session (close()) or releases a pool writes nothing into its slots.
 
 Thread-safety: one Client may be shared by any number of threads.
 """
@@ -33,15 +41,16 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, TypeVar
 
 import grpc
 
-from hiqcache.host import SHM_DIR, HostEventPool, HostShm, normalize_name
+from hiqcache.host import SHM_DIR, SLOT_BYTES, HostEventPool, HostShm, normalize_name
 from hiqcache.keys import BlockKey
-from hiqcache.session import Session, SessionError, session_path_for_target
+from hiqcache.session import Session, SessionError, call_later, session_path_for_target
 from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
                            PoolSpec, RegisteredPool)
 from hiqcache.status import HiqError, Status, StatusCode
@@ -51,6 +60,10 @@ from hiqcache.v1 import cache_pb2_grpc as pb_grpc
 log = logging.getLogger("hiqcache")
 T = TypeVar("T")
 Metadata = Optional[tuple[tuple[str, str], ...]]
+
+# After the first release of a dead daemon's slots, the second one: a store of the daemon's device
+# still in flight when it died may land after the first.
+SECOND_RELEASE_DELAY_S = 1.0
 
 
 def default_socket_path() -> str:
@@ -229,6 +242,23 @@ class _Pool:
         self.attempted = False
         self.last_attempt = 0.0
         self.last_error = Status.OK
+        # Guarded by the client's _slots_lock: this client's own mapping of the pool's event
+        # slots (None: it has none, or they could not be mapped) and, per session generation,
+        # the highest ticket the daemon of that session answered for the pool.
+        self.slots: HostEventPool | None = None
+        self.tickets: dict[int, int] = {}
+
+
+def _weak_call(obj: Any, method: str, *args: Any) -> Callable[[], Any]:
+    """A callable that runs obj.method(*args) while obj is alive (for callbacks held by the
+    session watcher, which must not keep a client alive)."""
+    ref = weakref.ref(obj)
+
+    def call() -> Any:
+        target = ref()
+        return getattr(target, method)(*args) if target is not None else None
+
+    return call
 
 
 def _check_keys(keys: Sequence[BlockKey]) -> Status:
@@ -281,6 +311,12 @@ class Client:
         self._session_retry_at = 0.0
         self._session_error = ""
         self._closed = False
+        # Releasing the slots of pools whose session the daemon ended: _release_lock serialises
+        # the first passes and guards _released (generations already released once);
+        # _slots_lock guards every pool's slots and tickets.
+        self._release_lock = threading.Lock()
+        self._released: set[int] = set()
+        self._slots_lock = threading.Lock()
         self._channel.subscribe(self._on_state, try_to_connect=True)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
@@ -307,6 +343,10 @@ class Client:
                 self._session = None
                 log.info("hiqcache client: session with %s ended (daemon restarted?); its pools "
                          "are gone", self.target)
+                if sess.ended_by_daemon:
+                    # Before a new session can re-register the pools: their tickets then start
+                    # above the released slots.
+                    self._session_ended(self._session_gen)
             now = time.monotonic()
             if (now < self._session_retry_at and not force) or deadline <= now:
                 return None, self._session_gen
@@ -323,6 +363,7 @@ class Client:
             self._session = sess
             self._session_gen += 1
             self._session_error = ""
+            sess.on_daemon_end(_weak_call(self, "_session_ended", self._session_gen))
             log.debug("hiqcache client: %r", sess)
             return sess, self._session_gen
 
@@ -354,11 +395,11 @@ class Client:
 
     def _with_fds(self, pool: _Pool, sess: Session | None, deadline: float
                   ) -> tuple[pb.RegisterPoolRequest | None, list[int], Status]:
-        """The pool's RegisterPoolRequest with its HOST objects passed over `sess` and named by
-        fd id, and the fds opened here (the caller closes them after the call). Without a
-        session, the request as it is (names)."""
+        """The pool's RegisterPoolRequest with its host memory objects (HOST buffers; event
+        slots of every device kind) passed over `sess` and named by fd id, and the fds opened
+        here (the caller closes them after the call). Without a session, the request as it is
+        (names)."""
         spec = pool.spec
-        host = spec.device is DeviceKind.HOST
         if sess is None:
             # A unix target whose session cannot be opened now is a daemon that is down (or
             # restarting): UNAVAILABLE, so that a pending pool registers once it is back.
@@ -369,7 +410,7 @@ class Client:
                         f"buffers[{i}]: passed by fd, which needs a session with hiqcached "
                         f"(unix target); {self.target} has none"
                         + (f" ({self._session_error})" if self._session_error else "")))
-            if host and spec.events.host_fd >= 0 and not spec.events.host_shm_name:
+            if spec.events.host_fd >= 0 and not spec.events.host_shm_name:
                 return None, [], Status(code, (
                     f"events: passed by fd, which needs a session with hiqcached; "
                     f"{self.target} has none"))
@@ -402,7 +443,7 @@ class Client:
                 fds.append(fd)
                 where.append(i)
         ev = spec.events
-        if host and ev.count > 0 and (ev.host_fd >= 0 or ev.host_shm_name):
+        if ev.count > 0 and (ev.host_fd >= 0 or ev.host_shm_name):
             fd = fd_of(ev)
             if fd >= 0:
                 fds.append(fd)
@@ -415,8 +456,7 @@ class Client:
             for fd in opened:
                 os.close(fd)
             fd_only = any(not b.cuda_ipc_handle and b.host_fd >= 0 and not b.host_shm_name
-                          for b in spec.buffers) or (host and ev.host_fd >= 0
-                                                     and not ev.host_shm_name)
+                          for b in spec.buffers) or (ev.host_fd >= 0 and not ev.host_shm_name)
             if fd_only:
                 return None, [], Status(StatusCode.UNAVAILABLE, str(err))
             log.warning("hiqcache client: cannot pass the fds of pool %d (%s); registering its "
@@ -452,7 +492,6 @@ class Client:
             return s
         assert resp is not None
         if pool.registered_once:
-            self._reset_events(pool.spec)
             log.info("hiqcache client: pool %d re-registered with %s as pool %d", pool.handle,
                      self.target, resp.pool_id)
         pool.server_id = resp.pool_id
@@ -466,21 +505,73 @@ class Client:
         pool.last_error = Status.OK
         return Status.OK
 
-    @staticmethod
-    def _reset_events(spec: PoolSpec) -> None:
-        ev = spec.events
-        if spec.device is not DeviceKind.HOST or ev.count <= 0:
+    # --- ticket slots of a dead daemon ----------------------------------------------------
+
+    def _map_slots(self, pool: _Pool) -> None:
+        """Maps the pool's event slots for _release_slots (see the module docstring)."""
+        ev = pool.spec.events
+        if ev.count <= 0 or (ev.host_fd < 0 and not ev.host_shm_name):
             return
-        if ev.host_fd < 0 and not ev.host_shm_name:
-            return
+        min_size = ev.count * SLOT_BYTES
         try:
-            shm = HostShm.from_fd(ev.host_fd) if ev.host_fd >= 0 else HostShm.open(ev.host_shm_name)
-            events = HostEventPool(shm, ev.count)
-            events.reset()
-            events.close()
+            shm = (HostShm.from_fd(ev.host_fd, min_size, tag="slots") if ev.host_fd >= 0
+                   else HostShm.open(ev.host_shm_name, min_size))
         except (OSError, ValueError) as err:
-            log.warning("hiqcache client: cannot reset event slots %s: %s",
+            log.warning("hiqcache client: cannot map the event slots of pool %d (%s): %s; they "
+                        "are not released if the daemon dies", pool.handle,
                         ev.host_shm_name or f"fd {ev.host_fd}", err)
+            return
+        with self._slots_lock:
+            pool.slots = HostEventPool(shm, ev.count)
+
+    def _note_ticket(self, pool: _Pool, gen: int, ticket: int) -> None:
+        if gen <= 0 or ticket <= 0:
+            return
+        with self._slots_lock:
+            if pool.slots is None:
+                return
+            if ticket > pool.tickets.get(gen, 0):
+                pool.tickets[gen] = ticket
+            for old in [g for g in pool.tickets if g < gen - 1]:
+                del pool.tickets[old]
+
+    def _session_ended(self, gen: int) -> None:
+        """The daemon ended session `gen` (it exited, was killed or restarts) while this client
+        held it: releases the slots of the pools registered through it now (once per session,
+        whoever notices first: the watcher or a call) and again SECOND_RELEASE_DELAY_S later."""
+        with self._release_lock:
+            if gen in self._released or self._closed:
+                return
+            self._released.add(gen)
+            for old in [g for g in self._released if g < gen - 8]:
+                self._released.discard(old)
+            n = self._release_slots(gen)
+        if n:
+            log.warning("hiqcache client: hiqcached at %s is gone; released %d event slots with "
+                        "the failed bit (their work is a miss)", self.target, n)
+        call_later(SECOND_RELEASE_DELAY_S, _weak_call(self, "_release_slots", gen))
+
+    def _release_slots(self, gen: int) -> int:
+        """Stores H | EVENT_FAILED_BIT in the slots below H of every pool of this client that
+        the daemon of session `gen` answered tickets for, H the highest; how many slots."""
+        with self._lock:
+            pools = list(self._pools.values())
+        n = 0
+        with self._slots_lock:
+            if self._closed:
+                return 0
+            for pool in pools:
+                highest = pool.tickets.get(gen, 0)
+                if highest and pool.slots is not None:
+                    n += pool.slots.release(highest)
+        return n
+
+    def _unmap_slots(self, pool: _Pool) -> None:
+        with self._slots_lock:
+            slots, pool.slots = pool.slots, None
+            pool.tickets.clear()
+        if slots is not None:
+            slots.close()
 
     def _valid_locked(self, pool: _Pool) -> bool:
         # REQUIRES: pool.lock held. Whether pool.server_id still names this registration.
@@ -518,8 +609,10 @@ class Client:
             pool.last_error = why
 
     def _with_pool(self, handle: int,
-                   rpc: Callable[[int, float, Metadata], tuple[T | None, Status]]
-                   ) -> tuple[T | None, Status]:
+                   rpc: Callable[[int, float, Metadata], tuple[T | None, Status]],
+                   ticketed: bool = False) -> tuple[T | None, Status]:
+        """rpc's answer for the pool, re-registering it once when its id is stale. `ticketed`:
+        the answer carries `ticket`, which the client keeps for _release_slots."""
         with self._lock:
             pool = self._pools.get(handle)
         if pool is None:
@@ -528,11 +621,13 @@ class Client:
         resp: T | None = None
         s = Status.OK
         for _ in range(2):
-            sess, _ = self._session_now(deadline)  # notices an ended session before the call
+            sess, gen = self._session_now(deadline)  # notices an ended session before the call
             server_id, s = self._ensure_registered(pool, deadline)
             if not s.ok:
                 return None, s
             resp, s = rpc(server_id, deadline, sess.metadata() if sess else None)
+            if ticketed and s.ok and sess is not None:
+                self._note_ticket(pool, gen, resp.ticket)
             if s.ok or not _is_stale(s):
                 return resp, s
             self._invalidate(pool, server_id, s)
@@ -557,9 +652,12 @@ class Client:
             handle = self._next_handle
             self._next_handle += 1
         pool = _Pool(handle, spec)
+        if self._session_path:
+            self._map_slots(pool)
         with pool.lock:
             s = self._register_locked(pool, time.monotonic() + self.register_timeout)
         if not s.ok and not (pending_if_unavailable and _is_unreachable(s)):
+            self._unmap_slots(pool)
             raise HiqError(s)
         if not s.ok:
             log.warning("hiqcache client: %s; pool kept pending, registers once the daemon is "
@@ -583,6 +681,7 @@ class Client:
             pool = self._pools.pop(handle, None)
         if pool is None:
             return Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        self._unmap_slots(pool)  # the engine may reuse or free its slots once this returns
         deadline = time.monotonic() + self.call_timeout
         sess, _ = self._session_now(deadline)
         with pool.lock:
@@ -641,7 +740,7 @@ class Client:
             return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
         resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Backup, pb.BackupRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            done_event=done_event, sync=sync), dl, md))
+            done_event=done_event, sync=sync), dl, md), ticketed=True)
         if resp is None or not s.ok or len(resp.results) != len(keys):
             if s.ok:
                 s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
@@ -658,7 +757,8 @@ class Client:
             return RestoreResult(0, 0, s)
         resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Restore, pb.RestoreRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md))
+            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
+            ticketed=True)
         if resp is None or not s.ok:
             return RestoreResult(0, 0, s)
         return RestoreResult(min(resp.restored_blocks, len(keys)), resp.ticket, s)
@@ -711,11 +811,16 @@ class Client:
         engine may free its buffers once this returns only if it released its pools first
         (ReleasePool returns after the pool's work has drained)."""
         if not self._closed:
-            self._closed = True
+            with self._slots_lock:
+                self._closed = True  # no release of slots from here on
             with self._session_lock:
                 if self._session is not None:
                     self._session.close()
                     self._session = None
+            with self._lock:
+                pools = list(self._pools.values())
+            for pool in pools:
+                self._unmap_slots(pool)
             self._channel.unsubscribe(self._on_state)
             self._channel.close()
 

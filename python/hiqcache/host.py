@@ -3,8 +3,10 @@
   HostShm        shared memory, mapped: a memfd (HostShm.create_memfd, preferred: sealed against
                  shrinking, no name, gone when its last fd and mapping are), a POSIX shm object
                  created here (unlinked again by close()) or one opened by name.
-  HostEventPool  event slots (slot i = little-endian uint64 at byte 64*i); the daemon stores
-                 ticket T with release order when work T completes, T | 2^63 when it failed.
+  HostEventPool  ticket slots (DESIGN.md "Completion: ticket slots"; slot i = little-endian
+                 uint64 at byte 64*i): the daemon stores ticket T with release order when work
+                 T completes, T | 2^63 when it failed. hiqcache.torch_kv.CudaTicketSlots is the
+                 same object page-locked for a GPU.
 
 hiqcache.Client hands the daemon these objects as file descriptors over its session
 (hiqcache.session): a memfd's own fd, or an fd it opens by name with this process's rights, so the
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 64
 EVENT_FAILED_BIT = 1 << 63
+TICKET_MASK = EVENT_FAILED_BIT - 1  # bits 0..62 of a slot: the ticket
 
 _names = itertools.count(1)
 
@@ -220,9 +223,12 @@ class HostShm:
 
 
 class HostEventPool:
-    """`count` 64-byte event slots in a shm object."""
+    """`count` 64-byte ticket slots in a shm object (a memfd unless created by name)."""
 
     def __init__(self, shm: HostShm, count: int):
+        if shm.size < count * SLOT_BYTES:
+            raise ValueError(f"{shm.name} holds {shm.size} bytes, {count} slots need "
+                             f"{count * SLOT_BYTES}")
         self.shm = shm
         self.count = count
         self._slots = shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1)
@@ -256,25 +262,50 @@ class HostEventPool:
         self._slots[slot, 0] = value
 
     def reset(self) -> None:
+        """Zeroes every slot. Only while no daemon holds them: a registered slot never moves
+        backwards."""
         self._slots[:, 0] = 0
+
+    def release(self, highest: int) -> int:
+        """Stores highest | EVENT_FAILED_BIT in every slot whose ticket part is below `highest`
+        and returns how many: what a client does for the slots of a daemon whose session ended
+        (DESIGN.md "A dead daemon releases the engine"). A slot never moves backwards.
+
+        Python has no compare-and-swap on shared memory, so each slot is read, then stored only
+        when its ticket part is below: a daemon store between the two cannot occur, since the
+        daemon that held the slots is gone (a store of its device still in flight is what the
+        second pass a second later covers). The engine's own stores into its wait_event slots
+        may interleave; those slots hold engine values, which no waiter of the dead daemon
+        needs."""
+        if highest <= 0:
+            return 0
+        marked = (highest & TICKET_MASK) | EVENT_FAILED_BIT
+        slots = self._slots
+        n = 0
+        for i in range(self.count):
+            if (int(slots[i, 0]) & TICKET_MASK) < highest:
+                slots[i, 0] = marked
+                n += 1
+        return n
 
     def wait(self, slot: int, ticket: int, timeout: float) -> Status:
         """Waits until the slot holds a value >= ticket: spins briefly, then sleeps with growing
-        backoff (up to 1 ms). OK; ABORTED when the daemon marked work `ticket` failed (treat its
-        rows as a miss); DEADLINE_EXCEEDED after `timeout` seconds."""
+        backoff (up to 1 ms). OK; ABORTED when the slot reached `ticket` with the failed bit set
+        (the daemon failed the work, or the client released the slots of a daemon that is gone:
+        treat its rows as a miss); DEADLINE_EXCEEDED after `timeout` seconds."""
         if not 0 <= slot < self.count:
             return Status(StatusCode.INVALID_ARGUMENT, f"slot {slot} out of range [0, {self.count})")
         deadline = time.monotonic() + timeout
         sleep = 0.0
         spins = 0
         while True:
-            # Bits 0..62 hold the latest completed ticket; bit 63 says that ticket's work failed.
             value = int(self._slots[slot, 0])
-            done = value & ~EVENT_FAILED_BIT
+            done = value & TICKET_MASK
             if done >= ticket:
-                if value & EVENT_FAILED_BIT and done == ticket:
-                    return Status(StatusCode.ABORTED, f"hiqcached reports that work {ticket} "
-                                  "failed: its rows were not written (treat as a miss)")
+                if value & EVENT_FAILED_BIT:
+                    return Status(StatusCode.ABORTED, f"slot {slot} holds {done} with the failed "
+                                  f"bit: work {ticket} may not have written its rows (treat as "
+                                  "a miss)")
                 return Status.OK
             if time.monotonic() >= deadline:
                 return Status(StatusCode.DEADLINE_EXCEEDED,
@@ -285,5 +316,6 @@ class HostEventPool:
                 time.sleep(sleep)
 
     def close(self) -> None:
+        """Unmaps the slots (and closes their fd). Idempotent."""
         self._slots = None
         self.shm.close()

@@ -13,24 +13,35 @@ The token is a bearer secret: never hand it to a process that is not trusted wit
 pools. The socket is close-on-exec, and a child made by fork() drops its inherited copy (it must
 open its own session: the daemon identified the parent, not it).
 
+The daemon ending a session (it exited, was killed or restarts) is noticed by one watcher thread
+per process, which polls every open session's socket for the hang-up and runs the session's
+on_daemon_end callback (hiqcache.Client releases the ticket slots of its pools there). It also
+runs the delayed calls of call_later. It starts with the first session watched and sleeps in
+poll(2) when nothing is due; a forked child starts with none.
+
 Thread-safety: one Session may be shared by any number of threads; send_fds calls are
 serialised (each is one request and its answer).
 """
 
 from __future__ import annotations
 
-import array
+import heapq
+import itertools
+import logging
 import os
 import re
 import select
 import socket
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["METADATA_KEY", "MAX_FDS_PER_MESSAGE", "Greeting", "Session", "SessionError",
-           "session_path_for_target"]
+           "call_later", "session_path_for_target"]
+
+log = logging.getLogger("hiqcache")
 
 SOCKET_SUFFIX = ".session"
 METADATA_KEY = "hiq-session"
@@ -82,11 +93,162 @@ class Greeting:
                    gid=int(m.group(4)))
 
 
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
+
+
+class _Watch:
+    """One session's entry in the watcher: the socket's fd while the session holds it open."""
+
+    __slots__ = ("fd", "session", "cancelled")
+
+    def __init__(self, fd: int, session: "Session"):
+        self.fd = fd
+        self.session = weakref.ref(session)  # a dropped Session closes itself (__del__)
+        self.cancelled = False
+
+
+class _Watcher:
+    """The process's session watcher (see the module docstring).
+
+    A session unwatches itself before it closes its fd, and the watcher acts on an event only
+    for an entry still watched, so a number reused by another fd never counts as a hang-up.
+    Thread-safety: every method may be called from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: dict[int, _Watch] = {}  # by fd
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  # heap by due time
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake_r = self._wake_w = -1
+
+    def watch(self, session: "Session", fd: int) -> _Watch:
+        w = _Watch(fd, session)
+        with self._lock:
+            self._watches[fd] = w
+            self._start_locked()
+        self._wake()
+        return w
+
+    def unwatch(self, w: _Watch | None) -> None:
+        """Stops watching; once this returns the watcher no longer acts on w's fd."""
+        if w is None:
+            return
+        with self._lock:
+            w.cancelled = True
+            if self._watches.get(w.fd) is w:
+                del self._watches[w.fd]
+        self._wake()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        with self._lock:
+            heapq.heappush(self._timers, (time.monotonic() + delay, next(self._order), fn))
+            self._start_locked()
+        self._wake()
+
+    def _start_locked(self) -> None:
+        # REQUIRES: _lock held.
+        if self._thread is not None:
+            return
+        r, w = os.pipe()  # non-inheritable (PEP 446)
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._wake_r, self._wake_w = r, w
+        self._thread = threading.Thread(target=self._run, args=(r,),
+                                        name="hiqcache-session-watcher", daemon=True)
+        self._thread.start()
+
+    def _wake(self) -> None:
+        fd = self._wake_w
+        if fd >= 0:
+            try:
+                os.write(fd, b"x")
+            except OSError:
+                pass  # full (a wake-up is pending anyway) or gone with a fork
+
+    def _run(self, wake_r: int) -> None:
+        while True:
+            with self._lock:
+                watched = dict(self._watches)
+                timeout_ms = None
+                if self._timers:
+                    left = self._timers[0][0] - time.monotonic()
+                    timeout_ms = max(0, int(left * 1000) + 1)
+            poller = select.poll()
+            poller.register(wake_r, select.POLLIN)
+            for fd in watched:
+                poller.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR always count
+            try:
+                events = poller.poll(timeout_ms)
+            except InterruptedError:
+                continue
+            ended: list[Session] = []
+            due: list[Callable[[], None]] = []
+            with self._lock:
+                for fd, ev in events:
+                    if fd == wake_r:
+                        try:
+                            while os.read(wake_r, 512):
+                                pass
+                        except OSError:
+                            pass
+                        continue
+                    w = watched.get(fd)
+                    if w is None or w.cancelled or self._watches.get(fd) is not w:
+                        continue  # unwatched meanwhile: the fd may be another file by now
+                    if ev & select.POLLNVAL:
+                        del self._watches[fd]  # closed without unwatching: not a hang-up
+                    elif ev & _HANGUP:
+                        del self._watches[fd]
+                        sess = w.session()
+                        if sess is not None:
+                            ended.append(sess)
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    due.append(heapq.heappop(self._timers)[2])
+            for sess in ended:
+                sess._daemon_ended()
+            for fn in due:
+                _run_callback(fn)
+
+    def _after_fork_in_child(self) -> None:
+        # The thread does not exist in the child; the inherited pipe and entries are the
+        # parent's.
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._lock = threading.Lock()
+        self._watches = {}
+        self._timers = []
+        self._thread = None
+        self._wake_r = self._wake_w = -1
+
+
+def _run_callback(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # a callback's failure must not stop the watcher
+        log.exception("hiqcache: session watcher callback failed")
+
+
+_watcher = _Watcher()
+
+
+def call_later(delay: float, fn: Callable[[], None]) -> None:
+    """Runs fn() on the session watcher thread about `delay` seconds from now (not in a child
+    forked before then). fn must be short and must not raise; an exception is logged."""
+    _watcher.call_later(delay, fn)
+
+
 # Sessions open in this process, so that a forked child drops its copies (see the module doc).
 _open_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    _watcher._after_fork_in_child()
     for s in list(_open_sessions):
         s._forget_after_fork()
 
@@ -105,6 +267,12 @@ class Session:
         self.path = path
         self.timeout = timeout
         self._lock = threading.Lock()
+        # Guards the three fields below; never held while taking _lock.
+        self._state_lock = threading.Lock()
+        self._ended_by_daemon = False
+        self._on_end: Callable[[], None] | None = None
+        self._end_reported = False
+        self._watch: _Watch | None = None  # guarded by _lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
@@ -175,10 +343,13 @@ class Session:
                     socket.send_fds(sock, [b"FDS"], chunk)
                     answer = sock.recv(MAX_MESSAGE_BYTES)
                 except OSError as err:
+                    if not isinstance(err, socket.timeout):
+                        self._daemon_ended()  # EPIPE, ECONNRESET: the daemon's end is gone
                     self._close_locked()
                     raise SessionError(f"hiqcached session {self.path}: passing fds failed: "
                                        f"{err}") from err
                 if not answer:
+                    self._daemon_ended()
                     self._close_locked()
                     raise SessionError(f"hiqcached session {self.path}: closed by the daemon")
                 text = answer.decode("ascii", "replace")
@@ -196,8 +367,8 @@ class Session:
 
     def alive(self) -> bool:
         """Whether the daemon still holds the session: false once closed here, or when the
-        daemon closed it (it exited or restarted: every pool registered through it is gone).
-        Non-blocking."""
+        daemon closed it (it exited or restarted: every pool registered through it is gone;
+        ended_by_daemon is then true). Non-blocking."""
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -209,15 +380,58 @@ class Session:
                 if not events:
                     return True
                 ev = events[0][1]
-                if ev & (select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL):
+                if ev & select.POLLNVAL:
+                    return False
+                if ev & _HANGUP:
+                    self._daemon_ended()
                     return False
                 # Readable: the daemon sends nothing unasked, so this is the end of the stream.
                 data = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                if not data:
+                    self._daemon_ended()
                 return bool(data)
             except BlockingIOError:
                 return True
             except OSError:
+                self._daemon_ended()
                 return False
+
+    @property
+    def ended_by_daemon(self) -> bool:
+        """Whether the daemon was seen ending the session (hang-up or end of stream) while this
+        side held it open; false after close() or fork() alone."""
+        with self._state_lock:
+            return self._ended_by_daemon
+
+    def on_daemon_end(self, callback: Callable[[], None]) -> None:
+        """Has callback() run once, on the session watcher thread, when the daemon ends this
+        session while it is open here (the daemon exited, was killed or restarts), as seen by
+        the watcher, alive() or send_fds; never for a session closed here first, nor in a forked
+        child. At most one callback per session (a later call replaces it). The callback must
+        be short and must not raise."""
+        with self._state_lock:
+            self._on_end = callback
+            fire = self._ended_by_daemon and not self._end_reported
+            if fire:
+                self._end_reported = True
+        if fire:
+            call_later(0, callback)
+            return
+        with self._lock:
+            if self._sock is not None and self._watch is None:
+                self._watch = _watcher.watch(self, self._sock.fileno())
+
+    def _daemon_ended(self) -> None:
+        # The daemon closed its end while this side held the socket open.
+        with self._state_lock:
+            if self._end_reported and self._ended_by_daemon:
+                return
+            self._ended_by_daemon = True
+            cb = self._on_end
+            if cb is not None:
+                self._end_reported = True
+        if cb is not None:
+            call_later(0, cb)
 
     def close(self) -> None:
         """Closes the session: the daemon releases every pool registered through it and closes
@@ -227,6 +441,8 @@ class Session:
 
     def _close_locked(self) -> None:
         if self._sock is not None:
+            _watcher.unwatch(self._watch)  # before the fd number can be reused
+            self._watch = None
             try:
                 self._sock.close()
             finally:
@@ -235,8 +451,13 @@ class Session:
 
     def _forget_after_fork(self) -> None:
         # In a forked child: drop the inherited fd without shutting the connection down (the
-        # parent still uses it). The lock may have been held by a thread of the parent.
+        # parent still uses it), and the callback (the daemon serves the parent's session). The
+        # locks may have been held by a thread of the parent.
         self._lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._on_end = None
+        self._end_reported = True
+        self._watch = None  # the child's watcher starts empty
         sock, self._sock = self._sock, None
         if sock is not None:
             try:
@@ -258,6 +479,7 @@ class Session:
     def __del__(self) -> None:
         sock = getattr(self, "_sock", None)
         if sock is not None:
+            _watcher.unwatch(getattr(self, "_watch", None))
             try:
                 sock.close()
             except OSError:

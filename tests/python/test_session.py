@@ -2,8 +2,10 @@
 the greeting names this process as the kernel sees it, fds pass over it, HOST pools register by
 fd (memfds, and named objects the client opens itself), another process (another user, or the
 same user) neither sees a pool's id nor uses it, a process's pools go when its session does
-(close, death, daemon restart), and a client without a session cannot register a buffer it
-holds only as an fd."""
+(close, death, daemon restart), a client without a session cannot register a buffer it holds
+only as an fd, and a daemon killed while its work is pending releases the engine: the client
+stores the failed value into the slots of its pools (and writes nothing after closing its own
+session or releasing a pool)."""
 
 from __future__ import annotations
 
@@ -384,8 +386,12 @@ def test_reregisters_through_a_new_session_after_a_restart():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert c.session().token != token
-        assert events.read(0) == 0  # re-registration zeroed the slots (memfd, by fd)
+        # The slots keep their values (the other slots got the stopped daemon's highest ticket
+        # with the failed bit); the new registration's tickets start above them.
+        assert events.read(0) == b.ticket
+        assert [events.read(i) for i in (1, 2, 3)] == [b.ticket | hq.EVENT_FAILED_BIT] * 3
         r = c.restore(pool, keys, range(2 * BT, 4 * BT), done_event=1, sync=False)
+        assert r.ticket > b.ticket
         assert r.restored_blocks == 2 and events.wait(1, r.ticket, 10).ok
         assert np.array_equal(kv.data[:, :, :2 * BT], kv.data[:, :, 2 * BT:])
         assert [p.owned for p in pools_of(c.get_stats(), "restart")] == [True]
@@ -407,3 +413,118 @@ def test_a_forked_child_drops_the_inherited_session(daemon):
         assert s.alive()  # the parent's session is untouched
     finally:
         s.close()
+
+
+FAILED = hq.EVENT_FAILED_BIT
+
+
+def test_release_stores_the_failed_value_only_below_the_ticket():
+    events = hq.HostEventPool.create(6)
+    try:
+        t = 40
+        before = [0, t - 1, t, t + 1, (t - 1) | FAILED, (t + 3) | FAILED]
+        for i, v in enumerate(before):
+            events.store(i, v)
+        assert events.release(t) == 3
+        assert [events.read(i) for i in range(6)] == [
+            t | FAILED, t | FAILED, t, t + 1, t | FAILED, (t + 3) | FAILED]
+        assert events.release(t) == 0  # never backwards, nothing twice
+        assert events.wait(0, t, 0).code == hq.StatusCode.ABORTED
+        assert events.wait(0, t - 5, 0).code == hq.StatusCode.ABORTED  # an earlier waiter too
+        assert events.wait(2, t, 0).ok
+        assert events.wait(5, t, 0).code == hq.StatusCode.ABORTED
+        assert events.wait(0, t + 1, 0).code == hq.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        events.close()
+
+
+def test_a_killed_daemon_releases_the_slots_of_its_pools():
+    """Work T waits on a slot the engine never writes; the daemon is killed (SIGKILL). With no
+    call of its own the client notices the session end and stores T | failed in every slot
+    below T, slots past T untouched, and again a second later."""
+    d = Daemon()
+    kv = HostKv(G, 4 * BT, memfd=True)
+    events = hq.HostEventPool.create(6)
+    c = None
+    try:
+        d.start()
+        c = hq.Client(d.target)
+        pool = c.register_pool(kv.spec("killed", BT, hq.Codec.RAW, events=events))
+        kv.fill(range(2 * BT), seed=15)
+        b = c.backup(pool, keys_for(2, salt="killed"), range(2 * BT), wait_event=1,
+                     wait_value=1, done_event=0, sync=False)
+        assert b.status.ok and b.ticket > 0, b.status
+        t = b.ticket
+        events.store(3, t + 5)  # slots already past T: the client must leave them alone
+        events.store(4, (t + 2) | FAILED)
+        time.sleep(0.2)
+        assert events.read(0) == 0  # the work still waits for slot 1
+        d.kill()
+        t0 = time.monotonic()
+        s = events.wait(0, t, 3.0)
+        assert s.code == hq.StatusCode.ABORTED, s
+        assert time.monotonic() - t0 < 3.0
+        assert events.read(0) == t | FAILED
+        assert [events.read(i) for i in (1, 2, 5)] == [t | FAILED] * 3
+        assert events.read(3) == t + 5 and events.read(4) == (t + 2) | FAILED
+        # A store of the dead daemon still in flight that lands after the first pass moves a slot
+        # back; the second pass, about a second later, releases it again.
+        events.store(2, t - 1)
+        deadline = time.monotonic() + 3.0
+        while events.read(2) != t | FAILED:
+            assert time.monotonic() < deadline, "slot 2 not released again"
+            time.sleep(0.02)
+        assert events.read(3) == t + 5
+    finally:
+        if c is not None:
+            c.close()
+        events.close()
+        kv.close()
+        d.close()
+
+
+def test_a_client_that_closes_or_releases_writes_nothing_into_its_slots():
+    """One client closes (its session with it), another releases one of its two pools; then the
+    daemon is killed. Only the pool still registered gets the failed values."""
+    d = Daemon()
+    kv = HostKv(G, 4 * BT, memfd=True)
+    closed, released, kept = (hq.HostEventPool.create(4) for _ in range(3))
+    others = None
+    try:
+        d.start()
+        keys = keys_for(2, salt="quiet")
+        kv.fill(range(2 * BT), seed=16)
+        c = hq.Client(d.target)
+        pool = c.register_pool(kv.spec("quiet-closed", BT, hq.Codec.RAW, events=closed))
+        b = c.backup(pool, keys, range(2 * BT), done_event=0, sync=False)
+        assert b.status.ok and closed.wait(0, b.ticket, 10).ok
+        c.close()
+        others = hq.Client(d.target)
+        gone = others.register_pool(kv.spec("quiet-released", BT, hq.Codec.RAW, events=released))
+        stays = others.register_pool(kv.spec("quiet-kept", BT, hq.Codec.RAW, events=kept))
+        tickets = {}
+        for name, pool, events in (("released", gone, released), ("kept", stays, kept)):
+            b = others.backup(pool, keys, range(2 * BT), done_event=0, sync=False)
+            assert b.status.ok and events.wait(0, b.ticket, 10).ok, b.status
+            tickets[name] = b.ticket
+        assert others.release_pool(gone).ok
+        snapshot = {name: [e.read(i) for i in range(4)]
+                    for name, e in (("closed", closed), ("released", released))}
+        d.kill()
+        t = tickets["kept"]
+        deadline = time.monotonic() + 3.0
+        while kept.read(1) != t | FAILED:  # the kill was noticed
+            assert time.monotonic() < deadline, "the kept pool's slots were not released"
+            time.sleep(0.02)
+        time.sleep(1.5)  # past the second pass
+        assert [kept.read(i) for i in range(4)] == [t] + [t | FAILED] * 3
+        assert snapshot["closed"] == [b_ for b_ in (closed.read(i) for i in range(4))]
+        assert snapshot["released"] == [released.read(i) for i in range(4)]
+        assert snapshot["closed"][1:] == [0, 0, 0] and snapshot["released"][1:] == [0, 0, 0]
+    finally:
+        if others is not None:
+            others.close()
+        for e in (closed, released, kept):
+            e.close()
+        kv.close()
+        d.close()
