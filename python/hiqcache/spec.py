@@ -155,8 +155,10 @@ class SharedBuffer:
 
 @dataclass(frozen=True)
 class EventPoolSpec:
-    """HOST: `count` 64-byte slots in an object named like SharedBuffer's (`host_fd` preferred,
-    or `host_shm_name`); CUDA: interprocess event handles."""
+    """`count` 64-byte ticket slots, for every device kind, in an object named like
+    SharedBuffer's (`host_fd` preferred, or `host_shm_name`): HostEventPool.spec(),
+    torch_kv.CudaTicketSlots.spec(). The daemon refuses `cuda_ipc_event_handles`
+    (DESIGN.md "Completion: ticket slots")."""
 
     host_shm_name: str = ""
     count: int = 0

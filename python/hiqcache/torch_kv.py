@@ -12,26 +12,33 @@
                                  (the base of PyTorch's caching-allocator segment), the byte
                                  offset of t's first element from that base, and the bytes from
                                  the base to the end of t's storage
-  CudaEventPool                  interprocess CUDA events for EventPoolSpec
+  CudaTicketSlots                ticket slots for a CUDA pool: host memory page-locked for the
+                                 GPU, which this process's streams wait on and store into
 
-CUDA event rules (DESIGN.md "CUDA completion and event rules"): the engine records wait_event on
-its stream before it sends a request and does not record it again before the reply; once an
-asynchronous reply has arrived, it makes its streams wait on the layer and done events (a stream
-wait captures the event's most recent record) before it sends another request naming them.
-The CUDA parts need a GPU; they are written against PyTorch's documented IPC semantics and have
-not run on one yet.
+Completion on CUDA (DESIGN.md "Completion: ticket slots"): the engine stores a request's
+wait_value into its wait_event slot from the stream that wrote (or last reads) the rows
+(CudaTicketSlots.write_on_stream) before or after sending the request; the daemon starts the
+work once it sees the value from the host. With an asynchronous reply's ticket T the engine makes
+the stream that reads the rows wait for slot >= T (wait_on_stream) or waits from the host (wait).
+The CUDA parts need a GPU and are written against the CUDA driver API's documentation.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import mmap
 import os
 import re
+import threading
 
 import torch
 
-from hiqcache.host import HostShm
-from hiqcache.spec import EventPoolSpec, TensorView
+from hiqcache.host import SLOT_BYTES, HostEventPool, HostShm
+from hiqcache.spec import TensorView
 from hiqcache.torch_ipc import EXPANDABLE_SEGMENTS_MESSAGE, parse_torch_ipc_handle
+
+log = logging.getLogger("hiqcache")
 
 
 def paged_view(t: torch.Tensor, buffer: int, offset_bytes: int) -> TensorView:
@@ -151,27 +158,182 @@ def cuda_device_uuid(device: int) -> str:
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-class CudaEventPool:
-    """`count` interprocess events (no timing) on `device`, owned here; the daemon's opened
-    copies stay valid until it releases the registration."""
+# cuda.h / cuda_runtime_api.h values.
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+_CUDA_HOST_REGISTER_PORTABLE = 0x1
+_CUDA_HOST_REGISTER_MAPPED = 0x2
 
-    def __init__(self, count: int, device: int):
-        with torch.cuda.device(device):
-            self.events = [torch.cuda.Event(enable_timing=False, interprocess=True)
-                           for _ in range(count)]
-            for e in self.events:
-                e.record()  # creates the event on this device
-        self.device = device
 
-    def spec(self) -> EventPoolSpec:
-        return EventPoolSpec(cuda_ipc_event_handles=tuple(bytes(e.ipc_handle())
-                                                          for e in self.events))
+class _CudaDriver:
+    """The few CUDA driver calls CudaTicketSlots needs, from libcuda.so.1 through ctypes."""
 
-    def record(self, i: int, stream: "torch.cuda.Stream | None" = None) -> None:
-        """Records event i, e.g. as a request's wait_event, on `stream` (default: current)."""
-        self.events[i].record(stream)
+    _instance: "_CudaDriver | None" = None
+    _lock = threading.Lock()
 
-    def wait(self, i: int, stream: "torch.cuda.Stream | None" = None) -> None:
-        """Makes later work on `stream` wait for event i's most recent record: call it after the
-        daemon's reply to the request that records it."""
-        (stream or torch.cuda.current_stream(self.device)).wait_event(self.events[i])
+    @classmethod
+    def get(cls) -> "_CudaDriver":
+        """The process's instance; RuntimeError when libcuda.so.1 or a symbol is missing."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            # CUresult cuStreamWaitValue64_v2(CUstream, CUdeviceptr, cuuint64_t, unsigned int)
+            self._wait64 = lib.cuStreamWaitValue64_v2
+            # CUresult cuStreamWriteValue64_v2(CUstream, CUdeviceptr, cuuint64_t, unsigned int)
+            self._write64 = lib.cuStreamWriteValue64_v2
+            # CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr*, void*, unsigned int)
+            self._host_device_pointer = lib.cuMemHostGetDevicePointer_v2
+            # CUresult cuGetErrorName(CUresult, const char**)
+            self._error_name = lib.cuGetErrorName
+        except (OSError, AttributeError) as err:
+            raise RuntimeError(f"CudaTicketSlots: the CUDA driver's stream memory operations "
+                               f"are not available (libcuda.so.1, CUDA >= 11.7): {err}") from err
+        for fn in (self._wait64, self._write64):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        self._host_device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                              ctypes.c_uint]
+        self._host_device_pointer.restype = ctypes.c_int
+        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._error_name.restype = ctypes.c_int
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc == 0:
+            return
+        name = ctypes.c_char_p()
+        text = ""
+        if self._error_name(rc, ctypes.byref(name)) == 0 and name.value:
+            text = " " + name.value.decode("ascii", "replace")
+        raise RuntimeError(f"{what}: CUDA driver error {rc}{text}")
+
+    def host_device_pointer(self, host_ptr: int) -> int:
+        """The device address of page-locked, mapped host memory (REQUIRES: a current
+        context)."""
+        out = ctypes.c_uint64()
+        self._check(self._host_device_pointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0),
+                    "cuMemHostGetDevicePointer")
+        return out.value
+
+    def wait_value64(self, stream: int, dev_ptr: int, value: int, flags: int) -> None:
+        self._check(self._wait64(ctypes.c_void_p(stream), dev_ptr, value, flags),
+                    "cuStreamWaitValue64")
+
+    def write_value64(self, stream: int, dev_ptr: int, value: int, flags: int) -> None:
+        self._check(self._write64(ctypes.c_void_p(stream), dev_ptr, value, flags),
+                    "cuStreamWriteValue64")
+
+
+def _device_index(device: int | str | torch.device | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"CudaTicketSlots: device {device!r} is not a CUDA device")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+class CudaTicketSlots(HostEventPool):
+    """`count` ticket slots (DESIGN.md "Completion: ticket slots") for a CUDA pool: a memfd
+    sealed against shrinking, page-locked and mapped for the GPUs (cudaHostRegister, portable |
+    mapped), so that this process's streams wait on and store into the slots the daemon maps.
+    Register spec() as the pool's events (by fd, like HostEventPool's); hiqcache.Client
+    releases these slots like a HostEventPool's when the daemon's session ends.
+
+    From the host: read, store, wait (HostEventPool's). On a stream: wait_on_stream and
+    write_on_stream. close() unregisters and unmaps; the pool must be released first.
+    Thread-safety: as HostEventPool's; the stream methods only enqueue."""
+
+    def __init__(self, count: int, device: int | str | torch.device | None = None):
+        """RuntimeError when torch has no usable GPU, the CUDA driver lacks stream memory
+        operations, or page-locking fails; ValueError for count <= 0 or a device that is not
+        a GPU."""
+        if count <= 0:
+            raise ValueError(f"count: must be > 0, got {count}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaTicketSlots: torch.cuda is not available (no GPU, or a torch "
+                               "built without CUDA); a HOST pool uses HostEventPool")
+        self.device = _device_index(device)
+        self._driver = _CudaDriver.get()
+        self._registered = False
+        self._host_ptr = 0
+        self.dev_ptr = 0  # the slots' device address (slot i at +64*i)
+        # Whole pages: page-locking works on pages, and none is shared with other memory.
+        size = -(-count * SLOT_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+        super().__init__(HostShm.create_memfd("cuda-slots", size), count)
+        try:
+            self._host_ptr = self._slots.ctypes.data
+            with torch.cuda.device(self.device):
+                cudart = torch.cuda.cudart()
+                err = cudart.cudaHostRegister(
+                    self._host_ptr, size, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
+                if err != cudart.cudaError.success:
+                    raise RuntimeError(f"CudaTicketSlots: cudaHostRegister of {size} bytes "
+                                       f"failed: {cudart.cudaGetErrorString(err)}")
+                self._registered = True
+                self.dev_ptr = self._driver.host_device_pointer(self._host_ptr)
+        except BaseException:
+            self.close()
+            raise
+
+    def _slot_address(self, slot: int) -> int:
+        if not 0 <= slot < self.count:
+            raise IndexError(f"slot {slot} out of range [0, {self.count})")
+        if not self._registered:
+            raise ValueError("CudaTicketSlots: closed")
+        return self.dev_ptr + slot * SLOT_BYTES
+
+    def _stream(self, stream: "torch.cuda.Stream | None") -> int:
+        return (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
+
+    def wait_on_stream(self, slot: int, ticket: int,
+                       stream: "torch.cuda.Stream | None" = None) -> None:
+        """Makes later work on `stream` (default: the device's current stream) wait until the
+        slot holds >= ticket: cuStreamWaitValue64 with CU_STREAM_WAIT_VALUE_GEQ, which compares
+        cyclically, (int64)(slot - ticket) >= 0. A value with the failed bit, T | 2^63, is
+        2^63 or more past any ticket <= T and so does not satisfy it: a stream waiting on a slot
+        that gets the failed value stays blocked, and only a host waiter (wait) sees the
+        failure. RuntimeError for a driver error."""
+        if not 0 < ticket < 1 << 63:
+            raise ValueError(f"ticket {ticket}: must be in [1, 2^63)")
+        addr = self._slot_address(slot)
+        with torch.cuda.device(self.device):
+            self._driver.wait_value64(self._stream(stream), addr, ticket,
+                                      CU_STREAM_WAIT_VALUE_GEQ)
+
+    def write_on_stream(self, slot: int, value: int,
+                        stream: "torch.cuda.Stream | None" = None) -> None:
+        """Has `stream` (default: the device's current stream) store `value` into the slot once
+        the work enqueued on it before has completed, its memory writes included
+        (cuStreamWriteValue64): how an engine tells the daemon that a request's rows are ready
+        (the request's wait_event and wait_value). RuntimeError for a driver error."""
+        if not 0 <= value < 1 << 64:
+            raise ValueError(f"value {value}: must be in [0, 2^64)")
+        addr = self._slot_address(slot)
+        with torch.cuda.device(self.device):
+            self._driver.write_value64(self._stream(stream), addr, value,
+                                       CU_STREAM_WRITE_VALUE_DEFAULT)
+
+    def close(self) -> None:
+        """Unregisters the page-locked slots and unmaps them. Idempotent; never raises (an
+        unregister failure is logged). No stream may still use the slots."""
+        if self._registered:
+            self._registered = False
+            try:
+                with torch.cuda.device(self.device):
+                    cudart = torch.cuda.cudart()
+                    err = cudart.cudaHostUnregister(self._host_ptr)
+                    if err != cudart.cudaError.success:
+                        log.warning("hiqcache: cudaHostUnregister of ticket slots failed: %s",
+                                    cudart.cudaGetErrorString(err))
+            except Exception as err:
+                log.warning("hiqcache: cudaHostUnregister of ticket slots failed: %s", err)
+        self.dev_ptr = 0
+        if self._slots is not None:
+            super().close()

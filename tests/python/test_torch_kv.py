@@ -3,12 +3,14 @@ tensor does, checked through the real daemon on shm-backed tensors (HOST), for v
 FlashAttention pages [2][blocks][block_size][heads][dim] and for a head-major page
 [blocks][heads][block_size][dim]; PyTorch's IPC handles (hiqcache.torch_ipc) of every known
 version give the cudaIpcMemHandle_t and others are refused; the expandable-segments check sees
-settings made at run time. The CUDA export needs a GPU and is skipped without one."""
+settings made at run time; CudaTicketSlots refuses cleanly without a GPU. The CUDA export and
+the slots' stream operations need a GPU and are skipped without one."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -18,8 +20,8 @@ torch = pytest.importorskip("torch")
 import hiqcache as hq  # noqa: E402
 from hiqcache.host import unique_name  # noqa: E402
 from hiqcache.torch_ipc import parse_torch_ipc_handle  # noqa: E402
-from hiqcache.torch_kv import (cuda_export, expandable_segments_enabled, memfd_tensor,  # noqa: E402
-                               paged_view, shm_tensor)
+from hiqcache.torch_kv import (CudaTicketSlots, cuda_export, expandable_segments_enabled,  # noqa: E402
+                               memfd_tensor, paged_view, shm_tensor)
 
 HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t
 ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -168,6 +170,14 @@ def test_expandable_segments_check_falls_back_to_the_environment(monkeypatch):
     assert not expandable_segments_enabled()
 
 
+def test_cuda_ticket_slots_refuse_cleanly_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="torch.cuda is not available"):
+        CudaTicketSlots(4, 0)
+    with pytest.raises(ValueError, match="count"):
+        CudaTicketSlots(0, 0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_export_names_the_allocation_base():
     big = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
@@ -178,3 +188,29 @@ def test_cuda_export_names_the_allocation_base():
     assert len(raw) == 66 and raw[1:2] == b"c"
     assert len(h_big) == 64 and h_big == parse_torch_ipc_handle(raw) and h_big == h_part
     assert off_part - off_big == 1000 * 2 and end_big >= off_big + big.numel() * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ticket_slots_wait_and_write_on_a_stream():
+    """A stream waits for a slot the host stores into, then stores into another slot; the
+    memfd's other mapping (as hiqcache.Client maps it) sees the device's store."""
+    slots = CudaTicketSlots(4)
+    try:
+        assert slots.spec().host_fd == slots.shm.fd and slots.spec().count == 4
+        other = hq.HostEventPool(hq.HostShm.from_fd(slots.shm.fd), 4)
+        stream = torch.cuda.Stream(slots.device)
+        slots.wait_on_stream(1, 3, stream)
+        slots.write_on_stream(2, 9, stream)
+        time.sleep(0.2)
+        assert slots.read(2) == 0  # the stream still waits for slot 1
+        slots.store(1, 3)
+        assert slots.wait(2, 9, 10).ok
+        assert other.read(2) == 9
+        stream.synchronize()
+        slots.write_on_stream(0, 5)  # the current stream
+        torch.cuda.current_stream(slots.device).synchronize()
+        assert slots.read(0) == 5
+        other.close()
+    finally:
+        slots.close()
+        slots.close()  # idempotent
