@@ -182,8 +182,8 @@ class _CudaDriver:
     def __init__(self) -> None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
-            # CUresult cuStreamWaitValue64_v2(CUstream, CUdeviceptr, cuuint64_t, unsigned int)
-            self._wait64 = lib.cuStreamWaitValue64_v2
+            # CUresult cuStreamWaitValue32_v2(CUstream, CUdeviceptr, cuuint32_t, unsigned int)
+            self._wait32 = lib.cuStreamWaitValue32_v2
             # CUresult cuStreamWriteValue64_v2(CUstream, CUdeviceptr, cuuint64_t, unsigned int)
             self._write64 = lib.cuStreamWriteValue64_v2
             # CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr*, void*, unsigned int)
@@ -193,9 +193,10 @@ class _CudaDriver:
         except (OSError, AttributeError) as err:
             raise RuntimeError(f"CudaTicketSlots: the CUDA driver's stream memory operations "
                                f"are not available (libcuda.so.1, CUDA >= 11.7): {err}") from err
-        for fn in (self._wait64, self._write64):
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
+        self._wait32.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._wait32.restype = ctypes.c_int
+        self._write64.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        self._write64.restype = ctypes.c_int
         self._host_device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
                                               ctypes.c_uint]
         self._host_device_pointer.restype = ctypes.c_int
@@ -219,9 +220,9 @@ class _CudaDriver:
                     "cuMemHostGetDevicePointer")
         return out.value
 
-    def wait_value64(self, stream: int, dev_ptr: int, value: int, flags: int) -> None:
-        self._check(self._wait64(ctypes.c_void_p(stream), dev_ptr, value, flags),
-                    "cuStreamWaitValue64")
+    def wait_value32(self, stream: int, dev_ptr: int, value: int, flags: int) -> None:
+        self._check(self._wait32(ctypes.c_void_p(stream), dev_ptr, value, flags),
+                    "cuStreamWaitValue32")
 
     def write_value64(self, stream: int, dev_ptr: int, value: int, flags: int) -> None:
         self._check(self._write64(ctypes.c_void_p(stream), dev_ptr, value, flags),
@@ -295,16 +296,20 @@ class CudaTicketSlots(HostEventPool):
     def wait_on_stream(self, slot: int, ticket: int,
                        stream: "torch.cuda.Stream | None" = None) -> None:
         """Makes later work on `stream` (default: the device's current stream) wait until the
-        slot holds >= ticket: cuStreamWaitValue64 with CU_STREAM_WAIT_VALUE_GEQ, which compares
-        cyclically, (int64)(slot - ticket) >= 0. A value with the failed bit, T | 2^63, is
-        2^63 or more past any ticket <= T and so does not satisfy it: a stream waiting on a slot
-        that gets the failed value stays blocked, and only a host waiter (wait) sees the
-        failure. RuntimeError for a driver error."""
+        slot holds ticket `ticket` or a later one, failed or not.
+
+        A 64-bit CU_STREAM_WAIT_VALUE_GEQ compares cyclically, (int64)(slot - ticket) >= 0, and
+        never accepts a value with the failed bit (T | 2^63 is 2^63 or more past any ticket
+        <= T), so a stream would stay blocked on a failed slot. This waits with
+        cuStreamWaitValue32 GEQ (cyclic) on the slot's low 32-bit word, its first 4 bytes: the
+        slot's ticket part must stay within 2^31 of `ticket`. The stream cannot tell a failed
+        value from a completed one: read the slot (read, wait) before the rows are trusted.
+        RuntimeError for a driver error."""
         if not 0 < ticket < 1 << 63:
             raise ValueError(f"ticket {ticket}: must be in [1, 2^63)")
-        addr = self._slot_address(slot)
+        addr = self._slot_address(slot)  # little-endian: the low word is at the slot's start
         with torch.cuda.device(self.device):
-            self._driver.wait_value64(self._stream(stream), addr, ticket,
+            self._driver.wait_value32(self._stream(stream), addr, ticket & 0xFFFFFFFF,
                                       CU_STREAM_WAIT_VALUE_GEQ)
 
     def write_on_stream(self, slot: int, value: int,

@@ -192,8 +192,9 @@ def test_cuda_export_names_the_allocation_base():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_ticket_slots_wait_and_write_on_a_stream():
-    """A stream waits for a slot the host stores into, then stores into another slot; the
-    memfd's other mapping (as hiqcache.Client maps it) sees the device's store."""
+    """A stream waits for a slot the host stores into (a ticket, then a failed value), then
+    stores into another slot; the memfd's other mapping (as hiqcache.Client maps it) sees the
+    device's store."""
     slots = CudaTicketSlots(4)
     try:
         assert slots.spec().host_fd == slots.shm.fd and slots.spec().count == 4
@@ -206,6 +207,15 @@ def test_cuda_ticket_slots_wait_and_write_on_a_stream():
         slots.store(1, 3)
         assert slots.wait(2, 9, 10).ok
         assert other.read(2) == 9
+        stream.synchronize()
+        # A failed value releases a stream too (the wait is on the slot's low word).
+        slots.wait_on_stream(3, 7, stream)
+        slots.write_on_stream(2, 11, stream)
+        time.sleep(0.2)
+        assert slots.read(2) == 9
+        slots.store(3, 7 | hq.EVENT_FAILED_BIT)
+        assert slots.wait(2, 11, 10).ok
+        assert slots.wait(3, 7, 0).code == hq.StatusCode.ABORTED
         stream.synchronize()
         slots.write_on_stream(0, 5)  # the current stream
         torch.cuda.current_stream(slots.device).synchronize()
