@@ -24,12 +24,16 @@ The semantics are the C++ client's (client/include/hiqcache/client.h):
   registration's tickets start above the largest ticket in them.
 - Ticket slots (DESIGN.md "A dead daemon releases the engine"): the client maps the event slots
   of each pool it registers through a session (HostEventPool, torch_kv.CudaTicketSlots: any
-  EventPoolSpec naming a memfd or shm object) and keeps the highest ticket the daemon answered
-  for it in that session. When the daemon ends the session without the client having closed it,
-  the client stores H | EVENT_FAILED_BIT in every slot of those pools whose ticket part is below
-  H (HostEventPool.release), before it opens another session, and once more a second later:
-  every waiter of the dead daemon is released and sees the failed bit. A client that closes its
-  session (close()) or releases a pool writes nothing into its slots.
+  EventPoolSpec naming a memfd or shm object), notes the slots its requests name for the daemon
+  to store into (done_event, layer_event_base + l) before it sends them, and keeps the highest
+  ticket the daemon answered for the pool in that session. When the daemon ends the session
+  without the client having closed it, the client stores H | EVENT_FAILED_BIT in each of those
+  slots whose ticket part is below H (HostEventPool.release), before it opens another session,
+  and once more a second later: every waiter of the dead daemon is released and sees the failed
+  bit. Slots the engine stores into (wait_event) are left alone: a failed value there would
+  satisfy a later wait_value before the engine stores it (the daemon compares the ticket part),
+  so a restarted daemon could touch rows before they are ready. A client that closes its session
+  (close()) or releases a pool writes nothing into its slots.
 
 Thread-safety: one Client may be shared by any number of threads.
 """
@@ -243,9 +247,11 @@ class _Pool:
         self.last_attempt = 0.0
         self.last_error = Status.OK
         # Guarded by the client's _slots_lock: this client's own mapping of the pool's event
-        # slots (None: it has none, or they could not be mapped) and, per session generation,
-        # the highest ticket the daemon of that session answered for the pool.
+        # slots (None: it has none, or they could not be mapped), the slots requests named for
+        # the daemon to store into and, per session generation, the highest ticket the daemon of
+        # that session answered for the pool.
         self.slots: HostEventPool | None = None
+        self.daemon_slots: set[int] = set()
         self.tickets: dict[int, int] = {}
 
 
@@ -524,6 +530,18 @@ class Client:
         with self._slots_lock:
             pool.slots = HostEventPool(shm, ev.count)
 
+    def _note_daemon_slots(self, pool: _Pool, done_event: int, layer_event_base: int) -> None:
+        """Before a request is sent: the slots it names for the daemon's tickets."""
+        with self._slots_lock:
+            if pool.slots is None:
+                return
+            count = pool.slots.count
+            if 0 <= done_event < count:
+                pool.daemon_slots.add(done_event)
+            if layer_event_base >= 0:
+                end = min(count, layer_event_base + pool.spec.geometry.num_layers)
+                pool.daemon_slots.update(range(layer_event_base, end))
+
     def _note_ticket(self, pool: _Pool, gen: int, ticket: int) -> None:
         if gen <= 0 or ticket <= 0:
             return
@@ -552,8 +570,8 @@ class Client:
         call_later(SECOND_RELEASE_DELAY_S, _weak_call(self, "_release_slots", gen))
 
     def _release_slots(self, gen: int) -> int:
-        """Stores H | EVENT_FAILED_BIT in the slots below H of every pool of this client that
-        the daemon of session `gen` answered tickets for, H the highest; how many slots."""
+        """Stores H | EVENT_FAILED_BIT in the daemon's slots below H of every pool of this client
+        that the daemon of session `gen` answered tickets for, H the highest; how many slots."""
         with self._lock:
             pools = list(self._pools.values())
         n = 0
@@ -563,13 +581,14 @@ class Client:
             for pool in pools:
                 highest = pool.tickets.get(gen, 0)
                 if highest and pool.slots is not None:
-                    n += pool.slots.release(highest)
+                    n += pool.slots.release(highest, pool.daemon_slots)
         return n
 
     def _unmap_slots(self, pool: _Pool) -> None:
         with self._slots_lock:
             slots, pool.slots = pool.slots, None
             pool.tickets.clear()
+            pool.daemon_slots.clear()
         if slots is not None:
             slots.close()
 
@@ -610,13 +629,17 @@ class Client:
 
     def _with_pool(self, handle: int,
                    rpc: Callable[[int, float, Metadata], tuple[T | None, Status]],
-                   ticketed: bool = False) -> tuple[T | None, Status]:
-        """rpc's answer for the pool, re-registering it once when its id is stale. `ticketed`:
-        the answer carries `ticket`, which the client keeps for _release_slots."""
+                   slots: tuple[int, int] | None = None) -> tuple[T | None, Status]:
+        """rpc's answer for the pool, re-registering it once when its id is stale. `slots`:
+        the request's (done_event, layer_event_base), and its answer carries `ticket`; the
+        client keeps both for _release_slots."""
         with self._lock:
             pool = self._pools.get(handle)
         if pool is None:
             return None, Status(StatusCode.INVALID_ARGUMENT, f"unknown pool handle {handle}")
+        ticketed = slots is not None
+        if slots is not None:
+            self._note_daemon_slots(pool, *slots)
         deadline = time.monotonic() + self.call_timeout
         resp: T | None = None
         s = Status.OK
@@ -740,7 +763,7 @@ class Client:
             return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
         resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Backup, pb.BackupRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            done_event=done_event, sync=sync), dl, md), ticketed=True)
+            done_event=done_event, sync=sync), dl, md), slots=(done_event, -1))
         if resp is None or not s.ok or len(resp.results) != len(keys):
             if s.ok:
                 s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
@@ -758,7 +781,7 @@ class Client:
         resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Restore, pb.RestoreRequest(
             pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
             layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
-            ticketed=True)
+            slots=(done_event, layer_event_base))
         if resp is None or not s.ok:
             return RestoreResult(0, 0, s)
         return RestoreResult(min(resp.restored_blocks, len(keys)), resp.ticket, s)

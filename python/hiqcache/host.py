@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -266,25 +267,24 @@ class HostEventPool:
         backwards."""
         self._slots[:, 0] = 0
 
-    def release(self, highest: int) -> int:
-        """Stores highest | EVENT_FAILED_BIT in every slot whose ticket part is below `highest`
-        and returns how many: what a client does for the slots of a daemon whose session ended
-        (DESIGN.md "A dead daemon releases the engine"). A slot never moves backwards.
+    def release(self, highest: int, slots: "Iterable[int] | None" = None) -> int:
+        """Stores highest | EVENT_FAILED_BIT in each of `slots` (default: every slot) whose
+        ticket part is below `highest` and returns how many: what a client does for the slots a
+        daemon whose session ended was to store tickets into (DESIGN.md "A dead daemon releases
+        the engine"). A slot never moves backwards; indices out of range are ignored.
 
         Python has no compare-and-swap on shared memory, so each slot is read, then stored only
         when its ticket part is below: a daemon store between the two cannot occur, since the
         daemon that held the slots is gone (a store of its device still in flight is what the
-        second pass a second later covers). The engine's own stores into its wait_event slots
-        may interleave; those slots hold engine values, which no waiter of the dead daemon
-        needs."""
+        second pass a second later covers)."""
         if highest <= 0:
             return 0
         marked = (highest & TICKET_MASK) | EVENT_FAILED_BIT
-        slots = self._slots
+        words = self._slots
         n = 0
-        for i in range(self.count):
-            if (int(slots[i, 0]) & TICKET_MASK) < highest:
-                slots[i, 0] = marked
+        for i in range(self.count) if slots is None else slots:
+            if 0 <= i < self.count and (int(words[i, 0]) & TICKET_MASK) < highest:
+                words[i, 0] = marked
                 n += 1
         return n
 

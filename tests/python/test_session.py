@@ -386,10 +386,9 @@ def test_reregisters_through_a_new_session_after_a_restart():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert c.session().token != token
-        # The slots keep their values (the other slots got the stopped daemon's highest ticket
-        # with the failed bit); the new registration's tickets start above them.
-        assert events.read(0) == b.ticket
-        assert [events.read(i) for i in (1, 2, 3)] == [b.ticket | hq.EVENT_FAILED_BIT] * 3
+        # The slots keep their values (no request named slots 1..3 for the daemon, so the
+        # client released none); the new registration's tickets start above them.
+        assert [events.read(i) for i in range(4)] == [b.ticket, 0, 0, 0]
         r = c.restore(pool, keys, range(2 * BT, 4 * BT), done_event=1, sync=False)
         assert r.ticket > b.ticket
         assert r.restored_blocks == 2 and events.wait(1, r.ticket, 10).ok
@@ -429,6 +428,11 @@ def test_release_stores_the_failed_value_only_below_the_ticket():
         assert [events.read(i) for i in range(6)] == [
             t | FAILED, t | FAILED, t, t + 1, t | FAILED, (t + 3) | FAILED]
         assert events.release(t) == 0  # never backwards, nothing twice
+        events.store(0, 1)
+        events.store(1, 2)
+        assert events.release(t + 1, [1, 99, -1]) == 1  # only the slots named, in range
+        assert events.read(0) == 1 and events.read(1) == (t + 1) | FAILED
+        events.store(0, t | FAILED)
         assert events.wait(0, t, 0).code == hq.StatusCode.ABORTED
         assert events.wait(0, t - 5, 0).code == hq.StatusCode.ABORTED  # an earlier waiter too
         assert events.wait(2, t, 0).ok
@@ -440,23 +444,32 @@ def test_release_stores_the_failed_value_only_below_the_ticket():
 
 def test_a_killed_daemon_releases_the_slots_of_its_pools():
     """Work T waits on a slot the engine never writes; the daemon is killed (SIGKILL). With no
-    call of its own the client notices the session end and stores T | failed in every slot
-    below T, slots past T untouched, and again a second later."""
+    call of its own the client notices the session end and stores T | failed in every slot that
+    requests named for the daemon (done_event, layer_event_base + l) below T, and again a
+    second later; slots past T, the wait slot and slots no request named are left alone."""
     d = Daemon()
     kv = HostKv(G, 4 * BT, memfd=True)
-    events = hq.HostEventPool.create(6)
+    events = hq.HostEventPool.create(10)
     c = None
     try:
         d.start()
         c = hq.Client(d.target)
         pool = c.register_pool(kv.spec("killed", BT, hq.Codec.RAW, events=events))
         kv.fill(range(2 * BT), seed=15)
-        b = c.backup(pool, keys_for(2, salt="killed"), range(2 * BT), wait_event=1,
+        keys = keys_for(2, salt="killed")
+        # Daemon slots 2 (done) and 3 (done), then 5..7 (a restore's layers) and 8 (its done).
+        for done in (2, 3):
+            b = c.backup(pool, keys, range(2 * BT), done_event=done, sync=False)
+            assert b.status.ok and events.wait(done, b.ticket, 10).ok, b.status
+        r = c.restore(pool, keys, range(2 * BT, 4 * BT), layer_event_base=5, done_event=8,
+                      sync=False)
+        assert r.restored_blocks == 2 and events.wait(8, r.ticket, 10).ok, r.status
+        b = c.backup(pool, keys_for(2, salt="killed-2"), range(2 * BT), wait_event=1,
                      wait_value=1, done_event=0, sync=False)
-        assert b.status.ok and b.ticket > 0, b.status
+        assert b.status.ok and b.ticket > r.ticket, b.status
         t = b.ticket
-        events.store(3, t + 5)  # slots already past T: the client must leave them alone
-        events.store(4, (t + 2) | FAILED)
+        events.store(3, t + 5)  # a daemon slot already past T: the client must leave it alone
+        events.store(9, 4)  # a slot no request named
         time.sleep(0.2)
         assert events.read(0) == 0  # the work still waits for slot 1
         d.kill()
@@ -464,9 +477,11 @@ def test_a_killed_daemon_releases_the_slots_of_its_pools():
         s = events.wait(0, t, 3.0)
         assert s.code == hq.StatusCode.ABORTED, s
         assert time.monotonic() - t0 < 3.0
-        assert events.read(0) == t | FAILED
-        assert [events.read(i) for i in (1, 2, 5)] == [t | FAILED] * 3
-        assert events.read(3) == t + 5 and events.read(4) == (t + 2) | FAILED
+        assert events.wait(6, t, 0).code == hq.StatusCode.ABORTED  # a layer slot
+        released = [0, 2, 5, 6, 7, 8]
+        assert [events.read(i) for i in released] == [t | FAILED] * len(released)
+        assert events.read(1) == 0 and events.read(3) == t + 5 and events.read(9) == 4
+        assert events.read(4) == 0
         # A store of the dead daemon still in flight that lands after the first pass moves a slot
         # back; the second pass, about a second later, releases it again.
         events.store(2, t - 1)
@@ -474,7 +489,7 @@ def test_a_killed_daemon_releases_the_slots_of_its_pools():
         while events.read(2) != t | FAILED:
             assert time.monotonic() < deadline, "slot 2 not released again"
             time.sleep(0.02)
-        assert events.read(3) == t + 5
+        assert events.read(1) == 0 and events.read(3) == t + 5
     finally:
         if c is not None:
             c.close()
@@ -494,33 +509,36 @@ def test_a_client_that_closes_or_releases_writes_nothing_into_its_slots():
         d.start()
         keys = keys_for(2, salt="quiet")
         kv.fill(range(2 * BT), seed=16)
+
+        def backups(client: hq.Client, pool: int, events: hq.HostEventPool) -> int:
+            """Slot 1 gets an earlier ticket than slot 0: both below the highest but one."""
+            for done in (1, 0):
+                b = client.backup(pool, keys, range(2 * BT), done_event=done, sync=False)
+                assert b.status.ok and events.wait(done, b.ticket, 10).ok, b.status
+            return b.ticket
+
         c = hq.Client(d.target)
-        pool = c.register_pool(kv.spec("quiet-closed", BT, hq.Codec.RAW, events=closed))
-        b = c.backup(pool, keys, range(2 * BT), done_event=0, sync=False)
-        assert b.status.ok and closed.wait(0, b.ticket, 10).ok
+        backups(c, c.register_pool(kv.spec("quiet-closed", BT, hq.Codec.RAW, events=closed)),
+                closed)
         c.close()
         others = hq.Client(d.target)
         gone = others.register_pool(kv.spec("quiet-released", BT, hq.Codec.RAW, events=released))
         stays = others.register_pool(kv.spec("quiet-kept", BT, hq.Codec.RAW, events=kept))
-        tickets = {}
-        for name, pool, events in (("released", gone, released), ("kept", stays, kept)):
-            b = others.backup(pool, keys, range(2 * BT), done_event=0, sync=False)
-            assert b.status.ok and events.wait(0, b.ticket, 10).ok, b.status
-            tickets[name] = b.ticket
+        backups(others, gone, released)
+        t = backups(others, stays, kept)
         assert others.release_pool(gone).ok
-        snapshot = {name: [e.read(i) for i in range(4)]
-                    for name, e in (("closed", closed), ("released", released))}
+        before = {name: [e.read(i) for i in range(4)]
+                  for name, e in (("closed", closed), ("released", released))}
         d.kill()
-        t = tickets["kept"]
         deadline = time.monotonic() + 3.0
         while kept.read(1) != t | FAILED:  # the kill was noticed
             assert time.monotonic() < deadline, "the kept pool's slots were not released"
             time.sleep(0.02)
         time.sleep(1.5)  # past the second pass
-        assert [kept.read(i) for i in range(4)] == [t] + [t | FAILED] * 3
-        assert snapshot["closed"] == [b_ for b_ in (closed.read(i) for i in range(4))]
-        assert snapshot["released"] == [released.read(i) for i in range(4)]
-        assert snapshot["closed"][1:] == [0, 0, 0] and snapshot["released"][1:] == [0, 0, 0]
+        assert [kept.read(i) for i in range(4)] == [t, t | FAILED, 0, 0]
+        assert before["closed"] == [closed.read(i) for i in range(4)]
+        assert before["released"] == [released.read(i) for i in range(4)]
+        assert all(0 < v < FAILED for name in before for v in before[name][:2])
     finally:
         if others is not None:
             others.close()
