@@ -205,7 +205,7 @@ struct Engine {
   std::unique_ptr<testing::DaemonProcess> daemon;
   std::unique_ptr<Client> client;
   CudaKvPool kv;
-  CudaEventPool events;
+  CudaTicketSlots events;
   PoolHandle pool;
   std::vector<BlockKey> keys;
   std::vector<uint32_t> rows;
@@ -236,8 +236,8 @@ struct Engine {
     auto p = CudaKvPool::Allocate(0, g, KvLayout::kSglang, 2 * tokens);
     Check(p.status(), "CudaKvPool::Allocate");
     kv = std::move(p).value();
-    auto ev = CudaEventPool::Create(0, kLayers + 2);
-    Check(ev.status(), "CudaEventPool::Create");
+    auto ev = CudaTicketSlots::Create(0, kLayers + 2);
+    Check(ev.status(), "CudaTicketSlots::Create");
     events = std::move(ev).value();
     auto s = kernels::CudaStream::Create(0);
     Check(s.status(), "CudaStream::Create");
@@ -359,23 +359,11 @@ int RunTransfer(const Options& o) {
   std::printf("target >= 1.6x raw copy: backup %s, restore %s\n",
               d2h_ms / b_ms >= 1.6 ? "met" : "NOT met", h2d_ms / r_ms >= 1.6 ? "met" : "NOT met");
 
-  // Per-layer restore latency. Each layer event is first recorded behind a gate kernel so that
-  // it reads "pending" until the daemon's own record of it completes (a CUDA event carries no
-  // ticket); the host polls the events in layer order from the moment the request is sent.
-  uint32_t* gate_host = nullptr;
-  CheckCuda(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), 4, cudaHostAllocMapped),
-            "cudaHostAlloc");
-  uint32_t* gate_dev = nullptr;
-  CheckCuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_dev), gate_host, 0),
-            "cudaHostGetDevicePointer");
-  auto gate_stream = kernels::CudaStream::Create(0);
-  Check(gate_stream.status(), "CudaStream::Create");
+  // Per-layer restore latency: the host polls the layer slots, in layer order, for the ticket
+  // the asynchronous reply carries, from the moment the request is sent.
   std::vector<std::vector<double>> layer_ms(kLayers);
   std::vector<double> reply_ms;
   for (uint32_t rep = 0; rep < o.reps; ++rep) {
-    *reinterpret_cast<volatile uint32_t*>(gate_host) = 0;
-    Check(gputest::LaunchSpinUntil(gate_dev, 30'000'000'000ull, gate_stream->get()), "gate");
-    for (uint32_t l = 0; l < kLayers; ++l) Check(e.events.Record(l, gate_stream->get()), "Record");
     RestoreOptions ro;
     ro.layer_event_base = 0;
     ro.sync = false;
@@ -384,21 +372,12 @@ int RunTransfer(const Options& o) {
     reply_ms.push_back(Ms(Clock::now() - t0));
     Check(r.status, "Restore (async)");
     for (uint32_t l = 0; l < kLayers; ++l) {
-      const auto deadline = Clock::now() + std::chrono::seconds(10);
-      while (true) {
-        auto q = e.events.Query(l);
-        Check(q.status(), "Query");
-        if (*q) break;
-        if (Clock::now() > deadline) Die("layer event " + std::to_string(l) + " never completed");
-      }
+      Check(e.events.Wait(l, r.ticket, std::chrono::seconds(10)), "layer slot");
       layer_ms[l].push_back(Ms(Clock::now() - t0));
     }
-    *reinterpret_cast<volatile uint32_t*>(gate_host) = 1;
-    Check(gate_stream->Synchronize(), "gate");
   }
-  cudaFreeHost(gate_host);
   std::printf(
-      "\nper-layer restore latency (ms from sending Restore to the layer's event, p50 of %u)\n",
+      "\nper-layer restore latency (ms from sending Restore to the layer's slot, p50 of %u)\n",
       o.reps);
   std::printf("  reply (sync=false) %.3f\n", Median(reply_ms));
   for (uint32_t l = 0; l < kLayers; ++l) {

@@ -254,6 +254,8 @@ int Run(int argc, char** argv) {
         cuda_api = std::move(api).value();
         CudaBackendOptions cuda_options;
         cuda_options.staging_bytes = config.cuda_staging_bytes;
+        cuda_options.wait_timeout = std::chrono::milliseconds(config.wait_timeout_ms);
+        cuda_options.client_objects = &host;
         cuda_options.max_blocks_per_request = options.limits.max_blocks_per_request;
         cuda_options.register_chunk_bytes = kPoolRegisterChunkBytes;
         // A sticky error leaves the device unusable for this process: stop (draining HOST

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <optional>
 
+#include <unistd.h>
+
 #include "device_completion.h"
 #include "hiqcache/log.h"
 #include "registration.h"
@@ -234,7 +236,9 @@ struct BindingResources {
   DeviceApi* api = nullptr;
   std::shared_ptr<DeviceState> dev;
   std::vector<std::shared_ptr<Mapping>> buffers;
-  std::vector<DeviceEvent> engine_events;  // opened from the engine's handles
+  // The engine's ticket slots, page-locked (RegisterHost) while the binding is open.
+  std::unique_ptr<TicketSlots> slots;
+  bool slots_registered = false;
   DeviceStream compute, copy;
   // Daemon-owned: completion of a task; per slab, "filled" (producer done) and "freed"
   // (consumer done); the copy stream's tail, joined into the compute stream.
@@ -251,10 +255,9 @@ struct BindingResources {
     for (DeviceEvent* e : {&complete, &filled[0], &filled[1], &freed[0], &freed[1], &tail}) {
       if (*e) api->DestroyEvent(d, std::exchange(*e, DeviceEvent{}));
     }
-    for (DeviceEvent& e : engine_events) {
-      if (e) api->DestroyEvent(d, e);
-    }
-    engine_events.clear();
+    if (slots_registered) api->UnregisterHost(slots->data());
+    slots_registered = false;
+    if (slots) slots->Close();
     buffers.clear();  // a mapping closes with its last binding
     if (has_arena) dev->ReturnArena(arena);
     has_arena = false;
@@ -265,7 +268,7 @@ struct BindingResources {
 class CudaBinding : public PoolBinding {
  public:
   CudaBinding(std::unique_ptr<BindingResources> res, kernels::BlockLayout layout, ChunkPlan plan,
-              uint32_t num_rows)
+              uint32_t num_rows, std::chrono::milliseconds wait_timeout)
       : res_(std::move(res)),
         api_(res_->api),
         dev_(res_->dev),
@@ -273,14 +276,21 @@ class CudaBinding : public PoolBinding {
         layout_(layout),
         plan_(plan),
         num_rows_(num_rows),
-        event_count_(static_cast<uint32_t>(res_->engine_events.size())) {}
+        event_count_(res_->slots->count()),
+        ticket_floor_(res_->slots->floor()),
+        wait_timeout_(wait_timeout) {}
   ~CudaBinding() override { Close(); }
 
   // Constant (requests racing a release validate against it while Close runs).
   uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
+  uint64_t TicketFloor() const override { return ticket_floor_; }
   bool SignalsOnDevice() const override { return true; }
   void Cancel() override { cancelled_.store(true, std::memory_order_release); }
+  // A failed device refuses requests before they are queued (asynchronous ones included).
+  Status Failure() const override {
+    return dev_->failed.load(std::memory_order_acquire) ? dev_->Failure() : Status::Ok();
+  }
   void Close() override {
     std::lock_guard<std::mutex> lock(close_mu_);
     res_->Release();
@@ -298,41 +308,35 @@ class CudaBinding : public PoolBinding {
   }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
-    Status refused = Refusal();
-    if (!refused.ok()) {
-      if (task->on_enqueued) task->on_enqueued(refused);
-      FinishBackup(*task, refused);
+    std::optional<Status> wait = Settle(*task);
+    if (!wait) return StartResult::kNotReady;
+    if (const Status& settled = *wait; !settled.ok()) {
+      // Nothing reached the device: the slots are released from here at once.
+      FailSlots(*task);
+      FinishBackup(*task, settled);
       return StartResult::kCompleted;
     }
     std::optional<uint32_t> pair = dev_->TryAcquire();
     if (!pair) return StartResult::kNotReady;  // every slab pair is on the device: retry
     Status st = Ctx(EnqueueBackup(*task, *pair), "backup");
     if (!st.ok()) st = Merge(st, JoinCopyStream());
-    st = Merge(st, RecordEngine(task->done_event, "done_event"));
+    if (st.ok()) st = StoreSlot(task->done_event, task->ticket, "done_event");
     return Submit(task, *pair, st, [this](BackupTask& t, const Status& s) { FinishBackup(t, s); });
   }
 
   StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
-    Status refused = Refusal();
-    if (!refused.ok()) {
-      if (task->on_enqueued) task->on_enqueued(refused);
-      task->on_complete(refused);
+    std::optional<Status> wait = Settle(*task);
+    if (!wait) return StartResult::kNotReady;
+    if (const Status& settled = *wait; !settled.ok()) {
+      FailSlots(*task);
+      task->on_complete(settled);
       return StartResult::kCompleted;
     }
     std::optional<uint32_t> pair = dev_->TryAcquire();
     if (!pair) return StartResult::kNotReady;
-    uint32_t signalled = 0;  // layer events recorded after their layer
-    Status st = Ctx(EnqueueRestore(*task, *pair, &signalled), "restore");
+    Status st = Ctx(EnqueueRestore(*task, *pair), "restore");
     if (!st.ok()) st = Merge(st, JoinCopyStream());
-    if (task->layer_event_base >= 0) {
-      // Never leave an engine waiting on a layer that will not come: on error the remaining
-      // layer events are recorded too (the error reply says those rows are garbage).
-      for (uint32_t l = signalled; l < layout_.num_layers; ++l) {
-        st = Merge(
-            st, RecordEngine(task->layer_event_base + static_cast<int32_t>(l), "layer_event_base"));
-      }
-    }
-    st = Merge(st, RecordEngine(task->done_event, "done_event"));
+    if (st.ok()) st = StoreSlot(task->done_event, task->ticket, "done_event");
     return Submit(task, *pair, st, [](RestoreTask& t, const Status& s) { t.on_complete(s); });
   }
 
@@ -345,6 +349,41 @@ class CudaBinding : public PoolBinding {
     return Status::Ok();
   }
 
+  // Where a task stands before anything of it is enqueued, without blocking: refused (pool
+  // released, device failed), DEADLINE_EXCEEDED once its caller gave up, else the state of its
+  // wait on the host (TicketSlots::CheckWait: nullopt while waiting; stamps its first try).
+  template <typename Task>
+  std::optional<Status> Settle(Task& task) {
+    HIQ_RETURN_IF_ERROR(Refusal());
+    HIQ_RETURN_IF_ERROR(CheckCallerDeadline(task.caller_deadline, task.ticket));
+    if (task.first_try == std::chrono::steady_clock::time_point{}) {
+      task.first_try = std::chrono::steady_clock::now();
+    }
+    return res_->slots->CheckWait(task.wait_event, task.wait_value, task.first_try,
+                                  wait_timeout_, cancelled_.load(std::memory_order_acquire));
+  }
+
+  // `ticket | failed` into every slot the task names, from the host. Only before any of its work
+  // was enqueued, or once that work stopped (completed, or the device was lost).
+  void FailSlots(const BackupTask& t) const { res_->slots->Store(t.done_event, t.ticket, true); }
+  void FailSlots(const RestoreTask& t) const {
+    if (t.layer_event_base >= 0) {
+      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        res_->slots->Store(t.layer_event_base + static_cast<int32_t>(l), t.ticket, true);
+      }
+    }
+    res_->slots->Store(t.done_event, t.ticket, true);
+  }
+
+  // Enqueues the store of `ticket` into slot `event` on the compute stream, behind everything
+  // enqueued there so far. event < 0: nothing.
+  Status StoreSlot(int32_t event, uint64_t ticket, const char* field) {
+    if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return Status::Ok();
+    return Ctx(api_->WriteValue64(device_, res_->compute,
+                                  res_->slots->slot(static_cast<uint32_t>(event)), ticket),
+               std::string("storing the ticket into ") + field + " slot " + std::to_string(event));
+  }
+
   // Records the completion event after everything the task enqueued, answers an asynchronous
   // request, and hands the rest to the device's completion thread.
   template <typename Task, typename Finish>
@@ -355,7 +394,7 @@ class CudaBinding : public PoolBinding {
       // engine's buffers: the device's state is unknown, so it is failed.
       Status failed = dev_->Fail(Ctx(rec, "recording the completion event"));
       dev_->Release(pair);
-      if (task->on_enqueued) task->on_enqueued(failed);
+      FailSlots(*task);
       finish(*task, failed);
       return StartResult::kCompleted;
     }
@@ -363,9 +402,9 @@ class CudaBinding : public PoolBinding {
     if (!st.ok()) {
       HIQ_LOG(WARN) << "event=enqueue_failed device=" << device_ << " ticket=" << task->ticket
                     << " code=" << StatusCodeName(st.code()) << " error=\"" << st.message()
-                    << "\" (its events are recorded; the request is answered with the error)";
+                    << "\" (its slots get the failed bit once the work enqueued before the error "
+                       "stopped)";
     }
-    if (task->on_enqueued) task->on_enqueued(st);
     // The callback hands its reference to the task (and through it to the pool and this
     // binding) over to the worker: the last one is never dropped on the completion thread.
     // `task = task`, not `task`: a by-copy capture of the const reference would be a const
@@ -375,6 +414,9 @@ class CudaBinding : public PoolBinding {
         res_->complete, [this, task = task, pair, st, finish](const Status& q) mutable {
           dev_->Release(pair);
           Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
+          // The device work stopped: whatever of it did not land is released as failed (a slot
+          // that already holds the ticket keeps it: that layer was written).
+          if (!out.ok()) FailSlots(*task);
           // A copy: the task, and `defer` in it, may be gone as soon as the work has run.
           auto defer = task->defer;
           defer([this, task = std::move(task), out, finish] { finish(*task, out); });
@@ -393,14 +435,6 @@ class CudaBinding : public PoolBinding {
     }
     task.on_written(nonfinite, st);
     task.on_complete(st);
-  }
-
-  Status RecordEngine(int32_t event, const char* field) {
-    if (event < 0 || static_cast<size_t>(event) >= res_->engine_events.size()) {
-      return Status::Ok();
-    }
-    return Ctx(api_->RecordEvent(device_, res_->engine_events[event], res_->compute),
-               std::string("recording ") + field + " event " + std::to_string(event));
   }
 
   // Makes the compute stream wait for everything enqueued on the copy stream so far.
@@ -446,11 +480,6 @@ class CudaBinding : public PoolBinding {
 
   Status EnqueueBackup(BackupTask& t, uint32_t pair) {
     const uint32_t n = static_cast<uint32_t>(t.payloads.size());
-    if (t.wait_event >= 0) {
-      HIQ_RETURN_IF_ERROR(
-          Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->engine_events[t.wait_event]),
-              "waiting for wait_event"));
-    }
     if (n == 0) return Status::Ok();
     const uint32_t cb = plan_.backup_blocks;
     const uint32_t lc = plan_.backup_layers;
@@ -497,20 +526,21 @@ class CudaBinding : public PoolBinding {
     return Ctx(api_->CopyAsync(device_, {&flags, 1}, res_->compute), "copying non-finite flags");
   }
 
-  Status EnqueueRestore(RestoreTask& t, uint32_t pair, uint32_t* signalled) {
+  Status EnqueueRestore(RestoreTask& t, uint32_t pair) {
     const uint32_t n = static_cast<uint32_t>(t.payloads.size());
     uint8_t** dev_ptrs = nullptr;
     const uint32_t cr = plan_.restore_blocks;
     if (n > 0) {
       HIQ_ASSIGN_OR_RETURN(dev_ptrs, UploadJobArrays(t.rows, pair, cr, plan_.layer_bytes));
     }
-    if (t.wait_event >= 0) {
-      // Gates the decodes, which write the engine's KV; the copies into staging need no wait.
-      HIQ_RETURN_IF_ERROR(
-          Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->engine_events[t.wait_event]),
-              "waiting for wait_event"));
+    if (n == 0) {
+      // Nothing to write: the layer slots still get the ticket.
+      for (uint32_t l = 0; t.layer_event_base >= 0 && l < layout_.num_layers; ++l) {
+        HIQ_RETURN_IF_ERROR(StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket,
+                                      "layer_event_base"));
+      }
+      return Status::Ok();
     }
-    if (n == 0) return Status::Ok();
     std::vector<DeviceApi::Copy> copies;
     uint32_t k = 0;  // unit number: slab k % 2
     for (uint32_t l = 0; l < layout_.num_layers; ++l) {
@@ -541,12 +571,11 @@ class CudaBinding : public PoolBinding {
         HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, 0, 1, res_->compute), "decode"));
         HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->freed[s], res_->compute));
       }
-      // Copy, decode and scatter of layer l are enqueued before its event is recorded.
+      // Copy, decode and scatter of layer l are enqueued before its slot store.
       if (t.layer_event_base >= 0) {
-        HIQ_RETURN_IF_ERROR(
-            RecordEngine(t.layer_event_base + static_cast<int32_t>(l), "layer_event_base"));
+        HIQ_RETURN_IF_ERROR(StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket,
+                                      "layer_event_base"));
       }
-      *signalled = l + 1;
     }
     return Status::Ok();
   }
@@ -559,6 +588,8 @@ class CudaBinding : public PoolBinding {
   const ChunkPlan plan_;
   const uint32_t num_rows_;
   const uint32_t event_count_;
+  const uint64_t ticket_floor_;
+  const std::chrono::milliseconds wait_timeout_;
   // Whether the views were copied to the device. Only Start* (one call at a time) use it.
   bool views_uploaded_ = false;
   std::atomic<bool> cancelled_{false};
@@ -734,13 +765,21 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spe
     bases.push_back(m->data);
     res->buffers.push_back(std::move(m));
   }
-  for (size_t i = 0; i < spec.events.cuda_ipc_event_handles.size(); ++i) {
-    auto ev = api_->OpenIpcEvent(device, spec.events.cuda_ipc_event_handles[i]);
-    if (!ev.ok()) {
-      return FailedPrecondition("events.cuda_ipc_event_handles[" + std::to_string(i) +
-                                "]: cannot open: " + ev.status().message());
+  const ClientObjectRules rules = options_.client_objects != nullptr
+                                      ? options_.client_objects->RulesFor(&spec.caller)
+                                      : ClientObjectRules{&spec.caller};
+  HIQ_ASSIGN_OR_RETURN(res->slots, TicketSlots::Open(spec.events, rules));
+  if (res->slots->count() > 0) {
+    // Page-locked and mapped for the device, whose streams store the tickets.
+    // Whole pages: the registration pins the pages the slots lie in.
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    Status reg = api_->RegisterHost(res->slots->data(),
+                                    (res->slots->bytes() + page - 1) / page * page);
+    if (!reg.ok()) {
+      return FailedPrecondition("events: cannot page-lock the ticket slots for the device: " +
+                                reg.message());
     }
-    res->engine_events.push_back(*ev);
+    res->slots_registered = true;
   }
   HIQ_ASSIGN_OR_RETURN(res->compute, api_->CreateStream(device));
   HIQ_ASSIGN_OR_RETURN(res->copy, api_->CreateStream(device));
@@ -757,7 +796,8 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spe
   res->arena = *arena;
   res->has_arena = true;
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
-  auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec));
+  auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec),
+                                               options_.wait_timeout);
   binding->StageViews(views);
   return std::unique_ptr<PoolBinding>(std::move(binding));
 }

@@ -1,31 +1,39 @@
 // CudaBackend: the CUDA device kind. Engines share their GPU KV buffers through cudaIpcMemHandles
-// of the allocation base (plus view offsets) and their completion events through IPC event
-// handles; the daemon quantizes and dequantizes on its own streams (a compute and a copy stream
+// of the allocation base (plus view offsets) and their ticket slots as a memfd the daemon maps
+// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams (a compute and a copy stream
 // per pool) and moves the compressed bytes between a device staging slab and the page-locked
 // pool with the copy engines, so the engine's SMs are held only for the short codec kernels.
 //
 // Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
 // a fake device in the unit tests. This file includes no CUDA header.
 //
-// A task of a pool (DESIGN.md "CUDA completion and event rules"):
-//   1. A transfer worker takes one staging slab pair of the pool's device (if none is free the
-//      task is retried later; the worker moves on), then enqueues, without waiting:
-//        Backup:  compute waits wait_event; per chunk k (blocks x layers that fit a slab):
-//                 encode kernel into slab k%2 -> copy stream waits for it -> D2H copies into
-//                 the reserved pool payloads; slab k%2 is encoded into again only after the
-//                 copy stream finished reading it (events) -> non-finite flags D2H ->
-//                 done_event.
+// A task of a pool (docs/design.md "Completion: ticket slots"):
+//   1. A transfer worker checks the task's wait on the host: until the engine's wait_event slot
+//      holds wait_value the task is not ready (the worker moves on; past wait_timeout it fails
+//      with DEADLINE_EXCEEDED, and once its caller's deadline passed with DEADLINE_EXCEEDED too,
+//      touching nothing). No daemon stream ever waits on memory an engine controls. Then it
+//      takes one staging slab pair of the pool's device (none free: retried later) and
+//      enqueues, without waiting:
+//        Backup:  per chunk k (blocks x layers that fit a slab): encode kernel into slab k%2 ->
+//                 copy stream waits for it -> D2H copies into the reserved pool payloads; slab
+//                 k%2 is encoded into again only after the copy stream finished reading it
+//                 (events) -> non-finite flags D2H -> ticket into done_event's slot.
 //        Restore: per (layer, chunk of blocks): copy stream H2D copies into slab k%2 (after
-//                 the decode that last read it) -> compute waits for them (and, before the first
-//                 decode, for wait_event) -> decode+scatter kernel -> after the last chunk of
-//                 layer l, event layer_event_base + l -> done_event.
-//      then records the pool's completion event on the compute stream and answers an
-//      asynchronous request (on_enqueued). A failed enqueue still records every engine event
-//      it names, and answers with the error: the rows are garbage, never "restored".
+//                 the decode that last read it) -> compute waits for them -> decode+scatter
+//                 kernel -> after the last chunk of layer l, the ticket into slot
+//                 layer_event_base + l -> the ticket into done_event's slot.
+//      The slot stores are cuStreamWriteValue64 on the compute stream (DeviceApi::WriteValue64),
+//      so each lands only after the work it signals. Then it records the pool's completion event
+//      on the compute stream. (An asynchronous request was answered when it was queued: its
+//      outcome reaches the engine through the slots.)
 //   2. The device's CompletionThread sees the completion event complete, returns the slabs and
 //      defers the rest to a worker: publish the backed-up blocks (visible to Lookup only from
 //      then on) or drop the restore's pins, then the pool's next task starts. A pool therefore
 //      has at most one task on the device, and its tasks run in request order.
+//   A task that fails stores `ticket | failed` into every slot it names from the host: at once
+//   when nothing of it reached the device, else once its device work stopped (completed, or the
+//   device was lost), so that an engine released by the failed bit never races a kernel still
+//   writing its rows. No slot is left without its ticket, whatever fails.
 // Staging is a fixed budget per device (CudaBackendOptions::staging_bytes), allocated when the
 // first pool binds to the device; per-pool job arrays are allocated at bind. Nothing is
 // allocated or freed on the request path, and nothing freed while the daemon runs (cudaFree
@@ -43,6 +51,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -53,6 +62,7 @@
 
 #include "device_api.h"
 #include "device_backend.h"
+#include "host_backend.h"
 
 namespace hiqcache::server {
 
@@ -70,6 +80,11 @@ struct CudaBackendOptions {
   uint64_t register_chunk_bytes = 64ull << 30;
   // Runs once, on the thread that saw it, when a device reports a sticky error. Must not block.
   std::function<void(int device, const Status&)> on_device_failed;
+  // How long a task waits for its wait_event slot to reach wait_value before it fails.
+  std::chrono::milliseconds wait_timeout{2000};
+  // The rules for the engines' slot objects (the daemon's pool object refused); null = only the
+  // caller's ownership of named objects is checked.
+  const HostBackend* client_objects = nullptr;
 };
 
 // How a device's staging budget is cut: `pairs` pairs of slabs of `slab_bytes` each (every task

@@ -15,8 +15,7 @@
 namespace hiqcache::server {
 namespace {
 
-static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(cudaIpcEventHandle_t) == 64,
-              "the wire format carries 64-byte IPC handles");
+static_assert(sizeof(cudaIpcMemHandle_t) == 64, "the wire format carries 64-byte IPC handles");
 
 cudaStream_t S(DeviceStream s) { return static_cast<cudaStream_t>(s.ptr); }
 cudaEvent_t E(DeviceEvent e) { return static_cast<cudaEvent_t>(e.ptr); }
@@ -75,10 +74,45 @@ void LogIfError(cudaError_t err, const char* what) {
 }
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using StreamWriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+// The driver's errors after which the context is lost, as FromCuda's runtime ones.
+Status FromDriver(CUresult res, const char* what) {
+  if (res == CUDA_SUCCESS) return Status::Ok();
+  const std::string text = std::string(what) + " failed with CUresult " +
+                           std::to_string(static_cast<int>(res));
+  switch (res) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+    case CUDA_ERROR_UNKNOWN:
+      return DataLoss(text);
+    case CUDA_ERROR_INVALID_VALUE:
+    case CUDA_ERROR_INVALID_HANDLE:
+      return InvalidArgument(text);
+    default:
+      return Internal(text);
+  }
+}
+
+// A driver entry point of at least CUDA 12.0's ABI, or null.
+void* DriverEntryPoint(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
 
 class CudaDeviceApi : public DeviceApi {
  public:
-  CudaDeviceApi(MemGetAddressRangeFn range) : range_(range) {}
+  CudaDeviceApi(MemGetAddressRangeFn range, StreamWriteValue64Fn write_value)
+      : range_(range), write_value_(write_value) {}
 
   StatusOr<std::vector<std::string>> DeviceUuids() override {
     int count = 0;
@@ -119,18 +153,6 @@ class CudaDeviceApi : public DeviceApi {
     cudaEvent_t e = nullptr;
     HIQ_RETURN_IF_ERROR(
         FromCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
-    return DeviceEvent{e};
-  }
-  StatusOr<DeviceEvent> OpenIpcEvent(int device, std::string_view handle) override {
-    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
-      return InvalidArgument("IPC event handle must be 64 bytes");
-    }
-    cudaIpcEventHandle_t h;
-    std::memcpy(&h, handle.data(), sizeof(h));
-    kernels::DeviceGuard g(device);
-    HIQ_RETURN_IF_ERROR(g.status());
-    cudaEvent_t e = nullptr;
-    HIQ_RETURN_IF_ERROR(FromCuda(cudaIpcOpenEventHandle(&e, h), "cudaIpcOpenEventHandle"));
     return DeviceEvent{e};
   }
   void DestroyEvent(int device, DeviceEvent event) override {
@@ -222,7 +244,20 @@ class CudaDeviceApi : public DeviceApi {
   }
   void FreePinned(uint8_t* data) override { LogIfError(cudaFreeHost(data), "cudaFreeHost"); }
   Status RegisterHost(uint8_t* data, size_t bytes) override {
-    return FromCuda(cudaHostRegister(data, bytes, cudaHostRegisterPortable), "cudaHostRegister");
+    return FromCuda(cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+                    "cudaHostRegister");
+  }
+  Status WriteValue64(int device, DeviceStream stream, uint64_t* slot, uint64_t value) override {
+    kernels::DeviceGuard g(device);
+    HIQ_RETURN_IF_ERROR(g.status());
+    // The slot's address in the device's space (registered mapped; equal to the host address
+    // where the device can use host pointers for registered memory).
+    void* dptr = nullptr;
+    HIQ_RETURN_IF_ERROR(FromCuda(cudaHostGetDevicePointer(&dptr, slot, 0), "cudaHostGetDevicePointer"));
+    // Default flags: a memory barrier before the store, so the work before it is visible first.
+    return FromDriver(write_value_(static_cast<CUstream>(stream.ptr),
+                                   reinterpret_cast<CUdeviceptr>(dptr), value, 0),
+                      "cuStreamWriteValue64");
   }
   void UnregisterHost(uint8_t* data) override {
     LogIfError(cudaHostUnregister(data), "cudaHostUnregister");
@@ -273,18 +308,22 @@ class CudaDeviceApi : public DeviceApi {
 
  private:
   const MemGetAddressRangeFn range_;
+  const StreamWriteValue64Fn write_value_;
 };
 
 }  // namespace
 
 StatusOr<std::unique_ptr<DeviceApi>> CreateCudaDeviceApi() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                     cudaEnableDefault, &found);
-  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    (void)cudaGetLastError();
+  void* range = DriverEntryPoint("cuMemGetAddressRange");
+  if (range == nullptr) {
     return FailedPrecondition("cuMemGetAddressRange is not available from the CUDA driver");
+  }
+  // Stream memory operations (CUDA driver API "Stream Memory Operations"): how the daemon's
+  // streams store tickets into the engines' slots.
+  void* write_value = DriverEntryPoint("cuStreamWriteValue64");
+  if (write_value == nullptr) {
+    return FailedPrecondition("cuStreamWriteValue64 is not available from the CUDA driver "
+                              "(stream memory operations need driver 12.0 or later)");
   }
   int count = 0;
   HIQ_RETURN_IF_ERROR(FromCuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
@@ -299,7 +338,9 @@ StatusOr<std::unique_ptr<DeviceApi>> CreateCudaDeviceApi() {
       (void)cudaGetLastError();
     }
   }
-  return std::unique_ptr<DeviceApi>(new CudaDeviceApi(reinterpret_cast<MemGetAddressRangeFn>(fn)));
+  return std::unique_ptr<DeviceApi>(
+      new CudaDeviceApi(reinterpret_cast<MemGetAddressRangeFn>(range),
+                        reinterpret_cast<StreamWriteValue64Fn>(write_value)));
 }
 
 }  // namespace hiqcache::server

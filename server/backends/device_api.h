@@ -1,6 +1,6 @@
 // DeviceApi: the CUDA runtime as the CUDA backend uses it, behind a narrow interface: streams,
-// events (the daemon's own and those opened from engines' IPC handles), IPC buffers, staging
-// memory, pool registration, and the enqueue of copies and codec launches.
+// the daemon's own events, IPC buffers, staging memory, host registration (the pool and the
+// engines' ticket slots), and the enqueue of copies, codec launches and slot stores.
 //
 // It is the backend's test seam (STYLE.md #3): CudaBackend's scheduling (what is enqueued on
 // which stream, in which order, when completion is observed, what an error does) runs against
@@ -57,11 +57,9 @@ class DeviceApi {
   virtual StatusOr<DeviceStream> CreateStream(int device) = 0;
   // Pending work still completes; never waits for it.
   virtual void DestroyStream(int device, DeviceStream stream) = 0;
-  // A daemon-owned event (cudaEventDisableTiming).
+  // A daemon-owned event (cudaEventDisableTiming). Engines' completion never uses events: an
+  // event carries no value and cannot be released by the host (ticket_slots.h).
   virtual StatusOr<DeviceEvent> CreateEvent(int device) = 0;
-  // An engine's event from its 64-byte IPC handle. The engine owns the event.
-  virtual StatusOr<DeviceEvent> OpenIpcEvent(int device, std::string_view handle) = 0;
-  // Destroys an event created or opened here (an opened one: drops this process's reference).
   virtual void DestroyEvent(int device, DeviceEvent event) = 0;
 
   // Captures the work enqueued on `stream` so far.
@@ -89,9 +87,16 @@ class DeviceApi {
   // Page-locked host memory (cudaMallocHost), for asynchronous copies of job arrays and flags.
   virtual StatusOr<uint8_t*> AllocPinned(size_t bytes) = 0;
   virtual void FreePinned(uint8_t* data) = 0;
-  // Page-locks [data, data + bytes) for DMA with every device (cudaHostRegister, portable).
+  // Page-locks [data, data + bytes) for DMA with every device and maps it into their address
+  // space (cudaHostRegister, portable | mapped). `data` must be page-aligned.
   virtual Status RegisterHost(uint8_t* data, size_t bytes) = 0;
   virtual void UnregisterHost(uint8_t* data) = 0;
+
+  // Enqueues on `stream` a store of `value` into the 8-byte aligned `slot`, host memory inside a
+  // RegisterHost registration (cuStreamWriteValue64 on its device address): it lands once
+  // everything enqueued on `stream` before it completed, and is then visible to the host and to
+  // other processes mapping the same memory.
+  virtual Status WriteValue64(int device, DeviceStream stream, uint64_t* slot, uint64_t value) = 0;
 
   struct Copy {
     void* dst = nullptr;

@@ -1,5 +1,6 @@
 // DeviceBackend: where an engine's KV buffers and completion events live (HOST shared memory or
-// CUDA device memory), and how codec work on them is executed and signalled.
+// CUDA device memory), and how codec work on them is executed and signalled. Both signal
+// completion through the engine's ticket slots (ticket_slots.h).
 //
 // Bind() opens the buffers and events of a validated registration and resolves its views into
 // kernels::LayerViews; the returned PoolBinding executes backup and restore tasks. Implementations:
@@ -9,11 +10,10 @@
 //
 // A task's life (both kinds):
 //   Start*(task)        on a transfer worker, one task of a pool at a time. Answers kNotReady
-//                       (nothing done, try again later: HOST wait_event not reached yet, no CUDA
-//                       staging free), kCompleted (done, on_complete already called), or
-//                       kPending (the device has the work; the worker is free).
-//   on_enqueued(st)     CUDA: once the stream waits and event records are enqueued, or the
-//                       enqueue failed (st): the moment an asynchronous request is answered.
+//                       (nothing done, try again later: the wait_event slot has not reached
+//                       wait_value yet, no CUDA staging free), kCompleted (done, on_complete
+//                       already called), or kPending (the device has the work; the worker is
+//                       free).
 //   defer(work)         CUDA: called by the device's completion thread once the device finished;
 //                       `work` must then run on a worker (it ends the task: on_written,
 //                       on_complete). The caller keeps the pool's next task waiting until then.
@@ -35,6 +35,7 @@
 #include "record_format.h"
 #include "requests.h"
 #include "tensor_view.h"
+#include "ticket_slots.h"
 
 namespace hiqcache::server {
 
@@ -42,9 +43,12 @@ enum class StartResult { kNotReady, kCompleted, kPending };
 
 // Callbacks shared by both task kinds (see the header comment).
 struct TaskHooks {
-  std::function<void(const Status&)> on_enqueued;  // may be empty
   std::function<void(std::function<void()>)> defer;
   std::function<void(const Status&)> on_complete;
+  // The request's caller gives up then (its gRPC deadline): a task that has not started by then
+  // fails with DEADLINE_EXCEEDED without touching the engine's memory (its slots get the failed
+  // bit). max() = no deadline.
+  CallerDeadline caller_deadline = CallerDeadline::max();
 };
 
 struct BackupTask : TaskHooks {
@@ -81,23 +85,19 @@ class PoolBinding {
   virtual uint32_t event_count() const = 0;
   // Smallest num_rows over every view: a valid row index is below it.
   virtual uint32_t num_rows() const = 0;
-  // Waits for wait_event (HOST: by answering kNotReady until it came; CUDA: on the device),
-  // encodes, calls on_written, signals done_event, then on_complete. An error fails the task
+  // Waits for wait_event (by answering kNotReady until its slot reached wait_value), encodes, calls on_written, signals done_event, then on_complete. An error fails the task
   // (on_written and on_complete see it); it still signals done_event, so no engine hangs.
   virtual StartResult StartBackup(const std::shared_ptr<BackupTask>& task) = 0;
   // Waits for wait_event, decodes layer by layer, signalling layer_event_base + l after each
-  // layer and done_event after the last. On error every layer event and done_event are still
-  // signalled (HOST: with the failure bit), and on_enqueued / on_complete report the error: the
-  // rows hold garbage.
+  // layer and done_event after the last. On error every layer slot and done_event still get the
+  // ticket, with the failed bit, and on_complete reports the error: the rows hold garbage.
   virtual StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) = 0;
   // Tickets of this pool start above this value. HOST: the largest value already in the event
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
   virtual uint64_t TicketFloor() const { return 0; }
-  // True when completion events are recorded on a device stream (CUDA): an asynchronous request
-  // is then answered only after its events are recorded (on_enqueued), so that an engine whose
-  // stream waits on them right after the answer waits for this work, not an earlier record.
-  // HOST events carry tickets and are answered as soon as the work is queued.
+  // True when a request's work goes to a device as one task (CUDA: the device chunks it through
+  // staging) rather than in CPU-sized sub-tasks (HOST).
   virtual bool SignalsOnDevice() const { return false; }
   // OK while the binding can run tasks; else the error every later task of the pool fails with,
   // for good (HOST: the client's shared memory shrank under the daemon, FAILED_PRECONDITION

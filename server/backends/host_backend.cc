@@ -124,35 +124,33 @@ class HostBinding : public PoolBinding {
   // `names[i]` names buffers[i] in errors ("buffers[3]").
   HostBinding(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout,
               kernels::BlockLayout layout, std::vector<std::unique_ptr<ShmMapping>> buffers,
-              std::unique_ptr<ShmMapping> events, uint32_t event_count,
-              std::vector<kernels::LayerViews> views, uint32_t num_rows)
+              std::unique_ptr<TicketSlots> slots, std::vector<kernels::LayerViews> views,
+              uint32_t num_rows)
       : codec_(codec),
         wait_timeout_(wait_timeout),
         layout_(layout),
         buffers_(std::move(buffers)),
-        events_(std::move(events)),
-        event_count_(event_count),
+        slots_(std::move(slots)),
+        event_count_(slots_->count()),
         views_(std::move(views)),
-        num_rows_(num_rows) {
-    AdoptEventSlots();
-  }
+        num_rows_(num_rows) {}
 
   uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
-  uint64_t TicketFloor() const override { return ticket_floor_; }
+  uint64_t TicketFloor() const override { return slots_->floor(); }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
-    Status wait = Settle(task->wait_event, task->wait_value, &task->first_try);
-    if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
-    Status st = RunBackup(*task, wait);
+    std::optional<Status> wait = Settle(*task);
+    if (!wait) return StartResult::kNotReady;
+    Status st = RunBackup(*task, *wait);
     task->on_complete(st);
     return StartResult::kCompleted;
   }
 
   StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
-    Status wait = Settle(task->wait_event, task->wait_value, &task->first_try);
-    if (wait.code() == StatusCode::kUnavailable) return StartResult::kNotReady;
-    Status st = RunRestore(*task, wait);
+    std::optional<Status> wait = Settle(*task);
+    if (!wait) return StartResult::kNotReady;
+    Status st = RunRestore(*task, *wait);
     task->on_complete(st);
     return StartResult::kCompleted;
   }
@@ -168,24 +166,30 @@ class HostBinding : public PoolBinding {
   // event_count_ stays: a request racing the release may still validate against it.
   void Close() override {
     buffers_.clear();
-    events_.reset();
+    slots_->Close();
   }
 
  private:
   // Where a task stands before it runs, without blocking: the pool's failure if its memory
-  // broke (now or before), else the state of its wait (CheckWait; stamps its first try).
-  Status Settle(int32_t event, uint64_t value, std::chrono::steady_clock::time_point* first_try) {
+  // broke (now or before), DEADLINE_EXCEEDED if its caller gave up, else the state of its wait
+  // (TicketSlots::CheckWait: nullopt while waiting; stamps its first try).
+  template <typename Task>
+  std::optional<Status> Settle(Task& task) {
     HIQ_RETURN_IF_ERROR(CheckMemory());
-    if (*first_try == std::chrono::steady_clock::time_point{}) {
-      *first_try = std::chrono::steady_clock::now();
+    HIQ_RETURN_IF_ERROR(CheckCallerDeadline(task.caller_deadline, task.ticket));
+    if (task.first_try == std::chrono::steady_clock::time_point{}) {
+      task.first_try = std::chrono::steady_clock::now();
     }
-    Status wait = CheckWait(event, value, *first_try);
+    std::optional<Status> wait =
+        slots_->CheckWait(task.wait_event, task.wait_value, task.first_try, wait_timeout_,
+                          cancelled_.load(std::memory_order_acquire));
+    if (!wait) return std::nullopt;
     // Reading the wait slot may have found the event object truncated.
     HIQ_RETURN_IF_ERROR(CheckMemory());
-    return wait;
+    return *wait;
   }
 
-  // REQUIRES: the wait settled (`wait` is not UNAVAILABLE).
+  // REQUIRES: the wait settled.
   Status RunBackup(BackupTask& task, Status st) {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
     if (st.ok()) {
@@ -253,73 +257,8 @@ class HostBinding : public PoolBinding {
   }
 
   void Signal(int32_t event, uint64_t ticket) { SignalValue(event, ticket, false); }
-
-  // Stores `ticket` (with kHostEventFailedBit when the work failed) unless the slot already holds
-  // a later ticket: slots never move backwards, waiters compare with >=.
   void SignalValue(int32_t event, uint64_t ticket, bool failed) {
-    if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return;
-    std::atomic_ref<uint64_t> slot(*Slot(event));
-    const uint64_t value = ticket | (failed ? kHostEventFailedBit : 0);
-    uint64_t cur = slot.load(std::memory_order_relaxed);
-    while ((cur & ~kHostEventFailedBit) < ticket &&
-           !slot.compare_exchange_weak(cur, value, std::memory_order_release,
-                                       std::memory_order_relaxed)) {
-    }
-  }
-
-  // REQUIRES: event < event_count_ (the mapping is open).
-  uint64_t* Slot(int32_t event) const {
-    return reinterpret_cast<uint64_t*>(events_->data() + 64ull * static_cast<uint32_t>(event));
-  }
-
-  // The registration's view of the slots (see host_backend.h): resets slots that hold a ticket
-  // at or above kHostTicketLimit, and takes the largest other ticket as the floor. Slots are
-  // the client's, so this is a best effort against what it holds now; a client that writes such
-  // values into its slots later only confuses its own waits.
-  void AdoptEventSlots() {
-    uint64_t floor = 0;
-    for (uint32_t i = 0; i < event_count_; ++i) {
-      std::atomic_ref<uint64_t> slot(*Slot(static_cast<int32_t>(i)));
-      uint64_t v = slot.load(std::memory_order_acquire);
-      while ((v & ~kHostEventFailedBit) >= kHostTicketLimit &&
-             !slot.compare_exchange_weak(v, 0, std::memory_order_release,
-                                         std::memory_order_acquire)) {
-      }
-      if ((v & ~kHostEventFailedBit) >= kHostTicketLimit) {
-        ++reset_slots_;
-        continue;
-      }
-      floor = std::max(floor, v & ~kHostEventFailedBit);
-    }
-    ticket_floor_ = floor;
-    if (reset_slots_ > 0) {
-      HIQ_LOG(INFO) << "event=host_event_slots_reset slots=" << reset_slots_
-                    << " (their ticket was at or above 2^62: tickets start above " << floor
-                    << ")";
-    }
-  }
-
-  // The state of a wait without blocking: OK once the slot holds >= value; CANCELLED once the
-  // pool is released; DEADLINE_EXCEEDED once wait_timeout has passed since `first_try`;
-  // UNAVAILABLE while still waiting.
-  Status CheckWait(int32_t event, uint64_t value,
-                   std::chrono::steady_clock::time_point first_try) const {
-    if (event < 0) return Status::Ok();
-    if (value == 0) value = 1;
-    std::atomic_ref<uint64_t> slot(*Slot(event));
-    if ((slot.load(std::memory_order_acquire) & ~kHostEventFailedBit) >= value) {
-      return Status::Ok();
-    }
-    if (cancelled_.load(std::memory_order_acquire)) {
-      return Status(StatusCode::kCancelled,
-                    "wait_event " + std::to_string(event) + ": pool released");
-    }
-    if (std::chrono::steady_clock::now() - first_try > wait_timeout_) {
-      return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +
-                              std::to_string(value) + " within " +
-                              std::to_string(wait_timeout_.count()) + " ms");
-    }
-    return Unavailable("waiting");
+    slots_->Store(event, ticket, failed);
   }
 
   // OK unless a mapping of this pool broke (a SIGBUS guarded by ClientMemoryGuard), now or
@@ -333,7 +272,7 @@ class HostBinding : public PoolBinding {
     for (size_t i = 0; i < buffers_.size(); ++i) {
       if (buffers_[i]->broken()) return Fail("buffers[" + std::to_string(i) + "]");
     }
-    if (events_ != nullptr && events_->broken()) return Fail("events");
+    if (slots_->broken()) return Fail("events");
     checked_faults_ = faults;
     return Status::Ok();
   }
@@ -355,12 +294,10 @@ class HostBinding : public PoolBinding {
   std::chrono::milliseconds wait_timeout_;
   kernels::BlockLayout layout_;
   std::vector<std::unique_ptr<ShmMapping>> buffers_;
-  std::unique_ptr<ShmMapping> events_;
+  std::unique_ptr<TicketSlots> slots_;
   uint32_t event_count_;
   std::vector<kernels::LayerViews> views_;
   uint32_t num_rows_;
-  uint64_t ticket_floor_ = 0;
-  uint32_t reset_slots_ = 0;
   std::atomic<bool> cancelled_{false};
   uint64_t checked_faults_ = 0;  // RecoveredFaults() when CheckMemory last found nothing broken
   std::atomic<bool> failed_{false};
@@ -401,15 +338,20 @@ Status HostBackend::SetPoolObject(const std::string& shm_name) {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spec,
-                                                         const kernels::BlockLayout& layout) {
+ClientObjectRules HostBackend::RulesFor(const Caller* caller) const {
   ClientObjectRules rules;
-  rules.caller = &spec.caller;
+  rules.caller = caller;
   if (has_pool_object_.load(std::memory_order_acquire)) {
     rules.has_pool_object = true;
     rules.pool_dev = static_cast<dev_t>(pool_dev_.load());
     rules.pool_ino = static_cast<ino_t>(pool_ino_.load());
   }
+  return rules;
+}
+
+StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spec,
+                                                         const kernels::BlockLayout& layout) {
+  const ClientObjectRules rules = RulesFor(&spec.caller);
   std::vector<std::unique_ptr<ShmMapping>> buffers;
   std::vector<uint8_t*> bases;
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
@@ -432,21 +374,7 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
   }
-  std::unique_ptr<ShmMapping> events;
-  if (spec.events.count > 0) {
-    const uint64_t bytes = 64ull * spec.events.count;
-    if (spec.events.host_fd_id != 0) {
-      if (spec.events.fd < 0) {
-        return InvalidArgument("events.host_fd_id: " + std::to_string(spec.events.host_fd_id) +
-                               " names no fd passed on this caller's session");
-      }
-      HIQ_ASSIGN_OR_RETURN(events,
-                           ShmMapping::FromFd(spec.events.fd, bytes, "events.host_fd_id", rules));
-    } else {
-      HIQ_ASSIGN_OR_RETURN(events, ShmMapping::Open(spec.events.host_shm_name, bytes,
-                                                    "events.host_shm_name", rules));
-    }
-  }
+  HIQ_ASSIGN_OR_RETURN(std::unique_ptr<TicketSlots> slots, TicketSlots::Open(spec.events, rules));
   if (!ClientMemoryGuard::Installed()) {
     HIQ_LOG(WARN) << "event=host_bind_unguarded (no SIGBUS guard: a client that truncates its "
                      "shared memory can kill hiqcached)";
@@ -454,8 +382,8 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   uint32_t rows = MinRows(spec);
   return std::unique_ptr<PoolBinding>(new HostBinding(codec_, wait_timeout_, layout,
-                                                      std::move(buffers), std::move(events),
-                                                      spec.events.count, std::move(views), rows));
+                                                      std::move(buffers), std::move(slots),
+                                                      std::move(views), rows));
 }
 
 }  // namespace hiqcache::server

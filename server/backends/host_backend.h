@@ -40,14 +40,13 @@
 #include "client_memory_guard.h"
 #include "codec_cpu.h"
 #include "device_backend.h"
+#include "ticket_slots.h"
 
 namespace hiqcache::server {
 
-// Bit 63 of a HOST event slot: the work of the ticket in bits 0..62 failed and wrote nothing
-// (e.g. its wait_event never came). Waiters are released, but must not use the rows.
-constexpr uint64_t kHostEventFailedBit = 1ull << 63;
-// Event slot values whose ticket part reaches this are reset at registration (see above).
-constexpr uint64_t kHostTicketLimit = 1ull << 62;
+// The slot bits of ticket_slots.h, by their HOST names.
+constexpr uint64_t kHostEventFailedBit = kTicketFailedBit;
+constexpr uint64_t kHostTicketLimit = kTicketLimit;
 
 class HostBackend : public DeviceBackend {
  public:
@@ -63,6 +62,8 @@ class HostBackend : public DeviceBackend {
   void SetPoolObject(dev_t dev, ino_t ino);
   // The same, for the pool's POSIX shm name (opened read-only and fstat'ed here).
   Status SetPoolObject(const std::string& shm_name);
+  // What a client object of `caller` must be to be mapped (the pool object refused). Any thread.
+  ClientObjectRules RulesFor(const Caller* caller) const;
 
  private:
   kernels::CpuCodec* codec_;

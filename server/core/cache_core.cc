@@ -178,19 +178,6 @@ Status OutOfMemory(const char* what) {
   return ResourceExhausted(std::string(what) + ": hiqcached is out of memory");
 }
 
-// What a request's asynchronous CUDA sub-task does once its device work is enqueued: answer the
-// request (once), with its result or the enqueue error (the rows then hold garbage: never STORED
-// or restored_blocks = n). `Req` is a BackupRequest or RestoreRequest.
-template <typename Req>
-std::function<void(const Status&)> ReplyOnEnqueued(std::shared_ptr<Req> req) {
-  return [req = std::move(req)](const Status& enqueued) {
-    if (req->replied) return;
-    req->replied = true;
-    if (enqueued.ok()) (*req->reply)(req->result);
-    else (*req->reply)(enqueued);
-  };
-}
-
 // Logs what a sub-task of `rpc` ("Backup", "Restore") threw and the error its request ends with.
 Status TaskThrew(const char* rpc, uint64_t pool_id, uint64_t ticket, const std::exception& ex) {
   const bool oom = dynamic_cast<const std::bad_alloc*>(&ex) != nullptr;
@@ -789,7 +776,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   {
     std::lock_guard<std::mutex> lock(pool->post_mu);
     req->result.ticket = ++pool->next_ticket;
-    if (!req->sync && !req->device) {
+    if (!req->sync) {
       // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
       req->replied = true;
       (*req->reply)(req->result);
@@ -819,6 +806,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
     if (*slot == nullptr) {
       auto task = std::make_shared<BackupTask>();
       task->ticket = req->result.ticket;
+      task->caller_deadline = spec.deadline;
       task->defer = DeferOnStrand(pool.strand);
       BackupTask* raw = task.get();
       if (!req->error.ok()) {
@@ -915,10 +903,6 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
           if (!run.ok() && req->error.ok()) req->error = run;
           if (last) FinishBackup(req);
         };
-        if (req->device && !req->sync) {
-          // CUDA: answered once the device work is enqueued, with the reservation outcomes.
-          task->on_enqueued = ReplyOnEnqueued(req);
-        }
       }
       *slot = std::move(task);
     }
@@ -1043,7 +1027,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->spec = std::move(spec);
   std::lock_guard<std::mutex> lock(pool->post_mu);
   req->result.ticket = ++pool->next_ticket;
-  if (!req->sync && !req->device) {
+  if (!req->sync) {
     req->replied = true;
     (*req->reply)(req->result);
   }
@@ -1072,6 +1056,7 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
     if (*slot == nullptr) {
       auto task = std::make_shared<RestoreTask>();
       task->ticket = req->result.ticket;
+      task->caller_deadline = spec.deadline;
       task->defer = DeferOnStrand(pool.strand);
       if (!req->error.ok()) {
         // An earlier sub-task failed: the rest write nothing; the last one still releases the
@@ -1107,7 +1092,6 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
           else if (req->error.ok()) req->error = run;
           if (last) FinishRestore(req);
         };
-        if (req->device && !req->sync) task->on_enqueued = ReplyOnEnqueued(req);
       }
       *slot = std::move(task);
     }

@@ -224,8 +224,8 @@ class CacheCore {
                            const Caller& caller = Caller{});
 
   // `done` runs exactly once: with the error if the request is rejected (nothing changed), else
-  // after the work is queued (sync = false, HOST), enqueued on the device (sync = false, CUDA:
-  // an enqueue failure answers the error) or completed (sync = true), possibly on a worker.
+  // after the work is queued (sync = false: its outcome reaches the engine through the ticket
+  // slots, the failed bit for an error) or completed (sync = true), possibly on a worker.
   // What an asynchronous backup's BLOCK_STORED means: see the header comment (Reservations).
   // RESOURCE_EXHAUSTED when the caller's pending work would exceed its quota.
   using BackupDone = std::function<void(StatusOr<BackupResult>)>;

@@ -303,17 +303,16 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
   if (spec.events.count > limits.max_events) {
     return InvalidArgument("events.count: at most " + std::to_string(limits.max_events));
   }
-  if (out.cuda) {
-    if (spec.events.cuda_ipc_event_handles.size() > limits.max_events) {
-      return InvalidArgument("events.cuda_ipc_event_handles: too many");
-    }
-    for (size_t i = 0; i < spec.events.cuda_ipc_event_handles.size(); ++i) {
-      if (spec.events.cuda_ipc_event_handles[i].size() != kIpcHandleBytes) {
-        return InvalidArgument(Idx("events.cuda_ipc_event_handles", i) + ": must be 64 bytes");
-      }
-    }
-  } else if (spec.events.count > 0 && spec.events.host_fd_id == 0 &&
-             !ValidShmName(spec.events.host_shm_name)) {
+  if (!spec.events.cuda_ipc_event_handles.empty()) {
+    // An IPC event carries no value, and a record queued by a process that dies never runs: a
+    // stream waiting on it would hang (docs/design.md "Completion: ticket slots").
+    return FailedPrecondition(
+        "events.cuda_ipc_event_handles: CUDA IPC events are not accepted for completion; pass "
+        "ticket slots (events.host_fd_id of a memfd of 64-byte slots, and events.count) for "
+        "every device kind");
+  }
+  if (spec.events.count > 0 && spec.events.host_fd_id == 0 &&
+      !ValidShmName(spec.events.host_shm_name)) {
     return InvalidArgument("events.host_shm_name: host_fd_id or a shm name is needed when "
                            "events.count > 0");
   }

@@ -3,6 +3,7 @@
 // reads or writes anything (request_validation.h). Value types.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -117,6 +118,9 @@ struct TransferSpec {
   int32_t done_event = -1;
   bool sync = false;
   Caller caller;
+  // When the caller gives up (its gRPC deadline, on this host's steady clock): work not started
+  // by then never touches the engine's memory. max() = none.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
 }  // namespace hiqcache::server

@@ -1,6 +1,7 @@
 #include "cache_service.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "hiqcache/log.h"
 #include "hiqcache/session_protocol.h"
@@ -64,10 +65,6 @@ RegisterSpec ToRegisterSpec(const v1::RegisterPoolRequest& r, const std::string&
   s.events.count = r.events().count();
   for (const auto& h : r.events().cuda_ipc_event_handles()) {
     s.events.cuda_ipc_event_handles.push_back(h);
-  }
-  // For CUDA the event count is the number of handles sent.
-  if (s.device_kind == v1::DEVICE_KIND_CUDA) {
-    s.events.count = static_cast<uint32_t>(r.events().cuda_ipc_event_handles_size());
   }
   s.client_pid = r.client_pid();
   s.peer = peer;
@@ -258,6 +255,23 @@ grpc::ServerUnaryReactor* CacheService::Evict(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
+namespace {
+
+// The call's gRPC deadline on the steady clock (work not started by then never touches the
+// engine's memory); max() when the caller set none.
+std::chrono::steady_clock::time_point CallerDeadlineOf(const grpc::CallbackServerContext& ctx) {
+  const auto deadline = ctx.deadline();
+  const auto now = std::chrono::system_clock::now();
+  // gRPC reports "no deadline" as a time point decades ahead.
+  if (deadline - now > std::chrono::hours(24 * 365)) {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(deadline - now);
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
                                                const v1::BackupRequest* req,
                                                v1::BackupResponse* resp) {
@@ -269,6 +283,7 @@ grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
   }
   TransferSpec spec = ToTransferSpec(*req);
   spec.caller = *caller;
+  spec.deadline = CallerDeadlineOf(*ctx);
   CacheCore* core = core_;
   core_->Backup(std::move(spec), [core, reactor, resp](StatusOr<BackupResult> result) {
     if (result.ok()) {
@@ -293,6 +308,7 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
   }
   TransferSpec spec = RestoreSpecFromProto(*req);
   spec.caller = *caller;
+  spec.deadline = CallerDeadlineOf(*ctx);
   CacheCore* core = core_;
   core_->Restore(std::move(spec), [core, reactor, resp](StatusOr<RestoreResult> result) {
     if (result.ok()) {

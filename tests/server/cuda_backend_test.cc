@@ -2,17 +2,20 @@
 // daemon runs it: no GPU needed. The fake's streams run only what CUDA would let run (stream
 // order, event waits capturing the most recent record) and report races on staging, use of
 // closed mappings and pageable copies. Engines are played by the test: their "GPU" KV buffers
-// are host memory, their wait_events are recorded "late" (pending until the test completes
-// them), as an engine's stream that has not reached its record yet.
+// are host memory, their ticket slots a memfd the test maps too; a wait "recorded late" is a
+// wait_value the test stores only later, as an engine's stream that has not reached its
+// cuStreamWriteValue64 yet.
 //
-// Covers DESIGN.md "CUDA completion and event rules" and issue 11: no transfer worker waits on
-// device work (TP ranks whose wait_events complete only after every request was answered),
-// HOST pools keep working while CUDA pools wait, per-pool order, an enqueue failure answers an
-// error and still records the events, sticky errors fail the device, release waits for device
+// Covers docs/design.md "Completion: ticket slots": no transfer worker and no staging waits on
+// an engine (TP ranks whose wait values come only after every request was answered; five
+// engines that never write, then a sixth on the same GPU), slots receive their ticket only after
+// the work they signal, HOST pools keep working while CUDA pools wait, per-pool order, an
+// enqueue failure releases every slot with the failed bit once the device work stopped, sticky
+// errors fail the device, a caller's expired deadline touches nothing, release waits for device
 // work and never touches a cancelled pool's mappings, staging runs in chunks through a fixed
 // budget with slabs never reused while queued work reads them, no allocation on the request
-// path, registration leaves nothing queued on the device, device/UUID mismatch and VMM hints,
-// registration chunks.
+// path, registration leaves nothing queued on the device, IPC events refused, device/UUID
+// mismatch and VMM hints, registration chunks.
 #include "cuda_backend.h"
 
 #include <fcntl.h>
@@ -39,6 +42,7 @@
 #include "host_backend.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
+#include "ticket_slots.h"
 
 namespace hiqcache::server {
 namespace {
@@ -88,12 +92,25 @@ bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 10s) {
   return true;
 }
 
-// One engine process (a TP rank): K and V "device" buffers on `device`, and its events.
+// One engine process (a TP rank): K and V "device" buffers on `device`, and its ticket slots (a
+// sealed memfd of kEvents slots, mapped here as the engine maps it; the daemon maps the fd).
 struct Engine {
   int device = 0;
   std::vector<uint8_t> k, v;
   std::string k_handle, v_handle;
-  std::vector<std::string> events;
+  int slot_fd = -1;
+  uint64_t* slots = nullptr;
+
+  ~Engine() {
+    if (slots != nullptr) ::munmap(slots, kEvents * 64);
+    if (slot_fd >= 0) ::close(slot_fd);
+  }
+  uint64_t Slot(int32_t i) const {
+    return std::atomic_ref<uint64_t>(slots[8 * i]).load(std::memory_order_acquire);
+  }
+  void Store(int32_t i, uint64_t v) const {
+    std::atomic_ref<uint64_t>(slots[8 * i]).store(v, std::memory_order_release);
+  }
 
   Engine(FakeDevice* fake, int dev, uint64_t seed) : device(dev), k(kPlaneBytes), v(kPlaneBytes) {
     uint64_t state = seed * 7919 + 12345;
@@ -110,7 +127,18 @@ struct Engine {
     }
     k_handle = fake->ExportBuffer(k.data(), k.size(), dev);
     v_handle = fake->ExportBuffer(v.data(), v.size(), dev);
-    for (uint32_t i = 0; i < kEvents; ++i) events.push_back(fake->ExportEvent());
+    slot_fd = ::memfd_create("hiq-test-slots", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (slot_fd < 0 || ::ftruncate(slot_fd, kEvents * 64) != 0 ||
+        ::fcntl(slot_fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+      ADD_FAILURE() << "memfd for the slots: " << std::strerror(errno);
+      return;
+    }
+    void* m = ::mmap(nullptr, kEvents * 64, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd, 0);
+    if (m == MAP_FAILED) {
+      ADD_FAILURE() << "mmap of the slots: " << std::strerror(errno);
+      return;
+    }
+    slots = static_cast<uint64_t*>(m);
   }
 
   std::vector<uint8_t> Bytes() const {
@@ -137,7 +165,7 @@ class CudaBackendTest : public ::testing::Test {
   void TearDown() override {
     if (core_) {
       fake_->SetAutoRun(true);
-      for (auto& [id, r] : pending_records_) fake_->CompleteEngineRecord(id);
+      for (auto& [id, e] : pending_records_) e->Store(kWait, 1);
       core_->WaitIdle();
     }
     core_.reset();
@@ -207,7 +235,9 @@ class CudaBackendTest : public ::testing::Test {
       s.buffers.push_back(b);
     }
     testing::AddLayerMajorLayers(&s, kRows, kRowBytes);
-    s.events.cuda_ipc_event_handles = e.events;
+    s.events.count = kEvents;
+    s.events.host_fd_id = 1;
+    s.events.fd = e.slot_fd;
     return s;
   }
 
@@ -270,15 +300,18 @@ class CudaBackendTest : public ::testing::Test {
     return r.ok() ? *r : 0;
   }
 
-  // The engine records its wait_event behind work that has not run yet.
-  uint64_t RecordLate(const Engine& e, int32_t event = kWait) {
-    const uint64_t id = fake_->EngineRecordPending(e.events[event]);
-    pending_records_[id] = true;
+  // The engine's stream has not reached the store of its wait value (1, into slot kWait) yet:
+  // requests naming wait_event kWait (wait_value 0 means 1) wait until Complete.
+  uint64_t RecordLate(const Engine& e) {
+    EXPECT_EQ(e.Slot(kWait), 0u);
+    const uint64_t id = ++next_record_;
+    pending_records_[id] = &e;
     return id;
   }
   void Complete(uint64_t record) {
+    const Engine* e = pending_records_.at(record);
     pending_records_.erase(record);
-    fake_->CompleteEngineRecord(record);
+    e->Store(kWait, 1);
   }
 
   // Rows [dst, dst + n) of `e` hold what the reference codec makes of rows [src, src + n) of
@@ -339,7 +372,8 @@ class CudaBackendTest : public ::testing::Test {
   std::mutex mu_;
   std::vector<int> failed_devices_;  // GUARDED_BY(mu_)
   Status failure_;                   // GUARDED_BY(mu_)
-  std::map<uint64_t, bool> pending_records_;
+  std::map<uint64_t, const Engine*> pending_records_;
+  uint64_t next_record_ = 0;
   std::unique_ptr<FakeDevice> fake_;
   std::unique_ptr<AnonBuffer> pool_mem_;
   std::unique_ptr<BlockStore> store_;
@@ -464,7 +498,6 @@ TEST_F(CudaBackendTest, LayerLargerThanASlabIsRefusedAtRegistration) {
   EXPECT_NE(r.status().message().find("cuda_staging_bytes"), std::string::npos)
       << r.status().message();
   EXPECT_EQ(fake_->OpenIpcBuffers(), 0u);
-  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -483,7 +516,7 @@ TEST_F(CudaBackendTest, TpRanksWhoseWaitEventsCompleteAfterAllRepliesDoNotDeadlo
   for (uint32_t r = 0; r < kTp; ++r) ASSERT_TRUE(Backup(Transfer(pools[r], Blocks(50, 2, 0))).ok());
   const uint64_t encodes = fake_->Executed(Call::kEncode);
   const uint64_t decodes = fake_->Executed(Call::kDecode);
-  std::vector<uint64_t> records;
+  std::vector<uint64_t> records, tickets;
   std::vector<std::future<StatusOr<BackupResult>>> backups;
   for (uint32_t r = 0; r < kTp; ++r) {
     records.push_back(RecordLate(*engines_[r]));
@@ -497,11 +530,12 @@ TEST_F(CudaBackendTest, TpRanksWhoseWaitEventsCompleteAfterAllRepliesDoNotDeadlo
     ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b.status().ToString()
                         << " (a transfer worker waits for the rank's device)";
     for (BlockResult res : b->results) EXPECT_EQ(res, BlockResult::kStored);
+    tickets.push_back(b->ticket);
   }
-  // Answered, and the daemon did not run early: its stream waits for the late record.
-  EXPECT_EQ(fake_->Executed(Call::kEncode), encodes);
+  // Answered, and the daemon did not run early: nothing is enqueued before the wait value.
+  EXPECT_EQ(fake_->Enqueued(Call::kEncode), encodes);
   for (uint32_t r = 0; r < kTp; ++r) {
-    EXPECT_FALSE(fake_->EventComplete(engines_[r]->events[kDone]));
+    EXPECT_EQ(engines_[r]->Slot(kDone), 0u);
     EXPECT_EQ(Lookup(pools[r], 10, 2), 0u) << "published before the device wrote it";
   }
   // A restore per rank, queued behind its backup: no worker is held meanwhile either.
@@ -525,7 +559,7 @@ TEST_F(CudaBackendTest, TpRanksWhoseWaitEventsCompleteAfterAllRepliesDoNotDeadlo
   core_->WaitIdle();
   for (uint32_t r = 0; r < kTp; ++r) {
     EXPECT_EQ(Lookup(pools[r], 10, 2), 2u);
-    EXPECT_TRUE(fake_->EventComplete(engines_[r]->events[kDone]));
+    EXPECT_EQ(engines_[r]->Slot(kDone), tickets[r]);
   }
   EXPECT_GT(fake_->Executed(Call::kEncode), encodes);
   EXPECT_GT(fake_->Executed(Call::kDecode), decodes);
@@ -636,10 +670,11 @@ TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrder) {
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-// A failed enqueue (here a copy the runtime refuses, as with a device out of memory) answers
-// with an error, never restored_blocks = n or STORED, and still records every event the request
-// names, so that the engine's stream never hangs; the next request works.
-TEST_F(CudaBackendTest, FailedEnqueueAnswersAnErrorAndStillRecordsItsEvents) {
+// A failed enqueue (here a copy the runtime refuses, as with a device out of memory) never
+// answers restored_blocks = n or STORED: a sync request gets the error, an asynchronous one
+// (answered when queued) sees it as the failed bit. Every slot the request names receives the
+// ticket with the failed bit, so that the engine's stream never hangs; the next request works.
+TEST_F(CudaBackendTest, FailedEnqueueReleasesEverySlotWithTheFailedBit) {
   Engine& e = NewEngine();
   const uint64_t pool = Register(e);
   ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 4, 0))).ok());
@@ -652,30 +687,35 @@ TEST_F(CudaBackendTest, FailedEnqueueAnswersAnErrorAndStillRecordsItsEvents) {
     TransferSpec t = Transfer(pool, Blocks(1, 4, 32), sync);
     t.layer_event_base = kLayerBase;
     t.done_event = kDone;
-    const uint64_t layer_records = fake_->DaemonRecords(e.events[kLayerBase + kLayers - 1]);
-    const uint64_t done_records = fake_->DaemonRecords(e.events[kDone]);
+    const uint64_t done_before = e.Slot(kDone) & ~kTicketFailedBit;
     auto f = RestoreAsync(t);
     auto r = Await(f);
-    ASSERT_FALSE(r.ok()) << "an enqueue failure answered restored_blocks = " << r->restored_blocks;
-    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
-    core_->WaitIdle();
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      EXPECT_TRUE(fake_->EventComplete(e.events[kLayerBase + l])) << "layer " << l;
+    if (sync) {
+      ASSERT_FALSE(r.ok()) << "an enqueue failure answered restored_blocks = "
+                           << r->restored_blocks;
+      EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+    } else {
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
     }
-    EXPECT_EQ(fake_->DaemonRecords(e.events[kLayerBase + kLayers - 1]), layer_records + 1);
-    EXPECT_EQ(fake_->DaemonRecords(e.events[kDone]), done_records + 1);
-    EXPECT_TRUE(fake_->EventComplete(e.events[kDone]));
+    core_->WaitIdle();
+    const uint64_t done = e.Slot(kDone);
+    EXPECT_NE(done & kTicketFailedBit, 0u) << "done slot " << done;
+    EXPECT_GT(done & ~kTicketFailedBit, done_before);
+    if (!sync) EXPECT_EQ(done, r->ticket | kTicketFailedBit);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(e.Slot(kLayerBase + static_cast<int32_t>(l)), done) << "layer " << l;
+    }
   }
-  // Backup: an encode launch failure answers the error; nothing is published.
+  // Backup: an encode launch failure; nothing is published, the done slot says failed.
   fake_->FailCall(Call::kEncode, Internal("cudaErrorLaunchOutOfResources"));
   TransferSpec bt = Transfer(pool, Blocks(20, 2, 8), /*sync=*/false);
   bt.done_event = kDone;
   auto bf = BackupAsync(bt);
   auto b = Await(bf);
-  ASSERT_FALSE(b.ok()) << "an enqueue failure answered STORED";
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
   core_->WaitIdle();
   EXPECT_EQ(Lookup(pool, 20, 2), 0u);
-  EXPECT_TRUE(fake_->EventComplete(e.events[kDone]));
+  EXPECT_EQ(e.Slot(kDone), b->ticket | kTicketFailedBit);
   // A non-sticky error fails one request only.
   auto ok = Restore(Transfer(pool, Blocks(1, 4, 32)));
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
@@ -683,6 +723,127 @@ TEST_F(CudaBackendTest, FailedEnqueueAnswersAnErrorAndStillRecordsItsEvents) {
   ExpectRestored(e, before, 0, 32, 16, kInt8);
   std::lock_guard<std::mutex> lock(mu_);
   EXPECT_TRUE(failed_devices_.empty());
+}
+
+// Each layer slot receives the ticket only once that layer of every block is written, and the
+// done slot only after the last: stepping the device one operation at a time, a slot that holds
+// the ticket always finds its layer's rows restored.
+TEST_F(CudaBackendTest, SlotsReceiveTheirTicketOnlyAfterTheWorkTheySignal) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e, kRaw);
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 4, 0))).ok());
+  fake_->SetAutoRun(false);
+  TransferSpec t = Transfer(pool, Blocks(1, 4, 32), /*sync=*/false);
+  t.layer_event_base = kLayerBase;
+  t.done_event = kDone;
+  auto f = RestoreAsync(t);
+  auto r = Await(f);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const uint64_t ticket = r->ticket;
+  // Rows 0..15 (source) and 32..47 (destination) of layer l, K and V, compared bytewise.
+  auto layer_done = [&](uint32_t l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      const auto& plane = p == 0 ? e.k : e.v;
+      const uint64_t base = uint64_t{l} * kRows * kRowBytes;
+      if (std::memcmp(plane.data() + base, plane.data() + base + 32 * kRowBytes,
+                      16 * kRowBytes) != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));
+  for (int step = 0; step < 10000 && e.Slot(kDone) != ticket; ++step) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      if (e.Slot(kLayerBase + static_cast<int32_t>(l)) == ticket) {
+        ASSERT_TRUE(layer_done(l)) << "layer " << l << "'s slot holds the ticket before its rows";
+      }
+    }
+    if (fake_->RunReady() == 0) std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(e.Slot(kDone), ticket);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(e.Slot(kLayerBase + static_cast<int32_t>(l)), ticket);
+    EXPECT_TRUE(layer_done(l));
+  }
+  // The stores ran in layer order, the done slot last.
+  std::vector<uint64_t*> order;
+  for (const auto& [slot, value] : fake_->SlotStores()) order.push_back(slot);
+  ASSERT_EQ(order.size(), kLayers + 1);
+  // (The daemon's mapping of the slots, at its own address: slot i is 8 words after slot i-1.)
+  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(order[l], order[0] + 8 * l) << "store " << l;
+  EXPECT_EQ(order[kLayers], order[0] - 8 * (kLayerBase - kDone)) << "the done slot is not last";
+  fake_->SetAutoRun(true);
+}
+
+// Engines that never store their wait value (dead, or hostile) hold no staging and no worker:
+// five of them on one GPU whose staging is a single slab pair, then a sixth on that GPU works at
+// once; each waiting request ends at wait_timeout with its done slot released as failed, having
+// touched nothing.
+TEST_F(CudaBackendTest, EnginesThatNeverWriteHoldNoStaging) {
+  Options o;
+  o.staging_bytes = 1 << 20;  // one slab pair
+  Build(o);
+  std::vector<std::future<StatusOr<BackupResult>>> waiting;
+  std::vector<Engine*> dead;
+  for (int i = 0; i < 5; ++i) {
+    Engine& e = NewEngine(0);
+    const uint64_t pool = Register(e);
+    TransferSpec t = Transfer(pool, Blocks(100 + 10 * i, 2, 0), /*sync=*/true);
+    t.wait_event = kWait;
+    t.done_event = kDone;
+    waiting.push_back(BackupAsync(t));
+    dead.push_back(&e);
+  }
+  Engine& live = NewEngine(0);
+  const uint64_t pool = Register(live);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto b = BackupAsync(Transfer(pool, Blocks(500, 2, 0), /*sync=*/true));
+  auto br = Await(b, 3s);
+  ASSERT_TRUE(br.ok()) << br.status().ToString() << " (staging held by engines that never wrote)";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1500ms);
+  EXPECT_EQ(Lookup(pool, 500, 2), 2u);
+  for (int i = 0; i < 5; ++i) {
+    auto r = Await(waiting[i], 10s);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+    EXPECT_EQ(dead[i]->Slot(kDone) & kTicketFailedBit, kTicketFailedBit);
+    EXPECT_EQ(fake_->KernelsTouching(dead[i]->k_handle), 0u);
+  }
+}
+
+// A request whose caller's deadline passed before its work started is dropped without touching
+// the engine's memory, its done slot released as failed.
+TEST_F(CudaBackendTest, ARequestWhoseCallerGaveUpTouchesNothing) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const uint64_t late = RecordLate(e);
+  TransferSpec t = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
+  t.wait_event = kWait;
+  t.done_event = kDone;
+  t.deadline = std::chrono::steady_clock::now() + 100ms;
+  auto f = BackupAsync(t);
+  auto r = Await(f);
+  ASSERT_TRUE(r.ok());
+  std::this_thread::sleep_for(200ms);
+  Complete(late);  // the engine's value comes after its caller gave up
+  core_->WaitIdle();
+  EXPECT_EQ(e.Slot(kDone), r->ticket | kTicketFailedBit);
+  EXPECT_EQ(fake_->KernelsTouching(e.k_handle), 0u);
+  EXPECT_EQ(Lookup(pool, 10, 2), 0u);
+}
+
+TEST_F(CudaBackendTest, IpcEventsAreRefusedNamingTheField) {
+  Engine& e = NewEngine();
+  RegisterSpec s = Spec(e);
+  s.events = EventsSpec{};
+  s.events.cuda_ipc_event_handles.push_back(std::string(64, 'e'));
+  auto r = core_->RegisterPool(s);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("events.cuda_ipc_event_handles"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(fake_->OpenIpcBuffers(), 0u);
 }
 
 // A sticky error (the context is lost) fails the device: its requests fail with UNAVAILABLE and
@@ -725,21 +886,22 @@ TEST_F(CudaBackendTest, StickyErrorSeenByTheCompletionThreadFailsTheDevice) {
 // ---------------------------------------------------------------------------------------------
 // Release
 
-// ReleasePool while the pool's first task waits on the device (its wait_event is late) and two
-// more are queued: the queued ones never reach the device (no kernel names the buffers after
+// ReleasePool while the pool's first task is on the device (the device has not run it yet) and
+// two more are queued: the queued ones never reach the device (no kernel names the buffers after
 // the release began), the release returns only once the device work drained, and then every
-// mapping and event of the pool is closed.
+// mapping and the slots' registration of the pool are closed.
 TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   Engine& e = NewEngine();
   const uint64_t pool = Register(e);
   ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
-  const uint64_t late = RecordLate(e);
+  const size_t registrations = fake_->Registered().size();
+  fake_->SetAutoRun(false);
   TransferSpec t1 = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
-  t1.wait_event = kWait;
   auto f1 = BackupAsync(t1);
-  ASSERT_TRUE(Await(f1).ok());  // enqueued and answered; its device work waits
-  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/false));
-  auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/false));
+  ASSERT_TRUE(Await(f1).ok());
+  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));  // on the device
+  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/true));
+  auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/true));
   const uint64_t k_kernels = fake_->KernelsTouching(e.k_handle);
   std::atomic<bool> returned{false};
   Status released;
@@ -750,12 +912,12 @@ TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   std::this_thread::sleep_for(200ms);
   EXPECT_FALSE(returned.load()) << "ReleasePool returned while the pool's device work was queued";
   EXPECT_TRUE(fake_->BufferOpen(e.k_handle));
-  Complete(late);
+  fake_->SetAutoRun(true);
   releaser.join();
   HIQ_EXPECT_OK(released);
   EXPECT_FALSE(fake_->BufferOpen(e.k_handle));
   EXPECT_FALSE(fake_->BufferOpen(e.v_handle));
-  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
+  EXPECT_EQ(fake_->Registered().size(), registrations - 1) << "the slots stay page-locked";
   EXPECT_EQ(fake_->LiveStreams(), 0u);
   EXPECT_EQ(fake_->KernelsTouching(e.k_handle), k_kernels)
       << "queued work of a released pool reached the device";
@@ -771,28 +933,48 @@ TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   EXPECT_EQ(core_->ReleasePool(pool).code(), StatusCode::kNotFound);
 }
 
-// Device work that never completes (the engine died with its record pending, say): the release
-// gives up after release_timeout and says so; the mappings stay open until that work completes,
-// then close.
+// Device work that does not complete in time (a device far behind): the release gives up after
+// release_timeout and says so; the mappings stay open until that work completes, then close.
 TEST_F(CudaBackendTest, ReleaseIsBoundedAndClosesOnceTheWorkCompletes) {
   Options o;
   o.release_timeout = 150ms;
+  o.auto_run = false;
   Build(o);
   Engine& e = NewEngine();
   const uint64_t pool = Register(e);
-  const uint64_t late = RecordLate(e);
   TransferSpec t = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
-  t.wait_event = kWait;
   auto f = BackupAsync(t);
   ASSERT_TRUE(Await(f).ok());
+  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));
   const auto t0 = std::chrono::steady_clock::now();
   Status st = core_->ReleasePool(pool);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
   EXPECT_TRUE(fake_->BufferOpen(e.k_handle)) << "closed while device work still uses it";
-  Complete(late);
+  fake_->SetAutoRun(true);
   EXPECT_TRUE(WaitUntil([&] { return !fake_->BufferOpen(e.k_handle); }));
-  EXPECT_EQ(fake_->OpenIpcEvents(), 0u);
+}
+
+// A pool released while its request waits for the engine's wait value (the engine died) is
+// released at once: the waiting work is cancelled on the host, never enqueued, and its done slot
+// is released as failed.
+TEST_F(CudaBackendTest, ReleaseOfAPoolWaitingForItsEngineIsImmediate) {
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const uint64_t late = RecordLate(e);
+  TransferSpec t = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
+  t.wait_event = kWait;
+  t.done_event = kDone;
+  auto f = BackupAsync(t);
+  auto r = Await(f);
+  ASSERT_TRUE(r.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  HIQ_EXPECT_OK(core_->ReleasePool(pool));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_FALSE(fake_->BufferOpen(e.k_handle));
+  EXPECT_EQ(e.Slot(kDone), r->ticket | kTicketFailedBit);
+  EXPECT_EQ(fake_->KernelsTouching(e.k_handle), 0u);
+  pending_records_.erase(late);
 }
 
 TEST_F(CudaBackendTest, ReleasePoolsOfClientWaitsTheSameWay) {
@@ -801,17 +983,16 @@ TEST_F(CudaBackendTest, ReleasePoolsOfClientWaitsTheSameWay) {
   s.client_pid = 777;
   auto reg = core_->RegisterPool(s);
   ASSERT_TRUE(reg.ok());
-  const uint64_t late = RecordLate(e);
+  fake_->SetAutoRun(false);
   TransferSpec t = Transfer(reg->pool_id, Blocks(10, 2, 8), /*sync=*/false);
-  t.wait_event = kWait;
   auto f = BackupAsync(t);
   ASSERT_TRUE(Await(f).ok());
+  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));
   std::thread completer([&] {
     std::this_thread::sleep_for(100ms);
-    fake_->CompleteEngineRecord(late);
+    fake_->SetAutoRun(true);
   });
   EXPECT_EQ(core_->ReleasePoolsOfClient(777), 1u);
-  pending_records_.erase(late);
   EXPECT_FALSE(fake_->BufferOpen(e.k_handle));
   completer.join();
 }
@@ -890,25 +1071,43 @@ TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
 
 TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
   FakeDevice fake(1);
-  const std::string ev = fake.ExportEvent();
-  auto opened = fake.OpenIpcEvent(0, ev);
+  auto producer = fake.CreateStream(0);
   auto stream = fake.CreateStream(0);
+  auto theirs = fake.CreateEvent(0);
   auto mine = fake.CreateEvent(0);
-  ASSERT_TRUE(opened.ok() && stream.ok() && mine.ok());
-  // Waiting before the engine records: no wait at all.
-  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *opened));
+  ASSERT_TRUE(producer.ok() && stream.ok() && theirs.ok() && mine.ok());
+  // Waiting before anything was recorded: no wait at all.
+  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *theirs));
   HIQ_ASSERT_OK(fake.RecordEvent(0, *mine, *stream));
   fake.RunReady();
   EXPECT_TRUE(*fake.QueryEvent(0, *mine));
-  // Waiting after a late record: stays queued until it completes.
-  const uint64_t rec = fake.EngineRecordPending(ev);
-  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *opened));
+  // A record that has not run yet, then a wait: `stream` runs only after it.
+  auto slab = fake.AllocDevice(0, 256);
+  auto host = fake.AllocPinned(256);
+  ASSERT_TRUE(slab.ok() && host.ok());
+  DeviceApi::Copy c{*slab, *host, 256};
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&c, 1}, *producer));
+  HIQ_ASSERT_OK(fake.RecordEvent(0, *theirs, *producer));
+  HIQ_ASSERT_OK(fake.StreamWaitEvent(0, *stream, *theirs));
   HIQ_ASSERT_OK(fake.RecordEvent(0, *mine, *stream));
-  fake.RunReady();
-  EXPECT_FALSE(*fake.QueryEvent(0, *mine));
-  fake.CompleteEngineRecord(rec);
-  fake.RunReady();
+  // A record made after the wait is not what it waits for.
+  HIQ_ASSERT_OK(fake.CopyAsync(0, {&c, 1}, *producer));
+  HIQ_ASSERT_OK(fake.RecordEvent(0, *theirs, *producer));
+  while (fake.RunReady() > 0) {
+  }
   EXPECT_TRUE(*fake.QueryEvent(0, *mine));
+  EXPECT_TRUE(fake.Violations().empty());
+}
+
+TEST(FakeDeviceTest, ReportsASlotStoreIntoUnregisteredMemory) {
+  FakeDevice fake(1);
+  auto stream = fake.CreateStream(0);
+  ASSERT_TRUE(stream.ok());
+  alignas(64) static uint64_t slot[8];
+  HIQ_ASSERT_OK(fake.WriteValue64(0, *stream, slot, 7));
+  fake.RunReady();
+  EXPECT_EQ(slot[0], 7u);
+  EXPECT_FALSE(fake.Violations().empty());
 }
 
 TEST(StagingPlanTest, CutsTheBudgetIntoSlabPairs) {

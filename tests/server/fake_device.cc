@@ -1,5 +1,7 @@
 #include "fake_device.h"
 
+#include <atomic>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -12,16 +14,12 @@ namespace hiqcache::server::testing {
 struct FakeDevice::Record {
   uint64_t id = 0;
   bool done = false;
-  VClock vc;  // what the record captures (daemon records); empty for engine records
+  VClock vc;  // what the record captures
 };
 
 struct FakeDevice::Event {
   bool destroyed = false;
-  Event* target = nullptr;  // an opened IPC event: the engine's event it stands for
-  std::string handle;       // engine events
   std::shared_ptr<Record> latest;
-  uint64_t daemon_records = 0;
-  std::vector<std::shared_ptr<Record>> daemon_record_list;
 };
 
 struct FakeDevice::Op {
@@ -35,6 +33,8 @@ struct FakeDevice::Op {
   kernels::DecodeJob dec;
   uint32_t first = 0, count = 0;
   std::shared_ptr<Record> record;  // kRecord: completes it; kWait: waits for it (may be null)
+  uint64_t* slot = nullptr;        // kWriteValue: where `value` is stored
+  uint64_t value = 0;
   bool fail = false;               // fails when it runs (sticky)
 };
 
@@ -64,10 +64,10 @@ std::string HandleOf(const char* kind, uint64_t id) {
 }
 
 const char* CallName(FakeDevice::Call c) {
-  static const char* kNames[] = {"CreateStream",    "CreateEvent",  "OpenIpcEvent",  "RecordEvent",
-                                 "StreamWaitEvent", "QueryEvent",   "OpenIpcBuffer", "AllocDevice",
-                                 "AllocPinned",     "RegisterHost", "Copy",          "Encode",
-                                 "Decode"};
+  static const char* kNames[] = {"CreateStream",  "CreateEvent",  "RecordEvent", "StreamWaitEvent",
+                                 "QueryEvent",    "OpenIpcBuffer", "AllocDevice", "AllocPinned",
+                                 "RegisterHost",  "Copy",          "Encode",      "Decode",
+                                 "WriteValue64"};
   return kNames[static_cast<int>(c)];
 }
 
@@ -115,49 +115,9 @@ std::string FakeDevice::ExportBuffer(uint8_t* data, size_t bytes, int device) {
   return h;
 }
 
-std::string FakeDevice::ExportEvent() {
+std::vector<std::pair<uint64_t*, uint64_t>> FakeDevice::SlotStores() {
   std::lock_guard<std::mutex> lock(mu_);
-  auto e = std::make_unique<Event>();
-  e->handle = HandleOf("FAKEEVT", engine_events_.size() + 1);
-  engine_events_[e->handle] = e.get();
-  std::string h = e->handle;
-  events_.push_back(std::move(e));
-  return h;
-}
-
-uint64_t FakeDevice::EngineRecordPending(const std::string& event) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto r = std::make_shared<Record>();
-  r->id = ++next_record_;
-  engine_events_.at(event)->latest = r;
-  engine_records_[r->id] = r;
-  return r->id;
-}
-
-void FakeDevice::CompleteEngineRecord(uint64_t record) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    engine_records_.at(record)->done = true;
-  }
-  cv_.notify_all();
-}
-
-bool FakeDevice::EventComplete(const std::string& event) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const Event* e = engine_events_.at(event);
-  return e->latest == nullptr || e->latest->done;
-}
-
-uint64_t FakeDevice::DaemonRecords(const std::string& event) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return engine_events_.at(event)->daemon_records;
-}
-
-uint64_t FakeDevice::DaemonRecordsCompleted(const std::string& event) {
-  std::lock_guard<std::mutex> lock(mu_);
-  uint64_t n = 0;
-  for (const auto& r : engine_events_.at(event)->daemon_record_list) n += r->done ? 1 : 0;
-  return n;
+  return slot_stores_;
 }
 
 bool FakeDevice::BufferOpen(const std::string& buffer) {
@@ -289,6 +249,9 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
       for (const Buffer* b : KernelBuffersLocked(op)) add(b->data, b->bytes, true);
       break;
     }
+    case Call::kWriteValue:
+      add(op.slot, sizeof(uint64_t), true);
+      break;
     default:
       break;
   }
@@ -341,6 +304,10 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       break;
     case Call::kRecord:
       op.record->done = true;
+      break;
+    case Call::kWriteValue:
+      std::atomic_ref<uint64_t>(*op.slot).store(op.value, std::memory_order_release);
+      slot_stores_.emplace_back(op.slot, op.value);
       break;
     default:
       break;
@@ -404,11 +371,6 @@ size_t FakeDevice::OpenIpcBuffers() {
   return n;
 }
 
-size_t FakeDevice::OpenIpcEvents() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return open_ipc_events_;
-}
-
 size_t FakeDevice::LiveStreams() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
@@ -442,7 +404,7 @@ FakeDevice::Stream* FakeDevice::StreamLocked(DeviceStream s) {
 FakeDevice::Event* FakeDevice::EventLocked(DeviceEvent e, const char* what) {
   auto* ev = static_cast<Event*>(e.ptr);
   if (ev->destroyed) ViolationLocked(std::string(what) + " on a destroyed event");
-  return ev->target != nullptr ? ev->target : ev;
+  return ev;
 }
 
 StatusOr<DeviceStream> FakeDevice::CreateStream(int device) {
@@ -468,24 +430,11 @@ StatusOr<DeviceEvent> FakeDevice::CreateEvent(int) {
   return DeviceEvent{events_.back().get()};
 }
 
-StatusOr<DeviceEvent> FakeDevice::OpenIpcEvent(int, std::string_view handle) {
-  std::lock_guard<std::mutex> lock(mu_);
-  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kOpenIpcEvent));
-  auto it = engine_events_.find(std::string(handle));
-  if (it == engine_events_.end()) return InvalidArgument("fake: unknown IPC event handle");
-  auto proxy = std::make_unique<Event>();
-  proxy->target = it->second;
-  events_.push_back(std::move(proxy));
-  ++open_ipc_events_;
-  return DeviceEvent{events_.back().get()};
-}
-
 void FakeDevice::DestroyEvent(int, DeviceEvent event) {
   std::lock_guard<std::mutex> lock(mu_);
   auto* ev = static_cast<Event*>(event.ptr);
   if (ev->destroyed) ViolationLocked("an event was destroyed twice");
   ev->destroyed = true;
-  if (ev->target != nullptr) --open_ipc_events_;
 }
 
 void FakeDevice::EnqueueLocked(Stream* s, Op op) {
@@ -523,10 +472,6 @@ Status FakeDevice::RecordEvent(int, DeviceEvent event, DeviceStream stream) {
   op.record = std::make_shared<Record>();
   op.record->id = ++next_record_;
   ev->latest = op.record;
-  if (!ev->handle.empty()) {
-    ev->daemon_records += 1;
-    ev->daemon_record_list.push_back(op.record);
-  }
   EnqueueLocked(StreamLocked(stream), std::move(op));
   return Status::Ok();
 }
@@ -704,6 +649,24 @@ Status FakeDevice::LaunchDecode(int, const kernels::DecodeJob& job, uint32_t fir
   op.dec = job;
   op.first = first_layer;
   op.count = num_layers;
+  EnqueueLocked(StreamLocked(stream), std::move(op));
+  return Status::Ok();
+}
+
+Status FakeDevice::WriteValue64(int, DeviceStream stream, uint64_t* slot, uint64_t value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kWriteValue));
+  if (reinterpret_cast<uintptr_t>(slot) % 8 != 0) {
+    ViolationLocked("WriteValue64 to an address that is not 8-byte aligned");
+  }
+  bool registered = false;
+  const auto* p = reinterpret_cast<const uint8_t*>(slot);
+  for (const auto& [r, len] : registered_) registered |= p >= r && p + 8 <= r + len;
+  if (!registered) ViolationLocked("WriteValue64 to host memory that is not registered");
+  Op op;
+  op.kind = Call::kWriteValue;
+  op.slot = slot;
+  op.value = value;
   EnqueueLocked(StreamLocked(stream), std::move(op));
   return Status::Ok();
 }

@@ -11,9 +11,9 @@
 // SetAutoRun(true) runs them on a thread as they become runnable. Copies move bytes; kernels run
 // the scalar reference codec (codec_reference.h) on the job, so data round trips are real.
 //
-// The engine's side is played by the test: ExportBuffer / ExportEvent give IPC handles;
-// EngineRecordPending records an engine event behind work that has not finished (it completes
-// when the test calls CompleteEngineRecord): a wait_event "recorded late".
+// The engine's side is played by the test: ExportBuffer gives IPC handles; its ticket slots are
+// host memory the backend registers (RegisterHost) and the fake's WriteValue64 stores into when
+// the store reaches the front of its stream (SlotStores lists them).
 //
 // Checks, reported by Violations():
 //   - races: two operations touching overlapping memory (one writing) that no stream order,
@@ -21,7 +21,8 @@
 //     while a queued copy still reads it;
 //   - use after close/free: an operation touching a closed IPC buffer or freed memory, or an
 //     IPC buffer closed while queued work still uses it, or a destroyed event used;
-//   - copies from or to pageable host memory, or across two host registrations.
+//   - copies from or to pageable host memory, or across two host registrations;
+//   - a WriteValue64 to memory that is not registered or not 8-byte aligned.
 // Faults: FailCall makes the n-th next call of a kind fail (a kDataLoss failure is sticky: the
 // context is lost and every later call fails too); FailExecution makes an operation fail when it
 // runs (sticky: later queries report kDataLoss).
@@ -47,7 +48,6 @@ class FakeDevice : public DeviceApi {
   enum class Call {
     kCreateStream,
     kCreateEvent,
-    kOpenIpcEvent,
     kRecord,
     kWait,
     kQuery,
@@ -58,6 +58,7 @@ class FakeDevice : public DeviceApi {
     kCopy,
     kEncode,
     kDecode,
+    kWriteValue,
     kCount
   };
 
@@ -69,17 +70,8 @@ class FakeDevice : public DeviceApi {
   // --- the engine's side ---
   // `data` (host memory the test owns, `bytes` long) as an allocation of `device`.
   std::string ExportBuffer(uint8_t* data, size_t bytes, int device);
-  // An interprocess event owned by the engine.
-  std::string ExportEvent();
-  // The engine records `event` behind work that has not finished: the record completes only at
-  // CompleteEngineRecord(returned id). Work of the daemon waiting on it stays queued until then.
-  uint64_t EngineRecordPending(const std::string& event);
-  void CompleteEngineRecord(uint64_t record);
-  // Whether the event's most recent record has completed (true when never recorded).
-  bool EventComplete(const std::string& event);
-  // How many times the daemon recorded the engine's event, and how many of those completed.
-  uint64_t DaemonRecords(const std::string& event);
-  uint64_t DaemonRecordsCompleted(const std::string& event);
+  // The slot stores (WriteValue64) that ran, in the order they ran: (slot, value).
+  std::vector<std::pair<uint64_t*, uint64_t>> SlotStores();
   // Whether the daemon currently has `buffer` open.
   bool BufferOpen(const std::string& buffer);
   // Kernels enqueued so far whose views lie in `buffer` (read from the views they point to).
@@ -101,7 +93,6 @@ class FakeDevice : public DeviceApi {
   uint64_t Executed(Call call);
   uint64_t AllocCalls();
   size_t OpenIpcBuffers();
-  size_t OpenIpcEvents();
   size_t LiveStreams();
   std::vector<std::pair<uint8_t*, size_t>> Registered();
 
@@ -110,7 +101,6 @@ class FakeDevice : public DeviceApi {
   StatusOr<DeviceStream> CreateStream(int device) override;
   void DestroyStream(int device, DeviceStream stream) override;
   StatusOr<DeviceEvent> CreateEvent(int device) override;
-  StatusOr<DeviceEvent> OpenIpcEvent(int device, std::string_view handle) override;
   void DestroyEvent(int device, DeviceEvent event) override;
   Status RecordEvent(int device, DeviceEvent event, DeviceStream stream) override;
   Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) override;
@@ -128,6 +118,7 @@ class FakeDevice : public DeviceApi {
   Status LaunchEncode(int device, const kernels::EncodeJob& job, DeviceStream stream) override;
   Status LaunchDecode(int device, const kernels::DecodeJob& job, uint32_t first_layer,
                       uint32_t num_layers, DeviceStream stream) override;
+  Status WriteValue64(int device, DeviceStream stream, uint64_t* slot, uint64_t value) override;
 
  private:
   using VClock = std::vector<uint64_t>;  // per stream id: the last op of it known to happen before
@@ -166,8 +157,6 @@ class FakeDevice : public DeviceApi {
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Stream>> streams_;  // index = stream id - 1
   std::vector<std::unique_ptr<Event>> events_;
-  std::map<std::string, Event*> engine_events_;  // by handle
-  std::map<uint64_t, std::shared_ptr<Record>> engine_records_;
   std::map<std::string, std::unique_ptr<Buffer>> buffers_;  // exported, by handle
   struct Alloc {
     uint8_t* data;
@@ -193,7 +182,7 @@ class FakeDevice : public DeviceApi {
   uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
   uint64_t executed_[static_cast<int>(Call::kCount)] = {};
   uint64_t alloc_calls_ = 0;
-  size_t open_ipc_events_ = 0;
+  std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
   bool auto_run_ = false, stop_ = false;
   std::thread runner_;
 };

@@ -232,7 +232,8 @@ TEST(ValidateRegistrationTest, CudaWith64ByteHandles) {
     b.has_cuda_ipc_handle = true;
     b.cuda_ipc_handle = std::string(64, '\x01');
   }
-  s.events.cuda_ipc_event_handles = {std::string(64, 'e'), std::string(64, 'f')};
+  s.events.host_fd_id = 1;
+  s.events.count = 8;
   auto r = ValidateRegistration(s, Limits{}, kBigPool);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_TRUE(r->cuda);
@@ -244,8 +245,13 @@ TEST(ValidateRegistrationTest, CudaWith64ByteHandles) {
   s.buffers[3].has_cuda_ipc_handle = false;
   ExpectInvalid(s, "buffers[3].cuda_ipc_handle");
   s.buffers[3].has_cuda_ipc_handle = true;
-  s.events.cuda_ipc_event_handles[1].resize(63);
-  ExpectInvalid(s, "events.cuda_ipc_event_handles[1]");
+  // Completion through CUDA IPC events is refused: ticket slots only.
+  s.events.cuda_ipc_event_handles = {std::string(64, 'e')};
+  auto refused = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("events.cuda_ipc_event_handles"), std::string::npos)
+      << refused.status().message();
 }
 
 // ---------------------------------------------------------------------------------------------
