@@ -21,6 +21,11 @@
 //                                never comes, and another dies with such a wait pending: the
 //                                daemon survives, drops the pools, and serves five new clients
 //                                one after the other (nothing of its staging stays held).
+//   FiveDeadEnginesThenASixth    the daemon's staging is one slab pair: five clients each leave a
+//                                restore waiting for a value that never comes, another round-trips
+//                                while they wait, the five are SIGKILLed, the daemon drops their
+//                                pools, and a sixth client round-trips (nothing of theirs holds
+//                                the slabs).
 //   TwoClientsWaitingOnEachOther the daemon has ONE transfer worker. Two clients (TP ranks)
 //                                each write their wait_value behind a kernel that waits for a
 //                                flag the other client sets only once its own request has been
@@ -377,7 +382,7 @@ TEST(CudaEventsChild, ReleaseWithAWaitPending) {
 }
 
 // Writes its wait value behind a gate that never opens, sends an asynchronous restore that waits
-// for it, says "ready" and waits to be killed.
+// for it, says "ready-<seed>" and waits to be killed.
 TEST(CudaEventsChild, WaitPendingUntilKilled) {
   HIQ_CHILD_PRELUDE(env);
   EventsClient c;
@@ -395,7 +400,7 @@ TEST(CudaEventsChild, WaitPendingUntilKilled) {
   o.sync = false;
   RestoreResult r = c.client().Restore(c.pool(), c.keys(), RowsFrom(kDst), o);
   HIQ_ASSERT_OK(r.status);
-  Touch(env.dir + "/ready");
+  Touch(env.dir + "/ready-" + std::to_string(env.seed));
   std::this_thread::sleep_for(std::chrono::seconds(600));
   FAIL() << "was not killed";
 }
@@ -513,15 +518,35 @@ class CudaEventsGpu : public ::testing::Test {
 
   bool DaemonAlive() const { return gpu_test::ChildAlive(daemon_->pid()); }
 
-  // Waits until child `pid` has created its "ready" marker.
-  void AwaitReady(pid_t pid) {
+  // Waits until child `pid` has created its marker `name` in the test's directory.
+  void AwaitReady(pid_t pid, const std::string& name = "ready") {
+    const std::string marker = dir_ + "/" + name;
     const auto deadline = Clock::now() + std::chrono::seconds(120);
-    while (!std::filesystem::exists(dir_ + "/ready") && Clock::now() < deadline) {
+    while (!std::filesystem::exists(marker) && Clock::now() < deadline) {
       int status;
-      ASSERT_NE(::waitpid(pid, &status, WNOHANG), pid) << "the client exited before it was ready";
+      ASSERT_NE(::waitpid(pid, &status, WNOHANG), pid)
+          << "the client exited before it was ready (" << name << ")";
       std::this_thread::sleep_for(milliseconds(10));
     }
-    ASSERT_TRUE(std::filesystem::exists(dir_ + "/ready"));
+    ASSERT_TRUE(std::filesystem::exists(marker)) << name;
+  }
+
+  // Polls GetStats until no pool of a client in `pids` is registered, for at most `timeout`.
+  // True when they are all gone.
+  bool AwaitPoolsDropped(const std::vector<pid_t>& pids, std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+      auto stats = client_->GetStats();
+      EXPECT_TRUE(stats.ok()) << "the daemon stopped answering: " << stats.status().ToString();
+      if (!stats.ok()) return false;
+      bool gone = true;
+      for (const PoolStats& p : stats->pools) {
+        for (pid_t pid : pids) gone &= p.client_pid != static_cast<uint32_t>(pid);
+      }
+      if (gone) return true;
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
   }
 
   std::unique_ptr<testing::DaemonProcess> daemon_;
@@ -560,20 +585,13 @@ TEST_F(CudaEventsGpu, ClientKilledWithAWaitPending) {
       << "ReleasePool with a wait pending did not complete";
   const pid_t pid = Spawn("WaitPendingUntilKilled", 2);
   ASSERT_GT(pid, 0);
-  ASSERT_NO_FATAL_FAILURE(AwaitReady(pid));
+  ASSERT_NO_FATAL_FAILURE(AwaitReady(pid, "ready-2"));
   ASSERT_EQ(::kill(pid, SIGKILL), 0);
   int status;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   const auto killed = Clock::now();
-  bool gone = false;
-  while (!gone && Clock::now() - killed < std::chrono::seconds(10)) {
-    auto stats = client_->GetStats();
-    ASSERT_TRUE(stats.ok()) << "the daemon stopped answering: " << stats.status().ToString();
-    gone = true;
-    for (const PoolStats& p : stats->pools) gone &= p.client_pid != static_cast<uint32_t>(pid);
-    if (!gone) std::this_thread::sleep_for(milliseconds(20));
-  }
-  EXPECT_TRUE(gone) << "the dead client's pool is still registered";
+  EXPECT_TRUE(AwaitPoolsDropped({pid}, std::chrono::seconds(10)))
+      << "the dead client's pool is still registered";
   std::printf("pool of the client killed with a wait pending dropped after %.0f ms\n",
               std::chrono::duration<double, std::milli>(Clock::now() - killed).count());
   EXPECT_TRUE(DaemonAlive());
@@ -585,6 +603,62 @@ TEST_F(CudaEventsGpu, ClientKilledWithAWaitPending) {
     EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-" + std::to_string(seed)))
         << "engine " << seed - 9 << " could not use the daemon after the death";
   }
+  EXPECT_TRUE(DaemonAlive());
+}
+
+TEST_F(CudaEventsGpu, FiveDeadEnginesThenASixth) {
+  // 4 MiB of staging is one pair of 2 MiB slabs (StagingPlan): a waiting request that held a
+  // slab would stop every other request of the GPU.
+  ASSERT_NO_FATAL_FAILURE(StartDaemon({"--cuda-staging-bytes", "4MiB", "--release-timeout-ms",
+                                       "2000", "--wait-timeout-ms", "600000"}));
+  std::vector<pid_t> dead;
+  // Children still running when the test stops early are killed and reaped, not left behind.
+  struct KillLeftOver {
+    std::vector<pid_t>* pids;
+    ~KillLeftOver() {
+      for (pid_t pid : *pids) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+      }
+    }
+  } kill_left_over{&dead};
+  for (uint64_t seed = 20; seed < 25; ++seed) {
+    const pid_t pid = Spawn("WaitPendingUntilKilled", seed);
+    ASSERT_GT(pid, 0);
+    dead.push_back(pid);
+  }
+  for (size_t i = 0; i < dead.size(); ++i) {
+    ASSERT_NO_FATAL_FAILURE(AwaitReady(dead[i], "ready-" + std::to_string(20 + i)));
+  }
+  // While the five wait: their requests hold no slab.
+  const pid_t during = Spawn("RoundTrip", 30);
+  ASSERT_GT(during, 0);
+  EXPECT_EQ(Wait(during, std::chrono::seconds(60)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-30"))
+      << "a client could not round-trip while five others had a wait pending";
+  const std::vector<pid_t> killed_pids = dead;
+  for (pid_t pid : killed_pids) EXPECT_EQ(::kill(pid, SIGKILL), 0);
+  dead.clear();
+  for (pid_t pid : killed_pids) {
+    int status;
+    EXPECT_EQ(::waitpid(pid, &status, 0), pid);
+  }
+  const auto killed = Clock::now();
+  EXPECT_TRUE(AwaitPoolsDropped(killed_pids, std::chrono::seconds(10)))
+      << "pools of the five killed clients are still registered";
+  const double dropped_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
+  EXPECT_TRUE(DaemonAlive());
+  const auto t0 = Clock::now();
+  const pid_t sixth = Spawn("RoundTrip", 31);
+  ASSERT_GT(sixth, 0);
+  EXPECT_EQ(Wait(sixth, std::chrono::seconds(60)), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ok-roundtrip-31"))
+      << "the sixth client could not use the daemon after five died with waits pending";
+  std::printf(
+      "five killed clients with waits pending: pools dropped after %.0f ms; the sixth "
+      "round-tripped in %.0f ms (process start included)\n",
+      dropped_ms, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   EXPECT_TRUE(DaemonAlive());
 }
 
