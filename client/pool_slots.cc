@@ -15,16 +15,17 @@ namespace hiqcache::client_internal {
 
 StatusOr<std::shared_ptr<PoolSlots>> PoolSlots::Map(const EventPoolSpec& events) {
   if (events.count == 0) return std::shared_ptr<PoolSlots>();
-  int fd = events.host_fd;
-  bool opened = false;
-  if (fd < 0) {
+  int fd = -1;
+  if (events.host_fd >= 0) {
+    fd = ::fcntl(events.host_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return Internal(std::string("events: dup: ") + std::strerror(errno));
+  } else {
     if (events.host_shm_name.empty()) return std::shared_ptr<PoolSlots>();
     const std::string name = HostShm::NormalizeName(events.host_shm_name);
     fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
     if (fd < 0) {
       return Internal("events: cannot open " + name + ": " + std::strerror(errno));
     }
-    opened = true;
   }
   const size_t bytes = size_t{events.count} * HostEventPool::kSlotBytes;
   struct stat st {};
@@ -42,15 +43,33 @@ StatusOr<std::shared_ptr<PoolSlots>> PoolSlots::Map(const EventPoolSpec& events)
       status = Internal(std::string("events: mmap: ") + std::strerror(errno));
     }
   }
-  if (opened) ::close(fd);
-  if (!status.ok()) return status;
-  return std::shared_ptr<PoolSlots>(new PoolSlots(data, bytes, events.count));
+  if (!status.ok()) {
+    ::close(fd);
+    return status;
+  }
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  const bool sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  return std::shared_ptr<PoolSlots>(new PoolSlots(fd, sealed, data, bytes, events.count));
 }
 
-PoolSlots::PoolSlots(void* data, size_t bytes, uint32_t count)
-    : data_(data), bytes_(bytes), count_(count), daemon_slots_((size_t{count} + 63) / 64) {}
+PoolSlots::PoolSlots(int fd, bool sealed, void* data, size_t bytes, uint32_t count)
+    : fd_(fd),
+      sealed_(sealed),
+      data_(data),
+      bytes_(bytes),
+      count_(count),
+      daemon_slots_((size_t{count} + 63) / 64) {}
 
-PoolSlots::~PoolSlots() { ::munmap(data_, bytes_); }
+PoolSlots::~PoolSlots() {
+  ::munmap(data_, bytes_);
+  ::close(fd_);
+}
+
+bool PoolSlots::Intact() const {
+  if (sealed_) return true;
+  struct stat st {};
+  return ::fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) >= bytes_;
+}
 
 std::atomic_ref<uint64_t> PoolSlots::Slot(uint32_t i) const {
   return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(
@@ -81,7 +100,7 @@ void PoolSlots::NoteTicket(uint64_t ticket) {
 
 uint32_t PoolSlots::FailBelow(uint64_t ticket) const {
   ticket &= ~kEventFailedBit;
-  if (ticket == 0 || forgotten()) return 0;
+  if (ticket == 0 || forgotten() || !Intact()) return 0;
   const uint64_t failed = ticket | kEventFailedBit;
   uint32_t written = 0;
   for (uint32_t i = 0; i < count_; ++i) {
@@ -102,6 +121,7 @@ uint32_t PoolSlots::FailBelow(uint64_t ticket) const {
 }
 
 void PoolSlots::Reset() const {
+  if (!Intact()) return;
   for (uint32_t i = 0; i < count_; ++i) Slot(i).store(0, std::memory_order_release);
 }
 

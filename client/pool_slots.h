@@ -49,18 +49,24 @@ class PoolSlots {
   // Stores `ticket | kEventFailedBit` into every slot marked by NoteDaemonSlots whose ticket part
   // (bits 0..62) is below `ticket`, each with a compare-and-swap in release order, so that no slot
   // is ever lowered. Nothing once Forget was called. Returns how many slots were written.
+  // Nothing either when the object shrank below its slots.
   uint32_t FailBelow(uint64_t ticket) const;
-  // Zeroes every slot (release stores).
+  // Zeroes every slot (release stores); nothing when the object shrank below its slots.
   void Reset() const;
+  // Whether the object still holds every slot (fstat of the kept descriptor; an object sealed
+  // against shrinking always does).
+  bool Intact() const;
 
   // The pool was released: FailBelow writes nothing from now on.
   void Forget() { forgotten_.store(true, std::memory_order_release); }
   bool forgotten() const { return forgotten_.load(std::memory_order_acquire); }
 
  private:
-  PoolSlots(void* data, size_t bytes, uint32_t count);
+  PoolSlots(int fd, bool sealed, void* data, size_t bytes, uint32_t count);
   std::atomic_ref<uint64_t> Slot(uint32_t i) const;
 
+  const int fd_;       // owned: a duplicate of host_fd, or the object opened by name
+  const bool sealed_;  // F_SEAL_SHRINK was set when mapped
   void* const data_;
   const size_t bytes_;
   const uint32_t count_;
