@@ -157,10 +157,10 @@ def bench_fidelity(model: str, ids: list[int], pairs: int, tmp: pathlib.Path) ->
 def bench_layout(reps: int) -> dict:
     import torch
 
-    from hiqcache.vllm import TileConverter, _Worker
+    from hiqcache.vllm import CpuWorker, TileConverter
 
     bs, heads, dim, layers, nb = BS, 3, 64, 30, 64  # SmolLM2-135M, 2,048 tokens
-    w = _Worker.__new__(_Worker)
+    w = CpuWorker.__new__(CpuWorker)
     w.bs, w.tiles = bs, TileConverter(torch.bfloat16, bs, heads, dim)
     w.layers = [torch.zeros(4 * nb, heads, 2 * bs * dim, dtype=torch.bfloat16)
                 for _ in range(layers)]

@@ -373,6 +373,12 @@ class Client:
             log.debug("hiqcache client: %r", sess)
             return sess, self._session_gen
 
+    @property
+    def passes_fds(self) -> bool:
+        """Whether this target has a session socket, over which memfds and fds are passed (a
+        unix socket target; TCP targets have none)."""
+        return bool(self._session_path)
+
     def session(self) -> Session | None:
         """The session with the daemon, opened now if needed; None when there is none (see
         the module docstring). The caller must not close it (close() does)."""

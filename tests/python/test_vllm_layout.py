@@ -54,10 +54,10 @@ def test_this_machines_isa_is_converted_by_strided_copies():
 def test_worker_moves_exactly_the_named_blocks(block_ids):
     """The worker's staging <-> cache copies (runs of consecutive blocks straight, fragmented
     ones through a gather) against vLLM's own op, leaving every other block untouched."""
-    from hiqcache.vllm import _Worker
+    from hiqcache.vllm import CpuWorker
 
     bs, heads, dim, nb = 32, 3, 64, len(block_ids)
-    w = _Worker.__new__(_Worker)
+    w = CpuWorker.__new__(CpuWorker)
     w.bs, w.tiles = bs, TileConverter(torch.bfloat16, bs, heads, dim)
     g = torch.Generator().manual_seed(len(block_ids))
     k = torch.randn(nb * bs, heads, dim, generator=g).to(torch.bfloat16)

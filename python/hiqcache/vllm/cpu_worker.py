@@ -1,43 +1,18 @@
-"""vLLM KV connector (v1, out of tree): vLLM engines back up and restore KV through hiqcached.
+"""The worker half of the vLLM connector for vLLM on CPU (HOST device).
 
-    kv_transfer_config = {
-        "kv_connector": "HiqCacheConnector",
-        "kv_connector_module_path": "hiqcache.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"target": "unix:///run/hiqcache/hiqcached.sock",
-                                      "codec": "int8_per_head", "tenant": ""},
-    }
-
-Names are a contract (DESIGN.md "Engine adapters"). Optional extra-config keys beyond the
-contract: `timeout_ms` (deadline of every daemon call, default 1000) and `staging_tokens` (token
-rows of each staging area, see below). An unknown key or a bad value fails engine start-up with a
-message that names it; after start-up the connector never raises into vLLM: any failure is a miss
-(the scheduler's lookup answers 0, a failed restore reports its blocks through
-get_block_ids_with_load_errors so vLLM recomputes exactly those tokens, a failed backup is
-dropped).
-
-Scheduler half: keys are XXH3-128 chains (hiqcache.keys) over the request's token ids, salted
-with the model's identity (name, revision, dtype, quantization, KV cache dtype) and the request's
-LoRA adapter, multimodal inputs and cache salt, so every engine process on the node derives the
-same keys without PYTHONHASHSEED and two models never share blocks. It has no KV buffers, so
-get_num_new_matched_tokens asks the daemon how many leading full blocks every TP rank of this
-engine holds (Lookup over the ranks' namespaces); build_connector_meta tells the workers which
-stored blocks to load into which vLLM blocks and which newly computed full blocks to save.
-
-Worker half, vLLM on CPU (HOST device): vLLM's CPU attention keeps each (block, head) tile in an
-order of its own that depends on the ISA it picked ("vec": K as [head_dim][block_size], V as
-[block_size][head_dim]; "amx": tokens in groups with pairs of dims interleaved), which no
-TensorView can express. The connector therefore learns the order by running vLLM's own
-cpu_attn_reshape_and_cache on a probe tile at start-up, and converts through a staging area in
-shared memory that the daemon reads and writes ([layer][K|V][row][head][dim], one pool
-registration covering every layer; a memfd sealed against shrinking, passed to the daemon by
-fd over the client's session, or a named shm object for a daemon without sessions): a layout it
-cannot map exactly fails start-up, it never backs up scrambled KV. Loads: start_load_kv sends one asynchronous Restore per request into the
-load area, all signalling the same per-layer event slots; wait_for_layer_load(layer) waits for
-that layer only and scatters it into vLLM's blocks. Saves: wait_for_save (all layers written)
-gathers the step's newly computed full blocks into the save area and sends one asynchronous
-Backup; vLLM's blocks are free again as soon as that copy is made, so request_finished never
-delays freeing them.
+vLLM's CPU attention keeps each (block, head) tile in an order of its own that depends on the
+ISA it picked ("vec": K as [head_dim][block_size], V as [block_size][head_dim]; "amx": tokens in
+groups with pairs of dims interleaved), which no TensorView can express. The worker therefore
+learns the order by running vLLM's own cpu_attn_reshape_and_cache on a probe tile at start-up,
+and converts through a staging area in shared memory that the daemon reads and writes
+([layer][K|V][row][head][dim], one pool registration covering every layer; a memfd sealed
+against shrinking, passed to the daemon by fd over the client's session, or a named shm object
+for a daemon without sessions): a layout it cannot map exactly fails start-up, it never backs up
+scrambled KV. Loads: start_load sends one asynchronous Restore per request into the load area,
+all signalling the same per-layer event slots; wait_layer(layer) waits for that layer only and
+scatters it into vLLM's blocks. Saves: save (all layers written) gathers the step's newly
+computed full blocks into the save area and sends one asynchronous Backup; vLLM's blocks are free
+again as soon as that copy is made, so request_finished never delays freeing them.
 """
 
 from __future__ import annotations
@@ -46,283 +21,28 @@ import atexit
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
 
 from hiqcache.client import Client
 from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
-from hiqcache.keys import BlockKey, chain_block_key, root_block_key
-from hiqcache.options import ExtraConfig
-from hiqcache.spec import (Codec, DeviceKind, DType, Geometry, LayerView, NamespaceRef, PoolSpec,
-                           slot_major_bytes, slot_major_view)
+from hiqcache.keys import BlockKey
+from hiqcache.spec import DeviceKind, LayerView, PoolSpec, slot_major_bytes, slot_major_view
 from hiqcache.status import HiqError
+from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
+                                  _Load, _LogOnce, _staging_tokens, model_identity)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 log = logging.getLogger("hiqcache.vllm")
-
-_EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens")
-_TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 
 # Event slots of a worker's registration.
 _SLOT_BACKUP_DONE = 0
 _SLOT_LAYER_BASE = 1  # + layer index
 _MAX_LOADS_PER_STEP = 64  # done slots for loads follow the layer slots
 _STAGING_TAG, _EVENTS_TAG = "vllm-kv", "vllm-ev"  # memfd labels; shm names unique_name(tag)
-
-
-@dataclass(frozen=True)
-class ConnectorOptions:
-    target: str = ""
-    codec: Codec = Codec.INT8_PER_HEAD
-    tenant: str = ""
-    timeout_ms: int = 1000
-    staging_tokens: int = 0  # 0 = derived from the scheduler limits
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> "ConnectorOptions":
-        """Validates kv_connector_extra_config; ValueError naming the offending key."""
-        opts = ExtraConfig(extra, "kv_connector_extra_config", _EXTRA_KEYS)
-        return cls(target=opts.target(), codec=opts.codec(), tenant=opts.text("tenant"),
-                   timeout_ms=opts.integer("timeout_ms", 1000, 1, 600_000),
-                   staging_tokens=opts.integer("staging_tokens", 0, 0, 1 << 24))
-
-
-def model_identity(vllm_config: "VllmConfig") -> str:
-    """Everything about the model that changes its KV, as one string (the namespace's model)."""
-    m = vllm_config.model_config
-    parts = [f"{m.model}@{m.revision or 'main'}", f"dtype={str(m.dtype).removeprefix('torch.')}",
-             f"quant={m.quantization or 'none'}",
-             f"kv={vllm_config.cache_config.cache_dtype}"]
-    return "|".join(parts)
-
-
-def request_salt(identity: str, request: "Request") -> bytes:
-    """The key chain's salt for one request: model identity, LoRA, multimodal inputs, cache salt."""
-    parts = [identity]
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={lora.lora_name}:{getattr(lora, 'lora_path', '')}")
-    for f in getattr(request, "mm_features", None) or ():
-        parts.append(f"mm={f.identifier}")
-    if getattr(request, "cache_salt", None):
-        parts.append(f"salt={request.cache_salt}")
-    return "\x1f".join(parts).encode()
-
-
-def _engine_geometry(vllm_config: "VllmConfig", tp_rank: int) -> Geometry:
-    m, p = vllm_config.model_config, vllm_config.parallel_config
-    dtype = _TORCH_DTYPES.get(m.dtype)
-    if dtype is None:
-        raise ValueError(f"hiqcache: model dtype {m.dtype} is not supported (bf16 or fp16)")
-    if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
-        raise ValueError(f"hiqcache: kv cache dtype {vllm_config.cache_config.cache_dtype!r} is "
-                         "not supported (use 'auto')")
-    if m.use_mla:
-        raise ValueError("hiqcache: MLA models are not supported by the vLLM connector yet")
-    return Geometry(num_layers=m.get_num_layers(p), num_kv_heads=m.get_num_kv_heads(p),
-                    head_dim=m.get_head_size(), dtype=dtype, tp_rank=tp_rank,
-                    tp_size=p.tensor_parallel_size)
-
-
-def _staging_tokens(vllm_config: "VllmConfig", opts: ConnectorOptions) -> int:
-    """Rows of each staging area: one step's loads (the scheduler never promises more) and one
-    step's saves (at most the step's token budget plus one partial block per request)."""
-    if opts.staging_tokens:
-        return opts.staging_tokens
-    s = vllm_config.scheduler_config
-    bs = vllm_config.cache_config.block_size
-    rows = max(s.max_num_batched_tokens + s.max_num_seqs * bs, min(vllm_config.model_config.max_model_len, 8192))
-    return -(-rows // bs) * bs
-
-
-class _LogOnce:
-    """Logs a failure once per kind and period, so a daemon that is down does not flood logs."""
-
-    def __init__(self, period: float = 30.0):
-        self.period = period
-        self.last: dict[str, float] = {}
-
-    def __call__(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self.last.get(kind, -1e9) >= self.period:
-            self.last[kind] = now
-            log.warning("hiqcache: " + msg, *args)
-
-
-# --- metadata --------------------------------------------------------------------------------
-
-
-@dataclass
-class _Transfer:
-    req_id: str
-    keys: list[BlockKey]
-    block_ids: list[int]
-
-
-@dataclass
-class _Load(_Transfer):
-    """A restore in flight on a worker."""
-
-    reported: bool = False  # its outcome went into the step's loaded or failed blocks
-
-
-@dataclass
-class HiqCacheConnectorMetadata(KVConnectorMetadata):
-    loads: list[_Transfer] = field(default_factory=list)
-    saves: list[_Transfer] = field(default_factory=list)
-
-
-# --- scheduler half --------------------------------------------------------------------------
-
-
-@dataclass
-class _Request:
-    request: "Request"
-    salt: bytes
-    bs: int
-    keys: list[BlockKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    local_tokens: int = 0  # vLLM's own prefix-cache hit, as passed to get_num_new_matched_tokens
-    daemon_blocks: int = 0  # leading blocks the daemon is known to hold
-    saved_blocks: int = 0  # leading blocks saved or known to be held
-    load: tuple[int, int] | None = None  # (first block, count) to load in the next step
-
-    def keys_upto(self, n: int) -> list[BlockKey]:
-        """The first n block keys, extending the chain over the request's tokens as needed."""
-        bs = self.bs
-        tokens = self.request.all_token_ids
-        while len(self.keys) < n:
-            i = len(self.keys)
-            prev = self.keys[-1] if self.keys else root_block_key(self.salt)
-            self.keys.append(chain_block_key(prev, tokens[i * bs:(i + 1) * bs]))
-        return self.keys[:n]
-
-
-class _Scheduler:
-    def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions):
-        self.bs = vllm_config.cache_config.block_size
-        self.identity = model_identity(vllm_config)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        self.namespaces = [NamespaceRef(model=self.identity, tenant=opts.tenant,
-                                        geometry=_engine_geometry(vllm_config, r),
-                                        block_tokens=self.bs, codec=opts.codec)
-                           for r in range(tp)]
-        self.capacity_tokens = _staging_tokens(vllm_config, opts)
-        self.client = Client(opts.target, call_timeout=opts.timeout_ms / 1000)
-        self.reqs: dict[str, _Request] = {}
-        self.promised_tokens = 0  # load tokens promised to the step being scheduled
-        self.warn = _LogOnce()
-
-    def _state(self, request: "Request") -> _Request:
-        st = self.reqs.get(request.request_id)
-        if st is None or st.request is not request:
-            st = _Request(request=request, salt=request_salt(self.identity, request), bs=self.bs)
-            self.reqs[request.request_id] = st
-        return st
-
-    @staticmethod
-    def cacheable(request: "Request") -> bool:
-        return getattr(request, "prompt_embeds", None) is None
-
-    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
-        if not self.cacheable(request):
-            return 0
-        st = self._state(request)  # tracked for its saves even when nothing is looked up
-        st.local_tokens = num_computed_tokens
-        # vLLM must compute at least the last token itself.
-        n_max = (request.num_tokens - 1) // self.bs
-        n_local = num_computed_tokens // self.bs
-        room = (self.capacity_tokens - self.promised_tokens) // self.bs
-        if n_max <= n_local or room <= 0:
-            return 0
-        res = self.client.lookup_group(self.namespaces, st.keys_upto(n_max))
-        if not res.status.ok:
-            self.warn("lookup", "lookup failed, serving without the cache: %s", res.status)
-            return 0
-        st.daemon_blocks = res.prefix_blocks
-        hit = min(res.prefix_blocks, n_local + room)
-        return max(0, hit - n_local) * self.bs
-
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
-        st = self._state(request)
-        if num_external_tokens > 0:
-            first = st.local_tokens // self.bs
-            st.load = (first, num_external_tokens // self.bs)
-            self.promised_tokens += num_external_tokens
-
-    def _saves(self, st: _Request, computed: int, scheduled: int) -> _Transfer | None:
-        """Full blocks whose KV this step completes and that the daemon may not hold yet."""
-        if not self.cacheable(st.request):
-            return None
-        end = min(computed + scheduled, len(st.request.all_token_ids)) // self.bs
-        start = max(st.saved_blocks, st.daemon_blocks)
-        end = min(end, len(st.block_ids))
-        if end <= start:
-            return None
-        st.saved_blocks = end
-        return _Transfer(st.request.request_id, st.keys_upto(end)[start:end],
-                         st.block_ids[start:end])
-
-    def build_meta(self, out: "SchedulerOutput") -> HiqCacheConnectorMetadata:
-        meta = HiqCacheConnectorMetadata()
-        self.promised_tokens = 0
-        steps: list[tuple[_Request, int, int]] = []
-        for new in out.scheduled_new_reqs:
-            st = self.reqs.get(new.req_id)
-            if st is None:
-                continue  # never seen by get_num_new_matched_tokens (not cacheable)
-            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            steps.append((st, new.num_computed_tokens, out.num_scheduled_tokens.get(new.req_id, 0)))
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            st = self.reqs.get(req_id)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                st.block_ids.extend(new_ids[0])
-            steps.append((st, cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0)))
-        for st, computed, scheduled in steps:
-            if st.load is not None:
-                first, n = st.load
-                st.load = None
-                if first + n <= len(st.block_ids):
-                    meta.loads.append(_Transfer(st.request.request_id,
-                                                st.keys_upto(first + n)[first:first + n],
-                                                st.block_ids[first:first + n]))
-                    st.saved_blocks = max(st.saved_blocks, first + n)
-            try:
-                save = self._saves(st, computed, scheduled)
-            except Exception as err:  # a save is optional: never lose the step's loads over it
-                self.warn("save-plan", "planning saves failed (%s: %s)", type(err).__name__, err)
-                save = None
-            if save is not None:
-                meta.saves.append(save)
-        for req_id in out.finished_req_ids:
-            self.reqs.pop(req_id, None)
-        return meta
-
-    def request_finished(self, request: "Request") -> None:
-        self.reqs.pop(request.request_id, None)
-
-
-# --- worker half -----------------------------------------------------------------------------
 
 
 def probe_tile_order(dtype: torch.dtype, block_size: int, num_heads: int, head_dim: int
@@ -474,7 +194,9 @@ class TileConverter:
         return tiles
 
 
-class _Worker:
+class CpuWorker:
+    """The worker half for vLLM on CPU (see the module docstring)."""
+
     def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions):
         self.cfg = vllm_config
         self.opts = opts
@@ -508,8 +230,8 @@ class _Worker:
             raise ValueError(f"hiqcache: {len(names)} KV cache tensors for {g.num_layers} layers")
         first = kv_caches[names[0]]
         if first.device.type != "cpu":
-            raise ValueError(f"hiqcache: KV cache on {first.device}: this connector serves vLLM on "
-                             "CPU (HOST device) only")
+            raise ValueError(f"hiqcache: KV cache on {first.device}: the CPU worker serves vLLM "
+                             "on CPU only (CudaWorker serves CUDA)")
         want = (g.num_kv_heads, self.bs, 2 * g.head_dim)
         for name in names:
             kv = kv_caches[name]
@@ -635,6 +357,7 @@ class _Worker:
         if self.loads and not self._finish_loads(0.0):
             # A restore of an earlier step still writes the staging area: recompute instead.
             self.warn("busy", "an earlier restore is still running; recomputing")
+            self.load_ticket = 0  # no layer of this step waits or copies
             for tr in meta.loads:
                 self.load_errors.update(tr.block_ids)
                 self.stats["failed_blocks"] += len(tr.block_ids)
@@ -671,7 +394,8 @@ class _Worker:
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
-        if layer is None or not self.loads or layer in self.layers_done or self.layers_failed:
+        if (layer is None or not self.loads or not self.load_ticket or layer in self.layers_done
+                or self.layers_failed):
             return
         t0 = time.perf_counter()
         self.layers_done.add(layer)
@@ -685,6 +409,16 @@ class _Worker:
         for tr, first_row, _, _ in self.loads:
             self._rows_to_tiles(layer, tr.block_ids, first_row)
         self.stats["load_seconds"] += time.perf_counter() - t0
+
+    def fail_loads(self, meta: HiqCacheConnectorMetadata) -> None:
+        """start_load raised: every block of the step's loads is recomputed and no layer waits.
+        Restores already sent stay listed: their staging rows are not reused until done."""
+        self.load_errors.update(b for t in meta.loads for b in t.block_ids)
+        self.layers_failed = True
+
+    def layer_failed(self, layer_name: str) -> None:
+        """wait_layer raised: the layer counts as not loaded (its restores become load errors)."""
+        self.layers_done.discard(self.layer_index.get(layer_name, -1))
 
     def take_load_errors(self) -> set[int]:
         """This step's failed loads; called by vLLM after the forward pass."""
@@ -741,123 +475,3 @@ class _Worker:
         self.events.close()
         self.shm.close()
 
-
-# --- the connector ---------------------------------------------------------------------------
-
-
-class HiqCacheConnector(KVConnectorBase_V1):
-    """hiqcached as vLLM's KV connector (see the module docstring)."""
-
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        self._opts = ConnectorOptions.parse(extra)
-        bs = vllm_config.cache_config.block_size
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("hiqcache: models with several KV cache groups (hybrid or sliding-"
-                             "window attention) are not supported yet")
-        _engine_geometry(vllm_config, 0)  # fails start-up for unsupported models
-        if bs <= 0:
-            raise ValueError("hiqcache: block_size must be > 0")
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # A block the daemon promised can be evicted before the load: that must be a miss.
-            log.info("hiqcache: kv_load_failure_policy set to 'recompute' (was %r): a block "
-                     "hiqcached cannot deliver is recomputed",
-                     self._kv_transfer_config.kv_load_failure_policy)
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self._scheduler = _Scheduler(vllm_config, self._opts) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = _Worker(vllm_config, self._opts) if role == KVConnectorRole.WORKER else None
-        self._warn = _LogOnce()
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        return False  # a best-effort cache: a dropped save is a future miss
-
-    def _guard(self, what: str, fn: Any, default: Any = None) -> Any:
-        try:
-            return fn()
-        except Exception as err:  # never raise into vLLM
-            self._warn(what, "%s failed (%s: %s); treated as a miss", what, type(err).__name__, err)
-            return default
-
-    # -- worker --
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)  # start-up: a layout not understood fails loudly
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self._worker is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HiqCacheConnectorMetadata)
-
-        def fail_all() -> None:
-            # Restores already sent stay listed: their staging rows are not reused until done.
-            self._worker.load_errors.update(b for t in meta.loads for b in t.block_ids)
-            self._worker.layers_failed = True
-
-        try:
-            self._worker.start_load(meta)
-        except Exception as err:
-            self._warn("start_load_kv", "start_load_kv failed (%s); recomputing", err)
-            fail_all()
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is None:
-            return
-        try:
-            self._worker.wait_layer(layer_name)
-        except Exception as err:
-            self._warn("wait_for_layer_load", "loading %s failed (%s); recomputing", layer_name,
-                       err)
-            self._worker.layers_done.discard(self._worker.layer_index.get(layer_name, -1))
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # saved in wait_for_save, once every layer of the step is written
-
-    def wait_for_save(self) -> None:
-        if self._worker is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        self._guard("wait_for_save", lambda: self._worker.save(meta))
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None:
-            return set()
-        return self._worker.take_load_errors()
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._guard("shutdown", self._worker.shutdown)
-        if self._scheduler is not None:
-            self._guard("shutdown", self._scheduler.client.close)
-
-    # -- scheduler --
-
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        n = self._guard("lookup", lambda: self._scheduler.num_new_matched_tokens(
-            request, num_computed_tokens), 0)
-        return n, False
-
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._guard("update_state_after_alloc", lambda: self._scheduler.update_state_after_alloc(
-            request, blocks, num_external_tokens))
-
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        meta = self._guard("build_connector_meta",
-                           lambda: self._scheduler.build_meta(scheduler_output))
-        return meta if meta is not None else HiqCacheConnectorMetadata()
-
-    def request_finished(self, request: "Request", block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._guard("request_finished", lambda: self._scheduler.request_finished(request))
-        return False, None  # saves copy out of vLLM's blocks at once: free them now

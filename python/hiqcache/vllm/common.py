@@ -1,0 +1,130 @@
+"""What both halves of the vLLM connector share: the extra-config options, the model's
+identity and key salts, the engine's geometry, staging sizes and the step's metadata."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from hiqcache.keys import BlockKey
+from hiqcache.options import ExtraConfig
+from hiqcache.spec import Codec, DType, Geometry
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hiqcache.vllm")
+
+_EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport")
+CUDA_TRANSPORTS = ("auto", "ipc", "host")
+_TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    target: str = ""
+    codec: Codec = Codec.INT8_PER_HEAD
+    tenant: str = ""
+    timeout_ms: int = 1000
+    staging_tokens: int = 0  # 0 = derived from the scheduler limits
+    cuda_transport: str = "auto"  # vLLM on CUDA: one of CUDA_TRANSPORTS (cuda_worker.py)
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> "ConnectorOptions":
+        """Validates kv_connector_extra_config; ValueError naming the offending key."""
+        opts = ExtraConfig(extra, "kv_connector_extra_config", _EXTRA_KEYS)
+        return cls(target=opts.target(), codec=opts.codec(), tenant=opts.text("tenant"),
+                   timeout_ms=opts.integer("timeout_ms", 1000, 1, 600_000),
+                   staging_tokens=opts.integer("staging_tokens", 0, 0, 1 << 24),
+                   cuda_transport=opts.choice("cuda_transport", "auto", CUDA_TRANSPORTS))
+
+
+def model_identity(vllm_config: "VllmConfig") -> str:
+    """Everything about the model that changes its KV, as one string (the namespace's model)."""
+    m = vllm_config.model_config
+    parts = [f"{m.model}@{m.revision or 'main'}", f"dtype={str(m.dtype).removeprefix('torch.')}",
+             f"quant={m.quantization or 'none'}",
+             f"kv={vllm_config.cache_config.cache_dtype}"]
+    return "|".join(parts)
+
+
+def request_salt(identity: str, request: "Request") -> bytes:
+    """The key chain's salt for one request: model identity, LoRA, multimodal inputs, cache salt."""
+    parts = [identity]
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}:{getattr(lora, 'lora_path', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        parts.append(f"mm={f.identifier}")
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    return "\x1f".join(parts).encode()
+
+
+def _engine_geometry(vllm_config: "VllmConfig", tp_rank: int) -> Geometry:
+    m, p = vllm_config.model_config, vllm_config.parallel_config
+    dtype = _TORCH_DTYPES.get(m.dtype)
+    if dtype is None:
+        raise ValueError(f"hiqcache: model dtype {m.dtype} is not supported (bf16 or fp16)")
+    if vllm_config.cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
+        raise ValueError(f"hiqcache: kv cache dtype {vllm_config.cache_config.cache_dtype!r} is "
+                         "not supported (use 'auto')")
+    if m.use_mla:
+        raise ValueError("hiqcache: MLA models are not supported by the vLLM connector yet")
+    return Geometry(num_layers=m.get_num_layers(p), num_kv_heads=m.get_num_kv_heads(p),
+                    head_dim=m.get_head_size(), dtype=dtype, tp_rank=tp_rank,
+                    tp_size=p.tensor_parallel_size)
+
+
+def _staging_tokens(vllm_config: "VllmConfig", opts: ConnectorOptions) -> int:
+    """Rows of each staging area: one step's loads (the scheduler never promises more) and one
+    step's saves (at most the step's token budget plus one partial block per request)."""
+    if opts.staging_tokens:
+        return opts.staging_tokens
+    s = vllm_config.scheduler_config
+    bs = vllm_config.cache_config.block_size
+    rows = max(s.max_num_batched_tokens + s.max_num_seqs * bs, min(vllm_config.model_config.max_model_len, 8192))
+    return -(-rows // bs) * bs
+
+
+class _LogOnce:
+    """Logs a failure once per kind and period, so a daemon that is down does not flood logs."""
+
+    def __init__(self, period: float = 30.0):
+        self.period = period
+        self.last: dict[str, float] = {}
+
+    def __call__(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -1e9) >= self.period:
+            self.last[kind] = now
+            log.warning("hiqcache: " + msg, *args)
+
+
+# --- metadata --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    req_id: str
+    keys: list[BlockKey]
+    block_ids: list[int]
+
+
+@dataclass
+class _Load(_Transfer):
+    """A restore in flight on a worker."""
+
+    reported: bool = False  # its outcome went into the step's loaded or failed blocks
+
+
+@dataclass
+class HiqCacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
