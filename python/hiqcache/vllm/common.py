@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from hiqcache.host import HostEventPool
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
 from hiqcache.spec import Codec, DType, Geometry
+from hiqcache.status import StatusCode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,3 +130,71 @@ class _Load(_Transfer):
 class HiqCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[_Transfer] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
+
+
+class _LoadSteps:
+    """What both workers keep of a step's restores: those in flight, as (transfer, first staging
+    row, ticket, done slot), the layers the forward pass waited for, and the blocks vLLM must
+    recompute. A worker sets `load_slots` (the HostEventPool its done slots are in), `geometry`,
+    `opts`, `stats`, `warn` and `layer_index`."""
+
+    load_slots: HostEventPool | None
+    geometry: Geometry
+    opts: ConnectorOptions
+    stats: dict[str, Any]
+    warn: _LogOnce
+    layer_index: dict[str, int]
+
+    def _init_loads(self) -> None:
+        self.loads: list[tuple[_Load, int, int, int]] = []
+        self.load_ticket = 0  # last Restore ticket of this step (the layer slots reach it)
+        self.layers_done: set[int] = set()
+        self.layers_failed = False  # a layer of this step's restores failed: stop waiting
+        self.load_errors: set[int] = set()
+
+    def _fail(self, block_ids: list[int]) -> None:
+        self.load_errors.update(block_ids)
+        self.stats["failed_blocks"] += len(block_ids)
+
+    def _finish_loads(self, timeout: float) -> bool:
+        """Ends the step's restores: waits (up to `timeout`) for each one's done slot and turns
+        every failure, and every layer the forward pass did not wait for, into load errors of
+        this step. Restores still running stay listed (their rows are not reused); true when
+        none is left."""
+        assert self.load_slots is not None
+        pending = []
+        deadline = time.monotonic() + timeout
+        for tr, first_row, ticket, slot in self.loads:
+            s = self.load_slots.wait(slot, ticket, max(0.0, deadline - time.monotonic()))
+            if not tr.reported:
+                ok = s.ok and len(self.layers_done) == self.geometry.num_layers
+                if s.ok and not ok:
+                    self.warn("layers", "the forward pass skipped layers of a restore; recomputing")
+                if ok:
+                    self.stats["loaded_blocks"] += len(tr.block_ids)
+                else:
+                    self._fail(tr.block_ids)
+                tr.reported = True
+            if s.code is StatusCode.DEADLINE_EXCEEDED:
+                pending.append((tr, first_row, ticket, slot))
+        self.loads = pending
+        self.layers_done = set()
+        self.layers_failed = False
+        return not pending
+
+    def fail_loads(self, meta: HiqCacheConnectorMetadata) -> None:
+        """start_load raised: every block of the step's loads is recomputed and no layer waits.
+        Restores already sent stay listed: their rows are not reused until done."""
+        self.load_errors.update(b for t in meta.loads for b in t.block_ids)
+        self.layers_failed = True
+
+    def layer_failed(self, layer_name: str) -> None:
+        """wait_layer raised: the layer counts as not loaded (its restores become load errors)."""
+        self.layers_done.discard(self.layer_index.get(layer_name, -1))
+
+    def take_load_errors(self) -> set[int]:
+        """This step's failed loads; called by vLLM after the forward pass."""
+        if self.loads:
+            self._finish_loads(self.opts.timeout_ms / 1000)
+        errors, self.load_errors = self.load_errors, set()
+        return errors

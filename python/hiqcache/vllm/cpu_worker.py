@@ -31,7 +31,8 @@ from hiqcache.keys import BlockKey
 from hiqcache.spec import DeviceKind, LayerView, PoolSpec, slot_major_bytes, slot_major_view
 from hiqcache.status import HiqError
 from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _Load, _LogOnce, _staging_tokens, model_identity)
+                                  _Load, _LoadSteps, _LogOnce, _staging_tokens,
+                                  model_identity)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -194,7 +195,7 @@ class TileConverter:
         return tiles
 
 
-class CpuWorker:
+class CpuWorker(_LoadSteps):
     """The worker half for vLLM on CPU (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions):
@@ -206,12 +207,7 @@ class CpuWorker:
         self.pool = 0
         self.layers: list[torch.Tensor] = []  # per layer [num_blocks, heads, 2 * bs * dim]
         self.layer_index: dict[str, int] = {}
-        # Restores in flight: (transfer, first staging row, ticket, done slot).
-        self.loads: list[tuple[_Load, int, int, int]] = []
-        self.layers_failed = False  # a layer of this step's restores failed: stop waiting
-        self.load_ticket = 0  # last Restore ticket of this step (per-layer slots)
-        self.layers_done: set[int] = set()
-        self.load_errors: set[int] = set()
+        self._init_loads()
         self.backup_ticket = 0
         self.warn = _LogOnce()
         self.lock = threading.Lock()
@@ -325,30 +321,9 @@ class CpuWorker:
 
     # -- loads --
 
-    def _finish_loads(self, timeout: float) -> bool:
-        """Ends the step's restores: waits (up to `timeout`) for each one's done slot and turns
-        every failure, and every layer the forward pass did not wait for, into load errors of
-        this step. Restores still running stay listed (their staging rows are not reused); true
-        when none is left."""
-        pending = []
-        deadline = time.monotonic() + timeout
-        for tr, first_row, ticket, slot in self.loads:
-            s = self.events.wait(slot, ticket, max(0.0, deadline - time.monotonic()))
-            if not tr.reported and (not s.ok or len(self.layers_done) < self.geometry.num_layers):
-                if s.code.name != "ABORTED" and s.ok:
-                    self.warn("layers", "the forward pass skipped layers of a restore; recomputing")
-                self.load_errors.update(tr.block_ids)
-                self.stats["failed_blocks"] += len(tr.block_ids)
-                tr.reported = True
-            elif not tr.reported:
-                self.stats["loaded_blocks"] += len(tr.block_ids)
-                tr.reported = True
-            if s.code.name == "DEADLINE_EXCEEDED":
-                pending.append((tr, first_row, ticket, slot))
-        self.loads = pending
-        self.layers_done = set()
-        self.layers_failed = False
-        return not pending
+    @property
+    def load_slots(self) -> HostEventPool | None:
+        return getattr(self, "events", None)
 
     def _done_slot(self, i: int) -> int:
         return _SLOT_LAYER_BASE + self.geometry.num_layers + i
@@ -359,8 +334,7 @@ class CpuWorker:
             self.warn("busy", "an earlier restore is still running; recomputing")
             self.load_ticket = 0  # no layer of this step waits or copies
             for tr in meta.loads:
-                self.load_errors.update(tr.block_ids)
-                self.stats["failed_blocks"] += len(tr.block_ids)
+                self._fail(tr.block_ids)
             return
         self.load_ticket = 0
         if not meta.loads:
@@ -370,8 +344,7 @@ class CpuWorker:
         for i, tr in enumerate(meta.loads):
             need = len(tr.keys) * self.bs
             if self.pool == 0 or len(self.loads) >= _MAX_LOADS_PER_STEP or row + need > self.load_rows:
-                self.load_errors.update(tr.block_ids)
-                self.stats["failed_blocks"] += len(tr.block_ids)
+                self._fail(tr.block_ids)
                 continue
             rows = range(row, row + need)
             res = self.client.restore(
@@ -382,8 +355,7 @@ class CpuWorker:
                 self.warn("restore", "restore failed, recomputing: %s", res.status)
             if res.restored_blocks < len(tr.keys):
                 missed = tr.block_ids[res.restored_blocks:]
-                self.load_errors.update(missed)
-                self.stats["failed_blocks"] += len(missed)
+                self._fail(missed)
             if res.restored_blocks > 0:
                 part = _Load(tr.req_id, tr.keys[:res.restored_blocks],
                              tr.block_ids[:res.restored_blocks])
@@ -409,23 +381,6 @@ class CpuWorker:
         for tr, first_row, _, _ in self.loads:
             self._rows_to_tiles(layer, tr.block_ids, first_row)
         self.stats["load_seconds"] += time.perf_counter() - t0
-
-    def fail_loads(self, meta: HiqCacheConnectorMetadata) -> None:
-        """start_load raised: every block of the step's loads is recomputed and no layer waits.
-        Restores already sent stay listed: their staging rows are not reused until done."""
-        self.load_errors.update(b for t in meta.loads for b in t.block_ids)
-        self.layers_failed = True
-
-    def layer_failed(self, layer_name: str) -> None:
-        """wait_layer raised: the layer counts as not loaded (its restores become load errors)."""
-        self.layers_done.discard(self.layer_index.get(layer_name, -1))
-
-    def take_load_errors(self) -> set[int]:
-        """This step's failed loads; called by vLLM after the forward pass."""
-        if self.loads:
-            self._finish_loads(self.opts.timeout_ms / 1000)
-        errors, self.load_errors = self.load_errors, set()
-        return errors
 
     # -- saves --
 

@@ -50,9 +50,10 @@ from hiqcache.host import TICKET_MASK, HostEventPool, HostShm
 from hiqcache.keys import BlockKey, root_block_key
 from hiqcache.spec import (DeviceKind, LayerView, PoolSpec, SharedBuffer, slot_major_bytes,
                            slot_major_view)
-from hiqcache.status import HiqError, StatusCode
+from hiqcache.status import HiqError
 from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _Load, _LogOnce, _staging_tokens, model_identity)
+                                  _Load, _LoadSteps, _LogOnce, _staging_tokens,
+                                  model_identity)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -141,7 +142,7 @@ class _Side:
         return self.wait_value
 
 
-class CudaWorker:
+class CudaWorker(_LoadSteps):
     """The worker half for vLLM on CUDA (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions,
@@ -162,12 +163,7 @@ class CudaWorker:
         self.pinned: list[torch.Tensor] = []
         self.load_stage: torch.Tensor | None = None  # host: [L, 2, rows, heads, dim], pinned
         self.save_stage: torch.Tensor | None = None  # ipc: on the GPU; host: pinned
-        # Restores in flight: (transfer, first staging row, ticket, done slot).
-        self.loads: list[tuple[_Load, int, int, int]] = []
-        self.load_ticket = 0
-        self.layers_done: set[int] = set()
-        self.layers_failed = False
-        self.load_errors: set[int] = set()
+        self._init_loads()
         self.backup_ticket = 0
         self.warn = _LogOnce()
         self.lock = threading.Lock()
@@ -377,6 +373,10 @@ class CudaWorker:
 
     # -- loads --
 
+    @property
+    def load_slots(self) -> HostEventPool | None:
+        return self.load.slots if self.load is not None else None
+
     def _done_slot(self, i: int) -> int:
         return _LAYER_BASE + self.geometry.num_layers + i
 
@@ -385,36 +385,6 @@ class CudaWorker:
         if self.transport == "ipc":
             return [b * self.bs + t for b in tr.block_ids for t in range(self.bs)]
         return list(range(first_row, first_row + len(tr.block_ids) * self.bs))
-
-    def _finish_loads(self, timeout: float) -> bool:
-        """Ends the step's restores: waits (up to `timeout`) for each one's done slot and turns
-        every failure, and every layer the forward pass did not wait for, into load errors.
-        Restores still running stay listed; true when none is left."""
-        assert self.load is not None
-        pending = []
-        deadline = time.monotonic() + timeout
-        for tr, first_row, ticket, slot in self.loads:
-            s = self.load.slots.wait(slot, ticket, max(0.0, deadline - time.monotonic()))
-            if not tr.reported:
-                ok = s.ok and len(self.layers_done) == self.geometry.num_layers
-                if s.ok and not ok:
-                    self.warn("layers", "the forward pass skipped layers of a restore; recomputing")
-                if ok:
-                    self.stats["loaded_blocks"] += len(tr.block_ids)
-                else:
-                    self.load_errors.update(tr.block_ids)
-                    self.stats["failed_blocks"] += len(tr.block_ids)
-                tr.reported = True
-            if s.code is StatusCode.DEADLINE_EXCEEDED:
-                pending.append((tr, first_row, ticket, slot))
-        self.loads = pending
-        self.layers_done = set()
-        self.layers_failed = False
-        return not pending
-
-    def _fail(self, block_ids: list[int]) -> None:
-        self.load_errors.update(block_ids)
-        self.stats["failed_blocks"] += len(block_ids)
 
     def start_load(self, meta: HiqCacheConnectorMetadata) -> None:
         load = self.load
@@ -497,21 +467,6 @@ class CudaWorker:
                 src = stage[plane, rows].view(n, self.bs, heads, dim)
                 dst.index_copy_(0, ids, src.to(self.device, non_blocking=True))
         self.stats["load_seconds"] += time.perf_counter() - t0
-
-    def fail_loads(self, meta: HiqCacheConnectorMetadata) -> None:
-        """start_load raised: every block of the step's loads is recomputed and no layer waits."""
-        self.load_errors.update(b for t in meta.loads for b in t.block_ids)
-        self.layers_failed = True
-
-    def layer_failed(self, layer_name: str) -> None:
-        self.layers_done.discard(self.layer_index.get(layer_name, -1))
-
-    def take_load_errors(self) -> set[int]:
-        """This step's failed loads; called by vLLM after the forward pass."""
-        if self.loads:
-            self._finish_loads(self.opts.timeout_ms / 1000)
-        errors, self.load_errors = self.load_errors, set()
-        return errors
 
     # -- saves --
 
