@@ -133,7 +133,7 @@ class HiqCacheConnectorMetadata(KVConnectorMetadata):
 
 
 class _LoadSteps:
-    """What both workers keep of a step's restores: those in flight, as (transfer, first staging
+    """What both workers keep of a step: the last backup's ticket and the restores in flight, as (transfer, first staging
     row, ticket, done slot), the layers the forward pass waited for, and the blocks vLLM must
     recompute. A worker sets `load_slots` (the HostEventPool its done slots are in), `geometry`,
     `opts`, `stats`, `warn` and `layer_index`."""
@@ -145,7 +145,33 @@ class _LoadSteps:
     warn: _LogOnce
     layer_index: dict[str, int]
 
+    def _saves_that_fit(self, meta: HiqCacheConnectorMetadata, room_blocks: int
+                        ) -> tuple[list[BlockKey], list[int]]:
+        """The step's saves, in order, up to `room_blocks` blocks; the rest counted as dropped."""
+        keys: list[BlockKey] = []
+        ids: list[int] = []
+        for tr in meta.saves:
+            take = min(room_blocks - len(ids), len(tr.keys))
+            keys.extend(tr.keys[:take])
+            ids.extend(tr.block_ids[:take])
+            self.stats["dropped_saves"] += len(tr.keys) - take
+        return keys, ids
+
+    def _drop_saves(self, meta: HiqCacheConnectorMetadata) -> None:
+        self.warn("save", "previous backup still running; dropping this step's saves")
+        self.stats["dropped_saves"] += sum(len(t.keys) for t in meta.saves)
+
+    def _backup_sent(self, res: Any) -> None:
+        """Notes an asynchronous Backup's answer: the ticket its done slot will reach."""
+        if not res.status.ok:
+            self.warn("backup", "backup failed (blocks stay uncached): %s", res.status)
+            self.backup_ticket = 0
+        else:
+            self.backup_ticket = res.ticket
+            self.stats["saved_blocks"] += res.held
+
     def _init_loads(self) -> None:
+        self.backup_ticket = 0
         self.loads: list[tuple[_Load, int, int, int]] = []
         self.load_ticket = 0  # last Restore ticket of this step (the layer slots reach it)
         self.layers_done: set[int] = set()

@@ -27,7 +27,6 @@ import torch
 
 from hiqcache.client import Client
 from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
-from hiqcache.keys import BlockKey
 from hiqcache.spec import DeviceKind, LayerView, PoolSpec, slot_major_bytes, slot_major_view
 from hiqcache.status import HiqError
 from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
@@ -208,7 +207,6 @@ class CpuWorker(_LoadSteps):
         self.layers: list[torch.Tensor] = []  # per layer [num_blocks, heads, 2 * bs * dim]
         self.layer_index: dict[str, int] = {}
         self._init_loads()
-        self.backup_ticket = 0
         self.warn = _LogOnce()
         self.lock = threading.Lock()
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
@@ -394,29 +392,16 @@ class CpuWorker(_LoadSteps):
             s = self.events.wait(_SLOT_BACKUP_DONE, self.backup_ticket,
                                  min(self.opts.timeout_ms / 1000, 0.25))
             if s.code.name == "DEADLINE_EXCEEDED":
-                self.warn("save", "previous backup still running; dropping this step's saves")
-                self.stats["dropped_saves"] += sum(len(t.keys) for t in meta.saves)
+                self._drop_saves(meta)
                 return
-        keys: list[BlockKey] = []
-        ids: list[int] = []
-        for tr in meta.saves:
-            room = self.save_rows // self.bs - len(ids)
-            take = min(room, len(tr.keys))
-            keys.extend(tr.keys[:take])
-            ids.extend(tr.block_ids[:take])
-            self.stats["dropped_saves"] += len(tr.keys) - take
+        keys, ids = self._saves_that_fit(meta, self.save_rows // self.bs)
         if not keys:
             return
         for layer in range(self.geometry.num_layers):
             self._tiles_to_rows(layer, ids, self.load_rows)
         rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
         res = self.client.backup(self.pool, keys, rows, done_event=_SLOT_BACKUP_DONE, sync=False)
-        if not res.status.ok:
-            self.warn("backup", "backup failed (blocks stay uncached): %s", res.status)
-            self.backup_ticket = 0
-        else:
-            self.backup_ticket = res.ticket
-            self.stats["saved_blocks"] += res.held
+        self._backup_sent(res)
         self.stats["save_seconds"] += time.perf_counter() - t0
 
     def shutdown(self) -> None:

@@ -164,7 +164,6 @@ class CudaWorker(_LoadSteps):
         self.load_stage: torch.Tensor | None = None  # host: [L, 2, rows, heads, dim], pinned
         self.save_stage: torch.Tensor | None = None  # ipc: on the GPU; host: pinned
         self._init_loads()
-        self.backup_ticket = 0
         self.warn = _LogOnce()
         self.lock = threading.Lock()
         self.stats: dict[str, Any] = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
@@ -479,16 +478,9 @@ class CudaWorker(_LoadSteps):
         # never stall the engine for a save: drop this step's while the daemon lags.
         done = side.slots.read(_SAVE_DONE) & TICKET_MASK
         if self.backup_ticket and done < self.backup_ticket:
-            self.warn("save", "previous backup still running; dropping this step's saves")
-            self.stats["dropped_saves"] += sum(len(t.keys) for t in meta.saves)
+            self._drop_saves(meta)
             return
-        keys: list[BlockKey] = []
-        ids: list[int] = []
-        for tr in meta.saves:
-            take = min(self.rows // self.bs - len(ids), len(tr.keys))
-            keys.extend(tr.keys[:take])
-            ids.extend(tr.block_ids[:take])
-            self.stats["dropped_saves"] += len(tr.keys) - take
+        keys, ids = self._saves_that_fit(meta, self.rows // self.bs)
         if not keys:
             return
         n = len(ids)
@@ -503,12 +495,7 @@ class CudaWorker(_LoadSteps):
         self.ops.stream_write(side.slots, _WAIT_SLOT, wait_value)
         res = self.client.backup(side.pool, keys, range(n * self.bs), wait_event=_WAIT_SLOT,
                                  wait_value=wait_value, done_event=_SAVE_DONE, sync=False)
-        if not res.status.ok:
-            self.warn("backup", "backup failed (blocks stay uncached): %s", res.status)
-            self.backup_ticket = 0
-        else:
-            self.backup_ticket = res.ticket
-            self.stats["saved_blocks"] += res.held
+        self._backup_sent(res)
         self.stats["save_seconds"] += time.perf_counter() - t0
 
     def shutdown(self) -> None:
