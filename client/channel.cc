@@ -6,7 +6,11 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 
+#include "hiqcache/log.h"
 #include "hiqcache/paths.h"
 #include "hiqcache/session_protocol.h"
 
@@ -31,7 +35,46 @@ StatusOr<std::string> NormalizeTarget(std::string_view target) {
   return std::string(target);
 }
 
+namespace {
+
+// The file named by environment variable `env` ("" when unset); false when it is set but cannot
+// be read.
+bool ReadEnvFile(const char* env, std::string* out) {
+  out->clear();
+  const char* path = std::getenv(env);
+  if (path == nullptr || path[0] == '\0') return true;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  out->assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return !out->empty();
+}
+
+std::shared_ptr<grpc::ChannelCredentials> CredentialsFor(const std::string& target) {
+  if (target.starts_with("unix:") || target.starts_with("unix-abstract:")) {
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!ReadEnvFile("HIQ_TLS_CA_FILE", &ssl.pem_root_certs) ||
+      !ReadEnvFile("HIQ_TLS_CERT_FILE", &ssl.pem_cert_chain) ||
+      !ReadEnvFile("HIQ_TLS_KEY_FILE", &ssl.pem_private_key)) {
+    return nullptr;
+  }
+  if (ssl.pem_root_certs.empty()) return grpc::InsecureChannelCredentials();
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = CredentialsFor(target);
+  if (credentials == nullptr) {
+    // An unreadable TLS file: a channel that cannot connect rather than a plain one.
+    HIQ_LOG(ERROR) << "hiqcache client: HIQ_TLS_CA_FILE, HIQ_TLS_CERT_FILE or HIQ_TLS_KEY_FILE "
+                      "names a file that cannot be read; no call goes to "
+                   << target;
+    return grpc::CreateChannel("unix:///nonexistent/hiqcache-tls-file-unreadable",
+                               grpc::InsecureChannelCredentials());
+  }
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
@@ -39,7 +82,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
   args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, INT_MAX);
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(target, credentials, args);
 }
 
 Status FromGrpc(const grpc::Status& status, const std::string& target) {

@@ -19,8 +19,12 @@ namespace hiqcache::client_internal {
 // "unix-abstract:...", "dns:...", "ipv4:...", "ipv6:..." and "host:port" pass through.
 StatusOr<std::string> NormalizeTarget(std::string_view target);
 
-// An insecure channel with fast reconnects (<= 1 s backoff) and no idle timeout, so that a
-// channel leaving READY means the connection to the daemon broke.
+// A channel with fast reconnects (<= 1 s backoff) and no idle timeout, so that a channel leaving
+// READY means the connection to the daemon broke. Unix targets: plain (the kernel carries it).
+// TCP targets: TLS when HIQ_TLS_CA_FILE names the PEM roots to verify the daemon with (and
+// HIQ_TLS_CERT_FILE / HIQ_TLS_KEY_FILE this client's certificate for a daemon that requires one),
+// else plain, which a daemon serves on loopback only. A file that cannot be read gives a channel
+// whose every call fails (UNAVAILABLE; the reason is logged), never a plain one.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
 
 // gRPC status -> hiqcache::Status (same codes). Transport failures name the target.

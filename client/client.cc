@@ -356,11 +356,19 @@ class Client::Impl {
   // open the next one waits reregister_interval unless `force`. Never blocks longer than
   // min(call_timeout, 2 s).
   std::shared_ptr<Session> CurrentSession(bool force);
-  // Sets the deadline and the session token of a call.
-  void Prepare(grpc::ClientContext* ctx, Clock::time_point deadline) {
+  // Sets the deadline and the session token of a call; PERMISSION_DENIED (the call must not
+  // be made) while the listener at the target is not one this process trusts.
+  Status Prepare(grpc::ClientContext* ctx, Clock::time_point deadline) {
     ctx->set_deadline(GrpcDeadline(deadline));
     std::shared_ptr<Session> session = CurrentSession(false);
+    if (session == nullptr) HIQ_RETURN_IF_ERROR(TrustError());
     AttachSession(session.get(), ctx);
+    return Status::Ok();
+  }
+  // Why the last session open refused the listener (socket_trust.h); OK when it did not.
+  Status TrustError() {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    return trust_error_;
   }
   // Fills `out` (a copy of pool.request) with fd ids for the HOST buffers and the event object,
   // passing their fds over `session`. False when nothing went by fd.
@@ -405,6 +413,8 @@ class Client::Impl {
   std::shared_ptr<Session> session_;       // GUARDED_BY(session_mu_)
   Clock::time_point session_retry_at_{};   // GUARDED_BY(session_mu_)
   bool session_warned_ = false;            // GUARDED_BY(session_mu_)
+  // Set while the listener is not trusted: no call goes to it, not even anonymous ones.
+  Status trust_error_;                     // GUARDED_BY(session_mu_)
 
   mutable std::mutex mu_;
   uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
@@ -446,6 +456,14 @@ std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
       target_, std::min<std::chrono::milliseconds>(options_.call_timeout, std::chrono::seconds(2)));
   if (!opened.ok()) {
     session_retry_at_ = now + options_.reregister_interval;
+    if (opened.status().code() == StatusCode::kPermissionDenied) {
+      if (trust_error_.ok()) {
+        HIQ_LOG(ERROR) << "hiqcache client: " << opened.status().ToString()
+                       << "; no call goes to " << target_ << " (every lookup is a miss)";
+      }
+      trust_error_ = opened.status();
+      return nullptr;
+    }
     if (!session_warned_) {
       session_warned_ = true;
       HIQ_LOG(WARN) << "hiqcache client: no session with hiqcached at " << target_ << ": "
@@ -456,6 +474,7 @@ std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
   }
   session_ = std::move(opened).value();
   session_warned_ = false;
+  trust_error_ = Status::Ok();
   HIQ_LOG(DEBUG) << "hiqcache client: " << (reopen ? "reopened" : "opened") << " session "
                  << session_->path() << " (pid " << session_->pid() << ", uid " << session_->uid()
                  << ")";
@@ -527,6 +546,8 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
         s = Status::Ok();
       }
     }
+  } else if (Status untrusted = TrustError(); !untrusted.ok()) {
+    s = untrusted;
   } else if (fd_only && session_capable_) {
     // A unix target whose session cannot be opened now is a daemon that is down or restarting:
     // UNAVAILABLE, so that a pending pool registers once it is back.
@@ -624,7 +645,7 @@ Status Client::Impl::WithPool(PoolHandle h, Rpc&& rpc) {
     StatusOr<uint64_t> id = EnsureRegistered(*pool, deadline);
     if (!id.ok()) return id.status();
     grpc::ClientContext ctx;
-    Prepare(&ctx, deadline);
+    HIQ_RETURN_IF_ERROR(Prepare(&ctx, deadline));
     status = FromGrpc(rpc(&ctx, *id, pool->block_tokens), target_);
     if (status.ok() || !IsStalePool(status)) return status;
     Invalidate(*pool, *id, status);
@@ -732,7 +753,8 @@ LookupResult Client::Impl::LookupGroup(std::span<const NamespaceRef> namespaces,
   for (const NamespaceRef& ns : namespaces) ToProto(ns, req.add_namespaces());
   for (const BlockKey& k : keys) req.add_keys(reinterpret_cast<const char*>(k.data()), k.size());
   grpc::ClientContext ctx;
-  Prepare(&ctx, Clock::now() + options_.call_timeout);
+  result.status = Prepare(&ctx, Clock::now() + options_.call_timeout);
+  if (!result.status.ok()) return result;
   v1::LookupResponse resp;
   result.status = FromGrpc(stub_->Lookup(&ctx, req, &resp), target_);
   if (result.status.ok()) {
@@ -818,7 +840,7 @@ StatusOr<uint32_t> Client::Impl::Evict(PoolHandle h, std::span<const BlockKey> k
 StatusOr<DaemonStats> Client::Impl::GetStats(uint32_t namespaces_offset,
                                              uint32_t namespaces_limit) {
   grpc::ClientContext ctx;
-  Prepare(&ctx, Clock::now() + options_.call_timeout);
+  HIQ_RETURN_IF_ERROR(Prepare(&ctx, Clock::now() + options_.call_timeout));
   v1::GetStatsRequest req;
   req.set_namespaces_offset(namespaces_offset);
   req.set_namespaces_limit(namespaces_limit);

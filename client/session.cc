@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "hiqcache/session_protocol.h"
+#include "hiqcache/socket_trust.h"
 
 namespace hiqcache {
 namespace {
@@ -106,6 +107,13 @@ StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& target,
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   const auto deadline = Clock::now() + timeout;
+  // Nothing (no fd, no token, not even a connect) goes to a listener this process does not
+  // trust as its daemon (socket_trust.h): checked on the directory and both socket files first,
+  // then on the connected peer.
+  HIQ_ASSIGN_OR_RETURN(const std::vector<uint32_t> trusted, TrustedDaemonUids(path));
+  HIQ_RETURN_IF_ERROR(
+      CheckSocketOwner(path.substr(0, path.size() - kSessionSocketSuffix.size()), trusted));
+  HIQ_RETURN_IF_ERROR(CheckSocketOwner(path, trusted));
 
   const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) return Internal("session " + path + ": socket: " + ErrnoText(errno));
@@ -125,6 +133,7 @@ StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& target,
                             ? " (hiqcached not running, or too old to serve sessions)"
                             : ""));
   }
+  HIQ_RETURN_IF_ERROR(CheckPeerUid(fd, trusted, path));
 
   HIQ_ASSIGN_OR_RETURN(std::string greeting, RecvMessage(fd, deadline, path));
   if (greeting == "ERR" || std::string_view(greeting).starts_with("ERR ")) {

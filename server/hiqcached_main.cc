@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <thread>
@@ -42,6 +43,7 @@
 #include "session_listener.h"
 #include "cuda_backend.h"
 #include "hiqcache/session_protocol.h"
+#include "hiqcache/socket_trust.h"
 #ifdef HIQ_HAVE_CUDA
 #include "cuda_device_api.h"
 #include "cuda_runtime_check.h"
@@ -55,15 +57,24 @@ constexpr const char* kUnixPrefix = "unix://";
 bool IsUnix(const std::string& addr) { return addr.rfind(kUnixPrefix, 0) == 0; }
 std::string UnixPath(const std::string& addr) { return addr.substr(std::strlen(kUnixPrefix)); }
 
-// Prepares a unix socket path: creates its directory; removes a stale socket file that nothing
-// listens on. Refuses to take over a socket another daemon is serving.
+// Prepares a unix socket path: creates its directory (mode 0755) when missing and refuses one
+// that is not its own or that others may write (socket_trust.h: clients refuse it too); removes
+// a stale socket file that nothing listens on. Refuses to take over a socket another daemon is
+// serving.
 Status PrepareUnixSocket(const std::string& path) {
   std::error_code ec;
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  if (!dir.empty()) {
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return FailedPrecondition("listen: cannot create " + dir.string() + ": " + ec.message());
+  if (dir.empty()) dir = ".";
+  if (!std::filesystem::exists(dir, ec)) {
+    if (dir.has_parent_path()) std::filesystem::create_directories(dir.parent_path(), ec);
+    if (::mkdir(dir.c_str(), 0755) == 0) {
+      ::chmod(dir.c_str(), 0755);  // whatever the umask: no write for others
+    } else if (errno != EEXIST) {
+      return FailedPrecondition("listen: cannot create " + dir.string() + ": " +
+                                std::strerror(errno));
+    }
   }
+  HIQ_RETURN_IF_ERROR(CheckOwnSocketDirectory(dir.string(), ::geteuid()));
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) return Status::Ok();
   if (!S_ISSOCK(st.st_mode)) {
@@ -78,6 +89,37 @@ Status PrepareUnixSocket(const std::string& path) {
   if (live) return FailedPrecondition("listen: another process serves " + path);
   ::unlink(path.c_str());
   return Status::Ok();
+}
+
+// The whole of a PEM file named by config key `key`; an error naming the key when unreadable.
+StatusOr<std::string> ReadPem(const std::string& path, const char* key) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgument(std::string(key) + ": cannot read '" + path + "'");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    return InvalidArgument(std::string(key) + ": '" + path + "' is not a PEM file");
+  }
+  return text;
+}
+
+// What TCP listeners serve with: TLS from tls_cert_file/tls_key_file (client certificates
+// required and checked against tls_client_ca_file when set), else insecure (Validate allows that
+// on loopback only).
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const DaemonConfig& config) {
+  if (config.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(
+      config.tls_client_ca_file.empty()
+          ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  HIQ_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(config.tls_cert_file, "tls_cert_file"));
+  HIQ_ASSIGN_OR_RETURN(pair.private_key, ReadPem(config.tls_key_file, "tls_key_file"));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!config.tls_client_ca_file.empty()) {
+    HIQ_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                         ReadPem(config.tls_client_ca_file, "tls_client_ca_file"));
+  }
+  return grpc::SslServerCredentials(ssl);
 }
 
 #ifndef HIQ_VERSION
@@ -370,9 +412,8 @@ int Run(int argc, char** argv) {
     info.start_time_seconds = start_time;
     auto started = MetricsHttpServer::Start(config.metrics_listen, [&, info]() mutable {
       info.ready = serving.load();
-      Caller operator_view;  // metrics are for the node's operator: every pool, no id hidden
-      operator_view.admin = true;
-      return metrics.Render(core->Snapshot(operator_view), info);
+      // Metrics are for the node's operator: every pool, no id hidden.
+      return metrics.Render(core->Snapshot(Caller::Operator()), info);
     });
     if (!started.ok()) {
       HIQ_LOG(ERROR) << started.status().ToString();
@@ -384,8 +425,14 @@ int Run(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  auto tcp_credentials = TcpCredentials(config);
+  if (!tcp_credentials.ok()) {
+    HIQ_LOG(ERROR) << tcp_credentials.status().message();
+    return 1;
+  }
   for (const auto& addr : config.listen) {
-    builder.AddListeningPort(addr, grpc::InsecureServerCredentials());
+    builder.AddListeningPort(addr, IsUnix(addr) ? grpc::InsecureServerCredentials()
+                                                : *tcp_credentials);
   }
   const int max_msg = static_cast<int>(
       std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max()));

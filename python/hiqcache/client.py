@@ -54,7 +54,8 @@ import grpc
 
 from hiqcache.host import SHM_DIR, SLOT_BYTES, HostEventPool, HostShm, normalize_name
 from hiqcache.keys import BlockKey
-from hiqcache.session import Session, SessionError, call_later, session_path_for_target
+from hiqcache.session import (Session, SessionError, UntrustedDaemon, call_later,
+                              session_path_for_target)
 from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
                            PoolSpec, RegisteredPool)
 from hiqcache.status import HiqError, Status, StatusCode
@@ -68,6 +69,23 @@ Metadata = Optional[tuple[tuple[str, str], ...]]
 # After the first release of a dead daemon's slots, the second one: a store of the daemon's device
 # still in flight when it died may land after the first.
 SECOND_RELEASE_DELAY_S = 1.0
+
+
+def _tls_credentials(ca: str | None, cert: str | None, key: str | None
+                     ) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a TCP target (see Client), or None for a plain channel."""
+    def read(path: str | None, env: str) -> bytes | None:
+        path = path or os.environ.get(env) or None
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    roots = read(ca, "HIQ_TLS_CA_FILE")
+    if roots is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=roots,
+                                        private_key=read(key, "HIQ_TLS_KEY_FILE"),
+                                        certificate_chain=read(cert, "HIQ_TLS_CERT_FILE"))
 
 
 def default_socket_path() -> str:
@@ -282,23 +300,35 @@ class Client:
     client's calls once the daemon is back."""
 
     def __init__(self, target: str | None = None, *, call_timeout: float = 2.0,
-                 register_timeout: float = 10.0, reregister_interval: float = 0.5):
+                 register_timeout: float = 10.0, reregister_interval: float = 0.5,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None):
         """Does not wait for the daemon: a daemon that is down makes calls miss.
-        ValueError for a malformed target. Timeouts in seconds."""
+        ValueError for a malformed target. Timeouts in seconds. A TCP target is reached over
+        TLS when tls_ca_file (default: $HIQ_TLS_CA_FILE) names the PEM roots to verify the
+        daemon with; tls_cert_file and tls_key_file (default: $HIQ_TLS_CERT_FILE,
+        $HIQ_TLS_KEY_FILE) are this client's certificate for a daemon that requires one.
+        Without roots a TCP target is plain, which a daemon serves on loopback only. OSError
+        when a named file cannot be read."""
         if call_timeout <= 0 or register_timeout <= 0:
             raise ValueError("call_timeout and register_timeout must be > 0")
         self.target = normalize_target(target)
         self.call_timeout = call_timeout
         self.register_timeout = register_timeout
         self.reregister_interval = reregister_interval
-        self._channel = grpc.insecure_channel(self.target, options=[
+        options = [
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),  # see the class docstring
-        ])
+        ]
+        credentials = None if self.target.startswith("unix") else _tls_credentials(
+            tls_ca_file, tls_cert_file, tls_key_file)
+        self._channel = (grpc.secure_channel(self.target, credentials, options=options)
+                         if credentials is not None
+                         else grpc.insecure_channel(self.target, options=options))
         self._stub = pb_grpc.CacheStub(self._channel)
         self._lock = threading.Lock()
         self._pools: dict[int, _Pool] = {}
@@ -311,11 +341,14 @@ class Client:
         # The session ("" path: the target has none). _session_gen counts sessions opened;
         # a pool registered through session n is gone once session n is.
         self._session_path = session_path_for_target(self.target)
-        self._session_lock = threading.Lock()  # guards the four fields below
+        self._session_lock = threading.Lock()  # guards the five fields below
         self._session: Session | None = None
         self._session_gen = 0
         self._session_retry_at = 0.0
         self._session_error = ""
+        # Set while the listener at the target is not one this process trusts (UntrustedDaemon):
+        # no call goes to it, anonymous ones included, and every lookup is a miss.
+        self._untrusted: Status | None = None
         self._closed = False
         # Releasing the slots of pools whose session the daemon ended: _release_lock serialises
         # the first passes and guards _released (generations already released once);
@@ -359,6 +392,13 @@ class Client:
             try:
                 sess = Session(self._session_path,
                                timeout=max(1e-3, min(deadline - now, self.call_timeout, 2.0)))
+            except UntrustedDaemon as err:
+                self._session_retry_at = now + self.reregister_interval
+                if self._untrusted is None:
+                    log.error("hiqcache client: %s; no call goes to %s (every lookup is a miss)",
+                              err.strerror, self.target)
+                self._untrusted = Status(StatusCode.PERMISSION_DENIED, str(err.strerror))
+                return None, self._session_gen
             except (SessionError, OSError) as err:
                 self._session_retry_at = now + self.reregister_interval
                 if str(err) != self._session_error:
@@ -369,6 +409,7 @@ class Client:
             self._session = sess
             self._session_gen += 1
             self._session_error = ""
+            self._untrusted = None
             sess.on_daemon_end(_weak_call(self, "_session_ended", self._session_gen))
             log.debug("hiqcache client: %r", sess)
             return sess, self._session_gen
@@ -388,6 +429,8 @@ class Client:
 
     def _call(self, method: Callable[..., T], request: Any, deadline: float,
               metadata: Metadata = None) -> tuple[T | None, Status]:
+        if self._untrusted is not None:
+            return None, self._untrusted
         left = deadline - time.monotonic()
         if left <= 0:
             return None, Status(StatusCode.DEADLINE_EXCEEDED,
@@ -412,6 +455,8 @@ class Client:
         here (the caller closes them after the call). Without a session, the request as it is
         (names)."""
         spec = pool.spec
+        if sess is None and self._untrusted is not None:
+            return None, [], self._untrusted
         if sess is None:
             # A unix target whose session cannot be opened now is a daemon that is down (or
             # restarting): UNAVAILABLE, so that a pending pool registers once it is back.

@@ -25,21 +25,26 @@ serialised (each is one request and its answer).
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import logging
 import os
+import pwd
 import re
 import select
 import socket
+import stat
+import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["METADATA_KEY", "MAX_FDS_PER_MESSAGE", "Greeting", "Session", "SessionError",
-           "call_later", "session_path_for_target"]
+__all__ = ["DAEMON_UID_ENV", "METADATA_KEY", "MAX_FDS_PER_MESSAGE", "Greeting", "Session",
+           "SessionError", "UntrustedDaemon", "call_later", "session_path_for_target",
+           "trusted_daemon_uids"]
 
 log = logging.getLogger("hiqcache")
 
@@ -54,6 +59,96 @@ _GREETING = re.compile(r"^token=([0-9a-f]{32}) pid=(\d+) uid=(\d+) gid=(\d+)$")
 
 class SessionError(OSError):
     """The session could not be opened, or the daemon refused or did not answer a message."""
+
+
+class UntrustedDaemon(SessionError):
+    """The listener at the target is not one this process trusts as its daemon; nothing was
+    sent to it (see trusted_daemon_uids)."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.EPERM, message)
+
+
+DAEMON_UID_ENV = "HIQ_DAEMON_UID"
+
+
+def _others_may_write(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _configured_daemon_uid() -> int | None:
+    v = os.environ.get(DAEMON_UID_ENV, "")
+    if not v:
+        return None
+    if v.isdigit():
+        if len(v) > 10 or int(v) >= 2**32 - 1:
+            raise UntrustedDaemon(f"{DAEMON_UID_ENV}={v}: not a uid")
+        return int(v)
+    try:
+        return pwd.getpwnam(v).pw_uid
+    except KeyError:
+        raise UntrustedDaemon(f"{DAEMON_UID_ENV}={v}: no such user") from None
+
+
+def trusted_daemon_uids(socket_path: str) -> list[int]:
+    """The uids this process accepts as the daemon serving the unix socket `socket_path`, by
+    the rule of the contract (common/hiqcache/socket_trust.h, docs/design.md "Sessions: whom a
+    client trusts"): the socket's directory must not be writable by group or others, and its
+    owner must be root, this process's uid, HIQ_DAEMON_UID, or anyone when the directory's
+    parent is root's and not writable by group or others (only root could have made it). The
+    trusted uids are then root, this process's, HIQ_DAEMON_UID's and the directory owner's.
+    UntrustedDaemon when the rule refuses; SessionError (ENOENT) when the directory is missing."""
+    trusted = [0, os.geteuid()]
+    configured = _configured_daemon_uid()
+    if configured is not None:
+        trusted.append(configured)
+    directory = os.path.realpath(os.path.dirname(socket_path) or ".")
+    try:
+        st = os.stat(directory)
+    except OSError as err:
+        raise SessionError(err.errno, f"socket directory {directory}: {err.strerror}") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise SessionError(errno.ENOTDIR, f"socket directory {directory}: not a directory")
+    if _others_may_write(st):
+        raise UntrustedDaemon(
+            f"socket directory {directory} (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}) is writable by group or others, so anyone could "
+            "have put the socket there: hiqcached is not trusted with this process's memory")
+    if st.st_uid in trusted:
+        return trusted
+    parent = os.path.dirname(directory) or "/"
+    try:
+        pst = os.stat(parent)
+        if pst.st_uid == 0 and not _others_may_write(pst):
+            return [*trusted, st.st_uid]  # only root could have made it and chosen its owner
+    except OSError:
+        pass
+    raise UntrustedDaemon(
+        f"socket directory {directory} belongs to uid {st.st_uid}, which is not root, this "
+        f"process's uid or {DAEMON_UID_ENV}, and its parent {parent} may be written by others "
+        "(anyone could have created it first): hiqcached is not trusted with this process's "
+        f"memory; if that is your hiqcached, set {DAEMON_UID_ENV} to its uid")
+
+
+def _check_socket_owner(path: str, trusted: list[int]) -> None:
+    try:
+        owner = os.stat(path).st_uid
+    except OSError:
+        return  # nothing there: connecting fails on its own
+    if owner not in trusted:
+        raise UntrustedDaemon(
+            f"socket {path} belongs to uid {owner}, which is not a trusted hiqcached (root, "
+            f"this process's uid, {DAEMON_UID_ENV} or the owner of its directory)")
+
+
+def _check_peer_uid(sock: socket.socket, trusted: list[int], path: str) -> None:
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", cred)
+    if (uid & 0xFFFFFFFF) not in trusted:
+        raise UntrustedDaemon(
+            f"hiqcached session {path}: the listener runs as uid {uid & 0xFFFFFFFF} (pid {pid}), "
+            f"which is not a trusted hiqcached (root, this process's uid, {DAEMON_UID_ENV} or the "
+            "owner of the socket's directory)")
 
 
 def session_path_for_target(target: str) -> str:
@@ -273,10 +368,17 @@ class Session:
         self._on_end: Callable[[], None] | None = None
         self._end_reported = False
         self._watch: _Watch | None = None  # guarded by _lock
+        # Nothing (no fd, no token, not even a connect) goes to a listener this process does
+        # not trust: the directory and both socket files first, then the connected peer.
+        trusted = trusted_daemon_uids(path)
+        if path.endswith(SOCKET_SUFFIX):
+            _check_socket_owner(path[:-len(SOCKET_SUFFIX)], trusted)
+        _check_socket_owner(path, trusted)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
             sock.connect(path)
+            _check_peer_uid(sock, trusted, path)
             packet = sock.recv(MAX_MESSAGE_BYTES)
             if not packet:
                 raise SessionError(f"hiqcached session {path}: closed before its greeting")

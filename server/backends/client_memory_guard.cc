@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -11,6 +12,9 @@
 
 namespace hiqcache::server {
 namespace {
+
+// What the handler replaces around a fault when the whole range cannot be (see OnSigbus).
+constexpr uintptr_t kRecoveryWindow = uintptr_t{2} << 20;
 
 // A registry slot. `state` is generation << 2 | phase; the generation grows on every release,
 // so that the handler, which reads base and bytes between two loads of state, can tell a
@@ -75,9 +79,20 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       if (addr < base || addr - base >= bytes) continue;
       // The client's object shrank under this mapping: private zero pages over all of it. The
       // faulting access resumes on them; the pages of the object that still exist are dropped
-      // too, so nothing the daemon writes from now on reaches the client.
-      void* p = ::mmap(reinterpret_cast<void*>(base), bytes, PROT_READ | PROT_WRITE,
-                       MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      // too, so nothing the daemon writes from now on reaches the client. MAP_NORESERVE: no
+      // commit charge, so a range larger than RAM + swap (a sparse 64 GiB memfd) is replaced
+      // all the same; only the pages the daemon then writes cost memory.
+      constexpr int kFlags = MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+      void* p = ::mmap(reinterpret_cast<void*>(base), bytes, PROT_READ | PROT_WRITE, kFlags, -1, 0);
+      if (p == MAP_FAILED) {
+        // Strict overcommit (vm.overcommit_memory = 2) ignores MAP_NORESERVE: replace a bounded
+        // window around the fault instead; a later fault elsewhere in the range lands here again
+        // and replaces its own window.
+        const uintptr_t start = std::max(base, (addr & ~(kRecoveryWindow - 1)));
+        const uintptr_t end = std::min<uintptr_t>(base + bytes, start + kRecoveryWindow);
+        p = ::mmap(reinterpret_cast<void*>(start), end - start, PROT_READ | PROT_WRITE, kFlags,
+                   -1, 0);
+      }
       if (p == MAP_FAILED) break;  // cannot recover (out of memory): as if unguarded
       s.broken.store(1);
       g_recovered.fetch_add(1);

@@ -6,7 +6,9 @@
 // Every client mapping is registered here (GuardedRange) for as long as it is mapped. The
 // process-wide SIGBUS handler (Install) looks the faulting address up in a fixed-size, lock-free
 // registry; when it falls in a registered range, it maps anonymous zero pages over the whole
-// range (MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, same address and length), marks the range
+// range (MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, same address and length: no
+// memory commit, so any range the daemon could map can be replaced; where strict overcommit
+// refuses that, a 2 MiB window around the fault, and each later fault its own), marks the range
 // broken and returns: the faulting access is retried on the zero pages and succeeds, and every
 // later access of that range touches memory private to the daemon. Any other SIGBUS goes to the
 // handler that was installed before (ASan's, when it handles SIGBUS), or gets the default action

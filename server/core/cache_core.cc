@@ -9,6 +9,7 @@
 #include <exception>
 #include <new>
 #include <random>
+#include <set>
 #include <unordered_set>
 
 #include "hiqcache/log.h"
@@ -1156,9 +1157,21 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
                                                   .count());
   std::map<uint32_t, uint32_t> pools_per_ns;
   std::map<std::pair<uint32_t, std::string>, int> clients;
+  // Who uses the node is not a stranger's business: an admin sees every pool and namespace, an
+  // authenticated caller the pools of its uid and the namespaces of its scope or with a pool of
+  // its uid, an anonymous caller (no session, e.g. TCP) the totals only.
+  const auto mine = [&caller](const Pool& pool) {
+    return caller.admin || (caller.authenticated() && pool.owner.authenticated() &&
+                            pool.owner.uid == caller.uid);
+  };
+  std::set<uint32_t> namespaces_of_mine;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [id, pool] : pools_) {
+      pools_per_ns[pool->ns->id] += 1;
+      clients[{pool->client_pid, pool->client_pid == 0 ? pool->peer : std::string()}] = 1;
+      if (!mine(*pool)) continue;
+      namespaces_of_mine.insert(pool->ns->id);
       PoolSnapshot p;
       p.owned = Owns(*pool, caller);
       // Another caller's pool id is what would let this caller use it: not shown.
@@ -1173,14 +1186,20 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
       p.backups = pool->backups.load();
       p.restores = pool->restores.load();
       snap.pools.push_back(std::move(p));
-      pools_per_ns[pool->ns->id] += 1;
-      clients[{pool->client_pid, pool->client_pid == 0 ? pool->peer : std::string()}] = 1;
     }
   }
   snap.clients = clients.size();
   snap.staging_device_bytes = cuda_ != nullptr ? cuda_->StagingDeviceBytes() : 0;
   if (options_.l3 != nullptr) snap.l3 = options_.l3->Stats();
   std::vector<std::shared_ptr<const NamespaceInfo>> all = namespaces_.All();
+  if (!caller.admin) {
+    const std::string scope = caller.authenticated() ? Scoped({}, caller).scope : std::string();
+    std::erase_if(all, [&](const std::shared_ptr<const NamespaceInfo>& ns) {
+      if (!caller.authenticated()) return true;
+      return !(namespaces_of_mine.count(ns->id) != 0 ||
+               (!scope.empty() && ns->desc.scope == scope));
+    });
+  }
   std::sort(all.begin(), all.end(),
             [](const auto& a, const auto& b) { return a->hex_id < b->hex_id; });
   snap.namespaces_total = static_cast<uint32_t>(all.size());

@@ -233,9 +233,11 @@ class CacheCore {
   void Backup(TransferSpec spec, BackupDone done);
   void Restore(TransferSpec spec, RestoreDone done);
 
-  // Pools of every caller (pool_id only where `caller` owns the pool or is an admin), and the
-  // namespaces in namespace_id order from `ns_offset`, at most `ns_limit` of them.
-  CoreSnapshot Snapshot(const Caller& caller = Caller{}, uint32_t ns_offset = 0,
+  // What `caller` may see (an admin: everything; an authenticated caller: the pools of its uid
+  // and the namespaces of its scope or holding a pool of its uid; an anonymous caller: totals
+  // only), pool_id only where `caller` owns the pool or is an admin; the namespaces in
+  // namespace_id order from `ns_offset`, at most `ns_limit` of them.
+  CoreSnapshot Snapshot(const Caller& caller = Caller::Operator(), uint32_t ns_offset = 0,
                         uint32_t ns_limit = UINT32_MAX);
   // Namespaces the core knows now (GetStats' namespaces_total, without building a snapshot).
   size_t NamespaceCount() const { return namespaces_.size(); }

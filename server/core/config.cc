@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <fstream>
@@ -87,8 +88,44 @@ StatusOr<bool> ParseBool(const std::string& v, const std::string& where) {
   return InvalidArgument(where + ": expected true or false, got " + v);
 }
 
+}  // namespace
+
+bool IsLocalAddress(const std::string& addr) {
+  if (addr.rfind("unix:", 0) == 0) return true;
+  std::string host = addr;
+  if (host.rfind("ipv4:", 0) == 0 || host.rfind("ipv6:", 0) == 0) host = host.substr(5);
+  if (!host.empty() && host.front() == '[') {
+    const size_t close = host.find(']');
+    host = close == std::string::npos ? host : host.substr(1, close - 1);
+  } else if (const size_t colon = host.rfind(':'); colon != std::string::npos) {
+    host = host.substr(0, colon);
+  }
+  if (host == "localhost" || host == "::1") return true;
+  // 127.a.b.c, digits and dots only.
+  return host.rfind("127.", 0) == 0 && host.find_first_not_of("0123456789.") == std::string::npos &&
+         std::count(host.begin(), host.end(), '.') == 3;
+}
+
+namespace {
+
 Status Validate(const DaemonConfig& c) {
   if (c.listen.empty()) return InvalidArgument("listen: at least one address is needed");
+  const bool tls = !c.tls_cert_file.empty() || !c.tls_key_file.empty();
+  if (tls && (c.tls_cert_file.empty() || c.tls_key_file.empty())) {
+    return InvalidArgument("tls_cert_file and tls_key_file: give both or neither");
+  }
+  if (!c.tls_client_ca_file.empty() && !tls) {
+    return InvalidArgument("tls_client_ca_file: needs tls_cert_file and tls_key_file");
+  }
+  for (const std::string& addr : c.listen) {
+    if (!IsLocalAddress(addr) && !tls) {
+      return InvalidArgument(
+          "listen: " + addr +
+          " is reachable beyond this node, and hiqcached serves such an address only over TLS: "
+          "set tls_cert_file and tls_key_file (and tls_client_ca_file to require client "
+          "certificates), or listen on a unix socket or loopback (127.0.0.1) address");
+    }
+  }
   if (c.pool_bytes < (16ull << 20)) return InvalidArgument("pool_bytes: at least 16MiB");
   if (c.shm_name.empty()) return InvalidArgument("shm_name: must not be empty");
   if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
@@ -180,6 +217,13 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
   }
   if (k == "l3_user") {
     HIQ_ASSIGN_OR_RETURN(c->l3_user, str());
+    return Status::Ok();
+  }
+  if (k == "tls_cert_file" || k == "tls_key_file" || k == "tls_client_ca_file") {
+    HIQ_ASSIGN_OR_RETURN(std::string v, str());
+    (k == "tls_cert_file" ? c->tls_cert_file
+     : k == "tls_key_file" ? c->tls_key_file
+                           : c->tls_client_ca_file) = std::move(v);
     return Status::Ok();
   }
   if (k == "l3_password_file") {
@@ -628,6 +672,9 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "l3_seeds = " + q(seeds) + "\n";
   out += "l3_user = " + q(c.l3_user) + "\n";
   out += "l3_password_file = " + q(c.l3_password_file) + "\n";
+  out += "tls_cert_file = " + q(c.tls_cert_file) + "\n";
+  out += "tls_key_file = " + q(c.tls_key_file) + "\n";
+  out += "tls_client_ca_file = " + q(c.tls_client_ca_file) + "\n";
   out += "l3_key_prefix = " + q(c.l3_key_prefix) + "\n";
   out += "l3_write_policy = " + q(c.l3_write_policy) + "\n";
   out += "l3_ttl = " + std::to_string(c.l3_ttl) + "\n";

@@ -59,6 +59,12 @@ struct DaemonConfig {
   // HOST sub-task size (fair service): CoreOptions::transfer_chunk_blocks / _bytes.
   uint32_t transfer_chunk_blocks = 0;
   uint64_t transfer_chunk_bytes = 0;
+  // TLS for TCP listeners (PEM files, read at start-up): a TCP address that is not loopback is
+  // served only with a certificate and key, and refused at start-up without them. With
+  // tls_client_ca_file, clients must present a certificate that CA signed (mutual TLS).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
   // The store beyond the node (DESIGN.md "Beyond one node (L3)"): off while l3_seeds is empty.
   // Not in the embedded default; these are its defaults (deploy/hiqcached.toml documents each).
   std::vector<std::string> l3_seeds;  // host:port of any Redis Cluster nodes (comma-separated)
@@ -76,6 +82,10 @@ struct DaemonConfig {
   uint32_t l3_write_queue_blocks = 4096;
   uint32_t l3_writer_threads = 2;
 };
+
+// Whether the gRPC listen address `addr` is a unix socket or a TCP address on loopback
+// (127.0.0.0/8, ::1, localhost): reachable only from this node, so served without TLS.
+bool IsLocalAddress(const std::string& addr);
 
 struct L3Options;  // l3_tier.h
 

@@ -22,6 +22,12 @@ struct Caller {
   uint32_t gid = 0;
   bool admin = false;  // uid 0, the daemon's own uid, or a configured admin uid/group
   bool authenticated() const { return session != 0; }
+  // The node's operator (metrics, the daemon itself): an admin who is no session.
+  static Caller Operator() {
+    Caller c;
+    c.admin = true;
+    return c;
+  }
 };
 
 enum class DeviceKind : uint8_t { kUnspecified = 0, kHost = 1, kCuda = 2, kInvalid = 255 };

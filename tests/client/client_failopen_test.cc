@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -31,10 +32,15 @@ Geometry SmallGeometry() {
   return g;
 }
 
+// In a directory of this process's own (mkdtemp: 0700): clients refuse a socket in a directory
+// others may write, such as /tmp itself (socket_trust.h).
 std::string SocketPath(const char* tag) {
   static std::atomic<int> n{0};
-  return "/tmp/hiq-client-test-" + std::to_string(::getpid()) + "-" + tag + "-" +
-         std::to_string(n++) + ".sock";
+  static const std::string dir = [] {
+    char tmpl[] = "/tmp/hiq-client-test-XXXXXX";
+    return std::string(::mkdtemp(tmpl) != nullptr ? tmpl : "/nonexistent");
+  }();
+  return dir + "/" + tag + "-" + std::to_string(n++) + ".sock";
 }
 
 std::vector<BlockKey> Keys(size_t n) {
@@ -113,6 +119,23 @@ TEST_F(NoDaemonTest, CallsMissQuicklyWhenNothingListens) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(3));
   EXPECT_TRUE((*client)->ReleasePool(*pending).ok());
   EXPECT_EQ((*client)->Lookup(*pending, keys).status.code(), StatusCode::kInvalidArgument);
+}
+
+// A socket in a directory anyone may write (/tmp itself) is refused before any call is made:
+// PERMISSION_DENIED naming the directory, a miss for every data call, and no pending pool.
+TEST_F(NoDaemonTest, ASocketInAWorldWritableDirectoryIsNotTrusted) {
+  ClientOptions options;
+  options.target = "unix:///tmp/hiq-untrusted-" + std::to_string(::getpid()) + ".sock";
+  options.call_timeout = milliseconds(500);
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok());
+  auto registered = (*client)->RegisterPool(spec_, /*pending_if_unavailable=*/true);
+  EXPECT_EQ(registered.status().code(), StatusCode::kPermissionDenied)
+      << registered.status().ToString();
+  EXPECT_NE(registered.status().message().find("socket directory /tmp "), std::string::npos)
+      << registered.status().ToString();
+  auto stats = (*client)->GetStats();
+  EXPECT_EQ(stats.status().code(), StatusCode::kPermissionDenied) << stats.status().ToString();
 }
 
 TEST_F(NoDaemonTest, CallsMissAtTheDeadlineWhenTheDaemonNeverAnswers) {

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,6 +34,8 @@ class DaemonProcess {
     const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(counter++);
     dir_ = "/tmp/hiq-it-" + tag;
     std::filesystem::create_directories(dir_);
+    // Owner-only writes whatever the umask: hiqcached refuses a directory others may write.
+    ::chmod(dir_.c_str(), 0755);
     socket_path_ = dir_ + "/hiqcached.sock";
     shm_name_ = "/hiq-it-pool-" + tag;
   }
@@ -44,6 +47,11 @@ class DaemonProcess {
   }
   DaemonProcess(const DaemonProcess&) = delete;
   DaemonProcess& operator=(const DaemonProcess&) = delete;
+
+  // Before Start: listen on `path` instead (its directory is the daemon's to create), and run
+  // the daemon through `prefix` (e.g. it::AsUid's setpriv words: another user).
+  void set_socket_path(std::string path) { socket_path_ = std::move(path); }
+  void set_prefix(std::vector<std::string> prefix) { prefix_ = std::move(prefix); }
 
   std::string target() const { return "unix://" + socket_path_; }
   const std::string& socket_path() const { return socket_path_; }
@@ -57,6 +65,7 @@ class DaemonProcess {
                                      "--pool-bytes",   pool_bytes_, "--shm-name",
                                      shm_name_,        "--log-level", "warn"};
     args.insert(args.end(), extra_.begin(), extra_.end());
+    args.insert(args.begin(), prefix_.begin(), prefix_.end());
     pid_ = ::fork();
     if (pid_ == 0) {
       std::vector<char*> argv;
@@ -117,6 +126,7 @@ class DaemonProcess {
 
   std::string pool_bytes_;
   std::vector<std::string> extra_;
+  std::vector<std::string> prefix_;
   std::string dir_;
   std::string socket_path_;
   std::string shm_name_;

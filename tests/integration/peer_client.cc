@@ -62,6 +62,7 @@ int Main(int argc, char** argv) {
   auto pool = MakePool(*client, o);
   if (!pool.ok()) {
     std::cerr << "peer: RegisterPool: " << pool.status().ToString() << "\n";
+    std::cout << "register " << pool.status().ToString() << std::endl;
     return 1;
   }
   const std::vector<BlockKey> keys = Keys(seed, blocks, bt);

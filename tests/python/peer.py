@@ -8,6 +8,9 @@ another user). Prints one JSON line per report on stdout.
   peer.py [--uid UID] hold TARGET MODEL
       Registers a HOST pool (memfd buffer and events) under MODEL, reports its pid and pool id,
       then sleeps until killed.
+  peer.py [--uid UID] register TARGET MODEL
+      The same registration (TARGET "" = the default target), then a Lookup; reports the
+      status of each (as gRPC code names) and exits.
 """
 
 from __future__ import annotations
@@ -66,10 +69,12 @@ def probe(target: str, pool_id: int, anonymous: bool) -> None:
            caller_uid=stats.caller_uid, caller_admin=stats.caller_admin,
            pools=[{"pool_id": p.pool_id, "client_pid": p.client_pid, "uid": p.uid,
                    "owned": p.owned, "model": p.model} for p in stats.pools],
+           namespaces=[n.model for n in stats.namespaces],
+           namespaces_total=stats.namespaces_total, blocks=stats.blocks,
            codes=codes)
 
 
-def hold(target: str, model: str) -> None:
+def _register(target: str, model: str):
     import hiqcache as hq
 
     g = hq.Geometry(num_layers=2, num_kv_heads=2, head_dim=64)
@@ -80,13 +85,30 @@ def hold(target: str, model: str) -> None:
     layers = tuple(hq.LayerView(k=hq.slot_major_view(g, rows, 0, 2 * l * plane),
                                 v=hq.slot_major_view(g, rows, 0, (2 * l + 1) * plane))
                    for l in range(g.num_layers))
-    c = hq.Client(target)
+    c = hq.Client(target or None)
     pool = c.register_pool(hq.PoolSpec(model=model, geometry=g, block_tokens=16,
                                        buffers=(shm.shared_buffer(),), layers=layers,
                                        events=events.spec()))
+    return c, pool, (shm, events)
+
+
+def hold(target: str, model: str) -> None:
+    c, pool, _ = _register(target, model)
     report(pid=os.getpid(), pool_id=c.pool_info(pool).pool_id)
     while True:
         time.sleep(60)
+
+
+def register(target: str, model: str) -> None:
+    import hiqcache as hq
+
+    try:
+        c, pool, _ = _register(target, model)
+    except hq.HiqError as err:
+        report(register=err.status.code.name, message=err.status.message)
+        return
+    found = c.lookup(pool, hq.compute_block_keys(range(32), 16))
+    report(register="OK", pool_id=c.pool_info(pool).pool_id, lookup=found.status.code.name)
 
 
 def main(argv: list[str]) -> None:
@@ -98,6 +120,8 @@ def main(argv: list[str]) -> None:
         probe(argv[1], int(argv[2]), "--anonymous" in argv[3:])
     elif cmd == "hold":
         hold(argv[1], argv[2])
+    elif cmd == "register":
+        register(argv[1], argv[2])
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import hiqcache as hq
-from daemon import Daemon
+from daemon import Daemon, daemon_path
 from hiqcache.session import MAX_FDS_PER_MESSAGE, Session, SessionError, session_path_for_target
 from kv_util import HostKv, int8_violations
 
@@ -296,9 +296,15 @@ def test_another_user_neither_sees_nor_uses_my_pool(shared_daemon):
                 if not anonymous:
                     assert seen["session_uid"] == OTHER_UID
                     assert seen["caller_uid"] == OTHER_UID and not seen["caller_admin"]
+                # Not even that the pool, its model or its namespace exist: a stranger sees
+                # the totals (2 blocks), an anonymous caller nothing else at all.
                 assert all(p["pool_id"] != pool_id for p in seen["pools"]), seen
-                victim = [p for p in seen["pools"] if p["model"] == "victim"]
-                assert all(p["pool_id"] == 0 and not p["owned"] for p in victim), seen
+                assert [p for p in seen["pools"] if p["model"] == "victim"] == [], seen
+                assert "victim" not in seen["namespaces"], seen
+                assert seen["blocks"] >= 2, seen
+                if anonymous:
+                    assert seen["pools"] == [] and seen["namespaces"] == [], seen
+                    assert seen["namespaces_total"] == 0, seen
                 # A caller with a session is told the pool does not exist; one without may be
                 # refused as anonymous first.
                 allowed = {"NOT_FOUND"} | ({"UNAUTHENTICATED", "PERMISSION_DENIED"}
@@ -332,6 +338,46 @@ def test_another_process_of_the_same_user_cannot_use_its_pool(shared_daemon):
     finally:
         holder.kill()
         holder.wait()
+
+
+SQUATTER_UID = 61002
+
+
+def test_a_squatted_default_socket_gets_no_memory_and_no_calls(monkeypatch):
+    """Another user creates the victim's fallback default directory first and serves a real
+    hiqcached there: the victim's client (default target) refuses it before anything leaves the
+    process, so the squatter holds no pool; told HIQ_DAEMON_UID, the same client registers."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    victim_dir = f"/tmp/hiqcache-{OTHER_UID}"
+    subprocess.run(["rm", "-rf", victim_dir], check=True)
+    shm = f"/hiq-py-squat-{os.getpid()}"
+    target = f"unix://{victim_dir}/hiqcached.sock"
+    squatter = subprocess.Popen(
+        ["/usr/bin/setpriv", f"--reuid={SQUATTER_UID}", f"--regid={SQUATTER_UID}",
+         "--clear-groups", "--", daemon_path(), "--listen", target, "--pool-bytes", "16MiB",
+         "--shm-name", shm, "--socket-mode", "0666", "--prefault", "false",
+         "--log-level", "warn"])
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(victim_dir + "/hiqcached.sock.session"):
+            assert squatter.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert os.stat(victim_dir).st_uid == SQUATTER_UID
+        refused = run_peer("register", "", "victim", uid=OTHER_UID)
+        assert refused["register"] == "PERMISSION_DENIED", refused
+        assert f"belongs to uid {SQUATTER_UID}" in refused["message"], refused
+        # What the squatter's daemon holds, asked as one who trusts it.
+        monkeypatch.setenv("HIQ_DAEMON_UID", str(SQUATTER_UID))
+        with hq.Client(target) as c:
+            assert pools_of(c.get_stats(), "victim") == []
+            told = run_peer("register", "", "victim", uid=OTHER_UID)
+            assert told["register"] == "OK" and told["lookup"] == "OK" and told["pool_id"], told
+    finally:
+        squatter.kill()
+        squatter.wait()
+        subprocess.run(["rm", "-rf", victim_dir], check=True)
+        if os.path.exists("/dev/shm" + shm):
+            os.unlink("/dev/shm" + shm)
 
 
 def test_a_killed_process_loses_its_pools_within_1s(daemon):

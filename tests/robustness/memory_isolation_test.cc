@@ -9,6 +9,8 @@
 //    ReleasePool. With the default release timeout ReleasePool returns after the pool's work
 //    ran (every queued backup is committed by then); with a release timeout too short for the
 //    work, queued work then meets a truncated buffer: the daemon must survive that too;
+//  - the same with a sparse buffer larger than RAM + swap (the guard replaces the range without
+//    committing memory for it);
 //  - the daemon's own pool object (its name is in GetStats) is refused as a client buffer.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -136,6 +138,44 @@ TEST_F(MemoryIsolationTest, KvTruncatedBeforeBackup) {
   EXPECT_EQ(bystander_->Lookup(other.handle, keys).prefix_blocks, 0u);
   ExpectPoolFailed(p, "buffers[0]");
   ExpectBystanderRoundTrip(2);
+}
+
+// MemTotal + SwapTotal of this machine, in bytes (0 when /proc/meminfo cannot be read).
+uint64_t RamAndSwapBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0, total = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:" || key == "SwapTotal:") total += kib << 10;
+  }
+  return total;
+}
+
+// A sparse, unsealed buffer larger than RAM + swap (64 GiB here at least), backed up from near
+// its end, then truncated to 0: the guard must replace the whole range without a commit of that
+// size (the daemon died of SIGBUS when it could not).
+TEST_F(MemoryIsolationTest, KvLargerThanRamAndSwapTruncatedBeforeBackup) {
+  const uint64_t row_bytes = 2 * 2 * 2 * 64 * 2;  // layers x K|V x heads x dim x bf16
+  const uint64_t bytes = std::max<uint64_t>(64ull << 30, 2 * RamAndSwapBytes());
+  const uint32_t rows = static_cast<uint32_t>(bytes / row_bytes / (16 * kBt) * (16 * kBt));
+  Start();
+  it::TestPool p = Pool(*victim_, Options(2, rows));
+  ASSERT_GE(uint64_t{rows} * row_bytes, bytes - (16 * kBt) * row_bytes);
+  const auto keys = IndependentKeys(11, 0, 4);
+  const auto rows_at_end = it::RowRange(rows - 4 * kBt, 4 * kBt);
+  it::FillRows(p.kv, 11, rows_at_end, kBt);
+  BackupResult first = victim_->Backup(p.handle, keys, rows_at_end);
+  ASSERT_TRUE(first.status.ok()) << first.status.ToString();
+  ASSERT_EQ(first.held(), 4u);
+  ASSERT_TRUE(Truncate(p.kv.shm().name()));
+  const auto more = IndependentKeys(12, 0, 4);
+  BackupResult b = victim_->Backup(p.handle, more, rows_at_end);
+  ASSERT_TRUE(Alive(daemon_->pid())) << "hiqcached died of the truncated " << (bytes >> 30)
+                                     << " GiB KV object (SIGBUS)";
+  EXPECT_EQ(b.status.code(), StatusCode::kFailedPrecondition) << b.status.ToString();
+  EXPECT_TRUE(Has(b.status, "buffers[0]: the client's shared memory shrank under the daemon"))
+      << b.status.ToString();
+  ExpectBystanderRoundTrip(13);
 }
 
 TEST_F(MemoryIsolationTest, KvTruncatedBeforeRestore) {

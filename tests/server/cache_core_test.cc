@@ -1451,22 +1451,29 @@ TEST_F(IsolationTest, OnlyTheOwnerUsesAPoolOthersSeeNotFound) {
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(*n, 1u);
 
-  // Snapshots show the pool to everyone, its id only to its owner and admins.
+  // Snapshots show the pool and its namespace to its uid and admins only, its id only to its
+  // owner and admins; another uid and an anonymous caller see neither (the totals only).
   auto pool_of = [&](const Caller& c) {
     CoreSnapshot snap = core_->Snapshot(c);
     EXPECT_EQ(snap.pools.size(), 1u);
+    EXPECT_EQ(snap.namespaces.size(), 1u);
     return snap.pools.empty() ? PoolSnapshot{} : snap.pools[0];
   };
   EXPECT_EQ(pool_of(a).pool_id, pa.pool_id);
   EXPECT_TRUE(pool_of(a).owned);
   EXPECT_EQ(pool_of(a).uid, 61001u);
   EXPECT_EQ(pool_of(a).client_pid, 100u);  // the kernel's pid, not the reported one (4242)
-  EXPECT_EQ(pool_of(b).pool_id, 0u);
-  EXPECT_FALSE(pool_of(b).owned);
-  EXPECT_EQ(pool_of(anonymous).pool_id, 0u);
   EXPECT_EQ(pool_of(a_other_process).pool_id, 0u);
+  EXPECT_FALSE(pool_of(a_other_process).owned);
   EXPECT_EQ(pool_of(admin).pool_id, pa.pool_id);
   EXPECT_FALSE(pool_of(admin).owned);
+  for (const Caller& stranger : {b, anonymous}) {
+    CoreSnapshot snap = core_->Snapshot(stranger);
+    EXPECT_TRUE(snap.pools.empty()) << "pid " << stranger.pid;
+    EXPECT_TRUE(snap.namespaces.empty()) << "pid " << stranger.pid;
+    EXPECT_EQ(snap.namespaces_total, 0u);
+    EXPECT_EQ(snap.store.blocks, core_->Snapshot().store.blocks);  // the totals are the node's
+  }
 
   // An admin may release any pool.
   HIQ_EXPECT_OK(core_->ReleasePool(pa.pool_id, admin));
@@ -1481,8 +1488,10 @@ TEST_F(IsolationTest, AnonymousPoolsServeAnonymousCallersOnly) {
   EXPECT_EQ(Backup(TransferAs(a, pool, {Block(1, 0)})).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(Backup(Transfer(pool, {Block(1, 0)})).ok());
   EXPECT_EQ(Lookup(pool, {KeyString(1)}), 1u);
-  EXPECT_EQ(core_->Snapshot().pools[0].pool_id, pool);
-  EXPECT_EQ(core_->Snapshot(a).pools[0].pool_id, 0u);
+  EXPECT_EQ(core_->Snapshot().pools[0].pool_id, pool);  // the operator's view
+  // Neither an authenticated caller nor an anonymous one is shown who else uses the node.
+  EXPECT_TRUE(core_->Snapshot(a).pools.empty());
+  EXPECT_TRUE(core_->Snapshot(Caller{}).pools.empty());
 }
 
 TEST_F(IsolationTest, ClientDeathBySessionOrKernelPid) {

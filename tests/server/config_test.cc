@@ -298,7 +298,11 @@ TEST(RenderConfigTest, RoundTripsThroughTheParser) {
                  "--transfer-workers",
                  "3",
                  "--max-blocks-per-request",
-                 "99"});
+                 "99",
+                 "--tls-cert-file",
+                 "/etc/hiqcache/tls/cert.pem",
+                 "--tls-key-file",
+                 "/etc/hiqcache/tls/key.pem"});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   const DaemonConfig& c = *r;
   DaemonConfig back;
@@ -317,6 +321,33 @@ TEST(RenderConfigTest, RoundTripsThroughTheParser) {
   EXPECT_EQ(back.max_blocks_per_request, 99u);
   EXPECT_EQ(back.max_message_bytes, 2ull << 20);
   EXPECT_FALSE(back.prefault);
+  EXPECT_EQ(back.tls_cert_file, "/etc/hiqcache/tls/cert.pem");
+  EXPECT_EQ(back.tls_key_file, "/etc/hiqcache/tls/key.pem");
+  EXPECT_EQ(back.tls_client_ca_file, "");
+}
+
+// A TCP address other nodes can reach is served over TLS or not at all: the daemon refuses to
+// start with one and no certificate, naming the address.
+TEST(LoadConfigTest, NonLoopbackTcpNeedsTls) {
+  for (const char* addr : {"0.0.0.0:7000", "10.0.0.1:7000", "[::]:7000", "node7:7000",
+                           "127.0.0.1.evil.example:7000", "ipv4:10.1.1.1:7000"}) {
+    auto r = Load({"--listen", addr});
+    ASSERT_FALSE(r.ok()) << addr;
+    EXPECT_NE(r.status().message().find(addr), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("tls_cert_file"), std::string::npos);
+  }
+  for (const char* addr : {"127.0.0.1:7000", "127.1.2.3:7000", "localhost:7000", "[::1]:7000",
+                           "unix:///run/hiqcache/hiqcached.sock"}) {
+    EXPECT_TRUE(IsLocalAddress(addr)) << addr;
+    auto r = Load({"--listen", addr});
+    EXPECT_TRUE(r.ok()) << addr << ": " << r.status().ToString();
+  }
+  EXPECT_TRUE(Load({"--listen", "0.0.0.0:7000", "--tls-cert-file", "c.pem", "--tls-key-file",
+                    "k.pem", "--tls-client-ca-file", "ca.pem"})
+                  .ok());
+  ExpectErrorNaming(Load({"--listen", "0.0.0.0:7000", "--tls-cert-file", "c.pem"}),
+                    "tls_key_file");
+  ExpectErrorNaming(Load({"--tls-client-ca-file", "ca.pem"}), "tls_client_ca_file");
 }
 
 TEST(LoadConfigTest, CudaStagingAndReleaseTimeout) {
@@ -384,7 +415,7 @@ TEST_F(ConfigFileTest, ListenFlagsReplaceFileListeners) {
 TEST_F(ConfigFileTest, AllKeysOfTheFile) {
   std::string path = Write("all.toml",
                            "[hiqcached]\n"
-                           "listen = [\"a:1\"]\n"
+                           "listen = [\"localhost:1\"]\n"
                            "pool_bytes = 33554432\n"
                            "shm_name = \"/s\"\n"
                            "device = \"cuda\"\n"
@@ -399,7 +430,7 @@ TEST_F(ConfigFileTest, AllKeysOfTheFile) {
                            "prefault = false\n");
   auto r = Load({"--config", path});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->listen, std::vector<std::string>{"a:1"});
+  EXPECT_EQ(r->listen, std::vector<std::string>{"localhost:1"});
   EXPECT_EQ(r->pool_bytes, 32ull << 20);
   EXPECT_EQ(r->shm_name, "/s");
   EXPECT_EQ(r->device, "cuda");

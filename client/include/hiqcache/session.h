@@ -34,7 +34,10 @@ class Session {
   // absolute socket path) and reads the daemon's greeting, all within `timeout`.
   // FAILED_PRECONDITION for a target with no session (TCP) or a greeting of another protocol
   // version; UNAVAILABLE when nothing listens there (daemon down, or a daemon that predates
-  // sessions); INVALID_ARGUMENT for a socket path too long for sockaddr_un.
+  // sessions); INVALID_ARGUMENT for a socket path too long for sockaddr_un; PERMISSION_DENIED
+  // when the listener is not one this process trusts as its daemon (hiqcache/socket_trust.h:
+  // the socket's directory, both socket files and the connected peer's uid are checked before
+  // anything is sent).
   static StatusOr<std::unique_ptr<Session>> Open(const std::string& target,
                                                  std::chrono::milliseconds timeout);
 
