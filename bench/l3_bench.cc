@@ -80,11 +80,57 @@ struct PlainConnections {
   }
 };
 
+// What the value format costs per block, in this process (no cluster): encode and verify of one
+// block's value without and with the fleet MAC (HMAC-SHA-256), medians of `reps`, against a
+// memcpy of the payload measured in the same run.
+void ValueFormatCost(size_t payload_bytes, uint32_t reps) {
+  std::vector<uint8_t> payload(payload_bytes);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
+  l3::NamespaceHash ns{};
+  l3::L3BlockKey key{};
+  const l3::L3MacKeys mac{std::string(32, 'k'), ""};
+  const uint64_t checksum = l3::L3Checksum(payload);
+  std::string value;
+  std::vector<uint8_t> copy(payload_bytes);
+  std::vector<double> t_copy, t_enc, t_enc_mac, t_dec, t_dec_mac;
+  for (uint32_t r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    std::memcpy(copy.data(), payload.data(), payload_bytes);
+    t_copy.push_back(Seconds(Clock::now() - t0));
+    t0 = Clock::now();
+    l3::EncodeL3ValueInto(ns, key, payload, checksum, &value);
+    t_enc.push_back(Seconds(Clock::now() - t0));
+    t0 = Clock::now();
+    const bool ok = l3::DecodeL3Value(value, ns, key, payload_bytes).ok();
+    t_dec.push_back(Seconds(Clock::now() - t0));
+    t0 = Clock::now();
+    l3::EncodeL3ValueInto(ns, key, payload, checksum, &value, &mac);
+    t_enc_mac.push_back(Seconds(Clock::now() - t0));
+    t0 = Clock::now();
+    const bool ok_mac = l3::DecodeL3Value(value, ns, key, payload_bytes, &mac).ok();
+    t_dec_mac.push_back(Seconds(Clock::now() - t0));
+    if (!ok || !ok_mac) std::fprintf(stderr, "l3_bench: a value did not verify\n");
+  }
+  const double mb = payload_bytes / 1e6;
+  std::printf("value format, one block of %.2f MB (payload), medians of %u:\n", mb, reps);
+  auto row = [&](const char* what, const std::vector<double>& t) {
+    std::printf("  %-40s %8.1f us  %6.2f GB/s  %5.2fx memcpy\n", what, Median(t) * 1e6,
+                mb / 1e3 / Median(t), Median(t_copy) / Median(t));
+  };
+  row("memcpy of the payload", t_copy);
+  row("encode (header + XXH3 given + copy)", t_enc);
+  row("encode with HMAC-SHA-256 (l3_mac_key_file)", t_enc_mac);
+  row("verify (XXH3 of the payload)", t_dec);
+  row("verify with HMAC-SHA-256 + XXH3", t_dec_mac);
+  std::printf("  MAC cost per block: encode +%.1f us, verify +%.1f us\n",
+              (Median(t_enc_mac) - Median(t_enc)) * 1e6, (Median(t_dec_mac) - Median(t_dec)) * 1e6);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   uint32_t tokens = 2048, reps = 7, lookups = 200, fetch_deadline_ms = 0,  // 0: the default
-      lookup_deadline_ms = 5, evict_pool_blocks = 48;
+      lookup_deadline_ms = 5, evict_pool_blocks = 48, format_only = 0, mac = 0;
   std::string pool_bytes = "1GiB";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -96,10 +142,15 @@ int main(int argc, char** argv) {
     else if (a == "--lookup-deadline-ms") lookup_deadline_ms = v;
     else if (a == "--evict-pool-blocks") evict_pool_blocks = v;
     else if (a == "--pool-bytes") pool_bytes = argv[i + 1];
+    else if (a == "--format-only") format_only = v;
+    else if (a == "--mac") mac = v;
   }
   const uint32_t block_tokens = 64;
   tokens = std::max(block_tokens, tokens / block_tokens * block_tokens);
   const uint32_t blocks = tokens / block_tokens;
+  // Qwen3-8B int8: 74,880 bytes per token.
+  ValueFormatCost(size_t{74880} * block_tokens, std::max(reps, 21u));
+  if (format_only != 0) return 0;
 
   using hiqcache::l3_test::RedisTestCluster;
   if (!RedisTestCluster::Available()) return Fail("redis", "redis-server / redis-cli not found");
@@ -117,9 +168,22 @@ int main(int argc, char** argv) {
       l3_flags.push_back(std::to_string(fetch_deadline_ms));
     }
   }
+  // --mac 1: the L3 daemon authenticates its values (l3_mac_key_file, a key made here).
+  const std::string key_file = "/tmp/hiq-l3-bench-" + std::to_string(::getpid()) + ".mac";
+  if (mac != 0) {
+    FILE* f = std::fopen(key_file.c_str(), "wb");
+    if (f == nullptr) return Fail("mac", "cannot write " + key_file);
+    std::fputs("l3-bench-fleet-key-of-at-least-32-bytes", f);
+    std::fclose(f);
+    ::chmod(key_file.c_str(), 0600);
+    l3_flags.push_back("--l3-mac-key-file");
+    l3_flags.push_back(key_file);
+  }
   hiqcache::testing::DaemonProcess a(pool_bytes, l3_flags);
   hiqcache::testing::DaemonProcess c("256MiB");
-  if (!a.Start()) return Fail("hiqcached", "the L3 daemon did not start");
+  const bool started = a.Start();
+  if (mac != 0) ::unlink(key_file.c_str());  // read at start-up
+  if (!started) return Fail("hiqcached", "the L3 daemon did not start");
   if (!c.Start()) return Fail("hiqcached", "the daemon without L3 did not start");
   hiqcache::ClientOptions co;
   co.call_timeout = std::chrono::seconds(60);
@@ -319,12 +383,13 @@ int main(int argc, char** argv) {
   };
   std::printf("l3_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, int8 "
               "(%llu B/token stored), %.1f MB BF16, %.1f MB of values; 3+3 Redis Cluster on "
-              "loopback; medians of %u reps; fetch deadline %s\n",
+              "loopback; medians of %u reps; fetch deadline %s; values %s\n",
               tokens, blocks, block_tokens,
               static_cast<unsigned long long>(info->encoded_bytes_per_token), bf16_bytes / 1e6,
               value_bytes / 1e6, reps,
               fetch_deadline_ms == 0 ? "the daemon's default"
-                                     : (std::to_string(fetch_deadline_ms) + " ms").c_str());
+                                     : (std::to_string(fetch_deadline_ms) + " ms").c_str(),
+              mac != 0 ? "authenticated (HMAC-SHA-256)" : "checksummed only");
   std::printf("  memcpy of the BF16 bytes (1 thread)  %8.1f ms  %6.2f GB/s\n", m * 1e3, gb / m);
   row("Restore from L3 (evicted from L2)", t_l3);
   row("Restore from L2 (the same blocks)", t_l2);

@@ -16,6 +16,8 @@ packages=(
   # L3 (server/l3/, tests/l3/): the Redis Cluster client over hiredis, tested against real
   # redis-server processes on loopback.
   redis-server libhiredis-dev
+  # HMAC-SHA-256 of L3 values (server/l3/l3_value.cc): OpenSSL's libcrypto.
+  libssl-dev
   procps
   # The project venv (deploy/setup-venv.sh)
   python3 python3-venv

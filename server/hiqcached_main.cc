@@ -344,6 +344,11 @@ int Run(int argc, char** argv) {
       HIQ_LOG(ERROR) << st.message();
       return 2;
     }
+    if (l3_options.mac_key.empty()) {
+      HIQ_LOG(WARN) << "l3: no l3_mac_key_file: values are checksummed, not authenticated; "
+                       "anyone who can write to the cluster under l3_key_prefix can plant KV "
+                       "that this daemon restores";
+    }
     l3_options.on_fetch = [&metrics](std::chrono::nanoseconds d, bool ok) {
       metrics.OnL3Fetch(d, ok);
     };

@@ -1,9 +1,12 @@
 #include "config.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "cache_core.h"
@@ -226,6 +229,11 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
                            : c->tls_client_ca_file) = std::move(v);
     return Status::Ok();
   }
+  if (k == "l3_mac_key_file" || k == "l3_mac_previous_key_file") {
+    HIQ_ASSIGN_OR_RETURN(std::string v, str());
+    (k == "l3_mac_key_file" ? c->l3_mac_key_file : c->l3_mac_previous_key_file) = std::move(v);
+    return Status::Ok();
+  }
   if (k == "l3_password_file") {
     HIQ_ASSIGN_OR_RETURN(c->l3_password_file, str());
     return Status::Ok();
@@ -405,6 +413,36 @@ void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
   o->transfer_chunk_bytes = c.transfer_chunk_bytes;
 }
 
+namespace {
+
+// A MAC key file (config key `key`): the whole file without a trailing newline, at least 32
+// bytes, and no permission for group or others (it is the fleet's secret). "" = none.
+Status ReadMacKey(const std::string& path, const char* key, std::string* out) {
+  out->clear();
+  if (path.empty()) return Status::Ok();
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return InvalidArgument(std::string(key) + ": cannot read '" + path + "'");
+  }
+  if ((st.st_mode & 077) != 0) {
+    return InvalidArgument(std::string(key) + ": '" + path +
+                           "' may be read by group or others; chmod 600 it (it is the fleet's "
+                           "secret: whoever reads it can plant KV every daemon restores)");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgument(std::string(key) + ": cannot read '" + path + "'");
+  out->assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  while (!out->empty() && (out->back() == '\n' || out->back() == '\r')) out->pop_back();
+  if (out->size() < 32) {
+    return InvalidArgument(std::string(key) + ": '" + path + "' holds " +
+                           std::to_string(out->size()) +
+                           " bytes; a key needs at least 32 (e.g. head -c 32 /dev/urandom)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
   o->seeds = c.l3_seeds;
   o->user = c.l3_user;
@@ -423,6 +461,12 @@ Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
       return InvalidArgument("l3_password_file: '" + c.l3_password_file +
                              "' holds no password on its first line");
     }
+  }
+  HIQ_RETURN_IF_ERROR(ReadMacKey(c.l3_mac_key_file, "l3_mac_key_file", &o->mac_key));
+  HIQ_RETURN_IF_ERROR(ReadMacKey(c.l3_mac_previous_key_file, "l3_mac_previous_key_file",
+                                 &o->mac_previous_key));
+  if (o->mac_key.empty() && !o->mac_previous_key.empty()) {
+    return InvalidArgument("l3_mac_previous_key_file: needs l3_mac_key_file (the current key)");
   }
   o->key_prefix = c.l3_key_prefix;
   o->policy = c.l3_write_policy == "on_evict" ? L3WritePolicy::kOnEvict
@@ -672,6 +716,8 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "l3_seeds = " + q(seeds) + "\n";
   out += "l3_user = " + q(c.l3_user) + "\n";
   out += "l3_password_file = " + q(c.l3_password_file) + "\n";
+  out += "l3_mac_key_file = " + q(c.l3_mac_key_file) + "\n";
+  out += "l3_mac_previous_key_file = " + q(c.l3_mac_previous_key_file) + "\n";
   out += "tls_cert_file = " + q(c.tls_cert_file) + "\n";
   out += "tls_key_file = " + q(c.tls_key_file) + "\n";
   out += "tls_client_ca_file = " + q(c.tls_client_ca_file) + "\n";

@@ -70,6 +70,10 @@ struct DaemonConfig {
   std::vector<std::string> l3_seeds;  // host:port of any Redis Cluster nodes (comma-separated)
   std::string l3_user;                // ACL user ("" = AUTH with the password alone)
   std::string l3_password_file;       // first line = the password ("" = no AUTH)
+  // The fleet's secret for authenticating values (HMAC-SHA-256): the whole file, at least 32
+  // bytes, readable by the daemon's user only; the previous key is accepted on reads (rotation).
+  std::string l3_mac_key_file;
+  std::string l3_mac_previous_key_file;
   std::string l3_key_prefix = "hiq:";
   std::string l3_write_policy = "write_through";  // or "on_evict"
   uint32_t l3_ttl = 0;                            // seconds; 0 = no expiry

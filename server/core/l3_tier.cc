@@ -47,7 +47,8 @@ std::vector<std::string> KeysOf(const std::string& prefix, const NamespaceHash& 
 // draining one bounded queue.
 class RedisL3Tier final : public L3Tier {
  public:
-  RedisL3Tier(const L3Options& o, BlockStore* store) : o_(o), store_(store) {
+  RedisL3Tier(const L3Options& o, BlockStore* store)
+      : o_(o), mac_{o.mac_key, o.mac_previous_key}, store_(store) {
     cluster_options_.seeds = o.seeds;
     cluster_options_.user = o.user;
     cluster_options_.password = o.password;
@@ -125,7 +126,8 @@ class RedisL3Tier final : public L3Tier {
     std::vector<std::string> names = KeysOf(o_.key_prefix, ns, keys);
     // A value is exactly header + payload: anything longer is refused before it is received.
     std::vector<l3::KeyResult> res =
-        conn->MultiGet(names, deadline, l3::kL3ValueHeaderBytes + payload_bytes);
+        conn->MultiGet(names, deadline,
+                       l3::kL3ValueHeaderBytes + payload_bytes + l3::L3TrailerBytes(&mac_));
     GiveReader(std::move(conn));
     Judge(res);
     bool ok = true;
@@ -145,9 +147,13 @@ class RedisL3Tier final : public L3Tier {
       }
       if (!res[i].found) break;
       in += res[i].value.size();
-      auto payload = l3::DecodeL3Value(res[i].value, ns, keys[i], payload_bytes);
+      auto payload = l3::DecodeL3Value(res[i].value, ns, keys[i], payload_bytes, &mac_);
       if (!payload.ok()) {
-        Add(&corrupt_values_, 1);
+        // A newer writer's format is a miss, not corruption (the L3 contract); a value that
+        // fails its checksums or its MAC is counted as corrupt and never restored.
+        if (payload.status().code() != StatusCode::kFailedPrecondition) {
+          Add(&corrupt_values_, 1);
+        }
         HIQ_LOG(WARN) << "event=l3_value_dropped key=\"" << LogSafe(names[i]) << "\" error=\""
                       << LogSafe(payload.status().message()) << "\"";
         break;
@@ -199,7 +205,7 @@ class RedisL3Tier final : public L3Tier {
     WriteItem item{0, b.ns_hash, bytes, b.key, TakeBuffer()};
     bool ok = true;
     try {
-      l3::EncodeL3ValueInto(b.ns_hash, b.key, b.payload, b.checksum, &item.value);
+      l3::EncodeL3ValueInto(b.ns_hash, b.key, b.payload, b.checksum, &item.value, &mac_);
     } catch (const std::bad_alloc&) {
       ok = false;
     }
@@ -487,7 +493,7 @@ class RedisL3Tier final : public L3Tier {
         try {
           l3::EncodeL3ValueInto(item.ns, item.key,
                                 std::span<const uint8_t>(pin.payload, item.payload_bytes),
-                                checksum, &value);
+                                checksum, &value, &mac_);
         } catch (const std::bad_alloc&) {
           store_->Unpin(pin.handle);
           Add(&write_errors_, 1);
@@ -555,6 +561,7 @@ class RedisL3Tier final : public L3Tier {
   }
 
   const L3Options o_;
+  const l3::L3MacKeys mac_;
   BlockStore* const store_;
   l3::RedisClusterOptions cluster_options_;
 

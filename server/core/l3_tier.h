@@ -98,6 +98,11 @@ struct L3Options {
   std::string user;
   std::string password;
   std::string key_prefix = "hiq:";
+  // The fleet's HMAC-SHA-256 keys for values (l3_value.h, L3MacKeys): written with `mac_key`,
+  // restored when the tag verifies under it or `mac_previous_key`; "" = none (version 1 values,
+  // unauthenticated).
+  std::string mac_key;
+  std::string mac_previous_key;
   L3WritePolicy policy = L3WritePolicy::kWriteThrough;
   std::chrono::milliseconds ttl{0};  // 0 = no expiry
   // Value bytes this daemon keeps in L3 at most (0 = no budget: the cluster's maxmemory and the

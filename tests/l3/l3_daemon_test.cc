@@ -12,7 +12,9 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -130,9 +132,9 @@ class L3DaemonTest : public ::testing::Test {
     std::vector<uint32_t> rows;
   };
   void StartTwoNodes(const std::string& model, uint64_t seed, uint32_t blocks, TwoNodes* t,
-                     uint32_t pool_rows = 128) {
-    t->a = StartNode(cluster_->Seeds());
-    t->b = StartNode(cluster_->Seeds());
+                     uint32_t pool_rows = 128, const std::vector<std::string>& extra = {}) {
+    t->a = StartNode(cluster_->Seeds(), "64MiB", extra);
+    t->b = StartNode(cluster_->Seeds(), "64MiB", extra);
     ASSERT_NE(t->a.client, nullptr);
     ASSERT_NE(t->b.client, nullptr);
     auto pa = MakePool(*t->a.client, Options(model, Codec::kInt8PerHead, pool_rows));
@@ -334,6 +336,101 @@ TEST_F(L3DaemonTest, CorruptValueIsDroppedCountedAndAMiss) {
   EXPECT_EQ(b.M("hiqcache_l3_errors_total{op=\"fetch\"}"), 0);
   EXPECT_EQ(a.daemon->Stop(), 0);
   EXPECT_EQ(b.daemon->Stop(), 0);
+}
+
+// Checksums find corruption, not forgery. Whoever can write to the cluster plants a value with
+// valid XXH3 checksums over a payload of its choosing: a daemon without a fleet key restores it
+// as KV (the attack, shown on node D); daemons holding the fleet key (l3_mac_key_file) share
+// their own blocks, and refuse, count and miss the planted value and a tampered keyed one.
+TEST_F(L3DaemonTest, PlantedValuesAreNotRestoredUnderAFleetKey) {
+  char dir[] = "/tmp/hiq-l3-mac-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string key_file = std::string(dir) + "/l3.mac";
+  {
+    std::ofstream out(key_file, std::ios::binary);
+    out << "fleet-secret-of-at-least-32-bytes-0123456789";
+  }
+  ASSERT_EQ(::chmod(key_file.c_str(), 0600), 0);
+  const uint64_t seed = 710;
+  TwoNodes t;
+  ASSERT_NO_FATAL_FAILURE(
+      StartTwoNodes("l3-mac", seed, 3, &t, 128, {"--l3-mac-key-file", key_file}));
+  Node &b = t.b;
+  TestPool* pb = &t.pb;
+  const std::vector<BlockKey>& keys = t.keys;
+  const std::vector<uint32_t>& rows = t.rows;
+  // Keyed daemons share: B restores what A wrote.
+  RestoreResult shared = b.client->Restore(pb->handle, keys, rows);
+  ASSERT_TRUE(shared.status.ok()) << shared.status.ToString();
+  EXPECT_EQ(shared.restored_blocks, 3u);
+  EXPECT_TRUE(CheckRows(pb->kv, seed, rows, kBt, false).ok());
+  ASSERT_TRUE(b.client->Evict(pb->handle, keys).ok());
+
+  // Block 1: the attacker's payload (A's with one byte changed) as an unkeyed value with valid
+  // checksums. Block 2: A's keyed value with a payload byte and both checksums changed.
+  const std::string ns_hex = pb->info.namespace_id;
+  l3::NamespaceHash ns{};
+  for (int i = 0; i < 16; ++i) {
+    ns[i] = static_cast<uint8_t>(std::stoul(ns_hex.substr(2 * i, 2), nullptr, 16));
+  }
+  auto plant = [&](int block, bool keep_tag) {
+    const std::string name = L3Name(ns_hex, keys[block]);
+    const l3_test::ClusterNode* master = cluster_->MasterOfSlot(l3::KeySlot(name));
+    ASSERT_NE(master, nullptr);
+    l3_test::AdminReply got = cluster_->Admin(master->port, {"GET", name});
+    ASSERT_EQ(got.type, REDIS_REPLY_STRING);
+    ASSERT_GT(got.str.size(), l3::kL3ValueHeaderBytes + l3::kL3MacBytes);
+    std::vector<uint8_t> payload(got.str.begin() + l3::kL3ValueHeaderBytes,
+                                 got.str.end() - l3::kL3MacBytes);
+    payload[100] ^= 0x40;
+    l3::L3BlockKey k;
+    std::memcpy(k.data(), keys[block].data(), 16);
+    std::string forged = l3::EncodeL3Value(ns, k, payload);
+    if (keep_tag) forged += got.str.substr(got.str.size() - l3::kL3MacBytes);
+    if (keep_tag) {  // a version-2 header over the changed payload, the old tag after it
+      l3::L3ValueHeader h;
+      std::memcpy(&h, forged.data(), sizeof(h));
+      h.version = l3::kL3ValueVersionMac;
+      h.header_checksum = l3::L3Checksum(std::span<const uint8_t>(
+          reinterpret_cast<const uint8_t*>(&h), offsetof(l3::L3ValueHeader, header_checksum)));
+      std::memcpy(forged.data(), &h, sizeof(h));
+    }
+    ASSERT_TRUE(cluster_->Admin(master->port, {"SET", name, forged}).ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(plant(1, false));
+  ASSERT_NO_FATAL_FAILURE(plant(2, true));
+
+  // The attack, where no key is held: node D restores the planted block 1 as KV.
+  Node d = StartNode(cluster_->Seeds());
+  ASSERT_NE(d.client, nullptr);
+  auto pd = MakePool(*d.client, Options("l3-mac", Codec::kInt8PerHead));
+  ASSERT_TRUE(pd.ok()) << pd.status().ToString();
+  const std::span<const uint32_t> block_rows = std::span(rows).subspan(kBt, kBt);
+  FillSentinel(pd->kv);
+  RestoreResult fooled = d.client->Restore(pd->handle, std::span(keys).subspan(1, 1), block_rows);
+  ASSERT_TRUE(fooled.status.ok()) << fooled.status.ToString();
+  EXPECT_EQ(fooled.restored_blocks, 1u);
+  EXPECT_FALSE(CheckRows(pd->kv, seed, block_rows, kBt, false).ok())
+      << "the planted payload should differ from the real block";
+
+  // Under the key: block 0 restores, block 1 is refused (unauthenticated), and so is block 2
+  // alone (its tag does not cover the changed payload); each counted.
+  FillSentinel(pb->kv);
+  RestoreResult r = b.client->Restore(pb->handle, keys, rows);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.restored_blocks, 1u);
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 1);
+  RestoreResult r2 = b.client->Restore(pb->handle, std::span(keys).subspan(2, 1),
+                                       std::span(rows).subspan(2 * kBt));
+  ASSERT_TRUE(r2.status.ok()) << r2.status.ToString();
+  EXPECT_EQ(r2.restored_blocks, 0u);
+  EXPECT_EQ(b.M("hiqcache_l3_corrupt_values_total"), 2);
+  EXPECT_TRUE(CheckRows(pb->kv, seed, std::span(rows).first(kBt), kBt, false).ok());
+  EXPECT_EQ(t.a.daemon->Stop(), 0);
+  EXPECT_EQ(b.daemon->Stop(), 0);
+  EXPECT_EQ(d.daemon->Stop(), 0);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 // GetStats' l3 (and `hiqctl stats`, text and --json) after B promoted two blocks from L3 and

@@ -546,6 +546,37 @@ TEST(LoadConfigL3Test, KeysFlagsRenderAndErrors) {
   ExpectErrorNaming(L3OptionsFromConfig(c, &o), "l3_password_file");
 }
 
+// The fleet's L3 MAC key: read whole (a trailing newline dropped), at least 32 bytes, and refused
+// when group or others may read it; the previous key only beside a current one.
+TEST_F(ConfigFileTest, L3MacKeyFiles) {
+  const std::string good = Write("mac", std::string(40, 'k') + "\n");
+  const std::string old = Write("mac.old", std::string(32, 'o'));
+  const std::string shared = Write("mac.shared", std::string(32, 's'));
+  const std::string short_key = Write("mac.short", "tooshort");
+  for (const auto& f : {good, old, short_key}) ASSERT_EQ(::chmod(f.c_str(), 0600), 0);
+  ASSERT_EQ(::chmod(shared.c_str(), 0640), 0);
+  auto r = Load({"--l3-seeds", "127.0.0.1:7000", "--l3-mac-key-file", good,
+                 "--l3-mac-previous-key-file", old});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  L3Options o;
+  HIQ_ASSERT_OK(L3OptionsFromConfig(*r, &o));
+  EXPECT_EQ(o.mac_key, std::string(40, 'k'));
+  EXPECT_EQ(o.mac_previous_key, std::string(32, 'o'));
+  DaemonConfig back;
+  HIQ_ASSERT_OK(ApplyConfigText(RenderConfig(*r), "<rendered>", &back));
+  EXPECT_EQ(back.l3_mac_key_file, good);
+  EXPECT_EQ(back.l3_mac_previous_key_file, old);
+  DaemonConfig c = *r;
+  c.l3_mac_key_file = shared;
+  ExpectErrorNaming(L3OptionsFromConfig(c, &o), "may be read by group or others");
+  c.l3_mac_key_file = short_key;
+  ExpectErrorNaming(L3OptionsFromConfig(c, &o), "at least 32");
+  c.l3_mac_key_file = "/nonexistent/l3.mac";
+  ExpectErrorNaming(L3OptionsFromConfig(c, &o), "l3_mac_key_file");
+  c.l3_mac_key_file = "";
+  ExpectErrorNaming(L3OptionsFromConfig(c, &o), "needs l3_mac_key_file");
+}
+
 // The [l3] table: its keys are the l3_* settings without the prefix; top-level keys before it
 // stay top-level; no other table exists.
 TEST(LoadConfigL3Test, TheL3Table) {
