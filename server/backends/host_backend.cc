@@ -106,8 +106,27 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     ::munmap(p, bytes);
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
-  return std::unique_ptr<ShmMapping>(
-      new ShmMapping(static_cast<uint8_t*>(p), bytes, sealed, std::move(guard).value()));
+  // Where the object holds data: SEEK_DATA/SEEK_HOLE (tmpfs and memfds answer them); on any
+  // error, all of it.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (off_t at = 0; static_cast<uint64_t>(at) < bytes;) {
+    const off_t data = ::lseek(fd, at, SEEK_DATA);
+    if (data < 0) {
+      if (errno != ENXIO) ranges = {{0, bytes}};  // ENXIO: no data from `at` on
+      break;
+    }
+    if (static_cast<uint64_t>(data) >= bytes) break;
+    off_t hole = ::lseek(fd, data, SEEK_HOLE);
+    if (hole < 0) {
+      ranges = {{0, bytes}};
+      break;
+    }
+    const uint64_t end = std::min<uint64_t>(static_cast<uint64_t>(hole), bytes);
+    ranges.emplace_back(static_cast<uint64_t>(data), end);
+    at = static_cast<off_t>(end);
+  }
+  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, sealed,
+                                                    std::move(guard).value(), std::move(ranges)));
 }
 
 ShmMapping::~ShmMapping() {

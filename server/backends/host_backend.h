@@ -36,6 +36,8 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "client_memory_guard.h"
 #include "codec_cpu.h"
@@ -105,10 +107,21 @@ class ShmMapping {
   bool sealed() const { return sealed_; }
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
   bool broken() const { return guard_.broken(); }
+  // The [begin, end) byte ranges of the mapping that held data when it was mapped (lseek
+  // SEEK_DATA / SEEK_HOLE); the rest were holes and read as zeros. Reading a hole of a shmem
+  // object allocates a page, charged to the daemon: code that scans client memory it never
+  // asked the client to write (event slots at registration) scans these ranges only. The whole
+  // mapping where the kernel cannot tell.
+  const std::vector<std::pair<uint64_t, uint64_t>>& data_ranges() const { return data_ranges_; }
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size, bool sealed, GuardedRange guard)
-      : data_(data), size_(size), sealed_(sealed), guard_(std::move(guard)) {}
+  ShmMapping(uint8_t* data, uint64_t size, bool sealed, GuardedRange guard,
+             std::vector<std::pair<uint64_t, uint64_t>> data_ranges)
+      : data_(data),
+        size_(size),
+        sealed_(sealed),
+        guard_(std::move(guard)),
+        data_ranges_(std::move(data_ranges)) {}
   static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes,
                                                    const std::string& field,
                                                    const std::string& what, bool sealed);
@@ -116,6 +129,7 @@ class ShmMapping {
   uint64_t size_;
   bool sealed_;
   GuardedRange guard_;
+  std::vector<std::pair<uint64_t, uint64_t>> data_ranges_;
 };
 
 }  // namespace hiqcache::server

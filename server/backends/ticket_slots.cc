@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "hiqcache/log.h"
 #include "host_backend.h"
@@ -15,17 +17,23 @@ TicketSlots::TicketSlots() = default;
 TicketSlots::TicketSlots(std::unique_ptr<ShmMapping> mapping, uint32_t count)
     : mapping_(std::move(mapping)), count_(mapping_ ? count : 0) {
   uint32_t reset = 0;
-  for (uint32_t i = 0; i < count_; ++i) {
-    std::atomic_ref<uint64_t> s(*slot(i));
-    uint64_t v = s.load(std::memory_order_acquire);
-    while ((v & ~kTicketFailedBit) >= kTicketLimit &&
-           !s.compare_exchange_weak(v, 0, std::memory_order_release, std::memory_order_acquire)) {
+  // Only the slots in ranges that hold data: a hole reads as 0 (no ticket), and reading it would
+  // allocate a page on the daemon's account for memory the client never wrote.
+  static const std::vector<std::pair<uint64_t, uint64_t>> kNone;
+  for (const auto& [begin, end] : mapping_ ? mapping_->data_ranges() : kNone) {
+    for (uint64_t i = begin / 64; i < count_ && 64 * i < end; ++i) {
+      std::atomic_ref<uint64_t> s(*slot(static_cast<uint32_t>(i)));
+      uint64_t v = s.load(std::memory_order_acquire);
+      while ((v & ~kTicketFailedBit) >= kTicketLimit &&
+             !s.compare_exchange_weak(v, 0, std::memory_order_release,
+                                      std::memory_order_acquire)) {
+      }
+      if ((v & ~kTicketFailedBit) >= kTicketLimit) {
+        ++reset;
+        continue;
+      }
+      floor_ = std::max(floor_, v & ~kTicketFailedBit);
     }
-    if ((v & ~kTicketFailedBit) >= kTicketLimit) {
-      ++reset;
-      continue;
-    }
-    floor_ = std::max(floor_, v & ~kTicketFailedBit);
   }
   if (reset > 0) {
     HIQ_LOG(INFO) << "event=ticket_slots_reset slots=" << reset

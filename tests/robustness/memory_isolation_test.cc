@@ -11,6 +11,7 @@
 //    work, queued work then meets a truncated buffer: the daemon must survive that too;
 //  - the same with a sparse buffer larger than RAM + swap (the guard replaces the range without
 //    committing memory for it);
+//  - a sparse 64 MiB event object is not faulted into the daemon at registration;
 //  - the daemon's own pool object (its name is in GetStats) is refused as a client buffer.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -176,6 +177,39 @@ TEST_F(MemoryIsolationTest, KvLargerThanRamAndSwapTruncatedBeforeBackup) {
   EXPECT_TRUE(Has(b.status, "buffers[0]: the client's shared memory shrank under the daemon"))
       << b.status.ToString();
   ExpectBystanderRoundTrip(13);
+}
+
+// RssShmem of process `pid` in bytes (0 when unreadable).
+uint64_t RssShmemBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("RssShmem:", 0) == 0) return std::stoull(line.substr(9)) << 10;
+  }
+  return 0;
+}
+
+// A sparse event object of 2^20 slots (64 MiB, the most a pool may name) costs the daemon
+// nothing at registration: it reads only the parts the client wrote (each faulted page of a
+// hole would be a page allocated on the daemon's account: +64 MiB per registration before).
+TEST_F(MemoryIsolationTest, SparseEventSlotsAreNotFaultedIn) {
+  Start();
+  const uint64_t before = RssShmemBytes(daemon_->pid());
+  std::vector<it::TestPool> pools;
+  for (int i = 0; i < 4; ++i) pools.push_back(Pool(*victim_, Options(2, 16 * kBt, 1u << 20)));
+  const uint64_t after = RssShmemBytes(daemon_->pid());
+  EXPECT_LT(after, before + (16ull << 20))
+      << "4 registrations of 64 MiB sparse event objects grew the daemon's shared RSS by "
+      << ((after - before) >> 20) << " MiB";
+  // The slots still work: a synchronous backup signals its done slot, far into the object.
+  const auto keys = IndependentKeys(21, 0, 1);
+  const auto rows = it::RowRange(0, kBt);
+  it::FillRows(pools[0].kv, 21, rows, kBt);
+  BackupOptions o;
+  o.done_event = (1 << 20) - 1;
+  BackupResult b = victim_->Backup(pools[0].handle, keys, rows, o);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_GE(pools[0].events.Read(static_cast<uint32_t>(o.done_event)), b.ticket);
+  ExpectBystanderRoundTrip(22);
 }
 
 TEST_F(MemoryIsolationTest, KvTruncatedBeforeRestore) {
