@@ -3,7 +3,7 @@ separate processes of separate uids (the test runs as root and starts them with 
 hostile_actor.py speaking raw gRPC plus the session socket.
 
 What must hold: a pool belongs to the process and uid that registered it (others get NOT_FOUND,
-and GetStats shows them no id); blocks never flow between uids; Drain needs an admin; memory
+and GetStats does not list it); blocks never flow between uids; Drain needs an admin; memory
 comes with proof of access (a name of another uid's object, or of the daemon's own pool, is
 refused); a call without a session, or with a forged token, owns nothing; a client's death
 (its session socket closing) releases its pools within a second.
