@@ -308,8 +308,9 @@ class Client:
         TLS when tls_ca_file (default: $HIQ_TLS_CA_FILE) names the PEM roots to verify the
         daemon with; tls_cert_file and tls_key_file (default: $HIQ_TLS_CERT_FILE,
         $HIQ_TLS_KEY_FILE) are this client's certificate for a daemon that requires one.
-        Without roots a TCP target is plain, which a daemon serves on loopback only. OSError
-        when a named file cannot be read."""
+        Without roots a TCP target is plain, which a daemon serves on loopback only. A named
+        file that cannot be read is logged and gives a client whose every call fails
+        (UNAVAILABLE: a miss), never a plain channel; nothing is raised."""
         if call_timeout <= 0 or register_timeout <= 0:
             raise ValueError("call_timeout and register_timeout must be > 0")
         self.target = normalize_target(target)
@@ -324,11 +325,17 @@ class Client:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),  # see the class docstring
         ]
-        credentials = None if self.target.startswith("unix") else _tls_credentials(
-            tls_ca_file, tls_cert_file, tls_key_file)
-        self._channel = (grpc.secure_channel(self.target, credentials, options=options)
+        credentials, channel_target = None, self.target
+        if not self.target.startswith("unix"):
+            try:
+                credentials = _tls_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+            except OSError as err:
+                log.error("hiqcache client: cannot read a TLS file (%s); no call goes to %s",
+                          err, self.target)
+                channel_target = "unix:///nonexistent/hiqcache-tls-file-unreadable"
+        self._channel = (grpc.secure_channel(channel_target, credentials, options=options)
                          if credentials is not None
-                         else grpc.insecure_channel(self.target, options=options))
+                         else grpc.insecure_channel(channel_target, options=options))
         self._stub = pb_grpc.CacheStub(self._channel)
         self._lock = threading.Lock()
         self._pools: dict[int, _Pool] = {}

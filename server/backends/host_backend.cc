@@ -61,7 +61,8 @@ bool SealedAgainstShrinking(int fd) {
 
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, uint64_t bytes,
                                                        const std::string& field,
-                                                       const ClientObjectRules& rules) {
+                                                       const ClientObjectRules& rules,
+                                                       bool find_data_ranges) {
   std::string path = name.empty() || name[0] != '/' ? "/" + name : name;
   const std::string what = "shared memory '" + path + "'";
   int fd = ::shm_open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
@@ -70,7 +71,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, 
   }
   Status st = CheckObject(fd, bytes, field, what, rules, /*check_owner=*/true);
   StatusOr<std::unique_ptr<ShmMapping>> out =
-      st.ok() ? Map(fd, bytes, field, what, SealedAgainstShrinking(fd))
+      st.ok() ? Map(fd, bytes, field, what, SealedAgainstShrinking(fd), find_data_ranges)
               : StatusOr<std::unique_ptr<ShmMapping>>(st);
   ::close(fd);
   return out;
@@ -78,7 +79,8 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, 
 
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::FromFd(int fd, uint64_t bytes,
                                                          const std::string& field,
-                                                         const ClientObjectRules& rules) {
+                                                         const ClientObjectRules& rules,
+                                                         bool find_data_ranges) {
   const std::string what = "the fd";
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0) {
@@ -90,12 +92,13 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::FromFd(int fd, uint64_t bytes,
                             "restored KV and event slots into it");
   }
   HIQ_RETURN_IF_ERROR(CheckObject(fd, bytes, field, what, rules, /*check_owner=*/false));
-  return Map(fd, bytes, field, what, SealedAgainstShrinking(fd));
+  return Map(fd, bytes, field, what, SealedAgainstShrinking(fd), find_data_ranges);
 }
 
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
                                                       const std::string& field,
-                                                      const std::string& what, bool sealed) {
+                                                      const std::string& what, bool sealed,
+                                                      bool find_data_ranges) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
@@ -107,9 +110,11 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
   // Where the object holds data: SEEK_DATA/SEEK_HOLE (tmpfs and memfds answer them); on any
-  // error, all of it.
+  // error, all of it. Only when asked (event objects, at most 64 MiB): a KV buffer of many
+  // alternating holes would cost a range each.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (off_t at = 0; static_cast<uint64_t>(at) < bytes;) {
+  if (!find_data_ranges) ranges = {{0, bytes}};
+  for (off_t at = 0; find_data_ranges && static_cast<uint64_t>(at) < bytes;) {
     const off_t data = ::lseek(fd, at, SEEK_DATA);
     if (data < 0) {
       if (errno != ENXIO) ranges = {{0, bytes}};  // ENXIO: no data from `at` on

@@ -91,13 +91,16 @@ struct ClientObjectRules {
 class ShmMapping {
  public:
   // Opens the POSIX shm object `name` ("/" optional) read-write, without following symlinks.
+  // `find_data_ranges`: fill data_ranges() from the object (else it is the whole mapping).
   static StatusOr<std::unique_ptr<ShmMapping>> Open(const std::string& name, uint64_t bytes,
                                                     const std::string& field,
-                                                    const ClientObjectRules& rules = {});
+                                                    const ClientObjectRules& rules = {},
+                                                    bool find_data_ranges = false);
   // Maps the borrowed `fd` (never closed here). REQUIRES: fd >= 0.
   static StatusOr<std::unique_ptr<ShmMapping>> FromFd(int fd, uint64_t bytes,
                                                       const std::string& field,
-                                                      const ClientObjectRules& rules = {});
+                                                      const ClientObjectRules& rules = {},
+                                                      bool find_data_ranges = false);
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
@@ -111,7 +114,7 @@ class ShmMapping {
   // SEEK_DATA / SEEK_HOLE); the rest were holes and read as zeros. Reading a hole of a shmem
   // object allocates a page, charged to the daemon: code that scans client memory it never
   // asked the client to write (event slots at registration) scans these ranges only. The whole
-  // mapping where the kernel cannot tell.
+  // mapping where the kernel cannot tell, or when the mapping was not asked to find them.
   const std::vector<std::pair<uint64_t, uint64_t>>& data_ranges() const { return data_ranges_; }
 
  private:
@@ -124,7 +127,8 @@ class ShmMapping {
         data_ranges_(std::move(data_ranges)) {}
   static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes,
                                                    const std::string& field,
-                                                   const std::string& what, bool sealed);
+                                                   const std::string& what, bool sealed,
+                                                   bool find_data_ranges);
   uint8_t* data_;
   uint64_t size_;
   bool sealed_;

@@ -53,10 +53,12 @@ StatusOr<std::unique_ptr<TicketSlots>> TicketSlots::Open(const EventsSpec& event
       return InvalidArgument("events.host_fd_id: " + std::to_string(events.host_fd_id) +
                              " names no fd passed on this caller's session");
     }
-    HIQ_ASSIGN_OR_RETURN(m, ShmMapping::FromFd(events.fd, bytes, "events.host_fd_id", rules));
+    HIQ_ASSIGN_OR_RETURN(m, ShmMapping::FromFd(events.fd, bytes, "events.host_fd_id", rules,
+                                                /*find_data_ranges=*/true));
   } else {
     HIQ_ASSIGN_OR_RETURN(
-        m, ShmMapping::Open(events.host_shm_name, bytes, "events.host_shm_name", rules));
+        m, ShmMapping::Open(events.host_shm_name, bytes, "events.host_shm_name", rules,
+                            /*find_data_ranges=*/true));
   }
   return std::make_unique<TicketSlots>(std::move(m), events.count);
 }

@@ -71,8 +71,11 @@ def test_a_reachable_tcp_listener_needs_tls_and_serves_only_tls(tmp_path):
                 assert stats.pool_bytes > 0 and stats.caller_uid == 0 and not stats.caller_admin
                 assert stats.namespaces == [] and stats.pools == [] and stats.namespaces_total == 0
             assert any(n.model == "private-model" for n in owner.get_stats().namespaces)
+        # A plain client, one trusting another CA, and one whose CA file cannot be read (no
+        # exception: every call is a miss).
         for client in (hq.Client(tcp, call_timeout=1.0),
-                       hq.Client(tcp, call_timeout=1.0, tls_ca_file=other_ca)):
+                       hq.Client(tcp, call_timeout=1.0, tls_ca_file=other_ca),
+                       hq.Client(tcp, call_timeout=1.0, tls_ca_file=str(tmp_path / "absent"))):
             with client, pytest.raises(hq.HiqError) as err:
                 client.get_stats()
             assert err.value.status.code == hq.StatusCode.UNAVAILABLE, err.value.status
