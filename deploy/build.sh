@@ -6,6 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 bash "$root/deploy/install-deps.sh"
+# ccache (when installed) reuses objects of an earlier build of another checkout (CI clones into
+# a new folder each time): paths are hashed relative to the source root.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$root} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DHIQ_ENABLE_CUDA="${HIQ_ENABLE_CUDA:-AUTO}" ${HIQ_CMAKE_ARGS:-} >"$build.configure.log" 2>&1 \

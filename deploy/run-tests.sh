@@ -24,8 +24,7 @@ build=${BUILD_DIR:-$root/build}
 jobs=${HIQ_JOBS:-$(nproc)}
 stages=${HIQ_CHECK_STAGES-asan fuzz tsan}
 t_start=$(date +%s)
-# ccache (when installed) may reuse objects of an earlier build of another checkout (CI clones
-# into a new folder each time): paths are hashed relative to the source root.
+# ccache: as in build.sh, for the checking builds below too.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$root} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 
 timing=()

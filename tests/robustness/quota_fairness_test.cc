@@ -444,10 +444,10 @@ TEST(ChurnTest, UniqueNamesLeaveNothingBehind) {
     EXPECT_EQ(count(*after), baseline);
     // Under a sanitizer freed memory sits in quarantine (ASan holds up to 256 MiB), so RSS says
     // nothing there; the namespace count above still must return to baseline.
-    if (!kSanitized) {
-      EXPECT_LT(rss_after, rss_before + (16ull << 20));
-      EXPECT_GT(per_500.back(), per_500.front() / 2) << "registration slows down with churn";
-    }
+    // The registration rates are printed, not asserted (a loaded machine halves them at
+    // random): what would make them fall with churn is state left behind, which the namespace
+    // count above and the memory below measure.
+    if (!kSanitized) EXPECT_LT(rss_after, rss_before + (16ull << 20));
   }
   EXPECT_TRUE(RoundTrip(*client, *keep, 41));
 }
