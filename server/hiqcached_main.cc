@@ -10,7 +10,10 @@
 #include <grpcpp/grpcpp.h>
 #include <grp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
+#include <grpcpp/server_posix.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -32,6 +35,7 @@
 #include "cache_core.h"
 #include "cache_service.h"
 #include "client_watcher.h"
+#include "connection_gate.h"
 #include "codec_cpu.h"
 #include "config.h"
 #include "hiqcache/log.h"
@@ -89,6 +93,19 @@ Status PrepareUnixSocket(const std::string& path) {
   if (live) return FailedPrecondition("listen: another process serves " + path);
   ::unlink(path.c_str());
   return Status::Ok();
+}
+
+// Raises the soft descriptor limit to the hard one (each client connection, session and
+// registered buffer holds a descriptor); returns the soft limit now in force.
+uint64_t RaiseDescriptorLimit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return 1024;
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return lim.rlim_cur == RLIM_INFINITY ? (1ull << 20) : static_cast<uint64_t>(lim.rlim_cur);
 }
 
 // The whole of a PEM file named by config key `key`; an error naming the key when unreadable.
@@ -427,6 +444,40 @@ int Run(int argc, char** argv) {
     metrics_server = std::move(started).value();
   }
 
+  // The unix gRPC sockets are the gate's: it counts each connection against its uid before
+  // gRPC takes it (connection_gate.h). TCP listeners (loopback, or TLS) are gRPC's own.
+  std::unique_ptr<ConnectionGate> gate;
+  std::vector<std::string> grpc_paths;
+  for (const auto& addr : config.listen) {
+    if (IsUnix(addr)) grpc_paths.push_back(UnixPath(addr));
+  }
+  if (!grpc_paths.empty()) {
+    ConnectionLimits limits;
+    limits.max_connections = config.max_connections;
+    limits.max_connections_per_uid = config.max_connections_per_uid;
+    const uint64_t fds = RaiseDescriptorLimit();
+    // Every admitted connection is a descriptor; the rest of the table stays for the session
+    // listener, pool mappings, L3 and metrics connections.
+    const uint64_t kept = std::max<uint64_t>(1024, fds / 4);
+    const uint64_t room = fds > kept + limits.admin_reserve ? fds - kept - limits.admin_reserve : 1;
+    if (limits.max_connections > room) {
+      HIQ_LOG(WARN) << "max_connections " << limits.max_connections << " lowered to " << room
+                    << ": the descriptor limit is " << fds << " (LimitNOFILE)";
+      limits.max_connections = room;
+    }
+    auto listening = ConnectionGate::Listen(
+        grpc_paths, limits, config.socket_mode, socket_gid,
+        [&sessions](uid_t uid, gid_t gid) { return sessions && sessions->IsAdmin(uid, gid); });
+    if (!listening.ok()) {
+      HIQ_LOG(ERROR) << listening.status().ToString();
+      return 1;
+    }
+    gate = std::move(listening).value();
+    HIQ_LOG(INFO) << "event=connection_limits max_connections=" << limits.max_connections
+                  << " per_uid=" << limits.max_connections_per_uid
+                  << " admin_reserve=" << limits.admin_reserve << " descriptors=" << fds;
+  }
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -436,13 +487,17 @@ int Run(int argc, char** argv) {
     return 1;
   }
   for (const auto& addr : config.listen) {
-    builder.AddListeningPort(addr, IsUnix(addr) ? grpc::InsecureServerCredentials()
-                                                : *tcp_credentials);
+    if (!IsUnix(addr)) builder.AddListeningPort(addr, *tcp_credentials);
   }
   const int max_msg = static_cast<int>(
       std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max()));
   builder.SetMaxReceiveMessageSize(max_msg);
   builder.SetMaxSendMessageSize(max_msg);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(config.max_streams_per_connection));
+  grpc::ResourceQuota quota("hiqcached");
+  quota.Resize(static_cast<size_t>(config.grpc_memory_bytes));
+  builder.SetResourceQuota(quota);
   // `hiqctl drain`: health first, so probes and balancers stop sending work before the core
   // refuses it; the daemon keeps running until it is stopped.
   service.SetDrainHook([&] {
@@ -451,30 +506,12 @@ int Run(int argc, char** argv) {
     LogIfError(notifier.SetStatus("draining (hiqctl drain): refusing new work"));
   });
   builder.RegisterService(&service);
-  // BuildAndStart creates the unix sockets with the process umask, and they accept connections
-  // before chown/chmod below give them the configured group and mode: until then they must not
-  // be more open than owner-only.
-  const mode_t saved_umask = ::umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ::umask(saved_umask);
   if (!server) {
     HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
     return 1;
   }
-  for (const auto& addr : config.listen) {
-    if (!IsUnix(addr)) continue;
-    const std::string path = UnixPath(addr);
-    // Group first, then mode: engines in the group may connect once both are set.
-    if (socket_gid != static_cast<gid_t>(-1) && ::chown(path.c_str(), -1, socket_gid) != 0) {
-      HIQ_LOG(ERROR) << "socket_group: chown " << path << " to group " << config.socket_group
-                     << ": " << std::strerror(errno);
-      server->Shutdown();
-      return 1;
-    }
-    if (::chmod(path.c_str(), config.socket_mode) != 0) {
-      HIQ_LOG(WARN) << "chmod " << path << ": " << std::strerror(errno);
-    }
-  }
+  if (gate) gate->Start([srv = server.get()](int fd) { grpc::AddInsecureChannelFromFd(srv, fd); });
   server->GetHealthCheckService()->SetServingStatus(true);
   serving.store(true);
   drain_server.store(server.get());
@@ -505,6 +542,7 @@ int Run(int argc, char** argv) {
     notifier.StopWatchdog();
     std::_Exit(g_device_failed.load() ? kExitDeviceFailed : 1);
   }
+  gate.reset();  // hands nothing more to the server
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   metrics_server.reset();  // its render callback uses the core

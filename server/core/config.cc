@@ -148,6 +148,13 @@ Status Validate(const DaemonConfig& c) {
   HIQ_RETURN_IF_ERROR(
       positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_connections, "max_connections"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_connections_per_uid, "max_connections_per_uid"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_streams_per_connection, "max_streams_per_connection"));
+  if (c.grpc_memory_bytes < (16ull << 20)) {
+    return InvalidArgument("grpc_memory_bytes: at least 16MiB, got " +
+                           std::to_string(c.grpc_memory_bytes));
+  }
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_bytes, "transfer_chunk_bytes"));
   if (!c.l3_seeds.empty()) {
     if (!L3Available()) {
@@ -304,6 +311,22 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
   }
   if (k == "max_repeated_rows_per_request") {
     HIQ_ASSIGN_OR_RETURN(c->max_repeated_rows_per_request, count(UINT32_MAX));
+    return Status::Ok();
+  }
+  if (k == "max_connections") {
+    HIQ_ASSIGN_OR_RETURN(c->max_connections, count(1u << 20));
+    return Status::Ok();
+  }
+  if (k == "max_connections_per_uid") {
+    HIQ_ASSIGN_OR_RETURN(c->max_connections_per_uid, count(1u << 20));
+    return Status::Ok();
+  }
+  if (k == "max_streams_per_connection") {
+    HIQ_ASSIGN_OR_RETURN(c->max_streams_per_connection, count(1u << 16));
+    return Status::Ok();
+  }
+  if (k == "grpc_memory_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->grpc_memory_bytes, size());
     return Status::Ok();
   }
   if (k == "transfer_chunk_blocks") {
@@ -500,6 +523,13 @@ codec_threads = 0
 wait_timeout_ms = 10000
 max_blocks_per_request = 4096
 max_message_bytes = "64MiB"
+# Connections to the unix gRPC sockets: all users together (admins may open 64 more) and per
+# uid; one over a bound is closed at once.
+max_connections = 4096
+max_connections_per_uid = 128
+# Concurrent calls per gRPC connection, and the memory gRPC's buffers may hold in all.
+max_streams_per_connection = 32
+grpc_memory_bytes = "1GiB"
 prefault = true
 cuda_staging_bytes = "128MiB"
 release_timeout_ms = 5000
@@ -598,6 +628,8 @@ std::string UsageText() {
          "                 [--max-reserved-slots-per-client N]\n"
          "                 [--max-repeated-rows-per-request N]\n"
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
+         "                 [--max-connections N] [--max-connections-per-uid N]\n"
+         "                 [--max-streams-per-connection N] [--grpc-memory-bytes SIZE]\n"
          "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
          "                 [--l3-key-prefix TEXT] [--l3-ttl SECONDS]\n"
          "                 [--l3-write-policy write_through|on_evict] [--l3-budget-bytes SIZE]\n"
@@ -689,6 +721,10 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "wait_timeout_ms = " + std::to_string(c.wait_timeout_ms) + "\n";
   out += "max_blocks_per_request = " + std::to_string(c.max_blocks_per_request) + "\n";
   out += "max_message_bytes = " + std::to_string(c.max_message_bytes) + "\n";
+  out += "max_connections = " + std::to_string(c.max_connections) + "\n";
+  out += "max_connections_per_uid = " + std::to_string(c.max_connections_per_uid) + "\n";
+  out += "max_streams_per_connection = " + std::to_string(c.max_streams_per_connection) + "\n";
+  out += "grpc_memory_bytes = " + std::to_string(c.grpc_memory_bytes) + "\n";
   out += "prefault = " + std::string(c.prefault ? "true" : "false") + "\n";
   out += "cuda_staging_bytes = " + std::to_string(c.cuda_staging_bytes) + "\n";
   out += "release_timeout_ms = " + std::to_string(c.release_timeout_ms) + "\n";

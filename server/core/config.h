@@ -28,6 +28,12 @@ struct DaemonConfig {
   uint32_t wait_timeout_ms = 0;
   uint32_t max_blocks_per_request = 0;
   uint64_t max_message_bytes = 0;
+  // Connections to the unix gRPC sockets (ConnectionGate): all users together, and per uid.
+  uint32_t max_connections = 0;
+  uint32_t max_connections_per_uid = 0;
+  // gRPC: concurrent calls per connection, and the memory all its buffers may hold.
+  uint32_t max_streams_per_connection = 0;
+  uint64_t grpc_memory_bytes = 0;
   bool prefault = true;
   // GPU memory per device for the CUDA backend's staging slabs, allocated when the first pool
   // binds to the device (CudaBackendOptions::staging_bytes).

@@ -7,8 +7,6 @@
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 
 #include "hiqcache/log.h"
 #include "hiqcache/session_protocol.h"
+#include "unix_listen.h"
 
 namespace hiqcache::server {
 namespace {
@@ -76,42 +75,12 @@ StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
   l->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (l->wake_fd_ < 0) return Internal(std::string("session socket: eventfd: ") + std::strerror(errno));
   for (const std::string& path : paths) {
-    sockaddr_un sa{};
-    sa.sun_family = AF_UNIX;
-    if (path.size() >= sizeof(sa.sun_path)) {
-      return InvalidArgument("listen: session socket path " + path + " is longer than " +
-                             std::to_string(sizeof(sa.sun_path) - 1) + " bytes");
-    }
-    std::memcpy(sa.sun_path, path.data(), path.size());
-    struct stat st;
     // The gRPC socket beside it was checked not to be served by another daemon: a socket file
     // here is a stale one.
-    if (::lstat(path.c_str(), &st) == 0) {
-      if (!S_ISSOCK(st.st_mode)) {
-        return FailedPrecondition("listen: " + path + " exists and is not a socket");
-      }
-      ::unlink(path.c_str());
-    }
-    int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return Internal("session socket " + path + ": " + std::strerror(errno));
-    // Owner-only until chown/chmod below, as for the gRPC sockets.
-    const mode_t saved = ::umask(0177);
-    int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
-    ::umask(saved);
-    if (rc != 0 || ::listen(fd, 128) != 0) {
-      std::string why = std::strerror(errno);
-      ::close(fd);
-      return FailedPrecondition("listen: session socket " + path + ": " + why);
-    }
+    HIQ_ASSIGN_OR_RETURN(int fd, ListenUnix(path, SOCK_SEQPACKET, 128, options.socket_mode,
+                                            options.socket_gid));
     l->listen_fds_.push_back(fd);
     l->paths_.push_back(path);
-    if (options.socket_gid != static_cast<gid_t>(-1) &&
-        ::chown(path.c_str(), -1, options.socket_gid) != 0) {
-      return FailedPrecondition("socket_group: chown " + path + ": " + std::strerror(errno));
-    }
-    if (::chmod(path.c_str(), options.socket_mode) != 0) {
-      return FailedPrecondition("socket_mode: chmod " + path + ": " + std::strerror(errno));
-    }
   }
   l->loop_ = std::thread([p = l.get()] { p->Loop(); });
   l->releaser_ = std::thread([p = l.get()] { p->ReleaseLoop(); });

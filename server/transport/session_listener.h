@@ -95,6 +95,9 @@ class SessionListener {
 
   size_t SessionCount() const;
 
+  // Whether a caller of `uid` with primary group `gid` is an admin (see above).
+  bool IsAdmin(uid_t uid, gid_t gid) const;
+
  private:
   struct Session {
     uint64_t id = 0;
@@ -116,7 +119,6 @@ class SessionListener {
   void EndLocked(uint64_t id);
   // REQUIRES: mu_ held. `n` fds of `uid`'s sessions were taken or closed.
   void ForgetHeldLocked(uid_t uid, size_t n);
-  bool IsAdmin(uid_t uid, gid_t gid) const;
 
   const SessionOptions options_;
   const EndFn on_end_;

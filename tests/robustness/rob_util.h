@@ -1,17 +1,23 @@
 // Helpers of the robustness suite (tests/robustness) on top of the integration helpers
-// (tests/integration/it_util.h, daemon_process.h): independent block keys, /proc readings of the
-// daemon's memory, latency percentiles, and a reader of the daemon's shm pool layout for the
+// (tests/integration/it_util.h, daemon_process.h): a child process read line by line while it
+// runs, independent block keys, /proc readings of the daemon's memory, latency percentiles, and a reader of the daemon's shm pool layout for the
 // corruption test. Header-only; not thread-safe unless stated.
 #pragma once
 
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -22,6 +28,79 @@
 #include "pool_format.h"
 
 namespace hiqcache::rob {
+
+// A child process whose stdout is read line by line while it runs.
+class Child {
+ public:
+  explicit Child(const std::vector<std::string>& argv) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    std::vector<std::string> copy = argv;
+    std::vector<char*> args;
+    for (auto& a : copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    if (::posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(fds[1]);
+    fd_ = fds[0];
+  }
+  ~Child() {
+    if (pid_ > 0) Kill();
+    if (fd_ >= 0) ::close(fd_);
+  }
+  pid_t pid() const { return pid_; }
+  // Waits for a line equal to `line`; false on EOF or timeout.
+  bool WaitLine(const std::string& line, std::chrono::milliseconds timeout) {
+    return WaitLineStartingWith(line, timeout, /*whole=*/true).has_value();
+  }
+  // Waits for a line that starts with `prefix` (the whole line `prefix` when `whole`) and
+  // returns it; nullopt on EOF or timeout.
+  std::optional<std::string> WaitLineStartingWith(const std::string& prefix,
+                                                  std::chrono::milliseconds timeout,
+                                                  bool whole = false) {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+      size_t nl;
+      while ((nl = buf_.find('\n')) != std::string::npos) {
+        std::string l = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        if (whole ? l == prefix : l.rfind(prefix, 0) == 0) return l;
+      }
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return std::nullopt;
+      char tmp[512];
+      const ssize_t n = ::read(fd_, tmp, sizeof(tmp));
+      if (n <= 0) return std::nullopt;
+      buf_.append(tmp, n);
+    }
+  }
+  // SIGKILL, then reap.
+  // A killed client cannot unlink its shm objects (HostShm::UniqueName: /hiq-<pid>-...): the
+  // test does, so repeated runs do not fill /dev/shm. Mappings the daemon still holds stay valid.
+  void Kill() {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    const std::string prefix = "hiq-" + std::to_string(pid_) + "-";
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind(prefix, 0) == 0) ::shm_unlink(("/" + name).c_str());
+    }
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  std::string buf_;
+};
 
 // Whether this binary (and so the daemon of its build directory) runs under a sanitizer: memory
 // bounds and timing targets are relaxed there (shadow memory, 2-20x slower code).

@@ -7,6 +7,11 @@
 //     them reserved, state kWriting). Prints "holding" and then streams sync backups and
 //     restores through B until it is killed; "streaming" after the first round.
 //
+//   hiq_rob_worker --target T --mode connections --socket PATH --count N
+//     Opens N connections to the unix socket PATH and sends nothing on them (T is not used).
+//     After a second, prints "connections open=K closed=C" (C: those the daemon closed), then
+//     holds them until killed.
+//
 //   hiq_rob_worker --target T --mode load --threads M --seconds S --universe U --out FILE
 //     M threads, each with its own HOST pool of namespace "rob-load" on one shared Client, run a
 //     random mix of Backup / Lookup / Restore / Evict of blocks drawn from U logical blocks (data
@@ -14,6 +19,10 @@
 //     S seconds. Every restored block is checked against DESIGN.md's bound. Writes one line
 //     "<op> <latency us>" per call to FILE and prints a summary line:
 //     "ops=N errors=E corrupt=C rejected=R partial_restores=P ...". Exit 0 when E = C = 0.
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -236,6 +245,33 @@ int Load(const std::map<std::string, std::string>& a) {
   return sum.errors == 0 && sum.corrupt == 0 ? 0 : 2;
 }
 
+int Connections(const std::map<std::string, std::string>& a) {
+  const std::string path = a.at("socket");
+  const size_t count = std::stoul(a.at("count"));
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+  std::vector<int> fds;
+  for (size_t i = 0; i < count; ++i) {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+      ::close(fd);
+      continue;
+    }
+    fds.push_back(fd);
+  }
+  std::this_thread::sleep_for(1s);
+  std::vector<pollfd> p;
+  for (int fd : fds) p.push_back({fd, POLLRDHUP, 0});
+  ::poll(p.data(), p.size(), 0);
+  size_t closed = 0;
+  for (const pollfd& x : p) closed += (x.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  std::cout << "connections open=" << fds.size() - closed << " closed=" << closed
+            << " failed=" << count - fds.size() << std::endl;
+  for (;;) std::this_thread::sleep_for(1h);
+}
+
 int Main(int argc, char** argv) {
   std::map<std::string, std::string> a = {{"pin-blocks", "40"},
                                           {"threads", "4"},
@@ -256,6 +292,7 @@ int Main(int argc, char** argv) {
   }
   if (a["mode"] == "hold") return Hold(a);
   if (a["mode"] == "load") return Load(a);
+  if (a["mode"] == "connections") return Connections(a);
   std::cerr << "worker: unknown mode " << a["mode"] << "\n";
   return 1;
 }

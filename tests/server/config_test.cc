@@ -203,6 +203,40 @@ TEST(LoadConfigTest, QuotaFlagsAndScope) {
   }
 }
 
+TEST(LoadConfigTest, ConnectionAndGrpcBounds) {
+  DaemonConfig d;
+  HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &d));
+  EXPECT_EQ(d.max_connections, 4096u);
+  EXPECT_EQ(d.max_connections_per_uid, 128u);
+  EXPECT_EQ(d.max_streams_per_connection, 32u);
+  EXPECT_EQ(d.grpc_memory_bytes, 1ull << 30);
+  auto load = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "hiqcached");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    bool exit_now = false;
+    std::string message;
+    return LoadConfig(static_cast<int>(argv.size()), argv.data(), &exit_now, &message);
+  };
+  auto c = load({"--max-connections", "100", "--max-connections-per-uid=7",
+                 "--max-streams-per-connection", "4", "--grpc-memory-bytes", "64MiB"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->max_connections, 100u);
+  EXPECT_EQ(c->max_connections_per_uid, 7u);
+  EXPECT_EQ(c->max_streams_per_connection, 4u);
+  EXPECT_EQ(c->grpc_memory_bytes, 64ull << 20);
+  for (std::vector<std::string> bad : {std::vector<std::string>{"--max-connections", "0"},
+                                       std::vector<std::string>{"--max-connections-per-uid", "0"},
+                                       std::vector<std::string>{"--max-streams-per-connection", "0"},
+                                       std::vector<std::string>{"--grpc-memory-bytes", "1MiB"}}) {
+    auto r = load(bad);
+    ASSERT_FALSE(r.ok()) << bad[0];
+    std::string key = bad[0].substr(2);
+    for (char& ch : key) ch = ch == '-' ? '_' : ch;
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status().ToString();
+  }
+}
+
 TEST(LoadConfigTest, NoArgumentsGivesTheDefault) {
   bool exit_now = true;
   std::string message;

@@ -1,0 +1,117 @@
+// Connections to the gRPC socket are counted per uid before gRPC takes them (connection_gate.h).
+// Under real separate uids (setpriv), an attacker opens nearly as many idle connections as the
+// daemon has descriptors and holds them; the daemon closes all but its share at once, so:
+//  - an engine of another uid still opens a session, registers and backs up;
+//  - root (an admin) still connects when the attackers filled every slot others may use;
+//  - once the attacker is gone, its slots are free again.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <regex>
+
+#include "daemon_process.h"
+#include "rob_util.h"
+
+namespace hiqcache::rob {
+namespace {
+
+using testing::DaemonProcess;
+using namespace std::chrono_literals;
+
+constexpr uint32_t kVictim = 61311;
+constexpr uint32_t kAttacker = 61312;
+
+struct Held {
+  size_t open = 0, closed = 0, failed = 0;
+};
+
+// hiq_rob_worker --mode connections as `uid`: `count` idle connections to the daemon's socket.
+std::unique_ptr<Child> Flood(const DaemonProcess& d, uint32_t uid, size_t count, Held* held) {
+  auto child = std::make_unique<Child>(
+      it::AsUid(uid, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "connections",
+                      "--socket", d.socket_path(), "--count", std::to_string(count)}));
+  auto line = child->WaitLineStartingWith("connections ", 120s);
+  if (!line) return nullptr;
+  std::smatch m;
+  if (std::regex_search(*line, m, std::regex("open=(\\d+) closed=(\\d+) failed=(\\d+)"))) {
+    held->open = std::stoul(m[1]);
+    held->closed = std::stoul(m[2]);
+    held->failed = std::stoul(m[3]);
+  }
+  return child;
+}
+
+it::SpawnResult EngineBackup(const DaemonProcess& d, uint32_t uid) {
+  return it::Spawn(it::AsUid(uid, {HIQ_IT_PEER_PATH, "--target", d.target(), "--mode", "backup",
+                                   "--model", "victim-model"}),
+                   60s);
+}
+
+class ConnectionLimitsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as other users";
+  }
+};
+
+TEST_F(ConnectionLimitsTest, IdleConnectionsOfOneUserLockNoOneElseOut) {
+  // As many connections as the attacker may open (its descriptor limit, which the daemon
+  // shares): without the gate, gRPC takes them all and the daemon has no descriptor left.
+  rlimit lim{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &lim), 0);
+  const size_t count = std::min<size_t>(lim.rlim_cur, 65536) - 6;
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false"});
+  ASSERT_TRUE(daemon.Start());
+  Held held;
+  auto attacker = Flood(daemon, kAttacker, count, &held);
+  ASSERT_NE(attacker, nullptr) << "the attacker did not report";
+  EXPECT_LE(held.open, 128u) << "max_connections_per_uid (128 by default) did not hold";
+  EXPECT_GE(held.open, 100u) << "the attacker's own share was refused";
+  EXPECT_GE(held.closed + held.failed, count - 128);
+
+  // An engine of another uid: session, registration (fds passed) and a backup.
+  it::SpawnResult r = EngineBackup(daemon, kVictim);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("backup 4"), std::string::npos) << r.out;
+  // Root's own calls (as hiqctl makes them).
+  auto root = it::Connect(daemon.target());
+  ASSERT_NE(root, nullptr);
+  EXPECT_TRUE(root->GetStats().ok());
+  attacker.reset();
+  EXPECT_TRUE(daemon.running());
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+TEST_F(ConnectionLimitsTest, AdminsConnectWhenOthersFilledEverySlot) {
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false",
+                                 "--max-connections", "24", "--max-connections-per-uid", "16"});
+  ASSERT_TRUE(daemon.Start());
+  Held a, b;
+  auto first = Flood(daemon, kAttacker, 40, &a);
+  auto second = Flood(daemon, kAttacker + 10, 40, &b);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(a.open, 16u);
+  EXPECT_EQ(b.open, 8u) << "max_connections (24) did not bound the second uid";
+
+  // Another user finds no slot: its engine's calls fail (a miss, not a hang).
+  it::SpawnResult refused = EngineBackup(daemon, kVictim);
+  EXPECT_NE(refused.exit_code, 0) << refused.out;
+  // Root is an admin: the 64 connections reserved for admins.
+  auto root = it::Connect(daemon.target());
+  ASSERT_NE(root, nullptr);
+  auto stats = root->GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+
+  // The attackers leave: their slots are counted free again.
+  first.reset();
+  second.reset();
+  it::SpawnResult after = EngineBackup(daemon, kVictim);
+  EXPECT_EQ(after.exit_code, 0) << after.out;
+  EXPECT_NE(after.out.find("backup 4"), std::string::npos) << after.out;
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+}  // namespace
+}  // namespace hiqcache::rob
