@@ -85,7 +85,7 @@ class RedisL3Tier final : public L3Tier {
     for (const NamespaceHash& h : ns) {
       for (auto& k : KeysOf(o_.key_prefix, h, keys)) all.push_back(std::move(k));
     }
-    auto conn = Suspended() ? nullptr : TakeReader();
+    auto conn = lookup_suspension_.Suspended() ? nullptr : TakeReader();
     if (conn == nullptr) {
       Add(&lookup_errors_, 1);
       Add(&lookup_misses_, keys.size());
@@ -93,7 +93,7 @@ class RedisL3Tier final : public L3Tier {
     }
     std::vector<l3::KeyResult> res = conn->MultiExists(all, deadline);
     GiveReader(std::move(conn));
-    Judge(res);
+    Judge(res, &lookup_suspension_);
     size_t run = keys.size();
     bool error = false;
     for (size_t n = 0; n < ns.size(); ++n) {
@@ -117,7 +117,7 @@ class RedisL3Tier final : public L3Tier {
     const auto t0 = Clock::now();
     const auto deadline = t0 + o_.fetch_deadline;
     Add(&fetches_, 1);
-    auto conn = Suspended() ? nullptr : TakeReader();
+    auto conn = fetch_suspension_.Suspended() ? nullptr : TakeReader();
     if (conn == nullptr) {
       Add(&fetch_errors_, 1);
       Finished(Clock::now() - t0, false);
@@ -129,7 +129,7 @@ class RedisL3Tier final : public L3Tier {
         conn->MultiGet(names, deadline,
                        l3::kL3ValueHeaderBytes + payload_bytes + l3::L3TrailerBytes(&mac_));
     GiveReader(std::move(conn));
-    Judge(res);
+    Judge(res, &fetch_suspension_);
     bool ok = true;
     uint64_t in = 0;
     for (size_t i = 0; i < res.size(); ++i) {
@@ -338,39 +338,71 @@ class RedisL3Tier final : public L3Tier {
     ledger_.erase(it);
   }
 
-  // A hung or unreachable cluster must not cost every call its deadline. A call in which no key
-  // was answered (all UNAVAILABLE or DEADLINE_EXCEEDED) suspends L3 for a backoff, 100 ms
-  // doubling to 1 s: meanwhile Probe and Fetch answer "not held" at once (counted as errors), and
-  // the first call after it tries the cluster again. Any answer ends the suspension.
-  bool Suspended() const {
-    return Clock::now().time_since_epoch().count() < suspend_until_.load(std::memory_order_relaxed);
-  }
-  void Judge(const std::vector<l3::KeyResult>& res) {
-    bool answered = res.empty(), unreachable = false;
+  // A hung or unreachable cluster must not cost every call its deadline, and a slow one must
+  // not be taken for dead. Lookups and fetches are judged apart (their deadlines differ: a
+  // lookup's few milliseconds may pass where a fetch's seconds would not):
+  //  - a call some key of which was answered ends every suspension;
+  //  - a call no key of which was answered because the cluster was unreachable (a key
+  //    UNAVAILABLE: refused, reset, no node for the slot) suspends lookups and fetches for a
+  //    backoff of 100 ms doubling to 1 s;
+  //  - a call whose every key missed its deadline counts as late: kLateCallsToSuspend late calls
+  //    in a row suspend calls of that kind only (a hung cluster answers nothing at all), for a
+  //    backoff of late_backoff_ms_ (at least 1 s, and twice a lookup's and a fetch's deadlines
+  //    together, so that a caller alternating them pays each deadline once per backoff) doubling
+  //    to 8 times that.
+  // Meanwhile calls of a suspended kind answer "not held" at once (counted as errors), and the
+  // first call after the backoff tries again.
+  static constexpr uint32_t kLateCallsToSuspend = 2;
+  struct Suspension {
+    const char* what;
+    std::atomic<int64_t> until{0};       // steady_clock ticks: suspended until then
+    std::atomic<int64_t> backoff_ms{0};  // the current suspension's backoff; 0 = none
+    std::atomic<uint32_t> late{0};       // late calls in a row
+
+    bool Suspended() const {
+      return Clock::now().time_since_epoch().count() < until.load(std::memory_order_relaxed);
+    }
+    void Resume() {
+      late.store(0, std::memory_order_relaxed);
+      if (backoff_ms.exchange(0, std::memory_order_relaxed) != 0) {
+        HIQ_LOG(INFO) << "event=l3_resumed calls=" << what;
+      }
+    }
+    void Suspend(const Status& why, int64_t min_ms, int64_t max_ms) {
+      int64_t prev = backoff_ms.load(std::memory_order_relaxed);
+      const int64_t next = std::clamp<int64_t>(prev * 2, min_ms, max_ms);
+      if (!backoff_ms.compare_exchange_strong(prev, next, std::memory_order_relaxed)) return;
+      until.store((Clock::now() + std::chrono::milliseconds(next)).time_since_epoch().count(),
+                  std::memory_order_relaxed);
+      if (prev == 0) {
+        HIQ_LOG(WARN) << "event=l3_suspended calls=" << what << " error=\""
+                      << LogSafe(why.message())
+                      << "\" (no L3 node answered: these calls answer from L2 alone, retrying "
+                         "with backoff)";
+      }
+    }
+  };
+  void Judge(const std::vector<l3::KeyResult>& res, Suspension* own) {
+    bool answered = res.empty(), unreachable = false, late = !res.empty();
     for (const auto& r : res) {
       if (r.status.ok()) {
         answered = true;
         break;
       }
-      unreachable = unreachable || r.status.code() == StatusCode::kUnavailable ||
-                    r.status.code() == StatusCode::kDeadlineExceeded;
+      unreachable = unreachable || r.status.code() == StatusCode::kUnavailable;
+      late = late && r.status.code() == StatusCode::kDeadlineExceeded;
     }
     if (answered) {
-      if (suspend_ms_.exchange(0, std::memory_order_relaxed) != 0) {
-        HIQ_LOG(INFO) << "event=l3_resumed";
-      }
+      lookup_suspension_.Resume();
+      fetch_suspension_.Resume();
       return;
     }
-    if (!unreachable) return;
-    int64_t prev = suspend_ms_.load(std::memory_order_relaxed);
-    const int64_t next = std::clamp<int64_t>(prev * 2, 100, 1000);
-    if (!suspend_ms_.compare_exchange_strong(prev, next, std::memory_order_relaxed)) return;
-    suspend_until_.store((Clock::now() + std::chrono::milliseconds(next)).time_since_epoch().count(),
-                         std::memory_order_relaxed);
-    if (prev == 0) {
-      HIQ_LOG(WARN) << "event=l3_suspended error=\"" << LogSafe(res.front().status.message())
-                    << "\" (no L3 node answered: lookups and restores answer from L2 alone, "
-                       "retrying with backoff)";
+    if (unreachable) {
+      lookup_suspension_.Suspend(res.front().status, 100, 1000);
+      fetch_suspension_.Suspend(res.front().status, 100, 1000);
+    } else if (late && own->late.fetch_add(1, std::memory_order_relaxed) + 1 >=
+                           kLateCallsToSuspend) {
+      own->Suspend(res.front().status, late_backoff_ms_, 8 * late_backoff_ms_);
     }
   }
 
@@ -525,6 +557,13 @@ class RedisL3Tier final : public L3Tier {
     spare_.push_back(std::move(b));
   }
 
+  static constexpr int kWriteRetries = 3;
+  // Sleeps `d` unless the tier is being destroyed; false when it is.
+  bool SleepUnlessStopping(std::chrono::milliseconds d) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return !queue_cv_.wait_for(lock, d, [this] { return stop_; });
+  }
+
   // SETs one value (within the budget, when there is one).
   void Write(l3::RedisCluster& conn, const WriteItem& item, const std::string& value) {
     const LedgerKey lkey = LedgerKeyOf(item.ns, item.key);
@@ -549,7 +588,20 @@ class RedisL3Tier final : public L3Tier {
       }
     }
     const std::string name = l3::L3Key(o_.key_prefix, item.ns, item.key);
-    Status st = conn.Set(name, value, o_.ttl, Clock::now() + o_.command_timeout * 2);
+    // A SET that timed out or found its node unreachable is tried again after 100, 200 and
+    // 400 ms (SET is idempotent): under on_evict the value is the block's only copy left.
+    Status st;
+    for (int attempt = 0;; ++attempt) {
+      st = conn.Set(name, value, o_.ttl, Clock::now() + o_.command_timeout * 2);
+      const bool transient = st.code() == StatusCode::kDeadlineExceeded ||
+                             st.code() == StatusCode::kUnavailable;
+      if (st.ok() || !transient || attempt == kWriteRetries ||
+          !SleepUnlessStopping(std::chrono::milliseconds(100 << attempt))) {
+        break;
+      }
+      HIQ_LOG(DEBUG) << "event=l3_write_retry attempt=" << attempt + 1 << " error=\""
+                     << LogSafe(st.message()) << "\"";
+    }
     if (budgeted) EndBudget(lkey, value.size(), st.ok());
     if (st.ok()) {
       Add(&writes_, 1);
@@ -569,8 +621,12 @@ class RedisL3Tier final : public L3Tier {
   std::atomic<uint64_t> fetches_{0}, fetched_blocks_{0}, fetch_errors_{0}, corrupt_values_{0};
   std::atomic<uint64_t> promotions_{0}, writes_{0}, write_errors_{0}, skipped_writes_{0};
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, budget_deletes_{0};
-  std::atomic<int64_t> suspend_until_{0};  // steady_clock ticks: L3 suspended until then
-  std::atomic<int64_t> suspend_ms_{0};     // the current suspension's backoff; 0 = none
+  const int64_t late_backoff_ms_ = std::max<int64_t>(
+      1000, 2 * std::chrono::duration_cast<std::chrono::milliseconds>(o_.lookup_deadline +
+                                                                     o_.fetch_deadline)
+                    .count());
+  Suspension lookup_suspension_{"lookups"};
+  Suspension fetch_suspension_{"fetches"};
 
   mutable std::mutex mu_;
   bool stop_ = false;                                    // GUARDED_BY(mu_)

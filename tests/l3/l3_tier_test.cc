@@ -5,6 +5,7 @@
 #include "l3_tier.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <xxhash.h>
 
 #include <atomic>
@@ -197,6 +198,67 @@ TEST_F(L3TierTest, OnEvictUnderConcurrentBackupsAndReads) {
   tier->reset();
   for (uint64_t i = 0; i < 60; ++i) ASSERT_TRUE(Put(5000 + i));
   EXPECT_EQ(KeysInCluster(), static_cast<long long>(evictions));
+}
+
+// Lookups that always miss their deadline (0 ms: the cluster is live, only slower than that) are
+// late, not dead: a few in a row suspend lookups, while fetches, whose deadline the cluster meets,
+// go on being served, and spills go on being written.
+TEST_F(L3TierTest, LateLookupsDoNotSuspendFetches) {
+  L3Options o = Options(L3WritePolicy::kOnEvict);
+  o.lookup_deadline = milliseconds(0);
+  auto tier = CreateRedisL3Tier(o, store_.get());
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  for (uint64_t id = 0; id < kSlots + 4; ++id) ASSERT_TRUE(Put(id));  // blocks 0-3 spill
+  ASSERT_TRUE(Eventually([&] { return (*tier)->Stats().writes == 4; }, std::chrono::seconds(20)));
+  const BlockKey k = KeyOf(0);
+  const std::span<const BlockKey> one(&k, 1);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ((*tier)->Probe(std::span<const NamespaceHash>(&ns_->hash, 1), one), 0u);
+  }
+  EXPECT_GE((*tier)->Stats().lookup_errors, 8u);
+  auto got = (*tier)->Fetch(ns_->hash, payload_, one);
+  ASSERT_EQ(got.size(), 1u) << "late lookups suspended fetches too";
+  EXPECT_TRUE(Matches(got[0], 0));
+  ASSERT_TRUE(Put(kSlots + 4));  // block 4 spills: writes are not suspended either
+  EXPECT_TRUE(Eventually([&] { return (*tier)->Stats().writes == 5; }, std::chrono::seconds(20)));
+}
+
+// on_evict while every node is stopped (SIGSTOP) for longer than a write's deadline (2 x 100 ms
+// here): the writers try again, and every block evicted meanwhile reaches L3 once the cluster
+// goes on. Without retries each such block was lost.
+TEST_F(L3TierTest, SpillsOutlastAClusterPause) {
+  L3Options o = Options(L3WritePolicy::kOnEvict);
+  o.command_timeout = milliseconds(100);
+  auto tier = CreateRedisL3Tier(o, store_.get());
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  for (uint64_t id = 0; id < kSlots + 1; ++id) ASSERT_TRUE(Put(id));  // block 0 spills
+  ASSERT_TRUE(Eventually([&] { return (*tier)->Stats().writes == 1; }, std::chrono::seconds(20)));
+  for (const auto& n : cluster_.nodes()) ASSERT_EQ(::kill(n.pid, SIGSTOP), 0);
+  for (uint64_t id = kSlots + 1; id < kSlots + 7; ++id) ASSERT_TRUE(Put(id));  // 1-6 spill
+  std::this_thread::sleep_for(milliseconds(500));
+  for (const auto& n : cluster_.nodes()) ASSERT_EQ(::kill(n.pid, SIGCONT), 0);
+  ASSERT_TRUE(Eventually(
+      [&] {
+        const L3Stats s = (*tier)->Stats();
+        return s.write_queue_blocks == 0 && s.writes + s.write_errors >= 7;
+      },
+      std::chrono::seconds(30)));
+  const L3Stats s = (*tier)->Stats();
+  EXPECT_EQ(s.spilled_blocks, 7u);
+  EXPECT_EQ(s.write_errors, 0u);
+  EXPECT_EQ(s.writes, 7u);
+  for (uint64_t id = 0; id < 7; ++id) {
+    const BlockKey k = KeyOf(id);
+    std::vector<L3Block> got;
+    ASSERT_TRUE(Eventually(
+        [&] {
+          got = (*tier)->Fetch(ns_->hash, payload_, std::span<const BlockKey>(&k, 1));
+          return got.size() == 1;
+        },
+        std::chrono::seconds(10)))
+        << id;
+    EXPECT_TRUE(Matches(got[0], id)) << id;
+  }
 }
 
 // write_through with a budget of 10 values: four threads publish 25 blocks each; the tier's two
