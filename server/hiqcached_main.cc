@@ -467,7 +467,7 @@ int Run(int argc, char** argv) {
     }
     auto listening = ConnectionGate::Listen(
         grpc_paths, limits, config.socket_mode, socket_gid,
-        [&sessions](uid_t uid, gid_t gid) { return sessions && sessions->IsAdmin(uid, gid); });
+        [&sessions](const ucred& peer) { return sessions && sessions->IsAdminPeer(peer); });
     if (!listening.ok()) {
       HIQ_LOG(ERROR) << listening.status().ToString();
       return 1;

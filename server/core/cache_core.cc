@@ -270,8 +270,12 @@ bool CacheCore::Owns(const Pool& pool, const Caller& caller) {
 }
 
 NamespaceDesc CacheCore::Scoped(NamespaceDesc desc, const Caller& caller) const {
-  if (options_.namespace_scope == NamespaceScope::kUid) {
+  if (options_.namespace_scope != NamespaceScope::kNode) {
     desc.scope = caller.authenticated() ? "uid:" + std::to_string(caller.uid) : "anonymous";
+    if (options_.namespace_scope == NamespaceScope::kPod && caller.authenticated() &&
+        !caller.pod.empty()) {
+      desc.scope += "/" + caller.pod;
+    }
   } else {
     desc.scope.clear();
   }
@@ -1158,11 +1162,14 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   std::map<uint32_t, uint32_t> pools_per_ns;
   std::map<std::pair<uint32_t, std::string>, int> clients;
   // Who uses the node is not a stranger's business: an admin sees every pool and namespace, an
-  // authenticated caller the pools of its uid and the namespaces of its scope or with a pool of
-  // its uid, an anonymous caller (no session, e.g. TCP) the totals only.
-  const auto mine = [&caller](const Pool& pool) {
-    return caller.admin || (caller.authenticated() && pool.owner.authenticated() &&
-                            pool.owner.uid == caller.uid);
+  // authenticated caller the pools of its uid (under namespace_scope = pod: of its uid and pod)
+  // and the namespaces of its scope or with such a pool, an anonymous caller (no session, e.g.
+  // TCP) the totals only.
+  const bool by_pod = options_.namespace_scope == NamespaceScope::kPod;
+  const auto mine = [&caller, by_pod](const Pool& pool) {
+    return caller.admin ||
+           (caller.authenticated() && pool.owner.authenticated() &&
+            pool.owner.uid == caller.uid && (!by_pod || pool.owner.pod == caller.pod));
   };
   std::set<uint32_t> namespaces_of_mine;
   {

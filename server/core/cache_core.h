@@ -11,8 +11,10 @@
 //     process (same uid and pid) registered; a pool registered without a session (anonymous) is
 //     usable by every anonymous caller and by no authenticated one; an admin may release any pool.
 //   - Namespace scope. With CoreOptions::namespace_scope = kUid a namespace's identity includes
-//     its caller's uid ("anonymous" without a session): blocks never flow between users. kNode
-//     shares namespaces node-wide, with the canonical text of daemons before scopes.
+//     its caller's uid ("anonymous" without a session): blocks never flow between users. kPod
+//     adds the caller's pod or container (Caller::pod), so pods that share a uid share nothing;
+//     a caller also sees only its pod's pools in GetStats. kNode shares namespaces node-wide,
+//     with the canonical text of daemons before scopes.
 //   - Quotas (CoreOptions::quotas), per client: a uid for authenticated callers, all anonymous
 //     callers together as one. Over a quota a request is RESOURCE_EXHAUSTED naming the quota's
 //     config key, and changes nothing.
@@ -87,8 +89,9 @@ class CoreObserver {
   virtual void OnNamespaceRemoved(std::string_view namespace_id) { (void)namespace_id; }
 };
 
-// Who shares a namespace (DaemonConfig::namespace_scope).
-enum class NamespaceScope { kUid, kNode };
+// Who shares a namespace (DaemonConfig::namespace_scope): callers of one uid; of one uid and one
+// pod or container (Caller::pod; processes of the host itself share by uid); every caller.
+enum class NamespaceScope { kUid, kPod, kNode };
 
 // Per-client quotas (client: the uid of an authenticated caller; every anonymous caller together
 // is one client). A per-process limit would be bypassed by forking. Defaults fit an 8-GPU node

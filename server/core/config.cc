@@ -134,8 +134,8 @@ Status Validate(const DaemonConfig& c) {
   if (c.device != "auto" && c.device != "host" && c.device != "cuda") {
     return InvalidArgument("device: must be auto, host or cuda, got " + c.device);
   }
-  if (c.namespace_scope != "uid" && c.namespace_scope != "node") {
-    return InvalidArgument("namespace_scope: must be uid or node, got " + c.namespace_scope);
+  if (c.namespace_scope != "uid" && c.namespace_scope != "pod" && c.namespace_scope != "node") {
+    return InvalidArgument("namespace_scope: must be uid, pod or node, got " + c.namespace_scope);
   }
   auto positive = [](uint64_t v, const char* key) -> Status {
     if (v == 0) return InvalidArgument(std::string(key) + ": must be > 0");
@@ -425,7 +425,9 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
 }  // namespace
 
 void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
-  o->namespace_scope = c.namespace_scope == "node" ? NamespaceScope::kNode : NamespaceScope::kUid;
+  o->namespace_scope = c.namespace_scope == "node"  ? NamespaceScope::kNode
+                       : c.namespace_scope == "pod" ? NamespaceScope::kPod
+                                                    : NamespaceScope::kUid;
   o->quotas.max_pools_per_client = c.max_pools_per_client;
   o->quotas.max_buffers_per_client = c.max_buffers_per_client;
   o->quotas.max_mapped_bytes_per_client = c.max_mapped_bytes_per_client;
@@ -540,7 +542,8 @@ admin_groups = ""
 allow_anonymous = false
 # Restore verifies the checksum of one block read in N (1 = every read, 0 = never).
 verify_reads_one_in = 32
-# Who shares a namespace's blocks: "uid" (each user its own) or "node" (every caller, as before).
+# Who shares a namespace's blocks: "uid" (each user its own), "pod" (each user in each pod or
+# container its own) or "node" (every caller, as before).
 namespace_scope = "uid"
 # Per-client quotas (client = uid; all callers without a session count as one client).
 max_pools_per_client = 256
@@ -622,7 +625,7 @@ std::string UsageText() {
          "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous true|false]\n"
          "                 [--verify-reads-one-in N]\n"
          "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
-         "                 [--namespace-scope uid|node] [--max-pools-per-client N]\n"
+         "                 [--namespace-scope uid|pod|node] [--max-pools-per-client N]\n"
          "                 [--max-buffers-per-client N] [--max-mapped-bytes-per-client SIZE]\n"
          "                 [--max-pending-bytes-per-client SIZE]\n"
          "                 [--max-reserved-slots-per-client N]\n"

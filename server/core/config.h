@@ -51,8 +51,9 @@ struct DaemonConfig {
   // Restore verifies the checksum of one block read in this many (1 = every read, 0 = never):
   // StoreOptions::verify_reads_one_in.
   uint32_t verify_reads_one_in = 32;
-  // Who shares a namespace: "uid" (each user its own; the default) or "node" (every caller, as
-  // daemons before scopes: their warm pools stay readable). CoreOptions::namespace_scope.
+  // Who shares a namespace: "uid" (each user its own; the default), "pod" (each user in each
+  // pod or container its own) or "node" (every caller, as daemons before scopes: their warm
+  // pools stay readable). CoreOptions::namespace_scope.
   std::string namespace_scope;
   // Per-client quotas (client = uid; every anonymous caller together is one): CoreOptions::quotas.
   uint32_t max_pools_per_client = 0;

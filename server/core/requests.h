@@ -20,7 +20,11 @@ struct Caller {
   uint32_t pid = 0;
   uint32_t uid = 0;
   uint32_t gid = 0;
-  bool admin = false;  // uid 0, the daemon's own uid, or a configured admin uid/group
+  // uid 0, the daemon's own uid, or a configured admin uid/group, running in the daemon's pid
+  // namespace (not inside a container: session_listener.h).
+  bool admin = false;
+  // The caller's pod or container (peer_placement.h): "" for a process of the host itself.
+  std::string pod;
   bool authenticated() const { return session != 0; }
   // The node's operator (metrics, the daemon itself): an admin who is no session.
   static Caller Operator() {

@@ -427,12 +427,17 @@ grpc::ServerUnaryReactor* CacheService::Drain(grpc::CallbackServerContext* ctx,
   auto* reactor = ctx->DefaultReactor();
   auto caller = CallerOf(ctx);
   if (caller.ok() && !caller->admin) {
+    std::string why = " (this call carried no session)";
+    if (caller->authenticated()) {
+      why = " (this session's uid " + std::to_string(caller->uid) +
+            (caller->pod.empty() ? std::string(" is not)")
+                                 : " runs in " + LogSafe(caller->pod) +
+                                       ", where no uid is an admin)");
+    }
     caller = PermissionDenied(
-        "Drain is for admins (uid 0, the daemon's user, or admin_uids/admin_groups): open a "
-        "session as one of them" +
-        std::string(caller->authenticated()
-                        ? " (this session's uid " + std::to_string(caller->uid) + " is not)"
-                        : " (this call carried no session)"));
+        "Drain is for admins (uid 0, the daemon's user, or admin_uids/admin_groups, on the host "
+        "or in the daemon's own pod): open a session as one of them" +
+        why);
   }
   if (!caller.ok()) {
     HIQ_LOG(WARN) << "event=drain_refused peer=" << LogSafe(ctx->peer()) << " "

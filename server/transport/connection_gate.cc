@@ -129,14 +129,14 @@ void ConnectionGate::RecountLocked() {
   }
 }
 
-bool ConnectionGate::FitsLocked(uid_t uid, gid_t gid, bool* admin_checked, bool* admin) {
-  auto it = per_uid_.find(uid);
+bool ConnectionGate::FitsLocked(const ucred& peer, bool* admin_checked, bool* admin) {
+  auto it = per_uid_.find(peer.uid);
   const size_t of_uid = it == per_uid_.end() ? 0 : it->second;
   if (of_uid >= limits_.max_connections_per_uid) return false;
   if (open_.size() < limits_.max_connections) return true;
   if (open_.size() >= limits_.max_connections + limits_.admin_reserve) return false;
   if (!*admin_checked) {  // asked only here: it may read the user's groups
-    *admin = is_admin_ && is_admin_(uid, gid);
+    *admin = is_admin_ && is_admin_(peer);
     *admin_checked = true;
   }
   return *admin;
@@ -180,7 +180,7 @@ void ConnectionGate::DecideDeferred() {
     if (Clock::now() - last_recount_ < kRecountEvery) return;
     RecountLocked();
     for (Pending& p : deferred_) {
-      if (FitsLocked(p.cred.uid, p.cred.gid, &p.admin_checked, &p.admin)) {
+      if (FitsLocked(p.cred, &p.admin_checked, &p.admin)) {
         // Counted now, so that the next deferred one of the same uid sees it.
         open_[p.inode] = p.cred.uid;
         per_uid_[p.cred.uid] += 1;
@@ -227,11 +227,11 @@ void ConnectionGate::Accept(int listen_fd) {
     bool fits, may_recount;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      fits = FitsLocked(p.cred.uid, p.cred.gid, &p.admin_checked, &p.admin);
+      fits = FitsLocked(p.cred, &p.admin_checked, &p.admin);
       may_recount = Clock::now() - last_recount_ >= kRecountEvery;
       if (!fits && may_recount) {
         RecountLocked();
-        fits = FitsLocked(p.cred.uid, p.cred.gid, &p.admin_checked, &p.admin);
+        fits = FitsLocked(p.cred, &p.admin_checked, &p.admin);
       }
     }
     if (fits) {

@@ -52,7 +52,7 @@ class ConnectionGate {
  public:
   // Takes ownership of a connected, non-blocking socket.
   using HandOff = std::function<void(int fd)>;
-  using IsAdmin = std::function<bool(uid_t uid, gid_t gid)>;
+  using IsAdmin = std::function<bool(const ucred& peer)>;
 
   // Listens on each of `paths` (absolute unix socket paths; a stale socket file there is
   // replaced) with `mode` and group `gid` (-1: the daemon's). Accepts nothing before Start.
@@ -89,7 +89,7 @@ class ConnectionGate {
   // REQUIRES: mu_ held. Forgets the connections the process no longer holds.
   void RecountLocked();
   // REQUIRES: mu_ held. Whether a connection of (uid, gid) fits the bounds as counted.
-  bool FitsLocked(uid_t uid, gid_t gid, bool* admin_checked, bool* admin);
+  bool FitsLocked(const ucred& peer, bool* admin_checked, bool* admin);
 
   const ConnectionLimits limits_;
   const IsAdmin is_admin_;

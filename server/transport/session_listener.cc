@@ -15,6 +15,7 @@
 
 #include "hiqcache/log.h"
 #include "hiqcache/session_protocol.h"
+#include "peer_placement.h"
 #include "unix_listen.h"
 
 namespace hiqcache::server {
@@ -67,7 +68,9 @@ int SessionListener::TakenFds::Get(uint64_t id) const {
 }
 
 SessionListener::SessionListener(SessionOptions options, EndFn on_end)
-    : options_(std::move(options)), on_end_(std::move(on_end)) {}
+    : options_(std::move(options)),
+      on_end_(std::move(on_end)),
+      own_pod_(PlacementOf(::getpid()).pod) {}
 
 StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
     const std::vector<std::string>& paths, const SessionOptions& options, EndFn on_end) {
@@ -122,6 +125,15 @@ bool SessionListener::IsAdmin(uid_t uid, gid_t gid) const {
   return false;
 }
 
+bool SessionListener::MayAdminister(const PeerPlacement& where) const {
+  return where.known && ((!where.in_container && where.pod.empty()) ||
+                         (!own_pod_.empty() && where.pod == own_pod_));
+}
+
+bool SessionListener::IsAdminPeer(const ucred& cred) const {
+  return IsAdmin(cred.uid, cred.gid) && MayAdminister(PlacementOf(cred.pid));
+}
+
 void SessionListener::Reply(int fd, const std::string& text) {
   // SEQPACKET: one message, never split; a full socket buffer (a client that reads nothing)
   // drops the reply rather than blocking the loop.
@@ -138,7 +150,8 @@ void SessionListener::Accept(int listen_fd) {
     ::close(fd);
     return;
   }
-  const bool admin = IsAdmin(cred.uid, cred.gid);
+  const PeerPlacement where = PlacementOf(cred.pid);
+  const bool admin = IsAdmin(cred.uid, cred.gid) && MayAdminister(where);
   std::lock_guard<std::mutex> lock(mu_);
   if (sessions_.size() >= options_.max_sessions ||
       per_uid_[cred.uid] >= options_.max_sessions_per_uid) {
@@ -157,6 +170,7 @@ void SessionListener::Accept(int listen_fd) {
   s->caller.uid = cred.uid;
   s->caller.gid = cred.gid;
   s->caller.admin = admin;
+  s->caller.pod = where.pod;
   do {
     s->token = HexToken();
   } while (by_token_.count(s->token) != 0);
@@ -164,7 +178,8 @@ void SessionListener::Accept(int listen_fd) {
                 std::to_string(cred.pid) + " uid=" + std::to_string(cred.uid) +
                 " gid=" + std::to_string(cred.gid));
   HIQ_LOG(DEBUG) << "event=session_open session=" << s->id << " pid=" << cred.pid
-                 << " uid=" << cred.uid << " admin=" << admin;
+                 << " uid=" << cred.uid << " admin=" << admin << " pod=\"" << LogSafe(where.pod)
+                 << "\"";
   per_uid_[cred.uid] += 1;
   by_token_[s->token] = s->id;
   sessions_[s->id] = std::move(s);

@@ -10,7 +10,12 @@
 // release never delays accepting or serving other sessions.
 //
 // Admins: uid 0, the daemon's effective uid, and the configured uids and groups (a session is an
-// admin when its uid, primary gid or any supplementary group of its user is listed).
+// admin when its uid, primary gid or any supplementary group of its user is listed), provided it
+// is a process of the host itself (in the daemon's pid namespace and in no pod or container) or
+// of the daemon's own pod or container (`kubectl exec` into the DaemonSet's pod):
+// peer_placement.h. uid 0 inside an engine's container or pod, or a peer whose pid the daemon
+// cannot see, is no admin. Each session also records its caller's pod (Caller::pod), read at
+// connect time.
 //
 // Bounds: at most max_sessions sessions, max_sessions_per_uid per uid, kMaxHeldFdsPerSession
 // unconsumed fds per session and max_held_fds_per_uid per uid; a connection over a bound is
@@ -18,6 +23,7 @@
 // Thread-safe.
 #pragma once
 
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -35,6 +41,7 @@
 #include <vector>
 
 #include "hiqcache/status.h"
+#include "peer_placement.h"
 #include "requests.h"
 
 namespace hiqcache::server {
@@ -95,8 +102,8 @@ class SessionListener {
 
   size_t SessionCount() const;
 
-  // Whether a caller of `uid` with primary group `gid` is an admin (see above).
-  bool IsAdmin(uid_t uid, gid_t gid) const;
+  // Whether the peer `cred` (SO_PEERCRED) is an admin (see above).
+  bool IsAdminPeer(const ucred& cred) const;
 
  private:
   struct Session {
@@ -119,9 +126,13 @@ class SessionListener {
   void EndLocked(uint64_t id);
   // REQUIRES: mu_ held. `n` fds of `uid`'s sessions were taken or closed.
   void ForgetHeldLocked(uid_t uid, size_t n);
+  bool IsAdmin(uid_t uid, gid_t gid) const;
+  // Whether a process placed at `where` may hold admin rights (see above).
+  bool MayAdminister(const PeerPlacement& where) const;
 
   const SessionOptions options_;
   const EndFn on_end_;
+  const std::string own_pod_;  // the daemon's own pod or container ("" on the host)
   std::vector<std::string> paths_;
   std::vector<int> listen_fds_;
   int wake_fd_ = -1;  // eventfd: stops the loop

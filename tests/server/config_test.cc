@@ -203,7 +203,7 @@ TEST(LoadConfigTest, QuotaFlagsAndScope) {
   }
 }
 
-TEST(LoadConfigTest, ConnectionAndGrpcBounds) {
+TEST(LoadConfigTest, ConnectionGrpcBoundsAndPodScope) {
   DaemonConfig d;
   HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &d));
   EXPECT_EQ(d.max_connections, 4096u);
@@ -218,6 +218,11 @@ TEST(LoadConfigTest, ConnectionAndGrpcBounds) {
     std::string message;
     return LoadConfig(static_cast<int>(argv.size()), argv.data(), &exit_now, &message);
   };
+  auto pod = load({"--namespace-scope", "pod"});
+  ASSERT_TRUE(pod.ok()) << pod.status().ToString();
+  CoreOptions o;
+  ApplyCoreSettings(*pod, &o);
+  EXPECT_EQ(o.namespace_scope, NamespaceScope::kPod);
   auto c = load({"--max-connections", "100", "--max-connections-per-uid=7",
                  "--max-streams-per-connection", "4", "--grpc-memory-bytes", "64MiB"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
