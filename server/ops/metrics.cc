@@ -198,6 +198,9 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
         snap.store.capacity_bytes);
   Gauge(&out, "hiqcache_pool_used_bytes", "Bytes of the pool held by live blocks.",
         snap.store.used_bytes);
+  Gauge(&out, "hiqcache_pool_claimed_bytes",
+        "Bytes of the pool the namespaces' extents hold, free slots included.",
+        snap.store.claimed_bytes);
   Gauge(&out, "hiqcache_blocks", "Blocks held in the pool, all namespaces.", snap.store.blocks);
   Gauge(&out, "hiqcache_clients", "Client processes (or peers) with at least one registered pool.",
         snap.clients);

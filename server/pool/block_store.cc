@@ -15,6 +15,8 @@ namespace {
 // Extents are sized to about this many bytes (at least one slot): large enough that extent
 // headers cost nothing, small enough that namespaces can trade space at a useful granularity.
 constexpr uint64_t kTargetExtentBytes = 64ull << 20;
+constexpr uint64_t kFirstExtentBytes = 1ull << 20;
+constexpr size_t kLookupProbesPerHold = 4096;
 
 // Slots an extent of `slot_bytes` slots holds at most: what AllocateExtentLocked ever makes.
 uint64_t MaxSlotsPerExtent(uint64_t slot_bytes) {
@@ -497,34 +499,47 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
   std::vector<uint32_t> ids(ns.begin(), ns.end());
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<NsState*> known;
-  known.reserve(ids.size());
-  for (uint32_t id : ids) {
-    auto it = namespaces_.find(id);
-    if (it != namespaces_.end()) known.push_back(it->second.get());
-  }
+  // A lookup holds the lock for at most kLookupProbesPerHold index probes, then lets others in:
+  // a group lookup of 64 namespaces x 65,536 keys must not stall every other caller's.
+  const size_t keys_per_hold = std::max<size_t>(1, kLookupProbesPerHold / std::max<size_t>(1, ids.size()));
+  std::unique_lock<std::mutex> lock(mu_);
+  auto all_known = [&] {
+    for (uint32_t id : ids) {
+      if (namespaces_.count(id) == 0) return false;
+    }
+    return !ids.empty();
+  };
   uint32_t n = 0;
-  if (!ids.empty() && known.size() == ids.size()) {
-    std::vector<BlockEntry*> run;  // key-major: run[i * ids.size() + j] is key i in ids[j]
-    for (const auto& key : keys) {
+  bool stopped = !all_known();
+  std::vector<BlockEntry*> run;  // key-major: run[i * ids.size() + j] is key i in ids[j]
+  while (!stopped && n < keys.size()) {
+    const size_t end = std::min(keys.size(), size_t{n} + keys_per_hold);
+    run.clear();
+    for (size_t i = n; i < end && !stopped; ++i) {
       const size_t before = run.size();
       for (uint32_t id : ids) {
-        auto it = index_.find({id, key});
+        auto it = index_.find({id, keys[i]});
         if (it == index_.end() || it->second->state != BlockState::kCommitted) break;
         run.push_back(it->second);
       }
       if (run.size() - before != ids.size()) {
         run.resize(before);
+        stopped = true;
         break;
       }
       ++n;
     }
     for (BlockEntry* e : run) TouchLocked(e);
+    if (stopped || n == keys.size()) break;
+    lock.unlock();
+    lock.lock();
+    stopped = !all_known();  // a namespace removed meanwhile holds nothing more
   }
-  for (NsState* s : known) {
-    s->counters.hits += n;
-    s->counters.misses += keys.size() - n;
+  for (uint32_t id : ids) {
+    auto it = namespaces_.find(id);
+    if (it == namespaces_.end()) continue;
+    it->second->counters.hits += n;
+    it->second->counters.misses += keys.size() - n;
   }
   return n;
 }
@@ -545,7 +560,16 @@ BlockEntry* BlockStore::TakeFreeSlotLocked(NsState& ns) {
 }
 
 bool BlockStore::AllocateExtentLocked(NsState& ns) {
-  const uint64_t want = kExtentHeaderBytes + uint64_t{ns.slots_per_extent} * ns.slot_bytes;
+  // Sized to demand: a namespace's first extent holds kFirstExtentBytes of slots (at least one),
+  // each later one as many slots as the namespace has already (its holdings double), up to
+  // kTargetExtentBytes. So a namespace that stores one small block claims about 1 MiB of the
+  // pool, not 64 MiB, and one that grows reaches full extents after a few.
+  uint64_t have = 0;
+  for (const Extent* e : ns.extents) have += e->entries.size();
+  const uint64_t first = std::max<uint64_t>(1, kFirstExtentBytes / ns.slot_bytes);
+  const uint64_t demand =
+      std::min<uint64_t>(ns.slots_per_extent, std::max<uint64_t>(first, have));
+  const uint64_t want = kExtentHeaderBytes + demand * ns.slot_bytes;
   const uint64_t min_bytes = kExtentHeaderBytes + ns.slot_bytes;
   auto pick = free_ranges_.end();
   for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
@@ -561,7 +585,7 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   const uint64_t offset = pick->first;
   const uint64_t avail = pick->second;
   const uint32_t slots = static_cast<uint32_t>(
-      std::min<uint64_t>(ns.slots_per_extent, (avail - kExtentHeaderBytes) / ns.slot_bytes));
+      std::min<uint64_t>(demand, (avail - kExtentHeaderBytes) / ns.slot_bytes));
   const uint64_t bytes = kExtentHeaderBytes + uint64_t{slots} * ns.slot_bytes;
   free_ranges_.erase(pick);
   if (avail > bytes) free_ranges_[offset + bytes] = avail - bytes;
@@ -913,6 +937,7 @@ StoreStats BlockStore::Stats() const {
   s.pool_bytes = bytes_;
   s.capacity_bytes = CapacityBytes();
   s.used_bytes = used_bytes_;
+  for (const auto& e : extents_) s.claimed_bytes += e->bytes;
   s.blocks = live_blocks_;
   s.corrupt = corrupt_;
   for (const auto& [id, ns] : namespaces_) s.namespaces[id] = ns->counters;

@@ -2,9 +2,10 @@
 // box of DESIGN.md's data flow).
 //
 // The pool is carved into extents; each extent holds fixed-size slots of one namespace (one slot =
-// a 64-byte BlockHeader + the block payload). Extents are allocated first-fit from free ranges,
-// and the last one is truncated to what is left, so a pool filled by one namespace has all but
-// less than one slot of its bytes in slots. Index: (namespace, key) -> block. Eviction: LRU of
+// a 64-byte BlockHeader + the block payload). Extents are sized to demand (a namespace's first
+// holds 1 MiB of slots, each later one as many slots as the namespace has, up to 64 MiB),
+// allocated first-fit from free ranges, and the last one is truncated to what is left, so a pool
+// filled by one namespace has all but less than one slot of its bytes in slots. Index: (namespace, key) -> block. Eviction: LRU of
 // unpinned blocks; when a namespace needs room it either evicts its own least recently used block
 // or, if another namespace's extent went unused for longer, frees that whole extent. Blocks being
 // written or read are pinned and never evicted; a block evicted while pinned leaves the index at
@@ -77,6 +78,8 @@ struct StoreStats {
   uint64_t pool_bytes = 0;
   uint64_t capacity_bytes = 0;  // bytes available to extents
   uint64_t used_bytes = 0;      // slot bytes of live blocks
+  // Bytes the namespaces' extents hold, free slots included: what is not free for the others.
+  uint64_t claimed_bytes = 0;
   uint64_t blocks = 0;
   // Blocks PinReads found whose payload no longer matches its checksum: dropped, never read.
   uint64_t corrupt = 0;
@@ -154,8 +157,10 @@ class BlockStore {
     return LookupPrefix(std::span<const uint32_t>(&ns, 1), keys);
   }
   // Length of the longest leading run of keys committed in every namespace of `ns` (a TP group),
-  // seen atomically. An id the store does not know (kNoNamespace) holds nothing, so it makes the
-  // answer 0; an empty `ns` answers 0. In each known namespace (a repeated id counts once),
+  // each key seen in all of them at once. The lock is let go every 4,096 index probes, so a long
+  // group lookup does not stall other callers; a key evicted after it was seen may make the run
+  // stale by the time it is answered, as it may once any lookup returns. An id the store does
+  // not know (kNoNamespace) holds nothing, so it makes the answer 0; an empty `ns` answers 0. In each known namespace (a repeated id counts once),
   // refreshes the recency of that run only and counts hits (the run) and misses (the rest), as
   // the one-namespace lookup does.
   uint32_t LookupPrefix(std::span<const uint32_t> ns, std::span<const BlockKey> keys);

@@ -229,6 +229,9 @@ TEST_F(MetricsTest, PoolFiguresMatchThePoolAndGetStats) {
   EXPECT_EQ(Value("hiqcache_pool_capacity_bytes"), static_cast<double>(stats_.capacity_bytes));
   EXPECT_EQ(Value("hiqcache_pool_used_bytes"), static_cast<double>(stats_.used_bytes));
   EXPECT_GT(Value("hiqcache_pool_used_bytes"), 0);
+  // The extents holding those blocks: at least their slots, at most the pool's capacity.
+  EXPECT_GE(Value("hiqcache_pool_claimed_bytes"), Value("hiqcache_pool_used_bytes"));
+  EXPECT_LE(Value("hiqcache_pool_claimed_bytes"), static_cast<double>(stats_.capacity_bytes));
   EXPECT_EQ(Value("hiqcache_blocks"), kBlocks);
   EXPECT_EQ(Value("hiqcache_clients"), 1);
   EXPECT_EQ(Value("hiqcache_registered_pools"), 1);
