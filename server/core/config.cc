@@ -149,6 +149,10 @@ Status Validate(const DaemonConfig& c) {
       positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
   HIQ_RETURN_IF_ERROR(positive(c.max_connections, "max_connections"));
+  if (c.max_block_bytes < (1ull << 20)) {
+    return InvalidArgument("max_block_bytes: at least 1MiB, got " +
+                           std::to_string(c.max_block_bytes));
+  }
   HIQ_RETURN_IF_ERROR(positive(c.max_connections_per_uid, "max_connections_per_uid"));
   HIQ_RETURN_IF_ERROR(positive(c.max_streams_per_connection, "max_streams_per_connection"));
   if (c.grpc_memory_bytes < (16ull << 20)) {
@@ -309,6 +313,10 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     HIQ_ASSIGN_OR_RETURN(c->max_reserved_slots_per_client, count(1u << 30));
     return Status::Ok();
   }
+  if (k == "max_block_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->max_block_bytes, size());
+    return Status::Ok();
+  }
   if (k == "max_repeated_rows_per_request") {
     HIQ_ASSIGN_OR_RETURN(c->max_repeated_rows_per_request, count(UINT32_MAX));
     return Status::Ok();
@@ -434,6 +442,7 @@ void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
   o->quotas.max_pending_bytes_per_client = c.max_pending_bytes_per_client;
   o->quotas.max_reserved_slots_per_client = c.max_reserved_slots_per_client;
   o->limits.max_repeated_rows_per_request = c.max_repeated_rows_per_request;
+  o->limits.max_block_bytes = c.max_block_bytes;
   o->transfer_chunk_blocks = c.transfer_chunk_blocks;
   o->transfer_chunk_bytes = c.transfer_chunk_bytes;
 }
@@ -552,6 +561,8 @@ max_mapped_bytes_per_client = "16TiB"
 max_pending_bytes_per_client = "64GiB"
 max_reserved_slots_per_client = 16384
 max_repeated_rows_per_request = 1024
+# Engine-side bytes of one block (the smallest unit of work) at most.
+max_block_bytes = "64MiB"
 # HOST requests run in sub-tasks of at most this many blocks / bytes, so clients share workers.
 transfer_chunk_blocks = 64
 transfer_chunk_bytes = "16MiB"
@@ -631,7 +642,7 @@ std::string UsageText() {
          "                 [--max-reserved-slots-per-client N]\n"
          "                 [--max-repeated-rows-per-request N]\n"
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
-         "                 [--max-connections N] [--max-connections-per-uid N]\n"
+         "                 [--max-connections N] [--max-connections-per-uid N] [--max-block-bytes SIZE]\n"
          "                 [--max-streams-per-connection N] [--grpc-memory-bytes SIZE]\n"
          "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
          "                 [--l3-key-prefix TEXT] [--l3-ttl SECONDS]\n"
@@ -746,6 +757,7 @@ std::string RenderConfig(const DaemonConfig& c) {
       "max_pending_bytes_per_client = " + std::to_string(c.max_pending_bytes_per_client) + "\n";
   out += "max_reserved_slots_per_client = " + std::to_string(c.max_reserved_slots_per_client) +
          "\n";
+  out += "max_block_bytes = " + std::to_string(c.max_block_bytes) + "\n";
   out += "max_repeated_rows_per_request = " + std::to_string(c.max_repeated_rows_per_request) +
          "\n";
   out += "transfer_chunk_blocks = " + std::to_string(c.transfer_chunk_blocks) + "\n";

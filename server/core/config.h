@@ -63,6 +63,8 @@ struct DaemonConfig {
   uint32_t max_reserved_slots_per_client = 0;
   // Per-request limit: Limits::max_repeated_rows_per_request.
   uint32_t max_repeated_rows_per_request = 0;
+  // Engine-side bytes of one block at most: Limits::max_block_bytes.
+  uint64_t max_block_bytes = 0;
   // HOST sub-task size (fair service): CoreOptions::transfer_chunk_blocks / _bytes.
   uint32_t transfer_chunk_blocks = 0;
   uint64_t transfer_chunk_bytes = 0;

@@ -215,6 +215,15 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   if (lay.row.ElementsPerRow() > (1u << 22)) {
     return invalid("geometry: num_kv_heads * head_dim is too large");
   }
+  const uint64_t engine_bytes = uint64_t{lay.block_tokens} * lay.num_layers * lay.kv_planes *
+                                lay.row.ElementsPerRow() * 2;
+  if (engine_bytes > limits.max_block_bytes) {
+    return invalid("block_tokens: a block of " + std::to_string(lay.block_tokens) +
+                   " tokens is " + std::to_string(engine_bytes) + " bytes in the engine, more "
+                   "than max_block_bytes (" + std::to_string(limits.max_block_bytes) +
+                   "): a block is the daemon's smallest unit of work; use fewer tokens per "
+                   "block or raise max_block_bytes");
+  }
   // Two blocks, each in its own extent (header + slot), must fit: one alone would thrash.
   if (2 * (kExtentHeaderBytes + SlotBytesFor(lay.BlockBytes())) > pool_capacity_bytes) {
     return invalid("block_tokens: a block of " + std::to_string(lay.BlockBytes()) +

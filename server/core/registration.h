@@ -30,6 +30,9 @@ struct Limits {
   uint32_t max_repeated_rows_per_request = 1024;
   uint32_t max_keys_per_lookup = 65536;
   size_t max_string_bytes = 512;
+  // Engine-side bytes of one block (tokens x layers x K|V x heads x head_dim x 2): a block is the
+  // smallest unit of work, so this bounds what one request makes others wait for.
+  uint64_t max_block_bytes = 64ull << 20;
 };
 
 struct ValidatedRegistration {

@@ -398,6 +398,22 @@ TEST(ValidateRegistrationTest, BlockMustFitTwiceInThePool) {
   ExpectInvalid(s, "block_tokens", 0);
 }
 
+// A block's engine-side bytes are bounded (max_block_bytes, the unit of work): the default
+// 64 MiB admits Qwen3-8B's 64-token block (9 MiB) and refuses 1,024 layers of it (256 MiB), the
+// bound naming the setting; a raised bound admits it.
+TEST(ValidateRegistrationTest, BlockBytesAreBounded) {
+  ExpectValid(SglangSpec());
+  RegisterSpec huge = SglangSpec(1024);
+  auto r = ValidateRegistration(huge, Limits{}, kBigPool);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("max_block_bytes"), std::string::npos)
+      << r.status().message();
+  Limits raised;
+  raised.max_block_bytes = 2ull << 30;
+  EXPECT_TRUE(ValidateRegistration(huge, raised, kBigPool).ok());
+}
+
 TEST(ValidateRegistrationTest, LayersMustMatchGeometry) {
   RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
   {
