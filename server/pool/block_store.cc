@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "hiqcache/log.h"
@@ -65,6 +66,9 @@ struct BlockStore::NsState {
   uint32_t slots_per_extent = 0;
   std::array<uint8_t, 16> hash{};
   std::string text;
+  // Whose the blocks are (NamespaceDesc::scope: a uid, or a uid and pod; "" when namespaces are
+  // node-wide); an orphan of a rebuilt pool, not yet adopted, has none (kOrphanOwner).
+  std::string owner;
   std::vector<Extent*> extents;
   std::vector<Extent*> partial;       // extents with at least one free slot
   std::list<BlockEntry*> lru;         // committed blocks, most recent first
@@ -378,6 +382,7 @@ BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
     const uint32_t old_id = owned->id;
     owned->id = info.id;
     owned->text = info.desc.CanonicalText();
+    owned->owner = info.desc.scope;
     for (Extent* ext : owned->extents) {
       ext->ns = info.id;
       for (auto& e : ext->entries) {
@@ -469,6 +474,7 @@ bool BlockStore::AddNamespace(const NamespaceInfo& info) {
       static_cast<uint32_t>(std::max<uint64_t>(1, kTargetExtentBytes / ns->slot_bytes));
   ns->hash = info.hash;
   ns->text = info.desc.CanonicalText();
+  ns->owner = info.desc.scope;
   ns->counters.capacity_blocks = CapacityBlocks(ns->payload_bytes);
   namespaces_.emplace(info.id, std::move(ns));
   return false;
@@ -728,11 +734,25 @@ bool BlockStore::ReclaimLocked(NsState& ns) {
       break;
     }
   }
-  // Candidate 2: another namespace's extent with nothing pinned, whose newest use is oldest.
+  // Candidate 2: another namespace's extent with nothing pinned, whose newest use is oldest. Each
+  // owner (a uid, or a uid and pod) keeps its fair share of the pool, the capacity over the
+  // owners holding extents: another owner's extent is a candidate only while that owner claims
+  // more than its share (orphans of a rebuilt pool always are).
+  std::unordered_map<std::string_view, uint64_t> claimed;
+  claimed[ns.owner] += 0;
+  for (const auto& ext : extents_) {
+    const NsState& theirs = *namespaces_.at(ext->ns);
+    if (theirs.id < kFirstOrphanId) claimed[theirs.owner] += ext->bytes;
+  }
+  const uint64_t share = CapacityBytes() / claimed.size();
   Extent* other = nullptr;
   uint64_t other_newest = 0;
   for (const auto& ext : extents_) {
     if (ext->ns == ns.id) continue;
+    const NsState& theirs = *namespaces_.at(ext->ns);
+    if (theirs.id < kFirstOrphanId && theirs.owner != ns.owner && claimed[theirs.owner] <= share) {
+      continue;
+    }
     uint64_t newest = 0;
     bool busy = false;
     for (const auto& e : ext->entries) {

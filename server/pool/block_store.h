@@ -7,7 +7,10 @@
 // allocated first-fit from free ranges, and the last one is truncated to what is left, so a pool
 // filled by one namespace has all but less than one slot of its bytes in slots. Index: (namespace, key) -> block. Eviction: LRU of
 // unpinned blocks; when a namespace needs room it either evicts its own least recently used block
-// or, if another namespace's extent went unused for longer, frees that whole extent. Blocks being
+// or, if another namespace's extent went unused for longer, frees that whole extent, provided
+// the extent's owner (NamespaceDesc::scope: a uid, or a uid and pod) claims more than its fair
+// share of the pool (the capacity over the owners holding extents): no owner loses blocks to
+// another while it holds no more than its share. Blocks being
 // written or read are pinned and never evicted; a block evicted while pinned leaves the index at
 // once and gives its slot back on the last unpin.
 //

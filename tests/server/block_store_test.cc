@@ -676,6 +676,44 @@ TEST(BlockStoreNamespacesTest, LongGroupLookupsAcrossLockHolds) {
   EXPECT_EQ(s.namespaces.at(ids[0]).hits, 7000u + kKeys);
 }
 
+// Each owner keeps its fair share: uid 1 fills the pool, then uid 2 writes twice the pool's
+// worth. uid 2 takes uid 1's extents only while uid 1 claims more than half the pool, then
+// evicts its own blocks; a third namespace of uid 2 takes from uid 2 alone. (Before shares,
+// uid 2 evicted every block of uid 1's: they were all older.)
+TEST(BlockStoreNamespacesTest, EachOwnerKeepsItsFairShare) {
+  const kernels::BlockLayout la = Layout(4, 8, 128, 16);  // 133,120 B
+  AnonBuffer pool(256ull << 20);
+  ASSERT_NE(pool.data(), nullptr);
+  BlockStore store(pool.data(), pool.size());
+  NamespaceTable table;
+  auto scoped = [&](const std::string& model, const std::string& scope) -> const NamespaceInfo& {
+    NamespaceDesc d;
+    d.model = model;
+    d.layout = la;
+    d.scope = scope;
+    return table.Intern(d);
+  };
+  const uint32_t a = scoped("m", "uid:1").id;
+  const uint32_t b = scoped("m", "uid:2").id;
+  const uint32_t b2 = scoped("m2", "uid:2").id;
+  for (uint32_t id : {a, b, b2}) store.AddNamespace(table.Get(id));
+  const uint64_t fits = store.CapacityBlocks(la.BlockBytes());
+  for (uint64_t i = 0; i < fits; ++i) ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
+  EXPECT_EQ(store.Stats().namespaces.at(a).blocks, fits);
+  for (uint64_t i = 0; i < 2 * fits; ++i) ASSERT_NE(Put(store, b, KeyOf(i)), nullptr) << i;
+  const uint64_t slot = SlotBytesFor(la.BlockBytes());
+  StoreStats s = store.Stats();
+  const uint64_t half = store.CapacityBytes() / 2;
+  // uid 1 keeps at least half the pool less one extent (extents go whole).
+  EXPECT_GE(s.namespaces.at(a).blocks * slot + (64ull << 20), half) << s.namespaces.at(a).blocks;
+  EXPECT_GT(s.namespaces.at(b).evictions, 0u);  // uid 2 made room from its own blocks
+  const uint64_t a_blocks = s.namespaces.at(a).blocks;
+  for (uint64_t i = 0; i < fits / 4; ++i) ASSERT_NE(Put(store, b2, KeyOf(i)), nullptr);
+  s = store.Stats();
+  EXPECT_EQ(s.namespaces.at(a).blocks, a_blocks) << "uid 2's second model took uid 1's share";
+  EXPECT_GT(s.namespaces.at(b2).blocks, 0u);
+}
+
 TEST(BlockStoreNamespacesTest, PinnedExtentIsNotReclaimed) {
   const kernels::BlockLayout la = Layout(1, 1, 64, 4);
   const kernels::BlockLayout lb = Layout(2, 1, 64, 4);
