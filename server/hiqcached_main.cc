@@ -456,10 +456,11 @@ int Run(int argc, char** argv) {
     limits.max_connections = config.max_connections;
     limits.max_connections_per_uid = config.max_connections_per_uid;
     const uint64_t fds = RaiseDescriptorLimit();
-    // Every admitted connection is a descriptor; the rest of the table stays for the session
-    // listener, pool mappings, L3 and metrics connections.
+    // Every admitted connection is two descriptors (gRPC's and the gate's duplicate); the rest
+    // of the table stays for the session listener, pool mappings, L3 and metrics connections.
     const uint64_t kept = std::max<uint64_t>(1024, fds / 4);
-    const uint64_t room = fds > kept + limits.admin_reserve ? fds - kept - limits.admin_reserve : 1;
+    const uint64_t room =
+        fds > kept + 2 * limits.admin_reserve ? (fds - kept - 2 * limits.admin_reserve) / 2 : 1;
     if (limits.max_connections > room) {
       HIQ_LOG(WARN) << "max_connections " << limits.max_connections << " lowered to " << room
                     << ": the descriptor limit is " << fds << " (LimitNOFILE)";

@@ -540,7 +540,7 @@ max_connections = 4096
 max_connections_per_uid = 128
 # Concurrent calls per gRPC connection, and the memory gRPC's buffers may hold in all.
 max_streams_per_connection = 32
-grpc_memory_bytes = "1GiB"
+grpc_memory_bytes = "256MiB"
 prefault = true
 cuda_staging_bytes = "128MiB"
 release_timeout_ms = 5000

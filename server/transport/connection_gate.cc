@@ -2,15 +2,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <unordered_set>
 
 #include "hiqcache/log.h"
 #include "unix_listen.h"
@@ -19,14 +17,15 @@ namespace hiqcache::server {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr auto kRecountEvery = std::chrono::milliseconds(200);
+constexpr auto kRecountEvery = std::chrono::seconds(1);
 constexpr auto kRefusalLogEvery = std::chrono::seconds(10);
-constexpr size_t kMaxDeferred = 64;
-constexpr size_t kMaxDeferredPerUid = 2;
+// epoll tags of the wake and listen fds (duplicates are tagged with their fd, below 2^31).
+constexpr uint64_t kWakeTag = uint64_t{1} << 62;
+constexpr uint64_t kListenTag = uint64_t{1} << 63;
 
-// The inodes of the sockets this process holds open ("socket:[N]" links in /proc/self/fd).
-std::unordered_set<uint64_t> HeldSocketInodes() {
-  std::unordered_set<uint64_t> inodes;
+// How many of this process's fds name each socket inode ("socket:[N]" in /proc/self/fd).
+std::unordered_map<uint64_t, uint32_t> HeldSocketInodes() {
+  std::unordered_map<uint64_t, uint32_t> inodes;
   DIR* dir = ::opendir("/proc/self/fd");
   if (dir == nullptr) return inodes;
   const int dfd = ::dirfd(dir);
@@ -36,7 +35,7 @@ std::unordered_set<uint64_t> HeldSocketInodes() {
     const ssize_t n = ::readlinkat(dfd, e->d_name, link, sizeof(link) - 1);
     if (n <= 8 || std::memcmp(link, "socket:[", 8) != 0) continue;
     link[n] = '\0';
-    inodes.insert(std::strtoull(link + 8, nullptr, 10));
+    inodes[std::strtoull(link + 8, nullptr, 10)] += 1;
   }
   ::closedir(dir);
   return inodes;
@@ -51,16 +50,28 @@ StatusOr<std::unique_ptr<ConnectionGate>> ConnectionGate::Listen(
     const std::vector<std::string>& paths, const ConnectionLimits& limits, mode_t mode, gid_t gid,
     IsAdmin is_admin) {
   std::unique_ptr<ConnectionGate> g(new ConnectionGate(limits, std::move(is_admin)));
+  g->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
   g->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   g->reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (g->wake_fd_ < 0 || g->reserve_fd_ < 0) {
+  if (g->epoll_fd_ < 0 || g->wake_fd_ < 0 || g->reserve_fd_ < 0) {
     return Internal(std::string("connection gate: ") + std::strerror(errno));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeTag;
+  if (::epoll_ctl(g->epoll_fd_, EPOLL_CTL_ADD, g->wake_fd_, &ev) != 0) {
+    return Internal(std::string("connection gate: epoll_ctl: ") + std::strerror(errno));
   }
   for (const std::string& path : paths) {
     // Owner-only until ListenUnix gives it the group and mode; accepted only after Start.
     HIQ_ASSIGN_OR_RETURN(int fd, ListenUnix(path, SOCK_STREAM, 1024, mode, gid));
     g->listen_fds_.push_back(fd);
     g->paths_.push_back(path);
+    ev.events = EPOLLIN;
+    ev.data.u64 = kListenTag | static_cast<uint32_t>(fd);
+    if (::epoll_ctl(g->epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return Internal(std::string("connection gate: epoll_ctl: ") + std::strerror(errno));
+    }
   }
   return g;
 }
@@ -73,8 +84,11 @@ ConnectionGate::~ConnectionGate() {
   if (loop_.joinable()) loop_.join();
   for (int fd : listen_fds_) ::close(fd);
   for (const auto& p : paths_) ::unlink(p.c_str());
-  if (wake_fd_ >= 0) ::close(wake_fd_);
-  if (reserve_fd_ >= 0) ::close(reserve_fd_);
+  // The duplicates only: the connections themselves stay gRPC's.
+  for (const auto& [dup, t] : open_) ::close(dup);
+  for (int fd : {wake_fd_, reserve_fd_, epoll_fd_}) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 void ConnectionGate::Start(HandOff hand_off) {
@@ -88,45 +102,52 @@ size_t ConnectionGate::Open() const {
 }
 
 void ConnectionGate::Loop() {
-  std::vector<pollfd> pfds;
-  pfds.push_back({wake_fd_, POLLIN, 0});
-  for (int fd : listen_fds_) pfds.push_back({fd, POLLIN, 0});
+  std::vector<epoll_event> events(256);
+  std::vector<int> ready;
   for (;;) {
-    int timeout_ms = -1;
-    if (!deferred_.empty()) {
+    const int n = ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      HIQ_LOG(ERROR) << "connection gate: epoll_wait: " << std::strerror(errno);
+      return;
+    }
+    // Hang-ups first, so that a connection accepted in this round sees them counted.
+    ready.clear();
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          last_recount_ + kRecountEvery - Clock::now());
-      timeout_ms = static_cast<int>(std::max<int64_t>(1, left.count() + 1));
+      for (int i = 0; i < n; ++i) {
+        const uint64_t tag = events[i].data.u64;
+        if (tag == kWakeTag) return;
+        if (tag & kListenTag) {
+          ready.push_back(static_cast<int>(tag & 0xffffffffu));
+        } else {
+          ForgetLocked(static_cast<int>(tag));
+        }
+      }
     }
-    for (auto& p : pfds) p.revents = 0;
-    if (::poll(pfds.data(), pfds.size(), timeout_ms) < 0 && errno != EINTR) {
-      HIQ_LOG(ERROR) << "connection gate: poll: " << std::strerror(errno);
-      return;
-    }
-    if (pfds[0].revents != 0) {
-      for (const Pending& p : deferred_) ::close(p.fd);
-      return;
-    }
-    if (!deferred_.empty()) DecideDeferred();
-    for (size_t i = 1; i < pfds.size(); ++i) {
-      if (pfds[i].revents & POLLIN) Accept(pfds[i].fd);
-    }
+    for (int fd : ready) Accept(fd);
   }
+}
+
+void ConnectionGate::ForgetLocked(int dup) {
+  auto it = open_.find(dup);
+  if (it == open_.end()) return;
+  auto u = per_uid_.find(it->second.uid);
+  if (u != per_uid_.end() && --u->second == 0) per_uid_.erase(u);
+  open_.erase(it);
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, dup, nullptr);
+  ::close(dup);
 }
 
 void ConnectionGate::RecountLocked() {
   last_recount_ = Clock::now();
-  const std::unordered_set<uint64_t> held = HeldSocketInodes();
-  for (auto it = open_.begin(); it != open_.end();) {
-    if (held.count(it->first) != 0) {
-      ++it;
-      continue;
-    }
-    auto u = per_uid_.find(it->second);
-    if (u != per_uid_.end() && --u->second == 0) per_uid_.erase(u);
-    it = open_.erase(it);
+  const auto held = HeldSocketInodes();
+  std::vector<int> gone;
+  for (const auto& [dup, t] : open_) {
+    auto it = held.find(t.inode);
+    if (it == held.end() || it->second < 2) gone.push_back(dup);  // only our duplicate left
   }
+  for (int dup : gone) ForgetLocked(dup);
 }
 
 bool ConnectionGate::FitsLocked(const ucred& peer, bool* admin_checked, bool* admin) {
@@ -135,24 +156,24 @@ bool ConnectionGate::FitsLocked(const ucred& peer, bool* admin_checked, bool* ad
   if (of_uid >= limits_.max_connections_per_uid) return false;
   if (open_.size() < limits_.max_connections) return true;
   if (open_.size() >= limits_.max_connections + limits_.admin_reserve) return false;
-  if (!*admin_checked) {  // asked only here: it may read the user's groups
+  if (!*admin_checked) {  // asked only here: it reads /proc and may read the user's groups
     *admin = is_admin_ && is_admin_(peer);
     *admin_checked = true;
   }
   return *admin;
 }
 
-void ConnectionGate::Refuse(const Pending& p) {
+void ConnectionGate::Refuse(int fd, const ucred& peer) {
   refused_.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = per_uid_.find(p.cred.uid);
+    auto it = per_uid_.find(peer.uid);
     const size_t of_uid = it == per_uid_.end() ? 0 : it->second;
-    auto& last = last_refusal_log_[p.cred.uid];
-    uint64_t& unlogged = unlogged_refusals_[p.cred.uid];
+    auto& last = last_refusal_log_[peer.uid];
+    uint64_t& unlogged = unlogged_refusals_[peer.uid];
     ++unlogged;
     if (Clock::now() - last >= kRefusalLogEvery) {
-      HIQ_LOG(WARN) << "event=connection_refused pid=" << p.cred.pid << " uid=" << p.cred.uid
+      HIQ_LOG(WARN) << "event=connection_refused pid=" << peer.pid << " uid=" << peer.uid
                     << " of_uid=" << of_uid << " open=" << open_.size()
                     << " refused_since_last_log=" << unlogged << " (max_connections_per_uid "
                     << limits_.max_connections_per_uid << ", max_connections "
@@ -161,39 +182,7 @@ void ConnectionGate::Refuse(const Pending& p) {
       unlogged = 0;
     }
   }
-  ::close(p.fd);
-}
-
-void ConnectionGate::Admit(const Pending& p) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_[p.inode] = p.cred.uid;
-    per_uid_[p.cred.uid] += 1;
-  }
-  hand_off_(p.fd);
-}
-
-void ConnectionGate::DecideDeferred() {
-  std::vector<Pending> admit, refuse;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (Clock::now() - last_recount_ < kRecountEvery) return;
-    RecountLocked();
-    for (Pending& p : deferred_) {
-      if (FitsLocked(p.cred, &p.admin_checked, &p.admin)) {
-        // Counted now, so that the next deferred one of the same uid sees it.
-        open_[p.inode] = p.cred.uid;
-        per_uid_[p.cred.uid] += 1;
-        admit.push_back(p);
-      } else {
-        refuse.push_back(p);
-      }
-    }
-  }
-  deferred_.clear();
-  deferred_per_uid_.clear();
-  for (const Pending& p : admit) hand_off_(p.fd);
-  for (const Pending& p : refuse) Refuse(p);
+  ::close(fd);
 }
 
 void ConnectionGate::Accept(int listen_fd) {
@@ -202,7 +191,7 @@ void ConnectionGate::Accept(int listen_fd) {
     if (fd < 0) {
       if ((errno == EMFILE || errno == ENFILE) && reserve_fd_ >= 0) {
         // Out of descriptors: take the connection off the backlog with the reserve and close
-        // it, rather than leave it queued (and poll ready) until something else closes.
+        // it, rather than leave it queued (and the listen fd ready) until something closes.
         ::close(reserve_fd_);
         reserve_fd_ = -1;
         int shed = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -215,35 +204,41 @@ void ConnectionGate::Accept(int listen_fd) {
       if (reserve_fd_ < 0) reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
       return;  // EAGAIN: the backlog is empty (or an error this loop cannot fix)
     }
-    Pending p;
-    p.fd = fd;
-    socklen_t len = sizeof(p.cred);
+    ucred peer{};
+    socklen_t len = sizeof(peer);
     struct stat st;
-    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &p.cred, &len) != 0 || ::fstat(fd, &st) != 0) {
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0 || ::fstat(fd, &st) != 0) {
       ::close(fd);
       continue;
     }
-    p.inode = static_cast<uint64_t>(st.st_ino);
-    bool fits, may_recount;
+    bool admin_checked = false, admin = false;
+    int dup = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      fits = FitsLocked(p.cred, &p.admin_checked, &p.admin);
-      may_recount = Clock::now() - last_recount_ >= kRecountEvery;
-      if (!fits && may_recount) {
+      bool fits = FitsLocked(peer, &admin_checked, &admin);
+      if (!fits && Clock::now() - last_recount_ >= kRecountEvery) {
         RecountLocked();
-        fits = FitsLocked(p.cred, &p.admin_checked, &p.admin);
+        fits = FitsLocked(peer, &admin_checked, &admin);
+      }
+      if (fits) dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (dup >= 0) {
+        epoll_event ev{};
+        ev.events = EPOLLRDHUP;  // EPOLLHUP and EPOLLERR come anyway; never EPOLLIN (gRPC reads)
+        ev.data.u64 = static_cast<uint32_t>(dup);
+        if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, dup, &ev) != 0) {
+          ::close(dup);
+          dup = -1;
+        } else {
+          open_[dup] = Tracked{static_cast<uint64_t>(st.st_ino), peer.uid};
+          per_uid_[peer.uid] += 1;
+        }
       }
     }
-    if (fits) {
-      Admit(p);
-    } else if (!may_recount && deferred_.size() < kMaxDeferred &&
-               deferred_per_uid_[p.cred.uid] < kMaxDeferredPerUid) {
-      // Counted too recently to know whether others closed since: decided at the next count.
-      deferred_per_uid_[p.cred.uid] += 1;
-      deferred_.push_back(p);
-    } else {
-      Refuse(p);
+    if (dup < 0) {
+      Refuse(fd, peer);
+      continue;
     }
+    hand_off_(fd);
   }
 }
 

@@ -10,13 +10,12 @@
 // A connection over a bound is closed at once (the client's call fails UNAVAILABLE) and logged,
 // at most once per uid every 10 s.
 //
-// The gate learns that gRPC closed a connection lazily: when a bound would refuse one, it
-// counts again the sockets it handed over that the process still holds (their inodes in
-// /proc/self/fd), at most every 200 ms (so that a flood of connections costs the daemon one count
-// per 200 ms, not one per connection). A connection refused within 200 ms of the last count
-// waits for the next one (at most 2 per uid and 64 in all wait; beyond that it is refused), so
-// a connection is never refused for closes the gate has not counted yet, and never admitted
-// over a bound.
+// The gate keeps a duplicate of each connection it handed over, watched for the peer hanging up
+// (EPOLLRDHUP): a client that closes or dies is uncounted at once. A connection gRPC closed
+// itself is found when a bound would refuse one, at most once a second, by counting the
+// connections whose socket the process holds only through the gate's duplicate (in
+// /proc/self/fd); the gate then closes its duplicate too. So each admitted connection costs two
+// descriptors (hiqcached_main.cc sizes max_connections to that).
 //
 // Out of descriptors (EMFILE), the gate still takes the connection off the backlog (with a
 // descriptor kept in reserve) and closes it, so that a full table does not leave clients
@@ -73,22 +72,19 @@ class ConnectionGate {
   uint64_t Refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
-  ConnectionGate(const ConnectionLimits& limits, IsAdmin is_admin);
-  struct Pending {
-    int fd = -1;
-    ucred cred{};
+  struct Tracked {
     uint64_t inode = 0;
-    bool admin_checked = false, admin = false;
+    uid_t uid = 0;
   };
+  ConnectionGate(const ConnectionLimits& limits, IsAdmin is_admin);
   void Loop();
   void Accept(int listen_fd);
-  void Admit(const Pending& p);
-  void Refuse(const Pending& p);
-  // Counts again (when 200 ms have passed) and admits or refuses every deferred connection.
-  void DecideDeferred();
-  // REQUIRES: mu_ held. Forgets the connections the process no longer holds.
+  void Refuse(int fd, const ucred& peer);
+  // REQUIRES: mu_ held. Uncounts the connection whose duplicate is `dup` and closes that.
+  void ForgetLocked(int dup);
+  // REQUIRES: mu_ held. Forgets the connections gRPC closed (held only through the duplicate).
   void RecountLocked();
-  // REQUIRES: mu_ held. Whether a connection of (uid, gid) fits the bounds as counted.
+  // REQUIRES: mu_ held. Whether a connection of `peer` fits the bounds as counted.
   bool FitsLocked(const ucred& peer, bool* admin_checked, bool* admin);
 
   const ConnectionLimits limits_;
@@ -96,18 +92,17 @@ class ConnectionGate {
   HandOff hand_off_;
   std::vector<std::string> paths_;
   std::vector<int> listen_fds_;
+  int epoll_fd_ = -1;
   int wake_fd_ = -1;     // eventfd: stops the loop
   int reserve_fd_ = -1;  // kept open, given up to refuse a connection when out of descriptors
 
   mutable std::mutex mu_;
-  std::unordered_map<uint64_t, uid_t> open_;  // GUARDED_BY(mu_): socket inode -> peer uid
-  std::map<uid_t, size_t> per_uid_;           // GUARDED_BY(mu_)
+  std::unordered_map<int, Tracked> open_;  // GUARDED_BY(mu_): duplicate fd -> its connection
+  std::map<uid_t, size_t> per_uid_;        // GUARDED_BY(mu_)
   std::chrono::steady_clock::time_point last_recount_;                      // GUARDED_BY(mu_)
   std::map<uid_t, std::chrono::steady_clock::time_point> last_refusal_log_;  // GUARDED_BY(mu_)
   std::map<uid_t, uint64_t> unlogged_refusals_;                              // GUARDED_BY(mu_)
   std::atomic<uint64_t> refused_{0};
-  std::vector<Pending> deferred_;           // the loop thread's only
-  std::map<uid_t, size_t> deferred_per_uid_;  // the loop thread's only
   std::thread loop_;
 };
 

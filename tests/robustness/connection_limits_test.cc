@@ -3,7 +3,9 @@
 // daemon has descriptors and holds them; the daemon closes all but its share at once, so:
 //  - an engine of another uid still opens a session, registers and backs up;
 //  - root (an admin) still connects when the attackers filled every slot others may use;
-//  - once the attacker is gone, its slots are free again.
+//  - once the attacker is gone, or gRPC closed its connections, its slots are free again;
+//  - calls that announce large messages and stall mid-message (HTTP/2 spoken by hand) hold no
+//    more of the daemon's memory than grpc_memory_bytes, and others are served meanwhile.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -26,11 +28,14 @@ struct Held {
   size_t open = 0, closed = 0, failed = 0;
 };
 
-// hiq_rob_worker --mode connections as `uid`: `count` idle connections to the daemon's socket.
-std::unique_ptr<Child> Flood(const DaemonProcess& d, uint32_t uid, size_t count, Held* held) {
+// hiq_rob_worker --mode connections as `uid`: `count` idle connections to the daemon's socket
+// (with `garbage`, each sends a line that is no HTTP/2 first).
+std::unique_ptr<Child> Flood(const DaemonProcess& d, uint32_t uid, size_t count, Held* held,
+                             bool garbage = false) {
   auto child = std::make_unique<Child>(
       it::AsUid(uid, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "connections",
-                      "--socket", d.socket_path(), "--count", std::to_string(count)}));
+                      "--socket", d.socket_path(), "--count", std::to_string(count),
+                      "--garbage", garbage ? "1" : "0"}));
   auto line = child->WaitLineStartingWith("connections ", 120s);
   if (!line) return nullptr;
   std::smatch m;
@@ -110,6 +115,55 @@ TEST_F(ConnectionLimitsTest, AdminsConnectWhenOthersFilledEverySlot) {
   it::SpawnResult after = EngineBackup(daemon, kVictim);
   EXPECT_EQ(after.exit_code, 0) << after.out;
   EXPECT_NE(after.out.find("backup 4"), std::string::npos) << after.out;
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+// Connections gRPC itself closes (no HTTP/2 on them) are uncounted: the same uid then opens its
+// full share again while still holding the closed ones' sockets.
+TEST_F(ConnectionLimitsTest, ConnectionsGrpcClosedAreUncounted) {
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false"});
+  ASSERT_TRUE(daemon.Start());
+  Held junk, idle;
+  auto first = Flood(daemon, kAttacker, 128, &junk, /*garbage=*/true);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(junk.closed, 128u);
+  auto second = Flood(daemon, kAttacker, 128, &idle);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(idle.open, 128u) << "connections gRPC closed still counted against their uid";
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false",
+                                 "--grpc-memory-bytes", "64MiB"});
+  ASSERT_TRUE(daemon.Start());
+  const uint64_t before = ReadProcMemory(daemon.pid()).rss_anon;
+  // 4 connections x 8 GetStats calls, each announcing a 60 MiB message (1.9 GB in all) and
+  // sending all of it but its last byte as far as the daemon's windows let it.
+  Child attacker(it::AsUid(kAttacker, {HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode",
+                                       "stall", "--socket", daemon.socket_path(), "--connections",
+                                       "4", "--streams", "8", "--announce",
+                                       std::to_string(60ull << 20)}));
+  auto line = attacker.WaitLineStartingWith("stalled ", 120s);
+  ASSERT_TRUE(line.has_value());
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(*line, m, std::regex("sent=(\\d+)")));
+  const uint64_t sent = std::stoull(m[1]);
+  const uint64_t grown = ReadProcMemory(daemon.pid()).rss_anon - before;
+  std::printf("[ stall    ] the attacker sent %.0f MiB; the daemon grew by %.0f MiB (quota 64 MiB)\n",
+              sent / 1048576.0, grown / 1048576.0);
+  // Without the quota the daemon took all of it (2,013 MB sent, 1,935 MiB grown); with it, it
+  // grew by 81-117 MiB here: the quota counts gRPC's buffers, not every allocation around them.
+  EXPECT_GT(sent, 192ull << 20) << "the attack did not get going";
+  // (Under a sanitizer the daemon's own allocations cost more than gRPC's quota counts.)
+  if (!kSanitized) {
+    EXPECT_LT(grown, 192ull << 20) << "stalled calls grew the daemon far past its quota";
+  }
+  // Others are served meanwhile.
+  it::SpawnResult r = EngineBackup(daemon, kVictim);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("backup 4"), std::string::npos) << r.out;
+  attacker.Kill();
   EXPECT_EQ(daemon.Stop(), 0);
 }
 

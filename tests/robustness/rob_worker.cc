@@ -7,10 +7,18 @@
 //     them reserved, state kWriting). Prints "holding" and then streams sync backups and
 //     restores through B until it is killed; "streaming" after the first round.
 //
-//   hiq_rob_worker --target T --mode connections --socket PATH --count N
-//     Opens N connections to the unix socket PATH and sends nothing on them (T is not used).
+//   hiq_rob_worker --target T --mode connections --socket PATH --count N [--garbage 1]
+//     Opens N connections to the unix socket PATH and sends nothing on them (T is not used), or
+//     with --garbage 1 a line that is no HTTP/2 (the daemon's gRPC closes such a connection).
 //     After a second, prints "connections open=K closed=C" (C: those the daemon closed), then
 //     holds them until killed.
+//
+//   hiq_rob_worker --target T --mode stall --socket PATH --connections C --streams S --announce B
+//     Speaks HTTP/2 by hand on C connections to the unix socket PATH: on each, S GetStats calls
+//     whose one message announces B bytes, of which it sends all but the last (as far as the
+//     daemon's flow-control windows let it), then stalls. After 3 s without a window to send
+//     into, prints "stalled sent=N" (payload bytes the daemon accepted), then holds the
+//     connections (answering PINGs and SETTINGS) until killed.
 //
 //   hiq_rob_worker --target T --mode load --threads M --seconds S --universe U --out FILE
 //     M threads, each with its own HOST pool of namespace "rob-load" on one shared Client, run a
@@ -259,6 +267,9 @@ int Connections(const std::map<std::string, std::string>& a) {
       ::close(fd);
       continue;
     }
+    if (a.count("garbage") && a.at("garbage") == "1") {
+      (void)!::send(fd, "GET / HTTP/1.1\r\n\r\n", 18, MSG_NOSIGNAL);
+    }
     fds.push_back(fd);
   }
   std::this_thread::sleep_for(1s);
@@ -270,6 +281,189 @@ int Connections(const std::map<std::string, std::string>& a) {
   std::cout << "connections open=" << fds.size() - closed << " closed=" << closed
             << " failed=" << count - fds.size() << std::endl;
   for (;;) std::this_thread::sleep_for(1h);
+}
+
+// One HTTP/2 connection of the "stall" mode: frames by hand (RFC 9113), HPACK literals only.
+class StallConnection {
+ public:
+  bool Open(const std::string& path) {
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+    if (fd_ < 0 || ::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) return false;
+    const std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    return Write(preface) && Frame(0x4, 0, 0, "");  // our (empty) SETTINGS
+  }
+  // Opens `streams` GetStats calls, each announcing a message of `announce` bytes.
+  bool Start(int streams, uint64_t announce) {
+    for (int i = 0; i < streams; ++i) {
+      const uint32_t id = 2 * static_cast<uint32_t>(i) + 1;
+      std::string h;
+      h += '\x83';  // :method POST
+      h += '\x86';  // :scheme http
+      Literal(&h, 0x04, "/hiqcache.v1.Cache/GetStats");  // :path
+      Literal(&h, 0x01, "localhost");                     // :authority
+      h += '\x0f';
+      Literal(&h, 0x10, "application/grpc");  // content-type (static index 31)
+      h += '\x00';
+      Str(&h, "te");
+      Str(&h, "trailers");
+      if (!Frame(0x1, 0x4, id, h)) return false;  // HEADERS, END_HEADERS
+      Stream s;
+      s.id = id;
+      s.left = announce + 5 - 1;  // the 5-byte gRPC prefix and all but the last byte
+      s.window = initial_window_;
+      s.prefix_sent = false;
+      s.announce = announce;
+      streams_.push_back(s);
+    }
+    return true;
+  }
+  // Sends what the windows allow; false when nothing could be sent.
+  bool Pump() {
+    Read();
+    bool sent = false;
+    for (Stream& s : streams_) {
+      while (s.left > 0 && s.window > 0 && conn_window_ > 0) {
+        uint64_t n = std::min<uint64_t>({s.left, uint64_t{16384}, uint64_t(s.window),
+                                         uint64_t(conn_window_)});
+        std::string data(n, '\0');
+        if (!s.prefix_sent) {
+          data[0] = 0;
+          for (int b = 0; b < 4; ++b) data[1 + b] = static_cast<char>(s.announce >> (24 - 8 * b));
+          s.prefix_sent = true;
+        }
+        if (!Frame(0x0, 0, s.id, data)) return false;
+        s.left -= n;
+        s.window -= static_cast<int64_t>(n);
+        conn_window_ -= static_cast<int64_t>(n);
+        sent_ += n;
+        sent = true;
+      }
+    }
+    return sent;
+  }
+  // Answers SETTINGS and PING, takes WINDOW_UPDATEs; non-blocking.
+  void Read() {
+    char buf[65536];
+    for (;;) {
+      ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n <= 0) break;
+      in_.append(buf, static_cast<size_t>(n));
+    }
+    while (in_.size() >= 9) {
+      const uint32_t len = (uint8_t(in_[0]) << 16) | (uint8_t(in_[1]) << 8) | uint8_t(in_[2]);
+      if (in_.size() < 9 + len) break;
+      const uint8_t type = uint8_t(in_[3]), flags = uint8_t(in_[4]);
+      const uint32_t id = ((uint8_t(in_[5]) & 0x7f) << 24) | (uint8_t(in_[6]) << 16) |
+                          (uint8_t(in_[7]) << 8) | uint8_t(in_[8]);
+      const std::string payload = in_.substr(9, len);
+      in_.erase(0, 9 + len);
+      if (type == 0x4 && !(flags & 1)) {  // SETTINGS: INITIAL_WINDOW_SIZE, then ACK
+        for (size_t i = 0; i + 6 <= payload.size(); i += 6) {
+          const uint16_t key = (uint8_t(payload[i]) << 8) | uint8_t(payload[i + 1]);
+          const uint32_t v = (uint8_t(payload[i + 2]) << 24) | (uint8_t(payload[i + 3]) << 16) |
+                             (uint8_t(payload[i + 4]) << 8) | uint8_t(payload[i + 5]);
+          if (key == 0x4) {
+            for (Stream& s : streams_) s.window += int64_t{v} - initial_window_;
+            initial_window_ = v;
+          }
+        }
+        Frame(0x4, 0x1, 0, "");
+      } else if (type == 0x6 && !(flags & 1)) {  // PING: ACK
+        Frame(0x6, 0x1, 0, payload);
+      } else if (type == 0x8 && payload.size() == 4) {  // WINDOW_UPDATE
+        const uint32_t inc = ((uint8_t(payload[0]) & 0x7f) << 24) | (uint8_t(payload[1]) << 16) |
+                             (uint8_t(payload[2]) << 8) | uint8_t(payload[3]);
+        if (id == 0) {
+          conn_window_ += inc;
+        } else {
+          for (Stream& s : streams_) {
+            if (s.id == id) s.window += inc;
+          }
+        }
+      } else if (type == 0x7 || type == 0x3) {  // GOAWAY, RST_STREAM
+        ++resets_;
+      }
+    }
+  }
+  uint64_t sent() const { return sent_; }
+  uint64_t resets() const { return resets_; }
+
+ private:
+  struct Stream {
+    uint32_t id = 0;
+    uint64_t left = 0, announce = 0;
+    int64_t window = 0;
+    bool prefix_sent = false;
+  };
+  static void Str(std::string* out, const std::string& v) {
+    out->push_back(static_cast<char>(v.size()));  // < 127, no Huffman
+    *out += v;
+  }
+  static void Literal(std::string* out, uint8_t name_index, const std::string& v) {
+    out->push_back(static_cast<char>(name_index));  // without indexing, indexed name
+    Str(out, v);
+  }
+  bool Frame(uint8_t type, uint8_t flags, uint32_t id, const std::string& payload) {
+    std::string f(9, '\0');
+    f[0] = static_cast<char>(payload.size() >> 16);
+    f[1] = static_cast<char>(payload.size() >> 8);
+    f[2] = static_cast<char>(payload.size());
+    f[3] = static_cast<char>(type);
+    f[4] = static_cast<char>(flags);
+    for (int b = 0; b < 4; ++b) f[5 + b] = static_cast<char>(id >> (24 - 8 * b));
+    return Write(f + payload);
+  }
+  bool Write(const std::string& bytes) {
+    size_t off = 0;
+    while (off < bytes.size()) {
+      ssize_t n = ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      off += static_cast<size_t>(n);
+    }
+    return true;
+  }
+  int fd_ = -1;
+  std::string in_;
+  std::vector<Stream> streams_;
+  int64_t initial_window_ = 65535;
+  int64_t conn_window_ = 65535;
+  uint64_t sent_ = 0, resets_ = 0;
+};
+
+int Stall(const std::map<std::string, std::string>& a) {
+  const int conns = std::stoi(a.at("connections"));
+  const int streams = std::stoi(a.at("streams"));
+  const uint64_t announce = std::stoull(a.at("announce"));
+  std::vector<std::unique_ptr<StallConnection>> c;
+  for (int i = 0; i < conns; ++i) {
+    auto x = std::make_unique<StallConnection>();
+    if (!x->Open(a.at("socket")) || !x->Start(streams, announce)) {
+      std::cerr << "worker: connection " << i << " failed\n";
+      continue;
+    }
+    c.push_back(std::move(x));
+  }
+  auto idle_since = Clock::now();
+  while (Clock::now() - idle_since < 3s) {
+    bool any = false;
+    for (auto& x : c) any = x->Pump() || any;
+    if (any) idle_since = Clock::now();
+    else std::this_thread::sleep_for(10ms);
+  }
+  uint64_t sent = 0, resets = 0;
+  for (auto& x : c) {
+    sent += x->sent();
+    resets += x->resets();
+  }
+  std::cout << "stalled sent=" << sent << " resets=" << resets << " connections=" << c.size()
+            << std::endl;
+  for (;;) {
+    for (auto& x : c) x->Read();
+    std::this_thread::sleep_for(100ms);
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -293,6 +487,7 @@ int Main(int argc, char** argv) {
   if (a["mode"] == "hold") return Hold(a);
   if (a["mode"] == "load") return Load(a);
   if (a["mode"] == "connections") return Connections(a);
+  if (a["mode"] == "stall") return Stall(a);
   std::cerr << "worker: unknown mode " << a["mode"] << "\n";
   return 1;
 }

@@ -209,7 +209,7 @@ TEST(LoadConfigTest, ConnectionGrpcBoundsAndPodScope) {
   EXPECT_EQ(d.max_connections, 4096u);
   EXPECT_EQ(d.max_connections_per_uid, 128u);
   EXPECT_EQ(d.max_streams_per_connection, 32u);
-  EXPECT_EQ(d.grpc_memory_bytes, 1ull << 30);
+  EXPECT_EQ(d.grpc_memory_bytes, 256ull << 20);
   auto load = [](std::vector<std::string> args) {
     args.insert(args.begin(), "hiqcached");
     std::vector<char*> argv;
