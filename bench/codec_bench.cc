@@ -12,7 +12,7 @@
 // non-temporal stores at this size), an upper bound no gather reaches.
 //
 // At the end the medians over repetitions are printed with the ratios the design targets:
-// encode and decode each >= 0.8x single-thread memcpy (DESIGN.md "Targets").
+// encode and decode each >= 0.8x single-thread memcpy (docs/design.md "Targets").
 //   codec_bench --benchmark_repetitions=5
 #include <benchmark/benchmark.h>
 

@@ -6,7 +6,7 @@
 //                  device -> pinned host and back, one copy per layer tensor (the copy engine's
 //                  best case) and one per block of each layer tensor; then hiqcached Backup and
 //                  Restore (sync) of the same tokens through CUDA IPC, as BF16-equivalent GB/s
-//                  and as ratios to both baselines (the DESIGN.md target is >= 1.6x the
+//                  and as ratios to both baselines (the docs/design.md target is >= 1.6x the
 //                  per-tensor copy).
 //                  Concurrent: a Backup of half the prefix while a Restore of another half runs,
 //                  against each alone and against raw D2H + H2D copies on two streams at once.

@@ -76,7 +76,7 @@ asan_tests=(block_store_test registration_test config_test transfer_engine_test 
             codec_cuda_emulation_test
             session_listener_test client_memory_guard_test host_backend_test pool_region_test
             memory_isolation_test poisoned_pool_test quota_fairness_test socket_trust_test
-            connection_limits_test)
+            connection_limits_test pod_isolation_test peer_placement_test)
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 if has asan; then

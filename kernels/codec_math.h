@@ -3,7 +3,7 @@
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
-// no state, thread-safe. See ../shared/DESIGN.md "Record format" and kernels/README.md.
+// no state, thread-safe. See docs/design.md "Record format" and kernels/README.md.
 //
 // INT8:
 //   s  = bf16_rne(max(amax, 2^-112) / 127)        (amax and the division in fp32)

@@ -108,8 +108,9 @@ class CudaEvent {
 };
 
 // A mapping of another process's device allocation (cudaIpcOpenMemHandle), closed on
-// destruction. The handle must be of the allocation base (DESIGN.md "IPC hygiene": export the
-// base plus an offset); Open checks that the allocation holds at least size_bytes.
+// destruction. The handle must be of the allocation base (docs/design.md "Wire contract",
+// SharedBuffer: export the base plus an offset); Open checks that the allocation holds at least
+// size_bytes.
 class CudaIpcMapping {
  public:
   static StatusOr<CudaIpcMapping> Open(int device, std::string_view handle, uint64_t size_bytes);

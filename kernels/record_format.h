@@ -1,4 +1,4 @@
-// The stored form of KV: row and block layout of every codec (DESIGN.md "Record format").
+// The stored form of KV: row and block layout of every codec (docs/design.md "Record format").
 //
 // A row is one (token, layer, K|V) slice of H heads x D dims. A block holds block_tokens tokens
 // laid out [layer][K|V][token][row], so one layer of one block is one contiguous range: restore

@@ -3,7 +3,7 @@
 // Row r (a token slot) is page p = r / page_rows, t = r % page_rows when paged (page_rows > 0),
 // else p = 0, t = r. Head h of row r starts at
 //   base + p * page_stride + t * row_stride + h * head_stride
-// and holds head_dim contiguous BF16/FP16 elements (DESIGN.md TensorView). `base` already
+// and holds head_dim contiguous BF16/FP16 elements (docs/design.md TensorView). `base` already
 // includes the view's offset_bytes. Bounds are checked once, at registration (view_bounds.h);
 // executors index without checks. Value type; thread-safe.
 #pragma once

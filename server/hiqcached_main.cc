@@ -352,7 +352,7 @@ int Run(int argc, char** argv) {
     }
 #endif
   }
-  // L3 (DESIGN.md "Beyond one node (L3)"): on when l3_seeds names the cluster. Its connections
+  // L3 (docs/design.md "Beyond one node (L3)"): on when l3_seeds names the cluster. Its connections
   // open in the background; an unreachable cluster is a miss, never a failure to start.
   std::unique_ptr<L3Tier> l3;
   if (!config.l3_seeds.empty()) {

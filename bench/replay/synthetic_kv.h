@@ -41,7 +41,7 @@ class SyntheticKv {
   //   FP8 E4M3 per head  |x^ - x| <= 2^-4 |x^| + 2^-10 s + (1 + 2^-4)(2^-8 |x^| + a),
   //                      s = bf16(max(amax, 2^-112) / 448), a = 2^-134 where |x^| <= 2^-126
   //   INT4 g32 per head  INT8's bound with s = bf16(max(amax, 2^-112) / 7) of the 32-element group
-  // (amax of the original head or group; DESIGN.md "Record format").
+  // (amax of the original head or group; docs/design.md "Record format").
   VerifyResult Verify(const HostKvPool& kv, std::span<const BlockKey> keys,
                       std::span<const uint32_t> rows, uint32_t block_tokens, Codec codec) const;
 

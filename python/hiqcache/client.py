@@ -1,4 +1,4 @@
-"""hiqcache.Client: what a Python inference engine uses to talk to hiqcached (DESIGN.md).
+"""hiqcache.Client: what a Python inference engine uses to talk to hiqcached (docs/design.md).
 
 The semantics are the C++ client's (client/include/hiqcache/client.h):
 
@@ -22,7 +22,7 @@ The semantics are the C++ client's (client/include/hiqcache/client.h):
   forgot its ids), the client opens a new session, registers the pool again (at most once per
   reregister_interval per pool) and retries the call once. The slots keep their values: a new
   registration's tickets start above the largest ticket in them.
-- Ticket slots (DESIGN.md "A dead daemon releases the engine"): the client maps the event slots
+- Ticket slots (docs/design.md "A dead daemon releases the engine"): the client maps the event slots
   of each pool it registers through a session (HostEventPool, torch_kv.CudaTicketSlots: any
   EventPoolSpec naming a memfd or shm object), notes the slots its requests name for the daemon
   to store into (done_event, layer_event_base + l) before it sends them, and keeps the highest

@@ -1,9 +1,9 @@
-"""HOST-backend helpers: shared memory an engine shares with hiqcached (DESIGN.md "HOST").
+"""HOST-backend helpers: shared memory an engine shares with hiqcached (docs/design.md "HOST").
 
   HostShm        shared memory, mapped: a memfd (HostShm.create_memfd, preferred: sealed against
                  shrinking, no name, gone when its last fd and mapping are), a POSIX shm object
                  created here (unlinked again by close()) or one opened by name.
-  HostEventPool  ticket slots (DESIGN.md "Completion: ticket slots"; slot i = little-endian
+  HostEventPool  ticket slots (docs/design.md "Completion: ticket slots"; slot i = little-endian
                  uint64 at byte 64*i): the daemon stores ticket T with release order when work
                  T completes, T | 2^63 when it failed. hiqcache.torch_kv.CudaTicketSlots is the
                  same object page-locked for a GPU.
@@ -270,7 +270,7 @@ class HostEventPool:
     def release(self, highest: int, slots: "Iterable[int] | None" = None) -> int:
         """Stores highest | EVENT_FAILED_BIT in each of `slots` (default: every slot) whose
         ticket part is below `highest` and returns how many: what a client does for the slots a
-        daemon whose session ended was to store tickets into (DESIGN.md "A dead daemon releases
+        daemon whose session ended was to store tickets into (docs/design.md "A dead daemon releases
         the engine"). A slot never moves backwards; indices out of range are ignored.
 
         Python has no compare-and-swap on shared memory, so each slot is read, then stored only

@@ -1,4 +1,4 @@
-"""Block keys: the 16-byte ids under which hiqcached stores KV blocks (DESIGN.md "Keys").
+"""Block keys: the 16-byte ids under which hiqcached stores KV blocks (docs/design.md "Keys").
 
 The chain of the C++ client (block_keys.h), byte for byte:
   key_{-1} = XXH3_128(salt)

@@ -7,7 +7,7 @@ kept across engine and daemon restarts. SGLang loads it without a fork:
         "class_name": "HiqCacheStorage", "interface_v1": true, "allocator": "shm",
         "target": "unix:///run/hiqcache/hiqcached.sock", "codec": "int8_per_head"}'
 
-Names are a contract (DESIGN.md "Engine adapters"). Optional keys beyond it: `tenant`,
+Names are a contract (docs/design.md "Engine adapters"). Optional keys beyond it: `tenant`,
 `identity` (anything else that changes the KV and is not in SGLang's model name, such as the
 weights' revision or quantization), `timeout_ms` (deadline of every daemon call, default 10000:
 a set waits until the daemon has read its pages) and `staging_pages` (pages of the copy area of

@@ -1,4 +1,4 @@
-"""What an engine tells hiqcached about its KV pool (DESIGN.md "Wire contract").
+"""What an engine tells hiqcached about its KV pool (docs/design.md "Wire contract").
 
 Plain Python mirrors of RegisterPoolRequest's pieces, so that engine code never builds protobuf
 messages itself; `hiqcache.client` converts them. Value types, safe to share between threads.
@@ -94,7 +94,7 @@ class Geometry:
 
 @dataclass(frozen=True)
 class TensorView:
-    """A strided view of one K, V or latent tensor (DESIGN.md TensorView).
+    """A strided view of one K, V or latent tensor (docs/design.md TensorView).
 
     Row r is page p = r // page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0,
     t = r; head h of row r starts at base(buffer) + offset_bytes + p * page_stride_bytes +
@@ -158,7 +158,7 @@ class EventPoolSpec:
     """`count` 64-byte ticket slots, for every device kind, in an object named like
     SharedBuffer's (`host_fd` preferred, or `host_shm_name`): HostEventPool.spec(),
     torch_kv.CudaTicketSlots.spec(). The daemon refuses `cuda_ipc_event_handles`
-    (DESIGN.md "Completion: ticket slots")."""
+    (docs/design.md "Completion: ticket slots")."""
 
     host_shm_name: str = ""
     count: int = 0

@@ -15,7 +15,7 @@
   CudaTicketSlots                ticket slots for a CUDA pool: host memory page-locked for the
                                  GPU, which this process's streams wait on and store into
 
-Completion on CUDA (DESIGN.md "Completion: ticket slots"): the engine stores a request's
+Completion on CUDA (docs/design.md "Completion: ticket slots"): the engine stores a request's
 wait_value into its wait_event slot from the stream that wrote (or last reads) the rows
 (CudaTicketSlots.write_on_stream) before or after sending the request; the daemon starts the
 work once it sees the value from the host. With an asynchronous reply's ticket T the engine makes
@@ -133,7 +133,7 @@ def expandable_segments_enabled() -> bool:
 def cuda_export(t: torch.Tensor) -> tuple[bytes, int, int]:
     """(cudaIpcMemHandle_t of the allocation base, offset of t's first element from it, bytes
     from the base to the end of t's storage). The handle names the allocation, not t: hiqcached
-    opens it once and addresses t through the offset (DESIGN.md SharedBuffer).
+    opens it once and addresses t through the offset (docs/design.md SharedBuffer).
 
     ValueError for a tensor not on a GPU, for memory in PyTorch's expandable segments (set
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False) and for a PyTorch handle this module does
@@ -241,7 +241,7 @@ def _device_index(device: int | str | torch.device | None) -> int:
 
 
 class CudaTicketSlots(HostEventPool):
-    """`count` ticket slots (DESIGN.md "Completion: ticket slots") for a CUDA pool: a memfd
+    """`count` ticket slots (docs/design.md "Completion: ticket slots") for a CUDA pool: a memfd
     sealed against shrinking, page-locked and mapped for the GPUs (cudaHostRegister, portable |
     mapped), so that this process's streams wait on and store into the slots the daemon maps.
     Register spec() as the pool's events (by fd, like HostEventPool's); hiqcache.Client

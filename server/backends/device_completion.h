@@ -1,7 +1,7 @@
 // CompletionThread: one per device. Observes when events the daemon recorded after its work
 // complete (DeviceApi::QueryEvent, polled with a short backoff) and then runs what was waiting for
-// them, so that no transfer worker ever waits on device work (DESIGN.md "CUDA completion and event
-// rules").
+// them, so that no transfer worker ever waits on device work (docs/design.md "Completion: ticket
+// slots" and event rules").
 //
 // Callbacks run on this thread and must be short: they release staging and hand the rest of the
 // task to a transfer worker (TaskHooks::defer); they never block. A query that reports a sticky

@@ -498,8 +498,8 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
   }
   // Queued work stops touching the engine's buffers and events (CUDA), and a HOST task waiting
   // for an event of this pool stops now, so its pins and its worker are freed. Work already on
-  // the device completes: the mappings are closed only after it did (DESIGN.md "CUDA completion
-  // and event rules": the engine may free its buffers once this returns OK).
+  // the device completes: the mappings are closed only after it did (docs/design.md "Completion:
+  // ticket slots and event rules": the engine may free its buffers once this returns OK).
   pool->binding->Cancel();
   const auto t0 = std::chrono::steady_clock::now();
   bool drained;

@@ -116,7 +116,7 @@ struct CoreOptions {
   uint64_t transfer_chunk_bytes = 16ull << 20;
   unsigned transfer_workers = 2;
   CoreObserver* observer = nullptr;  // optional; must outlive the core
-  // The store beyond the node (DESIGN.md "Beyond one node (L3)"); optional, must outlive the
+  // The store beyond the node (docs/design.md "Beyond one node (L3)"); optional, must outlive the
   // core. With it, Lookup extends the pool's prefix by the run L3 holds, Restore promotes the
   // blocks after the pool's run from L3 into the pool before restoring them as pool blocks,
   // and every block a backup publishes is handed to it (write-through).

@@ -1,5 +1,5 @@
 // hiqcached's configuration: the embedded default, the config file, and the command line
-// (DESIGN.md "Command line"). Flags override the file, which overrides the default.
+// (docs/design.md "Command line"). Flags override the file, which overrides the default.
 //
 // The file is a small TOML subset: `key = value` lines, strings in double quotes, integers,
 // sizes as strings ("8GiB"), string arrays (`listen = ["unix:///run/hiqcache/hiqcached.sock"]`),
@@ -74,7 +74,7 @@ struct DaemonConfig {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
-  // The store beyond the node (DESIGN.md "Beyond one node (L3)"): off while l3_seeds is empty.
+  // The store beyond the node (docs/design.md "Beyond one node (L3)"): off while l3_seeds is empty.
   // Not in the embedded default; these are its defaults (deploy/hiqcached.toml documents each).
   std::vector<std::string> l3_seeds;  // host:port of any Redis Cluster nodes (comma-separated)
   std::string l3_user;                // ACL user ("" = AUTH with the password alone)

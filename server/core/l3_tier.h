@@ -1,4 +1,4 @@
-// L3Tier: the core's seam to the store beyond one node (DESIGN.md "Beyond one node (L3)"). The
+// L3Tier: the core's seam to the store beyond one node (docs/design.md "Beyond one node (L3)"). The
 // core asks it, after the pool (L2), which further blocks of a lookup or restore it holds, fetches
 // them to promote them into the pool, and tells it which blocks a backup published so that it
 // copies them out. The Redis Cluster implementation (CreateRedisL3Tier) lives behind this

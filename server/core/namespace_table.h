@@ -1,4 +1,4 @@
-// Namespaces: the unit of block sharing (DESIGN.md "Namespaces").
+// Namespaces: the unit of block sharing (docs/design.md "Namespaces").
 //
 // A namespace is (model, tenant, geometry, tp_rank, tp_size, block_tokens, codec) within a scope
 // (who may share it: every caller of the node, or one uid); MLA drops the TP fields because every

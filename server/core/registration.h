@@ -1,5 +1,5 @@
-// Validation of requests, before anything is read or written (DESIGN.md "Validation is total and
-// atomic"), and resolution of validated views into executor views. Pure functions.
+// Validation of requests, before anything is read or written (docs/design.md "Validation is total
+// and atomic"), and resolution of validated views into executor views. Pure functions.
 //
 // Error messages name the offending field ("layers[3].v.row_stride_bytes: ...") and never echo
 // keys or data of other tenants.

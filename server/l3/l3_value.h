@@ -1,9 +1,9 @@
-// The L3 value format: what hiqcached stores in Redis Cluster for one block (DESIGN.md "Beyond
+// The L3 value format: what hiqcached stores in Redis Cluster for one block (docs/design.md "Beyond
 // one node (L3)"), and the key it is stored under.
 //
 // key   = prefix + 32 hex digits of the namespace hash + ":" + 32 hex digits of the block key
 // value = L3ValueHeader (64 bytes, little endian) + the block's compressed payload, as the pool
-//         holds it ([layer][K|V][token][row], DESIGN.md "Record format"); with a MAC key
+//         holds it ([layer][K|V][token][row], docs/design.md "Record format"); with a MAC key
 //         (version 2) followed by a 32-byte HMAC-SHA-256 tag of header and payload.
 //
 // XXH3 finds corruption, not forgery: anyone who can write under the key prefix could plant KV

@@ -1,4 +1,4 @@
-// RedisCluster: a small synchronous client of a Redis Cluster, the L3 store of DESIGN.md
+// RedisCluster: a small synchronous client of a Redis Cluster, the L3 store of docs/design.md
 // "Beyond one node (L3)", over hiredis 0.14 (RESP2, blocking sockets with timeouts).
 //
 // What it does, and nothing more: key slots (CRC16 of the key or of its {hash tag}); the slot map

@@ -259,7 +259,7 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
          "copying, decoding and scattering the blocks into the engine's KV.");
   decode_.Render("hiqcache_decode_duration_seconds", &out);
 
-  // L3 (DESIGN.md "Beyond one node (L3)"): only when the daemon has an L3 tier.
+  // L3 (docs/design.md "Beyond one node (L3)"): only when the daemon has an L3 tier.
   if (snap.l3.enabled) {
     const L3Stats& l3 = snap.l3;
     auto counter = [&out](const char* name, const char* help, uint64_t v) {

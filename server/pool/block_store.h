@@ -1,18 +1,18 @@
 // BlockStore: the pool's blocks, their index and their eviction (the "pool: shared memory, L2"
-// box of DESIGN.md's data flow).
+// box of docs/design.md's data flow).
 //
 // The pool is carved into extents; each extent holds fixed-size slots of one namespace (one slot =
 // a 64-byte BlockHeader + the block payload). Extents are sized to demand (a namespace's first
 // holds 1 MiB of slots, each later one as many slots as the namespace has, up to 64 MiB),
 // allocated first-fit from free ranges, and the last one is truncated to what is left, so a pool
-// filled by one namespace has all but less than one slot of its bytes in slots. Index: (namespace, key) -> block. Eviction: LRU of
-// unpinned blocks; when a namespace needs room it either evicts its own least recently used block
-// or, if another namespace's extent went unused for longer, frees that whole extent, provided
-// the extent's owner (NamespaceDesc::scope: a uid, or a uid and pod) claims more than its fair
-// share of the pool (the capacity over the owners holding extents): no owner loses blocks to
-// another while it holds no more than its share. Blocks being
-// written or read are pinned and never evicted; a block evicted while pinned leaves the index at
-// once and gives its slot back on the last unpin.
+// filled by one namespace has all but less than one slot of its bytes in slots. Index: (namespace,
+// key) -> block. Eviction: LRU of unpinned blocks; when a namespace needs room it either evicts its
+// own least recently used block or, if another namespace's extent went unused for longer, frees
+// that whole extent, provided the extent's owner (NamespaceDesc::scope: a uid, or a uid and pod)
+// claims more than its fair share of the pool (the capacity over the owners holding extents): no
+// owner loses blocks to another while it holds no more than its share. Blocks being written or read
+// are pinned and never evicted; a block evicted while pinned leaves the index at once and gives its
+// slot back on the last unpin.
 //
 // Block headers are written as blocks change state so that a restarted daemon can rebuild the
 // index from the pool (pool_format.h). Thread-safe: one mutex guards the metadata; payload bytes

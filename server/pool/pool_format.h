@@ -1,10 +1,11 @@
 // The persistent layout of the shared-memory pool: pool, extent and block headers.
 //
 // Everything a restarted daemon needs to rebuild its index lives in these headers; no allocator
-// state has to survive a crash (DESIGN.md "Pool and durability"). The daemon is the only writer.
-// Layout: [PoolHeader, 4 KiB][extent directory][extent]...; an extent is [ExtentHeader, 256 B]
-// [slot]...; a slot is [BlockHeader, 64 B][payload, rounded up to 64 B]. The directory lists
-// where the live extents are, so a restarted daemon finds them without scanning the pool.
+// state has to survive a crash (docs/design.md "Pool and durability"). The daemon is the only
+// writer. Layout: [PoolHeader, 4 KiB][extent directory][extent]...; an extent is
+// [ExtentHeader, 256 B][slot]...; a slot is [BlockHeader, 64 B][payload, rounded up to 64 B]. The
+// directory lists where the live extents are, so a restarted daemon finds them without scanning
+// the pool.
 #pragma once
 
 #include <cstddef>

@@ -81,7 +81,7 @@ StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, 
     auto impl = std::make_unique<Impl>();
     impl->shm = bip::shared_memory_object(bip::open_or_create, bare.c_str(), bip::read_write,
                                           bip::permissions(0600));
-    // The pool must be the daemon's alone (DESIGN.md: "owned and written by the daemon only"):
+    // The pool must be the daemon's alone (docs/design.md: "owned and written by the daemon only"):
     // an object someone else created in the world-writable /dev/shm, or one others may have
     // opened, could be written under the daemon's feet, whatever the rebuild checks.
     struct stat st {};

@@ -1,4 +1,4 @@
-// libFuzzer target over the daemon's request path (DESIGN.md "Faults": no malformed request
+// libFuzzer target over the daemon's request path (docs/design.md "Faults": no malformed request
 // crashes the daemon or writes out of bounds).
 //
 // Input: a serialized hiqcache.fuzz.FuzzInput, a short list of hiqcache.v1 requests. Each request

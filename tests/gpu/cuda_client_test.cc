@@ -10,7 +10,7 @@
 // layer's slot (StreamWait) before a kernel compares that layer bit for bit with the CPU
 // executor's decode of the same records (kernels::CpuCodec encode, DecodeBlocksReference
 // decode). It then gathers every restored element and checks it on the host against the
-// DESIGN.md bound and against the CPU decode, and checks that rows outside the restore kept
+// docs/design.md bound and against the CPU decode, and checks that rows outside the restore kept
 // their sentinel.
 //
 //   RoundTrip          one client: sync restore + stream waits, then an asynchronous restore
@@ -181,7 +181,7 @@ void MakeReference(uint64_t seed, Reference* ref) {
 
 // Checks restored plane (l, p) of the backed-up tokens ([token][head][dim] in `got`) against
 // the reference: rows differing from the CPU decode are counted in *differ, elements against
-// the DESIGN.md bound (with the scales of the CPU-encoded records) in *bound.
+// the docs/design.md bound (with the scales of the CPU-encoded records) in *bound.
 void CheckRestoredPlane(const Reference& ref, uint32_t l, uint32_t p, const uint16_t* got,
                         kernels::testutil::BoundStats* bound, uint64_t* differ) {
   const kernels::BlockLayout lay = Layout();

@@ -1,6 +1,6 @@
 // Helpers shared by the integration tests and the peer client (hiq_it_peer): deterministic KV
-// data sets, the DESIGN.md error bound, sentinel checks of KV buffers, block keys, stats lookups,
-// a session for raw gRPC calls and spawning a second process.
+// data sets, the docs/design.md error bound, sentinel checks of KV buffers, block keys, stats
+// lookups, a session for raw gRPC calls and spawning a second process.
 //
 // The data of a set is a pure function of (seed, logical block, token, layer, plane, head, dim),
 // so two processes agree on it without sharing memory: one fills rows and backs them up, the
@@ -135,7 +135,7 @@ inline void PoisonRow(const HostKvPool& kv, uint32_t row) {
   kv.Head(0, 0, row, 0)[0] = kv.geometry().dtype == DType::kFP16 ? 0x7E00 : 0x7FC0;
 }
 
-// DESIGN.md's guarantee for one head: |x̂ - x| <= (0.5 + 2^-8) s + 2^-8 |x̂| with
+// docs/design.md's guarantee for one head: |x̂ - x| <= (0.5 + 2^-8) s + 2^-8 |x̂| with
 // s = bf16(max(|x| over the head, 2^-112) / 127) computed in fp32; an all-zero head restores
 // exact zeros. Returns an empty string or the first violation.
 inline std::string CheckHead(DType dtype, const uint16_t* x, const uint16_t* xhat,

@@ -1,7 +1,7 @@
 // Backup then restore through the real daemon: every element within its codec's bound (INT8:
-// DESIGN.md, FP8 E4M3 and INT4 per group of 32: kernels/README.md; CODEC_RAW bit-exact), for each
-// KV layout, across layouts sharing one namespace, writing only the requested rows. Also: partial
-// restores, NaN rejection, released pools, TP/MLA namespaces, INT4's head_dim requirement.
+// docs/design.md, FP8 E4M3 and INT4 per group of 32: kernels/README.md; CODEC_RAW bit-exact), for
+// each KV layout, across layouts sharing one namespace, writing only the requested rows. Also:
+// partial restores, NaN rejection, released pools, TP/MLA namespaces, INT4's head_dim requirement.
 #include <gtest/gtest.h>
 
 #include <memory>

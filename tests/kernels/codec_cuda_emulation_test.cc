@@ -319,7 +319,7 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaEmulationTest, ::testing::ValuesIn
 // Every input class (zeros, subnormals, near-max, exact ties, ...) of every TestGeometries()
 // geometry in both dtypes, INT8, FP8 and INT4 (its own geometries: head_dim % 32 == 0), through
 // testutil::RunCase: the emulated kernels against
-// the float64 model of DESIGN.md (which the reference matches: codec_reference_test), so a bug
+// the float64 model of docs/design.md (which the reference matches: codec_reference_test), so a bug
 // shared by the kernels and codec_math.h shows too, plus the elementwise error bound.
 TEST(CodecCudaEmulation, EveryInputClassMatchesTheModel) {
   testutil::Executor emulated{"cuda_emulated",

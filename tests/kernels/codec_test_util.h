@@ -4,7 +4,7 @@
 // reference wrapped as Executors for the SIMD tests.
 //
 // Header-only and CUDA-free, so the GPU tests (tests/gpu) can reuse it. The float64 model does
-// not call codec_math.h: it is written from DESIGN.md "Record format" alone, so a bug in the
+// not call codec_math.h: it is written from docs/design.md "Record format" alone, so a bug in the
 // shared arithmetic cannot hide in both the executors and their oracle. Not thread-safe (plain
 // containers); every helper is deterministic for a given seed.
 #pragma once
@@ -190,7 +190,7 @@ inline uint16_t ModelDecodeElement(int8_t q, uint16_t scale_bits, DType out) {
   return DoubleToHalfBits(static_cast<double>(q) * ScaleValue(scale_bits), out);
 }
 
-// The elementwise guarantee of DESIGN.md: |x^ - x| <= (0.5 + 2^-8) * s + 2^-8 * |x^|.
+// The elementwise guarantee of docs/design.md: |x^ - x| <= (0.5 + 2^-8) * s + 2^-8 * |x^|.
 // FP16 outputs: where x^ lies in the fp16 subnormal range (|x^| <= 2^-14) the grid spacing is a
 // fixed 2^-24, so rounding q * s to it adds up to 2^-25 absolute error that the relative term
 // cannot cover; that term is added there. BF16 needs none (its subnormals lie far below the

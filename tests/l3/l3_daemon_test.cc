@@ -2,10 +2,10 @@
 // own shm names and sockets) on one real Redis Cluster stand for two nodes. Node A's client backs
 // up blocks, A writes them through to L3; node B's client finds them by Lookup (an L2 miss, an L3
 // hit) and Restore promotes them into B's pool and restores them (RAW bit-exact, INT8 within
-// DESIGN.md's bound); a second restore on B is an L2 hit. Also: a pool too small for its blocks
-// gets them back from L3; Redis absent at start; a value corrupted in Redis (also as GetStats'
-// l3 and `hiqctl stats` show it); a master killed mid-run. Label l3; skipped where redis-server
-// is not installed.
+// docs/design.md's bound); a second restore on B is an L2 hit. Also: a pool too small for its
+// blocks gets them back from L3; Redis absent at start; a value corrupted in Redis (also as
+// GetStats' l3 and `hiqctl stats` show it); a master killed mid-run. Label l3; skipped where
+// redis-server is not installed.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>

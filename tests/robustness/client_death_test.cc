@@ -1,4 +1,4 @@
-// A client process killed with SIGKILL in the middle of its work (DESIGN.md "Faults": client
+// A client process killed with SIGKILL in the middle of its work (docs/design.md "Faults": client
 // death releases its mappings within 1 s).
 //
 // The worker (hiq_rob_worker --mode hold) leaves a Restore pinning many blocks and a Backup
@@ -105,7 +105,7 @@ TEST(ClientDeathTest, KilledClientIsReleasedAndItsPinsDropped) {
       std::chrono::duration<double, std::milli>(Clock::now() - t_kill).count();
   std::printf("[client death] pools of killed pid %u released after %.1f ms\n", pid, release_ms);
   ASSERT_TRUE(released) << "the dead client's pools were not released within 5 s";
-  EXPECT_LE(release_ms, 1000.0) << "DESIGN.md: client death releases its mappings within 1 s";
+  EXPECT_LE(release_ms, 1000.0) << "docs/design.md: client death releases its mappings within 1 s";
 
   stop.store(true);
   bystander_thread.join();

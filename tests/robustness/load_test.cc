@@ -5,7 +5,7 @@
 // is verified against the INT8 bound by the worker that restored it. Reports p50/p99 latency per
 // op and throughput.
 //
-// Memory: while the load runs, the daemon's /proc/<pid>/status is sampled. Bounds (DESIGN.md's
+// Memory: while the load runs, the daemon's /proc/<pid>/status is sampled. Bounds (docs/design.md's
 // pool is the bulk; the rest is documented overhead):
 //   RssShmem <= pool bytes + the client KV/event buffers the daemon maps + 8 MiB
 //   RssAnon  <= 256 MiB + 4 MiB per registered pool   (gRPC, codec scratch, index, threads)

@@ -299,7 +299,7 @@ TEST_F(MemoryIsolationTest, ReleaseWaitsForQueuedWorkThenTruncateIsHarmless) {
   }
   const PoolSpec spec = p.spec;
   ASSERT_TRUE(victim_->ReleasePool(p.handle).ok());
-  // The engine may free its buffer now (DESIGN.md): the work it queued is done, and none runs.
+  // The engine may free its buffer now (docs/design.md): the work it queued is done, and none runs.
   ASSERT_TRUE(Truncate(p.kv.shm().name()));
   it::TestPool other = Pool(*bystander_, o);
   for (const auto& k : keys) {

@@ -24,7 +24,7 @@
 //     M threads, each with its own HOST pool of namespace "rob-load" on one shared Client, run a
 //     random mix of Backup / Lookup / Restore / Evict of blocks drawn from U logical blocks (data
 //     and keys are functions of the block number, so every process can verify every block) for
-//     S seconds. Every restored block is checked against DESIGN.md's bound. Writes one line
+//     S seconds. Every restored block is checked against docs/design.md's bound. Writes one line
 //     "<op> <latency us>" per call to FILE and prints a summary line:
 //     "ops=N errors=E corrupt=C rejected=R partial_restores=P ...". Exit 0 when E = C = 0.
 #include <poll.h>

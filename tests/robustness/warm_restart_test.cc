@@ -1,4 +1,4 @@
-// "Nothing lost, nothing corrupted" across a daemon crash (DESIGN.md "Faults").
+// "Nothing lost, nothing corrupted" across a daemon crash (docs/design.md "Faults").
 //
 // KillNineMidStream: hiqcached is killed with SIGKILL while one thread streams sync backups and
 // another streams sync restores; restarted with the same --shm-name, --pool-bytes and socket, it

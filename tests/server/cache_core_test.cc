@@ -1,6 +1,6 @@
 // CacheCore with the HOST backend over real POSIX shared memory: the client's KV buffers and
 // event slots are shm objects this test creates, as an engine would. Covers the backup / lookup /
-// restore round trip (INT8 within the DESIGN.md bound, RAW bit-exact), block statuses, atomic
+// restore round trip (INT8 within the docs/design.md bound, RAW bit-exact), block statuses, atomic
 // rejection, status codes, HOST event slots, pool release, and lookups over a TP group of
 // namespaces named by their parts (also after a warm restart, before any pool registers again).
 #include "cache_core.h"

@@ -1,5 +1,5 @@
-// ClientWatcher: a watched process that exits is reported within a fraction of a second (DESIGN.md
-// "client death releases its mappings within 1 s"); live processes are not.
+// ClientWatcher: a watched process that exits is reported within a fraction of a second
+// (docs/design.md "client death releases its mappings within 1 s"); live processes are not.
 #include "client_watcher.h"
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
 // hiqcached's configuration (config.h): sizes, the embedded default, config files and flags
-// (DESIGN.md "Command line").
+// (docs/design.md "Command line").
 #include "config.h"
 
 #include "cache_core.h"

@@ -1,6 +1,6 @@
 // Request validation (registration.h): every malformed registration or transfer is rejected with
 // INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size limits) and a message naming the field; the
-// engine layouts DESIGN.md lists are accepted and give the right BlockLayout.
+// engine layouts docs/design.md lists are accepted and give the right BlockLayout.
 #include "registration.h"
 
 #include <gtest/gtest.h>

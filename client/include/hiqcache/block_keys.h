@@ -1,4 +1,4 @@
-// Block keys: the 16-byte ids under which hiqcached stores KV blocks (DESIGN.md "Keys").
+// Block keys: the 16-byte ids under which hiqcached stores KV blocks (docs/design.md "Keys").
 //
 // ComputeBlockKeys chains XXH3-128 over full blocks of tokens:
 //   key_{-1} = XXH3_128(salt)

@@ -1,4 +1,4 @@
-// hiqcache::Client: what an inference engine links to talk to hiqcached (DESIGN.md).
+// hiqcache::Client: what an inference engine links to talk to hiqcached (docs/design.md).
 //
 // The client is fail-open: hiqcached is a cache, and its absence must never stop inference.
 // Every call carries a deadline (ClientOptions). When the daemon is unreachable or answers with
@@ -151,7 +151,7 @@ struct PoolStats {
   uint32_t uid = 0;    // of the registering process (SO_PEERCRED of its session)
   bool owned = false;  // registered by the calling process; pool_id is 0 in other callers' pools
 };
-// The daemon's L3 store (DESIGN.md "Beyond one node (L3)"), counted since start (GetStats).
+// The daemon's L3 store (docs/design.md "Beyond one node (L3)"), counted since start (GetStats).
 // enabled is false, and every field 0, when the daemon has no L3.
 struct L3Stats {
   bool enabled = false;

@@ -1,4 +1,4 @@
-// CUDA-backend helpers for engines whose KV pool lives in GPU memory (DESIGN.md "Data flow"):
+// CUDA-backend helpers for engines whose KV pool lives in GPU memory (docs/design.md "Data flow"):
 // export the KV buffers to hiqcached through CUDA IPC, and complete work through ticket slots.
 //
 //   CudaRuntimeMemory()  the CudaMemoryInfo of this process's CUDA runtime: allocation bases

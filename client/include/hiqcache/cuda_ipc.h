@@ -1,7 +1,7 @@
 // The CUDA pieces of a RegisterPool request that need no CUDA to build or test: the 64-byte wire
 // form of IPC handles, GPU UUID strings, and the bookkeeping that turns tensors given as device
-// pointers into SharedBuffers of allocation bases plus view offsets (DESIGN.md "Wire contract",
-// STYLE.md 7: export the allocation base plus an offset).
+// pointers into SharedBuffers of allocation bases plus view offsets (docs/design.md "Wire
+// contract", STYLE.md 7: export the allocation base plus an offset).
 //
 // Part of hiq_client in every build. The CUDA runtime's answers come through CudaMemoryInfo;
 // hiqcache/cuda_export.h (library hiq_client_cuda, built only with CUDA) provides the real one,

@@ -118,7 +118,7 @@ typedef struct hiq_buffer {
   uint64_t size_bytes;
 } hiq_buffer;
 
-/* DESIGN.md TensorView: head h of row r at base(buffer) + offset_bytes + p * page_stride_bytes
+/* docs/design.md TensorView: head h of row r at base(buffer) + offset_bytes + p * page_stride_bytes
  * + t * row_stride_bytes + h * head_stride_bytes (p, t = r / page_rows, r % page_rows). */
 typedef struct hiq_tensor_view {
   uint32_t buffer;

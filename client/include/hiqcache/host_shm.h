@@ -1,5 +1,5 @@
 // HOST-backend helpers: POSIX shared memory that an engine (or a test, or the demo) shares with
-// hiqcached when KV lives in CPU memory (DESIGN.md "HOST").
+// hiqcached when KV lives in CPU memory (docs/design.md "HOST").
 //
 //   HostShm        RAII shm object: create (unlinked again on destruction), open, or a memfd
 //                  (sealed against shrinking; reaches the daemon only by fd over a session),

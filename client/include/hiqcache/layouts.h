@@ -1,4 +1,4 @@
-// TensorViews for the KV layouts of common engines (DESIGN.md TensorView).
+// TensorViews for the KV layouts of common engines (docs/design.md TensorView).
 //
 //   SGLang  MHATokenToKVPool: per layer, K and V each [slots, heads, head_dim]
 //   vLLM    paged:            per layer, K and V each [blocks, block_size, heads, head_dim]

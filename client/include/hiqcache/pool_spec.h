@@ -1,6 +1,6 @@
 // What an engine tells hiqcached about its KV pool: geometry, shared buffers, per-layer views and
-// events. Plain C++ mirrors of RegisterPoolRequest's pieces (DESIGN.md "Wire contract"), so that
-// engine code includes no protobuf headers. Value types; thread-safe to copy between threads.
+// events. Plain C++ mirrors of RegisterPoolRequest's pieces (docs/design.md "Wire contract"), so
+// that engine code includes no protobuf headers. Value types; thread-safe to copy between threads.
 #pragma once
 
 #include <cstdint>
@@ -45,7 +45,7 @@ struct Geometry {
   uint64_t BytesPerToken() const { return uint64_t{num_layers} * Planes() * RowBytes(); }
 };
 
-// A strided view of one K, V or latent tensor (DESIGN.md TensorView). Row r is page
+// A strided view of one K, V or latent tensor (docs/design.md TensorView). Row r is page
 // p = r / page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0, t = r; head h of
 // row r starts at base(buffer) + offset_bytes + p * page_stride_bytes + t * row_stride_bytes +
 // h * head_stride_bytes (head_stride_bytes 0 = head_dim elements) and holds head_dim elements.
