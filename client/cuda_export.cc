@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "hiqcache/cuda_status.h"
 #include "hiqcache/log.h"
 
 namespace hiqcache {
@@ -24,31 +25,11 @@ static_assert(std::endian::native == std::endian::little,
 
 namespace {
 
-std::string ErrorText(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
-}
-
-// A failed runtime call as a Status; clears the (non-sticky) error.
-Status FromCuda(cudaError_t err, const std::string& what) {
-  if (err == cudaSuccess) return Status::Ok();
-  (void)cudaGetLastError();
-  StatusCode code = StatusCode::kInternal;
-  if (err == cudaErrorMemoryAllocation) code = StatusCode::kResourceExhausted;
-  if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
-      err == cudaErrorInvalidDevice) {
-    code = StatusCode::kInvalidArgument;
-  }
-  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
-    code = StatusCode::kFailedPrecondition;
-  }
-  return Status(code, what + ": " + ErrorText(err));
-}
-
 void LogIfError(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return;
   (void)cudaGetLastError();
   if (err == cudaErrorCudartUnloading) return;  // process exit: the driver frees everything
-  HIQ_LOG(WARN) << "hiqcache client: " << what << " failed: " << ErrorText(err);
+  HIQ_LOG(WARN) << "hiqcache client: " << what << " failed: " << CudaErrorText(err);
 }
 
 // Makes `device` current for the scope, then restores the caller's device.
@@ -232,9 +213,9 @@ bool CudaClientAvailable(std::string* why) {
     reason = "no CUDA device visible";
     if (visible != nullptr) reason += std::string(" (CUDA_VISIBLE_DEVICES='") + visible + "')";
   } else if (err != cudaSuccess) {
-    reason = "cudaGetDeviceCount: " + ErrorText(err);
+    reason = "cudaGetDeviceCount: " + CudaErrorText(err);
   } else if ((err = cudaFree(nullptr)) != cudaSuccess) {
-    reason = "cannot create a CUDA context: " + ErrorText(err);
+    reason = "cannot create a CUDA context: " + CudaErrorText(err);
   }
   if (reason.empty()) return true;
   (void)cudaGetLastError();

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "hiqcache/cuda_status.h"
 #include "hiqcache/log.h"
 
 namespace hiqcache::kernels {
@@ -21,26 +22,6 @@ static_assert(std::is_same_v<cudaEvent_t, CUevent_st*>);
 
 namespace {
 
-std::string ErrorText(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
-}
-
-// Turns a failed runtime call into a Status and clears the (non-sticky) error.
-Status FromCuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  cudaGetLastError();
-  StatusCode code = StatusCode::kInternal;
-  if (err == cudaErrorMemoryAllocation) code = StatusCode::kResourceExhausted;
-  if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
-      err == cudaErrorInvalidDevice) {
-    code = StatusCode::kInvalidArgument;
-  }
-  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
-    code = StatusCode::kFailedPrecondition;
-  }
-  return Status(code, std::string(what) + ": " + ErrorText(err));
-}
-
 // For destructors: never throws; logs and clears.
 void LogIfError(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return;
@@ -48,7 +29,7 @@ void LogIfError(cudaError_t err, const char* what) {
   // At process exit the runtime may be torn down before a static owner: the driver releases
   // everything anyway, so that is not worth a warning.
   if (err == cudaErrorCudartUnloading) return;
-  HIQ_LOG(WARN) << what << " failed: " << ErrorText(err);
+  HIQ_LOG(WARN) << what << " failed: " << CudaErrorText(err);
 }
 
 template <typename Handle>

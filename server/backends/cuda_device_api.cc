@@ -10,6 +10,7 @@
 
 #include "codec_cuda.h"
 #include "cuda_handles.h"
+#include "hiqcache/cuda_status.h"
 #include "hiqcache/log.h"
 
 namespace hiqcache::server {
@@ -20,50 +21,11 @@ static_assert(sizeof(cudaIpcMemHandle_t) == 64, "the wire format carries 64-byte
 cudaStream_t S(DeviceStream s) { return static_cast<cudaStream_t>(s.ptr); }
 cudaEvent_t E(DeviceEvent e) { return static_cast<cudaEvent_t>(e.ptr); }
 
-// Errors after which the context is unusable for the rest of the process (CUDA runtime API
-// documentation: "the process must be terminated and relaunched").
-bool IsSticky(cudaError_t err) {
-  switch (err) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchFailure:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorUnknown:
-    case cudaErrorContextIsDestroyed:
-    case cudaErrorDevicesUnavailable:
-    case cudaErrorSystemNotReady:
-    case cudaErrorNvlinkUncorrectable:
-      return true;
-    default:
-      return false;
-  }
-}
-
-Status FromCuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  (void)cudaGetLastError();  // clears a non-sticky error; a sticky one stays regardless
-  const std::string text =
-      std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-  if (IsSticky(err)) return DataLoss(text);
-  if (err == cudaErrorMemoryAllocation) return ResourceExhausted(text);
-  if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
-      err == cudaErrorInvalidDevice) {
-    return InvalidArgument(text);
-  }
-  return Internal(text);
-}
-
 // A launcher's Status (kernels/codec_cuda.h) with a sticky launch error reclassified.
 Status FromLauncher(const Status& st) {
   if (st.ok()) return st;
   const cudaError_t last = cudaPeekAtLastError();
-  if (IsSticky(last)) return DataLoss(st.message());
+  if (IsStickyCudaError(last)) return DataLoss(st.message());
   return st;
 }
 
@@ -76,7 +38,8 @@ void LogIfError(cudaError_t err, const char* what) {
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using StreamWriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-// The driver's errors after which the context is lost, as FromCuda's runtime ones.
+// The driver's errors after which the context is lost, as FromCuda's (hiqcache/cuda_status.h)
+// runtime ones.
 Status FromDriver(CUresult res, const char* what) {
   if (res == CUDA_SUCCESS) return Status::Ok();
   const std::string text = std::string(what) + " failed with CUresult " +
