@@ -3,8 +3,9 @@
 # (CUDA backend included when nvcc is present) and runs every test. Tests labelled `gpu` skip
 # where no GPU is visible.
 #
-# Then the Python stage (HIQ_PYTHON_TESTS=0 skips it) and three checking stages, each in its own build directory beside BUILD_DIR (CUDA and
-# benchmarks off, -O1), each timed:
+# Then the Python stage (HIQ_PYTHON_TESTS=0 skips it) and three checking stages, each in its own
+# build directory beside BUILD_DIR (CUDA and benchmarks off, -O1), each timed. The tests of the
+# asan and tsan stages are the ctest labels asan and tsan (hiq_sanitize in tests/*/CMakeLists.txt):
 #   asan  g++ -fsanitize=address,undefined: the daemon core's unit tests, a subset of the
 #         integration tests and the robustness tests, against the ASan daemon of that directory
 #   fuzz  clang, HIQ_FUZZ=ON: the request fuzzer (libFuzzer + ASan + UBSan) for HIQ_FUZZ_SECONDS
@@ -69,29 +70,21 @@ configure_check() {
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 asan_dir=${HIQ_ASAN_DIR:-$root/build-asan}
-asan_tests=(block_store_test registration_test config_test transfer_engine_test cache_core_test
-            client_watcher_test namespace_table_test
-            roundtrip_test bad_input_test
-            warm_restart_test client_death_test security_test
-            codec_cuda_emulation_test
-            session_listener_test client_memory_guard_test host_backend_test pool_region_test
-            memory_isolation_test poisoned_pool_test quota_fairness_test socket_trust_test
-            connection_limits_test pod_isolation_test peer_placement_test)
+# The tests of a checking stage are those labelled for it where they are defined
+# (hiq_sanitize in tests/*/CMakeLists.txt): listed from the configured tree, built, and run.
+labelled() {  # dir label: the names of the tests with that label
+  (cd "$1" && ctest -N -L "^$2\$" | sed -n 's/^ *Test *#[0-9]*: //p')
+}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 if has asan; then
   t=$(date +%s)
   CC=gcc CXX=g++ configure_check "$asan_dir" -DHIQ_SANITIZE=address,undefined
-  # The L3 store (its RESP reader, value format, tier, and daemons on a real cluster) where
-  # hiredis is installed.
-  if cmake --build "$asan_dir" --target help | grep -q l3_tier_test; then
-    asan_tests+=(l3_value_test redis_cluster_test l3_tier_test l3_daemon_test)
-  fi
+  mapfile -t asan_tests < <(labelled "$asan_dir" asan)
   cmake --build "$asan_dir" -j "$jobs" --target hiqcached hiq_it_peer hiq_rob_worker "${asan_tests[@]}"
   stage_done asan-build "$t"
   t=$(date +%s)
-  regex="^($(IFS='|'; echo "${asan_tests[*]}"))\$"
-  (cd "$asan_dir" && ctest --output-on-failure --timeout 600 -j "${HIQ_TEST_JOBS:-2}" -R "$regex")
+  (cd "$asan_dir" && ctest --output-on-failure --timeout 600 -j "${HIQ_TEST_JOBS:-2}" -L '^asan$')
   stage_done asan-tests "$t"
 fi
 
@@ -136,25 +129,20 @@ elif has fuzz; then
 fi
 
 tsan_dir=${HIQ_TSAN_DIR:-$root/build-tsan}
-tsan_tests=(thread_pool_test transfer_engine_test client_failopen_test load_test)
 if has tsan; then
   t=$(date +%s)
   CC=gcc CXX=g++ configure_check "$tsan_dir" -DHIQ_SANITIZE=thread
-  # The L3 tier's threads (writers, eviction sink, readers) where hiredis is installed.
-  if cmake --build "$tsan_dir" --target help | grep -q l3_tier_test; then
-    tsan_tests+=(l3_tier_test)
-  fi
+  mapfile -t tsan_tests < <(labelled "$tsan_dir" tsan)
   cmake --build "$tsan_dir" -j "$jobs" --target hiqcached hiq_rob_worker "${tsan_tests[@]}"
   stage_done tsan-build "$t"
   t=$(date +%s)
-  regex="^($(IFS='|'; echo "${tsan_tests[*]}"))\$"
   # gRPC, abseil and protobuf are not instrumented: accesses inside them are not checked, and
   # their hand-overs between threads that TSan cannot see are suppressed
   # (tests/robustness/tsan.supp); hiqcache's own code is checked in full.
   (cd "$tsan_dir" &&
    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$root/tests/robustness/tsan.supp" \
    HIQ_LOAD_SECONDS=${HIQ_TSAN_LOAD_SECONDS:-5} \
-   ctest --output-on-failure --timeout 600 -j 1 -R "$regex")
+   ctest --output-on-failure --timeout 600 -j 1 -L '^tsan$')
   stage_done tsan-tests "$t"
 fi
 
