@@ -4,7 +4,7 @@
 // Every public method validates its whole request before touching the store, a buffer or an
 // event; a rejected request changes nothing. Includes neither gRPC nor CUDA. Thread-safe.
 //
-// Isolation (issue 12):
+// Isolation:
 //   - Ownership. A pool belongs to the caller that registered it (requests.h Caller). Backup,
 //     Restore, Lookup(pool_id), Evict and ReleasePool on a pool the caller does not own answer
 //     NOT_FOUND with the text of an unknown pool. An authenticated caller owns the pools its

@@ -1,4 +1,4 @@
-// libFuzzer target over pool images (issue 12: "the pool cannot be poisoned"): whatever bytes a
+// libFuzzer target over pool images (README: "the pool cannot be poisoned"): whatever bytes a
 // pool holds when the daemon starts, the rebuild neither crashes nor reads or writes outside the
 // pool, drops what does not fit, and leaves a store that serves.
 //

@@ -1,4 +1,4 @@
-// L3 through real daemons (issue 15, phase 2): two hiqcached processes with separate pools (their
+// L3 through real daemons: two hiqcached processes with separate pools (their
 // own shm names and sockets) on one real Redis Cluster stand for two nodes. Node A's client backs
 // up blocks, A writes them through to L3; node B's client finds them by Lookup (an L2 miss, an L3
 // hit) and Restore promotes them into B's pool and restores them (RAW bit-exact, INT8 within

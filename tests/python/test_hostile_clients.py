@@ -1,6 +1,6 @@
-"""Hostile local clients against the real daemon (issue: isolation). Victims and attackers are
-separate processes of separate uids (the test runs as root and starts them with user=), each a
-hostile_actor.py speaking raw gRPC plus the session socket.
+"""Hostile local clients against the real daemon (README "Isolation between clients"). Victims
+and attackers are separate processes of separate uids (the test runs as root and starts them
+with user=), each a hostile_actor.py speaking raw gRPC plus the session socket.
 
 What must hold: a pool belongs to the process and uid that registered it (others get NOT_FOUND,
 and GetStats does not list it); blocks never flow between uids; Drain needs an admin; memory

@@ -1,5 +1,5 @@
-// No client memory access can kill the daemon, and memory comes with proof of access (issue 12,
-// findings 2, 4 and 5), against the real hiqcached:
+// No client memory access can kill the daemon, and memory comes with proof of access, against
+// the real hiqcached:
 //  - a client truncates its KV object after registering, before a Backup or a Restore, or while
 //    a large Backup runs; or its event object before the daemon signals an asynchronous request.
 //    Without the SIGBUS guard each of these killed the daemon. Now the request fails (or the

@@ -1,4 +1,4 @@
-// A poisoned pool cannot stop a restart (issue 12, finding 3; "the pool cannot be poisoned").
+// A poisoned pool cannot stop a restart (README: "the pool cannot be poisoned").
 //
 // PoisonedHeadersAreDroppedAndTheRestIsKept: a real daemon fills three namespaces (one ~64 MiB
 // extent each) and is stopped. Header fields are then corrupted directly in /dev/shm/<pool>:

@@ -1,5 +1,5 @@
-// Quotas, pinning, amplification and fairness, and namespace churn against the real daemon (issue
-// 12 findings 6, 7, 8 and 9), through the real client library.
+// Quotas, pinning, amplification and fairness, and namespace churn against the real daemon,
+// through the real client library.
 //
 //   - Map exhaustion: registrations of 4,096 buffers each (one shm object named 4,096 times, each
 //     its own mapping) reached the kernel's map limit in ~16 RPCs; now the client's quota

@@ -1197,8 +1197,8 @@ TEST_F(PoisonedPoolTest, UntouchedPoolKeepsEverything) {
   EXPECT_EQ(Held(b_, 100), kBlocks);
 }
 
-// Issue 12 finding 3: payload_bytes = 2^64-1 makes SlotBytesFor wrap to 64, so an extent of
-// 64-byte "slots" passed the old check, and its first block was hashed over 2^64-1 bytes.
+// payload_bytes = 2^64-1 would make SlotBytesFor wrap to 64: an extent of 64-byte "slots" that
+// a size check alone passes, whose first block would be hashed over 2^64-1 bytes.
 TEST_F(PoisonedPoolTest, PayloadBytesThatWrapTheSlotSize) {
   const uint64_t huge = ~uint64_t{0};
   ASSERT_EQ(SlotBytesFor(huge), kBlockHeaderBytes);  // the wrap the check must not trust

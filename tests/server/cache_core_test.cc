@@ -739,9 +739,9 @@ TEST_F(CacheCoreTest, WaitEventTimeoutStoresNothing) {
 }
 
 TEST_F(CacheCoreTest, StalledAsyncBackupReservesNothing) {
-  // Issue 12 finding 8: an async backup whose wait_event never comes reserved its slots on
-  // arrival and held them for the wait timeout, so other clients' blocks were rejected (or
-  // evicted). Reservations are taken when the task starts: while it waits it holds nothing.
+  // An async backup whose wait_event never comes must not hold slots for the wait timeout
+  // (other clients' blocks would be rejected or evicted): reservations are taken when the task
+  // starts, so while it waits it holds nothing.
   // A pool of exactly 3 blocks.
   const uint64_t slot = SlotBytesFor(528 * kBlockTokens);
   Build(300ms, PoolMetaBytes(1 << 20) + kExtentHeaderBytes + 3 * slot + slot / 2);
@@ -1345,7 +1345,7 @@ TEST_F(GroupLookupTest, DrainingIsUnavailable) {
 
 
 // ---------------------------------------------------------------------------------------------
-// Isolation (issue 12): ownership, namespace scope, quotas, fair service, namespace lifetime.
+// Isolation: ownership, namespace scope, quotas, fair service, namespace lifetime.
 
 Caller Authenticated(uint64_t session, uint32_t pid, uint32_t uid) {
   Caller c;
@@ -1757,7 +1757,7 @@ TEST_F(IsolationTest, AFailedSubTaskReachesTheEventsAndLaterSubTasksWriteNothing
 
 TEST_F(IsolationTest, OneClientsLongRestoreDoesNotStarveAnother) {
   // One worker. Client A restores many blocks, client B one; B's answer must not wait for all
-  // of A's work (issue 12 finding 9: it waited for whole requests of other clients).
+  // of A's work (waiting for whole requests of other clients is what fair service prevents).
   CoreOptions options;
   options.transfer_workers = 1;
   options.transfer_chunk_blocks = 1;

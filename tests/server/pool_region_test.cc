@@ -116,8 +116,8 @@ TEST(PoolRegionTest, SmallPoolOpensPrefaultsAndReopens) {
 namespace hiqcache::server {
 namespace {
 
-// Issue 12 ("the pool cannot be poisoned"): an object another user planted under the pool's
-// name in the world-writable /dev/shm would give that user a writable mapping of the pool.
+// The pool cannot be poisoned: an object another user planted under the pool's name in the
+// world-writable /dev/shm would give that user a writable mapping of the pool.
 TEST(PoolRegionOwnerTest, RefusesAnObjectAnotherUserCreated) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another user";
   const std::string bare = UniqueName("foreign");

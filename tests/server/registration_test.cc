@@ -632,7 +632,7 @@ TEST(ValidateRegistrationTest, EventsNeedAShmName) {
 }
 
 TEST(ValidateRegistrationTest, OverflowErrorsNameTheFieldThatOverflows) {
-  // Issue 12 finding 10: an offset that overflows was reported as row_stride_bytes.
+  // An offset that overflows is reported as the offset, not as row_stride_bytes.
   RegisterSpec s = SglangSpec(1, 2, 64, 16, 4);
   s.buffers[0].size_bytes = std::numeric_limits<uint64_t>::max();
   {
