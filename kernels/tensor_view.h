@@ -4,8 +4,8 @@
 // else p = 0, t = r. Head h of row r starts at
 //   base + p * page_stride + t * row_stride + h * head_stride
 // and holds head_dim contiguous BF16/FP16 elements (docs/design.md TensorView). `base` already
-// includes the view's offset_bytes. Bounds are checked once, at registration (view_bounds.h);
-// executors index without checks. Value type; thread-safe.
+// includes the view's offset_bytes. Bounds are checked once, at registration (ViewEnd in
+// server/core/registration.h); executors index without checks. Value type; thread-safe.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // The daemon's requests as plain structs, independent of gRPC: the transport converts protobuf
 // messages into these field by field (no checks), and the core validates them in full before it
-// reads or writes anything (request_validation.h). Value types.
+// reads or writes anything (registration.h). Value types.
 #pragma once
 
 #include <chrono>
