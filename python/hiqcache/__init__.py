@@ -21,7 +21,8 @@ __all__ = [
     "Attention", "BackupResult", "BlockKey", "BlockStatus", "Client", "Codec", "DType",
     "DaemonStats", "DeviceKind", "EVENT_FAILED_BIT", "EventPoolSpec", "Geometry", "HiqError",
     "HostEventPool", "HostShm", "L3Stats", "LayerView", "LookupResult", "NamespaceRef",
-    "NamespaceStats", "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "SharedBuffer", "Status",
-    "StatusCode", "TensorView", "chain_block_key", "compute_block_keys", "default_socket_path",
-    "normalize_target", "root_block_key", "slot_major_bytes", "slot_major_view",
+    "NamespaceStats", "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "Session",
+    "SessionError", "SharedBuffer", "Status", "StatusCode", "TensorView", "chain_block_key",
+    "compute_block_keys", "default_socket_path", "normalize_target", "root_block_key",
+    "slot_major_bytes", "slot_major_view",
 ]
