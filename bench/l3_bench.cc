@@ -86,8 +86,8 @@ struct PlainConnections {
 void ValueFormatCost(size_t payload_bytes, uint32_t reps) {
   std::vector<uint8_t> payload(payload_bytes);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
-  l3::NamespaceHash ns{};
-  l3::L3BlockKey key{};
+  hiqcache::NamespaceHash ns{};
+  hiqcache::BlockKey key{};
   const l3::L3MacKeys mac{std::string(32, 'k'), ""};
   const uint64_t checksum = l3::L3Checksum(payload);
   std::string value;
@@ -219,14 +219,14 @@ int main(int argc, char** argv) {
   const auto absent = hiqcache::ComputeBlockKeys(other_ids, block_tokens, "l3");  // never stored
 
   // The values' names and their masters, from the namespace id (its first 16 bytes, hex).
-  l3::NamespaceHash ns{};
+  hiqcache::NamespaceHash ns{};
   for (int i = 0; i < 16; ++i) {
     ns[i] = static_cast<uint8_t>(std::stoul(info->namespace_id.substr(2 * i, 2), nullptr, 16));
   }
   std::vector<std::string> names;
   std::vector<int> master_port;
   for (const auto& k : keys) {
-    l3::L3BlockKey lk;
+    hiqcache::BlockKey lk;
     std::memcpy(lk.data(), k.data(), 16);
     names.push_back(l3::L3Key("hiq:", ns, lk));
     const auto* m = cluster.MasterOfSlot(l3::KeySlot(names.back()));

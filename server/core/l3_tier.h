@@ -24,8 +24,6 @@
 
 namespace hiqcache::server {
 
-using NamespaceHash = std::array<uint8_t, 16>;  // NamespaceInfo::hash
-
 struct L3Stats {
   bool enabled = false;
   uint64_t lookup_hits = 0;      // blocks a Lookup found in L3 after its L2 prefix

@@ -38,7 +38,7 @@ std::string NamespaceDesc::CanonicalText() const {
 
 namespace {
 
-std::array<uint8_t, 16> HashOfText(const std::string& text) {
+NamespaceHash HashOfText(const std::string& text) {
   XXH128_canonical_t canon;
   XXH128_canonicalFromHash(&canon, XXH3_128bits(text.data(), text.size()));
   std::array<uint8_t, 16> hash;
@@ -48,7 +48,7 @@ std::array<uint8_t, 16> HashOfText(const std::string& text) {
 
 }  // namespace
 
-std::array<uint8_t, 16> NamespaceDesc::Hash() const { return HashOfText(CanonicalText()); }
+NamespaceHash NamespaceDesc::Hash() const { return HashOfText(CanonicalText()); }
 
 NamespaceTable::Entry& NamespaceTable::InternLocked(const NamespaceDesc& desc) {
   std::string text = desc.CanonicalText();

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hiqcache/block_id.h"
 #include "record_format.h"
 
 namespace hiqcache::server {
@@ -47,13 +48,13 @@ struct NamespaceDesc {
   std::string CanonicalText() const;
   // XXH3-128 of CanonicalText(): the namespace's id on the wire and in the pool's extent headers,
   // by which a restarted daemon's store recognizes the namespace's blocks (block_store.h).
-  std::array<uint8_t, 16> Hash() const;
+  NamespaceHash Hash() const;
 };
 
 struct NamespaceInfo {
   uint32_t id = 0;
   NamespaceDesc desc;
-  std::array<uint8_t, 16> hash{};
+  NamespaceHash hash{};
   std::string hex_id;  // 32 hex digits of `hash`
 };
 

@@ -8,8 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "block_store.h"
-
 namespace hiqcache::server {
 
 // Who sent a request, as the kernel reported it: SO_PEERCRED of the caller's session socket

@@ -53,7 +53,7 @@ uint64_t L3Checksum(std::span<const uint8_t> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
-std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const L3BlockKey& key) {
+std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const BlockKey& key) {
   std::string out(prefix);
   out += Hex(ns.data(), ns.size());
   out += ':';
@@ -61,7 +61,7 @@ std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const L3Bloc
   return out;
 }
 
-void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
+void EncodeL3ValueInto(const NamespaceHash& ns, const BlockKey& key,
                        std::span<const uint8_t> payload, uint64_t payload_checksum,
                        std::string* out, const L3MacKeys* mac) {
   const size_t trailer = L3TrailerBytes(mac);
@@ -84,20 +84,20 @@ void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
   }
 }
 
-std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+std::string EncodeL3Value(const NamespaceHash& ns, const BlockKey& key,
                           std::span<const uint8_t> payload, uint64_t payload_checksum) {
   std::string out;
   EncodeL3ValueInto(ns, key, payload, payload_checksum, &out);
   return out;
 }
 
-std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+std::string EncodeL3Value(const NamespaceHash& ns, const BlockKey& key,
                           std::span<const uint8_t> payload) {
   return EncodeL3Value(ns, key, payload, L3Checksum(payload));
 }
 
 StatusOr<std::span<const uint8_t>> DecodeL3Value(std::string_view value, const NamespaceHash& ns,
-                                                 const L3BlockKey& key,
+                                                 const BlockKey& key,
                                                  uint64_t expected_payload_bytes,
                                                  const L3MacKeys* mac) {
   if (value.size() < kL3ValueHeaderBytes) {

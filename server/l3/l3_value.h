@@ -25,12 +25,10 @@
 #include <string>
 #include <string_view>
 
+#include "hiqcache/block_id.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server::l3 {
-
-using NamespaceHash = std::array<uint8_t, 16>;  // NamespaceInfo::hash
-using L3BlockKey = std::array<uint8_t, 16>;     // BlockKey
 
 constexpr uint32_t kL3ValueMagic = 0x334C5148u;  // "HQL3"
 constexpr uint16_t kL3ValueVersion = 1;     // no MAC
@@ -74,18 +72,18 @@ uint64_t L3Checksum(std::span<const uint8_t> bytes);
 
 // The Redis key of block `key` of namespace `ns`. `prefix` separates fleets that share a cluster
 // (e.g. "hiq:"); it carries no hash tag, so blocks spread over every slot.
-std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const L3BlockKey& key);
+std::string L3Key(std::string_view prefix, const NamespaceHash& ns, const BlockKey& key);
 
 // Header + payload. `payload_checksum` is XXH3-64 of `payload` when the caller already has it
 // (the pool's block header); otherwise use the overload that computes it.
-std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+std::string EncodeL3Value(const NamespaceHash& ns, const BlockKey& key,
                           std::span<const uint8_t> payload, uint64_t payload_checksum);
-std::string EncodeL3Value(const NamespaceHash& ns, const L3BlockKey& key,
+std::string EncodeL3Value(const NamespaceHash& ns, const BlockKey& key,
                           std::span<const uint8_t> payload);
 // The same into `*out` (resized; a buffer reused at the same size is not cleared first, so no
 // page is touched twice). May throw std::bad_alloc.
 // With `mac` enabled: version 2, the tag under mac->current appended.
-void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
+void EncodeL3ValueInto(const NamespaceHash& ns, const BlockKey& key,
                        std::span<const uint8_t> payload, uint64_t payload_checksum,
                        std::string* out, const L3MacKeys* mac = nullptr);
 
@@ -97,7 +95,7 @@ void EncodeL3ValueInto(const NamespaceHash& ns, const L3BlockKey& key,
 // as `mac` requires: version 1 while a key is held, version 2 without one, or a tag that
 // verifies under neither key (checked in constant time before the payload is trusted).
 StatusOr<std::span<const uint8_t>> DecodeL3Value(std::string_view value, const NamespaceHash& ns,
-                                                 const L3BlockKey& key,
+                                                 const BlockKey& key,
                                                  uint64_t expected_payload_bytes = 0,
                                                  const L3MacKeys* mac = nullptr);
 

@@ -64,7 +64,7 @@ struct BlockStore::NsState {
   uint64_t payload_bytes = 0;
   uint64_t slot_bytes = 0;
   uint32_t slots_per_extent = 0;
-  std::array<uint8_t, 16> hash{};
+  NamespaceHash hash{};
   std::string text;
   // Whose the blocks are (NamespaceDesc::scope: a uid, or a uid and pod; "" when namespaces are
   // node-wide); an orphan of a rebuilt pool, not yet adopted, has none (kOrphanOwner).
@@ -210,7 +210,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
   }
   std::reverse(free_dir_slots_.begin(), free_dir_slots_.end());
   std::sort(order.begin(), order.end());
-  std::map<std::array<uint8_t, 16>, NsState*> by_hash;
+  std::map<NamespaceHash, NsState*> by_hash;
   std::vector<BlockEntry*> candidates;
   uint64_t cursor = meta_bytes_;
   for (const auto& [offset, slot] : order) {
@@ -221,7 +221,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       continue;
     }
     const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
-    std::array<uint8_t, 16> hash;
+    NamespaceHash hash;
     std::memcpy(hash.data(), eh->namespace_hash, 16);
     NsState*& ns = by_hash[hash];
     if (ns == nullptr) {
@@ -419,7 +419,7 @@ void BlockStore::DropOrphanLocked(
   namespaces_.erase(it);
 }
 
-bool BlockStore::HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const {
+bool BlockStore::HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, ns] : namespaces_) {
     if (id >= kFirstOrphanId && ns->hash == hash) {

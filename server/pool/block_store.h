@@ -32,12 +32,11 @@
 #include <unordered_set>
 #include <vector>
 
+#include "hiqcache/block_id.h"
 #include "namespace_table.h"
 #include "pool_format.h"
 
 namespace hiqcache::server {
-
-using BlockKey = std::array<uint8_t, 16>;
 
 struct BlockEntry;  // opaque to callers
 struct StoreExtent;
@@ -131,7 +130,7 @@ class BlockStore {
   // AddNamespace has adopted yet, and at least one of them is still held: what AddNamespace of a
   // namespace with that hash would adopt. Lets a caller that must not create namespaces for
   // nothing (a lookup) create one only when the pool holds its blocks.
-  bool HoldsOrphan(const std::array<uint8_t, 16>& hash, uint64_t payload_bytes) const;
+  bool HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) const;
   // Forgets namespace `ns_id` (the entry AddNamespace created, with its counters) when it holds
   // no block: none committed, none reserved for a write, none evicted but still pinned. Its
   // extents, all slots free, go back to the pool's free space, so the id may later be added
@@ -210,7 +209,7 @@ class BlockStore {
   // A committed block the store is about to evict to make room (the L3 tier's on_evict policy
   // copies it out). `payload` is valid only during the call.
   struct EvictedBlock {
-    const std::array<uint8_t, 16>& ns_hash;  // NamespaceInfo::hash
+    const NamespaceHash& ns_hash;  // NamespaceInfo::hash
     const BlockKey& key;
     std::span<const uint8_t> payload;
     uint64_t checksum;  // the block header's payload checksum (XXH3-64)

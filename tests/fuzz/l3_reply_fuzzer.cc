@@ -78,8 +78,8 @@ Outcome Parse(std::string_view in, size_t max_bulk, const std::vector<size_t>& s
 void CheckValue(const std::string& v) {
   // The namespace and key it claims (when it is long enough to claim any), so that the decoder
   // is taken past its identity checks.
-  l3::NamespaceHash ns{};
-  l3::L3BlockKey key{};
+  hiqcache::NamespaceHash ns{};
+  hiqcache::BlockKey key{};
   uint64_t claimed = 0;
   if (v.size() >= l3::kL3ValueHeaderBytes) {
     l3::L3ValueHeader h;

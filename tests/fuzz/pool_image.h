@@ -55,8 +55,8 @@ inline std::vector<server::NamespaceInfo> KnownNamespaces() {
 }
 
 // Key i of the seeds' blocks.
-inline server::BlockKey SeedKey(uint64_t i) {
-  server::BlockKey k{};
+inline hiqcache::BlockKey SeedKey(uint64_t i) {
+  hiqcache::BlockKey k{};
   for (int b = 0; b < 16; ++b) k[b] = static_cast<uint8_t>(i * 37 + b * 11 + 1);
   return k;
 }

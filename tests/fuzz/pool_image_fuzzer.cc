@@ -32,7 +32,7 @@
 namespace hiqcache::fuzz {
 namespace {
 
-using server::BlockKey;
+using hiqcache::BlockKey;
 using server::BlockStore;
 using server::NamespaceInfo;
 

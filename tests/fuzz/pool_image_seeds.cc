@@ -23,8 +23,8 @@ using hiqcache::server::NamespaceInfo;
 std::vector<NamespaceInfo> known;
 
 void Put(BlockStore& store, const NamespaceInfo& ns, uint64_t key, bool commit = true) {
-  const hiqcache::server::BlockKey k = hiqcache::fuzz::SeedKey(key);
-  auto r = store.ReserveWrites(ns.id, std::span<const hiqcache::server::BlockKey>(&k, 1));
+  const hiqcache::BlockKey k = hiqcache::fuzz::SeedKey(key);
+  auto r = store.ReserveWrites(ns.id, std::span<const hiqcache::BlockKey>(&k, 1));
   if (r[0].outcome != BlockStore::WriteOutcome::kReserved) return;
   const size_t n = ns.desc.layout.BlockBytes();
   for (size_t b = 0; b < n; ++b) r[0].payload[b] = static_cast<uint8_t>(key * 13 + b);
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   // Churn: a namespace's blocks evicted and the namespace removed, its extents reused by
   // another; blocks written over evicted ones.
   ok &= Write(dir, "churn", 0, [](BlockStore& s) {
-    std::vector<hiqcache::server::BlockKey> keys;
+    std::vector<hiqcache::BlockKey> keys;
     for (uint64_t i = 0; i < 120; ++i) {
       Put(s, known[0], i);
       Put(s, known[1], 1000 + i);
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     s.Evict(known[1].id, keys);
     s.RemoveNamespace(known[1].id);
     for (uint64_t i = 0; i < 60; ++i) Put(s, known[2], i % 3 == 0 ? i % 8 : 2000 + i);
-    std::vector<hiqcache::server::BlockKey> some;
+    std::vector<hiqcache::BlockKey> some;
     for (uint64_t i = 8; i < 40; ++i) some.push_back(hiqcache::fuzz::SeedKey(i));
     s.Evict(known[0].id, some);
   });

@@ -158,11 +158,11 @@ class L3DaemonTest : public ::testing::Test {
   // writes it back by hand. "" or what failed.
   // The Redis key of block `key` of namespace `namespace_id` (hex), default prefix.
   static std::string L3Name(const std::string& namespace_id, const BlockKey& key) {
-    l3::NamespaceHash ns{};
+    hiqcache::NamespaceHash ns{};
     for (int i = 0; i < 16; ++i) {
       ns[i] = static_cast<uint8_t>(std::stoul(namespace_id.substr(2 * i, 2), nullptr, 16));
     }
-    l3::L3BlockKey k;
+    hiqcache::BlockKey k;
     std::memcpy(k.data(), key.data(), 16);
     return l3::L3Key("hiq:", ns, k);
   }
@@ -369,7 +369,7 @@ TEST_F(L3DaemonTest, PlantedValuesAreNotRestoredUnderAFleetKey) {
   // Block 1: the attacker's payload (A's with one byte changed) as an unkeyed value with valid
   // checksums. Block 2: A's keyed value with a payload byte and both checksums changed.
   const std::string ns_hex = pb->info.namespace_id;
-  l3::NamespaceHash ns{};
+  hiqcache::NamespaceHash ns{};
   for (int i = 0; i < 16; ++i) {
     ns[i] = static_cast<uint8_t>(std::stoul(ns_hex.substr(2 * i, 2), nullptr, 16));
   }
@@ -383,7 +383,7 @@ TEST_F(L3DaemonTest, PlantedValuesAreNotRestoredUnderAFleetKey) {
     std::vector<uint8_t> payload(got.str.begin() + l3::kL3ValueHeaderBytes,
                                  got.str.end() - l3::kL3MacBytes);
     payload[100] ^= 0x40;
-    l3::L3BlockKey k;
+    hiqcache::BlockKey k;
     std::memcpy(k.data(), keys[block].data(), 16);
     std::string forged = l3::EncodeL3Value(ns, k, payload);
     if (keep_tag) forged += got.str.substr(got.str.size() - l3::kL3MacBytes);

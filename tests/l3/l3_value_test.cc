@@ -27,8 +27,8 @@ NamespaceHash Ns(uint8_t v) {
   for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint8_t>(v + i);
   return h;
 }
-L3BlockKey Key(uint8_t v) {
-  L3BlockKey k;
+BlockKey Key(uint8_t v) {
+  BlockKey k;
   for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<uint8_t>(v * 7 + i);
   return k;
 }

@@ -224,7 +224,7 @@ TEST_F(ClusterTest, BlocksInTheValueFormatSurviveTheTrip) {
   std::vector<std::string> keys;
   std::vector<std::vector<uint8_t>> payloads;
   for (int b = 0; b < 8; ++b) {
-    L3BlockKey key{};
+    BlockKey key{};
     key[0] = static_cast<uint8_t>(b);
     std::vector<uint8_t> payload(256 << 10);  // 256 KiB blocks, binary
     for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * b + 3);
@@ -235,13 +235,13 @@ TEST_F(ClusterTest, BlocksInTheValueFormatSurviveTheTrip) {
   const auto got = c.MultiGet(keys);
   for (int b = 0; b < 8; ++b) {
     ASSERT_TRUE(got[b].status.ok() && got[b].found);
-    L3BlockKey key{};
+    BlockKey key{};
     key[0] = static_cast<uint8_t>(b);
     auto p = DecodeL3Value(got[b].value, ns, key, payloads[b].size());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     EXPECT_TRUE(std::equal(p->begin(), p->end(), payloads[b].begin()));
     // Block b+1's value read as block b: foreign key.
-    L3BlockKey other{};
+    BlockKey other{};
     other[0] = static_cast<uint8_t>(b + 1);
     EXPECT_EQ(DecodeL3Value(got[b].value, ns, other).status().code(), StatusCode::kDataLoss);
   }

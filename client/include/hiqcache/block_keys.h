@@ -16,9 +16,9 @@
 #include <string_view>
 #include <vector>
 
-namespace hiqcache {
+#include "hiqcache/block_id.h"
 
-using BlockKey = std::array<uint8_t, 16>;
+namespace hiqcache {
 
 // Keys of the floor(tokens.size() / block_tokens) full blocks. Empty when block_tokens is 0.
 std::vector<BlockKey> ComputeBlockKeys(std::span<const uint32_t> tokens, uint32_t block_tokens,
