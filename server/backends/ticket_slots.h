@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "hiqcache/status.h"
+#include "requests.h"
 
 namespace hiqcache::server {
 
@@ -32,10 +33,6 @@ constexpr uint64_t kTicketFailedBit = 1ull << 63;
 // Slot values whose ticket part reaches this are reset at registration: no daemon issues such
 // tickets (one per request, from 1), and continuing from one would run tickets into bit 63.
 constexpr uint64_t kTicketLimit = 1ull << 62;
-
-// When the caller of a request gave up (its gRPC deadline): work that has not started by then
-// never touches the engine's memory. time_point::max() = no deadline.
-using CallerDeadline = std::chrono::steady_clock::time_point;
 
 class TicketSlots {
  public:

@@ -10,6 +10,10 @@
 
 namespace hiqcache::server {
 
+// When the caller of a request gave up (its gRPC deadline): work that has not started by then
+// never touches the engine's memory. time_point::max() = no deadline.
+using CallerDeadline = std::chrono::steady_clock::time_point;
+
 // Who sent a request, as the kernel reported it: SO_PEERCRED of the caller's session socket
 // (session_listener.h), named on each RPC by the session token in its metadata. A caller without
 // a valid session is anonymous: it owns no pool and may register none.

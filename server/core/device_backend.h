@@ -1,5 +1,6 @@
-// DeviceBackend: where an engine's KV buffers and completion events live (HOST shared memory or
-// CUDA device memory), and how codec work on them is executed and signalled. Both signal
+// DeviceBackend: the core's interface to where an engine's KV buffers and completion events live
+// (HOST shared memory or CUDA device memory), and how codec work on them is executed and
+// signalled. The interface is the core's; its implementations are in server/backends/. Both signal
 // completion through the engine's ticket slots (ticket_slots.h).
 //
 // Bind() opens the buffers and events of a validated registration and resolves its views into
@@ -35,7 +36,6 @@
 #include "record_format.h"
 #include "requests.h"
 #include "tensor_view.h"
-#include "ticket_slots.h"
 
 namespace hiqcache::server {
 
