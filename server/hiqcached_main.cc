@@ -513,6 +513,10 @@ int Run(int argc, char** argv) {
     return 1;
   }
   if (gate) gate->Start([srv = server.get()](int fd) { grpc::AddInsecureChannelFromFd(srv, fd); });
+  // The server as a whole ("") and the service by name (Kubernetes gRPC probes and
+  // grpc_health_probe -service ask for hiqcache.v1.Cache); the bool overload below and in the
+  // drain hook then sets both.
+  server->GetHealthCheckService()->SetServingStatus(hiqcache::v1::Cache::service_full_name(), true);
   server->GetHealthCheckService()->SetServingStatus(true);
   serving.store(true);
   drain_server.store(server.get());

@@ -33,13 +33,15 @@ bool Connectable(const std::string& path) {
   return ok;
 }
 
-// grpc.health.v1 status of service "", or -1 when the call fails.
-int HealthStatus(const std::string& target) {
+// grpc.health.v1 status of `service` ("": the server as a whole), or -1 when the call fails
+// (NOT_FOUND for a service the daemon does not name).
+int HealthStatus(const std::string& target, const std::string& service = "") {
   auto stub = grpc::health::v1::Health::NewStub(
       grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   if (!stub->Check(&ctx, req, &resp).ok()) return -1;
   return resp.status();
@@ -116,6 +118,9 @@ TEST(DaemonNotifyTest, ReadyOnlyWhenServingWatchdogAndStopping) {
       EXPECT_TRUE(Connectable(daemon.socket_path())) << "READY=1 before the socket listens";
       EXPECT_EQ(HealthStatus(daemon.target()), grpc::health::v1::HealthCheckResponse::SERVING)
           << "READY=1 before the health service serves";
+      // By its service name too, as Kubernetes gRPC probes and grpc_health_probe -service ask.
+      EXPECT_EQ(HealthStatus(daemon.target(), "hiqcache.v1.Cache"),
+                grpc::health::v1::HealthCheckResponse::SERVING);
       EXPECT_NE(msg.find("STATUS=serving on " + daemon.target()), std::string::npos) << msg;
     } else if (msg.rfind("STATUS=", 0) == 0) {
       saw_status = true;
@@ -144,6 +149,8 @@ TEST(DaemonNotifyTest, ReadyOnlyWhenServingWatchdogAndStopping) {
     if (HasLine(msg, "STOPPING=1")) {
       stopping = true;
       EXPECT_NE(HealthStatus(daemon.target()), grpc::health::v1::HealthCheckResponse::SERVING);
+      EXPECT_NE(HealthStatus(daemon.target(), "hiqcache.v1.Cache"),
+                grpc::health::v1::HealthCheckResponse::SERVING);
     }
   }
   EXPECT_TRUE(stopping) << "no STOPPING=1 after SIGTERM";
