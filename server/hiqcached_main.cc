@@ -6,9 +6,9 @@
 // pre-faulted, the sockets listen and the health service reports SERVING; STATUS= lines follow
 // each phase; WATCHDOG=1 pings run from start to exit; STOPPING=1 on SIGTERM/SIGINT, when the
 // health service turns NOT_SERVING. Metrics are served on --metrics-listen (metrics.h).
+#include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/server_posix.h>
@@ -35,19 +35,19 @@
 #include "cache_core.h"
 #include "cache_service.h"
 #include "client_watcher.h"
-#include "connection_gate.h"
 #include "codec_cpu.h"
 #include "config.h"
+#include "connection_gate.h"
+#include "cuda_backend.h"
 #include "hiqcache/log.h"
+#include "hiqcache/session_protocol.h"
+#include "hiqcache/socket_trust.h"
 #include "host_backend.h"
 #include "l3_tier.h"
 #include "metrics.h"
 #include "pool_region.h"
 #include "service_notify.h"
 #include "session_listener.h"
-#include "cuda_backend.h"
-#include "hiqcache/session_protocol.h"
-#include "hiqcache/socket_trust.h"
 #ifdef HIQ_HAVE_CUDA
 #include "cuda_device_api.h"
 #include "cuda_runtime_check.h"

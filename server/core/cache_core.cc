@@ -1168,8 +1168,8 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   const bool by_pod = options_.namespace_scope == NamespaceScope::kPod;
   const auto mine = [&caller, by_pod](const Pool& pool) {
     return caller.admin ||
-           (caller.authenticated() && pool.owner.authenticated() &&
-            pool.owner.uid == caller.uid && (!by_pod || pool.owner.pod == caller.pod));
+           (caller.authenticated() && pool.owner.authenticated() && pool.owner.uid == caller.uid &&
+            (!by_pod || pool.owner.pod == caller.pod));
   };
   std::set<uint32_t> namespaces_of_mine;
   {

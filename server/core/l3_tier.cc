@@ -73,6 +73,7 @@ class RedisL3Tier final : public L3Tier {
     }
     open_cv_.notify_all();
     queue_cv_.notify_all();
+    stop_cv_.notify_all();
     opener_.join();
     for (auto& t : writers_) t.join();
   }
@@ -400,8 +401,8 @@ class RedisL3Tier final : public L3Tier {
     if (unreachable) {
       lookup_suspension_.Suspend(res.front().status, 100, 1000);
       fetch_suspension_.Suspend(res.front().status, 100, 1000);
-    } else if (late && own->late.fetch_add(1, std::memory_order_relaxed) + 1 >=
-                           kLateCallsToSuspend) {
+    } else if (late &&
+               own->late.fetch_add(1, std::memory_order_relaxed) + 1 >= kLateCallsToSuspend) {
       own->Suspend(res.front().status, late_backoff_ms_, 8 * late_backoff_ms_);
     }
   }
@@ -561,7 +562,7 @@ class RedisL3Tier final : public L3Tier {
   // Sleeps `d` unless the tier is being destroyed; false when it is.
   bool SleepUnlessStopping(std::chrono::milliseconds d) {
     std::unique_lock<std::mutex> lock(mu_);
-    return !queue_cv_.wait_for(lock, d, [this] { return stop_; });
+    return !stop_cv_.wait_for(lock, d, [this] { return stop_; });
   }
 
   // SETs one value (within the budget, when there is one).
@@ -593,8 +594,8 @@ class RedisL3Tier final : public L3Tier {
     Status st;
     for (int attempt = 0;; ++attempt) {
       st = conn.Set(name, value, o_.ttl, Clock::now() + o_.command_timeout * 2);
-      const bool transient = st.code() == StatusCode::kDeadlineExceeded ||
-                             st.code() == StatusCode::kUnavailable;
+      const bool transient =
+          st.code() == StatusCode::kDeadlineExceeded || st.code() == StatusCode::kUnavailable;
       if (st.ok() || !transient || attempt == kWriteRetries ||
           !SleepUnlessStopping(std::chrono::milliseconds(100 << attempt))) {
         break;
@@ -621,10 +622,10 @@ class RedisL3Tier final : public L3Tier {
   std::atomic<uint64_t> fetches_{0}, fetched_blocks_{0}, fetch_errors_{0}, corrupt_values_{0};
   std::atomic<uint64_t> promotions_{0}, writes_{0}, write_errors_{0}, skipped_writes_{0};
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, budget_deletes_{0};
-  const int64_t late_backoff_ms_ = std::max<int64_t>(
-      1000, 2 * std::chrono::duration_cast<std::chrono::milliseconds>(o_.lookup_deadline +
-                                                                     o_.fetch_deadline)
-                    .count());
+  const int64_t late_backoff_ms_ =
+      std::max<int64_t>(1000, 2 * std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      o_.lookup_deadline + o_.fetch_deadline)
+                                      .count());
   Suspension lookup_suspension_{"lookups"};
   Suspension fetch_suspension_{"fetches"};
 
@@ -644,6 +645,9 @@ class RedisL3Tier final : public L3Tier {
   std::vector<uint32_t> fetch_us_;  // GUARDED_BY(mu_): the last fetches' durations, a ring
   size_t fetch_next_ = 0;           // GUARDED_BY(mu_): the ring's next slot
   std::condition_variable queue_cv_;
+  // Wakes writers sleeping between retries only when the tier stops: waiting on queue_cv_
+  // there would swallow the notify_one meant for an idle writer.
+  std::condition_variable stop_cv_;
 
   mutable std::mutex ledger_mu_;  // after mu_ (never held while taking it)
   std::list<LedgerEntry> ledger_;  // GUARDED_BY(ledger_mu_): oldest write first

@@ -507,7 +507,8 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   // A lookup holds the lock for at most kLookupProbesPerHold index probes, then lets others in:
   // a group lookup of 64 namespaces x 65,536 keys must not stall every other caller's.
-  const size_t keys_per_hold = std::max<size_t>(1, kLookupProbesPerHold / std::max<size_t>(1, ids.size()));
+  const size_t keys_per_hold =
+      std::max<size_t>(1, kLookupProbesPerHold / std::max<size_t>(1, ids.size()));
   std::unique_lock<std::mutex> lock(mu_);
   auto all_known = [&] {
     for (uint32_t id : ids) {
@@ -573,8 +574,7 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   uint64_t have = 0;
   for (const Extent* e : ns.extents) have += e->entries.size();
   const uint64_t first = std::max<uint64_t>(1, kFirstExtentBytes / ns.slot_bytes);
-  const uint64_t demand =
-      std::min<uint64_t>(ns.slots_per_extent, std::max<uint64_t>(first, have));
+  const uint64_t demand = std::min<uint64_t>(ns.slots_per_extent, std::max<uint64_t>(first, have));
   const uint64_t want = kExtentHeaderBytes + demand * ns.slot_bytes;
   const uint64_t min_bytes = kExtentHeaderBytes + ns.slot_bytes;
   auto pick = free_ranges_.end();
@@ -738,7 +738,8 @@ bool BlockStore::ReclaimLocked(NsState& ns) {
   // owner (a uid, or a uid and pod) keeps its fair share of the pool, the capacity over the
   // owners holding extents: another owner's extent is a candidate only while that owner claims
   // more than its share (orphans of a rebuilt pool always are).
-  std::unordered_map<std::string_view, uint64_t> claimed;
+  auto& claimed = claimed_scratch_;  // reused: no allocation per reclaim once warm
+  claimed.clear();
   claimed[ns.owner] += 0;
   for (const auto& ext : extents_) {
     const NsState& theirs = *namespaces_.at(ext->ns);

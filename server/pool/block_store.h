@@ -28,6 +28,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -162,9 +163,9 @@ class BlockStore {
   // each key seen in all of them at once. The lock is let go every 4,096 index probes, so a long
   // group lookup does not stall other callers; a key evicted after it was seen may make the run
   // stale by the time it is answered, as it may once any lookup returns. An id the store does
-  // not know (kNoNamespace) holds nothing, so it makes the answer 0; an empty `ns` answers 0. In each known namespace (a repeated id counts once),
-  // refreshes the recency of that run only and counts hits (the run) and misses (the rest), as
-  // the one-namespace lookup does.
+  // not know (kNoNamespace) holds nothing, so it makes the answer 0; an empty `ns` answers 0. In
+  // each known namespace (a repeated id counts once), refreshes the recency of that run only and
+  // counts hits (the run) and misses (the rest), as the one-namespace lookup does.
   uint32_t LookupPrefix(std::span<const uint32_t> ns, std::span<const BlockKey> keys);
 
   enum class WriteOutcome { kReserved, kPresent, kNoSpace };
@@ -272,6 +273,8 @@ class BlockStore {
   uint64_t clock_ = 0;  // GUARDED_BY(mu_): recency stamps and commit sequence
   std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced
   std::list<std::unique_ptr<Extent>> extents_;  // GUARDED_BY(mu_)
+  // ReclaimLocked's bytes claimed per owner, kept to reuse its buckets.
+  std::unordered_map<std::string_view, uint64_t> claimed_scratch_;  // GUARDED_BY(mu_)
   std::unordered_map<uint32_t, std::unique_ptr<NsState>> namespaces_;  // GUARDED_BY(mu_)
   std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
   uint64_t used_bytes_ = 0;   // GUARDED_BY(mu_)

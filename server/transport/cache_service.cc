@@ -430,9 +430,9 @@ grpc::ServerUnaryReactor* CacheService::Drain(grpc::CallbackServerContext* ctx,
     std::string why = " (this call carried no session)";
     if (caller->authenticated()) {
       why = " (this session's uid " + std::to_string(caller->uid) +
-            (caller->pod.empty() ? std::string(" is not)")
-                                 : " runs in " + LogSafe(caller->pod) +
-                                       ", where no uid is an admin)");
+            (caller->pod.empty()
+                 ? std::string(" is not)")
+                 : " runs in " + LogSafe(caller->pod) + ", where no uid is an admin)");
     }
     caller = PermissionDenied(
         "Drain is for admins (uid 0, the daemon's user, or admin_uids/admin_groups, on the host "

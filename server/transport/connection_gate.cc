@@ -96,11 +96,6 @@ void ConnectionGate::Start(HandOff hand_off) {
   loop_ = std::thread([this] { Loop(); });
 }
 
-size_t ConnectionGate::Open() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return open_.size();
-}
-
 void ConnectionGate::Loop() {
   std::vector<epoll_event> events(256);
   std::vector<int> ready;
@@ -164,7 +159,6 @@ bool ConnectionGate::FitsLocked(const ucred& peer, bool* admin_checked, bool* ad
 }
 
 void ConnectionGate::Refuse(int fd, const ucred& peer) {
-  refused_.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = per_uid_.find(peer.uid);
@@ -197,7 +191,6 @@ void ConnectionGate::Accept(int listen_fd) {
         int shed = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
         if (shed >= 0) ::close(shed);
         reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-        refused_.fetch_add(1, std::memory_order_relaxed);
         HIQ_LOG(WARN) << "event=connection_refused reason=out_of_descriptors";
         continue;
       }

@@ -25,7 +25,6 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -57,8 +56,7 @@ class ConnectionGate {
   // replaced) with `mode` and group `gid` (-1: the daemon's). Accepts nothing before Start.
   static StatusOr<std::unique_ptr<ConnectionGate>> Listen(const std::vector<std::string>& paths,
                                                           const ConnectionLimits& limits,
-                                                          mode_t mode, gid_t gid,
-                                                          IsAdmin is_admin);
+                                                          mode_t mode, gid_t gid, IsAdmin is_admin);
   // Stops accepting and unlinks the socket files; connections already handed over stay gRPC's.
   ~ConnectionGate();
   ConnectionGate(const ConnectionGate&) = delete;
@@ -66,10 +64,6 @@ class ConnectionGate {
 
   // Starts accepting, handing each admitted connection to `hand_off` (on the gate's thread).
   void Start(HandOff hand_off);
-
-  // Connections handed over and not yet seen closed, and connections refused so far.
-  size_t Open() const;
-  uint64_t Refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
   struct Tracked {
@@ -96,13 +90,12 @@ class ConnectionGate {
   int wake_fd_ = -1;     // eventfd: stops the loop
   int reserve_fd_ = -1;  // kept open, given up to refuse a connection when out of descriptors
 
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::unordered_map<int, Tracked> open_;  // GUARDED_BY(mu_): duplicate fd -> its connection
   std::map<uid_t, size_t> per_uid_;        // GUARDED_BY(mu_)
-  std::chrono::steady_clock::time_point last_recount_;                      // GUARDED_BY(mu_)
+  std::chrono::steady_clock::time_point last_recount_;                       // GUARDED_BY(mu_)
   std::map<uid_t, std::chrono::steady_clock::time_point> last_refusal_log_;  // GUARDED_BY(mu_)
   std::map<uid_t, uint64_t> unlogged_refusals_;                              // GUARDED_BY(mu_)
-  std::atomic<uint64_t> refused_{0};
   std::thread loop_;
 };
 

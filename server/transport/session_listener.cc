@@ -80,8 +80,8 @@ StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
   for (const std::string& path : paths) {
     // The gRPC socket beside it was checked not to be served by another daemon: a socket file
     // here is a stale one.
-    HIQ_ASSIGN_OR_RETURN(int fd, ListenUnix(path, SOCK_SEQPACKET, 128, options.socket_mode,
-                                            options.socket_gid));
+    HIQ_ASSIGN_OR_RETURN(
+        int fd, ListenUnix(path, SOCK_SEQPACKET, 128, options.socket_mode, options.socket_gid));
     l->listen_fds_.push_back(fd);
     l->paths_.push_back(path);
   }
