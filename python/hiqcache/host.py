@@ -101,12 +101,14 @@ class HostShm:
     fd is the only way to name it; HostShm.from_fd), else -1 (a named object: hiqcache.Client
     opens it by name). `name` is the shm name of a named object, "memfd:<tag>" for a memfd."""
 
-    def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False):
+    def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False,
+                 populate: bool = False):
         self.name = name if keep_fd else normalize_name(name)
         self.size = size
         self.owner = owner  # created here: close() unlinks a named object
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -122,9 +124,13 @@ class HostShm:
         return self.name.startswith(MEMFD_PREFIX)
 
     @classmethod
-    def create(cls, name: str, size: int) -> "HostShm":
+    def create(cls, name: str, size: int, populate: bool = True) -> "HostShm":
         """A new zero-filled named object of `size` bytes, mode 0600. FileExistsError if taken.
-        Prefer create_memfd unless another process must open the object by name."""
+        Prefer create_memfd unless another process must open the object by name.
+
+        With `populate` (the default) its pages are allocated now, on this process's account
+        (MAP_POPULATE): hiqcached charges pages of lent memory that it has to fault in itself to
+        the client's max_faulted_bytes_per_client, and refuses the work beyond it."""
         if size <= 0:
             raise ValueError(f"size: must be > 0, got {size}")
         name = normalize_name(name)
@@ -136,13 +142,14 @@ class HostShm:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(name, size, fd, owner=True)
+        return cls(name, size, fd, owner=True, populate=populate)
 
     @classmethod
-    def create_memfd(cls, tag: str, size: int) -> "HostShm":
+    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> "HostShm":
         """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
         that no process can shrink it under the daemon's mapping. It has no name: nothing is
-        left behind when this process dies, and only processes given its fd can map it."""
+        left behind when this process dies, and only processes given its fd can map it.
+        `populate`: as for create."""
         if size <= 0:
             raise ValueError(f"size: must be > 0, got {size}")
         label = f"hiq-{tag}"
@@ -153,7 +160,7 @@ class HostShm:
         except BaseException:
             os.close(fd)
             raise
-        return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True)
+        return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True, populate=populate)
 
     @classmethod
     def open(cls, name: str, min_size: int = 0) -> "HostShm":

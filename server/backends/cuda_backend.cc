@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "device_completion.h"
+#include "residency.h"
 #include "hiqcache/log.h"
 #include "registration.h"
 
@@ -239,6 +240,10 @@ struct BindingResources {
   // The engine's ticket slots, page-locked (RegisterHost) while the binding is open.
   std::unique_ptr<TicketSlots> slots;
   bool slots_registered = false;
+  // What page-locking the slots faulted in on the client's account (their pages that were not
+  // resident), given back when they are unlocked.
+  std::shared_ptr<FaultBudget> budget;
+  uint64_t charged = 0;
   DeviceStream compute, copy;
   // Daemon-owned: completion of a task; per slab, "filled" (producer done) and "freed"
   // (consumer done); the copy stream's tail, joined into the compute stream.
@@ -258,6 +263,7 @@ struct BindingResources {
     if (slots_registered) api->UnregisterHost(slots->data());
     slots_registered = false;
     if (slots) slots->Close();
+    if (budget != nullptr) budget->Refund(std::exchange(charged, 0));
     buffers.clear();  // a mapping closes with its last binding
     if (has_arena) dev->ReturnArena(arena);
     has_arena = false;
@@ -748,7 +754,8 @@ StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(int dev
 }
 
 StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spec,
-                                                         const kernels::BlockLayout& layout) {
+                                                         const kernels::BlockLayout& layout,
+                                                         std::shared_ptr<FaultBudget> fault_budget) {
   HIQ_ASSIGN_OR_RETURN(int device, DeviceForUuid(spec.cuda_device_uuid));
   HIQ_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> dev, Device(device));
   if (dev->failed.load()) return dev->Failure();
@@ -773,8 +780,24 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spe
     // Page-locked and mapped for the device, whose streams store the tickets.
     // Whole pages: the registration pins the pages the slots lie in.
     const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-    Status reg = api_->RegisterHost(res->slots->data(),
-                                    (res->slots->bytes() + page - 1) / page * page);
+    const uint64_t pinned = (res->slots->bytes() + page - 1) / page * page;
+    if (fault_budget != nullptr) {
+      // Pinning faults in every page of the slots: the ones the client never touched are
+      // allocated on the daemon's account, so they are charged to the client's budget.
+      ResidencyProbe probe;
+      const uint64_t missing = probe.RangeNotResident(res->slots->data(), pinned);
+      if (missing > 0 && !fault_budget->TryCharge(missing)) {
+        return ResourceExhausted(
+            "events: " + std::to_string(missing) +
+            " bytes of the ticket slots are not in memory, and page-locking them would fault "
+            "them in on the daemon's account beyond this client's max_faulted_bytes_per_client (" +
+            std::to_string(fault_budget->charged()) + " of " +
+            std::to_string(fault_budget->limit()) + " bytes charged): write the slots first");
+      }
+      res->budget = fault_budget;
+      res->charged = missing;
+    }
+    Status reg = api_->RegisterHost(res->slots->data(), pinned);
     if (!reg.ok()) {
       return FailedPrecondition("events: cannot page-lock the ticket slots for the device: " +
                                 reg.message());

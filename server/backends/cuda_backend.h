@@ -107,8 +107,12 @@ class CudaBackend : public DeviceBackend {
   ~CudaBackend() override;
 
   const char* name() const override { return "cuda"; }
+  // The engine's buffers are device memory; its event slots are page-locked for the device at
+  // registration, which faults every page in: the ones that were not resident are charged to
+  // `fault_budget`, and a registration over it is refused.
   StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
-                                              const kernels::BlockLayout& layout) override;
+                                              const kernels::BlockLayout& layout,
+                                              std::shared_ptr<FaultBudget> fault_budget) override;
   uint64_t StagingDeviceBytes() const override;
   // OK, or the failure of the first device that failed.
   Status DeviceFailure() const;

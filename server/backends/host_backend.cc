@@ -15,8 +15,10 @@
 #include <xxhash.h>
 
 #include "codec_job.h"
+#include "fault_budget.h"
 #include "hiqcache/log.h"
 #include "registration.h"
+#include "residency.h"
 
 namespace hiqcache::server {
 
@@ -149,7 +151,7 @@ class HostBinding : public PoolBinding {
   HostBinding(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout,
               kernels::BlockLayout layout, std::vector<std::unique_ptr<ShmMapping>> buffers,
               std::unique_ptr<TicketSlots> slots, std::vector<kernels::LayerViews> views,
-              uint32_t num_rows)
+              uint32_t num_rows, std::shared_ptr<FaultBudget> budget)
       : codec_(codec),
         wait_timeout_(wait_timeout),
         layout_(layout),
@@ -157,11 +159,18 @@ class HostBinding : public PoolBinding {
         slots_(std::move(slots)),
         event_count_(slots_->count()),
         views_(std::move(views)),
-        num_rows_(num_rows) {}
+        num_rows_(num_rows),
+        budget_(std::move(budget)) {}
+
+  // The pages this pool faulted in on the client's account go with the pool.
+  ~HostBinding() override {
+    if (budget_ != nullptr) budget_->Refund(charged_.load(std::memory_order_relaxed));
+  }
 
   uint32_t event_count() const override { return event_count_; }
   uint32_t num_rows() const override { return num_rows_; }
   uint64_t TicketFloor() const override { return slots_->floor(); }
+  uint64_t FaultedBytes() const override { return charged_.load(std::memory_order_relaxed); }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
     std::optional<Status> wait = Settle(*task);
@@ -216,6 +225,7 @@ class HostBinding : public PoolBinding {
   // REQUIRES: the wait settled.
   Status RunBackup(BackupTask& task, Status st) {
     std::vector<uint8_t> nonfinite(task.payloads.size(), 0);
+    if (st.ok()) st = ChargeRows(task.rows, "backup");
     if (st.ok()) {
       kernels::EncodeJob job;
       job.layout = layout_;
@@ -245,6 +255,7 @@ class HostBinding : public PoolBinding {
 
   Status RunRestore(RestoreTask& task, Status st) {
     uint32_t signalled = 0;  // leading layers whose events got the ticket without the failure bit
+    if (st.ok()) st = ChargeRows(task.rows, "restore");
     if (st.ok()) {
       kernels::DecodeJob job;
       job.layout = layout_;
@@ -282,7 +293,52 @@ class HostBinding : public PoolBinding {
 
   void Signal(int32_t event, uint64_t ticket) { SignalValue(event, ticket, false); }
   void SignalValue(int32_t event, uint64_t ticket, bool failed) {
+    if (event < 0 || static_cast<uint32_t>(event) >= event_count_ || slots_->data() == nullptr) return;
+    // A slot in a page the client never touched (or punched out) has no engine waiting on it:
+    // an engine that waits reads its slot, which brings the page in on the engine's account.
+    if (budget_ != nullptr && !ResidencyProbe::Resident(slots_->slot(event))) {
+      const uint64_t page = ResidencyProbe::PageBytes();
+      if (!budget_->TryCharge(page)) {
+        Refused("events: slot " + std::to_string(event) + " lies in a page that is not in memory",
+                page);
+        return;
+      }
+      charged_.fetch_add(page, std::memory_order_relaxed);
+    }
     slots_->Store(event, ticket, failed);
+  }
+
+  // Charges the bytes of the pages `rows` touch that are not in memory (the daemon's access
+  // would fault them in on its own account) to the client's budget; RESOURCE_EXHAUSTED, with
+  // nothing charged, when they do not fit.
+  Status ChargeRows(const std::vector<uint32_t>& rows, const char* what) {
+    if (budget_ == nullptr || rows.empty()) return Status::Ok();
+    const uint64_t missing =
+        probe_.RowsNotResident(layout_, views_.data(), rows.data(), rows.size());
+    if (missing == 0) return Status::Ok();
+    if (budget_->TryCharge(missing)) {
+      charged_.fetch_add(missing, std::memory_order_relaxed);
+      return Status::Ok();
+    }
+    const std::string why = "buffers: " + std::to_string(missing) + " bytes of the rows this " +
+                            what + " touches are not in memory";
+    Refused(why, missing);
+    return ResourceExhausted(
+        why + " (never written, hole-punched or swapped out); faulting them in would charge the "
+              "daemon with memory the client lent but never touched, and this client already "
+              "had " +
+        std::to_string(budget_->charged()) + " of " + std::to_string(budget_->limit()) +
+        " bytes faulted on its behalf (quota max_faulted_bytes_per_client): write the memory "
+        "before lending it");
+  }
+
+  // Logs a refusal of the fault budget, once per binding (a client that keeps trying would
+  // flood the log otherwise).
+  void Refused(const std::string& why, uint64_t bytes) {
+    if (refusal_logged_.exchange(true, std::memory_order_relaxed)) return;
+    HIQ_LOG(WARN) << "event=fault_budget_exhausted bytes=" << bytes << " charged="
+                  << budget_->charged() << " limit=" << budget_->limit() << " reason=\"" << why
+                  << "\" (logged once per pool)";
   }
 
   // OK unless a mapping of this pool broke (a SIGBUS guarded by ClientMemoryGuard), now or
@@ -322,6 +378,10 @@ class HostBinding : public PoolBinding {
   uint32_t event_count_;
   std::vector<kernels::LayerViews> views_;
   uint32_t num_rows_;
+  std::shared_ptr<FaultBudget> budget_;  // null: nothing is counted (no quota)
+  ResidencyProbe probe_;                 // used by Start* only (serialized)
+  std::atomic<uint64_t> charged_{0};     // bytes this pool charged to budget_
+  std::atomic<bool> refusal_logged_{false};
   std::atomic<bool> cancelled_{false};
   uint64_t checked_faults_ = 0;  // RecoveredFaults() when CheckMemory last found nothing broken
   std::atomic<bool> failed_{false};
@@ -374,7 +434,8 @@ ClientObjectRules HostBackend::RulesFor(const Caller* caller) const {
 }
 
 StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spec,
-                                                         const kernels::BlockLayout& layout) {
+                                                         const kernels::BlockLayout& layout,
+                                                         std::shared_ptr<FaultBudget> budget) {
   const ClientObjectRules rules = RulesFor(&spec.caller);
   std::vector<std::unique_ptr<ShmMapping>> buffers;
   std::vector<uint8_t*> bases;
@@ -407,7 +468,8 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
   uint32_t rows = MinRows(spec);
   return std::unique_ptr<PoolBinding>(new HostBinding(codec_, wait_timeout_, layout,
                                                       std::move(buffers), std::move(slots),
-                                                      std::move(views), rows));
+                                                      std::move(views), rows,
+                                                      std::move(budget)));
 }
 
 }  // namespace hiqcache::server

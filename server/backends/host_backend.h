@@ -56,8 +56,11 @@ class HostBackend : public DeviceBackend {
   // (ClientMemoryGuard::Install; once per process).
   HostBackend(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout);
   const char* name() const override { return "host"; }
+  // Charges `fault_budget` for the pages of client memory a task would fault in (not resident
+  // when asked, mincore), before it touches them; refuses the task when they do not fit.
   StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
-                                              const kernels::BlockLayout& layout) override;
+                                              const kernels::BlockLayout& layout,
+                                              std::shared_ptr<FaultBudget> fault_budget) override;
 
   // The daemon's own pool object: a buffer or event object with this device and inode is
   // refused (PERMISSION_DENIED naming the field). Call before serving; any thread.

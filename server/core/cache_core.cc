@@ -335,6 +335,20 @@ void CacheCore::AddReserved(uint64_t client, int64_t slots) {
   if (u.empty()) usage_.erase(client);
 }
 
+std::shared_ptr<FaultBudget> CacheCore::FaultBudgetOfLocked(uint64_t client) {
+  std::weak_ptr<FaultBudget>& slot = fault_budgets_[client];
+  std::shared_ptr<FaultBudget> budget = slot.lock();
+  if (budget == nullptr) {
+    budget = std::make_shared<FaultBudget>(options_.quotas.max_faulted_bytes_per_client);
+    slot = budget;
+  }
+  // Budgets no binding holds any more are dropped now and then (one entry per uid seen).
+  if (fault_budgets_.size() > 64 && fault_budgets_.size() > 2 * usage_.size()) {
+    std::erase_if(fault_budgets_, [](const auto& e) { return e.second.expired(); });
+  }
+  return budget;
+}
+
 void CacheCore::RetirePool(Pool& pool) {
   if (pool.retired.exchange(true)) return;
   {
@@ -388,6 +402,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     if (!reg.cuda) {
       pool->mapped_bytes = SaturatingAdd(pool->mapped_bytes, 64ull * spec.events.count);
     }
+    std::shared_ptr<FaultBudget> budget;
     {
       // Quotas are checked and charged at once, before anything is opened.
       std::lock_guard<std::mutex> lock(usage_mu_);
@@ -422,9 +437,10 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
       u.pools += 1;
       u.buffers += pool->buffers;
       u.mapped_bytes += pool->mapped_bytes;
+      budget = FaultBudgetOfLocked(pool->client);
     }
     pool->core = this;  // from here on the pool gives its quota back when it goes
-    HIQ_ASSIGN_OR_RETURN(pool->binding, backend->Bind(spec, reg.layout));
+    HIQ_ASSIGN_OR_RETURN(pool->binding, backend->Bind(spec, reg.layout, std::move(budget)));
 
     SweepNamespaces();
     pool->ns = namespaces_.Acquire(Scoped(reg.ns, spec.caller));
@@ -1176,6 +1192,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [id, pool] : pools_) {
       pools_per_ns[pool->ns->id] += 1;
+      if (pool->binding != nullptr) snap.faulted_bytes += pool->binding->FaultedBytes();
       clients[{pool->client_pid, pool->client_pid == 0 ? pool->peer : std::string()}] = 1;
       if (!mine(*pool)) continue;
       namespaces_of_mine.insert(pool->ns->id);
@@ -1192,6 +1209,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
       p.peer = pool->peer;
       p.backups = pool->backups.load();
       p.restores = pool->restores.load();
+      p.faulted_bytes = pool->binding != nullptr ? pool->binding->FaultedBytes() : 0;
       snap.pools.push_back(std::move(p));
     }
   }

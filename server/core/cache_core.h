@@ -104,6 +104,9 @@ struct Quotas {
   uint64_t max_pending_bytes_per_client = 64ull << 30;  // max_pending_bytes_per_client
   // Pool slots reserved by the client's backups and not yet written (committed or dropped).
   uint32_t max_reserved_slots_per_client = 16384;       // max_reserved_slots_per_client
+  // Bytes of the client's shared memory the daemon may fault in on the client's behalf (pages
+  // of its buffers and event slots that were not in memory when touched: fault_budget.h).
+  uint64_t max_faulted_bytes_per_client = 4ull << 30;   // max_faulted_bytes_per_client
 };
 
 struct CoreOptions {
@@ -158,6 +161,8 @@ struct PoolSnapshot {
   std::string peer;
   uint64_t backups = 0;
   uint64_t restores = 0;
+  // Bytes of the client's memory the daemon faulted in for this pool (FaultBudget).
+  uint64_t faulted_bytes = 0;
 };
 
 struct NamespaceSnapshot {
@@ -179,6 +184,8 @@ struct CoreSnapshot {
   uint64_t uptime_seconds = 0;
   // GPU memory the CUDA backend holds for staging and job arrays (0 without CUDA).
   uint64_t staging_device_bytes = 0;
+  // Bytes of clients' memory the daemon faulted in on their behalf, every pool (FaultBudget).
+  uint64_t faulted_bytes = 0;
   L3Stats l3;  // enabled = false without an L3 tier
 };
 
@@ -337,6 +344,10 @@ class CacheCore {
 
   std::mutex usage_mu_;
   std::map<uint64_t, ClientUsage> usage_;  // GUARDED_BY(usage_mu_); declared before pools_
+  // Each client's fault budget, shared by its pools' bindings for as long as one holds it.
+  std::map<uint64_t, std::weak_ptr<FaultBudget>> fault_budgets_;  // GUARDED_BY(usage_mu_)
+  // The budget of `client`, the live one if a binding holds it. REQUIRES: usage_mu_ held.
+  std::shared_ptr<FaultBudget> FaultBudgetOfLocked(uint64_t client);
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)

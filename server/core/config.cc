@@ -147,6 +147,7 @@ Status Validate(const DaemonConfig& c) {
   HIQ_RETURN_IF_ERROR(positive(c.max_pending_bytes_per_client, "max_pending_bytes_per_client"));
   HIQ_RETURN_IF_ERROR(
       positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_faulted_bytes_per_client, "max_faulted_bytes_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
   HIQ_RETURN_IF_ERROR(positive(c.max_connections, "max_connections"));
   if (c.max_block_bytes < (1ull << 20)) {
@@ -313,6 +314,10 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
     HIQ_ASSIGN_OR_RETURN(c->max_reserved_slots_per_client, count(1u << 30));
     return Status::Ok();
   }
+  if (k == "max_faulted_bytes_per_client") {
+    HIQ_ASSIGN_OR_RETURN(c->max_faulted_bytes_per_client, size());
+    return Status::Ok();
+  }
   if (k == "max_block_bytes") {
     HIQ_ASSIGN_OR_RETURN(c->max_block_bytes, size());
     return Status::Ok();
@@ -441,6 +446,7 @@ void ApplyCoreSettings(const DaemonConfig& c, CoreOptions* o) {
   o->quotas.max_mapped_bytes_per_client = c.max_mapped_bytes_per_client;
   o->quotas.max_pending_bytes_per_client = c.max_pending_bytes_per_client;
   o->quotas.max_reserved_slots_per_client = c.max_reserved_slots_per_client;
+  o->quotas.max_faulted_bytes_per_client = c.max_faulted_bytes_per_client;
   o->limits.max_repeated_rows_per_request = c.max_repeated_rows_per_request;
   o->limits.max_block_bytes = c.max_block_bytes;
   o->transfer_chunk_blocks = c.transfer_chunk_blocks;
@@ -560,6 +566,7 @@ max_buffers_per_client = 8192
 max_mapped_bytes_per_client = "16TiB"
 max_pending_bytes_per_client = "64GiB"
 max_reserved_slots_per_client = 16384
+max_faulted_bytes_per_client = "4GiB"
 max_repeated_rows_per_request = 1024
 # Engine-side bytes of one block (the smallest unit of work) at most.
 max_block_bytes = "64MiB"
@@ -639,7 +646,7 @@ std::string UsageText() {
          "                 [--namespace-scope uid|pod|node] [--max-pools-per-client N]\n"
          "                 [--max-buffers-per-client N] [--max-mapped-bytes-per-client SIZE]\n"
          "                 [--max-pending-bytes-per-client SIZE]\n"
-         "                 [--max-reserved-slots-per-client N]\n"
+         "                 [--max-reserved-slots-per-client N] [--max-faulted-bytes-per-client SIZE]\n"
          "                 [--max-repeated-rows-per-request N]\n"
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
          "                 [--max-connections N] [--max-connections-per-uid N] [--max-block-bytes SIZE]\n"
@@ -757,6 +764,8 @@ std::string RenderConfig(const DaemonConfig& c) {
       "max_pending_bytes_per_client = " + std::to_string(c.max_pending_bytes_per_client) + "\n";
   out += "max_reserved_slots_per_client = " + std::to_string(c.max_reserved_slots_per_client) +
          "\n";
+  out +=
+      "max_faulted_bytes_per_client = " + std::to_string(c.max_faulted_bytes_per_client) + "\n";
   out += "max_block_bytes = " + std::to_string(c.max_block_bytes) + "\n";
   out += "max_repeated_rows_per_request = " + std::to_string(c.max_repeated_rows_per_request) +
          "\n";

@@ -61,6 +61,7 @@ struct DaemonConfig {
   uint64_t max_mapped_bytes_per_client = 0;
   uint64_t max_pending_bytes_per_client = 0;
   uint32_t max_reserved_slots_per_client = 0;
+  uint64_t max_faulted_bytes_per_client = 0;
   // Per-request limit: Limits::max_repeated_rows_per_request.
   uint32_t max_repeated_rows_per_request = 0;
   // Engine-side bytes of one block at most: Limits::max_block_bytes.

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "fault_budget.h"
 #include "hiqcache/status.h"
 #include "record_format.h"
 #include "requests.h"
@@ -96,6 +97,9 @@ class PoolBinding {
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot
   // that is already past a new ticket.
   virtual uint64_t TicketFloor() const { return 0; }
+  // Bytes of the client's memory this binding faulted in on the client's account (charged to
+  // its FaultBudget). Any thread.
+  virtual uint64_t FaultedBytes() const { return 0; }
   // True when a request's work goes to a device as one task (CUDA: the device chunks it through
   // staging) rather than in CPU-sized sub-tasks (HOST).
   virtual bool SignalsOnDevice() const { return false; }
@@ -121,8 +125,12 @@ class DeviceBackend {
   virtual ~DeviceBackend() = default;
   virtual const char* name() const = 0;
   // REQUIRES: `spec` passed ValidateRegistration. Opens everything or nothing.
-  virtual StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
-                                                      const kernels::BlockLayout& layout) = 0;
+  // `fault_budget`: the client's budget for memory the daemon faults in on its behalf
+  // (fault_budget.h); null: none is counted. Backends that touch client shared memory from the
+  // CPU charge it; a binding gives its charges back when destroyed.
+  virtual StatusOr<std::unique_ptr<PoolBinding>> Bind(
+      const RegisterSpec& spec, const kernels::BlockLayout& layout,
+      std::shared_ptr<FaultBudget> fault_budget) = 0;
   // Device memory this backend holds for staging and job arrays (GetStats), in bytes.
   virtual uint64_t StagingDeviceBytes() const { return 0; }
 };

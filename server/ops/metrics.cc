@@ -202,6 +202,11 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
         "Bytes of the pool the namespaces' extents hold, free slots included.",
         snap.store.claimed_bytes);
   Gauge(&out, "hiqcache_blocks", "Blocks held in the pool, all namespaces.", snap.store.blocks);
+  Gauge(&out, "hiqcache_client_faulted_bytes",
+        "Bytes of clients' shared memory the daemon faulted in on their behalf (pages not in "
+        "memory when touched), every registered pool; each client's are bounded by "
+        "max_faulted_bytes_per_client.",
+        snap.faulted_bytes);
   Gauge(&out, "hiqcache_clients", "Client processes (or peers) with at least one registered pool.",
         snap.clients);
   Gauge(&out, "hiqcache_registered_pools", "Engine KV pools registered now.", snap.pools.size());

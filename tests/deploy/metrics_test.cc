@@ -233,6 +233,10 @@ TEST_F(MetricsTest, PoolFiguresMatchThePoolAndGetStats) {
   EXPECT_GE(Value("hiqcache_pool_claimed_bytes"), Value("hiqcache_pool_used_bytes"));
   EXPECT_LE(Value("hiqcache_pool_claimed_bytes"), static_cast<double>(stats_.capacity_bytes));
   EXPECT_EQ(Value("hiqcache_blocks"), kBlocks);
+  // The pool's KV was never written (the backup stored zeros): the daemon faulted its pages in,
+  // and counts them against the client, at most the whole buffer.
+  EXPECT_GT(Value("hiqcache_client_faulted_bytes"), 0);
+  EXPECT_LE(Value("hiqcache_client_faulted_bytes"), static_cast<double>(kv_->shm().size()));
   EXPECT_EQ(Value("hiqcache_clients"), 1);
   EXPECT_EQ(Value("hiqcache_registered_pools"), 1);
   EXPECT_EQ(Value("hiqcache_ready"), 1);

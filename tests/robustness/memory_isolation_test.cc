@@ -12,7 +12,10 @@
 //  - the same with a sparse buffer larger than RAM + swap (the guard replaces the range without
 //    committing memory for it);
 //  - a sparse 64 MiB event object is not faulted into the daemon at registration;
-//  - the daemon's own pool object (its name is in GetStats) is refused as a client buffer.
+//  - the daemon's own pool object (its name is in GetStats) is refused as a client buffer;
+//  - memory a client lends but never wrote is faulted in by the daemon's accesses (on the
+//    daemon's memory cgroup): those bytes are charged to the client, up to
+//    max_faulted_bytes_per_client, and beyond it the work is refused with nothing touched.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -210,6 +213,59 @@ TEST_F(MemoryIsolationTest, SparseEventSlotsAreNotFaultedIn) {
   ASSERT_TRUE(b.status.ok()) << b.status.ToString();
   EXPECT_GE(pools[0].events.Read(static_cast<uint32_t>(o.done_event)), b.ticket);
   ExpectBystanderRoundTrip(22);
+}
+
+// Bytes the shm object `name` has allocated (what faults put into it).
+uint64_t AllocatedBytes(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return ~uint64_t{0};
+  struct stat st;
+  const int rc = ::fstat(fd, &st);
+  ::close(fd);
+  return rc == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : ~uint64_t{0};
+}
+
+TEST_F(MemoryIsolationTest, MemoryFaultedForAClientIsChargedToIt) {
+  Start({"--max-faulted-bytes-per-client", "512KiB"});
+  it::TestPool p = Pool(*victim_, Options(2, 128 * kBt));  // 2,048 rows, never written
+  const std::string name = p.kv.shm().name();
+  ASSERT_EQ(AllocatedBytes(name), 0u);
+  // 8 blocks of rows the client never wrote (128 KiB of KV): within the quota, backed up (zeros
+  // are KV too), and their pages are now allocated, by the daemon's reads.
+  const auto first = it::RowRange(0, 8 * kBt);
+  BackupResult b = victim_->Backup(p.handle, IndependentKeys(31, 0, 8), first);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_EQ(b.held(), 8u);
+  const uint64_t faulted = AllocatedBytes(name);
+  EXPECT_GE(faulted, 128u << 10);
+  // 64 more (1 MiB): beyond the quota. Refused, naming it, and none of their pages is touched.
+  const auto more = it::RowRange(8 * kBt, 64 * kBt);
+  b = victim_->Backup(p.handle, IndependentKeys(32, 0, 64), more);
+  EXPECT_FALSE(b.status.ok() && b.held() > 0) << "backed up " << b.held() << " blocks";
+  EXPECT_TRUE(Has(b.status, "max_faulted_bytes_per_client")) << b.status.ToString();
+  EXPECT_EQ(AllocatedBytes(name), faulted) << "the refused backup faulted pages in";
+  // The client's own written memory costs nothing: the same rows, written, are backed up.
+  it::FillRows(p.kv, 33, more, kBt);
+  b = victim_->Backup(p.handle, IndependentKeys(33, 0, 64), more);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_EQ(b.held(), 64u);
+  // A restore into untouched rows is charged too: 8 blocks fit, then nothing more does.
+  RestoreResult r = victim_->Restore(p.handle, IndependentKeys(33, 0, 8),
+                                     it::RowRange(72 * kBt, 8 * kBt));
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.restored_blocks, 8u);
+  const uint64_t after_restore = AllocatedBytes(name);
+  r = victim_->Restore(p.handle, IndependentKeys(33, 0, 32), it::RowRange(80 * kBt, 32 * kBt));
+  EXPECT_EQ(r.restored_blocks, 0u) << r.status.ToString();
+  EXPECT_EQ(AllocatedBytes(name), after_restore);
+  // Released, the pool gives its charges back: the same client is served in full again.
+  ASSERT_TRUE(victim_->ReleasePool(p.handle).ok());
+  it::TestPool q = Pool(*victim_, Options(2, 64 * kBt));
+  b = victim_->Backup(q.handle, IndependentKeys(34, 0, 16), it::RowRange(0, 16 * kBt));
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  EXPECT_EQ(b.held(), 16u);
+  ASSERT_TRUE(victim_->ReleasePool(q.handle).ok());
+  ExpectBystanderRoundTrip(35);
 }
 
 TEST_F(MemoryIsolationTest, KvTruncatedBeforeRestore) {

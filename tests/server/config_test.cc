@@ -128,6 +128,7 @@ TEST(EmbeddedDefaultTest, QuotasScopeAndSubTasks) {
   EXPECT_EQ(c.max_mapped_bytes_per_client, 16ull << 40);
   EXPECT_EQ(c.max_pending_bytes_per_client, 64ull << 30);
   EXPECT_EQ(c.max_reserved_slots_per_client, 16384u);
+  EXPECT_EQ(c.max_faulted_bytes_per_client, 4ull << 30);
   EXPECT_EQ(c.max_repeated_rows_per_request, 1024u);
   EXPECT_EQ(c.transfer_chunk_blocks, 64u);
   EXPECT_EQ(c.transfer_chunk_bytes, 16ull << 20);
@@ -141,6 +142,7 @@ TEST(EmbeddedDefaultTest, QuotasScopeAndSubTasks) {
             defaults.quotas.max_pending_bytes_per_client);
   EXPECT_EQ(o.quotas.max_reserved_slots_per_client,
             defaults.quotas.max_reserved_slots_per_client);
+  EXPECT_EQ(o.quotas.max_faulted_bytes_per_client, defaults.quotas.max_faulted_bytes_per_client);
   EXPECT_EQ(o.limits.max_repeated_rows_per_request,
             defaults.limits.max_repeated_rows_per_request);
   EXPECT_EQ(o.transfer_chunk_blocks, defaults.transfer_chunk_blocks);
@@ -156,6 +158,7 @@ TEST(LoadConfigTest, QuotaFlagsAndScope) {
                                    "--max-mapped-bytes-per-client", "2GiB",
                                    "--max-pending-bytes-per-client", "1GiB",
                                    "--max-reserved-slots-per-client", "77",
+                                   "--max-faulted-bytes-per-client", "3MiB",
                                    "--max-repeated-rows-per-request", "0",
                                    "--transfer-chunk-blocks", "8",
                                    "--transfer-chunk-bytes", "4MiB"};
@@ -171,6 +174,7 @@ TEST(LoadConfigTest, QuotaFlagsAndScope) {
   EXPECT_EQ(c->max_mapped_bytes_per_client, 2ull << 30);
   EXPECT_EQ(c->max_pending_bytes_per_client, 1ull << 30);
   EXPECT_EQ(c->max_reserved_slots_per_client, 77u);
+  EXPECT_EQ(c->max_faulted_bytes_per_client, 3ull << 20);
   EXPECT_EQ(c->max_repeated_rows_per_request, 0u);  // no repeated row at all
   EXPECT_EQ(c->transfer_chunk_blocks, 8u);
   EXPECT_EQ(c->transfer_chunk_bytes, 4ull << 20);

@@ -132,9 +132,10 @@ class HostBackendTest : public ::testing::Test {
     return reg.layout;
   }
 
-  StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& s) {
+  StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& s,
+                                              std::shared_ptr<FaultBudget> budget = nullptr) {
     HIQ_ASSIGN_OR_RETURN(kernels::BlockLayout layout, Layout(s));
-    return backend_->Bind(s, layout);
+    return backend_->Bind(s, layout, std::move(budget));
   }
 
   // One backup task of `blocks` blocks (rows 0..) into payloads of this test.
@@ -180,6 +181,91 @@ class HostBackendTest : public ::testing::Test {
 
 bool Has(const Status& st, const std::string& text) {
   return st.message().find(text) != std::string::npos;
+}
+
+// Bytes the object behind `fd` has allocated (what faults put there).
+uint64_t AllocatedBytes(int fd) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : ~uint64_t{0};
+}
+
+// Pages the daemon faults in on a client's behalf are charged to the client's FaultBudget: a
+// pool lent memory it never wrote, so each page the backup reads (and the done slot it signals)
+// is allocated by the daemon's access, and counted once; the charges go back with the binding.
+TEST_F(HostBackendTest, PagesFaultedForTheClientAreChargedOnce) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  k_ = ClientObject::Memfd(kPlaneBytes);  // never written: holes
+  v_ = ClientObject::Memfd(kPlaneBytes);
+  events_ = ClientObject::Memfd(64 * kSlots);
+  ASSERT_TRUE(k_->ok() && v_->ok() && events_->ok());
+  auto budget = std::make_shared<FaultBudget>(1 << 20);
+  auto b = Bind(Spec(), budget);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  Status outcome, written;
+  // 2 blocks = rows 0..7 (2 KiB) of each of 2 layers, in K and in V: one page each (layers lie
+  // kRows rows apart), and the page of slot 0.
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(AllocatedBytes(k_->fd()), 2 * page) << "the daemon's reads fault in the holes";
+  EXPECT_EQ(budget->charged(), 5 * page);
+  EXPECT_EQ((*b)->FaultedBytes(), 5 * page);
+  // Resident now: the same work charges nothing more.
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 2, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(budget->charged(), 5 * page);
+  b->reset();
+  EXPECT_EQ(budget->charged(), 0u) << "a released pool gives its charges back";
+}
+
+// Over the budget a task touches none of the client's rows: the backup fails with the quota's
+// name, the rows stay holes, the done slot gets the failure bit; resident rows still work.
+TEST_F(HostBackendTest, RowsBeyondTheBudgetAreNotTouched) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  k_ = ClientObject::Memfd(kPlaneBytes);
+  ASSERT_TRUE(k_->ok());
+  events_->Slot(0).store(0);  // the slots' page is the client's (resident)
+  auto budget = std::make_shared<FaultBudget>(page);
+  auto b = Bind(Spec(), budget);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  Status outcome, written;
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+  EXPECT_EQ(outcome.code(), StatusCode::kResourceExhausted) << outcome.ToString();
+  EXPECT_TRUE(Has(outcome, "max_faulted_bytes_per_client")) << outcome.ToString();
+  EXPECT_EQ(written.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(AllocatedBytes(k_->fd()), 0u) << "nothing of the refused rows was faulted in";
+  EXPECT_EQ(budget->charged(), 0u);
+  EXPECT_EQ(events_->Slot(0).load(), 1u | kHostEventFailedBit);
+  // A restore into those rows is refused the same way; its layer slots get the failure bit.
+  payload_.assign(2 * BlockBytes(), 0);
+  ASSERT_EQ((*b)->StartRestore(RestoreTask_(2, 2, 2, 1, &outcome)), StartResult::kCompleted);
+  EXPECT_EQ(outcome.code(), StatusCode::kResourceExhausted) << outcome.ToString();
+  EXPECT_EQ(events_->Slot(2).load(), 2u | kHostEventFailedBit);
+  EXPECT_EQ(AllocatedBytes(k_->fd()), 0u);
+  // The client writes its memory: the pool works again.
+  std::memset(k_->data(), 0, kPlaneBytes);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 3, 0, &outcome, &written)), StartResult::kCompleted);
+  EXPECT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(budget->charged(), 0u);
+}
+
+// Holes punched after registration (FALLOC_FL_PUNCH_HOLE, which F_SEAL_SHRINK does not stop)
+// are charged again when the daemon faults them back in.
+TEST_F(HostBackendTest, PunchedHolesAreChargedAgain) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  events_->Slot(0).store(0);
+  auto budget = std::make_shared<FaultBudget>(1 << 20);
+  auto b = Bind(Spec(), budget);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  Status outcome, written;
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(budget->charged(), 0u) << "the client's own written memory costs nothing";
+  ASSERT_EQ(::fallocate(k_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                        static_cast<off_t>(kPlaneBytes)),
+            0);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 2, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(budget->charged(), 2 * page);
 }
 
 TEST_F(HostBackendTest, BuffersAndEventsByFd) {

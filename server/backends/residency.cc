@@ -1,0 +1,111 @@
+#include "residency.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace hiqcache::server {
+
+namespace {
+
+// The most pages one mincore call is asked about (its answer vector: 64 KiB).
+constexpr size_t kPagesPerCall = size_t{1} << 16;
+
+}  // namespace
+
+size_t ResidencyProbe::PageBytes() {
+  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+bool ResidencyProbe::Resident(const void* p) {
+  const uintptr_t page = PageBytes();
+  unsigned char v = 0;
+  void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1));
+  // An address the daemon has not mapped cannot be faulted in either: treat it as resident.
+  if (::mincore(start, page, &v) != 0) return true;
+  return (v & 1) != 0;
+}
+
+void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
+  const uintptr_t page = PageBytes();
+  begin &= ~(page - 1);
+  end = (end + page - 1) & ~(page - 1);
+  if (!runs_.empty()) {
+    auto& last = runs_.back();
+    if (begin >= last.first && begin <= last.second) {
+      last.second = std::max(last.second, end);
+      return;
+    }
+  }
+  runs_.emplace_back(begin, end);
+}
+
+uint64_t ResidencyProbe::RangeNotResident(const void* p, size_t bytes) {
+  runs_.clear();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  if (bytes > 0) Add(begin, begin + bytes);
+  return CountNotResident();
+}
+
+uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
+                                         const kernels::LayerViews* layers, const uint32_t* rows,
+                                         size_t num_rows) {
+  runs_.clear();
+  const uint64_t head_bytes = uint64_t{layout.row.head_dim} * 2;
+  const uint32_t heads = layout.row.num_heads;
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    for (uint32_t p = 0; p < layout.kv_planes; ++p) {
+      const kernels::StridedView& v = layers[l].planes[p];
+      const bool contiguous = v.head_stride == head_bytes;
+      for (size_t i = 0; i < num_rows; ++i) {
+        const uintptr_t row = reinterpret_cast<uintptr_t>(v.Head(rows[i], 0));
+        if (contiguous) {
+          Add(row, row + heads * head_bytes);
+          continue;
+        }
+        for (uint32_t h = 0; h < heads; ++h) {
+          const uintptr_t head = row + uint64_t{h} * v.head_stride;
+          Add(head, head + head_bytes);
+        }
+      }
+    }
+  }
+  return CountNotResident();
+}
+
+uint64_t ResidencyProbe::CountNotResident() {
+  if (runs_.empty()) return 0;
+  // Runs of different views may overlap (aliased layers, K and V in one tensor): merge them all,
+  // so that a page is asked about and counted once.
+  std::sort(runs_.begin(), runs_.end());
+  size_t out = 0;
+  for (size_t i = 1; i < runs_.size(); ++i) {
+    if (runs_[i].first <= runs_[out].second) {
+      runs_[out].second = std::max(runs_[out].second, runs_[i].second);
+    } else {
+      runs_[++out] = runs_[i];
+    }
+  }
+  runs_.resize(out + 1);
+  const uintptr_t page = PageBytes();
+  uint64_t missing = 0;
+  for (const auto& [begin, end] : runs_) {
+    for (uintptr_t at = begin; at < end;) {
+      const size_t n = std::min<size_t>((end - at) / page, kPagesPerCall);
+      pages_.resize(n);
+      if (::mincore(reinterpret_cast<void*>(at), n * page, pages_.data()) != 0) {
+        // Not all of it is mapped (cannot happen for validated views): count none of it, as
+        // an access there would fault the daemon's own SIGBUS guard, not allocate.
+        at += n * page;
+        continue;
+      }
+      for (size_t i = 0; i < n; ++i) missing += (pages_[i] & 1) ? 0 : page;
+      at += n * page;
+    }
+  }
+  return missing;
+}
+
+}  // namespace hiqcache::server

@@ -1,0 +1,47 @@
+// ResidencyProbe: how many bytes of a client's shared memory a task would fault in, asked of the
+// kernel (mincore) before the task touches it (see core/fault_budget.h for why that matters).
+//
+// For the rows of a task it collects the pages their heads span in every layer and plane,
+// merged into runs (rows that follow each other in memory make one run, so a vLLM page of 16
+// rows costs one entry), and asks mincore about each run. A page counts as not resident when it
+// is not in the object's page cache: never written, hole-punched or swapped out. The answer is a
+// snapshot: a page the client punches after the probe is faulted without a charge, one page per
+// race the client wins.
+//
+// Not thread-safe: one probe per binding (its tasks are serialized); it keeps its scratch
+// vectors between calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "record_format.h"
+#include "tensor_view.h"
+
+namespace hiqcache::server {
+
+class ResidencyProbe {
+ public:
+  // Bytes in pages that rows[0, num_rows) touch in layout.num_layers layers of `layers` (each of
+  // its layout.kv_planes planes) and that are not resident now.
+  uint64_t RowsNotResident(const kernels::BlockLayout& layout, const kernels::LayerViews* layers,
+                           const uint32_t* rows, size_t num_rows);
+  // Bytes in pages of [p, p + bytes) that are not resident now.
+  uint64_t RangeNotResident(const void* p, size_t bytes);
+  // Whether the page holding `p` (in a mapping of the daemon's) is resident now.
+  static bool Resident(const void* p);
+
+  static size_t PageBytes();
+
+ private:
+  // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
+  void Add(uintptr_t begin, uintptr_t end);
+  uint64_t CountNotResident();
+
+  std::vector<std::pair<uintptr_t, uintptr_t>> runs_;  // page-aligned [begin, end)
+  std::vector<unsigned char> pages_;                   // mincore's answer for one run
+};
+
+}  // namespace hiqcache::server

@@ -1,0 +1,44 @@
+// FaultBudget: the bytes of a client's shared memory that the daemon may fault in on the
+// client's behalf (quota max_faulted_bytes_per_client).
+//
+// A page of a client's memfd or /dev/shm object that is not in memory when the daemon touches
+// it (never written, hole-punched with FALLOC_FL_PUNCH_HOLE, or swapped out) is allocated or read
+// back by the daemon's access, and a newly allocated shmem page is charged to the memory cgroup
+// of the process that faulted it: the daemon's, not the client's. Before a backend touches a
+// client's rows or event slots it counts the pages that are not resident (mincore) and charges
+// them here; over the budget the work is refused instead (a miss, or a backup not stored), so
+// that no client can grow the daemon's memory by lending it memory it never touched. Charges are
+// given back when the pool that made them is released (its pages go with the client's object).
+//
+// One budget per client (uid), shared by the client's pools. Thread-safe (lock-free).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace hiqcache::server {
+
+class FaultBudget {
+ public:
+  explicit FaultBudget(uint64_t limit) : limit_(limit) {}
+
+  // Takes `bytes` if the charges stay within the limit; else takes nothing and returns false.
+  bool TryCharge(uint64_t bytes) {
+    uint64_t cur = charged_.load(std::memory_order_relaxed);
+    do {
+      if (bytes > limit_ || cur > limit_ - bytes) return false;
+    } while (!charged_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
+    return true;
+  }
+  // Gives back `bytes` taken by TryCharge.
+  void Refund(uint64_t bytes) { charged_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+  uint64_t limit() const { return limit_; }
+  uint64_t charged() const { return charged_.load(std::memory_order_relaxed); }
+
+ private:
+  const uint64_t limit_;
+  std::atomic<uint64_t> charged_{0};
+};
+
+}  // namespace hiqcache::server
