@@ -189,6 +189,9 @@ void LogIfError(const Status& st) {
 // Exit status after a CUDA device reported a sticky error: the service manager restarts the
 // daemon (deploy/hiqcached.service: Restart=on-failure); the pool survives in shared memory.
 constexpr int kExitDeviceFailed = 3;
+// How long gRPC keeps a connection of a process without a session, and the grace its calls then
+// get (connection_gate.h).
+constexpr int kSessionlessConnectionAgeMs = 5000;
 std::atomic<bool> g_device_failed{false};
 
 int Run(int argc, char** argv) {
@@ -420,7 +423,6 @@ int Run(int argc, char** argv) {
   }
   CacheService service(core.get(), device_name, (*region)->name(), sessions.get(),
                        config.allow_anonymous);
-  std::atomic<grpc::Server*> drain_server{nullptr};
 
   // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
   // listen is a configuration error: the daemon does not start half-observable.
@@ -481,45 +483,85 @@ int Run(int argc, char** argv) {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
   auto tcp_credentials = TcpCredentials(config);
   if (!tcp_credentials.ok()) {
     HIQ_LOG(ERROR) << tcp_credentials.status().message();
     return 1;
   }
-  for (const auto& addr : config.listen) {
-    if (!IsUnix(addr)) builder.AddListeningPort(addr, *tcp_credentials);
-  }
-  const int max_msg = static_cast<int>(
-      std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max()));
-  builder.SetMaxReceiveMessageSize(max_msg);
-  builder.SetMaxSendMessageSize(max_msg);
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                             static_cast<int>(config.max_streams_per_connection));
-  grpc::ResourceQuota quota("hiqcached");
-  quota.Resize(static_cast<size_t>(config.grpc_memory_bytes));
-  builder.SetResourceQuota(quota);
+  // Two servers of the same service: the full one (TCP listeners, and unix connections of
+  // processes holding a session) and one for unix connections of processes without a session,
+  // with a small message limit and a share of gRPC's memory of its own (connection_gate.h).
+  auto build = [&](CacheService* svc, uint64_t max_message, uint64_t memory, const char* name,
+                   bool sessionless) {
+    grpc::ServerBuilder builder;
+    if (!sessionless) {
+      for (const auto& addr : config.listen) {
+        if (!IsUnix(addr)) builder.AddListeningPort(addr, *tcp_credentials);
+      }
+    }
+    const int max_msg =
+        static_cast<int>(std::min<uint64_t>(max_message, std::numeric_limits<int>::max()));
+    builder.SetMaxReceiveMessageSize(max_msg);
+    builder.SetMaxSendMessageSize(static_cast<int>(
+        std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max())));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               static_cast<int>(config.max_streams_per_connection));
+    if (sessionless) {
+      // gRPC ends each connection gracefully (GOAWAY; calls in flight get the grace) after a
+      // few seconds: a stalled call is dropped, and a process that opened its session since
+      // reconnects to the full server without a failed call.
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, kSessionlessConnectionAgeMs);
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kSessionlessConnectionAgeMs);
+    }
+    grpc::ResourceQuota quota(name);
+    quota.Resize(static_cast<size_t>(memory));
+    builder.SetResourceQuota(quota);
+    builder.RegisterService(svc);
+    return builder.BuildAndStart();
+  };
+  CacheService sessionless_service(core.get(), device_name, (*region)->name(), sessions.get(),
+                                   config.allow_anonymous);
+  std::unique_ptr<grpc::Server> servers[2];  // full, sessionless
+  std::atomic<bool> servers_built{false};
+  // Health for the server as a whole ("") and the service by name (Kubernetes gRPC probes and
+  // grpc_health_probe -service ask for hiqcache.v1.Cache): the bool overload sets both.
+  auto set_health = [&](bool ok) {
+    if (!servers_built.load()) return;
+    for (auto& srv : servers) {
+      if (srv) srv->GetHealthCheckService()->SetServingStatus(ok);
+    }
+  };
   // `hiqctl drain`: health first, so probes and balancers stop sending work before the core
   // refuses it; the daemon keeps running until it is stopped.
-  service.SetDrainHook([&] {
-    if (grpc::Server* srv = drain_server.load()) srv->GetHealthCheckService()->SetServingStatus(false);
+  auto drain = [&] {
+    set_health(false);
     serving.store(false);
     LogIfError(notifier.SetStatus("draining (hiqctl drain): refusing new work"));
-  });
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) {
+  };
+  service.SetDrainHook(drain);
+  sessionless_service.SetDrainHook(drain);
+  servers[0] = build(&service, config.max_message_bytes, config.grpc_memory_bytes, "hiqcached",
+                     /*sessionless=*/false);
+  servers[1] = build(&sessionless_service, config.sessionless_message_bytes,
+                     std::max<uint64_t>(16ull << 20, config.grpc_memory_bytes / 8),
+                     "hiqcached-sessionless", /*sessionless=*/true);
+  if (!servers[0] || !servers[1]) {
     HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
     return 1;
   }
-  if (gate) gate->Start([srv = server.get()](int fd) { grpc::AddInsecureChannelFromFd(srv, fd); });
-  // The server as a whole ("") and the service by name (Kubernetes gRPC probes and
-  // grpc_health_probe -service ask for hiqcache.v1.Cache); the bool overload below and in the
-  // drain hook then sets both.
-  server->GetHealthCheckService()->SetServingStatus(hiqcache::v1::Cache::service_full_name(), true);
-  server->GetHealthCheckService()->SetServingStatus(true);
+  if (gate) {
+    gate->Start(
+        [full = servers[0].get(), apart = servers[1].get()](int fd, bool sessionless) {
+          grpc::AddInsecureChannelFromFd(sessionless ? apart : full, fd);
+        },
+        [&sessions](const ucred& peer) { return !sessions || sessions->HasSession(peer); });
+  }
+  for (auto& srv : servers) {
+    srv->GetHealthCheckService()->SetServingStatus(hiqcache::v1::Cache::service_full_name(), true);
+    srv->GetHealthCheckService()->SetServingStatus(true);
+  }
   serving.store(true);
-  drain_server.store(server.get());
+  servers_built.store(true);
 
   // Stopped before the core is destroyed (its thread calls into the core).
   auto watcher = std::make_unique<ClientWatcher>(
@@ -536,7 +578,7 @@ int Run(int argc, char** argv) {
   sigwait(&sigs, &sig);
   HIQ_LOG(INFO) << "signal " << sig << ": draining";
   // Health first: a load balancer or probe stops sending work before the core refuses it.
-  server->GetHealthCheckService()->SetServingStatus(false);
+  set_health(false);
   serving.store(false);
   LogIfError(notifier.Stopping("draining: finishing in-flight transfers"));
   core->StartDraining();
@@ -547,9 +589,10 @@ int Run(int argc, char** argv) {
     notifier.StopWatchdog();
     std::_Exit(g_device_failed.load() ? kExitDeviceFailed : 1);
   }
-  gate.reset();  // hands nothing more to the server
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  server->Wait();
+  gate.reset();  // hands nothing more to the servers
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(5);
+  for (auto& srv : servers) srv->Shutdown(deadline);
+  for (auto& srv : servers) srv->Wait();
   metrics_server.reset();  // its render callback uses the core
   watcher.reset();
   sessions.reset();  // its release thread calls into the core

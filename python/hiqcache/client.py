@@ -363,7 +363,9 @@ class Client:
         self._release_lock = threading.Lock()
         self._released: set[int] = set()
         self._slots_lock = threading.Lock()
-        self._channel.subscribe(self._on_state, try_to_connect=True)
+        # No connection before the first call: a call opens the session first, so the daemon
+        # serves this process's connection on its full server, not the sessionless one.
+        self._channel.subscribe(self._on_state, try_to_connect=False)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         if self._state == grpc.ChannelConnectivity.READY and state != self._state:

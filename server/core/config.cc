@@ -160,6 +160,12 @@ Status Validate(const DaemonConfig& c) {
     return InvalidArgument("grpc_memory_bytes: at least 16MiB, got " +
                            std::to_string(c.grpc_memory_bytes));
   }
+  if (c.sessionless_message_bytes < 4096 ||
+      c.sessionless_message_bytes > std::max<uint64_t>(c.max_message_bytes, 4096)) {
+    return InvalidArgument("sessionless_message_bytes: from 4KiB to max_message_bytes (" +
+                           std::to_string(c.max_message_bytes) + "), got " +
+                           std::to_string(c.sessionless_message_bytes));
+  }
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_bytes, "transfer_chunk_bytes"));
   if (!c.l3_seeds.empty()) {
     if (!L3Available()) {
@@ -340,6 +346,10 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
   }
   if (k == "grpc_memory_bytes") {
     HIQ_ASSIGN_OR_RETURN(c->grpc_memory_bytes, size());
+    return Status::Ok();
+  }
+  if (k == "sessionless_message_bytes") {
+    HIQ_ASSIGN_OR_RETURN(c->sessionless_message_bytes, size());
     return Status::Ok();
   }
   if (k == "transfer_chunk_blocks") {
@@ -547,6 +557,9 @@ max_connections_per_uid = 128
 # Concurrent calls per gRPC connection, and the memory gRPC's buffers may hold in all.
 max_streams_per_connection = 32
 grpc_memory_bytes = "256MiB"
+# Largest message from a process without a session (its calls are served apart, with an eighth of
+# grpc_memory_bytes).
+sessionless_message_bytes = "1MiB"
 prefault = true
 cuda_staging_bytes = "128MiB"
 release_timeout_ms = 5000
@@ -651,6 +664,7 @@ std::string UsageText() {
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
          "                 [--max-connections N] [--max-connections-per-uid N] [--max-block-bytes SIZE]\n"
          "                 [--max-streams-per-connection N] [--grpc-memory-bytes SIZE]\n"
+         "                 [--sessionless-message-bytes SIZE]\n"
          "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
          "                 [--l3-key-prefix TEXT] [--l3-ttl SECONDS]\n"
          "                 [--l3-write-policy write_through|on_evict] [--l3-budget-bytes SIZE]\n"
@@ -746,6 +760,7 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "max_connections_per_uid = " + std::to_string(c.max_connections_per_uid) + "\n";
   out += "max_streams_per_connection = " + std::to_string(c.max_streams_per_connection) + "\n";
   out += "grpc_memory_bytes = " + std::to_string(c.grpc_memory_bytes) + "\n";
+  out += "sessionless_message_bytes = " + std::to_string(c.sessionless_message_bytes) + "\n";
   out += "prefault = " + std::string(c.prefault ? "true" : "false") + "\n";
   out += "cuda_staging_bytes = " + std::to_string(c.cuda_staging_bytes) + "\n";
   out += "release_timeout_ms = " + std::to_string(c.release_timeout_ms) + "\n";

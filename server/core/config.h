@@ -34,6 +34,9 @@ struct DaemonConfig {
   // gRPC: concurrent calls per connection, and the memory all its buffers may hold.
   uint32_t max_streams_per_connection = 0;
   uint64_t grpc_memory_bytes = 0;
+  // Largest message a call on a unix connection of a process without a session may send
+  // (connection_gate.h).
+  uint64_t sessionless_message_bytes = 0;
   bool prefault = true;
   // GPU memory per device for the CUDA backend's staging slabs, allocated when the first pool
   // binds to the device (CudaBackendOptions::staging_bytes).

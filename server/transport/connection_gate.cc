@@ -91,8 +91,9 @@ ConnectionGate::~ConnectionGate() {
   }
 }
 
-void ConnectionGate::Start(HandOff hand_off) {
+void ConnectionGate::Start(HandOff hand_off, HasSession has_session) {
   hand_off_ = std::move(hand_off);
+  has_session_ = std::move(has_session);
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -231,7 +232,7 @@ void ConnectionGate::Accept(int listen_fd) {
       Refuse(fd, peer);
       continue;
     }
-    hand_off_(fd);
+    hand_off_(fd, has_session_ && !has_session_(peer));
   }
 }
 

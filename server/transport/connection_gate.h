@@ -17,6 +17,14 @@
 // /proc/self/fd); the gate then closes its duplicate too. So each admitted connection costs two
 // descriptors (hiqcached_main.cc sizes max_connections to that).
 //
+// Calls without a session are served apart: a connection whose process holds no open session
+// when it connects (SessionListener::HasSession) goes to a second gRPC server, with
+// sessionless_message_bytes as its message limit, a resource quota of its own and connections
+// that gRPC ends gracefully (GOAWAY) after a few seconds, so a stranger who never opens a session
+// uses none of the memory the engines' calls need and holds a stalled call for seconds only. A
+// process that connected before opening its session reaches the full server at its next
+// connection; engines open their session before their first call.
+//
 // Out of descriptors (EMFILE), the gate still takes the connection off the backlog (with a
 // descriptor kept in reserve) and closes it, so that a full table does not leave clients
 // waiting in the kernel's queue. Thread-safe.
@@ -48,9 +56,11 @@ struct ConnectionLimits {
 
 class ConnectionGate {
  public:
-  // Takes ownership of a connected, non-blocking socket.
-  using HandOff = std::function<void(int fd)>;
+  // Takes ownership of a connected, non-blocking socket; `sessionless`: its process held no
+  // session when it connected.
+  using HandOff = std::function<void(int fd, bool sessionless)>;
   using IsAdmin = std::function<bool(const ucred& peer)>;
+  using HasSession = std::function<bool(const ucred& peer)>;
 
   // Listens on each of `paths` (absolute unix socket paths; a stale socket file there is
   // replaced) with `mode` and group `gid` (-1: the daemon's). Accepts nothing before Start.
@@ -63,7 +73,9 @@ class ConnectionGate {
   ConnectionGate& operator=(const ConnectionGate&) = delete;
 
   // Starts accepting, handing each admitted connection to `hand_off` (on the gate's thread).
-  void Start(HandOff hand_off);
+  // `has_session` (null: every connection has one) is asked once per connection, without the
+  // gate's lock.
+  void Start(HandOff hand_off, HasSession has_session = nullptr);
 
  private:
   struct Tracked {
@@ -84,6 +96,7 @@ class ConnectionGate {
   const ConnectionLimits limits_;
   const IsAdmin is_admin_;
   HandOff hand_off_;
+  HasSession has_session_;
   std::vector<std::string> paths_;
   std::vector<int> listen_fds_;
   int epoll_fd_ = -1;

@@ -181,6 +181,7 @@ void SessionListener::Accept(int listen_fd) {
                  << " uid=" << cred.uid << " admin=" << admin << " pod=\"" << LogSafe(where.pod)
                  << "\"";
   per_uid_[cred.uid] += 1;
+  per_process_[{cred.uid, cred.pid}] += 1;
   by_token_[s->token] = s->id;
   sessions_[s->id] = std::move(s);
 }
@@ -259,6 +260,8 @@ void SessionListener::EndLocked(uint64_t id) {
   ::close(s->fd);
   by_token_.erase(s->token);
   if (--per_uid_[s->caller.uid] == 0) per_uid_.erase(s->caller.uid);
+  const std::pair<uid_t, pid_t> process{s->caller.uid, static_cast<pid_t>(s->caller.pid)};
+  if (--per_process_[process] == 0) per_process_.erase(process);
   HIQ_LOG(DEBUG) << "event=session_end session=" << id << " pid=" << s->caller.pid;
   sessions_.erase(it);
   ended_.push_back(id);
@@ -356,6 +359,11 @@ SessionListener::TakenFds SessionListener::TakeFds(uint64_t session,
 size_t SessionListener::SessionCount() const {
   std::lock_guard<std::mutex> lock(mu_);
   return sessions_.size();
+}
+
+bool SessionListener::HasSession(const ucred& peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return per_process_.count({peer.uid, peer.pid}) != 0;
 }
 
 }  // namespace hiqcache::server

@@ -38,6 +38,7 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "hiqcache/status.h"
@@ -101,6 +102,10 @@ class SessionListener {
   TakenFds TakeFds(uint64_t session, const std::vector<uint64_t>& ids);
 
   size_t SessionCount() const;
+  // Whether the process `peer` (SO_PEERCRED of another socket: same pid and uid) holds an open
+  // session. A pid the daemon cannot see (0) matches a session of the same uid whose pid it
+  // could not see either.
+  bool HasSession(const ucred& peer) const;
 
   // Whether the peer `cred` (SO_PEERCRED) is an admin (see above).
   bool IsAdminPeer(const ucred& cred) const;
@@ -141,6 +146,7 @@ class SessionListener {
   std::map<uint64_t, std::unique_ptr<Session>> sessions_;    // GUARDED_BY(mu_)
   std::unordered_map<std::string, uint64_t> by_token_;       // GUARDED_BY(mu_)
   std::map<uid_t, size_t> per_uid_;                          // GUARDED_BY(mu_)
+  std::map<std::pair<uid_t, pid_t>, size_t> per_process_;    // GUARDED_BY(mu_)
   std::map<uid_t, size_t> held_fds_per_uid_;                 // GUARDED_BY(mu_)
   uint64_t next_session_ = 1;                                // GUARDED_BY(mu_)
   std::deque<uint64_t> ended_;                               // GUARDED_BY(mu_)

@@ -191,6 +191,24 @@ class Actor:
                 out["pools"] = [{"pool_id": p.pool_id, "uid": p.uid, "owned": p.owned,
                                  "model": p.model} for p in r.pools]
             return out
+        if op == "big":
+            # A GetStats request of `bytes` bytes: its one field is unknown to the daemon (15,
+            # length-delimited), so the message parses and only its size can refuse it.
+            n = cmd["bytes"]
+            body = bytearray(b"\x7a")
+            v = n
+            while True:
+                body.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+                v >>= 7
+                if not v:
+                    break
+            body += bytes(n)
+            call = self.channel.unary_unary("/hiqcache.v1.Cache/GetStats",
+                                            request_serializer=lambda b: b,
+                                            response_deserializer=lambda b: b)
+            out = self.call(call, bytes(body), how)
+            out.pop("reply", None)
+            return out
         return {"ok": False, "code": "BAD_OP", "details": op}
 
 

@@ -208,3 +208,32 @@ def test_client_death_releases_its_pools_within_a_second(actors):
     while any(p["pool_id"] == vpool for p in admin(op="stats")["pools"]):
         assert time.monotonic() - t0 < 1.0, "the dead client's pool is still registered"
         time.sleep(0.02)
+
+
+def test_calls_without_a_session_get_a_small_message_limit(actors):
+    """A process holding no session when it connects is served by the daemon's sessionless gRPC
+    server (sessionless_message_bytes, 1 MiB by default), whose connections gRPC ends gracefully
+    after about 5 s: a process that opened its session since reaches the full server
+    (max_message_bytes) on its next connection, without a failed call."""
+    stranger = actors(ATTACKER_UID)
+    assert stranger(op="big", auth="none", bytes=4096)["ok"]  # small calls are served
+    out = stranger(op="big", auth="none", bytes=2 << 20)
+    assert out["code"] == "RESOURCE_EXHAUSTED", out
+    assert "larger than max" in out["details"], out
+    # The same process opens a session; its connection made before moves within the age and
+    # grace (10 s, with gRPC's jitter), and no call fails on the way.
+    assert stranger(op="stats")["ok"]  # opens the session (Actor.md)
+    t0 = time.monotonic()
+    while True:
+        small = stranger(op="stats")
+        assert small["ok"], small  # the connection's end is graceful: never UNAVAILABLE
+        out = stranger(op="big", auth="session", bytes=2 << 20)
+        if out["ok"]:
+            break
+        assert out["code"] == "RESOURCE_EXHAUSTED", out
+        assert time.monotonic() - t0 < 15, "the connection made before the session never moved"
+        time.sleep(0.25)
+    # A fresh process that opens its session first is on the full server from its first call.
+    other = actors(VICTIM_UID)
+    assert other(op="stats")["ok"]
+    assert other(op="big", auth="session", bytes=2 << 20)["ok"]

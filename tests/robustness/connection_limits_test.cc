@@ -5,7 +5,9 @@
 //  - root (an admin) still connects when the attackers filled every slot others may use;
 //  - once the attacker is gone, or gRPC closed its connections, its slots are free again;
 //  - calls that announce large messages and stall mid-message (HTTP/2 spoken by hand) hold no
-//    more of the daemon's memory than grpc_memory_bytes, and others are served meanwhile.
+//    more of the daemon's memory than grpc_memory_bytes, and others are served meanwhile;
+//  - from a process without a session, such calls are served apart and hold at most the
+//    sessionless server's quota (an eighth of grpc_memory_bytes), none of the engines'.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -140,10 +142,11 @@ TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
   const uint64_t before = ReadProcMemory(daemon.pid()).rss_anon;
   // 4 connections x 8 GetStats calls, each announcing a 60 MiB message (1.9 GB in all) and
   // sending all of it but its last byte as far as the daemon's windows let it.
-  Child attacker(it::AsUid(kAttacker, {HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode",
-                                       "stall", "--socket", daemon.socket_path(), "--connections",
-                                       "4", "--streams", "8", "--announce",
-                                       std::to_string(60ull << 20)}));
+  // With a session: its connections are the full server's, where only the quota bounds them.
+  Child attacker(
+      it::AsUid(kAttacker, {HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode", "stall",
+                            "--socket", daemon.socket_path(), "--connections", "4", "--streams",
+                            "8", "--announce", std::to_string(60ull << 20), "--session", "1"}));
   auto line = attacker.WaitLineStartingWith("stalled ", 120s);
   ASSERT_TRUE(line.has_value());
   std::smatch m;
@@ -160,6 +163,40 @@ TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
     EXPECT_LT(grown, 192ull << 20) << "stalled calls grew the daemon far past its quota";
   }
   // Others are served meanwhile.
+  it::SpawnResult r = EngineBackup(daemon, kVictim);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("backup 4"), std::string::npos) << r.out;
+  attacker.Kill();
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+TEST_F(ConnectionLimitsTest, StalledCallsWithoutASessionHoldOnlyTheSessionlessQuota) {
+  // The default grpc_memory_bytes (256 MiB): the sessionless server holds an eighth of it.
+  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false"});
+  ASSERT_TRUE(daemon.Start());
+  const uint64_t before = ReadProcMemory(daemon.pid()).rss_anon;
+  // The attack above from a process that never opens a session: 4 x 8 calls announcing 60 MiB.
+  Child attacker(
+      it::AsUid(kAttacker, {HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode", "stall",
+                            "--socket", daemon.socket_path(), "--connections", "4", "--streams",
+                            "8", "--announce", std::to_string(60ull << 20)}));
+  auto line = attacker.WaitLineStartingWith("stalled ", 120s);
+  ASSERT_TRUE(line.has_value());
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(*line, m, std::regex("sent=(\\d+) resets=\\d+ ended=(\\d+)")));
+  const uint64_t sent = std::stoull(m[1]);
+  const uint64_t ended = std::stoull(m[2]);
+  const uint64_t grown = ReadProcMemory(daemon.pid()).rss_anon - before;
+  std::printf(
+      "[ stall    ] without a session: sent %.0f MiB, %llu of 32 calls reset; the daemon "
+      "grew by %.0f MiB (sessionless quota 32 MiB, full server's 256 MiB)\n",
+      sent / 1048576.0, static_cast<unsigned long long>(ended), grown / 1048576.0);
+  EXPECT_GT(sent, 24ull << 20) << "the attack did not get going";
+  // On the full server these calls would take its whole quota (256 MiB) from the engines.
+  if (!kSanitized) {
+    EXPECT_LT(grown, 80ull << 20) << "calls without a session grew the daemon past their quota";
+  }
+  // An engine of another uid (session first, then its calls) is served in full meanwhile.
   it::SpawnResult r = EngineBackup(daemon, kVictim);
   EXPECT_EQ(r.exit_code, 0) << r.out;
   EXPECT_NE(r.out.find("backup 4"), std::string::npos) << r.out;

@@ -14,11 +14,14 @@
 //     holds them until killed.
 //
 //   hiq_rob_worker --target T --mode stall --socket PATH --connections C --streams S --announce B
-//     Speaks HTTP/2 by hand on C connections to the unix socket PATH: on each, S GetStats calls
-//     whose one message announces B bytes, of which it sends all but the last (as far as the
-//     daemon's flow-control windows let it), then stalls. After 3 s without a window to send
-//     into, prints "stalled sent=N" (payload bytes the daemon accepted), then holds the
-//     connections (answering PINGs and SETTINGS) until killed.
+//                  [--session 1]
+//     With --session 1, first opens a session with the daemon at T and holds it (its connections
+//     then go to the daemon's full gRPC server, not the sessionless one). Speaks HTTP/2 by hand on
+//     C connections to the unix socket PATH: on each, S GetStats calls whose one message announces
+//     B bytes, of which it sends all but the last (as far as the daemon's flow-control windows let
+//     it), then stalls. After 3 s without a window to send into, prints "stalled sent=N resets=R
+//     ended=E" (payload bytes the daemon accepted, RST_STREAM and GOAWAY frames, calls the daemon
+//     ended early), then holds the connections (answering PINGs and SETTINGS) until killed.
 //
 //   hiq_rob_worker --target T --mode load --threads M --seconds S --universe U --out FILE
 //     M threads, each with its own HOST pool of namespace "rob-load" on one shared Client, run a
@@ -38,9 +41,11 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 
+#include "hiqcache/session.h"
 #include "rob_util.h"
 
 namespace hiqcache::rob {
@@ -325,6 +330,7 @@ class StallConnection {
     Read();
     bool sent = false;
     for (Stream& s : streams_) {
+      if (ended_.count(s.id) != 0) continue;  // refused: the daemon would discard the rest
       while (s.left > 0 && s.window > 0 && conn_window_ > 0) {
         uint64_t n = std::min<uint64_t>({s.left, uint64_t{16384}, uint64_t(s.window),
                                          uint64_t(conn_window_)});
@@ -385,11 +391,16 @@ class StallConnection {
         }
       } else if (type == 0x7 || type == 0x3) {  // GOAWAY, RST_STREAM
         ++resets_;
+        if (type == 0x3) ended_.insert(id);
+      } else if (type == 0x1 && (flags & 0x1) && id != 0) {  // HEADERS ending the stream
+        ended_.insert(id);  // trailers: the daemon answered (refused) the call
       }
     }
   }
   uint64_t sent() const { return sent_; }
   uint64_t resets() const { return resets_; }
+  // Streams the daemon ended (trailers or RST_STREAM) before their message was complete.
+  size_t ended() const { return ended_.size(); }
 
  private:
   struct Stream {
@@ -431,12 +442,22 @@ class StallConnection {
   int64_t initial_window_ = 65535;
   int64_t conn_window_ = 65535;
   uint64_t sent_ = 0, resets_ = 0;
+  std::set<uint32_t> ended_;
 };
 
 int Stall(const std::map<std::string, std::string>& a) {
   const int conns = std::stoi(a.at("connections"));
   const int streams = std::stoi(a.at("streams"));
   const uint64_t announce = std::stoull(a.at("announce"));
+  std::unique_ptr<Session> session;
+  if (a.count("session") && a.at("session") == "1") {
+    auto opened = Session::Open(a.at("target"), std::chrono::milliseconds(5000));
+    if (!opened.ok()) {
+      std::cerr << "worker: session: " << opened.status().ToString() << "\n";
+      return 1;
+    }
+    session = std::move(opened).value();
+  }
   std::vector<std::unique_ptr<StallConnection>> c;
   for (int i = 0; i < conns; ++i) {
     auto x = std::make_unique<StallConnection>();
@@ -453,13 +474,14 @@ int Stall(const std::map<std::string, std::string>& a) {
     if (any) idle_since = Clock::now();
     else std::this_thread::sleep_for(10ms);
   }
-  uint64_t sent = 0, resets = 0;
+  uint64_t sent = 0, resets = 0, ended = 0;
   for (auto& x : c) {
     sent += x->sent();
     resets += x->resets();
+    ended += x->ended();
   }
-  std::cout << "stalled sent=" << sent << " resets=" << resets << " connections=" << c.size()
-            << std::endl;
+  std::cout << "stalled sent=" << sent << " resets=" << resets << " ended=" << ended
+            << " connections=" << c.size() << std::endl;
   for (;;) {
     for (auto& x : c) x->Read();
     std::this_thread::sleep_for(100ms);

@@ -214,6 +214,7 @@ TEST(LoadConfigTest, ConnectionGrpcBoundsAndPodScope) {
   EXPECT_EQ(d.max_connections_per_uid, 128u);
   EXPECT_EQ(d.max_streams_per_connection, 32u);
   EXPECT_EQ(d.grpc_memory_bytes, 256ull << 20);
+  EXPECT_EQ(d.sessionless_message_bytes, 1ull << 20);
   auto load = [](std::vector<std::string> args) {
     args.insert(args.begin(), "hiqcached");
     std::vector<char*> argv;
@@ -228,16 +229,21 @@ TEST(LoadConfigTest, ConnectionGrpcBoundsAndPodScope) {
   ApplyCoreSettings(*pod, &o);
   EXPECT_EQ(o.namespace_scope, NamespaceScope::kPod);
   auto c = load({"--max-connections", "100", "--max-connections-per-uid=7",
-                 "--max-streams-per-connection", "4", "--grpc-memory-bytes", "64MiB"});
+                 "--max-streams-per-connection", "4", "--grpc-memory-bytes", "64MiB",
+                 "--sessionless-message-bytes", "64KiB"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->max_connections, 100u);
   EXPECT_EQ(c->max_connections_per_uid, 7u);
   EXPECT_EQ(c->max_streams_per_connection, 4u);
   EXPECT_EQ(c->grpc_memory_bytes, 64ull << 20);
-  for (std::vector<std::string> bad : {std::vector<std::string>{"--max-connections", "0"},
-                                       std::vector<std::string>{"--max-connections-per-uid", "0"},
-                                       std::vector<std::string>{"--max-streams-per-connection", "0"},
-                                       std::vector<std::string>{"--grpc-memory-bytes", "1MiB"}}) {
+  EXPECT_EQ(c->sessionless_message_bytes, 64ull << 10);
+  for (std::vector<std::string> bad :
+       {std::vector<std::string>{"--max-connections", "0"},
+        std::vector<std::string>{"--max-connections-per-uid", "0"},
+        std::vector<std::string>{"--max-streams-per-connection", "0"},
+        std::vector<std::string>{"--grpc-memory-bytes", "1MiB"},
+        std::vector<std::string>{"--sessionless-message-bytes", "1KiB"},
+        std::vector<std::string>{"--sessionless-message-bytes", "1GiB"}}) {
     auto r = load(bad);
     ASSERT_FALSE(r.ok()) << bad[0];
     std::string key = bad[0].substr(2);
