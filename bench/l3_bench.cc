@@ -35,12 +35,12 @@
 #include <vector>
 
 #include "daemon_process.h"
+#include "gaussian_kv.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
-#include "gaussian_kv.h"
 #include "hiqcache/host_shm.h"
-#include "l3_value.h"
-#include "redis_cluster.h"
+#include "l3/l3_value.h"
+#include "l3/redis_cluster.h"
 #include "redis_test_cluster.h"
 
 namespace {

@@ -31,25 +31,28 @@
 #include <thread>
 #include <vector>
 
-#include "block_store.h"
-#include "cache_core.h"
-#include "cache_service.h"
-#include "client_watcher.h"
+#include "backends/cuda_backend.h"
+#include "backends/host_backend.h"
 #include "codec_cpu.h"
-#include "config.h"
-#include "connection_gate.h"
-#include "cuda_backend.h"
+#include "core/cache_core.h"
+#include "core/client_watcher.h"
+#include "core/config.h"
+#include "core/l3_tier.h"
 #include "hiqcache/log.h"
 #include "hiqcache/session_protocol.h"
 #include "hiqcache/socket_trust.h"
-#include "host_backend.h"
-#include "l3_tier.h"
-#include "metrics.h"
-#include "pool_region.h"
-#include "service_notify.h"
-#include "session_listener.h"
+#include "pool/block_store.h"
+#include "transport/cache_service.h"
+#include "transport/connection_gate.h"
+#ifdef HIQ_HAVE_L3
+#include "l3/redis_l3_tier.h"
+#endif
+#include "ops/metrics.h"
+#include "ops/service_notify.h"
+#include "pool/pool_region.h"
+#include "transport/session_listener.h"
 #ifdef HIQ_HAVE_CUDA
-#include "cuda_device_api.h"
+#include "backends/cuda_device_api.h"
 #include "cuda_runtime_check.h"
 #endif
 
@@ -372,7 +375,14 @@ int Run(int argc, char** argv) {
     l3_options.on_fetch = [&metrics](std::chrono::nanoseconds d, bool ok) {
       metrics.OnL3Fetch(d, ok);
     };
+#ifdef HIQ_HAVE_L3
     auto created = CreateRedisL3Tier(l3_options, &store);
+#else
+    // Unreachable: Validate refuses l3_seeds in a build without L3 (L3Available).
+    StatusOr<std::unique_ptr<L3Tier>> created = FailedPrecondition(
+        "l3_seeds: this hiqcached was built without the L3 store (hiredis, "
+        "libhiredis-dev, was not found at build time)");
+#endif
     if (!created.ok()) {
       HIQ_LOG(ERROR) << created.status().message();
       return 2;

@@ -1,16 +1,16 @@
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <optional>
 
-#include <unistd.h>
-
-#include "device_completion.h"
-#include "residency.h"
+#include "backends/device_completion.h"
+#include "backends/residency.h"
+#include "core/registration.h"
 #include "hiqcache/log.h"
-#include "registration.h"
 
 namespace hiqcache::server {
 namespace {

@@ -60,9 +60,9 @@
 #include <string>
 #include <vector>
 
-#include "device_api.h"
-#include "device_backend.h"
-#include "host_backend.h"
+#include "backends/device_api.h"
+#include "backends/host_backend.h"
+#include "core/device_backend.h"
 
 namespace hiqcache::server {
 

@@ -1,4 +1,4 @@
-#include "cuda_device_api.h"
+#include "backends/cuda_device_api.h"
 
 #include <cuda.h>  // CUresult / CUdeviceptr / CUpointer_attribute only: the driver is reached
                    // through the runtime's entry points, never linked directly

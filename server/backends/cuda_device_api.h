@@ -12,7 +12,7 @@
 
 #include <memory>
 
-#include "device_api.h"
+#include "backends/device_api.h"
 
 namespace hiqcache::server {
 

@@ -1,4 +1,4 @@
-#include "device_completion.h"
+#include "backends/device_completion.h"
 
 #include <algorithm>
 

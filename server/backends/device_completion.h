@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "device_api.h"
+#include "backends/device_api.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server {

@@ -1,9 +1,10 @@
-#include "host_backend.h"
+#include "backends/host_backend.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,13 +13,11 @@
 #include <mutex>
 #include <string>
 
-#include <xxhash.h>
-
+#include "backends/residency.h"
 #include "codec_job.h"
-#include "fault_budget.h"
+#include "core/fault_budget.h"
+#include "core/registration.h"
 #include "hiqcache/log.h"
-#include "registration.h"
-#include "residency.h"
 
 namespace hiqcache::server {
 

@@ -39,10 +39,10 @@
 #include <utility>
 #include <vector>
 
-#include "client_memory_guard.h"
+#include "backends/client_memory_guard.h"
+#include "backends/ticket_slots.h"
 #include "codec_cpu.h"
-#include "device_backend.h"
-#include "ticket_slots.h"
+#include "core/device_backend.h"
 
 namespace hiqcache::server {
 

@@ -1,4 +1,4 @@
-#include "residency.h"
+#include "backends/residency.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

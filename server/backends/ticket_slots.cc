@@ -1,4 +1,4 @@
-#include "ticket_slots.h"
+#include "backends/ticket_slots.h"
 
 #include <algorithm>
 #include <atomic>
@@ -6,9 +6,9 @@
 #include <utility>
 #include <vector>
 
+#include "backends/host_backend.h"
+#include "core/requests.h"
 #include "hiqcache/log.h"
-#include "host_backend.h"
-#include "requests.h"
 
 namespace hiqcache::server {
 

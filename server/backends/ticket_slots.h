@@ -18,8 +18,8 @@
 #include <memory>
 #include <optional>
 
+#include "core/requests.h"
 #include "hiqcache/status.h"
-#include "requests.h"
 
 namespace hiqcache::server {
 

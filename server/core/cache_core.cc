@@ -1,4 +1,4 @@
-#include "cache_core.h"
+#include "core/cache_core.h"
 
 #include <xxhash.h>
 
@@ -445,7 +445,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     SweepNamespaces();
     pool->ns = namespaces_.Acquire(Scoped(reg.ns, spec.caller));
     const NamespaceInfo& ns = *pool->ns;
-    store_->AddNamespace(ns);
+    store_->AddNamespace(ns.ForStore());
     pool->layout = reg.layout;
     pool->cuda = reg.cuda;
     pool->owner = spec.caller;
@@ -680,7 +680,7 @@ std::shared_ptr<const NamespaceInfo> CacheCore::FindOrAdoptNamespace(const Names
   // Held while the store adopts, so that no sweep removes it in between; released at once (it
   // stays while the pool holds its blocks).
   std::shared_ptr<const NamespaceInfo> ns = namespaces_.Acquire(desc);
-  if (store_->AddNamespace(*ns)) {
+  if (store_->AddNamespace(ns->ForStore())) {
     HIQ_LOG(INFO) << "event=adopt_namespace by=lookup namespace=" << ns->hex_id << " desc=\""
                   << LogSafe(desc.CanonicalText()) << "\"";
   }

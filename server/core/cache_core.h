@@ -49,14 +49,14 @@
 #include <string_view>
 #include <vector>
 
-#include "block_store.h"
-#include "device_backend.h"
+#include "core/device_backend.h"
+#include "core/l3_tier.h"
+#include "core/namespace_table.h"
+#include "core/registration.h"
+#include "core/requests.h"
+#include "core/transfer_engine.h"
 #include "hiqcache/status.h"
-#include "l3_tier.h"
-#include "namespace_table.h"
-#include "registration.h"
-#include "requests.h"
-#include "transfer_engine.h"
+#include "pool/block_store.h"
 
 namespace hiqcache::server {
 

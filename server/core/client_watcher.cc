@@ -1,4 +1,4 @@
-#include "client_watcher.h"
+#include "core/client_watcher.h"
 
 #include <poll.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include "config.h"
+#include "core/config.h"
 
 #include <sys/stat.h>
 
@@ -9,9 +9,9 @@
 #include <iterator>
 #include <sstream>
 
-#include "cache_core.h"
+#include "core/cache_core.h"
+#include "core/l3_tier.h"
 #include "hiqcache/paths.h"
-#include "l3_tier.h"
 
 namespace hiqcache::server {
 namespace {

@@ -32,10 +32,10 @@
 #include <string>
 #include <vector>
 
-#include "fault_budget.h"
+#include "core/fault_budget.h"
+#include "core/requests.h"
 #include "hiqcache/status.h"
 #include "record_format.h"
-#include "requests.h"
 #include "tensor_view.h"
 
 namespace hiqcache::server {

@@ -1,8 +1,8 @@
 // L3Tier: the core's seam to the store beyond one node (docs/design.md "Beyond one node (L3)"). The
 // core asks it, after the pool (L2), which further blocks of a lookup or restore it holds, fetches
 // them to promote them into the pool, and tells it which blocks a backup published so that it
-// copies them out. The Redis Cluster implementation (CreateRedisL3Tier) lives behind this
-// interface, so the core includes no hiredis; tests may substitute their own.
+// copies them out. The Redis Cluster implementation (l3/redis_l3_tier.h) lives behind this
+// interface, in the layer above: the core includes no hiredis; tests may substitute their own.
 //
 // Contract: every call returns within its deadline (plus one socket timeout at most) and never
 // fails: an error or a deadline is an answer of "not held" (counted in L3Stats), so L3 can only
@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "block_store.h"
 #include "hiqcache/status.h"
+#include "pool/block_store.h"
 
 namespace hiqcache::server {
 
@@ -60,6 +60,7 @@ constexpr size_t kL3FetchLatencySamples = 1024;
 // One block fetched from L3 and verified (header, namespace, key, length, checksum).
 struct L3Block {
   std::string value;              // header + payload, as stored
+  size_t payload_offset = 0;      // where the payload starts in `value`
   uint64_t payload_checksum = 0;  // XXH3-64 of the payload (checked): the pool's block checksum
   const uint8_t* payload() const;  // value's payload bytes
 };
@@ -123,13 +124,8 @@ struct L3Options {
   std::function<void(std::chrono::nanoseconds, bool ok)> on_fetch;
 };
 
-// Whether this build has the Redis Cluster tier (hiredis found at build time).
+// Whether this build has the Redis Cluster tier (hiredis found at build time): l3/ is built and
+// l3/redis_l3_tier.h's CreateRedisL3Tier exists.
 bool L3Available();
-
-// The Redis Cluster tier over `store` (which must outlive it); its writers copy published blocks
-// out of the store (write_through), or it sets itself as the store's eviction sink (on_evict) and
-// copies evicted blocks into its write queue while the store evicts them. Connections open in the background: the tier is usable (answering misses)
-// while the cluster is unreachable. FAILED_PRECONDITION in a build without hiredis.
-StatusOr<std::unique_ptr<L3Tier>> CreateRedisL3Tier(const L3Options& options, BlockStore* store);
 
 }  // namespace hiqcache::server

@@ -1,4 +1,4 @@
-#include "namespace_table.h"
+#include "core/namespace_table.h"
 
 #include <xxhash.h>
 
@@ -71,6 +71,16 @@ NamespaceTable::Entry& NamespaceTable::InternLocked(const NamespaceDesc& desc) {
   e.info = std::move(info);
   e.text = std::move(text);
   return e;
+}
+
+StoreNamespace NamespaceInfo::ForStore() const {
+  StoreNamespace out;
+  out.id = id;
+  out.hash = hash;
+  out.payload_bytes = desc.layout.BlockBytes();
+  out.text = desc.CanonicalText();
+  out.owner = desc.scope;
+  return out;
 }
 
 const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {

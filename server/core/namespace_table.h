@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "hiqcache/block_id.h"
+#include "pool/block_store.h"
 #include "record_format.h"
 
 namespace hiqcache::server {
@@ -56,6 +57,8 @@ struct NamespaceInfo {
   NamespaceDesc desc;
   NamespaceHash hash{};
   std::string hex_id;  // 32 hex digits of `hash`
+  // What the block store keeps of it.
+  StoreNamespace ForStore() const;
 };
 
 class NamespaceTable {

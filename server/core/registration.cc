@@ -1,9 +1,9 @@
-#include "registration.h"
-
-#include "pool_format.h"
+#include "core/registration.h"
 
 #include <algorithm>
 #include <cstring>
+
+#include "pool/pool_format.h"
 
 namespace hiqcache::server {
 namespace {

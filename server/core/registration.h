@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "core/namespace_table.h"
+#include "core/requests.h"
 #include "hiqcache/status.h"
-#include "namespace_table.h"
 #include "record_format.h"
-#include "requests.h"
 #include "tensor_view.h"
 
 namespace hiqcache::server {

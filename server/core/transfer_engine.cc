@@ -1,4 +1,4 @@
-#include "transfer_engine.h"
+#include "core/transfer_engine.h"
 
 #include <algorithm>
 #include <exception>

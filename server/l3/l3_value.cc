@@ -1,7 +1,7 @@
-#include "l3_value.h"
+#include "l3/l3_value.h"
 
-#include <openssl/crypto.h>
 #include <openssl/core_names.h>
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
 #include <xxhash.h>

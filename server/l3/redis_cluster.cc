@@ -1,4 +1,4 @@
-#include "redis_cluster.h"
+#include "l3/redis_cluster.h"
 
 #include <hiredis/hiredis.h>
 #include <poll.h>
@@ -7,16 +7,15 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
-#include <cerrno>
-#include <cstring>
-
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <map>
 #include <thread>
 #include <utility>
 
-#include "resp_parser.h"
+#include "l3/resp_parser.h"
 
 namespace hiqcache::server::l3 {
 namespace {

@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "ops/metrics.h"
 
 #include <cinttypes>
 #include <cstdio>

@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "cache_core.h"
+#include "core/cache_core.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server {

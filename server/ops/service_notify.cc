@@ -1,4 +1,4 @@
-#include "service_notify.h"
+#include "ops/service_notify.h"
 
 #include <sys/socket.h>
 #include <sys/un.h>

@@ -1,4 +1,4 @@
-#include "block_store.h"
+#include "pool/block_store.h"
 
 #include <xxhash.h>
 
@@ -366,11 +366,11 @@ void BlockStore::IndexEntryLocked(NsState& ns, BlockEntry* e) {
   if (e->indexed) index_.emplace(std::make_pair(ns.id, e->key), e);
 }
 
-BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
+BlockStore::NsState* BlockStore::AdoptOrphanLocked(const StoreNamespace& info) {
   for (auto it = namespaces_.begin(); it != namespaces_.end(); ++it) {
     NsState& orphan = *it->second;
     if (orphan.id < kFirstOrphanId || orphan.hash != info.hash) continue;
-    if (orphan.payload_bytes != info.desc.layout.BlockBytes()) {
+    if (orphan.payload_bytes != info.payload_bytes) {
       // The hash names the geometry, so these blocks are of no namespace any registration can
       // make (a poisoned or foreign pool): drop them, or this namespace's next rebuild would
       // meet two payload sizes under one hash.
@@ -381,8 +381,8 @@ BlockStore::NsState* BlockStore::AdoptOrphanLocked(const NamespaceInfo& info) {
     namespaces_.erase(it);
     const uint32_t old_id = owned->id;
     owned->id = info.id;
-    owned->text = info.desc.CanonicalText();
-    owned->owner = info.desc.scope;
+    owned->text = info.text;
+    owned->owner = info.owner;
     for (Extent* ext : owned->extents) {
       ext->ns = info.id;
       for (auto& e : ext->entries) {
@@ -462,19 +462,19 @@ std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
   return out;
 }
 
-bool BlockStore::AddNamespace(const NamespaceInfo& info) {
+bool BlockStore::AddNamespace(const StoreNamespace& info) {
   std::lock_guard<std::mutex> lock(mu_);
   if (namespaces_.count(info.id)) return false;
   if (AdoptOrphanLocked(info) != nullptr) return true;
   auto ns = std::make_unique<NsState>();
   ns->id = info.id;
-  ns->payload_bytes = info.desc.layout.BlockBytes();
+  ns->payload_bytes = info.payload_bytes;
   ns->slot_bytes = SlotBytesFor(ns->payload_bytes);
   ns->slots_per_extent =
       static_cast<uint32_t>(std::max<uint64_t>(1, kTargetExtentBytes / ns->slot_bytes));
   ns->hash = info.hash;
-  ns->text = info.desc.CanonicalText();
-  ns->owner = info.desc.scope;
+  ns->text = info.text;
+  ns->owner = info.owner;
   ns->counters.capacity_blocks = CapacityBlocks(ns->payload_bytes);
   namespaces_.emplace(info.id, std::move(ns));
   return false;

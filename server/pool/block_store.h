@@ -34,10 +34,18 @@
 #include <vector>
 
 #include "hiqcache/block_id.h"
-#include "namespace_table.h"
-#include "pool_format.h"
+#include "pool/pool_format.h"
 
 namespace hiqcache::server {
+
+// What the store keeps of a namespace: the core's NamespaceInfo::ForStore().
+struct StoreNamespace {
+  uint32_t id = 0;
+  NamespaceHash hash{};
+  uint64_t payload_bytes = 0;  // one block as stored
+  std::string text;            // its canonical text (GetStats, logs)
+  std::string owner;           // its scope: extents are shared fairly between owners
+};
 
 struct BlockEntry;  // opaque to callers
 struct StoreExtent;
@@ -126,7 +134,7 @@ class BlockStore {
   // found blocks under ns.hash with ns's payload size, `ns` adopts them (and their counters);
   // returns whether this call did. Blocks found under ns.hash with another payload size belong
   // to no namespace a registration can make: they are dropped.
-  bool AddNamespace(const NamespaceInfo& ns);
+  bool AddNamespace(const StoreNamespace& ns);
   // Whether the rebuild found blocks under `hash` with `payload_bytes` payloads that no
   // AddNamespace has adopted yet, and at least one of them is still held: what AddNamespace of a
   // namespace with that hash would adopt. Lets a caller that must not create namespaces for
@@ -210,7 +218,7 @@ class BlockStore {
   // A committed block the store is about to evict to make room (the L3 tier's on_evict policy
   // copies it out). `payload` is valid only during the call.
   struct EvictedBlock {
-    const NamespaceHash& ns_hash;  // NamespaceInfo::hash
+    const NamespaceHash& ns_hash;  // StoreNamespace::hash
     const BlockKey& key;
     std::span<const uint8_t> payload;
     uint64_t checksum;  // the block header's payload checksum (XXH3-64)
@@ -253,7 +261,7 @@ class BlockStore {
   const char* CheckExtent(const ExtentDirEntry& d, uint64_t offset, uint64_t cursor) const;
   // REQUIRES: mu_ held. Clears directory slot `dir_slot`, counts and logs the drop.
   void DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset, const char* why);
-  NsState* AdoptOrphanLocked(const NamespaceInfo& info);
+  NsState* AdoptOrphanLocked(const StoreNamespace& info);
   // REQUIRES: mu_ held. Evicts an orphan's blocks, frees its extents and forgets it.
   void DropOrphanLocked(std::unordered_map<uint32_t, std::unique_ptr<NsState>>::iterator it);
   void IndexEntryLocked(NsState& ns, BlockEntry* e);

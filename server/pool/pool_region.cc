@@ -1,4 +1,4 @@
-#include "pool_region.h"
+#include "pool/pool_region.h"
 
 #include <sys/mman.h>
 #include <sys/stat.h>

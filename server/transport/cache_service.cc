@@ -1,4 +1,4 @@
-#include "cache_service.h"
+#include "transport/cache_service.h"
 
 #include <algorithm>
 #include <chrono>

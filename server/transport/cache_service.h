@@ -15,9 +15,9 @@
 #include <mutex>
 #include <string>
 
-#include "cache_core.h"
+#include "core/cache_core.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
-#include "session_listener.h"
+#include "transport/session_listener.h"
 
 namespace hiqcache::server {
 

@@ -1,4 +1,4 @@
-#include "connection_gate.h"
+#include "transport/connection_gate.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "hiqcache/log.h"
-#include "unix_listen.h"
+#include "transport/unix_listen.h"
 
 namespace hiqcache::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "peer_placement.h"
+#include "transport/peer_placement.h"
 
 #include <cctype>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "session_listener.h"
+#include "transport/session_listener.h"
 
 #include <fcntl.h>
 #include <grp.h>
@@ -15,8 +15,8 @@
 
 #include "hiqcache/log.h"
 #include "hiqcache/session_protocol.h"
-#include "peer_placement.h"
-#include "unix_listen.h"
+#include "transport/peer_placement.h"
+#include "transport/unix_listen.h"
 
 namespace hiqcache::server {
 namespace {

@@ -41,9 +41,9 @@
 #include <utility>
 #include <vector>
 
+#include "core/requests.h"
 #include "hiqcache/status.h"
-#include "peer_placement.h"
-#include "requests.h"
+#include "transport/peer_placement.h"
 
 namespace hiqcache::server {
 

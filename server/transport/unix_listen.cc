@@ -1,4 +1,4 @@
-#include "unix_listen.h"
+#include "transport/unix_listen.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>

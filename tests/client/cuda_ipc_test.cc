@@ -17,7 +17,7 @@
 #include "hiqcache/layouts.h"
 
 #if defined(HIQ_TEST_SERVER_UUID)
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
 #endif
 #if defined(HIQ_CLIENT_HAVE_CUDA)
 #include <cuda_runtime_api.h>

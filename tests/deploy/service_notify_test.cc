@@ -1,8 +1,6 @@
 // ServiceNotifier in-process: datagrams to a path and to an abstract socket, the watchdog's
 // period and its liveness probe, the environment (WATCHDOG_PID), and no-ops without a socket.
-#include "service_notify.h"
-
-#include "fake_notify_manager.h"
+#include "ops/service_notify.h"
 
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -19,6 +17,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "fake_notify_manager.h"
 
 namespace hiqcache::server {
 namespace {

@@ -14,8 +14,8 @@
 #include <string_view>
 #include <vector>
 
-#include "l3_value.h"
-#include "resp_parser.h"
+#include "l3/l3_value.h"
+#include "l3/resp_parser.h"
 
 namespace {
 

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "block_store.h"
-#include "namespace_table.h"
-#include "pool_format.h"
+#include "core/namespace_table.h"
+#include "pool/block_store.h"
+#include "pool/pool_format.h"
 
 namespace hiqcache::fuzz {
 

@@ -25,8 +25,8 @@
 #include <memory>
 #include <vector>
 
-#include "block_store.h"
 #include "hiqcache/log.h"
+#include "pool/block_store.h"
 #include "pool_image.h"
 
 namespace hiqcache::fuzz {
@@ -151,7 +151,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     break;
   }
-  for (const auto& ns : spaces) store->AddNamespace(ns);
+  for (const auto& ns : spaces) store->AddNamespace(ns.ForStore());
   CheckStats(*store);
 
   std::vector<BlockKey> keys;

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "block_store.h"
+#include "pool/block_store.h"
 #include "pool_image.h"
 
 namespace {
@@ -38,7 +38,7 @@ bool Write(const std::string& dir, const char* name, unsigned granule_code,
     hiqcache::server::StoreOptions o;
     o.granule = hiqcache::fuzz::kGranules[granule_code];
     BlockStore store(pool.data(), pool.size(), o, nullptr);
-    for (const auto& ns : known) store.AddNamespace(ns);
+    for (const auto& ns : known) store.AddNamespace(ns.ForStore());
     fill(store);
   }  // dropped without cleanup, as a killed daemon leaves its pool
   const std::string bytes = hiqcache::fuzz::EncodePoolImage(pool.data(), granule_code);

@@ -31,13 +31,13 @@
 #include <string>
 #include <vector>
 
-#include "block_store.h"
-#include "cache_core.h"
-#include "cache_service.h"
+#include "backends/host_backend.h"
 #include "codec_cpu.h"
+#include "core/cache_core.h"
 #include "fuzz_input.pb.h"
 #include "hiqcache/log.h"
-#include "host_backend.h"
+#include "pool/block_store.h"
+#include "transport/cache_service.h"
 
 namespace hiqcache::fuzz {
 namespace {

@@ -25,8 +25,8 @@
 #ifdef HIQCTL_PATH
 #include "process_util.h"
 #endif
-#include "l3_value.h"
-#include "redis_cluster.h"
+#include "l3/l3_value.h"
+#include "l3/redis_cluster.h"
 #include "redis_test_cluster.h"
 
 namespace hiqcache::it {

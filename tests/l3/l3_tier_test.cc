@@ -2,7 +2,7 @@
 // Cluster, with several threads at once: what the daemon's gRPC threads, transfer workers and
 // the tier's own writers do concurrently. Built for ThreadSanitizer too (deploy/run-tests.sh's
 // tsan stage runs it). Label l3; skipped where redis-server is not installed.
-#include "l3_tier.h"
+#include "core/l3_tier.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -17,9 +17,10 @@
 #include <thread>
 #include <vector>
 
-#include "block_store.h"
-#include "l3_value.h"
-#include "namespace_table.h"
+#include "core/namespace_table.h"
+#include "l3/l3_value.h"
+#include "l3/redis_l3_tier.h"
+#include "pool/block_store.h"
 #include "redis_test_cluster.h"
 #include "server_test_util.h"
 
@@ -74,7 +75,7 @@ class L3TierTest : public ::testing::Test {
     d.model = "l3-tier-test";
     d.layout = layout_;
     ns_ = &table_.Intern(d);
-    store_->AddNamespace(*ns_);
+    store_->AddNamespace(ns_->ForStore());
   }
   L3Options Options(L3WritePolicy policy) const {
     L3Options o;
@@ -268,7 +269,7 @@ TEST_F(L3TierTest, BudgetUnderConcurrentPublishers) {
   pool_ = std::make_unique<AnonBuffer>(PoolMetaBytes(1 << 20) + kExtentHeaderBytes +
                                        200 * SlotBytesFor(payload_));
   store_ = std::make_unique<BlockStore>(pool_->data(), pool_->size());
-  store_->AddNamespace(*ns_);
+  store_->AddNamespace(ns_->ForStore());
   const uint64_t value_bytes = l3::kL3ValueHeaderBytes + payload_;
   L3Options o = Options(L3WritePolicy::kWriteThrough);
   o.budget_bytes = 10 * value_bytes + value_bytes / 2;
@@ -317,7 +318,7 @@ TEST_F(L3TierTest, DestroyedWithAFullQueue) {
   pool_ = std::make_unique<AnonBuffer>(PoolMetaBytes(1 << 20) + kExtentHeaderBytes +
                                        600 * SlotBytesFor(payload_));
   store_ = std::make_unique<BlockStore>(pool_->data(), pool_->size());
-  store_->AddNamespace(*ns_);
+  store_->AddNamespace(ns_->ForStore());
   L3Options o = Options(L3WritePolicy::kWriteThrough);
   o.writer_threads = 1;
   auto tier = CreateRedisL3Tier(o, store_.get());

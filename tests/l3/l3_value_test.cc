@@ -2,7 +2,7 @@
 // wrong is rejected with an error that says which: corrupt payload or header, truncation,
 // trailing bytes, foreign namespace or key, another version, an unexpected block size; with a
 // fleet MAC key, a value not authenticated by it (forged with valid checksums, or unkeyed).
-#include "l3_value.h"
+#include "l3/l3_value.h"
 
 #include <gtest/gtest.h>
 

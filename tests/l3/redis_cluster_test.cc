@@ -3,7 +3,7 @@
 // multi-key reads, MOVED while a slot migrates under a working client, ASK during a migration, a
 // master killed until its replica is promoted, reconnects, deadlines, AUTH, and blocks in the L3
 // value format travelling through the cluster.
-#include "redis_cluster.h"
+#include "l3/redis_cluster.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 #include <set>
 #include <thread>
 
-#include "l3_value.h"
+#include "l3/l3_value.h"
 #include "redis_test_cluster.h"
 
 #define HIQ_ASSERT_OK(expr)                                           \

@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "it_util.h"
-#include "pool_format.h"
+#include "pool/pool_format.h"
 
 namespace hiqcache::rob {
 

@@ -1,6 +1,6 @@
 // BlockStore: capacity accounting, LRU eviction, pins, namespaces sharing the pool, and the block
 // headers it writes into the pool memory (pool_format.h).
-#include "block_store.h"
+#include "pool/block_store.h"
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "namespace_table.h"
-#include "pool_format.h"
+#include "core/namespace_table.h"
+#include "pool/pool_format.h"
 #include "record_format.h"
 #include "server_test_util.h"
 
@@ -116,7 +116,7 @@ void FillToCapacity(const kernels::BlockLayout& layout, size_t pool_bytes) {
   BlockStore store(pool.data(), pool.size());
   NamespaceTable table;
   const NamespaceInfo& ns = Intern(table, "m", layout);
-  store.AddNamespace(ns);
+  store.AddNamespace(ns.ForStore());
   const uint64_t payload = layout.BlockBytes();
   const uint64_t slot = SlotBytesFor(payload);
   const uint64_t cap = store.CapacityBlocks(payload);
@@ -185,7 +185,7 @@ class SmallStoreTest : public ::testing::Test {
         pool_(PoolBytesFor(kBlocks, slot_)),
         store_(pool_.data(), pool_.size()) {
     ns_ = Intern(table_, "small", layout_).id;
-    store_.AddNamespace(table_.Get(ns_));
+    store_.AddNamespace(table_.Get(ns_).ForStore());
   }
   void FillAll() {
     ASSERT_EQ(store_.CapacityBlocks(layout_.BlockBytes()), kBlocks);
@@ -390,7 +390,7 @@ TEST_F(SmallStoreTest, LookupPrefixStopsAtFirstMissingKey) {
 TEST_F(SmallStoreTest, KeysAreScopedByNamespace) {
   const NamespaceInfo& other = Intern(table_, "other-model", layout_);
   ASSERT_NE(other.id, ns_);
-  store_.AddNamespace(other);
+  store_.AddNamespace(other.ForStore());
   ASSERT_NE(Put(store_, ns_, KeyOf(0)), nullptr);
   EXPECT_EQ(Has(store_, other.id, KeyOf(0)), 0u);
   EXPECT_EQ(store_.Evict(other.id, std::vector<BlockKey>{KeyOf(0)}), 0u);
@@ -538,9 +538,9 @@ TEST(BlockStoreNamespacesTest, DifferentSlotSizesShareThePool) {
   NamespaceTable table;
   const uint32_t a = Intern(table, "a", la).id;
   const uint32_t b = Intern(table, "b", lb).id;
-  store.AddNamespace(table.Get(a));
-  store.AddNamespace(table.Get(b));
-  store.AddNamespace(table.Get(a));  // idempotent
+  store.AddNamespace(table.Get(a).ForStore());
+  store.AddNamespace(table.Get(b).ForStore());
+  store.AddNamespace(table.Get(a).ForStore());  // idempotent
   const uint64_t cap_a = store.CapacityBlocks(la.BlockBytes());
   ASSERT_EQ(cap_a, 6u);
 
@@ -592,8 +592,8 @@ TEST(BlockStoreNamespacesTest, TwoNamespacesCoexistInALargePool) {
   NamespaceTable table;
   const uint32_t a = Intern(table, "a", la).id;
   const uint32_t b = Intern(table, "b", lb).id;
-  store.AddNamespace(table.Get(a));
-  store.AddNamespace(table.Get(b));
+  store.AddNamespace(table.Get(a).ForStore());
+  store.AddNamespace(table.Get(b).ForStore());
   for (uint64_t i = 0; i < 10; ++i) {
     ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
     ASSERT_NE(Put(store, b, KeyOf(i)), nullptr);  // same key, other namespace
@@ -627,14 +627,14 @@ TEST(BlockStoreNamespacesTest, TinyNamespacesClaimWhatTheyUse) {
   BlockStore store(pool.data(), pool.size());
   NamespaceTable table;
   const uint32_t victim = Intern(table, "victim", big).id;
-  store.AddNamespace(table.Get(victim));
+  store.AddNamespace(table.Get(victim).ForStore());
   constexpr uint64_t kVictimBlocks = 5000;  // ~650 MiB of the pool
   for (uint64_t i = 0; i < kVictimBlocks; ++i) ASSERT_NE(Put(store, victim, KeyOf(i)), nullptr);
   const uint64_t claimed_before = store.Stats().claimed_bytes;
   EXPECT_GE(claimed_before, store.Stats().used_bytes);
   for (int n = 0; n < 20; ++n) {
     const uint32_t id = Intern(table, "tiny-" + std::to_string(n), tiny).id;
-    store.AddNamespace(table.Get(id));
+    store.AddNamespace(table.Get(id).ForStore());
     ASSERT_NE(Put(store, id, KeyOf(1)), nullptr) << n;
   }
   const StoreStats s = store.Stats();
@@ -657,7 +657,7 @@ TEST(BlockStoreNamespacesTest, LongGroupLookupsAcrossLockHolds) {
   std::vector<uint32_t> ids;
   for (int r = 0; r < 3; ++r) {
     ids.push_back(Intern(table, "rank-" + std::to_string(r), tiny).id);
-    store.AddNamespace(table.Get(ids.back()));
+    store.AddNamespace(table.Get(ids.back()).ForStore());
   }
   constexpr uint64_t kKeys = 10000;  // 3 x 10,000 probes: 8 holds
   std::vector<BlockKey> keys;
@@ -696,7 +696,7 @@ TEST(BlockStoreNamespacesTest, EachOwnerKeepsItsFairShare) {
   const uint32_t a = scoped("m", "uid:1").id;
   const uint32_t b = scoped("m", "uid:2").id;
   const uint32_t b2 = scoped("m2", "uid:2").id;
-  for (uint32_t id : {a, b, b2}) store.AddNamespace(table.Get(id));
+  for (uint32_t id : {a, b, b2}) store.AddNamespace(table.Get(id).ForStore());
   const uint64_t fits = store.CapacityBlocks(la.BlockBytes());
   for (uint64_t i = 0; i < fits; ++i) ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
   EXPECT_EQ(store.Stats().namespaces.at(a).blocks, fits);
@@ -723,8 +723,8 @@ TEST(BlockStoreNamespacesTest, PinnedExtentIsNotReclaimed) {
   NamespaceTable table;
   const uint32_t a = Intern(table, "a", la).id;
   const uint32_t b = Intern(table, "b", lb).id;
-  store.AddNamespace(table.Get(a));
-  store.AddNamespace(table.Get(b));
+  store.AddNamespace(table.Get(a).ForStore());
+  store.AddNamespace(table.Get(b).ForStore());
   for (uint64_t i = 0; i < 6; ++i) ASSERT_NE(Put(store, a, KeyOf(i)), nullptr);
   BlockKey k3 = KeyOf(3);
   auto pin = store.PinReads(a, std::span<const BlockKey>(&k3, 1));
@@ -774,7 +774,7 @@ class ReattachTest : public ::testing::Test {
     BlockStore store(pool_.data(), pool_.size());
     NamespaceTable table;
     const NamespaceInfo& ns = Intern(table, "m", layout_);
-    store.AddNamespace(ns);
+    store.AddNamespace(ns.ForStore());
     for (uint64_t i = 0; i < 5; ++i) PutWithData(store, ns.id, i, payload_);
     BlockKey writing = KeyOf(5);
     auto r = store.ReserveWrites(ns.id, std::span<const BlockKey>(&writing, 1));
@@ -810,7 +810,7 @@ TEST_F(ReattachTest, KeepsVerifiedBlocksAndDropsTheRest) {
   Intern(table, "unrelated", layout_);  // shifts ids: the adopted namespace gets id 1
   const NamespaceInfo& ns = Intern(table, "m", layout_);
   ASSERT_EQ(ns.id, 1u);
-  store.AddNamespace(ns);
+  store.AddNamespace(ns.ForStore());
   std::vector<BlockKey> keys;
   for (uint64_t i = 0; i < 5; ++i) keys.push_back(KeyOf(i));
   EXPECT_EQ(store.LookupPrefix(ns.id, keys), 5u);
@@ -842,7 +842,7 @@ TEST_F(ReattachTest, CommitOrderIsTheLruOrder) {
   BlockStore store(pool_.data(), pool_.size(), /*reattach=*/true, 1, nullptr);
   NamespaceTable table;
   const NamespaceInfo& ns = Intern(table, "m", layout_);
-  store.AddNamespace(ns);
+  store.AddNamespace(ns.ForStore());
   // 5 blocks kept, 3 slots free: the 4th new block evicts the oldest commit (0), then 1.
   for (uint64_t i = 10; i < 14; ++i) ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr);
   EXPECT_EQ(Has(store, ns.id, KeyOf(0)), 0u);
@@ -857,7 +857,7 @@ TEST_F(ReattachTest, OrphanExtentsCanBeReclaimed) {
   // Another namespace needs the whole pool; the orphaned extent (never re-registered) yields.
   NamespaceTable table;
   const NamespaceInfo& other = Intern(table, "other", layout_);
-  store.AddNamespace(other);
+  store.AddNamespace(other.ForStore());
   for (uint64_t i = 0; i < kBlocks; ++i) {
     ASSERT_NE(Put(store, other.id, KeyOf(i, 7)), nullptr) << i;
   }
@@ -904,7 +904,7 @@ TEST_F(ReattachTest, CorruptPayloadIsDropped) {
     BlockStore probe(pool_.data(), pool_.size(), /*reattach=*/true, 1, nullptr);
     NamespaceTable table;
     const NamespaceInfo& ns = Intern(table, "m", layout_);
-    probe.AddNamespace(ns);
+    probe.AddNamespace(ns.ForStore());
     BlockKey k2 = KeyOf(2);
     auto pin = probe.PinReads(ns.id, std::span<const BlockKey>(&k2, 1));
     ASSERT_EQ(pin.size(), 1u);
@@ -918,7 +918,7 @@ TEST_F(ReattachTest, CorruptPayloadIsDropped) {
   EXPECT_EQ(report.blocks_corrupt, 1u);
   NamespaceTable table;
   const NamespaceInfo& ns = Intern(table, "m", layout_);
-  store.AddNamespace(ns);
+  store.AddNamespace(ns.ForStore());
   EXPECT_EQ(Has(store, ns.id, KeyOf(1)), 1u);
   EXPECT_EQ(Has(store, ns.id, KeyOf(2)), 0u);
   EXPECT_EQ(Has(store, ns.id, KeyOf(3)), 1u);
@@ -946,8 +946,8 @@ TEST(BlockStoreGranuleTest, NoBlockStraddlesAGranuleBoundary) {
   };
   {
     BlockStore store(mem.data(), mem.size(), false, 1, nullptr, kGranule);
-    store.AddNamespace(a);
-    store.AddNamespace(b);
+    store.AddNamespace(a.ForStore());
+    store.AddNamespace(b.ForStore());
     uint64_t stored = 0;
     // Fill the pool from both namespaces (evicting), so that extents are freed and reused.
     for (uint64_t i = 0; i < 3000; ++i) {
@@ -960,7 +960,7 @@ TEST(BlockStoreGranuleTest, NoBlockStraddlesAGranuleBoundary) {
     EXPECT_GT(stored, 1000u);
   }
   BlockStore again(mem.data(), mem.size(), true, 1, nullptr, kGranule);
-  again.AddNamespace(a);
+  again.AddNamespace(a.ForStore());
   for (uint64_t i = 10000; i < 10500; ++i) {
     uint8_t* p = Put(again, a.id, KeyOf(i), 0);
     if (p != nullptr) check(p, a.desc.layout.BlockBytes());
@@ -983,8 +983,8 @@ TEST(BlockStoreRemoveNamespaceTest, OnlyWhenEmptyAndTheSpaceComesBack) {
   NamespaceTable table;
   const NamespaceInfo& a = Intern(table, "a", layout);
   const NamespaceInfo& b = Intern(table, "b", layout);
-  store.AddNamespace(a);
-  store.AddNamespace(b);
+  store.AddNamespace(a.ForStore());
+  store.AddNamespace(b.ForStore());
   EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());
   EXPECT_TRUE(store.RemoveNamespace(12345));  // unknown: nothing held
 
@@ -1035,7 +1035,7 @@ TEST(BlockStoreRemoveNamespaceTest, OnlyWhenEmptyAndTheSpaceComesBack) {
   ExpectConsistent(store, slot);
 
   // Added again (the table may reuse the id), it starts from zero counters.
-  store.AddNamespace(a);
+  store.AddNamespace(a.ForStore());
   EXPECT_EQ(store.Stats().namespaces.at(a.id).backups, 0u);
   ASSERT_NE(Put(store, a.id, KeyOf(0)), nullptr);  // evicts one of b's
   EXPECT_EQ(Has(store, a.id, KeyOf(0)), 1u);
@@ -1050,7 +1050,7 @@ TEST(BlockStoreRemoveNamespaceTest, ChurnLeavesNothingBehind) {
   NamespaceTable table;
   for (int i = 0; i < 200; ++i) {
     const NamespaceInfo& ns = Intern(table, "m" + std::to_string(i), layout);
-    store.AddNamespace(ns);
+    store.AddNamespace(ns.ForStore());
     ASSERT_NE(Put(store, ns.id, KeyOf(i)), nullptr) << i;  // evicts the previous one's block
     for (uint32_t id : store.TakeEmptiedNamespaces()) EXPECT_TRUE(store.RemoveNamespace(id));
   }
@@ -1069,12 +1069,12 @@ TEST(BlockStoreRemoveNamespaceTest, EmptiedOrphansAreRemovedByTheStore) {
   const NamespaceInfo& fresh = Intern(table, "fresh", layout);
   {
     BlockStore first(pool.data(), pool.size());
-    first.AddNamespace(old_ns);
+    first.AddNamespace(old_ns.ForStore());
     PutWithData(first, old_ns.id, 0, layout.BlockBytes());
   }
   BlockStore store(pool.data(), pool.size(), /*reattach=*/true, 1, nullptr);
   EXPECT_EQ(store.Stats().namespaces.size(), 1u);  // the orphan
-  store.AddNamespace(fresh);
+  store.AddNamespace(fresh.ForStore());
   for (uint64_t i = 0; i < 4; ++i) ASSERT_NE(Put(store, fresh.id, KeyOf(i, 2)), nullptr);
   EXPECT_TRUE(store.TakeEmptiedNamespaces().empty());  // the orphan is not listed...
   StoreStats s = store.Stats();
@@ -1103,8 +1103,8 @@ class PoisonedPoolTest : public ::testing::Test {
     a_ = &Intern(table_, "a", layout_);
     b_ = &Intern(table_, "b", layout_);
     BlockStore store(pool_.data(), pool_.size(), false, 1, nullptr, kGranule);
-    store.AddNamespace(*a_);
-    store.AddNamespace(*b_);
+    store.AddNamespace(a_->ForStore());
+    store.AddNamespace(b_->ForStore());
     for (uint64_t i = 0; i < kBlocks; ++i) {
       PutWithData(store, a_->id, i, payload_);
       PutWithData(store, b_->id, 100 + i, payload_);
@@ -1130,8 +1130,8 @@ class PoisonedPoolTest : public ::testing::Test {
     o.verify_reads_one_in = 1;
     store_ = std::make_unique<BlockStore>(pool_.data(), pool_.size(), o, &report_);
     ASSERT_TRUE(report_.reattached) << report_.reason;
-    store_->AddNamespace(*a_);
-    store_->AddNamespace(*b_);
+    store_->AddNamespace(a_->ForStore());
+    store_->AddNamespace(b_->ForStore());
   }
   // How many of namespace ns's original blocks (keys first..first+kBlocks) the store holds and
   // can read back intact.
@@ -1293,7 +1293,7 @@ TEST_F(PoisonedPoolTest, MoreSlotsThanAnExtentEverHolds) {
   const NamespaceInfo& ns = Intern(table, "tiny", tiny);
   {
     BlockStore first(pool.data(), pool.size());
-    first.AddNamespace(ns);
+    first.AddNamespace(ns.ForStore());
     PutWithData(first, ns.id, 0, tiny.BlockBytes());
   }
   auto& dir = *reinterpret_cast<ExtentDirEntry*>(pool.data() + kPoolHeaderBytes);
@@ -1419,7 +1419,7 @@ TEST_F(PoisonedPoolTest, ReadVerificationCanBeSampledOrTurnedOff) {
     o.granule = kGranule;
     o.verify_reads_one_in = one_in;
     BlockStore store(pool_.data(), pool_.size(), o, nullptr);
-    store.AddNamespace(*a_);
+    store.AddNamespace(a_->ForStore());
     payload1[0] ^= 0x01;  // after the rebuild
     auto pins = store.PinReads(a_->id, keys);
     for (const auto& p : pins) store.Unpin(p.handle);
@@ -1449,14 +1449,14 @@ TEST(BlockStoreOrphanTest, SameHashOtherPayloadIsDropped) {
   const NamespaceInfo& ns = Intern(table, "m", small);
   {
     BlockStore first(pool.data(), pool.size());
-    first.AddNamespace(ns);
+    first.AddNamespace(ns.ForStore());
     for (uint64_t i = 0; i < 4; ++i) PutWithData(first, ns.id, i, small.BlockBytes());
   }
   BlockStore store(pool.data(), pool.size(), /*reattach=*/true, 1, nullptr);
   ASSERT_EQ(store.Stats().blocks, 4u);
   NamespaceInfo other = ns;  // same hash, twice the payload
   other.desc.layout.num_layers = 2;
-  EXPECT_FALSE(store.AddNamespace(other));
+  EXPECT_FALSE(store.AddNamespace(other.ForStore()));
   StoreStats s = store.Stats();
   EXPECT_EQ(s.blocks, 0u);
   EXPECT_EQ(s.used_bytes, 0u);

@@ -3,7 +3,7 @@
 // restore round trip (INT8 within the docs/design.md bound, RAW bit-exact), block statuses, atomic
 // rejection, status codes, HOST event slots, pool release, and lookups over a TP group of
 // namespaces named by their parts (also after a warm restart, before any pool registers again).
-#include "cache_core.h"
+#include "core/cache_core.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -23,10 +23,10 @@
 #include <thread>
 #include <vector>
 
-#include "block_store.h"
+#include "backends/host_backend.h"
 #include "codec_cpu.h"
-#include "host_backend.h"
-#include "pool_format.h"
+#include "pool/block_store.h"
+#include "pool/pool_format.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
 

@@ -2,7 +2,7 @@
 // the mapping. Reads and writes of the lost pages must not kill the process: the range reads as
 // zeros and is marked broken. SIGBUS outside every registered range keeps its old meaning (the
 // default action kills, a previous handler is called), checked in death tests.
-#include "client_memory_guard.h"
+#include "backends/client_memory_guard.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>

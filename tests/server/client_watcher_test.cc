@@ -1,6 +1,6 @@
 // ClientWatcher: a watched process that exits is reported within a fraction of a second
 // (docs/design.md "client death releases its mappings within 1 s"); live processes are not.
-#include "client_watcher.h"
+#include "core/client_watcher.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>

@@ -1,8 +1,6 @@
 // hiqcached's configuration (config.h): sizes, the embedded default, config files and flags
 // (docs/design.md "Command line").
-#include "config.h"
-
-#include "cache_core.h"
+#include "core/config.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cache_core.h"
 #include "hiqcache/paths.h"
 #include "server_test_util.h"
 

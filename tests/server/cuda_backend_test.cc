@@ -16,7 +16,7 @@
 // budget with slabs never reused while queued work reads them, no allocation on the request
 // path, registration leaves nothing queued on the device, IPC events refused, device/UUID
 // mismatch and VMM hints, registration chunks.
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -34,15 +34,15 @@
 #include <thread>
 #include <vector>
 
-#include "block_store.h"
-#include "cache_core.h"
+#include "backends/host_backend.h"
+#include "backends/ticket_slots.h"
 #include "codec_cpu.h"
 #include "codec_reference.h"
+#include "core/cache_core.h"
 #include "fake_device.h"
-#include "host_backend.h"
+#include "pool/block_store.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
-#include "ticket_slots.h"
 
 namespace hiqcache::server {
 namespace {

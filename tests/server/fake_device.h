@@ -39,7 +39,7 @@
 #include <thread>
 #include <vector>
 
-#include "device_api.h"
+#include "backends/device_api.h"
 
 namespace hiqcache::server::testing {
 

@@ -3,7 +3,7 @@
 // adopted (tickets never reach the failure bit), and what a task does when the client truncates
 // its KV or event object under the daemon (the SIGBUS guard: the task fails, nothing committed,
 // the binding fails for good, the process lives).
-#include "host_backend.h"
+#include "backends/host_backend.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "codec_cpu.h"
+#include "core/registration.h"
 #include "register_spec_util.h"
-#include "registration.h"
 
 namespace hiqcache::server {
 namespace {

@@ -1,5 +1,5 @@
 // NamespaceTable: equal descriptors share a namespace; every field that defines one separates it.
-#include "namespace_table.h"
+#include "core/namespace_table.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // peer_placement.h: a caller's pod from its /proc/<pid>/cgroup text, for the layouts engines run
 // in (Kubernetes with either cgroup driver, cgroup v1 and v2, plain containers, host processes),
 // and this test process's own placement.
-#include "peer_placement.h"
+#include "transport/peer_placement.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -2,7 +2,7 @@
 // with a message naming pool_bytes and the free space, and nothing is created (a sparse object
 // would map and then SIGBUS on pre-fault, as in a 64 MB Docker /dev/shm); the pages an existing
 // object holds count toward its room; a small pool opens, pre-faults and reopens.
-#include "pool_region.h"
+#include "pool/pool_region.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

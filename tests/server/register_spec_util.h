@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "requests.h"
+#include "core/requests.h"
 
 namespace hiqcache::server::testing {
 

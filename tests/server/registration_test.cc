@@ -1,7 +1,7 @@
 // Request validation (registration.h): every malformed registration or transfer is rejected with
 // INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for size limits) and a message naming the field; the
 // engine layouts docs/design.md lists are accepted and give the right BlockLayout.
-#include "registration.h"
+#include "core/registration.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "pool_format.h"
+#include "pool/pool_format.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
 

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <string>
 
-#include "block_store.h"
 #include "hiqcache/status.h"
+#include "pool/block_store.h"
 
 #define HIQ_EXPECT_OK(expr)                                           \
   do {                                                                \

@@ -2,7 +2,7 @@
 // with SCM_RIGHTS are held under ids until taken, malformed or oversized messages are answered
 // ERR without changing the session, other uids get no admin right, and a closed connection ends
 // the session (its fds closed, on_end called once) within a fraction of a second.
-#include "session_listener.h"
+#include "transport/session_listener.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // TransferEngine: per-strand FIFO without overlap, concurrency across strands, WaitIdle, and a
 // destructor that drains the queue.
-#include "transfer_engine.h"
+#include "core/transfer_engine.h"
 
 #include <gtest/gtest.h>
 
