@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "codec_math.h"
+#include "flag_reader.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/host_shm.h"
 #include "hiqcache/layouts.h"
 #include "hiqcache/paths.h"
-#include "flag_reader.h"
 
 namespace hiqcache {
 namespace {

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "daemon_process.h"
+#include "gaussian_kv.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
-#include "gaussian_kv.h"
 #include "hiqcache/host_shm.h"
 
 namespace {
@@ -70,10 +70,14 @@ int main(int argc, char** argv) {
     }
     if (i + 1 >= argc) break;
     const char* v = argv[++i];
-    if (a == "--tokens") tokens = static_cast<uint32_t>(std::stoul(v));
-    else if (a == "--reps") reps = static_cast<uint32_t>(std::stoul(v));
-    else if (a == "--pool-bytes") pool_bytes = v;
-    else if (a == "--target") target = v;
+    if (a == "--tokens")
+      tokens = static_cast<uint32_t>(std::stoul(v));
+    else if (a == "--reps")
+      reps = static_cast<uint32_t>(std::stoul(v));
+    else if (a == "--pool-bytes")
+      pool_bytes = v;
+    else if (a == "--target")
+      target = v;
   }
   const uint32_t block_tokens = 64;
   tokens = tokens / block_tokens * block_tokens;
@@ -89,7 +93,8 @@ int main(int argc, char** argv) {
     target = daemon->target();
   }
   auto client = hiqcache::Client::Connect(target);
-  if (!client.ok()) return std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str()), 1;
+  if (!client.ok())
+    return std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str()), 1;
 
   // Rows [0, tokens) are backed up, rows [tokens, 2*tokens) receive the restore.
   auto kv = hiqcache::bench::GaussianQwen3Kv(2 * tokens, tokens);
@@ -97,7 +102,8 @@ int main(int argc, char** argv) {
   const hiqcache::Geometry& g = kv->geometry();
   auto spec = hiqcache::MakeHostPoolSpec("Qwen/Qwen3-8B@bench", *kv, block_tokens);
   auto pool = (*client)->RegisterPool(spec);
-  if (!pool.ok()) return std::fprintf(stderr, "register: %s\n", pool.status().ToString().c_str()), 1;
+  if (!pool.ok())
+    return std::fprintf(stderr, "register: %s\n", pool.status().ToString().c_str()), 1;
   auto info = (*client)->PoolInfo(*pool);
 
   std::vector<uint32_t> src_rows(tokens), dst_rows(tokens);
@@ -159,17 +165,18 @@ int main(int argc, char** argv) {
 
   const double m = Median(t_memcpy), bk = Median(t_backup), rs = Median(t_restore);
   const double gb = bf16_bytes / 1e9;
-  std::printf("e2e_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, "
-              "%.1f MB BF16, medians of %u runs\n",
-              tokens, blocks, block_tokens, bf16_bytes / 1e6, reps);
+  std::printf(
+      "e2e_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, "
+      "%.1f MB BF16, medians of %u runs\n",
+      tokens, blocks, block_tokens, bf16_bytes / 1e6, reps);
   std::printf("  stored bytes/token        %llu (BF16 %llu)\n",
               info.ok() ? static_cast<unsigned long long>(info->encoded_bytes_per_token) : 0ull,
               static_cast<unsigned long long>(g.BytesPerToken()));
   std::printf("  memcpy (1 thread)         %7.2f GB/s\n", gb / m);
-  std::printf("  Backup  (sync, e2e)       %7.2f GB/s BF16-equivalent  = %.2fx memcpy\n",
-              gb / bk, m / bk);
-  std::printf("  Restore (sync, e2e)       %7.2f GB/s BF16-equivalent  = %.2fx memcpy\n",
-              gb / rs, m / rs);
+  std::printf("  Backup  (sync, e2e)       %7.2f GB/s BF16-equivalent  = %.2fx memcpy\n", gb / bk,
+              m / bk);
+  std::printf("  Restore (sync, e2e)       %7.2f GB/s BF16-equivalent  = %.2fx memcpy\n", gb / rs,
+              m / rs);
   if (dpid > 0 && wall_backup > 0 && wall_restore > 0) {
     std::printf("  daemon cores (CPU time / wall, all runs): Backup %.2f  Restore %.2f\n",
                 cpu_backup / wall_backup, cpu_restore / wall_restore);

@@ -85,7 +85,8 @@ struct PlainConnections {
 // memcpy of the payload measured in the same run.
 void ValueFormatCost(size_t payload_bytes, uint32_t reps) {
   std::vector<uint8_t> payload(payload_bytes);
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
+  for (size_t i = 0; i < payload.size(); ++i)
+    payload[i] = static_cast<uint8_t>(i * 2654435761u >> 24);
   hiqcache::NamespaceHash ns{};
   hiqcache::BlockKey key{};
   const l3::L3MacKeys mac{std::string(32, 'k'), ""};
@@ -135,15 +136,24 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const uint32_t v = a == "--pool-bytes" ? 0 : static_cast<uint32_t>(std::stoul(argv[i + 1]));
-    if (a == "--tokens") tokens = v;
-    else if (a == "--reps") reps = v;
-    else if (a == "--lookups") lookups = v;
-    else if (a == "--fetch-deadline-ms") fetch_deadline_ms = v;
-    else if (a == "--lookup-deadline-ms") lookup_deadline_ms = v;
-    else if (a == "--evict-pool-blocks") evict_pool_blocks = v;
-    else if (a == "--pool-bytes") pool_bytes = argv[i + 1];
-    else if (a == "--format-only") format_only = v;
-    else if (a == "--mac") mac = v;
+    if (a == "--tokens")
+      tokens = v;
+    else if (a == "--reps")
+      reps = v;
+    else if (a == "--lookups")
+      lookups = v;
+    else if (a == "--fetch-deadline-ms")
+      fetch_deadline_ms = v;
+    else if (a == "--lookup-deadline-ms")
+      lookup_deadline_ms = v;
+    else if (a == "--evict-pool-blocks")
+      evict_pool_blocks = v;
+    else if (a == "--pool-bytes")
+      pool_bytes = argv[i + 1];
+    else if (a == "--format-only")
+      format_only = v;
+    else if (a == "--mac")
+      mac = v;
   }
   const uint32_t block_tokens = 64;
   tokens = std::max(block_tokens, tokens / block_tokens * block_tokens);
@@ -296,8 +306,8 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < names.size(); ++i) {
       redisContext* ctx = plain.At(master_port[i]);
       if (ctx == nullptr) return Fail("hiredis", "connect");
-      auto* reply = static_cast<redisReply*>(
-          redisCommand(ctx, "GET %b", names[i].data(), names[i].size()));
+      auto* reply =
+          static_cast<redisReply*>(redisCommand(ctx, "GET %b", names[i].data(), names[i].size()));
       if (reply == nullptr || reply->type != REDIS_REPLY_STRING) return Fail("GET", names[i]);
       freeReplyObject(reply);
     }
@@ -381,15 +391,15 @@ int main(int argc, char** argv) {
     std::printf("  %-36s p50 %8.1f us  p99 %8.1f us\n", what, Percentile(t, 0.5) * 1e6,
                 Percentile(t, 0.99) * 1e6);
   };
-  std::printf("l3_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, int8 "
-              "(%llu B/token stored), %.1f MB BF16, %.1f MB of values; 3+3 Redis Cluster on "
-              "loopback; medians of %u reps; fetch deadline %s; values %s\n",
-              tokens, blocks, block_tokens,
-              static_cast<unsigned long long>(info->encoded_bytes_per_token), bf16_bytes / 1e6,
-              value_bytes / 1e6, reps,
-              fetch_deadline_ms == 0 ? "the daemon's default"
-                                     : (std::to_string(fetch_deadline_ms) + " ms").c_str(),
-              mac != 0 ? "authenticated (HMAC-SHA-256)" : "checksummed only");
+  std::printf(
+      "l3_bench: %u tokens of Qwen3-8B (36x8x128 BF16), %u blocks of %u tokens, int8 "
+      "(%llu B/token stored), %.1f MB BF16, %.1f MB of values; 3+3 Redis Cluster on "
+      "loopback; medians of %u reps; fetch deadline %s; values %s\n",
+      tokens, blocks, block_tokens, static_cast<unsigned long long>(info->encoded_bytes_per_token),
+      bf16_bytes / 1e6, value_bytes / 1e6, reps,
+      fetch_deadline_ms == 0 ? "the daemon's default"
+                             : (std::to_string(fetch_deadline_ms) + " ms").c_str(),
+      mac != 0 ? "authenticated (HMAC-SHA-256)" : "checksummed only");
   std::printf("  memcpy of the BF16 bytes (1 thread)  %8.1f ms  %6.2f GB/s\n", m * 1e3, gb / m);
   row("Restore from L3 (evicted from L2)", t_l3);
   row("Restore from L2 (the same blocks)", t_l2);
@@ -475,9 +485,10 @@ int main(int argc, char** argv) {
       }
     }
     const double off = Median(arms[0].t);
-    std::printf("Backup of %u blocks into a full pool (%u blocks), by L3 write policy, medians of "
-                "%u:\n",
-                blocks, evict_pool_blocks, reps);
+    std::printf(
+        "Backup of %u blocks into a full pool (%u blocks), by L3 write policy, medians of "
+        "%u:\n",
+        blocks, evict_pool_blocks, reps);
     for (Arm& arm : arms) {
       auto st = arm.c->GetStats();
       uint64_t ev = 0;
@@ -485,12 +496,13 @@ int main(int argc, char** argv) {
         for (const auto& n : st->namespaces) ev += n.evictions;
       }
       const double med = Median(arm.t);
-      std::printf("  %-16s %8.1f ms  %6.2f GB/s BF16-eq  %5.2fx L3 off;  evicted %llu, spilled "
-                  "%llu, written %llu, dropped %llu\n",
-                  arm.name, med * 1e3, gb / med, med / off, static_cast<unsigned long long>(ev),
-                  static_cast<unsigned long long>(st.ok() ? st->l3.spilled_blocks : 0),
-                  static_cast<unsigned long long>(st.ok() ? st->l3.writes : 0),
-                  static_cast<unsigned long long>(st.ok() ? st->l3.dropped_writes : 0));
+      std::printf(
+          "  %-16s %8.1f ms  %6.2f GB/s BF16-eq  %5.2fx L3 off;  evicted %llu, spilled "
+          "%llu, written %llu, dropped %llu\n",
+          arm.name, med * 1e3, gb / med, med / off, static_cast<unsigned long long>(ev),
+          static_cast<unsigned long long>(st.ok() ? st->l3.spilled_blocks : 0),
+          static_cast<unsigned long long>(st.ok() ? st->l3.writes : 0),
+          static_cast<unsigned long long>(st.ok() ? st->l3.dropped_writes : 0));
       (void)arm.c->ReleasePool(arm.p);
     }
     e_off.Stop();
@@ -538,17 +550,19 @@ int main(int argc, char** argv) {
       }
     }
     auto st = (*ca)->GetStats();
-    std::printf("A master killed during back-to-back %u-block restores from L3 (cluster node "
-                "timeout 1 s):\n",
-                blocks);
+    std::printf(
+        "A master killed during back-to-back %u-block restores from L3 (cluster node "
+        "timeout 1 s):\n",
+        blocks);
     std::printf("  before: %zu restores, p50 %.1f ms\n", before.size(), Median(before) * 1e3);
     if (whole_at == Clock::time_point{}) {
       std::printf("  restores never whole again within 60 s (%u short)\n", partial);
     } else {
-      std::printf("  kill -> first whole restore: %.2f s; %u short restores meanwhile (p50 %.1f "
-                  "ms, max %.1f ms)\n",
-                  Seconds(whole_at - killed_at), partial, Median(during) * 1e3,
-                  during.empty() ? 0.0 : *std::max_element(during.begin(), during.end()) * 1e3);
+      std::printf(
+          "  kill -> first whole restore: %.2f s; %u short restores meanwhile (p50 %.1f "
+          "ms, max %.1f ms)\n",
+          Seconds(whole_at - killed_at), partial, Median(during) * 1e3,
+          during.empty() ? 0.0 : *std::max_element(during.begin(), during.end()) * 1e3);
       std::printf("  after: %zu restores, %u whole, p50 %.1f ms\n", after.size(), whole_after,
                   Median(after) * 1e3);
     }

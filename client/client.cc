@@ -410,11 +410,11 @@ class Client::Impl {
 
   const bool session_capable_;  // a unix target: the daemon may serve a session beside it
   std::mutex session_mu_;
-  std::shared_ptr<Session> session_;       // GUARDED_BY(session_mu_)
-  Clock::time_point session_retry_at_{};   // GUARDED_BY(session_mu_)
-  bool session_warned_ = false;            // GUARDED_BY(session_mu_)
+  std::shared_ptr<Session> session_;      // GUARDED_BY(session_mu_)
+  Clock::time_point session_retry_at_{};  // GUARDED_BY(session_mu_)
+  bool session_warned_ = false;           // GUARDED_BY(session_mu_)
   // Set while the listener is not trusted: no call goes to it, not even anonymous ones.
-  Status trust_error_;                     // GUARDED_BY(session_mu_)
+  Status trust_error_;  // GUARDED_BY(session_mu_)
 
   mutable std::mutex mu_;
   uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
@@ -458,8 +458,8 @@ std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
     session_retry_at_ = now + options_.reregister_interval;
     if (opened.status().code() == StatusCode::kPermissionDenied) {
       if (trust_error_.ok()) {
-        HIQ_LOG(ERROR) << "hiqcache client: " << opened.status().ToString()
-                       << "; no call goes to " << target_ << " (every lookup is a miss)";
+        HIQ_LOG(ERROR) << "hiqcache client: " << opened.status().ToString() << "; no call goes to "
+                       << target_ << " (every lookup is a miss)";
       }
       trust_error_ = opened.status();
       return nullptr;
@@ -551,12 +551,15 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
   } else if (fd_only && session_capable_) {
     // A unix target whose session cannot be opened now is a daemon that is down or restarting:
     // UNAVAILABLE, so that a pending pool registers once it is back.
-    s = Unavailable("buffers: a buffer or event object given only by host_fd needs a session "
-                    "with hiqcached at " + target_ + ", which cannot be opened now");
+    s = Unavailable(
+        "buffers: a buffer or event object given only by host_fd needs a session "
+        "with hiqcached at " +
+        target_ + ", which cannot be opened now");
   } else if (fd_only) {
     s = FailedPrecondition(
         "buffers: a buffer or event object given only by host_fd needs a session with hiqcached "
-        "at " + target_ + " (a unix target, and a daemon that serves sessions)");
+        "at " +
+        target_ + " (a unix target, and a daemon that serves sessions)");
   }
   v1::RegisterPoolResponse resp;
   if (s.ok()) {
@@ -622,8 +625,7 @@ StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point 
 void Client::Impl::Invalidate(Pool& pool, uint64_t stale_id, const Status& why) {
   std::lock_guard<std::mutex> lock(pool.mu);
   if (pool.server_id != stale_id) return;
-  if (why.code() == StatusCode::kUnavailable && pool.session != nullptr &&
-      pool.session->alive()) {
+  if (why.code() == StatusCode::kUnavailable && pool.session != nullptr && pool.session->alive()) {
     // The same daemon still holds the session, so the id is still ours (a reconnect, or a
     // draining daemon): keep it.
     return;

@@ -136,8 +136,8 @@ Status CheckLegacyIpcCapable(uint64_t ptr) {
   static const PointerGetAttributeFn get = PointerGetAttribute();
   if (get == nullptr) return Status::Ok();
   int capable = 1;
-  const CUresult res = get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                           static_cast<CUdeviceptr>(ptr));
+  const CUresult res =
+      get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, static_cast<CUdeviceptr>(ptr));
   if (res != CUDA_SUCCESS || capable != 0) return Status::Ok();
   return FailedPrecondition(
       "CUDA tensor: its memory is a VMM allocation (cuMemCreate, e.g. PyTorch's expandable "

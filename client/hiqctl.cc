@@ -15,6 +15,7 @@
 //
 // Exit status: 0 success, 1 daemon unreachable or an error from it, 2 usage.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cinttypes>
@@ -23,11 +24,8 @@
 #include <iostream>
 #include <sstream>
 #include <string>
-#include <vector>
-
-#include <unistd.h>
-
 #include <thread>
+#include <vector>
 
 #include "channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -130,8 +128,10 @@ std::string Parse(int argc, char** argv, Args* args) {
       char* end = nullptr;
       const double x = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || x <= 0) return "bad " + a + " " + v;
-      if (a == "--interval") args->interval_s = x;
-      else args->count = static_cast<uint64_t>(x);
+      if (a == "--interval")
+        args->interval_s = x;
+      else
+        args->count = static_cast<uint64_t>(x);
     } else if (a == "--service") {
       if (!next(&args->service)) return "--service needs a value";
     } else if (a == "-h" || a == "--help") {
@@ -424,8 +424,8 @@ int CmdStats(const Args& args, const std::string& target) {
     }
     std::cout << "\n"
               << "  l3 write  " << l.write_policy << ": " << l.writes << " written ("
-              << Bytes(l.bytes_out) << "), " << l.dropped_writes << " dropped, "
-              << l.skipped_writes << " skipped, " << l.write_errors << " errors";
+              << Bytes(l.bytes_out) << "), " << l.dropped_writes << " dropped, " << l.skipped_writes
+              << " skipped, " << l.write_errors << " errors";
     if (l.write_policy == "on_evict") std::cout << ", " << l.spilled_blocks << " spilled";
     std::cout << "; queue " << l.write_queue_blocks << " blocks (" << Bytes(l.write_queue_bytes)
               << ")\n";
@@ -487,8 +487,8 @@ std::chrono::system_clock::time_point Deadline(const Args& args) {
 // A session for the raw calls (Evict, Drain) to a unix target; null (and a note on stderr) when
 // none can be opened, in which case the call goes anonymous and the daemon decides.
 std::unique_ptr<Session> OpenSession(const Args& args, const std::string& target) {
-  auto session = Session::Open(
-      target, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
+  auto session =
+      Session::Open(target, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000)));
   if (session.ok()) return std::move(session).value();
   if (!SessionSocketPathForTarget(target).empty()) {  // TCP targets have none: no note
     std::cerr << "hiqctl: no session with hiqcached at " << target << " ("

@@ -7,11 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
-#include <random>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -227,12 +227,11 @@ StatusOr<HostEventPool> HostEventPool::Create(uint32_t count, std::string_view n
   if (count == 0) return InvalidArgument("HostEventPool: count must be > 0");
   const std::string shm_name = name.empty() ? HostShm::UniqueName("ev") : std::string(name);
   const size_t bytes = size_t{count} * kSlotBytes;
-  HIQ_ASSIGN_OR_RETURN(HostShm shm,
-                       shm_name.starts_with(HostShm::kMemfdPrefix)
-                           ? HostShm::CreateMemfd(
-                                 std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()),
-                                 bytes)
-                           : HostShm::Create(shm_name, bytes));
+  HIQ_ASSIGN_OR_RETURN(
+      HostShm shm, shm_name.starts_with(HostShm::kMemfdPrefix)
+                       ? HostShm::CreateMemfd(
+                             std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()), bytes)
+                       : HostShm::Create(shm_name, bytes));
   HostEventPool pool;
   pool.shm_ = std::move(shm);
   pool.count_ = count;

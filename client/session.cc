@@ -90,10 +90,9 @@ Session::~Session() { ::close(fd_); }
 
 StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& target,
                                                  std::chrono::milliseconds timeout) {
-  const std::string path =
-      !target.empty() && target.front() == '/'
-          ? target + std::string(kSessionSocketSuffix)
-          : SessionSocketPathForTarget(target);
+  const std::string path = !target.empty() && target.front() == '/'
+                               ? target + std::string(kSessionSocketSuffix)
+                               : SessionSocketPathForTarget(target);
   if (path.empty()) {
     return FailedPrecondition("target \"" + target +
                               "\": no session (only unix socket targets have one)");
@@ -159,14 +158,15 @@ StatusOr<std::unique_ptr<Session>> Session::Open(const std::string& target,
         return FailedPrecondition("session " + path + ": greeting field " + std::string(key) +
                                   " is not a number: " + Quote(greeting));
       }
-      (key == "pid" ? session->pid_ : key == "uid" ? session->uid_ : session->gid_) =
-          static_cast<uint32_t>(v);
+      (key == "pid"   ? session->pid_
+       : key == "uid" ? session->uid_
+                      : session->gid_) = static_cast<uint32_t>(v);
       (key == "pid" ? have_pid : key == "uid" ? have_uid : have_gid) = true;
     }
   }
   if (session->token_.empty() || !have_pid || !have_uid || !have_gid) {
-    return FailedPrecondition("session " + path + ": greeting lacks token, pid, uid or gid: " +
-                              Quote(greeting));
+    return FailedPrecondition("session " + path +
+                              ": greeting lacks token, pid, uid or gid: " + Quote(greeting));
   }
   return session;
 }
@@ -205,8 +205,8 @@ StatusOr<std::vector<uint64_t>> Session::SendFds(std::span<const int> fds) {
     HIQ_ASSIGN_OR_RETURN(std::string answer, RecvMessage(fd_, Clock::now() + timeout_, path_));
     const std::string_view a(answer);
     if (a == "ERR" || a.starts_with("ERR ")) {
-      const std::string why = "session " + path_ + ": hiqcached refused fds: " +
-                              Quote(a.size() > 4 ? a.substr(4) : "");
+      const std::string why =
+          "session " + path_ + ": hiqcached refused fds: " + Quote(a.size() > 4 ? a.substr(4) : "");
       // Refusals over a bound ("... at most N ...": held fds, fds per message) are exhaustion.
       if (a.find("at most") != std::string_view::npos ||
           a.find("too many") != std::string_view::npos) {

@@ -23,11 +23,16 @@ LogLevel GetLogLevel() {
 }
 
 bool ParseLogLevel(const std::string& text, LogLevel* level) {
-  if (text == "debug") *level = LogLevel::kDebug;
-  else if (text == "info") *level = LogLevel::kInfo;
-  else if (text == "warn" || text == "warning") *level = LogLevel::kWarn;
-  else if (text == "error") *level = LogLevel::kError;
-  else return false;
+  if (text == "debug")
+    *level = LogLevel::kDebug;
+  else if (text == "info")
+    *level = LogLevel::kInfo;
+  else if (text == "warn" || text == "warning")
+    *level = LogLevel::kWarn;
+  else if (text == "error")
+    *level = LogLevel::kError;
+  else
+    return false;
   return true;
 }
 
@@ -71,8 +76,8 @@ LogMessage::LogMessage(LogLevel level, const char* file, int line) {
   std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", &tm);
   char frac[8];
   std::snprintf(frac, sizeof(frac), ".%06ld", static_cast<long>(micros));
-  stream_ << kLetters[static_cast<int>(level)] << stamp << frac << ' '
-          << (base ? base + 1 : file) << ':' << line << "] ";
+  stream_ << kLetters[static_cast<int>(level)] << stamp << frac << ' ' << (base ? base + 1 : file)
+          << ':' << line << "] ";
 }
 
 LogMessage::~LogMessage() {

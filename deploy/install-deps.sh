@@ -31,6 +31,8 @@ packages=(
   # (ASan, UBSan, TSan, libFuzzer).
   clang
   libclang-rt-14-dev
+  # The format check (tests/deploy/format_check.sh): every C++ file as .clang-format says.
+  clang-format
 )
 
 missing=()

@@ -341,10 +341,10 @@ uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned thr
 void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, uint32_t begin,
                  uint32_t end) {
   const BlockLayout& lay = job.layout;
-  HWY_DYNAMIC_DISPATCH(DecodeRows)(
-      lay.row, job.blocks[b] + lay.RowOffset(layer, p, 0) + begin * lay.row.RowBytes(),
-      job.layers[layer].planes[p], job.rows + static_cast<size_t>(b) * lay.block_tokens + begin,
-      end - begin);
+  HWY_DYNAMIC_DISPATCH(DecodeRows)
+  (lay.row, job.blocks[b] + lay.RowOffset(layer, p, 0) + begin * lay.row.RowBytes(),
+   job.layers[layer].planes[p], job.rows + static_cast<size_t>(b) * lay.block_tokens + begin,
+   end - begin);
 }
 }  // namespace
 
@@ -368,9 +368,9 @@ void CpuCodec::Encode(const EncodeJob& job) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     bool finite = true;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
-      finite &= HWY_DYNAMIC_DISPATCH(EncodeRows)(lay.row, job.layers[l].planes[p], rows,
-                                                 lay.block_tokens,
-                                                 job.blocks[b] + lay.RowOffset(l, p, 0));
+      finite &=
+          HWY_DYNAMIC_DISPATCH(EncodeRows)(lay.row, job.layers[l].planes[p], rows, lay.block_tokens,
+                                           job.blocks[b] + lay.RowOffset(l, p, 0));
     }
     if (!finite) bad[item] = 1;
   });

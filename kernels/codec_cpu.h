@@ -35,7 +35,6 @@ class CpuCodec {
 
 // Single-row entry points of the SIMD executor (used by CpuCodec and by tests).
 bool EncodeRowSimd(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
-void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
-                   uint32_t row);
+void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row);
 
 }  // namespace hiqcache::kernels

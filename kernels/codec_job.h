@@ -27,7 +27,7 @@ struct EncodeJob {
 struct DecodeJob {
   BlockLayout layout;
   const LayerViews* layers = nullptr;
-  const uint32_t* rows = nullptr;        // num_blocks * block_tokens destination slots
+  const uint32_t* rows = nullptr;  // num_blocks * block_tokens destination slots
   const uint8_t* const* blocks = nullptr;
   uint32_t num_blocks = 0;
 };

@@ -128,7 +128,7 @@ HIQ_HD uint16_t FloatToFp16Sat(float f) {
   uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   uint32_t mag = bits & 0x7FFFFFFFu;
   if (mag >= 0x477FF000u) return sign | kFp16MaxFiniteBits;  // rounds to >= 65520: saturate
-  if (mag >= 0x38800000u) {                                     // normal fp16 result
+  if (mag >= 0x38800000u) {                                  // normal fp16 result
     uint32_t rounded = mag + 0xFFFu + ((mag >> 13) & 1u);
     return sign | static_cast<uint16_t>((rounded >> 13) - (112u << 10));
   }
@@ -148,9 +148,7 @@ HIQ_HD uint16_t FloatToHalfSat(float f, DType dtype) {
   return dtype == DType::kBF16 ? FloatToBf16Sat(f) : FloatToFp16Sat(f);
 }
 
-HIQ_HD uint16_t InfBits(DType dtype) {
-  return dtype == DType::kBF16 ? kBf16InfBits : kFp16InfBits;
-}
+HIQ_HD uint16_t InfBits(DType dtype) { return dtype == DType::kBF16 ? kBf16InfBits : kFp16InfBits; }
 
 // The bf16 scale of a head whose largest |x| has the (sign-cleared) bit pattern `amax_bits`.
 // REQUIRES: amax_bits < InfBits(dtype) (the head is finite).

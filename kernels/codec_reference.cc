@@ -65,8 +65,7 @@ void DecodeRowInt4(const RowFormat& fmt, const uint8_t* src, const StridedView& 
 
 }  // namespace
 
-bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row,
-                        uint8_t* dst) {
+bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {

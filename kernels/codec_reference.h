@@ -12,8 +12,7 @@ namespace hiqcache::kernels {
 // Encodes one row (all heads of `row` in `view`) into `dst` (fmt.RowBytes() bytes).
 // Returns false, leaving `dst` unspecified, when an INT8, FP8 or INT4 row holds NaN or Inf.
 // REQUIRES for INT4: fmt.head_dim % kInt4GroupElems == 0 (registration enforces it).
-bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row,
-                        uint8_t* dst);
+bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
 // Decodes one stored row into all heads of `row` in `view`.
 void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                         uint32_t row);

@@ -7,12 +7,12 @@
 // foreach_target.h re-includes it once per target (the toggled guard below), so its functions
 // land in hiqcache::kernels::HWY_NAMESPACE of that target. Pure functions; thread-safe.
 
+#include <hwy/highway.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-
-#include <hwy/highway.h>
 
 #include "codec_math.h"
 #include "record_format.h"

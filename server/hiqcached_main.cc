@@ -162,8 +162,10 @@ gid_t LookupGroup(const std::string& group) {
 
 std::string HumanBytes(uint64_t b) {
   char buf[32];
-  if (b >= (1ull << 30)) std::snprintf(buf, sizeof(buf), "%.1f GiB", b / double(1ull << 30));
-  else std::snprintf(buf, sizeof(buf), "%.1f MiB", b / double(1ull << 20));
+  if (b >= (1ull << 30))
+    std::snprintf(buf, sizeof(buf), "%.1f GiB", b / double(1ull << 30));
+  else
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / double(1ull << 20));
   return buf;
 }
 
@@ -259,14 +261,14 @@ int Run(int argc, char** argv) {
     (*region)->Prefault(cores);
   }
   auto t1 = std::chrono::steady_clock::now();
-  HIQ_LOG(INFO) << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes"
-                << (config.prefault ? ", pre-faulted in " : "")
-                << (config.prefault
-                        ? std::to_string(
-                              std::chrono::duration_cast<std::chrono::milliseconds>(t1 - t0)
-                                  .count()) +
-                              " ms"
-                        : std::string());
+  HIQ_LOG(INFO)
+      << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes"
+      << (config.prefault ? ", pre-faulted in " : "")
+      << (config.prefault
+              ? std::to_string(
+                    std::chrono::duration_cast<std::chrono::milliseconds>(t1 - t0).count()) +
+                    " ms"
+              : std::string());
 
   // Reattach: blocks a previous daemon completed stay cached across a restart (or a crash).
   RebuildReport rebuild;
@@ -332,8 +334,8 @@ int Run(int argc, char** argv) {
                          << " to be restarted";
           ::kill(::getpid(), SIGTERM);
         };
-        auto created = CudaBackend::Create(cuda_api.get(), (*region)->data(),
-                                           (*region)->size(), std::move(cuda_options));
+        auto created = CudaBackend::Create(cuda_api.get(), (*region)->data(), (*region)->size(),
+                                           std::move(cuda_options));
         if (created.ok()) {
           cuda = std::move(created).value();
           device_name = "cuda";
@@ -422,9 +424,9 @@ int Run(int argc, char** argv) {
   }
   std::unique_ptr<SessionListener> sessions;
   if (!session_paths.empty()) {
-    auto started = SessionListener::Start(
-        session_paths, session_options,
-        [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
+    auto started =
+        SessionListener::Start(session_paths, session_options,
+                               [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
     if (!started.ok()) {
       HIQ_LOG(ERROR) << started.status().ToString();
       return 1;

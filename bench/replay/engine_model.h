@@ -54,7 +54,7 @@ class EngineModel {
   struct Options {
     uint32_t l1_tokens = 16384;
     uint32_t block_tokens = 64;
-    uint32_t verify_every = 8;  // verify restore calls 1, 1 + n, 1 + 2n, ...; 0 = never
+    uint32_t verify_every = 8;          // verify restore calls 1, 1 + n, 1 + 2n, ...; 0 = never
     Codec codec = Codec::kInt8PerHead;  // the pool's: picks the bound restores are checked with
     uint64_t seed = 1;
   };

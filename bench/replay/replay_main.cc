@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "../flag_reader.h"
 #include "replay_report.h"
 #include "replay_runner.h"
-#include "../flag_reader.h"
 
 namespace hiqcache::replay {
 namespace {

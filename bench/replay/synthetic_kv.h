@@ -53,7 +53,7 @@ class SyntheticKv {
   Geometry geometry_;
   uint32_t table_rows_;
   uint64_t row_elements_;
-  std::vector<uint16_t> table_;  // [table_rows][heads][head_dim], BF16 bits
+  std::vector<uint16_t> table_;     // [table_rows][heads][head_dim], BF16 bits
   std::vector<float> scales_;       // [table_rows][heads]: INT8 s of each head
   std::vector<float> fp8_scales_;   // [table_rows][heads]: FP8 s of each head
   std::vector<float> int4_scales_;  // [table_rows][heads * head_dim / 32]: INT4 s of each group

@@ -69,9 +69,9 @@ struct Voidify {
 };
 }  // namespace hiqcache::log_internal
 
-#define HIQ_LOG(level)                                                               \
-  (static_cast<int>(HIQ_LOG_LEVEL_##level) <                                         \
-   ::hiqcache::log_internal::g_level.load(std::memory_order_relaxed))                \
-      ? (void)0                                                                      \
-      : ::hiqcache::log_internal::Voidify() &                                        \
+#define HIQ_LOG(level)                                                \
+  (static_cast<int>(HIQ_LOG_LEVEL_##level) <                          \
+   ::hiqcache::log_internal::g_level.load(std::memory_order_relaxed)) \
+      ? (void)0                                                       \
+      : ::hiqcache::log_internal::Voidify() &                         \
             ::hiqcache::LogMessage(HIQ_LOG_LEVEL_##level, __FILE__, __LINE__).stream()

@@ -51,7 +51,9 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status FailedPrecondition(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
@@ -101,10 +103,10 @@ class [[nodiscard]] StatusOr {
 #define HIQ_CONCAT(a, b) HIQ_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function when `expr` yields a non-OK Status.
-#define HIQ_RETURN_IF_ERROR(expr)                  \
-  do {                                             \
-    ::hiqcache::Status hiq_status_ = (expr);       \
-    if (!hiq_status_.ok()) return hiq_status_;     \
+#define HIQ_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::hiqcache::Status hiq_status_ = (expr);   \
+    if (!hiq_status_.ok()) return hiq_status_; \
   } while (0)
 
 // `HIQ_ASSIGN_OR_RETURN(auto x, F())`: declares x from a StatusOr or returns its Status.

@@ -33,11 +33,11 @@ static_assert(std::atomic<uintptr_t>::is_always_lock_free, "the handler needs lo
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the handler needs lock-free atomics");
 
 Slot g_slots[kMaxGuardedRanges];
-std::atomic<size_t> g_used{0};   // slots [0, g_used) may be active: the handler scans these
-std::atomic<size_t> g_hint{0};   // where Register starts looking for a free slot
+std::atomic<size_t> g_used{0};  // slots [0, g_used) may be active: the handler scans these
+std::atomic<size_t> g_hint{0};  // where Register starts looking for a free slot
 std::atomic<uint64_t> g_recovered{0};
 std::atomic<bool> g_installed{false};
-struct sigaction g_previous;     // written once, before the handler is installed
+struct sigaction g_previous;  // written once, before the handler is installed
 
 uint64_t PhaseOf(uint64_t state) { return state & 3; }
 
@@ -90,8 +90,8 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
         // and replaces its own window.
         const uintptr_t start = std::max(base, (addr & ~(kRecoveryWindow - 1)));
         const uintptr_t end = std::min<uintptr_t>(base + bytes, start + kRecoveryWindow);
-        p = ::mmap(reinterpret_cast<void*>(start), end - start, PROT_READ | PROT_WRITE, kFlags,
-                   -1, 0);
+        p = ::mmap(reinterpret_cast<void*>(start), end - start, PROT_READ | PROT_WRITE, kFlags, -1,
+                   0);
       }
       if (p == MAP_FAILED) break;  // cannot recover (out of memory): as if unguarded
       s.broken.store(1);
@@ -170,9 +170,7 @@ StatusOr<GuardedRange> GuardedRange::Register(void* base, size_t bytes) {
                            " are registered with the SIGBUS guard, the most it holds");
 }
 
-GuardedRange::GuardedRange(GuardedRange&& other) noexcept : slot_(other.slot_) {
-  other.slot_ = -1;
-}
+GuardedRange::GuardedRange(GuardedRange&& other) noexcept : slot_(other.slot_) { other.slot_ = -1; }
 
 GuardedRange& GuardedRange::operator=(GuardedRange&& other) noexcept {
   if (this != &other) {

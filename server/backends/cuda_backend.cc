@@ -365,8 +365,8 @@ class CudaBinding : public PoolBinding {
     if (task.first_try == std::chrono::steady_clock::time_point{}) {
       task.first_try = std::chrono::steady_clock::now();
     }
-    return res_->slots->CheckWait(task.wait_event, task.wait_value, task.first_try,
-                                  wait_timeout_, cancelled_.load(std::memory_order_acquire));
+    return res_->slots->CheckWait(task.wait_event, task.wait_value, task.first_try, wait_timeout_,
+                                  cancelled_.load(std::memory_order_acquire));
   }
 
   // `ticket | failed` into every slot the task names, from the host. Only before any of its work
@@ -542,8 +542,8 @@ class CudaBinding : public PoolBinding {
     if (n == 0) {
       // Nothing to write: the layer slots still get the ticket.
       for (uint32_t l = 0; t.layer_event_base >= 0 && l < layout_.num_layers; ++l) {
-        HIQ_RETURN_IF_ERROR(StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket,
-                                      "layer_event_base"));
+        HIQ_RETURN_IF_ERROR(
+            StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket, "layer_event_base"));
       }
       return Status::Ok();
     }
@@ -579,8 +579,8 @@ class CudaBinding : public PoolBinding {
       }
       // Copy, decode and scatter of layer l are enqueued before its slot store.
       if (t.layer_event_base >= 0) {
-        HIQ_RETURN_IF_ERROR(StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket,
-                                      "layer_event_base"));
+        HIQ_RETURN_IF_ERROR(
+            StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket, "layer_event_base"));
       }
     }
     return Status::Ok();
@@ -753,9 +753,9 @@ StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(int dev
   return m;
 }
 
-StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(const RegisterSpec& spec,
-                                                         const kernels::BlockLayout& layout,
-                                                         std::shared_ptr<FaultBudget> fault_budget) {
+StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
+    const RegisterSpec& spec, const kernels::BlockLayout& layout,
+    std::shared_ptr<FaultBudget> fault_budget) {
   HIQ_ASSIGN_OR_RETURN(int device, DeviceForUuid(spec.cuda_device_uuid));
   HIQ_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> dev, Device(device));
   if (dev->failed.load()) return dev->Failure();

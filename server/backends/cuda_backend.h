@@ -1,8 +1,9 @@
 // CudaBackend: the CUDA device kind. Engines share their GPU KV buffers through cudaIpcMemHandles
 // of the allocation base (plus view offsets) and their ticket slots as a memfd the daemon maps
-// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams (a compute and a copy stream
-// per pool) and moves the compressed bytes between a device staging slab and the page-locked
-// pool with the copy engines, so the engine's SMs are held only for the short codec kernels.
+// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams (a
+// compute and a copy stream per pool) and moves the compressed bytes between a device staging slab
+// and the page-locked pool with the copy engines, so the engine's SMs are held only for the short
+// codec kernels.
 //
 // Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
 // a fake device in the unit tests. This file includes no CUDA header.

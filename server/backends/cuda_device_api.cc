@@ -42,8 +42,8 @@ using StreamWriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, uns
 // runtime ones.
 Status FromDriver(CUresult res, const char* what) {
   if (res == CUDA_SUCCESS) return Status::Ok();
-  const std::string text = std::string(what) + " failed with CUresult " +
-                           std::to_string(static_cast<int>(res));
+  const std::string text =
+      std::string(what) + " failed with CUresult " + std::to_string(static_cast<int>(res));
   switch (res) {
     case CUDA_ERROR_ILLEGAL_ADDRESS:
     case CUDA_ERROR_LAUNCH_FAILED:
@@ -207,8 +207,9 @@ class CudaDeviceApi : public DeviceApi {
   }
   void FreePinned(uint8_t* data) override { LogIfError(cudaFreeHost(data), "cudaFreeHost"); }
   Status RegisterHost(uint8_t* data, size_t bytes) override {
-    return FromCuda(cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
-                    "cudaHostRegister");
+    return FromCuda(
+        cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+        "cudaHostRegister");
   }
   Status WriteValue64(int device, DeviceStream stream, uint64_t* slot, uint64_t value) override {
     kernels::DeviceGuard g(device);
@@ -216,7 +217,8 @@ class CudaDeviceApi : public DeviceApi {
     // The slot's address in the device's space (registered mapped; equal to the host address
     // where the device can use host pointers for registered memory).
     void* dptr = nullptr;
-    HIQ_RETURN_IF_ERROR(FromCuda(cudaHostGetDevicePointer(&dptr, slot, 0), "cudaHostGetDevicePointer"));
+    HIQ_RETURN_IF_ERROR(
+        FromCuda(cudaHostGetDevicePointer(&dptr, slot, 0), "cudaHostGetDevicePointer"));
     // Default flags: a memory barrier before the store, so the work before it is visible first.
     return FromDriver(write_value_(static_cast<CUstream>(stream.ptr),
                                    reinterpret_cast<CUdeviceptr>(dptr), value, 0),
@@ -285,8 +287,9 @@ StatusOr<std::unique_ptr<DeviceApi>> CreateCudaDeviceApi() {
   // streams store tickets into the engines' slots.
   void* write_value = DriverEntryPoint("cuStreamWriteValue64");
   if (write_value == nullptr) {
-    return FailedPrecondition("cuStreamWriteValue64 is not available from the CUDA driver "
-                              "(stream memory operations need driver 12.0 or later)");
+    return FailedPrecondition(
+        "cuStreamWriteValue64 is not available from the CUDA driver "
+        "(stream memory operations need driver 12.0 or later)");
   }
   int count = 0;
   HIQ_RETURN_IF_ERROR(FromCuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));

@@ -292,7 +292,8 @@ class HostBinding : public PoolBinding {
 
   void Signal(int32_t event, uint64_t ticket) { SignalValue(event, ticket, false); }
   void SignalValue(int32_t event, uint64_t ticket, bool failed) {
-    if (event < 0 || static_cast<uint32_t>(event) >= event_count_ || slots_->data() == nullptr) return;
+    if (event < 0 || static_cast<uint32_t>(event) >= event_count_ || slots_->data() == nullptr)
+      return;
     // A slot in a page the client never touched (or punched out) has no engine waiting on it:
     // an engine that waits reads its slot, which brings the page in on the engine's account.
     if (budget_ != nullptr && !ResidencyProbe::Resident(slots_->slot(event))) {
@@ -323,9 +324,10 @@ class HostBinding : public PoolBinding {
                             what + " touches are not in memory";
     Refused(why, missing);
     return ResourceExhausted(
-        why + " (never written, hole-punched or swapped out); faulting them in would charge the "
-              "daemon with memory the client lent but never touched, and this client already "
-              "had " +
+        why +
+        " (never written, hole-punched or swapped out); faulting them in would charge the "
+        "daemon with memory the client lent but never touched, and this client already "
+        "had " +
         std::to_string(budget_->charged()) + " of " + std::to_string(budget_->limit()) +
         " bytes faulted on its behalf (quota max_faulted_bytes_per_client): write the memory "
         "before lending it");
@@ -335,9 +337,9 @@ class HostBinding : public PoolBinding {
   // flood the log otherwise).
   void Refused(const std::string& why, uint64_t bytes) {
     if (refusal_logged_.exchange(true, std::memory_order_relaxed)) return;
-    HIQ_LOG(WARN) << "event=fault_budget_exhausted bytes=" << bytes << " charged="
-                  << budget_->charged() << " limit=" << budget_->limit() << " reason=\"" << why
-                  << "\" (logged once per pool)";
+    HIQ_LOG(WARN) << "event=fault_budget_exhausted bytes=" << bytes
+                  << " charged=" << budget_->charged() << " limit=" << budget_->limit()
+                  << " reason=\"" << why << "\" (logged once per pool)";
   }
 
   // OK unless a mapping of this pool broke (a SIGBUS guarded by ClientMemoryGuard), now or
@@ -452,8 +454,9 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
       HIQ_ASSIGN_OR_RETURN(
           m, ShmMapping::Open(b.host_shm_name, b.size_bytes, f + ".host_shm_name", rules));
     } else {
-      return InvalidArgument(f + ": a HOST pool needs host_fd_id or host_shm_name, not "
-                                 "cuda_ipc_handle");
+      return InvalidArgument(f +
+                             ": a HOST pool needs host_fd_id or host_shm_name, not "
+                             "cuda_ipc_handle");
     }
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
@@ -467,8 +470,7 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
   uint32_t rows = MinRows(spec);
   return std::unique_ptr<PoolBinding>(new HostBinding(codec_, wait_timeout_, layout,
                                                       std::move(buffers), std::move(slots),
-                                                      std::move(views), rows,
-                                                      std::move(budget)));
+                                                      std::move(views), rows, std::move(budget)));
 }
 
 }  // namespace hiqcache::server

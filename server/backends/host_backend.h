@@ -128,8 +128,7 @@ class ShmMapping {
         sealed_(sealed),
         guard_(std::move(guard)),
         data_ranges_(std::move(data_ranges)) {}
-  static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes,
-                                                   const std::string& field,
+  static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes, const std::string& field,
                                                    const std::string& what, bool sealed,
                                                    bool find_data_ranges);
   uint8_t* data_;

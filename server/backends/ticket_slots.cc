@@ -25,8 +25,7 @@ TicketSlots::TicketSlots(std::unique_ptr<ShmMapping> mapping, uint32_t count)
       std::atomic_ref<uint64_t> s(*slot(static_cast<uint32_t>(i)));
       uint64_t v = s.load(std::memory_order_acquire);
       while ((v & ~kTicketFailedBit) >= kTicketLimit &&
-             !s.compare_exchange_weak(v, 0, std::memory_order_release,
-                                      std::memory_order_acquire)) {
+             !s.compare_exchange_weak(v, 0, std::memory_order_release, std::memory_order_acquire)) {
       }
       if ((v & ~kTicketFailedBit) >= kTicketLimit) {
         ++reset;
@@ -54,7 +53,7 @@ StatusOr<std::unique_ptr<TicketSlots>> TicketSlots::Open(const EventsSpec& event
                              " names no fd passed on this caller's session");
     }
     HIQ_ASSIGN_OR_RETURN(m, ShmMapping::FromFd(events.fd, bytes, "events.host_fd_id", rules,
-                                                /*find_data_ranges=*/true));
+                                               /*find_data_ranges=*/true));
   } else {
     HIQ_ASSIGN_OR_RETURN(
         m, ShmMapping::Open(events.host_shm_name, bytes, "events.host_shm_name", rules,
@@ -74,9 +73,9 @@ void TicketSlots::Store(int32_t event, uint64_t ticket, bool failed) const {
   std::atomic_ref<uint64_t> s(*slot(static_cast<uint32_t>(event)));
   const uint64_t value = ticket | (failed ? kTicketFailedBit : 0);
   uint64_t cur = s.load(std::memory_order_relaxed);
-  while ((cur & ~kTicketFailedBit) < ticket &&
-         !s.compare_exchange_weak(cur, value, std::memory_order_release,
-                                  std::memory_order_relaxed)) {
+  while (
+      (cur & ~kTicketFailedBit) < ticket &&
+      !s.compare_exchange_weak(cur, value, std::memory_order_release, std::memory_order_relaxed)) {
   }
 }
 
@@ -91,7 +90,8 @@ std::optional<Status> TicketSlots::CheckWait(int32_t event, uint64_t value,
     if ((s.load(std::memory_order_acquire) & ~kTicketFailedBit) >= value) return Status::Ok();
   }
   if (cancelled) {
-    return Status(StatusCode::kCancelled, "wait_event " + std::to_string(event) + ": pool released");
+    return Status(StatusCode::kCancelled,
+                  "wait_event " + std::to_string(event) + ": pool released");
   }
   if (std::chrono::steady_clock::now() - first_try > timeout) {
     return DeadlineExceeded("wait_event " + std::to_string(event) + " did not reach " +

@@ -57,8 +57,8 @@ struct CacheCore::Pool {
   std::shared_ptr<const NamespaceInfo> ns;  // a use of the namespace (NamespaceTable::Acquire)
   kernels::BlockLayout layout;
   bool cuda = false;
-  Caller owner;           // who registered it
-  uint64_t client = 0;    // quota key (ClientOf(owner))
+  Caller owner;             // who registered it
+  uint64_t client = 0;      // quota key (ClientOf(owner))
   uint32_t client_pid = 0;  // the kernel's pid when authenticated, else the reported one
   std::string peer;
   uint32_t buffers = 0;       // charged against max_buffers_per_client
@@ -76,8 +76,8 @@ struct CacheCore::Pool {
   // Tasks of this pool posted and not yet completed, so that a release can wait for them.
   std::mutex mu;
   std::condition_variable idle_cv;
-  uint32_t outstanding = 0;     // GUARDED_BY(mu)
-  bool released = false;        // GUARDED_BY(mu): no task may begin any more
+  uint32_t outstanding = 0;      // GUARDED_BY(mu)
+  bool released = false;         // GUARDED_BY(mu): no task may begin any more
   bool close_when_idle = false;  // GUARDED_BY(mu): a release gave up waiting; the last task closes
 
   ~Pool() {
@@ -104,7 +104,8 @@ struct CacheCore::Pool {
     idle_cv.notify_all();
     if (close) {
       binding->Close();
-      HIQ_LOG(INFO) << "event=release_pool_closed pool=" << id << " (its last device work completed)";
+      HIQ_LOG(INFO) << "event=release_pool_closed pool=" << id
+                    << " (its last device work completed)";
       if (core != nullptr) core->RetirePool(*this);
     }
   }
@@ -115,8 +116,8 @@ struct CacheCore::Pool {
 struct CacheCore::BackupRequest {
   std::shared_ptr<Pool> pool;
   TransferSpec spec;
-  std::vector<BlockKey> keys;   // of every block of the request
-  std::vector<size_t> unique;   // request indexes of the first occurrence of each key
+  std::vector<BlockKey> keys;  // of every block of the request
+  std::vector<size_t> unique;  // request indexes of the first occurrence of each key
   // Sub-tasks: ranges of `unique`. With `gated`, the first one is the wait for wait_event alone.
   std::vector<std::pair<size_t, size_t>> chunks;
   bool gated = false;
@@ -137,7 +138,7 @@ struct CacheCore::BackupRequest {
 struct CacheCore::RestoreRequest {
   std::shared_ptr<Pool> pool;
   TransferSpec spec;
-  std::vector<BlockStore::ReadPin> pins;  // the restored leading run
+  std::vector<BlockStore::ReadPin> pins;          // the restored leading run
   std::vector<std::pair<size_t, size_t>> chunks;  // ranges of `pins`
   bool device = false;
   bool sync = false;
@@ -298,8 +299,8 @@ Status CacheCore::ChargePending(uint64_t client, uint64_t bytes) {
     const uint64_t have = u.pending_bytes;
     if (u.empty()) usage_.erase(client);
     return ResourceExhausted(
-        "blocks: this request moves " + std::to_string(bytes) + " bytes and " +
-        ClientName(client) + " already have " + std::to_string(have) +
+        "blocks: this request moves " + std::to_string(bytes) + " bytes and " + ClientName(client) +
+        " already have " + std::to_string(have) +
         " bytes of backups and restores queued or running, at most " + std::to_string(max) +
         " per client (quota max_pending_bytes_per_client): retry once earlier work completed");
   }
@@ -416,10 +417,9 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
                                  " per client (quota max_pools_per_client)");
       } else if (u.buffers + pool->buffers > q.max_buffers_per_client) {
         over = ResourceExhausted(
-            "buffers: this registration maps " + std::to_string(pool->buffers) +
-            " buffers and " + ClientName(pool->client) + " already have " +
-            std::to_string(u.buffers) + " mapped, at most " +
-            std::to_string(q.max_buffers_per_client) +
+            "buffers: this registration maps " + std::to_string(pool->buffers) + " buffers and " +
+            ClientName(pool->client) + " already have " + std::to_string(u.buffers) +
+            " mapped, at most " + std::to_string(q.max_buffers_per_client) +
             " per client (quota max_buffers_per_client)");
       } else if (SaturatingAdd(u.mapped_bytes, pool->mapped_bytes) >
                  q.max_mapped_bytes_per_client) {
@@ -470,13 +470,11 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     out.namespace_id = ns.hex_id;
     out.encoded_bytes_per_token = reg.layout.BytesPerToken();
     out.block_bytes = reg.layout.BlockBytes();
-    out.capacity_tokens =
-        store_->CapacityBlocks(reg.layout.BlockBytes()) * reg.layout.block_tokens;
+    out.capacity_tokens = store_->CapacityBlocks(reg.layout.BlockBytes()) * reg.layout.block_tokens;
     HIQ_LOG(INFO) << "event=register_pool pool=" << out.pool_id << " device=" << backend->name()
                   << " pid=" << pool->client_pid << " uid=" << spec.caller.uid
                   << " session=" << spec.caller.session << " peer=\"" << LogSafe(spec.peer)
-                  << "\" namespace=" << ns.hex_id << " desc=\""
-                  << LogSafe(ns.desc.CanonicalText())
+                  << "\" namespace=" << ns.hex_id << " desc=\"" << LogSafe(ns.desc.CanonicalText())
                   << "\" bytes_per_token=" << out.encoded_bytes_per_token
                   << " capacity_tokens=" << out.capacity_tokens;
     return out;
@@ -486,8 +484,8 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 }
 
 StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
-                                                                const Caller& caller,
-                                                                bool admin_may) const {
+                                                               const Caller& caller,
+                                                               bool admin_may) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = pools_.find(pool_id);
   // Another caller's pool reads exactly as an unknown one: no oracle of which ids exist.
@@ -525,16 +523,18 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
                                      [&] { return pool->outstanding == 0; });
     if (!drained) pool->close_when_idle = true;
   }
-  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
-      std::chrono::steady_clock::now() - t0);
+  const auto waited =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
   if (!drained) {
     HIQ_LOG(WARN) << "event=release_pool_pending pool=" << pool_id
                   << " waited_ms=" << waited.count()
                   << " (device work still pending: its mappings and events stay open until it "
                      "completes)";
     return DeadlineExceeded(
-        "pool_id: pool " + std::to_string(pool_id) + " is released, but its device work was "
-        "still pending after " + std::to_string(options_.release_timeout.count()) +
+        "pool_id: pool " + std::to_string(pool_id) +
+        " is released, but its device work was "
+        "still pending after " +
+        std::to_string(options_.release_timeout.count()) +
         " ms (a wait_event never completed?): its buffers and events stay open until that work "
         "completes, so the engine must not free them yet");
   }
@@ -575,8 +575,7 @@ size_t CacheCore::ReleasePoolsOfSession(uint64_t session) {
   daemon.admin = true;
   for (uint64_t id : ids) (void)ReleasePool(id, daemon);
   if (!ids.empty()) {
-    HIQ_LOG(INFO) << "event=session_closed session=" << session
-                  << " pools_released=" << ids.size();
+    HIQ_LOG(INFO) << "event=session_closed session=" << session << " pools_released=" << ids.size();
   }
   return ids.size();
 }
@@ -713,7 +712,7 @@ StatusOr<uint32_t> CacheCore::Evict(uint64_t pool_id, const std::vector<std::str
 }
 
 StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::PoolForTransfer(const TransferSpec& spec,
-                                                                       bool restore) const {
+                                                                      bool restore) const {
   if (draining()) return Unavailable("hiqcached is shutting down");
   HIQ_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindPool(spec.pool_id, spec.caller));
   // A pool whose client memory broke (PoolBinding::Failure) fails every later request up front,
@@ -904,8 +903,8 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
               req->result.results[writes->index[j]] = BlockResult::kRejected;
               continue;
             }
-            store->CommitWrite(r.handle, j < sums.size() ? sums[j]
-                                                         : XXH3_64bits(r.payload, payload_bytes));
+            store->CommitWrite(r.handle,
+                               j < sums.size() ? sums[j] : XXH3_64bits(r.payload, payload_bytes));
             ++req->moved;
             if (l3 != nullptr) {
               const NamespaceInfo& ns = *req->pool->ns;
@@ -918,8 +917,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
           if (!writes->settled) {
             // The backend ended the task without on_written: nothing of it is valid.
             raw->on_written(std::vector<uint8_t>(writes->reservations.size(), 0),
-                            run.ok() ? Status(StatusCode::kInternal, "no payloads written")
-                                     : run);
+                            run.ok() ? Status(StatusCode::kInternal, "no payloads written") : run);
           }
           if (!run.ok() && req->error.ok()) req->error = run;
           if (last) FinishBackup(req);
@@ -959,13 +957,15 @@ void CacheCore::FinishBackup(const std::shared_ptr<BackupRequest>& req) {
   pool.backups.fetch_add(req->moved, std::memory_order_relaxed);
   if (!run.ok()) {
     HIQ_LOG(WARN) << "event=backup_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                  << " code=" << StatusCodeName(run.code()) << " error=\""
-                  << LogSafe(run.message()) << "\"";
+                  << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
+                  << "\"";
   }
   if (!req->replied) {
     req->replied = true;
-    if (run.ok()) (*req->reply)(req->result);
-    else (*req->reply)(run);
+    if (run.ok())
+      (*req->reply)(req->result);
+    else
+      (*req->reply)(run);
   }
   UnchargePending(pool.client, req->pending_bytes);
   pool.EndTask();
@@ -1109,8 +1109,10 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
         }
         task->on_complete = [this, req, unpin, last, n = e - b](const Status& run) {
           unpin();
-          if (run.ok()) req->restored += n;
-          else if (req->error.ok()) req->error = run;
+          if (run.ok())
+            req->restored += n;
+          else if (req->error.ok())
+            req->error = run;
           if (last) FinishRestore(req);
         };
       }
@@ -1145,13 +1147,15 @@ void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
   pool.restores.fetch_add(req->restored, std::memory_order_relaxed);
   if (!run.ok()) {
     HIQ_LOG(WARN) << "event=restore_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                  << " code=" << StatusCodeName(run.code()) << " error=\""
-                  << LogSafe(run.message()) << "\"";
+                  << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
+                  << "\"";
   }
   if (!req->replied) {
     req->replied = true;
-    if (run.ok()) (*req->reply)(req->result);
-    else (*req->reply)(run);
+    if (run.ok())
+      (*req->reply)(req->result);
+    else
+      (*req->reply)(run);
   }
   UnchargePending(pool.client, req->pending_bytes);
   pool.EndTask();
@@ -1172,9 +1176,9 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   SweepNamespaces();
   CoreSnapshot snap;
   snap.store = store_->Stats();
-  snap.uptime_seconds = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
-                                                  std::chrono::steady_clock::now() - start_)
-                                                  .count());
+  snap.uptime_seconds = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start_)
+          .count());
   std::map<uint32_t, uint32_t> pools_per_ns;
   std::map<std::pair<uint32_t, std::string>, int> clients;
   // Who uses the node is not a stranger's business: an admin sees every pool and namespace, an

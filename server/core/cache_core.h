@@ -97,16 +97,16 @@ enum class NamespaceScope { kUid, kPod, kNode };
 // is one client). A per-process limit would be bypassed by forking. Defaults fit an 8-GPU node
 // whose engines register pools of hundreds of GiB with a buffer per layer and plane.
 struct Quotas {
-  uint32_t max_pools_per_client = 256;                  // max_pools_per_client
-  uint32_t max_buffers_per_client = 8192;               // max_buffers_per_client (mappings)
-  uint64_t max_mapped_bytes_per_client = 16ull << 40;   // max_mapped_bytes_per_client
+  uint32_t max_pools_per_client = 256;                 // max_pools_per_client
+  uint32_t max_buffers_per_client = 8192;              // max_buffers_per_client (mappings)
+  uint64_t max_mapped_bytes_per_client = 16ull << 40;  // max_mapped_bytes_per_client
   // Engine-side bytes of the client's backups and restores queued or running.
   uint64_t max_pending_bytes_per_client = 64ull << 30;  // max_pending_bytes_per_client
   // Pool slots reserved by the client's backups and not yet written (committed or dropped).
-  uint32_t max_reserved_slots_per_client = 16384;       // max_reserved_slots_per_client
+  uint32_t max_reserved_slots_per_client = 16384;  // max_reserved_slots_per_client
   // Bytes of the client's shared memory the daemon may fault in on the client's behalf (pages
   // of its buffers and event slots that were not in memory when touched: fault_budget.h).
-  uint64_t max_faulted_bytes_per_client = 4ull << 30;   // max_faulted_bytes_per_client
+  uint64_t max_faulted_bytes_per_client = 4ull << 30;  // max_faulted_bytes_per_client
 };
 
 struct CoreOptions {
@@ -316,8 +316,8 @@ class CacheCore {
   // The step of sub-task `chunk`; `*task` holds its task once built (a step may run again).
   TransferEngine::StepResult BackupStep(const std::shared_ptr<BackupRequest>& req, size_t chunk,
                                         std::shared_ptr<BackupTask>* task);
-  TransferEngine::StepResult RestoreStep(const std::shared_ptr<RestoreRequest>& req,
-                                         size_t chunk, std::shared_ptr<RestoreTask>* task);
+  TransferEngine::StepResult RestoreStep(const std::shared_ptr<RestoreRequest>& req, size_t chunk,
+                                         std::shared_ptr<RestoreTask>* task);
   void FinishBackup(const std::shared_ptr<BackupRequest>& req);
   void FinishRestore(const std::shared_ptr<RestoreRequest>& req);
   // Blocks per sub-task for this layout (HOST), at least 1.

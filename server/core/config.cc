@@ -145,8 +145,7 @@ Status Validate(const DaemonConfig& c) {
   HIQ_RETURN_IF_ERROR(positive(c.max_buffers_per_client, "max_buffers_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.max_mapped_bytes_per_client, "max_mapped_bytes_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.max_pending_bytes_per_client, "max_pending_bytes_per_client"));
-  HIQ_RETURN_IF_ERROR(
-      positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
+  HIQ_RETURN_IF_ERROR(positive(c.max_reserved_slots_per_client, "max_reserved_slots_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.max_faulted_bytes_per_client, "max_faulted_bytes_per_client"));
   HIQ_RETURN_IF_ERROR(positive(c.transfer_chunk_blocks, "transfer_chunk_blocks"));
   HIQ_RETURN_IF_ERROR(positive(c.max_connections, "max_connections"));
@@ -242,7 +241,7 @@ Status ApplyKey(const std::string& key, const std::string& value, const std::str
   }
   if (k == "tls_cert_file" || k == "tls_key_file" || k == "tls_client_ca_file") {
     HIQ_ASSIGN_OR_RETURN(std::string v, str());
-    (k == "tls_cert_file" ? c->tls_cert_file
+    (k == "tls_cert_file"  ? c->tls_cert_file
      : k == "tls_key_file" ? c->tls_key_file
                            : c->tls_client_ca_file) = std::move(v);
     return Status::Ok();
@@ -503,8 +502,7 @@ Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
       return InvalidArgument("l3_password_file: cannot read '" + c.l3_password_file + "'");
     }
     std::getline(in, o->password);
-    while (!o->password.empty() &&
-           (o->password.back() == '\r' || o->password.back() == ' ')) {
+    while (!o->password.empty() && (o->password.back() == '\r' || o->password.back() == ' ')) {
       o->password.pop_back();
     }
     if (o->password.empty()) {
@@ -513,14 +511,14 @@ Status L3OptionsFromConfig(const DaemonConfig& c, L3Options* o) {
     }
   }
   HIQ_RETURN_IF_ERROR(ReadMacKey(c.l3_mac_key_file, "l3_mac_key_file", &o->mac_key));
-  HIQ_RETURN_IF_ERROR(ReadMacKey(c.l3_mac_previous_key_file, "l3_mac_previous_key_file",
-                                 &o->mac_previous_key));
+  HIQ_RETURN_IF_ERROR(
+      ReadMacKey(c.l3_mac_previous_key_file, "l3_mac_previous_key_file", &o->mac_previous_key));
   if (o->mac_key.empty() && !o->mac_previous_key.empty()) {
     return InvalidArgument("l3_mac_previous_key_file: needs l3_mac_key_file (the current key)");
   }
   o->key_prefix = c.l3_key_prefix;
-  o->policy = c.l3_write_policy == "on_evict" ? L3WritePolicy::kOnEvict
-                                              : L3WritePolicy::kWriteThrough;
+  o->policy =
+      c.l3_write_policy == "on_evict" ? L3WritePolicy::kOnEvict : L3WritePolicy::kWriteThrough;
   o->budget_bytes = c.l3_budget_bytes;
   o->ttl = std::chrono::milliseconds(uint64_t{c.l3_ttl} * 1000);
   o->connect_timeout = std::chrono::milliseconds(c.l3_connect_timeout_ms);
@@ -598,16 +596,26 @@ StatusOr<uint64_t> ParseSize(const std::string& raw) {
   std::string unit;
   for (char c : Trim(text.substr(i))) unit += static_cast<char>(std::tolower(c));
   uint64_t mul = 1;
-  if (unit.empty() || unit == "b") mul = 1;
-  else if (unit == "k" || unit == "kib") mul = 1ull << 10;
-  else if (unit == "m" || unit == "mib") mul = 1ull << 20;
-  else if (unit == "g" || unit == "gib") mul = 1ull << 30;
-  else if (unit == "t" || unit == "tib") mul = 1ull << 40;
-  else if (unit == "kb") mul = 1000ull;
-  else if (unit == "mb") mul = 1000000ull;
-  else if (unit == "gb") mul = 1000000000ull;
-  else if (unit == "tb") mul = 1000000000000ull;
-  else return InvalidArgument("size '" + raw + "': unknown unit '" + unit + "'");
+  if (unit.empty() || unit == "b")
+    mul = 1;
+  else if (unit == "k" || unit == "kib")
+    mul = 1ull << 10;
+  else if (unit == "m" || unit == "mib")
+    mul = 1ull << 20;
+  else if (unit == "g" || unit == "gib")
+    mul = 1ull << 30;
+  else if (unit == "t" || unit == "tib")
+    mul = 1ull << 40;
+  else if (unit == "kb")
+    mul = 1000ull;
+  else if (unit == "mb")
+    mul = 1000000ull;
+  else if (unit == "gb")
+    mul = 1000000000ull;
+  else if (unit == "tb")
+    mul = 1000000000000ull;
+  else
+    return InvalidArgument("size '" + raw + "': unknown unit '" + unit + "'");
   uint64_t out;
   if (__builtin_mul_overflow(n, mul, &out)) return InvalidArgument("size '" + raw + "': too big");
   return out;
@@ -653,16 +661,19 @@ std::string UsageText() {
          "                 [--shm-name NAME] [--device auto|host|cuda]\n"
          "                 [--metrics-listen HOST:PORT] [--log-level debug|info|warn|error]\n"
          "                 [--socket-mode OCTAL] [--socket-group GROUP]\n"
-         "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous true|false]\n"
+         "                 [--admin-uids UID,...] [--admin-groups GROUP,...] [--allow-anonymous "
+         "true|false]\n"
          "                 [--verify-reads-one-in N]\n"
          "                 [--cuda-staging-bytes SIZE] [--release-timeout-ms MS]\n"
          "                 [--namespace-scope uid|pod|node] [--max-pools-per-client N]\n"
          "                 [--max-buffers-per-client N] [--max-mapped-bytes-per-client SIZE]\n"
          "                 [--max-pending-bytes-per-client SIZE]\n"
-         "                 [--max-reserved-slots-per-client N] [--max-faulted-bytes-per-client SIZE]\n"
+         "                 [--max-reserved-slots-per-client N] [--max-faulted-bytes-per-client "
+         "SIZE]\n"
          "                 [--max-repeated-rows-per-request N]\n"
          "                 [--transfer-chunk-blocks N] [--transfer-chunk-bytes SIZE]\n"
-         "                 [--max-connections N] [--max-connections-per-uid N] [--max-block-bytes SIZE]\n"
+         "                 [--max-connections N] [--max-connections-per-uid N] [--max-block-bytes "
+         "SIZE]\n"
          "                 [--max-streams-per-connection N] [--grpc-memory-bytes SIZE]\n"
          "                 [--sessionless-message-bytes SIZE]\n"
          "                 [--l3-seeds HOST:PORT,...] [--l3-user USER] [--l3-password-file FILE]\n"
@@ -775,15 +786,13 @@ std::string RenderConfig(const DaemonConfig& c) {
   out += "max_pools_per_client = " + std::to_string(c.max_pools_per_client) + "\n";
   out += "max_buffers_per_client = " + std::to_string(c.max_buffers_per_client) + "\n";
   out += "max_mapped_bytes_per_client = " + std::to_string(c.max_mapped_bytes_per_client) + "\n";
+  out += "max_pending_bytes_per_client = " + std::to_string(c.max_pending_bytes_per_client) + "\n";
   out +=
-      "max_pending_bytes_per_client = " + std::to_string(c.max_pending_bytes_per_client) + "\n";
-  out += "max_reserved_slots_per_client = " + std::to_string(c.max_reserved_slots_per_client) +
-         "\n";
-  out +=
-      "max_faulted_bytes_per_client = " + std::to_string(c.max_faulted_bytes_per_client) + "\n";
+      "max_reserved_slots_per_client = " + std::to_string(c.max_reserved_slots_per_client) + "\n";
+  out += "max_faulted_bytes_per_client = " + std::to_string(c.max_faulted_bytes_per_client) + "\n";
   out += "max_block_bytes = " + std::to_string(c.max_block_bytes) + "\n";
-  out += "max_repeated_rows_per_request = " + std::to_string(c.max_repeated_rows_per_request) +
-         "\n";
+  out +=
+      "max_repeated_rows_per_request = " + std::to_string(c.max_repeated_rows_per_request) + "\n";
   out += "transfer_chunk_blocks = " + std::to_string(c.transfer_chunk_blocks) + "\n";
   out += "transfer_chunk_bytes = " + std::to_string(c.transfer_chunk_bytes) + "\n";
   std::string seeds;

@@ -22,7 +22,7 @@ struct DaemonConfig {
   std::string metrics_listen;
   std::string log_level;
   uint32_t socket_mode = 0660;
-  std::string socket_group;  // group name or number the unix sockets are chowned to; "" = keep
+  std::string socket_group;       // group name or number the unix sockets are chowned to; "" = keep
   uint32_t transfer_workers = 0;  // 0 = automatic
   uint32_t codec_threads = 0;     // 0 = every core
   uint32_t wait_timeout_ms = 0;

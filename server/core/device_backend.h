@@ -59,8 +59,8 @@ struct BackupTask : TaskHooks {
   int32_t wait_event = -1;
   uint64_t wait_value = 1;
   int32_t done_event = -1;
-  std::vector<uint32_t> rows;       // block_tokens per block, block-major
-  std::vector<uint8_t*> payloads;   // one per block: where its encoded payload goes
+  std::vector<uint32_t> rows;      // block_tokens per block, block-major
+  std::vector<uint8_t*> payloads;  // one per block: where its encoded payload goes
   // Called once the payloads are final (HOST: before the done event is signalled), with one flag
   // per block (1 = held NaN/Inf, not to be published) or with the error that stopped the work.
   std::function<void(const std::vector<uint8_t>& nonfinite, const Status&)> on_written;
@@ -86,8 +86,9 @@ class PoolBinding {
   virtual uint32_t event_count() const = 0;
   // Smallest num_rows over every view: a valid row index is below it.
   virtual uint32_t num_rows() const = 0;
-  // Waits for wait_event (by answering kNotReady until its slot reached wait_value), encodes, calls on_written, signals done_event, then on_complete. An error fails the task
-  // (on_written and on_complete see it); it still signals done_event, so no engine hangs.
+  // Waits for wait_event (by answering kNotReady until its slot reached wait_value), encodes, calls
+  // on_written, signals done_event, then on_complete. An error fails the task (on_written and
+  // on_complete see it); it still signals done_event, so no engine hangs.
   virtual StartResult StartBackup(const std::shared_ptr<BackupTask>& task) = 0;
   // Waits for wait_event, decodes layer by layer, signalling layer_event_base + l after each
   // layer and done_event after the last. On error every layer slot and done_event still get the

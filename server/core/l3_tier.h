@@ -26,23 +26,23 @@ namespace hiqcache::server {
 
 struct L3Stats {
   bool enabled = false;
-  uint64_t lookup_hits = 0;      // blocks a Lookup found in L3 after its L2 prefix
-  uint64_t lookup_misses = 0;    // keys a Lookup asked L3 for after that run
-  uint64_t lookup_errors = 0;    // Lookup probes that failed or ran out of time (a miss)
-  uint64_t fetches = 0;          // Restore fetches (one per restore that went to L3)
-  uint64_t fetched_blocks = 0;   // values fetched and verified
-  uint64_t fetch_errors = 0;     // fetches that failed or ran out of time (a miss)
-  uint64_t corrupt_values = 0;   // fetched values that failed to decode: dropped, a miss
-  uint64_t promotions = 0;       // fetched blocks written into the pool
-  uint64_t writes = 0;           // blocks SET in L3
-  uint64_t write_errors = 0;     // SETs that failed
-  uint64_t dropped_writes = 0;   // writes not queued: the queue was full
-  uint64_t skipped_writes = 0;   // queued writes whose block had left the pool meanwhile
-  uint64_t spilled_blocks = 0;   // on_evict: evicted blocks copied into the write queue
+  uint64_t lookup_hits = 0;         // blocks a Lookup found in L3 after its L2 prefix
+  uint64_t lookup_misses = 0;       // keys a Lookup asked L3 for after that run
+  uint64_t lookup_errors = 0;       // Lookup probes that failed or ran out of time (a miss)
+  uint64_t fetches = 0;             // Restore fetches (one per restore that went to L3)
+  uint64_t fetched_blocks = 0;      // values fetched and verified
+  uint64_t fetch_errors = 0;        // fetches that failed or ran out of time (a miss)
+  uint64_t corrupt_values = 0;      // fetched values that failed to decode: dropped, a miss
+  uint64_t promotions = 0;          // fetched blocks written into the pool
+  uint64_t writes = 0;              // blocks SET in L3
+  uint64_t write_errors = 0;        // SETs that failed
+  uint64_t dropped_writes = 0;      // writes not queued: the queue was full
+  uint64_t skipped_writes = 0;      // queued writes whose block had left the pool meanwhile
+  uint64_t spilled_blocks = 0;      // on_evict: evicted blocks copied into the write queue
   uint64_t write_queue_bytes = 0;   // payload bytes queued now
   uint64_t write_queue_blocks = 0;  // blocks queued now
-  uint64_t bytes_in = 0;         // value bytes fetched
-  uint64_t bytes_out = 0;        // value bytes written
+  uint64_t bytes_in = 0;            // value bytes fetched
+  uint64_t bytes_out = 0;           // value bytes written
   // Duration of the restores' fetches (MultiGet and verification) over the last
   // kL3FetchLatencySamples of them, in microseconds; 0 before the first fetch.
   uint64_t fetch_latency_samples = 0;
@@ -50,18 +50,18 @@ struct L3Stats {
   uint64_t fetch_p99_us = 0;
   // l3_budget_bytes: value bytes this daemon wrote that its ledger still counts (written, not
   // expired, not deleted), and the blocks it deleted to stay within the budget.
-  uint64_t budget_bytes = 0;       // the budget; 0 = none
+  uint64_t budget_bytes = 0;  // the budget; 0 = none
   uint64_t budget_used_bytes = 0;
   uint64_t budget_deletes = 0;
-  bool on_evict = false;           // the write policy: on_evict, else write_through
+  bool on_evict = false;  // the write policy: on_evict, else write_through
 };
 constexpr size_t kL3FetchLatencySamples = 1024;
 
 // One block fetched from L3 and verified (header, namespace, key, length, checksum).
 struct L3Block {
-  std::string value;              // header + payload, as stored
-  size_t payload_offset = 0;      // where the payload starts in `value`
-  uint64_t payload_checksum = 0;  // XXH3-64 of the payload (checked): the pool's block checksum
+  std::string value;               // header + payload, as stored
+  size_t payload_offset = 0;       // where the payload starts in `value`
+  uint64_t payload_checksum = 0;   // XXH3-64 of the payload (checked): the pool's block checksum
   const uint8_t* payload() const;  // value's payload bytes
 };
 

@@ -75,8 +75,8 @@ class NamespaceTable {
   // Removes namespace `id` when no use holds it and `forget(id)` returns true (called under the
   // table's lock). An id the table does not know is only passed to `forget` (a store entry left
   // by a namespace the table already dropped). Returns the namespace removed, or null.
-  std::shared_ptr<const NamespaceInfo> RemoveIfUnused(
-      uint32_t id, const std::function<bool(uint32_t)>& forget);
+  std::shared_ptr<const NamespaceInfo> RemoveIfUnused(uint32_t id,
+                                                      const std::function<bool(uint32_t)>& forget);
   // The namespace for `desc` if it exists, else null. Never creates one: lookups of namespaces
   // nobody registered cost no memory (CacheCore interns a looked-up namespace only when the pool
   // holds blocks of it that a previous daemon stored).
@@ -99,9 +99,9 @@ class NamespaceTable {
   Entry& InternLocked(const NamespaceDesc& desc);
 
   mutable std::mutex mu_;
-  std::map<std::string, uint32_t> by_text_;        // GUARDED_BY(mu_)
-  std::unordered_map<uint32_t, Entry> by_id_;       // GUARDED_BY(mu_)
-  uint32_t next_id_ = 0;                            // GUARDED_BY(mu_)
+  std::map<std::string, uint32_t> by_text_;    // GUARDED_BY(mu_)
+  std::unordered_map<uint32_t, Entry> by_id_;  // GUARDED_BY(mu_)
+  uint32_t next_id_ = 0;                       // GUARDED_BY(mu_)
 };
 
 }  // namespace hiqcache::server

@@ -21,7 +21,9 @@ constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
 
-std::string Idx(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+std::string Idx(const char* name, size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
 
 bool MulAdd(uint64_t a, uint64_t b, uint64_t* acc) {
   uint64_t prod;
@@ -111,8 +113,7 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
     return InvalidArgument(field + ".head_stride_bytes: " + std::to_string(v.head_stride_bytes) +
                            " is smaller than one head (" + std::to_string(head_bytes) + " bytes)");
   }
-  if (v.offset_bytes % 2 || v.row_stride_bytes % 2 || head_stride % 2 ||
-      v.page_stride_bytes % 2) {
+  if (v.offset_bytes % 2 || v.row_stride_bytes % 2 || head_stride % 2 || v.page_stride_bytes % 2) {
     return InvalidArgument(field + ": offset and strides must be multiples of 2 bytes");
   }
   // The view's extent from its first byte, then the offset: each overflow names its field.
@@ -215,12 +216,14 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   if (lay.row.ElementsPerRow() > (1u << 22)) {
     return invalid("geometry: num_kv_heads * head_dim is too large");
   }
-  const uint64_t engine_bytes = uint64_t{lay.block_tokens} * lay.num_layers * lay.kv_planes *
-                                lay.row.ElementsPerRow() * 2;
+  const uint64_t engine_bytes =
+      uint64_t{lay.block_tokens} * lay.num_layers * lay.kv_planes * lay.row.ElementsPerRow() * 2;
   if (engine_bytes > limits.max_block_bytes) {
-    return invalid("block_tokens: a block of " + std::to_string(lay.block_tokens) +
-                   " tokens is " + std::to_string(engine_bytes) + " bytes in the engine, more "
-                   "than max_block_bytes (" + std::to_string(limits.max_block_bytes) +
+    return invalid("block_tokens: a block of " + std::to_string(lay.block_tokens) + " tokens is " +
+                   std::to_string(engine_bytes) +
+                   " bytes in the engine, more "
+                   "than max_block_bytes (" +
+                   std::to_string(limits.max_block_bytes) +
                    "): a block is the daemon's smallest unit of work; use fewer tokens per "
                    "block or raise max_block_bytes");
   }
@@ -243,8 +246,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   return ns;
 }
 
-StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
-                                                     const Limits& limits,
+StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, const Limits& limits,
                                                      uint64_t pool_capacity_bytes) {
   ValidatedRegistration out;
   HIQ_ASSIGN_OR_RETURN(out.ns, ValidateNamespace(spec, limits, pool_capacity_bytes));
@@ -322,8 +324,9 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
   }
   if (spec.events.count > 0 && spec.events.host_fd_id == 0 &&
       !ValidShmName(spec.events.host_shm_name)) {
-    return InvalidArgument("events.host_shm_name: host_fd_id or a shm name is needed when "
-                           "events.count > 0");
+    return InvalidArgument(
+        "events.host_shm_name: host_fd_id or a shm name is needed when "
+        "events.count > 0");
   }
 
   return out;
@@ -376,9 +379,8 @@ Status ValidateTransfer(const TransferSpec& spec, const kernels::BlockLayout& la
                         uint32_t num_rows, uint32_t event_count, bool restore,
                         const Limits& limits) {
   if (spec.blocks.size() > limits.max_blocks_per_request) {
-    return ResourceExhausted("blocks: " + std::to_string(spec.blocks.size()) +
-                             " blocks, at most " + std::to_string(limits.max_blocks_per_request) +
-                             " per request");
+    return ResourceExhausted("blocks: " + std::to_string(spec.blocks.size()) + " blocks, at most " +
+                             std::to_string(limits.max_blocks_per_request) + " per request");
   }
   for (size_t i = 0; i < spec.blocks.size(); ++i) {
     const BlockSpec& b = spec.blocks[i];

@@ -52,8 +52,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
 
 // ValidateNamespace, then device, buffers, views (every addressable element inside its buffer)
 // and events.
-StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec,
-                                                     const Limits& limits,
+StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, const Limits& limits,
                                                      uint64_t pool_capacity_bytes);
 
 // Byte offset one past the last byte `view` can address (from its buffer's start), or an error

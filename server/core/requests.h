@@ -100,7 +100,7 @@ struct RegisterSpec : NamespaceSpec {
   std::vector<LayerSpec> layers;
   EventsSpec events;
   uint32_t client_pid = 0;  // as the client reported it; ownership uses caller.pid
-  std::string peer;  // transport's description of the caller, for logs and stats
+  std::string peer;         // transport's description of the caller, for logs and stats
   Caller caller;
 };
 

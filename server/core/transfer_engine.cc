@@ -37,9 +37,8 @@ void TransferEngine::Post(const std::shared_ptr<Strand>& strand, Task task) {
 }
 
 void TransferEngine::PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task) {
-  PostStep(strand, [task = std::move(task)] {
-    return task() ? StepResult::kDone : StepResult::kNotReady;
-  });
+  PostStep(strand,
+           [task = std::move(task)] { return task() ? StepResult::kDone : StepResult::kNotReady; });
 }
 
 void TransferEngine::ScheduleLocked(std::shared_ptr<Strand> strand) {
@@ -89,8 +88,7 @@ void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask ta
   if (!strand->scheduled) ScheduleLocked(strand);
 }
 
-void TransferEngine::PostSteps(const std::shared_ptr<Strand>& strand,
-                               std::vector<StepTask> tasks) {
+void TransferEngine::PostSteps(const std::shared_ptr<Strand>& strand, std::vector<StepTask> tasks) {
   if (tasks.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& t : tasks) strand->tasks.push_back(std::move(t));

@@ -88,9 +88,9 @@ class TransferEngine {
   std::deque<uint64_t> ready_groups_;                              // GUARDED_BY(mu_)
   // Strands whose first task was not ready, with when to try again.
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Strand>>>
-      parked_;  // GUARDED_BY(mu_)
-  size_t pending_ = 0;                         // GUARDED_BY(mu_)
-  bool stop_ = false;                          // GUARDED_BY(mu_)
+      parked_;          // GUARDED_BY(mu_)
+  size_t pending_ = 0;  // GUARDED_BY(mu_)
+  bool stop_ = false;   // GUARDED_BY(mu_)
   std::vector<std::thread> workers_;
 };
 
@@ -98,7 +98,7 @@ class TransferEngine::Strand {
  private:
   friend class TransferEngine;
   uint64_t group = 0;
-  std::deque<StepTask> tasks;  // GUARDED_BY(engine mu_)
+  std::deque<StepTask> tasks;            // GUARDED_BY(engine mu_)
   std::chrono::microseconds backoff{0};  // GUARDED_BY(engine mu_): retry delay of the first task
   // GUARDED_BY(engine mu_): in ready_, parked_ or running, or detached (busy until Resume).
   bool scheduled = false;

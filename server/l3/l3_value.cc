@@ -37,8 +37,8 @@ bool Mac(const std::string& key, const void* header, std::span<const uint8_t> pa
   size_t len = 0;
   const bool ok =
       ctx != nullptr &&
-      EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(),
-                   params) == 1 &&
+      EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(), params) ==
+          1 &&
       EVP_MAC_update(ctx, static_cast<const unsigned char*>(header), kL3ValueHeaderBytes) == 1 &&
       EVP_MAC_update(ctx, payload.data(), payload.size()) == 1 &&
       EVP_MAC_final(ctx, tag, &len, kL3MacBytes) == 1 && len == kL3MacBytes;
@@ -126,8 +126,8 @@ StatusOr<std::span<const uint8_t>> DecodeL3Value(std::string_view value, const N
     return DataLoss("l3 value: header checksum mismatch (corrupt header)");
   }
   if (std::memcmp(h.namespace_hash, ns.data(), ns.size()) != 0) {
-    return DataLoss("l3 value: written for namespace " + Hex(h.namespace_hash, 16) +
-                    ", expected " + Hex(ns.data(), ns.size()) + " (foreign namespace)");
+    return DataLoss("l3 value: written for namespace " + Hex(h.namespace_hash, 16) + ", expected " +
+                    Hex(ns.data(), ns.size()) + " (foreign namespace)");
   }
   if (std::memcmp(h.key, key.data(), key.size()) != 0) {
     return DataLoss("l3 value: written for key " + Hex(h.key, 16) + ", expected " +
@@ -155,7 +155,8 @@ StatusOr<std::span<const uint8_t>> DecodeL3Value(std::string_view value, const N
     bool verified = false;
     for (const std::string* k : {&mac->current, &mac->previous}) {
       if (k->empty()) continue;
-      verified |= Mac(*k, value.data(), payload, want) && CRYPTO_memcmp(want, tag, kL3MacBytes) == 0;
+      verified |=
+          Mac(*k, value.data(), payload, want) && CRYPTO_memcmp(want, tag, kL3MacBytes) == 0;
     }
     if (!verified) {
       return PermissionDenied(

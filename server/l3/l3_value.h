@@ -31,8 +31,8 @@
 namespace hiqcache::server::l3 {
 
 constexpr uint32_t kL3ValueMagic = 0x334C5148u;  // "HQL3"
-constexpr uint16_t kL3ValueVersion = 1;     // no MAC
-constexpr uint16_t kL3ValueVersionMac = 2;  // header + payload + HMAC-SHA-256 tag
+constexpr uint16_t kL3ValueVersion = 1;          // no MAC
+constexpr uint16_t kL3ValueVersionMac = 2;       // header + payload + HMAC-SHA-256 tag
 constexpr size_t kL3ValueHeaderBytes = 64;
 constexpr size_t kL3MacBytes = 32;
 constexpr size_t kL3MacMinKeyBytes = 32;

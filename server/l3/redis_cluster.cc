@@ -37,7 +37,8 @@ constexpr std::array<uint16_t, 256> kCrc16 = MakeCrc16Table();
 
 uint16_t Crc16(std::string_view s) {
   uint16_t crc = 0;
-  for (unsigned char c : s) crc = static_cast<uint16_t>((crc << 8) ^ kCrc16[((crc >> 8) ^ c) & 0xff]);
+  for (unsigned char c : s)
+    crc = static_cast<uint16_t>((crc << 8) ^ kCrc16[((crc >> 8) ^ c) & 0xff]);
   return crc;
 }
 
@@ -157,12 +158,12 @@ struct RedisCluster::Impl {
     ContextPtr ctx;
     bool deadline_limited = false;  // its socket timeout is shorter than command_timeout
     bool reused = false;            // ctx was opened before the current call
-    uint32_t failures = 0;  // consecutive
+    uint32_t failures = 0;          // consecutive
     Clock::time_point retry_at{};
   };
 
   RedisClusterOptions options;
-  std::vector<std::unique_ptr<Node>> nodes;  // every node seen; never shrinks
+  std::vector<std::unique_ptr<Node>> nodes;       // every node seen; never shrinks
   std::array<int32_t, kClusterSlots> slot_owner;  // index into nodes, -1 = unassigned
   bool map_stale = false;
   Clock::time_point last_refresh{};
@@ -261,8 +262,8 @@ struct RedisCluster::Impl {
       }
       if (r->type == REDIS_REPLY_ERROR) {
         // Not a node failure: no backoff, no refresh; every call will say the same.
-        return Unauthenticated("l3: AUTH at " + n.addr + " refused: " +
-                               std::string(ReplyText(r.get())));
+        return Unauthenticated("l3: AUTH at " + n.addr +
+                               " refused: " + std::string(ReplyText(r.get())));
       }
     }
     n.ctx = std::move(c);
@@ -282,8 +283,8 @@ struct RedisCluster::Impl {
       lens.push_back(a.size());
     }
     ++stats.commands;
-    ReplyPtr r(static_cast<redisReply*>(redisCommandArgv(
-        n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+    ReplyPtr r(static_cast<redisReply*>(
+        redisCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
     if (r == nullptr) {
       const bool timed_out = TimedOut();
       const std::string why = n.ctx->errstr;
@@ -747,9 +748,9 @@ StatusOr<RedisCluster> RedisCluster::Open(RedisClusterOptions options) {
     }
     impl->NodeIndex(host, port);
   }
-  const auto deadline =
-      Clock::now() + impl->options.connect_timeout * static_cast<int64_t>(impl->nodes.size()) +
-      impl->options.command_timeout;
+  const auto deadline = Clock::now() +
+                        impl->options.connect_timeout * static_cast<int64_t>(impl->nodes.size()) +
+                        impl->options.command_timeout;
   HIQ_RETURN_IF_ERROR(impl->Refresh(deadline));
   return RedisCluster(std::move(impl));
 }
@@ -790,8 +791,8 @@ StatusOr<bool> RedisCluster::Del(std::string_view key, Deadline deadline) {
   return r.reply.integer > 0;
 }
 
-std::vector<KeyResult> RedisCluster::MultiGet(std::span<const std::string> keys,
-                                              Deadline deadline, size_t max_value_bytes) {
+std::vector<KeyResult> RedisCluster::MultiGet(std::span<const std::string> keys, Deadline deadline,
+                                              size_t max_value_bytes) {
   return impl_->Multi("GET", keys, impl_->DeadlineOf(deadline), max_value_bytes);
 }
 

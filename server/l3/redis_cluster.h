@@ -53,7 +53,7 @@ struct RedisClusterOptions {
   std::string user;                // ACL user; empty: AUTH with the password alone
   std::string password;            // empty: no AUTH
   Millis connect_timeout{200};
-  Millis command_timeout{200};  // socket read/write timeout of one round trip
+  Millis command_timeout{200};   // socket read/write timeout of one round trip
   Millis default_deadline{500};  // calls without a deadline get now + this
   int max_redirects = 5;         // per key and call
   Millis backoff_min{20};        // after a node's first failure; doubles per failure
@@ -80,7 +80,7 @@ struct RedisClusterStats {
 
 // One key of a multi-key call.
 struct KeyResult {
-  Status status;      // OK: `found` is the answer
+  Status status;  // OK: `found` is the answer
   bool found = false;
   std::string value;  // GET only, when found
 };

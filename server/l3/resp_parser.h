@@ -38,7 +38,8 @@ class ReplyParser {
   explicit ReplyParser(size_t max_bulk = kMaxBulk) : max_bulk_(max_bulk) {}
 
   // Consumes from `data` until a reply is complete or `data` is used up; returns the bytes
-  // used. `*done` says whether a reply is complete (Take() it); an error means the stream is out of step.
+  // used. `*done` says whether a reply is complete (Take() it); an error means the stream is out of
+  // step.
   StatusOr<size_t> Feed(std::string_view data, bool* done) {
     *done = false;
     size_t used = 0;

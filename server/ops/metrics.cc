@@ -273,8 +273,8 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
     };
     counter("hiqcache_l3_lookup_hits_total",
             "Blocks Lookup found in L3 after the pool's leading run.", l3.lookup_hits);
-    counter("hiqcache_l3_lookup_misses_total",
-            "Keys Lookup asked L3 for after the run L3 held.", l3.lookup_misses);
+    counter("hiqcache_l3_lookup_misses_total", "Keys Lookup asked L3 for after the run L3 held.",
+            l3.lookup_misses);
     Header(&out, "hiqcache_l3_errors_total", "counter",
            "L3 calls that failed or ran out of their deadline (each a miss), by operation.");
     Sample(&out, "hiqcache_l3_errors_total", Labels({{"op", "lookup"}}), l3.lookup_errors);
@@ -293,8 +293,7 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
     counter("hiqcache_l3_dropped_writes_total",
             "Blocks not written to L3 because the write queue was full.", l3.dropped_writes);
     counter("hiqcache_l3_skipped_writes_total",
-            "Queued L3 writes whose block had left the pool before its turn.",
-            l3.skipped_writes);
+            "Queued L3 writes whose block had left the pool before its turn.", l3.skipped_writes);
     counter("hiqcache_l3_spilled_blocks_total",
             "Blocks the pool evicted and copied into the L3 write queue (l3_write_policy "
             "on_evict).",
@@ -312,8 +311,7 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
           l3.write_queue_blocks);
     Header(&out, "hiqcache_l3_transferred_bytes_total", "counter",
            "Value bytes moved to and from L3: direction=\"in\" fetched, \"out\" written.");
-    Sample(&out, "hiqcache_l3_transferred_bytes_total", Labels({{"direction", "in"}}),
-           l3.bytes_in);
+    Sample(&out, "hiqcache_l3_transferred_bytes_total", Labels({{"direction", "in"}}), l3.bytes_in);
     Sample(&out, "hiqcache_l3_transferred_bytes_total", Labels({{"direction", "out"}}),
            l3.bytes_out);
     Header(&out, "hiqcache_l3_fetch_duration_seconds", "histogram",

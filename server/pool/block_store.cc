@@ -70,8 +70,8 @@ struct BlockStore::NsState {
   // node-wide); an orphan of a rebuilt pool, not yet adopted, has none (kOrphanOwner).
   std::string owner;
   std::vector<Extent*> extents;
-  std::vector<Extent*> partial;       // extents with at least one free slot
-  std::list<BlockEntry*> lru;         // committed blocks, most recent first
+  std::vector<Extent*> partial;  // extents with at least one free slot
+  std::list<BlockEntry*> lru;    // committed blocks, most recent first
   NamespaceCounters counters;
 };
 
@@ -138,7 +138,8 @@ void BlockStore::Format() {
   if (bytes_ <= meta_bytes_) return;
   std::memset(directory_, 0, directory_entries_ * sizeof(ExtentDirEntry));
   free_dir_slots_.clear();
-  for (uint64_t i = directory_entries_; i-- > 0;) free_dir_slots_.push_back(static_cast<uint32_t>(i));
+  for (uint64_t i = directory_entries_; i-- > 0;)
+    free_dir_slots_.push_back(static_cast<uint32_t>(i));
   InsertFreeLocked(meta_bytes_, bytes_ - meta_bytes_);
   ph->version = kPoolFormatVersion;
   ph->directory_entries = static_cast<uint32_t>(directory_entries_);
@@ -712,10 +713,10 @@ void BlockStore::EvictEntryLocked(BlockEntry* e) {
 void BlockStore::EvictForRoomLocked(BlockEntry* e) {
   if (sink_ && e->state == BlockState::kCommitted && !e->from_l3) {
     const NsState& ns = *namespaces_.at(e->ns);
-    sink_(EvictedBlock{ns.hash, e->key,
-                       std::span<const uint8_t>(base_ + e->offset + kBlockHeaderBytes,
-                                                ns.payload_bytes),
-                       HeaderOf(e)->checksum});
+    sink_(EvictedBlock{
+        ns.hash, e->key,
+        std::span<const uint8_t>(base_ + e->offset + kBlockHeaderBytes, ns.payload_bytes),
+        HeaderOf(e)->checksum});
   }
   EvictEntryLocked(e);
 }

@@ -122,8 +122,8 @@ class BlockStore {
   // to formatting when the pool header does not match. `threads` verify checksums in parallel.
   // No extent crosses a multiple of `granule` bytes from `base` (kPoolRegisterChunkBytes: the
   // CUDA backend's registration chunks); a rebuilt extent that does is dropped.
-  BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads,
-             RebuildReport* report, uint64_t granule = kPoolRegisterChunkBytes);
+  BlockStore(uint8_t* base, size_t bytes, bool reattach, unsigned threads, RebuildReport* report,
+             uint64_t granule = kPoolRegisterChunkBytes);
   // The same, with every option (StoreOptions); the constructors above keep its defaults.
   BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options, RebuildReport* report);
   ~BlockStore();
@@ -249,7 +249,7 @@ class BlockStore {
   void EvictEntryLocked(BlockEntry* e);  // leaves the index; slot freed now or on last unpin
   // REQUIRES: mu_ held. EvictEntryLocked for room: the sink sees the block first.
   void EvictForRoomLocked(BlockEntry* e);
-  void UnindexLocked(BlockEntry* e);     // leaves the index and the LRU (no counter)
+  void UnindexLocked(BlockEntry* e);  // leaves the index and the LRU (no counter)
   void FreeSlotLocked(BlockEntry* e);
   void FreeExtentLocked(Extent* ext);
   void TouchLocked(BlockEntry* e);
@@ -278,17 +278,17 @@ class BlockStore {
   static constexpr uint32_t kFirstOrphanId = 0x80000000u;
   uint32_t next_orphan_id_ = kFirstOrphanId;  // GUARDED_BY(mu_)
   mutable std::mutex mu_;
-  uint64_t clock_ = 0;  // GUARDED_BY(mu_): recency stamps and commit sequence
+  uint64_t clock_ = 0;                        // GUARDED_BY(mu_): recency stamps and commit sequence
   std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced
   std::list<std::unique_ptr<Extent>> extents_;  // GUARDED_BY(mu_)
   // ReclaimLocked's bytes claimed per owner, kept to reuse its buckets.
-  std::unordered_map<std::string_view, uint64_t> claimed_scratch_;  // GUARDED_BY(mu_)
+  std::unordered_map<std::string_view, uint64_t> claimed_scratch_;     // GUARDED_BY(mu_)
   std::unordered_map<uint32_t, std::unique_ptr<NsState>> namespaces_;  // GUARDED_BY(mu_)
   std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
-  uint64_t used_bytes_ = 0;   // GUARDED_BY(mu_)
-  uint64_t live_blocks_ = 0;  // GUARDED_BY(mu_)
-  uint64_t corrupt_ = 0;      // GUARDED_BY(mu_)
-  uint64_t reads_ = 0;        // GUARDED_BY(mu_): block reads, for verify_reads_one_in_
+  uint64_t used_bytes_ = 0;               // GUARDED_BY(mu_)
+  uint64_t live_blocks_ = 0;              // GUARDED_BY(mu_)
+  uint64_t corrupt_ = 0;                  // GUARDED_BY(mu_)
+  uint64_t reads_ = 0;                    // GUARDED_BY(mu_): block reads, for verify_reads_one_in_
   std::unordered_set<uint32_t> emptied_;  // GUARDED_BY(mu_): block count dropped to 0
   EvictionSink sink_;                     // GUARDED_BY(mu_)
 };

@@ -75,7 +75,7 @@ struct BlockHeader {
   uint64_t namespace_tag;  // low 64 bits of the namespace hash
   uint64_t checksum;       // XXH3-64 of the payload
   uint64_t payload_bytes;
-  uint64_t commit_seq;     // recency order for the LRU after a rebuild
+  uint64_t commit_seq;  // recency order for the LRU after a rebuild
   uint64_t reserved0;
 };
 static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);
@@ -84,8 +84,7 @@ inline constexpr size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a
 
 // Bytes before the first extent: the header and the directory, page aligned.
 inline constexpr uint64_t PoolMetaBytes(uint64_t pool_bytes) {
-  return AlignUp(kPoolHeaderBytes + DirectoryEntriesFor(pool_bytes) * sizeof(ExtentDirEntry),
-                 4096);
+  return AlignUp(kPoolHeaderBytes + DirectoryEntriesFor(pool_bytes) * sizeof(ExtentDirEntry), 4096);
 }
 
 inline constexpr size_t SlotBytesFor(size_t payload_bytes) {

@@ -41,14 +41,11 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
   grpc::ServerUnaryReactor* ReleasePool(grpc::CallbackServerContext* ctx,
                                         const v1::ReleasePoolRequest* req,
                                         v1::ReleasePoolResponse* resp) override;
-  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* ctx,
-                                   const v1::LookupRequest* req,
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* ctx, const v1::LookupRequest* req,
                                    v1::LookupResponse* resp) override;
-  grpc::ServerUnaryReactor* Backup(grpc::CallbackServerContext* ctx,
-                                   const v1::BackupRequest* req,
+  grpc::ServerUnaryReactor* Backup(grpc::CallbackServerContext* ctx, const v1::BackupRequest* req,
                                    v1::BackupResponse* resp) override;
-  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* ctx,
-                                    const v1::RestoreRequest* req,
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* ctx, const v1::RestoreRequest* req,
                                     v1::RestoreResponse* resp) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;

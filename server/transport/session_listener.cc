@@ -30,8 +30,10 @@ std::string HexToken() {
   size_t got = 0;
   while (got < sizeof(raw)) {
     ssize_t n = ::getrandom(raw + got, sizeof(raw) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-    else if (errno != EINTR) break;
+    if (n > 0)
+      got += static_cast<size_t>(n);
+    else if (errno != EINTR)
+      break;
   }
   static const char* kHex = "0123456789abcdef";
   std::string out;
@@ -76,7 +78,8 @@ StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
     const std::vector<std::string>& paths, const SessionOptions& options, EndFn on_end) {
   std::unique_ptr<SessionListener> l(new SessionListener(options, std::move(on_end)));
   l->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (l->wake_fd_ < 0) return Internal(std::string("session socket: eventfd: ") + std::strerror(errno));
+  if (l->wake_fd_ < 0)
+    return Internal(std::string("session socket: eventfd: ") + std::strerror(errno));
   for (const std::string& path : paths) {
     // The gRPC socket beside it was checked not to be served by another daemon: a socket file
     // here is a stale one.
@@ -174,8 +177,8 @@ void SessionListener::Accept(int listen_fd) {
   do {
     s->token = HexToken();
   } while (by_token_.count(s->token) != 0);
-  Reply(fd, std::string(kSessionGreeting) + "token=" + s->token + " pid=" +
-                std::to_string(cred.pid) + " uid=" + std::to_string(cred.uid) +
+  Reply(fd, std::string(kSessionGreeting) + "token=" + s->token +
+                " pid=" + std::to_string(cred.pid) + " uid=" + std::to_string(cred.uid) +
                 " gid=" + std::to_string(cred.gid));
   HIQ_LOG(DEBUG) << "event=session_open session=" << s->id << " pid=" << cred.pid
                  << " uid=" << cred.uid << " admin=" << admin << " pod=\"" << LogSafe(where.pod)

@@ -143,13 +143,13 @@ class SessionListener {
   int wake_fd_ = -1;  // eventfd: stops the loop
 
   mutable std::mutex mu_;
-  std::map<uint64_t, std::unique_ptr<Session>> sessions_;    // GUARDED_BY(mu_)
-  std::unordered_map<std::string, uint64_t> by_token_;       // GUARDED_BY(mu_)
-  std::map<uid_t, size_t> per_uid_;                          // GUARDED_BY(mu_)
-  std::map<std::pair<uid_t, pid_t>, size_t> per_process_;    // GUARDED_BY(mu_)
-  std::map<uid_t, size_t> held_fds_per_uid_;                 // GUARDED_BY(mu_)
-  uint64_t next_session_ = 1;                                // GUARDED_BY(mu_)
-  std::deque<uint64_t> ended_;                               // GUARDED_BY(mu_)
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_;  // GUARDED_BY(mu_)
+  std::unordered_map<std::string, uint64_t> by_token_;     // GUARDED_BY(mu_)
+  std::map<uid_t, size_t> per_uid_;                        // GUARDED_BY(mu_)
+  std::map<std::pair<uid_t, pid_t>, size_t> per_process_;  // GUARDED_BY(mu_)
+  std::map<uid_t, size_t> held_fds_per_uid_;               // GUARDED_BY(mu_)
+  uint64_t next_session_ = 1;                              // GUARDED_BY(mu_)
+  std::deque<uint64_t> ended_;                             // GUARDED_BY(mu_)
   std::condition_variable ended_cv_;
   bool stop_ = false;  // GUARDED_BY(mu_)
 

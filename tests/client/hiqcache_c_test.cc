@@ -29,40 +29,40 @@ namespace hiqcache {
 namespace {
 
 // Every exported entry point, listed once (an X-macro), resolved below with dlsym as ctypes does.
-#define HIQ_C_ABI_FUNCTIONS(X) \
-  X(hiq_abi_version) \
-  X(hiq_last_error) \
-  X(hiq_connect) \
-  X(hiq_close) \
-  X(hiq_register_pool) \
-  X(hiq_release_pool) \
-  X(hiq_pool_info_get) \
-  X(hiq_host_pool_create) \
-  X(hiq_host_pool_destroy) \
-  X(hiq_host_pool_data) \
-  X(hiq_host_pool_num_rows) \
-  X(hiq_host_pool_head_offset) \
-  X(hiq_host_pool_wait) \
-  X(hiq_host_pool_event_read) \
-  X(hiq_host_pool_event_store) \
-  X(hiq_register_host_pool) \
-  X(hiq_lookup) \
-  X(hiq_backup) \
-  X(hiq_restore) \
-  X(hiq_evict) \
-  X(hiq_get_stats) \
-  X(hiq_get_l3_stats) \
-  X(hiq_compute_block_keys) \
-  X(hiq_cuda_available) \
-  X(hiq_cuda_device_uuid) \
-  X(hiq_cuda_export_pointer) \
-  X(hiq_cuda_slots_create) \
-  X(hiq_cuda_slots_destroy) \
-  X(hiq_cuda_slots_count) \
-  X(hiq_cuda_slots_read) \
-  X(hiq_cuda_slots_store) \
-  X(hiq_cuda_slots_wait) \
-  X(hiq_cuda_slots_stream_wait) \
+#define HIQ_C_ABI_FUNCTIONS(X)   \
+  X(hiq_abi_version)             \
+  X(hiq_last_error)              \
+  X(hiq_connect)                 \
+  X(hiq_close)                   \
+  X(hiq_register_pool)           \
+  X(hiq_release_pool)            \
+  X(hiq_pool_info_get)           \
+  X(hiq_host_pool_create)        \
+  X(hiq_host_pool_destroy)       \
+  X(hiq_host_pool_data)          \
+  X(hiq_host_pool_num_rows)      \
+  X(hiq_host_pool_head_offset)   \
+  X(hiq_host_pool_wait)          \
+  X(hiq_host_pool_event_read)    \
+  X(hiq_host_pool_event_store)   \
+  X(hiq_register_host_pool)      \
+  X(hiq_lookup)                  \
+  X(hiq_backup)                  \
+  X(hiq_restore)                 \
+  X(hiq_evict)                   \
+  X(hiq_get_stats)               \
+  X(hiq_get_l3_stats)            \
+  X(hiq_compute_block_keys)      \
+  X(hiq_cuda_available)          \
+  X(hiq_cuda_device_uuid)        \
+  X(hiq_cuda_export_pointer)     \
+  X(hiq_cuda_slots_create)       \
+  X(hiq_cuda_slots_destroy)      \
+  X(hiq_cuda_slots_count)        \
+  X(hiq_cuda_slots_read)         \
+  X(hiq_cuda_slots_store)        \
+  X(hiq_cuda_slots_wait)         \
+  X(hiq_cuda_slots_stream_wait)  \
   X(hiq_cuda_slots_stream_write) \
   X(hiq_cuda_slots_device_address)
 
@@ -379,14 +379,14 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
   std::vector<uint32_t> tokens = {1, 2, 3, 4};
   uint8_t key[16];
   uint64_t nkeys = 0;
-  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBlockTokens, nullptr, 0, key,
-                                     1, &nkeys),
+  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBlockTokens, nullptr, 0, key, 1,
+                                     &nkeys),
             HIQ_OK);
   uint64_t ticket = 0;
   // Wait slot 0 (never stored), done slot 1, asynchronous.
-  ASSERT_EQ(c.hiq_backup(client_, handle, key, 1, rows.data(), rows.size(), 0, 1, 1, 0, nullptr,
-                         &ticket),
-            HIQ_OK)
+  ASSERT_EQ(
+      c.hiq_backup(client_, handle, key, 1, rows.data(), rows.size(), 0, 1, 1, 0, nullptr, &ticket),
+      HIQ_OK)
       << c.hiq_last_error();
   ASSERT_GT(ticket, 0u);
   EXPECT_EQ(c.hiq_host_pool_wait(pool, 1, ticket, 200), HIQ_DEADLINE_EXCEEDED);
@@ -407,9 +407,9 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
 // hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
 // 1): enabled, with the policy and budget it was started with.
 TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
-  testing::DaemonProcess d("16MiB", {"--device", "host", "--prefault", "false", "--l3-seeds",
-                                     "127.0.0.1:1", "--l3-write-policy", "on_evict",
-                                     "--l3-budget-bytes", "3MiB"});
+  testing::DaemonProcess d("16MiB",
+                           {"--device", "host", "--prefault", "false", "--l3-seeds", "127.0.0.1:1",
+                            "--l3-write-policy", "on_evict", "--l3-budget-bytes", "3MiB"});
   if (!d.Start()) GTEST_SKIP() << "this hiqcached has no L3 store (built without hiredis)";
   hiq_client* client = nullptr;
   ASSERT_EQ(C().hiq_connect(d.target().c_str(), 5000, &client), HIQ_OK) << C().hiq_last_error();

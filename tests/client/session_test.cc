@@ -3,8 +3,8 @@
 // daemon going away.
 #include "hiqcache/session.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -65,8 +65,7 @@ class FakeListener {
  public:
   explicit FakeListener(std::function<void(int conn)> script) {
     static std::atomic<int> counter{0};
-    dir_ = "/tmp/hiq-session-test-" + std::to_string(::getpid()) + "-" +
-           std::to_string(counter++);
+    dir_ = "/tmp/hiq-session-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     std::filesystem::create_directories(dir_);
     listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     sockaddr_un sa{};
@@ -144,10 +143,10 @@ TEST(SessionTest, ParsesGreetingForEveryTargetForm) {
 }
 
 TEST(SessionTest, BadGreetingsAreRefused) {
-  for (const char* g : {"HELLO 1 token=ab pid=1 uid=0 gid=0", "HIQ-SESSION 1 pid=1 uid=0 gid=0",
-                        "HIQ-SESSION 1 token=ab pid=x uid=0 gid=0",
-                        "HIQ-SESSION 1 token=ab pid=1 uid=99999999999 gid=0",
-                        "HIQ-SESSION 2 token=ab pid=1"}) {
+  for (const char* g :
+       {"HELLO 1 token=ab pid=1 uid=0 gid=0", "HIQ-SESSION 1 pid=1 uid=0 gid=0",
+        "HIQ-SESSION 1 token=ab pid=x uid=0 gid=0",
+        "HIQ-SESSION 1 token=ab pid=1 uid=99999999999 gid=0", "HIQ-SESSION 2 token=ab pid=1"}) {
     FakeListener l([g](int conn) {
       SendText(conn, g);
       WaitForClose(conn);
@@ -244,11 +243,12 @@ TEST(SessionTest, RefusalsAndMalformedAnswersAreErrors) {
     const char* answer;
     StatusCode code;
   };
-  for (const Case& c : {Case{"ERR FDS: this session would hold 257 unconsumed fds, at most 256",
-                             StatusCode::kResourceExhausted},
-                        Case{"ERR bad message", StatusCode::kFailedPrecondition},
-                        Case{"OK 1 2", StatusCode::kUnavailable},  // two ids for one fd
-                        Case{"OK x", StatusCode::kUnavailable}, Case{"YES", StatusCode::kUnavailable}}) {
+  for (const Case& c :
+       {Case{"ERR FDS: this session would hold 257 unconsumed fds, at most 256",
+             StatusCode::kResourceExhausted},
+        Case{"ERR bad message", StatusCode::kFailedPrecondition},
+        Case{"OK 1 2", StatusCode::kUnavailable},  // two ids for one fd
+        Case{"OK x", StatusCode::kUnavailable}, Case{"YES", StatusCode::kUnavailable}}) {
     FakeListener l([&c](int conn) {
       SendText(conn, kGreeting);
       std::string text;
@@ -514,9 +514,9 @@ TEST_F(DaemonSessionTest, SessionEndReleasesItsPools) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_TRUE(it::Eventually([&] { return PoolsOf(*observer, ns) == 0; }, milliseconds(1000)))
       << "pools of a closed session still listed: " << PoolsOf(*observer, ns);
-  std::printf("pools released %.0f ms after the session closed\n",
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                  .count());
+  std::printf(
+      "pools released %.0f ms after the session closed\n",
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 // HOST pools go by fd: a memfd pool, which has no name at all, registers and round-trips.
@@ -636,8 +636,8 @@ TEST(DaemonRestartSessionTest, ClientReopensTheSessionAfterARestart) {
   const auto keys = it::Keys(78, 1, 16);
   const auto rows = it::RowRange(0, 16);
   it::FillRows(p->kv, 78, rows, 16);
-  bool stored = it::Eventually(
-      [&] { return client->Backup(p->handle, keys, rows).held() == 1; }, std::chrono::seconds(5));
+  bool stored = it::Eventually([&] { return client->Backup(p->handle, keys, rows).held() == 1; },
+                               std::chrono::seconds(5));
   EXPECT_TRUE(stored) << "no backup after the restart";
   auto info = client->PoolInfo(p->handle);
   ASSERT_TRUE(info.ok()) << info.status().ToString();

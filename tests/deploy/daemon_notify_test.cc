@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <cstring>
 
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "fake_notify_manager.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "process_util.h"
 
 namespace hiqcache::deploy_test {

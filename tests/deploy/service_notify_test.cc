@@ -27,7 +27,6 @@ using std::chrono::milliseconds;
 
 using deploy_test::FakeManager;
 
-
 std::string TempPath(const std::string& leaf) {
   return (std::filesystem::temp_directory_path() /
           ("hiq-sn-" + std::to_string(::getpid()) + "-" + leaf))

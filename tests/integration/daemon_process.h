@@ -61,9 +61,9 @@ class DaemonProcess {
 
   // Starts the daemon and waits until its socket accepts connections. False on failure.
   bool Start(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-    std::vector<std::string> args = {HIQ_DAEMON_PATH,  "--listen",   target(),
-                                     "--pool-bytes",   pool_bytes_, "--shm-name",
-                                     shm_name_,        "--log-level", "warn"};
+    std::vector<std::string> args = {HIQ_DAEMON_PATH, "--listen",    target(),
+                                     "--pool-bytes",  pool_bytes_,   "--shm-name",
+                                     shm_name_,       "--log-level", "warn"};
     args.insert(args.end(), extra_.begin(), extra_.end());
     args.insert(args.begin(), prefix_.begin(), prefix_.end());
     pid_ = ::fork();

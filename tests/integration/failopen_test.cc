@@ -258,8 +258,8 @@ TEST_F(FailOpenTest, SigtermFinishesInFlightWorkThenRefuses) {
   ExpectAllCallsMiss("daemon exited after SIGTERM");
   // It was stored for real: the restarted daemon rebuilt both blocks from its pool.
   ASSERT_TRUE(daemon_.Start());
-  EXPECT_TRUE(Eventually([&] { return client_->Lookup(pool_->handle, keys).prefix_blocks == 2; },
-                         5s))
+  EXPECT_TRUE(
+      Eventually([&] { return client_->Lookup(pool_->handle, keys).prefix_blocks == 2; }, 5s))
       << "the backup finished during the drain is gone after a restart";
 }
 

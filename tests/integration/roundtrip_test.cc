@@ -138,19 +138,17 @@ TEST_P(RoundTripTest, RestoresIntoOtherRowsAndOtherLayouts) {
   EXPECT_EQ(n.codec, codec);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, RoundTripTest,
-                         ::testing::Combine(::testing::Values(KvLayout::kSglang,
-                                                              KvLayout::kVllmPaged,
-                                                              KvLayout::kVllmPackedKv),
-                                            ::testing::Values(Codec::kInt8PerHead, Codec::kRaw,
-                                                              Codec::kFp8E4m3PerHead,
-                                                              Codec::kInt4G32PerHead),
-                                            ::testing::Values(DType::kBF16, DType::kFP16)),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(KvLayoutName(std::get<0>(info.param))) + "_" +
-                                  CodecName(std::get<1>(info.param)) + "_" +
-                                  DTypeName(std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, RoundTripTest,
+    ::testing::Combine(::testing::Values(KvLayout::kSglang, KvLayout::kVllmPaged,
+                                         KvLayout::kVllmPackedKv),
+                       ::testing::Values(Codec::kInt8PerHead, Codec::kRaw, Codec::kFp8E4m3PerHead,
+                                         Codec::kInt4G32PerHead),
+                       ::testing::Values(DType::kBF16, DType::kFP16)),
+    [](const ::testing::TestParamInfo<Param>& info) {
+      return std::string(KvLayoutName(std::get<0>(info.param))) + "_" +
+             CodecName(std::get<1>(info.param)) + "_" + DTypeName(std::get<2>(info.param));
+    });
 
 // The checkers themselves: a test that cannot fail proves nothing.
 TEST(CheckerSelfTest, BoundAndSentinelChecksCatchErrors) {

@@ -93,11 +93,10 @@ Node StartNode(const std::vector<std::string>& seeds, const std::string& pool_by
   n.metrics_port = FreePort();
   std::string list;
   for (const auto& s : seeds) list += (list.empty() ? "" : ",") + s;
-  std::vector<std::string> args = {"--l3-seeds", list, "--metrics-listen",
-                                   "127.0.0.1:" + std::to_string(n.metrics_port),
-                                   // Loopback on a loaded 2-core CI machine: generous deadlines.
-                                   "--l3-lookup-deadline-ms", "500", "--l3-fetch-deadline-ms",
-                                   "2000", "--prefault", "false"};
+  std::vector<std::string> args = {
+      "--l3-seeds", list, "--metrics-listen", "127.0.0.1:" + std::to_string(n.metrics_port),
+      // Loopback on a loaded 2-core CI machine: generous deadlines.
+      "--l3-lookup-deadline-ms", "500", "--l3-fetch-deadline-ms", "2000", "--prefault", "false"};
   args.insert(args.end(), extra.begin(), extra.end());
   n.daemon = std::make_unique<DaemonProcess>(pool_bytes, args);
   if (!n.daemon->Start()) return n;
@@ -271,8 +270,7 @@ TEST_F(L3DaemonTest, EvictedBlocksComeBackFromL3) {
   const std::vector<uint32_t> rows = RowRange(0, kPer * kBt);
   for (uint32_t r = 0; r < kRounds; ++r) {
     FillRows(p->kv, seed, rows, kBt, r * kPer);
-    BackupResult bk =
-        a.client->Backup(p->handle, std::span(keys).subspan(r * kPer, kPer), rows);
+    BackupResult bk = a.client->Backup(p->handle, std::span(keys).subspan(r * kPer, kPer), rows);
     ASSERT_TRUE(bk.status.ok()) << bk.status.ToString();
     ASSERT_TRUE(WaitWrites(a, (r + 1) * kPer)) << Scrape(a.metrics_port);
   }
@@ -355,7 +353,7 @@ TEST_F(L3DaemonTest, PlantedValuesAreNotRestoredUnderAFleetKey) {
   TwoNodes t;
   ASSERT_NO_FATAL_FAILURE(
       StartTwoNodes("l3-mac", seed, 3, &t, 128, {"--l3-mac-key-file", key_file}));
-  Node &b = t.b;
+  Node& b = t.b;
   TestPool* pb = &t.pb;
   const std::vector<BlockKey>& keys = t.keys;
   const std::vector<uint32_t>& rows = t.rows;
@@ -564,8 +562,8 @@ TEST_F(L3DaemonTest, MasterKilledMidRunGivesMissesOnly) {
     ASSERT_TRUE(r.status.ok()) << r.status.ToString();
     ASSERT_LE(r.restored_blocks, kBlocks);
     if (r.restored_blocks > 0) {
-      CheckResult c = CheckRows(pb->kv, seed, std::span(rows).first(r.restored_blocks * kBt),
-                                kBt, false);
+      CheckResult c =
+          CheckRows(pb->kv, seed, std::span(rows).first(r.restored_blocks * kBt), kBt, false);
       ASSERT_TRUE(c.ok()) << "round " << rounds << ": " << c.first;
     }
     full += r.restored_blocks == kBlocks;
@@ -684,7 +682,8 @@ TEST_F(L3DaemonTest, BudgetKeepsTheNewestBlocksWithinIt) {
     EXPECT_EQ(probe.daemon->Stop(), 0);
   }
   ASSERT_GT(value_bytes, 0u);
-  for (const auto* m : cluster_->Masters()) ASSERT_TRUE(cluster_->Admin(m->port, {"FLUSHALL"}).ok());
+  for (const auto* m : cluster_->Masters())
+    ASSERT_TRUE(cluster_->Admin(m->port, {"FLUSHALL"}).ok());
   constexpr uint32_t kFit = 10, kRounds = 3;
   const uint64_t budget = kFit * value_bytes + value_bytes / 2;
   Node a = StartNode(cluster_->Seeds(), "64MiB", {"--l3-budget-bytes", std::to_string(budget)});
@@ -711,14 +710,14 @@ TEST_F(L3DaemonTest, BudgetKeepsTheNewestBlocksWithinIt) {
   EXPECT_EQ(a.M("hiqcache_l3_budget_used_bytes"), static_cast<double>(kFit * value_bytes));
   // The cluster holds the newest kFit values, nothing else.
   long long keys_held = 0;
-  for (const auto* m : cluster_->Masters()) keys_held += cluster_->Admin(m->port, {"DBSIZE"}).integer;
+  for (const auto* m : cluster_->Masters())
+    keys_held += cluster_->Admin(m->port, {"DBSIZE"}).integer;
   EXPECT_EQ(keys_held, kFit);
   EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).last(kFit)).prefix_blocks, kFit);
   EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).first(1)).prefix_blocks, 0u);
-  EXPECT_EQ(
-      b.client->Lookup(pb->handle, std::span(keys).subspan((kRounds - 1) * kFit - 1, 2))
-          .prefix_blocks,
-      0u);
+  EXPECT_EQ(b.client->Lookup(pb->handle, std::span(keys).subspan((kRounds - 1) * kFit - 1, 2))
+                .prefix_blocks,
+            0u);
   // A value larger than the whole budget is not written (a dropped write), nothing deleted.
   PoolOptions big = Options("l3-budget-big", Codec::kInt8PerHead);
   big.geometry = Geom(16, 8, 128);
@@ -765,10 +764,19 @@ TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
   ASSERT_TRUE(from != nullptr && to != nullptr);
   std::atomic<bool> done{false};
   std::thread reshard([&] {
-    const std::vector<std::string> argv = {
-        l3_test::FindProgram("redis-cli"), "--cluster", "reshard", from->addr(),
-        "--cluster-from", from->id, "--cluster-to", to->id, "--cluster-slots",
-        std::to_string(l3::kClusterSlots), "--cluster-yes", "--cluster-pipeline", "5"};
+    const std::vector<std::string> argv = {l3_test::FindProgram("redis-cli"),
+                                           "--cluster",
+                                           "reshard",
+                                           from->addr(),
+                                           "--cluster-from",
+                                           from->id,
+                                           "--cluster-to",
+                                           to->id,
+                                           "--cluster-slots",
+                                           std::to_string(l3::kClusterSlots),
+                                           "--cluster-yes",
+                                           "--cluster-pipeline",
+                                           "5"};
     std::string cmd;
     for (const auto& arg : argv) cmd += "'" + arg + "' ";
     EXPECT_EQ(std::system((cmd + ">/dev/null 2>&1").c_str()), 0);
@@ -792,8 +800,8 @@ TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
     RestoreResult r = b.client->Restore(pb->handle, keys, rows);
     ASSERT_TRUE(r.status.ok()) << r.status.ToString();
     ASSERT_LE(r.restored_blocks, kBlocks);
-    CheckResult c = CheckRows(pb->kv, seed, std::span(rows).first(r.restored_blocks * kBt), kBt,
-                              false);
+    CheckResult c =
+        CheckRows(pb->kv, seed, std::span(rows).first(r.restored_blocks * kBt), kBt, false);
     ASSERT_TRUE(c.ok()) << "round " << rounds << ": " << c.first;
     EXPECT_EQ(ChangedOutside(pb->kv, std::span(rows).first(r.restored_blocks * kBt)), 0u)
         << "rows past the restored run are untouched";
@@ -820,8 +828,8 @@ TEST_F(L3DaemonTest, ReshardWhileEnginesRun) {
   }
   std::cout << "reshard: " << rounds << " rounds, " << full << " full restores, " << partial
             << " partial; " << moved << " of " << kBlocks << " blocks changed master\n";
-  EXPECT_NE(port_before[0], cluster_->MasterOfSlot(
-                               l3::KeySlot(L3Name(pa->info.namespace_id, keys[0])))->port)
+  EXPECT_NE(port_before[0],
+            cluster_->MasterOfSlot(l3::KeySlot(L3Name(pa->info.namespace_id, keys[0])))->port)
       << "block 0 was meant to change master";
   EXPECT_GT(full, 0u);
   EXPECT_EQ(a.M("hiqcache_l3_errors_total{op=\"write\"}"), 0);
@@ -842,8 +850,8 @@ TEST_F(L3DaemonTest, ClusterGoneMidRunServesFromL2) {
   const std::vector<BlockKey>& keys = t.keys;
   const std::vector<uint32_t>& rows = t.rows;
   // B takes the first two blocks into its pool while the cluster is up.
-  RestoreResult first = b.client->Restore(pb->handle, std::span(keys).first(2),
-                                          std::span(rows).first(2 * kBt));
+  RestoreResult first =
+      b.client->Restore(pb->handle, std::span(keys).first(2), std::span(rows).first(2 * kBt));
   ASSERT_TRUE(first.status.ok()) << first.status.ToString();
   ASSERT_EQ(first.restored_blocks, 2u);
   cluster_->Stop();
@@ -894,8 +902,9 @@ TEST_F(L3DaemonTest, HungClusterNeverHoldsACallPastItsDeadline) {
   auto pc = MakePool(*c.client, Options("l3-hung", Codec::kInt8PerHead));
   ASSERT_TRUE(pc.ok());
   // C holds the first block in its pool; the cluster holds all four.
-  ASSERT_EQ(c.client->Restore(pc->handle, std::span(t.keys).first(1),
-                              std::span(t.rows).first(kBt)).restored_blocks, 1u);
+  ASSERT_EQ(c.client->Restore(pc->handle, std::span(t.keys).first(1), std::span(t.rows).first(kBt))
+                .restored_blocks,
+            1u);
   ASSERT_EQ(c.client->Lookup(pc->handle, t.keys).prefix_blocks, kBlocks);
   for (const auto& n : cluster_->nodes()) ASSERT_EQ(::kill(n.pid, SIGSTOP), 0);
   using Clock = std::chrono::steady_clock;

@@ -67,9 +67,9 @@ class L3TierTest : public ::testing::Test {
     ASSERT_EQ(cluster_.Start(), "");
     layout_ = SmallLayout();
     payload_ = layout_.BlockBytes();
-    pool_ = std::make_unique<AnonBuffer>(PoolMetaBytes(1 << 20) + kExtentHeaderBytes +
-                                         kSlots * SlotBytesFor(payload_) +
-                                         SlotBytesFor(payload_) / 2);
+    pool_ =
+        std::make_unique<AnonBuffer>(PoolMetaBytes(1 << 20) + kExtentHeaderBytes +
+                                     kSlots * SlotBytesFor(payload_) + SlotBytesFor(payload_) / 2);
     store_ = std::make_unique<BlockStore>(pool_->data(), pool_->size());
     NamespaceDesc d;
     d.model = "l3-tier-test";

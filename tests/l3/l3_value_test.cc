@@ -12,11 +12,11 @@
 #include <vector>
 
 // `text` contains `part` (the error names what failed).
-#define EXPECT_CONTAINS(text, part)                                                   \
-  do {                                                                                \
-    const std::string hiq_text_ = (text);                                             \
-    EXPECT_NE(hiq_text_.find(part), std::string::npos)                                \
-        << "\"" << hiq_text_ << "\" lacks \"" << (part) << "\"";                      \
+#define EXPECT_CONTAINS(text, part)                              \
+  do {                                                           \
+    const std::string hiq_text_ = (text);                        \
+    EXPECT_NE(hiq_text_.find(part), std::string::npos)           \
+        << "\"" << hiq_text_ << "\" lacks \"" << (part) << "\""; \
   } while (0)
 
 namespace hiqcache::server::l3 {

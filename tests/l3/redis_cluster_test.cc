@@ -28,11 +28,11 @@ namespace {
 using l3_test::RedisTestCluster;
 using std::chrono::milliseconds;
 
-#define HIQ_SKIP_WITHOUT_REDIS()                                                 \
-  do {                                                                           \
-    if (!RedisTestCluster::Available()) {                                        \
+#define HIQ_SKIP_WITHOUT_REDIS()                                                          \
+  do {                                                                                    \
+    if (!RedisTestCluster::Available()) {                                                 \
       GTEST_SKIP() << "redis-server or redis-cli not installed (deploy/install-deps.sh)"; \
-    }                                                                            \
+    }                                                                                     \
   } while (0)
 
 RedisClusterOptions OptionsFor(const RedisTestCluster& c) {
@@ -45,8 +45,8 @@ RedisClusterOptions OptionsFor(const RedisTestCluster& c) {
 }
 
 // Declares `RedisCluster var` opened with `options`, or fails the test.
-#define HIQ_OPEN_OR_FAIL(var, options)                                          \
-  auto HIQ_CONCAT(var, _or) = RedisCluster::Open(options);                      \
+#define HIQ_OPEN_OR_FAIL(var, options)                                                \
+  auto HIQ_CONCAT(var, _or) = RedisCluster::Open(options);                            \
   ASSERT_TRUE(HIQ_CONCAT(var, _or).ok()) << HIQ_CONCAT(var, _or).status().ToString(); \
   RedisCluster var = std::move(HIQ_CONCAT(var, _or)).value()
 
@@ -102,8 +102,18 @@ std::string* ClusterTest::start_error_ = nullptr;
 
 TEST_F(ClusterTest, KeySlotMatchesClusterKeyslot) {
   const int port = cluster_->nodes()[0].port;
-  std::vector<std::string> keys = {"", "a", "{", "}", "{}", "{a}", "x{a}y", "{a}{b}", "{{a}}",
-                                   "a{b", "hiq:0123:4567", std::string("\0\xff\x80{\x01}", 6)};
+  std::vector<std::string> keys = {"",
+                                   "a",
+                                   "{",
+                                   "}",
+                                   "{}",
+                                   "{a}",
+                                   "x{a}y",
+                                   "{a}{b}",
+                                   "{{a}}",
+                                   "a{b",
+                                   "hiq:0123:4567",
+                                   std::string("\0\xff\x80{\x01}", 6)};
   for (int i = 0; i < 300; ++i) {
     std::string k;
     for (int j = 0; j <= i % 40; ++j) k += static_cast<char>((i * 31 + j * 17) & 0xff);
@@ -387,10 +397,11 @@ Migration StartMigration(RedisTestCluster& cluster, int slot) {
   return m;
 }
 
-void MigrateKeys(RedisTestCluster& cluster, const Migration& m, const std::vector<std::string>& keys) {
+void MigrateKeys(RedisTestCluster& cluster, const Migration& m,
+                 const std::vector<std::string>& keys) {
   for (const auto& k : keys) {
-    const auto r = cluster.Admin(m.from->port, {"MIGRATE", "127.0.0.1", std::to_string(m.to->port),
-                                                k, "0", "5000"});
+    const auto r = cluster.Admin(
+        m.from->port, {"MIGRATE", "127.0.0.1", std::to_string(m.to->port), k, "0", "5000"});
     EXPECT_TRUE(r.ok()) << r.str;
   }
 }
@@ -503,10 +514,19 @@ TEST(MigrationTest, ReshardWithRedisCliWhileWriting) {
   std::atomic<bool> done{false};
   std::string out;
   std::thread reshard([&] {
-    std::vector<std::string> argv = {l3_test::FindProgram("redis-cli"), "--cluster", "reshard",
-                                     masters[0]->addr(), "--cluster-from", masters[0]->id,
-                                     "--cluster-to", masters[1]->id, "--cluster-slots", "2000",
-                                     "--cluster-yes", "--cluster-pipeline", "10"};
+    std::vector<std::string> argv = {l3_test::FindProgram("redis-cli"),
+                                     "--cluster",
+                                     "reshard",
+                                     masters[0]->addr(),
+                                     "--cluster-from",
+                                     masters[0]->id,
+                                     "--cluster-to",
+                                     masters[1]->id,
+                                     "--cluster-slots",
+                                     "2000",
+                                     "--cluster-yes",
+                                     "--cluster-pipeline",
+                                     "10"};
     std::string cmd;
     for (const auto& a : argv) cmd += "'" + a + "' ";
     const int rc = std::system((cmd + ">/dev/null 2>&1").c_str());

@@ -197,10 +197,10 @@ class RedisTestCluster {
     if (c == nullptr || c->err != 0) return {};
     redisSetTimeout(c.get(), timeval{10, 0});
     if (!options_.password.empty()) {
-      AdminReply a = Command(c.get(), options_.user.empty()
-                                          ? std::vector<std::string>{"AUTH", options_.password}
-                                          : std::vector<std::string>{"AUTH", options_.user,
-                                                                     options_.password});
+      AdminReply a = Command(
+          c.get(), options_.user.empty()
+                       ? std::vector<std::string>{"AUTH", options_.password}
+                       : std::vector<std::string>{"AUTH", options_.user, options_.password});
       if (!a.ok()) return a;
     }
     return Command(c.get(), args);
@@ -305,20 +305,14 @@ class RedisTestCluster {
   }
 
   bool Launch(ClusterNode& n) {
-    std::vector<std::string> argv = {FindProgram("redis-server"),
-                                     "--bind", "127.0.0.1",
-                                     "--port", std::to_string(n.port),
-                                     "--cluster-enabled", "yes",
-                                     "--cluster-port", std::to_string(n.bus_port),
-                                     "--cluster-config-file", n.dir + "/nodes.conf",
-                                     "--cluster-node-timeout", std::to_string(options_.node_timeout_ms),
-                                     "--dir", n.dir,
-                                     "--logfile", n.dir + "/redis.log",
-                                     "--save", "",
-                                     "--appendonly", "no",
-                                     // Replicas sync at once (the default waits 5 s for more).
-                                     "--repl-diskless-sync-delay", "0",
-                                     "--daemonize", "no"};
+    std::vector<std::string> argv = {
+        FindProgram("redis-server"), "--bind", "127.0.0.1", "--port", std::to_string(n.port),
+        "--cluster-enabled", "yes", "--cluster-port", std::to_string(n.bus_port),
+        "--cluster-config-file", n.dir + "/nodes.conf", "--cluster-node-timeout",
+        std::to_string(options_.node_timeout_ms), "--dir", n.dir, "--logfile", n.dir + "/redis.log",
+        "--save", "", "--appendonly", "no",
+        // Replicas sync at once (the default waits 5 s for more).
+        "--repl-diskless-sync-delay", "0", "--daemonize", "no"};
     if (!options_.password.empty()) {
       if (options_.user.empty()) {
         for (const std::string& a : {std::string("--requirepass"), options_.password,
@@ -332,9 +326,8 @@ class RedisTestCluster {
           argv.push_back(a);
         }
         for (const std::string& a : {std::string("--user"), std::string("default"),
-                                     std::string("off"), std::string("--masteruser"),
-                                     options_.user, std::string("--masterauth"),
-                                     options_.password}) {
+                                     std::string("off"), std::string("--masteruser"), options_.user,
+                                     std::string("--masterauth"), options_.password}) {
           argv.push_back(a);
         }
       }

@@ -34,10 +34,9 @@ struct Held {
 // (with `garbage`, each sends a line that is no HTTP/2 first).
 std::unique_ptr<Child> Flood(const DaemonProcess& d, uint32_t uid, size_t count, Held* held,
                              bool garbage = false) {
-  auto child = std::make_unique<Child>(
-      it::AsUid(uid, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "connections",
-                      "--socket", d.socket_path(), "--count", std::to_string(count),
-                      "--garbage", garbage ? "1" : "0"}));
+  auto child = std::make_unique<Child>(it::AsUid(
+      uid, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "connections", "--socket",
+            d.socket_path(), "--count", std::to_string(count), "--garbage", garbage ? "1" : "0"}));
   auto line = child->WaitLineStartingWith("connections ", 120s);
   if (!line) return nullptr;
   std::smatch m;
@@ -136,8 +135,8 @@ TEST_F(ConnectionLimitsTest, ConnectionsGrpcClosedAreUncounted) {
 }
 
 TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
-  DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false",
-                                 "--grpc-memory-bytes", "64MiB"});
+  DaemonProcess daemon(
+      "16MiB", {"--socket-mode", "0666", "--prefault", "false", "--grpc-memory-bytes", "64MiB"});
   ASSERT_TRUE(daemon.Start());
   const uint64_t before = ReadProcMemory(daemon.pid()).rss_anon;
   // 4 connections x 8 GetStats calls, each announcing a 60 MiB message (1.9 GB in all) and
@@ -153,8 +152,9 @@ TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
   ASSERT_TRUE(std::regex_search(*line, m, std::regex("sent=(\\d+)")));
   const uint64_t sent = std::stoull(m[1]);
   const uint64_t grown = ReadProcMemory(daemon.pid()).rss_anon - before;
-  std::printf("[ stall    ] the attacker sent %.0f MiB; the daemon grew by %.0f MiB (quota 64 MiB)\n",
-              sent / 1048576.0, grown / 1048576.0);
+  std::printf(
+      "[ stall    ] the attacker sent %.0f MiB; the daemon grew by %.0f MiB (quota 64 MiB)\n",
+      sent / 1048576.0, grown / 1048576.0);
   // Without the quota the daemon took all of it (2,013 MB sent, 1,935 MiB grown); with it, it
   // grew by 81-117 MiB here: the quota counts gRPC's buffers, not every allocation around them.
   EXPECT_GT(sent, 192ull << 20) << "the attack did not get going";

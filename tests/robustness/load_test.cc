@@ -77,10 +77,19 @@ TEST(LoadTest, ProcessesTimesThreadsMixedOpsOnAnEvictingPool) {
   const auto t0 = Clock::now();
   for (uint32_t p = 0; p < procs; ++p) {
     runners.emplace_back([&, p] {
-      std::vector<std::string> argv = {
-          HIQ_ROB_WORKER_PATH, "--target", daemon.target(), "--mode", "load",
-          "--threads", std::to_string(threads), "--seconds", std::to_string(seconds),
-          "--universe", "2000", "--out", dir + "/lat." + std::to_string(p)};
+      std::vector<std::string> argv = {HIQ_ROB_WORKER_PATH,
+                                       "--target",
+                                       daemon.target(),
+                                       "--mode",
+                                       "load",
+                                       "--threads",
+                                       std::to_string(threads),
+                                       "--seconds",
+                                       std::to_string(seconds),
+                                       "--universe",
+                                       "2000",
+                                       "--out",
+                                       dir + "/lat." + std::to_string(p)};
       if (two_users && p % 2 == 1) argv = it::AsUid(kSecondUid, argv);
       results[p] = it::Spawn(argv, std::chrono::seconds(seconds + 60));
     });
@@ -94,8 +103,7 @@ TEST(LoadTest, ProcessesTimesThreadsMixedOpsOnAnEvictingPool) {
   std::map<std::string, std::vector<double>> lat;
   uint64_t ops = 0;
   for (uint32_t p = 0; p < procs; ++p) {
-    SCOPED_TRACE("worker " + std::to_string(p) +
-                 (two_users && p % 2 == 1 ? " (uid 61001)" : ""));
+    SCOPED_TRACE("worker " + std::to_string(p) + (two_users && p % 2 == 1 ? " (uid 61001)" : ""));
     std::printf("[load] worker %u: %s", p, results[p].out.c_str());
     EXPECT_EQ(results[p].exit_code, 0) << results[p].out;
     EXPECT_NE(results[p].out.find(" errors=0 corrupt=0 "), std::string::npos) << results[p].out;

@@ -174,8 +174,8 @@ TEST_F(MemoryIsolationTest, KvLargerThanRamAndSwapTruncatedBeforeBackup) {
   ASSERT_TRUE(Truncate(p.kv.shm().name()));
   const auto more = IndependentKeys(12, 0, 4);
   BackupResult b = victim_->Backup(p.handle, more, rows_at_end);
-  ASSERT_TRUE(Alive(daemon_->pid())) << "hiqcached died of the truncated " << (bytes >> 30)
-                                     << " GiB KV object (SIGBUS)";
+  ASSERT_TRUE(Alive(daemon_->pid()))
+      << "hiqcached died of the truncated " << (bytes >> 30) << " GiB KV object (SIGBUS)";
   EXPECT_EQ(b.status.code(), StatusCode::kFailedPrecondition) << b.status.ToString();
   EXPECT_TRUE(Has(b.status, "buffers[0]: the client's shared memory shrank under the daemon"))
       << b.status.ToString();
@@ -250,8 +250,8 @@ TEST_F(MemoryIsolationTest, MemoryFaultedForAClientIsChargedToIt) {
   ASSERT_TRUE(b.status.ok()) << b.status.ToString();
   EXPECT_EQ(b.held(), 64u);
   // A restore into untouched rows is charged too: 8 blocks fit, then nothing more does.
-  RestoreResult r = victim_->Restore(p.handle, IndependentKeys(33, 0, 8),
-                                     it::RowRange(72 * kBt, 8 * kBt));
+  RestoreResult r =
+      victim_->Restore(p.handle, IndependentKeys(33, 0, 8), it::RowRange(72 * kBt, 8 * kBt));
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   EXPECT_EQ(r.restored_blocks, 8u);
   const uint64_t after_restore = AllocatedBytes(name);

@@ -75,9 +75,8 @@ class PodCgroups {
   // `argv` as `uid`, started inside the cgroup `dir`.
   static std::vector<std::string> Run(const std::string& dir, uint32_t uid,
                                       std::vector<std::string> argv) {
-    std::vector<std::string> out = {"/bin/sh", "-c",
-                                    "echo $$ > \"$0/cgroup.procs\" && shift && exec \"$@\"",
-                                    dir, "--"};
+    std::vector<std::string> out = {
+        "/bin/sh", "-c", "echo $$ > \"$0/cgroup.procs\" && shift && exec \"$@\"", dir, "--"};
     for (auto& a : it::AsUid(uid, argv)) out.push_back(a);
     return out;
   }
@@ -105,13 +104,13 @@ TEST_F(PodIsolationTest, RootInsideAContainerIsNoAdmin) {
   EXPECT_EQ(seen, 2u);
 
   // Root in a container: no pool of the victim's, and no Drain.
-  it::SpawnResult s = it::Spawn(
-      InContainer({HIQCTL_PATH, "--target", daemon.target(), "stats", "--json"}), 30s);
+  it::SpawnResult s =
+      it::Spawn(InContainer({HIQCTL_PATH, "--target", daemon.target(), "stats", "--json"}), 30s);
   EXPECT_EQ(s.exit_code, 0) << s.out;
   EXPECT_NE(s.out.find("\"pools\""), std::string::npos) << s.out;
   EXPECT_EQ(s.out.find("\"uid\": " + std::to_string(kVictim)), std::string::npos) << s.out;
-  it::SpawnResult d = it::Spawn(InContainer({HIQCTL_PATH, "--target", daemon.target(), "drain"}),
-                                30s);
+  it::SpawnResult d =
+      it::Spawn(InContainer({HIQCTL_PATH, "--target", daemon.target(), "drain"}), 30s);
   EXPECT_NE(d.exit_code, 0) << d.out;
   // Root in an engine's pod that shares the host's pid namespace (hostPID): its cgroup names a
   // pod that is not the daemon's.
@@ -152,8 +151,8 @@ TEST_F(PodIsolationTest, PodsThatShareAUidShareNothingUnderPodScope) {
   const std::string b1 = pods.Container(PodCgroups::kPodB, "/c1");
   for (const char* scope : {"uid", "pod"}) {
     SCOPED_TRACE(scope);
-    DaemonProcess daemon("16MiB", {"--socket-mode", "0666", "--prefault", "false",
-                                   "--namespace-scope", scope});
+    DaemonProcess daemon(
+        "16MiB", {"--socket-mode", "0666", "--prefault", "false", "--namespace-scope", scope});
     ASSERT_TRUE(daemon.Start());
     it::SpawnResult backup = Peer(daemon, a1, "backup");
     ASSERT_EQ(backup.exit_code, 0) << backup.out;

@@ -131,10 +131,11 @@ TEST(QuotaTest, BufferMapsPerClientAreBounded) {
     ++registered;
   }
   const uint64_t maps_after = MapCount(d.pid());
-  std::printf("[ maps     ] %d registrations of 4096 buffers accepted, then: %s; daemon maps %lu "
-              "-> %lu\n",
-              registered, refused.ToString().c_str(), static_cast<unsigned long>(maps_before),
-              static_cast<unsigned long>(maps_after));
+  std::printf(
+      "[ maps     ] %d registrations of 4096 buffers accepted, then: %s; daemon maps %lu "
+      "-> %lu\n",
+      registered, refused.ToString().c_str(), static_cast<unsigned long>(maps_before),
+      static_cast<unsigned long>(maps_after));
   ASSERT_TRUE(d.process().running());
   if (!OtherDaemon()) {
     EXPECT_LE(registered, 2) << "no per-client bound on mapped buffers (max_buffers_per_client)";
@@ -189,8 +190,7 @@ TEST(QuotaTest, PoolsPerClientAreBounded) {
 TEST(QuotaTest, AnotherUidIsNotLimitedByTheFirst) {
   Daemon d("64MiB", {"--socket-mode", "0666"});
   ASSERT_TRUE(d.Start());
-  ::chmod(d.process().socket_path().substr(0, d.process().socket_path().rfind('/')).c_str(),
-          0755);
+  ::chmod(d.process().socket_path().substr(0, d.process().socket_path().rfind('/')).c_str(), 0755);
   auto client = it::Connect(d.target());
   ASSERT_NE(client, nullptr);
   auto first = it::MakePool(*client, SmallPool("qf/uid0"));
@@ -199,8 +199,8 @@ TEST(QuotaTest, AnotherUidIsNotLimitedByTheFirst) {
   ASSERT_FALSE(client->RegisterPool(first->spec).ok());
   const std::string out = "/tmp/hiq-qf-uid-" + std::to_string(::getpid());
   it::SpawnResult r = it::Spawn(
-      it::AsUid(61001, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "load",
-                        "--threads", "2", "--seconds", "1", "--universe", "64", "--out", out}),
+      it::AsUid(61001, {HIQ_ROB_WORKER_PATH, "--target", d.target(), "--mode", "load", "--threads",
+                        "2", "--seconds", "1", "--universe", "64", "--out", out}),
       std::chrono::seconds(60));
   ::unlink(out.c_str());
   EXPECT_EQ(r.exit_code, 0) << r.out;
@@ -253,9 +253,10 @@ TEST(PinningTest, AStalledAsyncBackupDoesNotRejectOthersBlocks) {
   uint32_t rejected = 0;
   for (BlockStatus s : v.blocks) rejected += s == BlockStatus::kRejected;
   const uint32_t held = client->Lookup(victim->handle, vkeys).prefix_blocks;
-  std::printf("[ pinning  ] victim stored %u blocks while a stalled backup of 64 waited: %u "
-              "rejected, %u held (pool: %lu blocks)\n",
-              n, rejected, held, static_cast<unsigned long>(capacity));
+  std::printf(
+      "[ pinning  ] victim stored %u blocks while a stalled backup of 64 waited: %u "
+      "rejected, %u held (pool: %lu blocks)\n",
+      n, rejected, held, static_cast<unsigned long>(capacity));
   if (!OtherDaemon()) {
     EXPECT_EQ(rejected, 0u) << "the stalled backup's reservations kept the victim out";
     EXPECT_EQ(held, n);
@@ -331,9 +332,10 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
     const auto t0 = Clock::now();
     auto r = client.Restore(attackers[0].handle, same, rows);
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    std::printf("[ amplify  ] %u x the same 2 MiB block into the same rows: %s, %u restored, "
-                "%.1f ms\n",
-                kBlocks, r.status.ToString().c_str(), r.restored_blocks, ms);
+    std::printf(
+        "[ amplify  ] %u x the same 2 MiB block into the same rows: %s, %u restored, "
+        "%.1f ms\n",
+        kBlocks, r.status.ToString().c_str(), r.restored_blocks, ms);
     if (!OtherDaemon()) {
       EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument) << r.status.ToString();
     }
@@ -378,13 +380,14 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
   for (auto& t : threads) t.join();
   const double idle_p50 = Percentile(idle, 50), idle_p90 = Percentile(idle, 90);
   const double att_p50 = Percentile(attacked, 50), att_p90 = Percentile(attacked, 90);
-  std::printf("[ fairness ] victim 1-block restore, %d samples: idle p50 %.2f ms p90 %.2f ms; "
-              "under attack p50 %.2f ms p90 %.2f ms (attackers: %.2f amplified requests/s of "
-              "%u x one 2 MiB block, %.1f requests/s of %u distinct 2 MiB blocks; %u cores)\n",
-              kSamples, idle_p50, idle_p90, att_p50, att_p90,
-              static_cast<double>(amplified_requests.load()) / attack_s, kAmplified,
-              static_cast<double>(attack_requests.load()) / attack_s, kBlocks,
-              std::thread::hardware_concurrency());
+  std::printf(
+      "[ fairness ] victim 1-block restore, %d samples: idle p50 %.2f ms p90 %.2f ms; "
+      "under attack p50 %.2f ms p90 %.2f ms (attackers: %.2f amplified requests/s of "
+      "%u x one 2 MiB block, %.1f requests/s of %u distinct 2 MiB blocks; %u cores)\n",
+      kSamples, idle_p50, idle_p90, att_p50, att_p90,
+      static_cast<double>(amplified_requests.load()) / attack_s, kAmplified,
+      static_cast<double>(attack_requests.load()) / attack_s, kBlocks,
+      std::thread::hardware_concurrency());
   EXPECT_GT(attack_requests.load() + amplified_requests.load(), 0u);
   if (!OtherDaemon()) {
     EXPECT_EQ(amplified_requests.load(), 0u);
@@ -393,9 +396,9 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
     // the machine's load as the victim's does.
     const uint64_t done = attack_requests.load();
     const double attacker_ms =
-        done > 0 ? 1000.0 * attack_s * static_cast<double>(attackers.size()) /
-                       static_cast<double>(done)
-                 : 1e9;
+        done > 0
+            ? 1000.0 * attack_s * static_cast<double>(attackers.size()) / static_cast<double>(done)
+            : 1e9;
     std::printf("[ fairness ] one attacker request takes %.1f ms\n", attacker_ms);
     EXPECT_TRUE(att_p50 < 10 * idle_p50 + 50 || att_p50 < 0.25 * attacker_ms)
         << "the victim waited for whole attacker requests: p50 " << att_p50 << " ms, idle p50 "
@@ -436,10 +439,11 @@ TEST(ChurnTest, UniqueNamesLeaveNothingBehind) {
   auto after = client->GetStats();
   ASSERT_TRUE(after.ok());
   const uint64_t rss_after = ReadProcMemory(d.pid()).rss_anon;
-  std::printf("[ churn    ] %d cycles: namespaces %u -> %u, GetStats namespaces %zu, RSS anon "
-              "%.1f -> %.1f MiB, registrations/s first 500 %.0f, last 500 %.0f\n",
-              kCycles, baseline, count(*after), after->namespaces.size(),
-              MiB(rss_before), MiB(rss_after), per_500.front(), per_500.back());
+  std::printf(
+      "[ churn    ] %d cycles: namespaces %u -> %u, GetStats namespaces %zu, RSS anon "
+      "%.1f -> %.1f MiB, registrations/s first 500 %.0f, last 500 %.0f\n",
+      kCycles, baseline, count(*after), after->namespaces.size(), MiB(rss_before), MiB(rss_after),
+      per_500.front(), per_500.back());
   if (!OtherDaemon()) {
     EXPECT_EQ(count(*after), baseline);
     // Under a sanitizer freed memory sits in quarantine (ASan holds up to 256 MiB), so RSS says

@@ -1,7 +1,8 @@
 // Helpers of the robustness suite (tests/robustness) on top of the integration helpers
 // (tests/integration/it_util.h, daemon_process.h): a child process read line by line while it
-// runs, independent block keys, /proc readings of the daemon's memory, latency percentiles, and a reader of the daemon's shm pool layout for the
-// corruption test. Header-only; not thread-safe unless stated.
+// runs, independent block keys, /proc readings of the daemon's memory, latency percentiles, and a
+// reader of the daemon's shm pool layout for the corruption test. Header-only; not thread-safe
+// unless stated.
 #pragma once
 
 #include <fcntl.h>

@@ -305,10 +305,10 @@ class StallConnection {
     for (int i = 0; i < streams; ++i) {
       const uint32_t id = 2 * static_cast<uint32_t>(i) + 1;
       std::string h;
-      h += '\x83';  // :method POST
-      h += '\x86';  // :scheme http
+      h += '\x83';                                       // :method POST
+      h += '\x86';                                       // :scheme http
       Literal(&h, 0x04, "/hiqcache.v1.Cache/GetStats");  // :path
-      Literal(&h, 0x01, "localhost");                     // :authority
+      Literal(&h, 0x01, "localhost");                    // :authority
       h += '\x0f';
       Literal(&h, 0x10, "application/grpc");  // content-type (static index 31)
       h += '\x00';
@@ -332,8 +332,8 @@ class StallConnection {
     for (Stream& s : streams_) {
       if (ended_.count(s.id) != 0) continue;  // refused: the daemon would discard the rest
       while (s.left > 0 && s.window > 0 && conn_window_ > 0) {
-        uint64_t n = std::min<uint64_t>({s.left, uint64_t{16384}, uint64_t(s.window),
-                                         uint64_t(conn_window_)});
+        uint64_t n = std::min<uint64_t>(
+            {s.left, uint64_t{16384}, uint64_t(s.window), uint64_t(conn_window_)});
         std::string data(n, '\0');
         if (!s.prefix_sent) {
           data[0] = 0;
@@ -471,8 +471,10 @@ int Stall(const std::map<std::string, std::string>& a) {
   while (Clock::now() - idle_since < 3s) {
     bool any = false;
     for (auto& x : c) any = x->Pump() || any;
-    if (any) idle_since = Clock::now();
-    else std::this_thread::sleep_for(10ms);
+    if (any)
+      idle_since = Clock::now();
+    else
+      std::this_thread::sleep_for(10ms);
   }
   uint64_t sent = 0, resets = 0, ended = 0;
   for (auto& x : c) {

@@ -1343,7 +1343,6 @@ TEST_F(GroupLookupTest, DrainingIsUnavailable) {
   EXPECT_EQ(Group({Ref(r0)}, Keys({1})).status().code(), StatusCode::kUnavailable);
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Isolation: ownership, namespace scope, quotas, fair service, namespace lifetime.
 
@@ -1507,8 +1506,7 @@ TEST_F(IsolationTest, ClientDeathBySessionOrKernelPid) {
   EXPECT_EQ(core_->ReleasePoolsOfSession(7), 1u);
   EXPECT_EQ(core_->Snapshot().pools.size(), 2u);
   EXPECT_EQ(core_->ReleasePoolsOfClient(100), 1u);
-  EXPECT_EQ(core_->Lookup(pa2.pool_id, {KeyString(1)}, a2).status().code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(core_->Lookup(pa2.pool_id, {KeyString(1)}, a2).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(core_->Lookup(pb.pool_id, {KeyString(1)}, b).ok());
 }
 
@@ -1636,8 +1634,8 @@ TEST_F(IsolationTest, PendingWorkQuota) {
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(*core_->Lookup(pa.pool_id, {KeyString(1), KeyString(2), KeyString(5)}, a), 3u);
   // A request larger than the whole quota can never run.
-  auto huge = Backup(
-      TransferAs(a, pa.pool_id, {Block(8, 0), Block(9, 4), Block(10, 8), Block(11, 12)}));
+  auto huge =
+      Backup(TransferAs(a, pa.pool_id, {Block(8, 0), Block(9, 4), Block(10, 8), Block(11, 12)}));
   EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
 }
 
@@ -1764,9 +1762,9 @@ TEST_F(IsolationTest, OneClientsLongRestoreDoesNotStarveAnother) {
   Rebuild(options);
   const Caller a = Authenticated(1, 100, 0), b = Authenticated(2, 200, 0);
   const RegisterResult pa = RegisterAs(a, kRaw), pb = RegisterAs(b, kRaw);
-  ASSERT_TRUE(Backup(TransferAs(a, pa.pool_id, {Block(1, 0), Block(2, 4), Block(3, 8),
-                                                Block(4, 12)}))
-                  .ok());
+  ASSERT_TRUE(
+      Backup(TransferAs(a, pa.pool_id, {Block(1, 0), Block(2, 4), Block(3, 8), Block(4, 12)}))
+          .ok());
   ASSERT_TRUE(Backup(TransferAs(b, pb.pool_id, {Block(9, 28)})).ok());
   // Hold the only worker with a restore of A that waits, so that both requests queue first.
   TransferSpec gate = TransferAs(a, pa.pool_id, {Block(1, 16)});
@@ -1783,12 +1781,12 @@ TEST_F(IsolationTest, OneClientsLongRestoreDoesNotStarveAnother) {
     if (--left == 0) both.set_value();
   };
   // Distinct rows per request: rows 16..31 for A (4 blocks), 12..15 for B.
-  core_->Restore(TransferAs(a, pa.pool_id, {Block(1, 16), Block(2, 20), Block(3, 24),
-                                            Block(4, 28)}),
-                 [&](StatusOr<RestoreResult> r) {
-                   EXPECT_TRUE(r.ok()) << r.status().ToString();
-                   finished('A');
-                 });
+  core_->Restore(
+      TransferAs(a, pa.pool_id, {Block(1, 16), Block(2, 20), Block(3, 24), Block(4, 28)}),
+      [&](StatusOr<RestoreResult> r) {
+        EXPECT_TRUE(r.ok()) << r.status().ToString();
+        finished('A');
+      });
   core_->Restore(TransferAs(b, pb.pool_id, {Block(9, 12)}), [&](StatusOr<RestoreResult> r) {
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     finished('B');
@@ -1817,8 +1815,8 @@ TEST_F(IsolationTest, NamespacesOfChurnedPoolsAreFreed) {
     auto r = core_->RegisterPool(s);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     HIQ_ASSERT_OK(core_->ReleasePool(r->pool_id));
-    ms[i] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count();
+    ms[i] =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
   EXPECT_EQ(core_->NamespaceCount(), baseline);
   EXPECT_EQ(core_->Snapshot().namespaces.size(), baseline);

@@ -137,13 +137,10 @@ TEST(EmbeddedDefaultTest, QuotasScopeAndSubTasks) {
   EXPECT_EQ(o.quotas.max_pools_per_client, defaults.quotas.max_pools_per_client);
   EXPECT_EQ(o.quotas.max_buffers_per_client, defaults.quotas.max_buffers_per_client);
   EXPECT_EQ(o.quotas.max_mapped_bytes_per_client, defaults.quotas.max_mapped_bytes_per_client);
-  EXPECT_EQ(o.quotas.max_pending_bytes_per_client,
-            defaults.quotas.max_pending_bytes_per_client);
-  EXPECT_EQ(o.quotas.max_reserved_slots_per_client,
-            defaults.quotas.max_reserved_slots_per_client);
+  EXPECT_EQ(o.quotas.max_pending_bytes_per_client, defaults.quotas.max_pending_bytes_per_client);
+  EXPECT_EQ(o.quotas.max_reserved_slots_per_client, defaults.quotas.max_reserved_slots_per_client);
   EXPECT_EQ(o.quotas.max_faulted_bytes_per_client, defaults.quotas.max_faulted_bytes_per_client);
-  EXPECT_EQ(o.limits.max_repeated_rows_per_request,
-            defaults.limits.max_repeated_rows_per_request);
+  EXPECT_EQ(o.limits.max_repeated_rows_per_request, defaults.limits.max_repeated_rows_per_request);
   EXPECT_EQ(o.transfer_chunk_blocks, defaults.transfer_chunk_blocks);
   EXPECT_EQ(o.transfer_chunk_bytes, defaults.transfer_chunk_bytes);
   EXPECT_EQ(o.namespace_scope, NamespaceScope::kUid);
@@ -151,16 +148,25 @@ TEST(EmbeddedDefaultTest, QuotasScopeAndSubTasks) {
 
 TEST(LoadConfigTest, QuotaFlagsAndScope) {
   std::vector<std::string> args = {"hiqcached",
-                                   "--namespace-scope", "node",
-                                   "--max-pools-per-client", "3",
+                                   "--namespace-scope",
+                                   "node",
+                                   "--max-pools-per-client",
+                                   "3",
                                    "--max-buffers-per-client=40",
-                                   "--max-mapped-bytes-per-client", "2GiB",
-                                   "--max-pending-bytes-per-client", "1GiB",
-                                   "--max-reserved-slots-per-client", "77",
-                                   "--max-faulted-bytes-per-client", "3MiB",
-                                   "--max-repeated-rows-per-request", "0",
-                                   "--transfer-chunk-blocks", "8",
-                                   "--transfer-chunk-bytes", "4MiB"};
+                                   "--max-mapped-bytes-per-client",
+                                   "2GiB",
+                                   "--max-pending-bytes-per-client",
+                                   "1GiB",
+                                   "--max-reserved-slots-per-client",
+                                   "77",
+                                   "--max-faulted-bytes-per-client",
+                                   "3MiB",
+                                   "--max-repeated-rows-per-request",
+                                   "0",
+                                   "--transfer-chunk-blocks",
+                                   "8",
+                                   "--transfer-chunk-bytes",
+                                   "4MiB"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   bool exit_now = false;
@@ -185,9 +191,10 @@ TEST(LoadConfigTest, QuotaFlagsAndScope) {
   // The file spells the same keys with underscores.
   DaemonConfig f;
   HIQ_ASSERT_OK(ApplyConfigText(EmbeddedDefaultConfig(), "<embedded>", &f));
-  HIQ_ASSERT_OK(ApplyConfigText("max_pools_per_client = 5\nnamespace_scope = \"node\"\n"
-                                "max_pending_bytes_per_client = \"3GiB\"\n",
-                                "f", &f));
+  HIQ_ASSERT_OK(
+      ApplyConfigText("max_pools_per_client = 5\nnamespace_scope = \"node\"\n"
+                      "max_pending_bytes_per_client = \"3GiB\"\n",
+                      "f", &f));
   EXPECT_EQ(f.max_pools_per_client, 5u);
   EXPECT_EQ(f.namespace_scope, "node");
   EXPECT_EQ(f.max_pending_bytes_per_client, 3ull << 30);
@@ -393,8 +400,7 @@ TEST(LoadConfigTest, NonLoopbackTcpNeedsTls) {
   EXPECT_TRUE(Load({"--listen", "0.0.0.0:7000", "--tls-cert-file", "c.pem", "--tls-key-file",
                     "k.pem", "--tls-client-ca-file", "ca.pem"})
                   .ok());
-  ExpectErrorNaming(Load({"--listen", "0.0.0.0:7000", "--tls-cert-file", "c.pem"}),
-                    "tls_key_file");
+  ExpectErrorNaming(Load({"--listen", "0.0.0.0:7000", "--tls-cert-file", "c.pem"}), "tls_key_file");
   ExpectErrorNaming(Load({"--tls-client-ca-file", "ca.pem"}), "tls_client_ca_file");
 }
 
@@ -427,8 +433,8 @@ TEST(LoadConfigTest, BadSizeFlagNamesTheFlag) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   if (r.status().message().find("--pool-bytes") == std::string::npos) {
     FAIL() << "regression: config.cc ApplyKey (pool_bytes/max_message_bytes) returns ParseSize's "
-                    "error without `where`: '"
-                 << r.status().message() << "' does not name --pool-bytes";
+              "error without `where`: '"
+           << r.status().message() << "' does not name --pool-bytes";
   }
 }
 
@@ -524,8 +530,8 @@ TEST_F(ConfigFileTest, BadSizeValueNamesTheLine) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   if (r.status().message().find(path + ":2") == std::string::npos) {
     FAIL() << "regression: config.cc ApplyKey (pool_bytes/max_message_bytes) returns ParseSize's "
-                    "error without `where`: '"
-                 << r.status().message() << "' does not name " << path << ":2";
+              "error without `where`: '"
+           << r.status().message() << "' does not name " << path << ":2";
   }
 }
 
@@ -547,9 +553,10 @@ TEST(LoadConfigL3Test, OffByDefaultAndTheDefaultsHold) {
 }
 
 TEST(LoadConfigL3Test, KeysFlagsRenderAndErrors) {
-  auto r = Load({"--l3-seeds", "127.0.0.1:7000, 10.0.0.2:7001", "--l3-key-prefix", "fleet1:",
-                 "--l3-ttl", "3600", "--l3-lookup-deadline-ms", "3", "--l3-writer-threads", "4",
-                 "--l3-write-queue-bytes", "64MiB", "--l3-user", "hiq"});
+  auto r =
+      Load({"--l3-seeds", "127.0.0.1:7000, 10.0.0.2:7001", "--l3-key-prefix", "fleet1:", "--l3-ttl",
+            "3600", "--l3-lookup-deadline-ms", "3", "--l3-writer-threads", "4",
+            "--l3-write-queue-bytes", "64MiB", "--l3-user", "hiq"});
   if (!L3Available()) {
     ExpectErrorNaming(r, "l3_seeds");
     return;
@@ -629,13 +636,14 @@ TEST_F(ConfigFileTest, L3MacKeyFiles) {
 // stay top-level; no other table exists.
 TEST(LoadConfigL3Test, TheL3Table) {
   DaemonConfig c;
-  HIQ_ASSERT_OK(ApplyConfigText("pool_bytes = \"1GiB\"\n"
-                                "[l3]\n"
-                                "key_prefix = \"fleet2:\"   # a comment\n"
-                                "ttl = 60\n"
-                                "write_policy = \"on_evict\"\n"
-                                "budget_bytes = \"3GiB\"\n",
-                                "<text>", &c));
+  HIQ_ASSERT_OK(
+      ApplyConfigText("pool_bytes = \"1GiB\"\n"
+                      "[l3]\n"
+                      "key_prefix = \"fleet2:\"   # a comment\n"
+                      "ttl = 60\n"
+                      "write_policy = \"on_evict\"\n"
+                      "budget_bytes = \"3GiB\"\n",
+                      "<text>", &c));
   EXPECT_EQ(c.pool_bytes, 1ull << 30);
   EXPECT_EQ(c.l3_key_prefix, "fleet2:");
   EXPECT_EQ(c.l3_ttl, 60u);
@@ -655,8 +663,7 @@ TEST(LoadConfigL3Test, TheL3Table) {
   // Other tables, and malformed headers, are refused naming the line.
   st = ApplyConfigText("[pool]\nbytes = 1\n", "<text>", &d);
   EXPECT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("<text>:1: unknown table [pool]"), std::string::npos)
-      << st.message();
+  EXPECT_NE(st.message().find("<text>:1: unknown table [pool]"), std::string::npos) << st.message();
   st = ApplyConfigText("[l3\n", "<text>", &d);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("malformed table header"), std::string::npos) << st.message();

@@ -745,8 +745,8 @@ TEST_F(CudaBackendTest, SlotsReceiveTheirTicketOnlyAfterTheWorkTheySignal) {
     for (uint32_t p = 0; p < 2; ++p) {
       const auto& plane = p == 0 ? e.k : e.v;
       const uint64_t base = uint64_t{l} * kRows * kRowBytes;
-      if (std::memcmp(plane.data() + base, plane.data() + base + 32 * kRowBytes,
-                      16 * kRowBytes) != 0) {
+      if (std::memcmp(plane.data() + base, plane.data() + base + 32 * kRowBytes, 16 * kRowBytes) !=
+          0) {
         return false;
       }
     }

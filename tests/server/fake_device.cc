@@ -1,8 +1,7 @@
 #include "fake_device.h"
 
-#include <atomic>
-
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,7 +34,7 @@ struct FakeDevice::Op {
   std::shared_ptr<Record> record;  // kRecord: completes it; kWait: waits for it (may be null)
   uint64_t* slot = nullptr;        // kWriteValue: where `value` is stored
   uint64_t value = 0;
-  bool fail = false;               // fails when it runs (sticky)
+  bool fail = false;  // fails when it runs (sticky)
 };
 
 struct FakeDevice::Stream {
@@ -64,9 +63,9 @@ std::string HandleOf(const char* kind, uint64_t id) {
 }
 
 const char* CallName(FakeDevice::Call c) {
-  static const char* kNames[] = {"CreateStream",  "CreateEvent",  "RecordEvent", "StreamWaitEvent",
-                                 "QueryEvent",    "OpenIpcBuffer", "AllocDevice", "AllocPinned",
-                                 "RegisterHost",  "Copy",          "Encode",      "Decode",
+  static const char* kNames[] = {"CreateStream", "CreateEvent",   "RecordEvent", "StreamWaitEvent",
+                                 "QueryEvent",   "OpenIpcBuffer", "AllocDevice", "AllocPinned",
+                                 "RegisterHost", "Copy",          "Encode",      "Decode",
                                  "WriteValue64"};
   return kNames[static_cast<int>(c)];
 }

@@ -35,8 +35,8 @@ class ClientObject {
   static std::unique_ptr<ClientObject> Shm(const std::string& tag, size_t bytes) {
     static std::atomic<int> n{0};
     auto o = std::unique_ptr<ClientObject>(new ClientObject(bytes));
-    o->name_ = "/hiq-host-backend-test-" + std::to_string(::getpid()) + "-" +
-               std::to_string(n++) + "-" + tag;
+    o->name_ = "/hiq-host-backend-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++) +
+               "-" + tag;
     ::shm_unlink(o->name_.c_str());
     o->fd_ = ::shm_open(o->name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     o->Init();
@@ -277,8 +277,7 @@ TEST_F(HostBackendTest, BuffersAndEventsByFd) {
   EXPECT_GE(::fcntl(k_->fd(), F_GETFD), 0);
   Status outcome, written;
 
-  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)),
-            StartResult::kCompleted);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
   EXPECT_TRUE(outcome.ok()) << outcome.ToString();
   EXPECT_EQ(events_->Slot(0).load(), 1u);
 }
@@ -425,11 +424,11 @@ TEST_F(HostBackendTest, NamesAreNotFollowedThroughSymlinks) {
 
 TEST_F(HostBackendTest, TicketsNeverReachTheFailureBit) {
   events_->Slot(0).store(41);
-  events_->Slot(1).store(50 | kHostEventFailedBit);     // a failed ticket of an earlier daemon
-  events_->Slot(2).store(~uint64_t{0});                  // garbage: every bit set
-  events_->Slot(3).store(kHostEventFailedBit - 1);       // 2^63 - 1: the next would be bit 63
-  events_->Slot(4).store(kHostTicketLimit | 7);          // at the limit
-  events_->Slot(5).store(kHostEventFailedBit);           // bit 63 alone: ticket part 0
+  events_->Slot(1).store(50 | kHostEventFailedBit);  // a failed ticket of an earlier daemon
+  events_->Slot(2).store(~uint64_t{0});              // garbage: every bit set
+  events_->Slot(3).store(kHostEventFailedBit - 1);   // 2^63 - 1: the next would be bit 63
+  events_->Slot(4).store(kHostTicketLimit | 7);      // at the limit
+  events_->Slot(5).store(kHostEventFailedBit);       // bit 63 alone: ticket part 0
   auto b = Bind(Spec());
   ASSERT_TRUE(b.ok());
   EXPECT_EQ((*b)->TicketFloor(), 50u);
@@ -440,8 +439,7 @@ TEST_F(HostBackendTest, TicketsNeverReachTheFailureBit) {
   EXPECT_EQ(events_->Slot(4).load(), 0u);
   // A success on the reset slot reads as a success.
   Status outcome, written;
-  ASSERT_EQ((*b)->StartBackup(BackupTask_(1, 51, 2, &outcome, &written)),
-            StartResult::kCompleted);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(1, 51, 2, &outcome, &written)), StartResult::kCompleted);
   EXPECT_TRUE(outcome.ok());
   EXPECT_EQ(events_->Slot(2).load(), 51u);
   EXPECT_EQ(events_->Slot(2).load() & kHostEventFailedBit, 0u);
@@ -453,8 +451,7 @@ TEST_F(HostBackendTest, TruncatedKvUnderBackupFailsTheTaskAndTheBinding) {
   EXPECT_TRUE((*b)->Failure().ok());
   ASSERT_TRUE(v_->Truncate(0));
   Status outcome, written;
-  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)),
-            StartResult::kCompleted);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
   EXPECT_EQ(outcome.code(), StatusCode::kFailedPrecondition) << outcome.ToString();
   EXPECT_TRUE(Has(outcome, "buffers[1]: the client's shared memory shrank under the daemon"))
       << outcome.ToString();
@@ -481,8 +478,7 @@ TEST_F(HostBackendTest, TruncatedKvUnderRestoreFailsItsLayersAndDone) {
   auto b = Bind(Spec());
   ASSERT_TRUE(b.ok());
   Status outcome, written;
-  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, -1, &outcome, &written)),
-            StartResult::kCompleted);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, -1, &outcome, &written)), StartResult::kCompleted);
   ASSERT_TRUE(outcome.ok());
   ASSERT_TRUE(k_->Truncate(0));
   Status restored;
@@ -500,8 +496,7 @@ TEST_F(HostBackendTest, TruncatedEventObjectFailsTheBinding) {
   ASSERT_TRUE(b.ok());
   ASSERT_TRUE(events_->Truncate(0));
   Status outcome, written;
-  ASSERT_EQ((*b)->StartBackup(BackupTask_(1, 1, 0, &outcome, &written)),
-            StartResult::kCompleted);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(1, 1, 0, &outcome, &written)), StartResult::kCompleted);
   EXPECT_EQ(outcome.code(), StatusCode::kFailedPrecondition) << outcome.ToString();
   EXPECT_TRUE(Has(outcome, "events: the client's shared memory shrank")) << outcome.ToString();
   // A task that waits on an event of the truncated object fails at once instead of waiting.

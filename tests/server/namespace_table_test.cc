@@ -149,11 +149,10 @@ TEST(NamespaceTableTest, ModelAndTenantCannotBeConfused) {
   const uint32_t ib = t.Intern(b).id;
   if (ia == ib) {
     FAIL() << "regression: NamespaceDesc::CanonicalText (namespace_table.cc) concatenates model "
-                    "and tenant unescaped, so different (model, tenant) pairs share a namespace";
+              "and tenant unescaped, so different (model, tenant) pairs share a namespace";
   }
   EXPECT_NE(ia, ib);
 }
-
 
 TEST(NamespaceTableTest, NodeScopeKeepsTheTextOfDaemonsBeforeScopes) {
   // The canonical text (so the hash, and the warm pool's extent headers) of an unscoped

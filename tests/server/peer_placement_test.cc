@@ -19,10 +19,10 @@ TEST(PodOfCgroupTest, KubernetesPodsWithEitherDriverAndCgroupVersion) {
                         true),
             std::string("k8s-pod:") + kPod);
   // cgroup v2, cgroupfs driver; two containers of one pod are one pod.
-  const std::string a = PodOfCgroup(
-      "0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/aaaa\n", true);
-  const std::string b = PodOfCgroup(
-      "0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/bbbb\n", true);
+  const std::string a =
+      PodOfCgroup("0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/aaaa\n", true);
+  const std::string b =
+      PodOfCgroup("0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/bbbb\n", true);
   EXPECT_EQ(a, std::string("k8s-pod:") + kPod);
   EXPECT_EQ(a, b);
   // cgroup v1: the pod is found on any controller's line; the pid namespace does not matter.
@@ -32,8 +32,7 @@ TEST(PodOfCgroupTest, KubernetesPodsWithEitherDriverAndCgroupVersion) {
                         false),
             std::string("k8s-pod:") + kPod);
   // Another pod is another scope.
-  EXPECT_NE(PodOfCgroup("0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556667/a\n",
-                        true),
+  EXPECT_NE(PodOfCgroup("0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556667/a\n", true),
             a);
 }
 

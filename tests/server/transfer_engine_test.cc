@@ -233,7 +233,6 @@ TEST(TransferEngineTest, ZeroWorkersStillRuns) {
   EXPECT_EQ(done.load(), 1);
 }
 
-
 TEST(TransferEngineTest, GroupsShareTheWorkersRoundRobin) {
   // One worker, held while everything is queued: group 1 has three strands with three tasks
   // each, group 2 one strand with three. Groups alternate; so do the strands within a group.

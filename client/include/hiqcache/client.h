@@ -155,29 +155,29 @@ struct PoolStats {
 // enabled is false, and every field 0, when the daemon has no L3.
 struct L3Stats {
   bool enabled = false;
-  uint64_t lookup_hits = 0;     // blocks Lookup found in L3 after the pool's leading run
-  uint64_t lookup_misses = 0;   // keys Lookup asked L3 for after the run L3 held
-  uint64_t lookup_errors = 0;   // probes that failed or ran out of their deadline (a miss)
-  uint64_t fetches = 0;         // restores that fetched from L3
-  uint64_t fetched_blocks = 0;  // values fetched and verified
-  uint64_t fetch_errors = 0;    // fetches that failed or ran out of their deadline
-  uint64_t corrupt_values = 0;  // fetched values that failed to verify: dropped, a miss
-  uint64_t promoted_blocks = 0;  // fetched blocks written into the pool
-  uint64_t writes = 0;           // blocks written to L3
-  uint64_t write_errors = 0;     // writes that failed
-  uint64_t dropped_writes = 0;   // not queued: the write queue was full
-  uint64_t skipped_writes = 0;   // queued, but the block left the pool before its turn
+  uint64_t lookup_hits = 0;         // blocks Lookup found in L3 after the pool's leading run
+  uint64_t lookup_misses = 0;       // keys Lookup asked L3 for after the run L3 held
+  uint64_t lookup_errors = 0;       // probes that failed or ran out of their deadline (a miss)
+  uint64_t fetches = 0;             // restores that fetched from L3
+  uint64_t fetched_blocks = 0;      // values fetched and verified
+  uint64_t fetch_errors = 0;        // fetches that failed or ran out of their deadline
+  uint64_t corrupt_values = 0;      // fetched values that failed to verify: dropped, a miss
+  uint64_t promoted_blocks = 0;     // fetched blocks written into the pool
+  uint64_t writes = 0;              // blocks written to L3
+  uint64_t write_errors = 0;        // writes that failed
+  uint64_t dropped_writes = 0;      // not queued: the write queue was full
+  uint64_t skipped_writes = 0;      // queued, but the block left the pool before its turn
   uint64_t write_queue_bytes = 0;   // payload bytes queued now
   uint64_t write_queue_blocks = 0;  // blocks queued now
-  uint64_t bytes_in = 0;   // value bytes fetched
-  uint64_t bytes_out = 0;  // value bytes written
+  uint64_t bytes_in = 0;            // value bytes fetched
+  uint64_t bytes_out = 0;           // value bytes written
   // Fetch duration over the last fetch_latency_samples fetches (at most 1024), microseconds.
   uint64_t fetch_latency_samples = 0;
   uint64_t fetch_p50_us = 0;
   uint64_t fetch_p99_us = 0;
-  std::string write_policy;     // "write_through" or "on_evict"
-  uint64_t spilled_blocks = 0;  // on_evict: evicted blocks copied into the write queue
-  uint64_t budget_bytes = 0;    // l3_budget_bytes; 0 = none
+  std::string write_policy;        // "write_through" or "on_evict"
+  uint64_t spilled_blocks = 0;     // on_evict: evicted blocks copied into the write queue
+  uint64_t budget_bytes = 0;       // l3_budget_bytes; 0 = none
   uint64_t budget_used_bytes = 0;  // value bytes this daemon's ledger counts in L3 now
   uint64_t budget_deletes = 0;     // blocks deleted from L3 to stay within the budget
 };

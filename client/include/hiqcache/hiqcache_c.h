@@ -92,10 +92,10 @@ enum hiq_block_status {
 #define HIQ_IPC_HANDLE_BYTES 64
 #define HIQ_HOST_EVENT_SLOT_BYTES 64
 
-typedef struct hiq_client hiq_client;                   /* a connection to hiqcached */
-typedef struct hiq_host_pool hiq_host_pool;             /* KV buffers + event slots in shm */
-typedef struct hiq_cuda_slots hiq_cuda_slots;           /* ticket slots for a CUDA pool */
-typedef uint64_t hiq_pool;                              /* a registered pool; 0 is never valid */
+typedef struct hiq_client hiq_client;         /* a connection to hiqcached */
+typedef struct hiq_host_pool hiq_host_pool;   /* KV buffers + event slots in shm */
+typedef struct hiq_cuda_slots hiq_cuda_slots; /* ticket slots for a CUDA pool */
+typedef uint64_t hiq_pool;                    /* a registered pool; 0 is never valid */
 
 typedef struct hiq_geometry {
   uint32_t num_layers;
@@ -183,9 +183,9 @@ typedef struct hiq_stats {
  * when it has none. An L3 error or deadline is a miss, counted in the *_errors fields. */
 typedef struct hiq_l3_stats {
   uint32_t enabled;
-  uint32_t on_evict; /* the write policy: 1 = on_evict, 0 = write_through */
-  uint64_t lookup_hits;    /* blocks Lookup found in L3 after the pool's leading run */
-  uint64_t lookup_misses;  /* keys Lookup asked L3 for after the run L3 held */
+  uint32_t on_evict;      /* the write policy: 1 = on_evict, 0 = write_through */
+  uint64_t lookup_hits;   /* blocks Lookup found in L3 after the pool's leading run */
+  uint64_t lookup_misses; /* keys Lookup asked L3 for after the run L3 held */
   uint64_t lookup_errors;
   uint64_t fetches;        /* restores that fetched from L3 */
   uint64_t fetched_blocks; /* values fetched and verified */
@@ -199,8 +199,8 @@ typedef struct hiq_l3_stats {
   uint64_t spilled_blocks; /* on_evict: evicted blocks copied into the write queue */
   uint64_t write_queue_bytes;
   uint64_t write_queue_blocks;
-  uint64_t bytes_in;  /* value bytes fetched */
-  uint64_t bytes_out; /* value bytes written */
+  uint64_t bytes_in;              /* value bytes fetched */
+  uint64_t bytes_out;             /* value bytes written */
   uint64_t fetch_latency_samples; /* the last fetches (at most 1024) the percentiles cover */
   uint64_t fetch_p50_us;
   uint64_t fetch_p99_us;

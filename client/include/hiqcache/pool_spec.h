@@ -23,7 +23,7 @@ enum class Codec : uint8_t {
 };
 enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
 
-const char* DTypeName(DType dtype);           // "bf16", "fp16"
+const char* DTypeName(DType dtype);  // "bf16", "fp16"
 // "int8_per_head", "raw", "fp8_e4m3_per_head", "int4_g32_per_head"
 const char* CodecName(Codec codec);
 const char* DeviceKindName(DeviceKind kind);  // "host", "cuda"
