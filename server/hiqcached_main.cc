@@ -2,10 +2,15 @@
 // block store, the device backends, the core and the gRPC service together, then serves until
 // SIGTERM/SIGINT: in-flight work finishes, new work is refused with UNAVAILABLE, exit 0.
 //
+// Start-up: the sockets listen first, then the pool is opened, pre-faulted (with progress in the
+// log every 5 s) and reattached; meanwhile health answers NOT_SERVING and every Cache RPC
+// UNAVAILABLE with the phase and its progress (startup_progress.h), and SIGTERM/SIGINT during the
+// pre-fault exits at once.
+//
 // Service-manager integration (deploy/hiqcached.service): READY=1 goes out only once the pool is
-// pre-faulted, the sockets listen and the health service reports SERVING; STATUS= lines follow
-// each phase; WATCHDOG=1 pings run from start to exit; STOPPING=1 on SIGTERM/SIGINT, when the
-// health service turns NOT_SERVING. Metrics are served on --metrics-listen (metrics.h).
+// pre-faulted and the health service reports SERVING; STATUS= lines follow each phase; WATCHDOG=1
+// pings run from start to exit; STOPPING=1 on SIGTERM/SIGINT, when the health service turns
+// NOT_SERVING. Metrics are served on --metrics-listen (metrics.h).
 #include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -51,6 +56,7 @@
 #include "ops/service_notify.h"
 #include "pool/pool_region.h"
 #include "transport/session_listener.h"
+#include "transport/startup_progress.h"
 #ifdef HIQ_HAVE_CUDA
 #include "backends/cuda_device_api.h"
 #include "cuda_runtime_check.h"
@@ -245,9 +251,163 @@ int Run(int argc, char** argv) {
       return 1;
     }
   }
+  SessionOptions session_options;
+  session_options.socket_mode = config.socket_mode;
+  session_options.socket_gid = socket_gid;
+  for (uint32_t uid : config.admin_uids) session_options.admin_uids.push_back(uid);
+  for (const auto& group : config.admin_groups) {
+    const gid_t gid = LookupGroup(group);
+    if (gid == static_cast<gid_t>(-1)) {
+      HIQ_LOG(ERROR) << "admin_groups: unknown group '" << LogSafe(group) << "'";
+      return 1;
+    }
+    session_options.admin_gids.push_back(gid);
+  }
+  auto tcp_credentials = TcpCredentials(config);
+  if (!tcp_credentials.ok()) {
+    HIQ_LOG(ERROR) << tcp_credentials.status().message();
+    return 1;
+  }
 
-  LogIfError(notifier.SetStatus("opening pool " + config.shm_name + " (" +
-                                HumanBytes(config.pool_bytes) + ")"));
+  // The sockets listen first, before the pool is opened and pre-faulted (minutes for hundreds of
+  // GiB): until the core is ready, health answers NOT_SERVING and every Cache RPC UNAVAILABLE
+  // with what the daemon is doing (startup_progress.h), so that `hiqctl health`, probes and
+  // engines get an answer, not "No such file or directory".
+  StartupProgress progress;
+  std::vector<std::string> session_paths;
+  std::vector<std::string> grpc_paths;
+  for (const auto& addr : config.listen) {
+    if (!IsUnix(addr)) continue;
+    Status st = PrepareUnixSocket(UnixPath(addr));
+    if (!st.ok()) {
+      HIQ_LOG(ERROR) << st.ToString();
+      return 1;
+    }
+    grpc_paths.push_back(UnixPath(addr));
+    session_paths.push_back(UnixPath(addr) + std::string(kSessionSocketSuffix));
+  }
+  // The session listener starts with the core; the gate's thread asks it about each connection.
+  std::atomic<SessionListener*> live_sessions{nullptr};
+  CacheService service(&progress, config.allow_anonymous);
+  CacheService sessionless_service(&progress, config.allow_anonymous);
+  std::atomic<bool> serving{false};
+  std::unique_ptr<grpc::Server> servers[2];  // full, sessionless
+  std::atomic<bool> servers_built{false};
+  // Health for the server as a whole ("") and the service by name (Kubernetes gRPC probes and
+  // grpc_health_probe -service ask for hiqcache.v1.Cache): the bool overload sets both.
+  auto set_health = [&](bool ok) {
+    if (!servers_built.load()) return;
+    for (auto& srv : servers) {
+      if (srv) srv->GetHealthCheckService()->SetServingStatus(ok);
+    }
+  };
+  // `hiqctl drain`: health first, so probes and balancers stop sending work before the core
+  // refuses it; the daemon keeps running until it is stopped.
+  auto drain = [&] {
+    set_health(false);
+    serving.store(false);
+    LogIfError(notifier.SetStatus("draining (hiqctl drain): refusing new work"));
+  };
+  service.SetDrainHook(drain);
+  sessionless_service.SetDrainHook(drain);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Two servers of the same service: the full one (TCP listeners, and unix connections of
+  // processes holding a session) and one for unix connections of processes without a session,
+  // with a small message limit and a share of gRPC's memory of its own (connection_gate.h).
+  auto build = [&](CacheService* svc, uint64_t max_message, uint64_t memory, const char* name,
+                   bool sessionless) {
+    grpc::ServerBuilder builder;
+    if (!sessionless) {
+      for (const auto& addr : config.listen) {
+        if (!IsUnix(addr)) builder.AddListeningPort(addr, *tcp_credentials);
+      }
+    }
+    const int max_msg =
+        static_cast<int>(std::min<uint64_t>(max_message, std::numeric_limits<int>::max()));
+    builder.SetMaxReceiveMessageSize(max_msg);
+    builder.SetMaxSendMessageSize(static_cast<int>(
+        std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max())));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               static_cast<int>(config.max_streams_per_connection));
+    if (sessionless) {
+      // gRPC ends each connection gracefully (GOAWAY; calls in flight get the grace) after a
+      // few seconds: a stalled call is dropped, and a process that opened its session since
+      // reconnects to the full server without a failed call.
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, kSessionlessConnectionAgeMs);
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kSessionlessConnectionAgeMs);
+    }
+    grpc::ResourceQuota quota(name);
+    quota.Resize(static_cast<size_t>(memory));
+    builder.SetResourceQuota(quota);
+    builder.RegisterService(svc);
+    return builder.BuildAndStart();
+  };
+  servers[0] = build(&service, config.max_message_bytes, config.grpc_memory_bytes, "hiqcached",
+                     /*sessionless=*/false);
+  servers[1] = build(&sessionless_service, config.sessionless_message_bytes,
+                     std::max<uint64_t>(16ull << 20, config.grpc_memory_bytes / 8),
+                     "hiqcached-sessionless", /*sessionless=*/true);
+  if (!servers[0] || !servers[1]) {
+    HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
+    return 1;
+  }
+  for (auto& srv : servers) {
+    srv->GetHealthCheckService()->SetServingStatus(hiqcache::v1::Cache::service_full_name(), false);
+    srv->GetHealthCheckService()->SetServingStatus(false);
+  }
+  servers_built.store(true);
+
+  // The unix gRPC sockets are the gate's: it counts each connection against its uid before
+  // gRPC takes it (connection_gate.h). TCP listeners (loopback, or TLS) are gRPC's own. Declared
+  // after the servers, so that on every return it stops handing connections to them first.
+  std::unique_ptr<ConnectionGate> gate;
+  if (!grpc_paths.empty()) {
+    ConnectionLimits limits;
+    limits.max_connections = config.max_connections;
+    limits.max_connections_per_uid = config.max_connections_per_uid;
+    const uint64_t fds = RaiseDescriptorLimit();
+    // Every admitted connection is two descriptors (gRPC's and the gate's duplicate); the rest
+    // of the table stays for the session listener, pool mappings, L3 and metrics connections.
+    const uint64_t kept = std::max<uint64_t>(1024, fds / 4);
+    const uint64_t room =
+        fds > kept + 2 * limits.admin_reserve ? (fds - kept - 2 * limits.admin_reserve) / 2 : 1;
+    if (limits.max_connections > room) {
+      HIQ_LOG(WARN) << "max_connections " << limits.max_connections << " lowered to " << room
+                    << ": the descriptor limit is " << fds << " (LimitNOFILE)";
+      limits.max_connections = room;
+    }
+    auto listening = ConnectionGate::Listen(grpc_paths, limits, config.socket_mode, socket_gid,
+                                            [&live_sessions](const ucred& peer) {
+                                              SessionListener* s = live_sessions.load();
+                                              return s != nullptr && s->IsAdminPeer(peer);
+                                            });
+    if (!listening.ok()) {
+      HIQ_LOG(ERROR) << listening.status().ToString();
+      return 1;
+    }
+    gate = std::move(listening).value();
+    HIQ_LOG(INFO) << "event=connection_limits max_connections=" << limits.max_connections
+                  << " per_uid=" << limits.max_connections_per_uid
+                  << " admin_reserve=" << limits.admin_reserve << " descriptors=" << fds;
+    // Before the session listener starts, no process holds a session: every connection goes to
+    // the sessionless server (all it can be answered then is health and "starting").
+    gate->Start(
+        [full = servers[0].get(), apart = servers[1].get()](int fd, bool sessionless) {
+          grpc::AddInsecureChannelFromFd(sessionless ? apart : full, fd);
+        },
+        [&live_sessions](const ucred& peer) {
+          SessionListener* s = live_sessions.load();
+          return s != nullptr && s->HasSession(peer);
+        });
+  }
+  std::string addrs;
+  for (const auto& a : config.listen) addrs += (addrs.empty() ? "" : ", ") + a;
+  HIQ_LOG(INFO) << "listening on " << addrs << " (NOT_SERVING until the pool is ready)";
+
+  progress.SetPhase("opening pool " + config.shm_name + " (" + HumanBytes(config.pool_bytes) + ")");
+  LogIfError(notifier.SetStatus(progress.Describe()));
   auto region = PoolRegion::Open(config.shm_name, config.pool_bytes);
   if (!region.ok()) {
     HIQ_LOG(ERROR) << region.status().ToString();
@@ -256,23 +416,62 @@ int Run(int argc, char** argv) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   auto t0 = std::chrono::steady_clock::now();
   if (config.prefault) {
-    LogIfError(notifier.SetStatus("pre-faulting pool " + (*region)->name() + " (" +
-                                  HumanBytes((*region)->size()) + ")"));
-    (*region)->Prefault(cores);
+    // Pre-faulted by `cores` threads while this thread reports progress (log and STATUS= every
+    // 5 s) and takes SIGTERM/SIGINT: a daemon stopped while it pre-faults exits at once.
+    progress.SetPhase("pre-faulting pool " + (*region)->name(), (*region)->size());
+    LogIfError(notifier.SetStatus(progress.Describe()));
+    std::atomic<bool> stop{false};
+    std::atomic<bool> finished{false};
+    Status prefaulted;
+    std::thread prefault([&] {
+      prefaulted = (*region)->Prefault(cores, progress.done(), &stop);
+      finished.store(true);
+    });
+    int sig = 0;
+    auto last_report = std::chrono::steady_clock::now();
+    while (!finished.load()) {
+      const timespec tick{0, 100 * 1000 * 1000};
+      sig = ::sigtimedwait(&sigs, nullptr, &tick);
+      if (sig > 0) break;
+      if (std::chrono::steady_clock::now() - last_report >= std::chrono::seconds(5)) {
+        last_report = std::chrono::steady_clock::now();
+        const double s = std::chrono::duration<double>(last_report - t0).count();
+        char rate[32];
+        std::snprintf(rate, sizeof(rate), "%.2f GiB/s",
+                      progress.done()->load() / double(1ull << 30) / s);
+        HIQ_LOG(INFO) << "event=prefault_progress " << progress.Describe() << ", " << rate;
+        LogIfError(notifier.SetStatus(progress.Describe()));
+      }
+    }
+    if (sig > 0) {
+      stop.store(true);
+      prefault.join();
+      HIQ_LOG(INFO) << "signal " << sig << " while pre-faulting the pool: stopped before serving";
+      notifier.StopWatchdog();
+      return 0;
+    }
+    prefault.join();
+    if (!prefaulted.ok()) {
+      HIQ_LOG(ERROR) << prefaulted.ToString();
+      return 1;
+    }
   }
   auto t1 = std::chrono::steady_clock::now();
-  HIQ_LOG(INFO)
-      << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes"
-      << (config.prefault ? ", pre-faulted in " : "")
-      << (config.prefault
-              ? std::to_string(
-                    std::chrono::duration_cast<std::chrono::milliseconds>(t1 - t0).count()) +
-                    " ms"
-              : std::string());
+  if (config.prefault) {
+    const double seconds = std::max(1e-3, std::chrono::duration<double>(t1 - t0).count());
+    char rate[64];
+    std::snprintf(rate, sizeof(rate), "%.0f ms (%.2f GiB/s)", seconds * 1000,
+                  (*region)->size() / double(1ull << 30) / seconds);
+    HIQ_LOG(INFO) << "pool " << (*region)->name() << ": " << (*region)->size()
+                  << " bytes, pre-faulted in " << rate;
+  } else {
+    HIQ_LOG(INFO) << "pool " << (*region)->name() << ": " << (*region)->size() << " bytes";
+  }
 
   // Reattach: blocks a previous daemon completed stay cached across a restart (or a crash).
   RebuildReport rebuild;
-  LogIfError(notifier.SetStatus("reading block headers of pool " + (*region)->name()));
+  progress.SetPhase("reading block headers of pool " + (*region)->name());
+  LogIfError(notifier.SetStatus(progress.Describe()));
   auto t2 = std::chrono::steady_clock::now();
   StoreOptions store_options;
   store_options.reattach = true;
@@ -316,6 +515,8 @@ int Run(int argc, char** argv) {
 #ifdef HIQ_HAVE_CUDA
     std::string why;
     if (kernels::CudaDeviceAvailable(&why)) {
+      progress.SetPhase("page-locking pool " + (*region)->name() + " for CUDA");
+      LogIfError(notifier.SetStatus(progress.Describe()));
       auto api = CreateCudaDeviceApi();
       if (api.ok()) {
         cuda_api = std::move(api).value();
@@ -400,28 +601,6 @@ int Run(int argc, char** argv) {
 
   // The session sockets beside the unix gRPC sockets: who each caller is (SO_PEERCRED), the fds
   // it hands over, and its death (the connection closes) releasing its pools.
-  std::vector<std::string> session_paths;
-  for (const auto& addr : config.listen) {
-    if (!IsUnix(addr)) continue;
-    Status st = PrepareUnixSocket(UnixPath(addr));
-    if (!st.ok()) {
-      HIQ_LOG(ERROR) << st.ToString();
-      return 1;
-    }
-    session_paths.push_back(UnixPath(addr) + std::string(kSessionSocketSuffix));
-  }
-  SessionOptions session_options;
-  session_options.socket_mode = config.socket_mode;
-  session_options.socket_gid = socket_gid;
-  for (uint32_t uid : config.admin_uids) session_options.admin_uids.push_back(uid);
-  for (const auto& group : config.admin_groups) {
-    const gid_t gid = LookupGroup(group);
-    if (gid == static_cast<gid_t>(-1)) {
-      HIQ_LOG(ERROR) << "admin_groups: unknown group '" << LogSafe(group) << "'";
-      return 1;
-    }
-    session_options.admin_gids.push_back(gid);
-  }
   std::unique_ptr<SessionListener> sessions;
   if (!session_paths.empty()) {
     auto started =
@@ -433,12 +612,8 @@ int Run(int argc, char** argv) {
     }
     sessions = std::move(started).value();
   }
-  CacheService service(core.get(), device_name, (*region)->name(), sessions.get(),
-                       config.allow_anonymous);
-
   // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
   // listen is a configuration error: the daemon does not start half-observable.
-  std::atomic<bool> serving{false};
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (!config.metrics_listen.empty()) {
     DaemonInfo info;
@@ -457,130 +632,40 @@ int Run(int argc, char** argv) {
     }
     metrics_server = std::move(started).value();
   }
-
-  // The unix gRPC sockets are the gate's: it counts each connection against its uid before
-  // gRPC takes it (connection_gate.h). TCP listeners (loopback, or TLS) are gRPC's own.
-  std::unique_ptr<ConnectionGate> gate;
-  std::vector<std::string> grpc_paths;
-  for (const auto& addr : config.listen) {
-    if (IsUnix(addr)) grpc_paths.push_back(UnixPath(addr));
-  }
-  if (!grpc_paths.empty()) {
-    ConnectionLimits limits;
-    limits.max_connections = config.max_connections;
-    limits.max_connections_per_uid = config.max_connections_per_uid;
-    const uint64_t fds = RaiseDescriptorLimit();
-    // Every admitted connection is two descriptors (gRPC's and the gate's duplicate); the rest
-    // of the table stays for the session listener, pool mappings, L3 and metrics connections.
-    const uint64_t kept = std::max<uint64_t>(1024, fds / 4);
-    const uint64_t room =
-        fds > kept + 2 * limits.admin_reserve ? (fds - kept - 2 * limits.admin_reserve) / 2 : 1;
-    if (limits.max_connections > room) {
-      HIQ_LOG(WARN) << "max_connections " << limits.max_connections << " lowered to " << room
-                    << ": the descriptor limit is " << fds << " (LimitNOFILE)";
-      limits.max_connections = room;
-    }
-    auto listening = ConnectionGate::Listen(
-        grpc_paths, limits, config.socket_mode, socket_gid,
-        [&sessions](const ucred& peer) { return sessions && sessions->IsAdminPeer(peer); });
-    if (!listening.ok()) {
-      HIQ_LOG(ERROR) << listening.status().ToString();
-      return 1;
-    }
-    gate = std::move(listening).value();
-    HIQ_LOG(INFO) << "event=connection_limits max_connections=" << limits.max_connections
-                  << " per_uid=" << limits.max_connections_per_uid
-                  << " admin_reserve=" << limits.admin_reserve << " descriptors=" << fds;
-  }
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  auto tcp_credentials = TcpCredentials(config);
-  if (!tcp_credentials.ok()) {
-    HIQ_LOG(ERROR) << tcp_credentials.status().message();
-    return 1;
-  }
-  // Two servers of the same service: the full one (TCP listeners, and unix connections of
-  // processes holding a session) and one for unix connections of processes without a session,
-  // with a small message limit and a share of gRPC's memory of its own (connection_gate.h).
-  auto build = [&](CacheService* svc, uint64_t max_message, uint64_t memory, const char* name,
-                   bool sessionless) {
-    grpc::ServerBuilder builder;
-    if (!sessionless) {
-      for (const auto& addr : config.listen) {
-        if (!IsUnix(addr)) builder.AddListeningPort(addr, *tcp_credentials);
-      }
-    }
-    const int max_msg =
-        static_cast<int>(std::min<uint64_t>(max_message, std::numeric_limits<int>::max()));
-    builder.SetMaxReceiveMessageSize(max_msg);
-    builder.SetMaxSendMessageSize(static_cast<int>(
-        std::min<uint64_t>(config.max_message_bytes, std::numeric_limits<int>::max())));
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                               static_cast<int>(config.max_streams_per_connection));
-    if (sessionless) {
-      // gRPC ends each connection gracefully (GOAWAY; calls in flight get the grace) after a
-      // few seconds: a stalled call is dropped, and a process that opened its session since
-      // reconnects to the full server without a failed call.
-      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, kSessionlessConnectionAgeMs);
-      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kSessionlessConnectionAgeMs);
-    }
-    grpc::ResourceQuota quota(name);
-    quota.Resize(static_cast<size_t>(memory));
-    builder.SetResourceQuota(quota);
-    builder.RegisterService(svc);
-    return builder.BuildAndStart();
-  };
-  CacheService sessionless_service(core.get(), device_name, (*region)->name(), sessions.get(),
-                                   config.allow_anonymous);
-  std::unique_ptr<grpc::Server> servers[2];  // full, sessionless
-  std::atomic<bool> servers_built{false};
-  // Health for the server as a whole ("") and the service by name (Kubernetes gRPC probes and
-  // grpc_health_probe -service ask for hiqcache.v1.Cache): the bool overload sets both.
-  auto set_health = [&](bool ok) {
-    if (!servers_built.load()) return;
-    for (auto& srv : servers) {
-      if (srv) srv->GetHealthCheckService()->SetServingStatus(ok);
-    }
-  };
-  // `hiqctl drain`: health first, so probes and balancers stop sending work before the core
-  // refuses it; the daemon keeps running until it is stopped.
-  auto drain = [&] {
-    set_health(false);
-    serving.store(false);
-    LogIfError(notifier.SetStatus("draining (hiqctl drain): refusing new work"));
-  };
-  service.SetDrainHook(drain);
-  sessionless_service.SetDrainHook(drain);
-  servers[0] = build(&service, config.max_message_bytes, config.grpc_memory_bytes, "hiqcached",
-                     /*sessionless=*/false);
-  servers[1] = build(&sessionless_service, config.sessionless_message_bytes,
-                     std::max<uint64_t>(16ull << 20, config.grpc_memory_bytes / 8),
-                     "hiqcached-sessionless", /*sessionless=*/true);
-  if (!servers[0] || !servers[1]) {
-    HIQ_LOG(ERROR) << "cannot listen on the configured addresses";
-    return 1;
-  }
-  if (gate) {
-    gate->Start(
-        [full = servers[0].get(), apart = servers[1].get()](int fd, bool sessionless) {
-          grpc::AddInsecureChannelFromFd(sessionless ? apart : full, fd);
-        },
-        [&sessions](const ucred& peer) { return !sessions || sessions->HasSession(peer); });
-  }
-  for (auto& srv : servers) {
-    srv->GetHealthCheckService()->SetServingStatus(hiqcache::v1::Cache::service_full_name(), true);
-    srv->GetHealthCheckService()->SetServingStatus(true);
-  }
+  service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
+  sessionless_service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
+  live_sessions.store(sessions.get());
+  set_health(true);
   serving.store(true);
-  servers_built.store(true);
+
+  // The pre-fault allocated the pool's pages; its page tables are filled in the background, so
+  // that a request's first touch of a page takes no minor fault either.
+  std::atomic<bool> stop_mapping{false};
+  std::thread map_pages;
+  if (config.prefault) {
+    map_pages = std::thread([&region, &stop_mapping] {
+      const auto t = std::chrono::steady_clock::now();
+      const uint64_t mapped = (*region)->MapPages(&stop_mapping);
+      HIQ_LOG(DEBUG) << "pool " << (*region)->name() << ": " << mapped << " bytes mapped in "
+                     << std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::steady_clock::now() - t)
+                            .count()
+                     << " ms";
+    });
+  }
+  struct JoinOnExit {
+    std::atomic<bool>* stop;
+    std::thread* thread;
+    ~JoinOnExit() {
+      stop->store(true);
+      if (thread->joinable()) thread->join();
+    }
+  } join_map_pages{&stop_mapping, &map_pages};
 
   // Stopped before the core is destroyed (its thread calls into the core).
   auto watcher = std::make_unique<ClientWatcher>(
       [&] { return core->ClientPids(); }, [&](uint32_t pid) { core->ReleasePoolsOfClient(pid); },
       std::chrono::milliseconds(200));
-  std::string addrs;
-  for (const auto& a : config.listen) addrs += (addrs.empty() ? "" : ", ") + a;
   HIQ_LOG(INFO) << "hiqcached serving on " << addrs << " (device " << device_name << ", codec "
                 << kernels::CpuCodec::TargetName() << " x" << codec.threads() << " threads)";
   LogIfError(notifier.Ready("serving on " + addrs + "; pool " + (*region)->name() + " " +

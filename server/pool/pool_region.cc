@@ -1,10 +1,12 @@
 #include "pool/pool_region.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
@@ -110,6 +112,12 @@ StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, 
       impl->shm.truncate(static_cast<bip::offset_t>(bytes));
     }
     impl->region = bip::mapped_region(impl->shm, bip::read_write, 0, bytes);
+    // Huge pages where the shm filesystem offers them on request (tmpfs mounted huge=advise, or
+    // shmem_enabled=advise): fewer faults at pre-fault and fewer TLB misses in the codec. A
+    // filesystem without them ignores the advice (huge=never, /dev/shm's default).
+#ifdef MADV_HUGEPAGE
+    (void)::madvise(impl->region.get_address(), bytes, MADV_HUGEPAGE);
+#endif
     return std::unique_ptr<PoolRegion>(new PoolRegion(std::move(impl), "/" + bare));
   } catch (const bip::interprocess_exception& e) {
     return FailedPrecondition("shm_name: cannot create or map '/" + bare + "' of " +
@@ -117,27 +125,79 @@ StatusOr<std::unique_ptr<PoolRegion>> PoolRegion::Open(const std::string& name, 
   }
 }
 
-void PoolRegion::Prefault(unsigned threads) {
+namespace {
+// Steps small enough to report progress, balance the threads and answer a stop within a
+// fraction of a second, large enough that a step's system call costs nothing beside its pages.
+constexpr uint64_t kPrefaultStep = 64ull << 20;
+}  // namespace
+
+Status PoolRegion::Prefault(unsigned threads, std::atomic<uint64_t>* done,
+                            const std::atomic<bool>* stop) {
   if (threads == 0) threads = 1;
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const uint64_t chunk = (size_ / threads + page - 1) / page * page;
-  std::vector<std::thread> workers;
-  for (unsigned t = 0; t < threads; ++t) {
-    const uint64_t begin = t * chunk;
-    if (begin >= size_) break;
-    const uint64_t end = std::min(size_, begin + chunk);
-    workers.emplace_back([this, begin, end, page] {
-#ifdef MADV_POPULATE_WRITE
-      if (::madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) == 0) return;
-#endif
-      // Fallback: write each page once. Values are not disturbed: read and write back.
-      for (uint64_t off = begin; off < end; off += page) {
-        volatile uint8_t* p = data_ + off;
-        *p = *p;
+  const uint64_t steps = (size_ + kPrefaultStep - 1) / kPrefaultStep;
+  const int fd = impl_->shm.get_mapping_handle().handle;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> can_allocate{true};
+  std::atomic<int> full_errno{0};
+  auto work = [&] {
+    for (;;) {
+      if (stop != nullptr && stop->load(std::memory_order_relaxed)) return;
+      if (full_errno.load(std::memory_order_relaxed) != 0) return;
+      const uint64_t step = next.fetch_add(1, std::memory_order_relaxed);
+      if (step >= steps) return;
+      const uint64_t begin = step * kPrefaultStep;
+      const uint64_t end = std::min(size_, begin + kPrefaultStep);
+      bool resident = false;
+      if (can_allocate.load(std::memory_order_relaxed)) {
+        if (::fallocate(fd, 0, static_cast<off_t>(begin), static_cast<off_t>(end - begin)) == 0) {
+          resident = true;
+        } else if (errno == ENOSPC) {
+          full_errno.store(errno);
+          return;
+        } else {
+          can_allocate.store(false);  // EOPNOTSUPP and the like: fault the pages instead
+        }
       }
-    });
-  }
+#ifdef MADV_POPULATE_WRITE
+      if (!resident) resident = ::madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) == 0;
+#endif
+      if (!resident) {
+        // Write each page once; values are not disturbed: read and write back.
+        for (uint64_t off = begin; off < end; off += page) {
+          volatile uint8_t* p = data_ + off;
+          *p = *p;
+        }
+      }
+      if (done != nullptr) done->fetch_add(end - begin, std::memory_order_relaxed);
+    }
+  };
+  std::vector<std::thread> workers;
+  for (unsigned t = 1; t < std::min<uint64_t>(threads, steps); ++t) workers.emplace_back(work);
+  work();
   for (auto& w : workers) w.join();
+  if (full_errno.load() != 0) {
+    return ResourceExhausted("pool " + name_ + ": the shm filesystem ran out of room while " +
+                             "allocating its " + GiB(size_) + ": " +
+                             std::strerror(full_errno.load()));
+  }
+  if (next.load() < steps) return {StatusCode::kCancelled, "pool " + name_ + ": pre-fault stopped"};
+  return Status::Ok();
+}
+
+uint64_t PoolRegion::MapPages(const std::atomic<bool>* stop) {
+  uint64_t mapped = 0;
+#ifdef MADV_POPULATE_WRITE
+  for (uint64_t begin = 0; begin < size_; begin += kPrefaultStep) {
+    if (stop != nullptr && stop->load(std::memory_order_relaxed)) break;
+    const uint64_t len = std::min(size_ - begin, kPrefaultStep);
+    if (::madvise(data_ + begin, len, MADV_POPULATE_WRITE) != 0) break;
+    mapped += len;
+  }
+#else
+  (void)stop;
+#endif
+  return mapped;
 }
 
 }  // namespace hiqcache::server

@@ -143,6 +143,13 @@ grpc::Status ToGrpcStatus(const Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
 
+bool CacheService::FinishedStarting(grpc::ServerUnaryReactor* reactor) const {
+  if (ready_.load(std::memory_order_acquire)) return false;
+  reactor->Finish(ToGrpcStatus(
+      Unavailable(progress_ != nullptr ? progress_->Describe() : std::string("starting"))));
+  return true;
+}
+
 StatusOr<Caller> CacheService::CallerOf(grpc::CallbackServerContext* ctx) const {
   const auto& md = ctx->client_metadata();
   auto it = md.find(grpc::string_ref(kSessionMetadataKey.data(), kSessionMetadataKey.size()));
@@ -175,6 +182,7 @@ grpc::ServerUnaryReactor* CacheService::RegisterPool(grpc::CallbackServerContext
                                                      const v1::RegisterPoolRequest* req,
                                                      v1::RegisterPoolResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "RegisterPool");
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "RegisterPool");
@@ -217,6 +225,7 @@ grpc::ServerUnaryReactor* CacheService::ReleasePool(grpc::CallbackServerContext*
                                                     const v1::ReleasePoolRequest* req,
                                                     v1::ReleasePoolResponse*) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "ReleasePool");
   Status st = caller.ok() ? core_->ReleasePool(req->pool_id(), *caller) : caller.status();
   Finish(core_, reactor, st, "ReleasePool");
@@ -227,6 +236,7 @@ grpc::ServerUnaryReactor* CacheService::Lookup(grpc::CallbackServerContext* ctx,
                                                const v1::LookupRequest* req,
                                                v1::LookupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "Lookup");
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "Lookup");
@@ -244,6 +254,7 @@ grpc::ServerUnaryReactor* CacheService::Evict(grpc::CallbackServerContext* ctx,
                                               const v1::EvictRequest* req,
                                               v1::EvictResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "Evict");
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "Evict");
@@ -276,6 +287,7 @@ grpc::ServerUnaryReactor* CacheService::Backup(grpc::CallbackServerContext* ctx,
                                                const v1::BackupRequest* req,
                                                v1::BackupResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "Backup");
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "Backup");
@@ -301,6 +313,7 @@ grpc::ServerUnaryReactor* CacheService::Restore(grpc::CallbackServerContext* ctx
                                                 const v1::RestoreRequest* req,
                                                 v1::RestoreResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = OwnerCallerOf(ctx, "Restore");
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "Restore");
@@ -324,6 +337,7 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
                                                  const v1::GetStatsRequest* req,
                                                  v1::GetStatsResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = CallerOf(ctx);
   if (!caller.ok()) {
     Finish(core_, reactor, caller.status(), "GetStats");
@@ -425,6 +439,7 @@ grpc::ServerUnaryReactor* CacheService::GetStats(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* CacheService::Drain(grpc::CallbackServerContext* ctx,
                                               const v1::DrainRequest*, v1::DrainResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  if (FinishedStarting(reactor)) return reactor;
   auto caller = CallerOf(ctx);
   if (caller.ok() && !caller->admin) {
     std::string why = " (this call carried no session)";

@@ -11,6 +11,7 @@
 // anonymous caller, so it is off by default). Drain is for admins only (PERMISSION_DENIED).
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -18,6 +19,7 @@
 #include "core/cache_core.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 #include "transport/session_listener.h"
+#include "transport/startup_progress.h"
 
 namespace hiqcache::server {
 
@@ -29,11 +31,25 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
   // service.
   CacheService(CacheCore* core, std::string device, std::string shm_name,
                SessionListener* sessions = nullptr, bool allow_anonymous = false)
-      : core_(core),
-        sessions_(sessions),
-        allow_anonymous_(allow_anonymous),
-        device_(std::move(device)),
-        shm_name_(std::move(shm_name)) {}
+      : allow_anonymous_(allow_anonymous) {
+    Attach(core, std::move(device), std::move(shm_name), sessions);
+  }
+  // A service that is not ready yet: until Attach, every RPC answers UNAVAILABLE with
+  // `progress->Describe()` (the daemon listens while it opens and pre-faults its pool).
+  // `progress` must outlive the service.
+  CacheService(const StartupProgress* progress, bool allow_anonymous)
+      : allow_anonymous_(allow_anonymous), progress_(progress) {}
+
+  // Makes the service ready: from then on the handlers call `core`. Once, before or while the
+  // server runs; the arguments are as for the first constructor.
+  void Attach(CacheCore* core, std::string device, std::string shm_name,
+              SessionListener* sessions) {
+    core_ = core;
+    sessions_ = sessions;
+    device_ = std::move(device);
+    shm_name_ = std::move(shm_name);
+    ready_.store(true, std::memory_order_release);
+  }
 
   grpc::ServerUnaryReactor* RegisterPool(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterPoolRequest* req,
@@ -66,13 +82,19 @@ class CacheService final : public hiqcache::v1::Cache::CallbackService {
   // CallerOf, then: an anonymous caller is refused unless allow_anonymous_.
   StatusOr<Caller> OwnerCallerOf(grpc::CallbackServerContext* ctx, const char* rpc) const;
 
-  CacheCore* core_;
-  SessionListener* const sessions_;
+  // Before Attach: finishes `reactor` UNAVAILABLE with the start-up progress and returns true.
+  bool FinishedStarting(grpc::ServerUnaryReactor* reactor) const;
+
+  // Written once by Attach before ready_ is set (release), read by handlers after they saw it.
+  CacheCore* core_ = nullptr;
+  SessionListener* sessions_ = nullptr;
+  std::string device_;
+  std::string shm_name_;
+  std::atomic<bool> ready_{false};
   const bool allow_anonymous_;
+  const StartupProgress* const progress_ = nullptr;
   std::function<void()> drain_hook_;
   std::once_flag drain_once_;
-  const std::string device_;
-  const std::string shm_name_;
 };
 
 grpc::Status ToGrpcStatus(const Status& status);

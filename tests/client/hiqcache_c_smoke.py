@@ -114,12 +114,12 @@ def from_bf16(b):
     return struct.unpack("<f", struct.pack("<I", b << 16))[0]
 
 
-def wait_for_socket(path, proc, timeout=20.0):
+def wait_for_socket(path, proc, timeout=20.0, kind=socket.SOCK_STREAM):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("hiqcached exited with %s" % proc.returncode)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s = socket.socket(socket.AF_UNIX, kind)
         try:
             s.connect(path)
             return
@@ -142,7 +142,8 @@ def main():
                              "--shm-name", pool_shm, "--device", "host", "--log-level", "warn"])
     own_shm = None
     try:
-        wait_for_socket(sock, proc)
+        # The session socket listens once the daemon serves.
+        wait_for_socket(sock + ".session", proc, kind=socket.SOCK_SEQPACKET)
         client = C.c_void_p()
         assert lib.hiq_connect(("unix://" + sock).encode(), 5000, C.byref(client)) == HIQ_OK
 

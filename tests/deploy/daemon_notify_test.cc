@@ -1,11 +1,14 @@
 // The real hiqcached under a fake service manager (a datagram socket named by NOTIFY_SOCKET):
 // STATUS= lines while it starts, READY=1 only once its unix socket accepts connections and the
 // health service says SERVING, WATCHDOG=1 every WATCHDOG_USEC/2, STOPPING=1 on SIGTERM (health
-// no longer SERVING), exit 0.
+// no longer SERVING), exit 0. While it pre-faults its pool it already answers: health
+// NOT_SERVING, Cache RPCs UNAVAILABLE with the phase and its progress; SIGTERM then stops it
+// before the pool is resident.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 
 #include <cstddef>
@@ -13,6 +16,7 @@
 
 #include "fake_notify_manager.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "hiqcache/v1/cache.grpc.pb.h"
 #include "process_util.h"
 
 namespace hiqcache::deploy_test {
@@ -57,13 +61,14 @@ bool HasLine(const std::string& msg, const std::string& line) {
 // One daemon started with NOTIFY_SOCKET (and WATCHDOG_USEC) in its environment.
 class NotifiedDaemon {
  public:
-  NotifiedDaemon(const std::string& notify_address, const std::string& watchdog_usec)
+  NotifiedDaemon(const std::string& notify_address, const std::string& watchdog_usec,
+                 const std::string& pool_bytes = "128MiB")
       : dir_("notify-daemon"),
         socket_path_(dir_.path() + "/hiqcached.sock"),
         shm_name_("/hiq-notify-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++)) {
     std::vector<std::string> env = {"NOTIFY_SOCKET=" + notify_address};
     if (!watchdog_usec.empty()) env.push_back("WATCHDOG_USEC=" + watchdog_usec);
-    pid_ = SpawnProcess({HIQ_DAEMON_PATH, "--listen", target(), "--pool-bytes", "128MiB",
+    pid_ = SpawnProcess({HIQ_DAEMON_PATH, "--listen", target(), "--pool-bytes", pool_bytes,
                          "--shm-name", shm_name_, "--log-level", "warn"},
                         EnvWith(env));
   }
@@ -78,6 +83,12 @@ class NotifiedDaemon {
   pid_t pid() const { return pid_; }
   std::string target() const { return "unix://" + socket_path_; }
   const std::string& socket_path() const { return socket_path_; }
+  // Bytes of the pool object that are resident (allocated in /dev/shm).
+  uint64_t PoolResidentBytes() const {
+    struct stat st {};
+    if (::stat(("/dev/shm" + shm_name_).c_str(), &st) != 0) return 0;
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  }
   // Waits for exit; the exit code, or -1.
   int Wait(milliseconds timeout) {
     const auto deadline = Clock::now() + timeout;
@@ -178,6 +189,91 @@ TEST(DaemonNotifyTest, AbstractSocketAndNoWatchdogWithoutWatchdogUsec) {
   }
   ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);
   EXPECT_EQ(daemon.Wait(std::chrono::seconds(10)), 0);
+}
+
+// A GetStats call's status (anonymous: the daemon answers it once ready).
+grpc::Status CacheStatus(const std::string& target) {
+  auto stub =
+      hiqcache::v1::Cache::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  hiqcache::v1::GetStatsRequest req;
+  hiqcache::v1::GetStatsResponse resp;
+  return stub->GetStats(&ctx, req, &resp);
+}
+
+// A 2 GiB pool takes a few hundred ms or more to pre-fault (clearing its pages alone, at memory
+// bandwidth):
+// long enough to be seen, whatever the machine's load, which only lengthens it.
+constexpr const char* kBigPool = "2GiB";
+constexpr uint64_t kBigPoolBytes = 2ull << 30;
+
+// Polls the daemon until it answers NOT_SERVING with its pre-fault progress (true), or READY
+// came first / `deadline` passed (false). `*ready` tells READY=1 was seen.
+bool SeenPrefaulting(NotifiedDaemon& daemon, NotifySocket& manager, Clock::time_point deadline,
+                     bool* ready, std::string* message) {
+  while (Clock::now() < deadline) {
+    if (HasLine(manager.Receive(milliseconds(5)), "READY=1")) {
+      *ready = true;
+      return false;
+    }
+    if (!Connectable(daemon.socket_path())) continue;
+    if (HealthStatus(daemon.target()) != grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
+      continue;
+    }
+    grpc::Status st = CacheStatus(daemon.target());
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE &&
+        st.error_message().find("starting: pre-faulting pool") != std::string::npos) {
+      *message = st.error_message();
+      return true;
+    }
+  }
+  return false;
+}
+
+TEST(DaemonNotifyTest, AnswersNotServingWithProgressWhilePrefaulting) {
+  TempDir dir("notify-prefault");
+  NotifySocket manager(dir.path() + "/notify.sock");
+  ASSERT_TRUE(manager.bound());
+  NotifiedDaemon daemon(manager.address(), "", kBigPool);
+  ASSERT_GT(daemon.pid(), 0);
+  bool ready = false;
+  std::string message;
+  ASSERT_TRUE(
+      SeenPrefaulting(daemon, manager, Clock::now() + std::chrono::seconds(60), &ready, &message))
+      << (ready ? "READY=1 came before the daemon ever answered NOT_SERVING while pre-faulting"
+                : "the daemon never answered while it pre-faulted");
+  EXPECT_NE(message.find(" GiB ("), std::string::npos) << message;  // "0.5 of 4.0 GiB (12%)"
+  EXPECT_NE(HealthStatus(daemon.target(), "hiqcache.v1.Cache"),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  // Then it becomes ready and serves, on the same socket.
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (!ready && Clock::now() < deadline) {
+    ready = HasLine(manager.Receive(milliseconds(200)), "READY=1");
+  }
+  ASSERT_TRUE(ready) << "no READY=1 within 120 s";
+  EXPECT_EQ(HealthStatus(daemon.target()), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(CacheStatus(daemon.target()).ok());
+  EXPECT_GE(daemon.PoolResidentBytes(), kBigPoolBytes);
+  ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);
+  EXPECT_EQ(daemon.Wait(std::chrono::seconds(10)), 0);
+}
+
+TEST(DaemonNotifyTest, SigtermWhilePrefaultingStopsBeforeThePoolIsResident) {
+  TempDir dir("notify-prefault-stop");
+  NotifySocket manager(dir.path() + "/notify.sock");
+  ASSERT_TRUE(manager.bound());
+  NotifiedDaemon daemon(manager.address(), "", kBigPool);
+  ASSERT_GT(daemon.pid(), 0);
+  bool ready = false;
+  std::string message;
+  ASSERT_TRUE(
+      SeenPrefaulting(daemon, manager, Clock::now() + std::chrono::seconds(60), &ready, &message));
+  ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);
+  EXPECT_EQ(daemon.Wait(std::chrono::seconds(20)), 0);
+  // It stopped within a step of the signal: the pool was left partly resident.
+  EXPECT_LT(daemon.PoolResidentBytes(), kBigPoolBytes) << message;
+  EXPECT_FALSE(Connectable(daemon.socket_path()));
 }
 
 }  // namespace

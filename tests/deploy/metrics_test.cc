@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <regex>
+#include <set>
 
 #include "daemon_process.h"
 #include "hiqcache/block_keys.h"
@@ -283,6 +285,76 @@ TEST_F(MetricsTest, BytesMovedAndCodecDurations) {
 TEST_F(MetricsTest, RejectedRequestsByCode) {
   EXPECT_EQ(Value("hiqcache_rejected_requests_total{rpc=\"Lookup\",code=\"NOT_FOUND\"}"), 1);
   EXPECT_EQ(Value("hiqcache_rejected_requests_total{rpc=\"Lookup\",code=\"INVALID_ARGUMENT\"}"), 1);
+}
+
+// The metric families (their `# TYPE` lines) of an exposition.
+std::set<std::string> Families(const std::string& text) {
+  std::set<std::string> out;
+  for (const auto& line : Lines(text)) {
+    if (line.rfind("# TYPE ", 0) != 0) continue;
+    const size_t end = line.find(' ', 7);
+    out.insert(line.substr(7, end == std::string::npos ? std::string::npos : end - 7));
+  }
+  return out;
+}
+
+// deploy/grafana/hiqcache-dashboard.json names only metrics hiqcached exports: every
+// `hiqcache_...` identifier in it (its queries and variables) is a family of a real daemon's
+// /metrics (a histogram's _bucket/_sum/_count series included), scraped with an L3 tier
+// configured (its families exist whether or not the cluster answers).
+TEST(GrafanaDashboardTest, EveryExpressionNamesARealMetric) {
+#ifndef HIQ_HAVE_HTTPLIB
+  GTEST_SKIP() << "cpp-httplib (libcpp-httplib-dev) not installed: no HTTP client to scrape";
+#else
+  const int port = FreeTcpPort();
+  ASSERT_GT(port, 0);
+  std::vector<std::string> flags = {"--metrics-listen", "127.0.0.1:" + std::to_string(port),
+                                    "--log-level", "error"};
+#ifdef HIQ_HAVE_L3
+  // A cluster nobody serves: the tier exists (its metrics are rendered), every call a miss.
+  flags.insert(flags.end(), {"--l3_seeds", "127.0.0.1:1"});
+#endif
+  DaemonProcess daemon("64MiB", flags);
+  ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
+  httplib::Client http("127.0.0.1", port);
+  http.set_connection_timeout(5, 0);
+  http.set_read_timeout(5, 0);
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res) << "GET /metrics failed: " << httplib::to_string(res.error());
+  const std::set<std::string> families = Families(res->body);
+  ASSERT_GT(families.size(), 10u) << res->body;
+
+  const std::string dashboard = ReadFile(HIQ_SOURCE_DIR "/deploy/grafana/hiqcache-dashboard.json");
+  ASSERT_FALSE(dashboard.empty());
+  size_t exprs = 0;
+  for (size_t at = dashboard.find("\"expr\""); at != std::string::npos;
+       at = dashboard.find("\"expr\"", at + 1)) {
+    ++exprs;
+  }
+  EXPECT_GE(exprs, 20u) << "the dashboard lost its queries";
+  const std::regex ident("hiqcache_[A-Za-z0-9_]+");
+  std::set<std::string> named;
+  for (auto it = std::sregex_iterator(dashboard.begin(), dashboard.end(), ident);
+       it != std::sregex_iterator(); ++it) {
+    named.insert(it->str());
+  }
+  for (const std::string& name : named) {
+    std::string family = name;
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      if (family.ends_with(suffix) &&
+          families.count(family.substr(0, family.size() - std::strlen(suffix)))) {
+        family = family.substr(0, family.size() - std::strlen(suffix));
+      }
+    }
+#ifndef HIQ_HAVE_L3
+    if (family.starts_with("hiqcache_l3_")) continue;  // no L3 tier in this build
+#endif
+    EXPECT_TRUE(families.count(family))
+        << "the dashboard names " << name << ", which hiqcached does not export";
+  }
+  EXPECT_GT(named.size(), 30u);
+  EXPECT_EQ(daemon.Stop(), 0);
+#endif
 }
 
 }  // namespace

@@ -49,9 +49,9 @@ def start_daemon(workdir):
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
-        s = socket.socket(socket.AF_UNIX)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            s.connect(sock)
+            s.connect(sock + ".session")  # listens once the daemon serves
             return proc, f"unix://{sock}"
         except OSError:
             time.sleep(0.05)

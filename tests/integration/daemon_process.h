@@ -59,7 +59,8 @@ class DaemonProcess {
   pid_t pid() const { return pid_; }
   bool running() const { return pid_ > 0; }
 
-  // Starts the daemon and waits until its socket accepts connections. False on failure.
+  // Starts the daemon and waits until it serves: its session socket accepts connections (the
+  // gRPC socket listens earlier, while the pool is pre-faulted). False on failure.
   bool Start(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
     std::vector<std::string> args = {HIQ_DAEMON_PATH, "--listen",    target(),
                                      "--pool-bytes",  pool_bytes_,   "--shm-name",
@@ -82,7 +83,7 @@ class DaemonProcess {
         pid_ = -1;
         return false;
       }
-      if (Connectable()) return true;
+      if (Connectable(socket_path_ + ".session", SOCK_SEQPACKET)) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return false;
@@ -114,11 +115,11 @@ class DaemonProcess {
   }
 
  private:
-  bool Connectable() const {
-    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  static bool Connectable(const std::string& path, int type) {
+    int fd = ::socket(AF_UNIX, type, 0);
     sockaddr_un sa{};
     sa.sun_family = AF_UNIX;
-    std::strncpy(sa.sun_path, socket_path_.c_str(), sizeof(sa.sun_path) - 1);
+    std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
     bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
     ::close(fd);
     return ok;

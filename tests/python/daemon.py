@@ -49,15 +49,20 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hiqcached exited with {self.proc.returncode}: "
                                    + open(self.log).read()[-2000:])
-            if self.connectable():
+            if self.serving():
                 return self
             time.sleep(0.02)
         raise TimeoutError("hiqcached did not start listening")
 
-    def connectable(self) -> bool:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def serving(self) -> bool:
+        """The session socket accepts connections: it listens once the daemon serves (the gRPC
+        socket listens earlier, while the pool is pre-faulted)."""
+        return self.connectable(self.socket_path + ".session", socket.SOCK_SEQPACKET)
+
+    def connectable(self, path: str | None = None, kind: int = socket.SOCK_STREAM) -> bool:
+        s = socket.socket(socket.AF_UNIX, kind)
         try:
-            s.connect(self.socket_path)
+            s.connect(path or self.socket_path)
             return True
         except OSError:
             return False

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -96,7 +97,16 @@ TEST(PoolRegionTest, SmallPoolOpensPrefaultsAndReopens) {
     auto region = PoolRegion::Open("/" + bare, kBytes);
     ASSERT_TRUE(region.ok()) << region.status().ToString();
     EXPECT_EQ((*region)->size(), kBytes);
-    (*region)->Prefault(2);
+    (*region)->data()[100] = 0x11;  // a value written before the pre-fault is kept
+    std::atomic<uint64_t> done{0};
+    ASSERT_TRUE((*region)->Prefault(2, &done).ok());
+    EXPECT_EQ(done.load(), kBytes);
+    EXPECT_EQ((*region)->data()[100], 0x11);
+    // Every page is allocated in the object: no later write faults one in or finds no room.
+    struct stat st {};
+    ASSERT_EQ(::stat(("/dev/shm/" + bare).c_str(), &st), 0);
+    EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, kBytes);
+    EXPECT_EQ((*region)->MapPages(), kBytes);
     (*region)->data()[kBytes - 1] = 0x5A;
   }
   {
@@ -107,6 +117,25 @@ TEST(PoolRegionTest, SmallPoolOpensPrefaultsAndReopens) {
     EXPECT_EQ((*region)->data()[kBytes - 1], 0x5A);
     EXPECT_EQ((*region)->name(), "/" + bare);
   }
+  ::shm_unlink(("/" + bare).c_str());
+}
+
+TEST(PoolRegionTest, PrefaultStopsBetweenStepsWhenAsked) {
+  const std::string bare = UniqueName("stopped");
+  ::shm_unlink(("/" + bare).c_str());
+  constexpr uint64_t kBytes = 256u << 20;  // four 64 MiB steps
+  auto region = PoolRegion::Open("/" + bare, kBytes);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  std::atomic<bool> stop{true};
+  std::atomic<uint64_t> done{0};
+  const Status st = (*region)->Prefault(2, &done, &stop);
+  EXPECT_EQ(st.code(), StatusCode::kCancelled) << st.ToString();
+  EXPECT_EQ(done.load(), 0u);
+  struct stat sb {};
+  ASSERT_EQ(::stat(("/dev/shm/" + bare).c_str(), &sb), 0);
+  EXPECT_LT(static_cast<uint64_t>(sb.st_blocks) * 512, kBytes);
+  EXPECT_EQ((*region)->MapPages(&stop), 0u);
+  region->reset();
   ::shm_unlink(("/" + bare).c_str());
 }
 
