@@ -11,8 +11,8 @@
 # cleanup leaves /var/tmp/hiqcache-deb-test.state, and the next run purges what it installed.
 # Usage: deb_package_test.sh BUILD_DIR SOURCE_DIR VERSION [CPACK]. Exits 77 (ctest: skipped),
 # with the reason, when not root, without dpkg or dpkg-shlibdeps, when a hiqcache package not
-# installed by this test is present, or when a file of the package exists already outside any
-# package (e.g. from `sudo cmake --install` with the prefix /usr).
+# installed by this test is present, or when a file of the package or a folder of its own
+# (/etc/hiqcache, ...) exists already (e.g. from `sudo cmake --install` with the prefix /usr).
 set -euo pipefail
 build=$(cd "$1" && pwd) src=$(cd "$2" && pwd) version=$3 cpack=${4:-cpack}
 state=/var/tmp/hiqcache-deb-test.state
@@ -82,8 +82,11 @@ dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx /etc/hiqcache/hi
 # The package's files (not folders), as absolute paths.
 mapfile -t files < <(dpkg-deb --fsys-tarfile "$deb" | tar -t | grep -v '/$' | sed 's|^\./|/|')
 [[ ${#files[@]} -gt 10 ]] || fail "the package holds ${#files[@]} files"
-for f in "${files[@]}"; do
-  if [[ -e $f || -L $f ]]; then skip "$f exists already and dpkg -i would overwrite it"; fi
+# Its own folders (named after it), which purge removes too.
+mapfile -t own_dirs < <(dpkg-deb --fsys-tarfile "$deb" | tar -t | grep '/$' | grep hiqcache |
+  sed 's|^\./|/|; s|/$||')
+for f in "${files[@]}" "${own_dirs[@]}"; do
+  if [[ -e $f || -L $f ]]; then skip "$f exists already (dpkg -i would take it over)"; fi
 done
 
 # Install.
@@ -133,7 +136,7 @@ run_dpkg --remove hiqcache || fail "dpkg --remove failed"
 run_dpkg --purge hiqcache || fail "dpkg --purge failed"
 [[ -z "$(status)" || "$(status)" == un ]] || fail "status after dpkg --purge: $(status)"
 [[ ! -e /etc/hiqcache ]] || fail "/etc/hiqcache is left after purge"
-for f in "${files[@]}"; do
+for f in "${files[@]}" "${own_dirs[@]}"; do
   if [[ -e $f || -L $f ]]; then fail "$f is left after purge"; fi
 done
 getent passwd hiqcache >/dev/null || fail "purge deleted the hiqcache user (it stays on purpose)"
