@@ -13,6 +13,8 @@
 # with the reason, when not root, without dpkg or dpkg-shlibdeps, when a hiqcache package not
 # installed by this test is present, or when a file of the package or a folder of its own
 # (/etc/hiqcache, ...) exists already (e.g. from `sudo cmake --install` with the prefix /usr).
+# Output is read whole before grep looks at it: `prog | grep -q` under pipefail fails when grep
+# exits first and prog gets SIGPIPE.
 set -euo pipefail
 build=$(cd "$1" && pwd) src=$(cd "$2" && pwd) version=$3 cpack=${4:-cpack}
 state=/var/tmp/hiqcache-deb-test.state
@@ -76,8 +78,9 @@ deb=$(ls "$tmp"/pkg/hiqcache_"$version"_*.deb 2>/dev/null | head -n 1)
 [[ -n $deb ]] || { cat "$tmp/cpack.log"; fail "no hiqcache_${version}_*.deb"; }
 [[ "$(dpkg-deb -f "$deb" Package)" == hiqcache && "$(dpkg-deb -f "$deb" Version)" == "$version" ]] \
   || fail "control: $(dpkg-deb -f "$deb" Package Version)"
-dpkg-deb -f "$deb" Depends | grep -q "libc6" || fail "no Depends from dpkg-shlibdeps"
-dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles | grep -qx /etc/hiqcache/hiqcached.toml \
+grep -q "libc6" <<<"$(dpkg-deb -f "$deb" Depends)" || fail "no Depends from dpkg-shlibdeps"
+conffiles=$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)
+grep -qx /etc/hiqcache/hiqcached.toml <<<"$conffiles" \
   || fail "/etc/hiqcache/hiqcached.toml is not a conffile"
 # The package's files (not folders), as absolute paths.
 mapfile -t files < <(dpkg-deb --fsys-tarfile "$deb" | tar -t | grep -v '/$' | sed 's|^\./|/|')
@@ -99,7 +102,8 @@ run_dpkg -i "$deb" || fail "dpkg -i failed"
 
 [[ "$(/usr/bin/hiqcached --version)" == "hiqcached $version" ]] || fail "hiqcached --version"
 [[ "$(/usr/bin/hiqctl --version)" == "hiqctl $version" ]] || fail "hiqctl --version"
-/usr/bin/hiqcached --print-default-config | grep -q "^pool_bytes" \
+default_config=$(/usr/bin/hiqcached --print-default-config)
+grep -q "^pool_bytes" <<<"$default_config" \
   || fail "hiqcached --print-default-config"
 /usr/bin/hiqcached --config /etc/hiqcache/hiqcached.toml --check-config >/dev/null \
   || fail "the installed configuration is refused"
@@ -123,7 +127,8 @@ if command -v "${CC:-cc}" >/dev/null && command -v pkg-config >/dev/null; then
   # shellcheck disable=SC2046 # word splitting of the flags is wanted
   "${CC:-cc}" $(pkg-config --cflags hiqcache) -o "$tmp/consumer" "$src/tests/deploy/consumer/consumer.c" \
     $(pkg-config --libs hiqcache) || fail "a program does not build against the package"
-  ldd "$tmp/consumer" | grep -Eq "libhiqcache.so.[0-9]+ => (/usr)?/lib/" \
+  libs=$(ldd "$tmp/consumer")
+  grep -Eq "libhiqcache.so.[0-9]+ => (/usr)?/lib/" <<<"$libs" \
     || fail "the program does not load the package's libhiqcache.so: $(ldd "$tmp/consumer")"
   "$tmp/consumer" "$version" "$tmp/no-daemon.sock" || fail "the program failed"
 fi

@@ -9,6 +9,8 @@
 # Usage: install_consumer_test.sh BUILD_DIR SOURCE_DIR VERSION ABI BINDIR LIBDIR INCLUDEDIR
 # (the last three as CMAKE_INSTALL_* relative to the prefix). Exits 77 (ctest: skipped) without
 # a C compiler or pkg-config.
+# Output is read whole before grep looks at it: `prog | grep -q` under pipefail fails when grep
+# exits first and prog gets SIGPIPE.
 set -euo pipefail
 build=$(cd "$1" && pwd) src=$(cd "$2" && pwd) version=$3 abi=$4 bindir=$5 libdir=$6 includedir=$7
 cmake=${CMAKE_COMMAND:-cmake}
@@ -38,7 +40,8 @@ bin=$prefix/$bindir lib=$prefix/$libdir inc=$prefix/$includedir
   || fail "libhiqcache.so.$abi is not a link to libhiqcache.so.$version"
 [[ "$(readlink "$lib/libhiqcache.so")" == "libhiqcache.so.$abi" ]] \
   || fail "libhiqcache.so is not a link to libhiqcache.so.$abi"
-readelf -d "$lib/libhiqcache.so.$version" | grep -q "SONAME.*\[libhiqcache\.so\.$abi\]" \
+dynamic=$(readelf -d "$lib/libhiqcache.so.$version")
+grep -q "SONAME.*\[libhiqcache\.so\.$abi\]" <<<"$dynamic" \
   || fail "soname of libhiqcache.so.$version is not libhiqcache.so.$abi"
 cmp -s "$inc/hiqcache/hiqcache_c.h" "$src/client/include/hiqcache/hiqcache_c.h" \
   || fail "no $inc/hiqcache/hiqcache_c.h"
@@ -63,7 +66,8 @@ grep -qx "hiqcache_DIR:PATH=$lib/cmake/hiqcache" "$tmp/cmake-consumer/CMakeCache
   || fail "find_package found another hiqcache: $(grep hiqcache_DIR "$tmp/cmake-consumer/CMakeCache.txt")"
 "$cmake" --build "$tmp/cmake-consumer" >"$tmp/build.log" 2>&1 \
   || { cat "$tmp/build.log"; fail "the CMake consumer does not build"; }
-LD_LIBRARY_PATH=$lib ldd "$tmp/cmake-consumer/consumer" | grep -q "libhiqcache.so.$abi => $lib/" \
+libs=$(LD_LIBRARY_PATH=$lib ldd "$tmp/cmake-consumer/consumer")
+grep -q "libhiqcache.so.$abi => $lib/" <<<"$libs" \
   || fail "the CMake consumer does not load $lib/libhiqcache.so.$abi"
 LD_LIBRARY_PATH=$lib "$tmp/cmake-consumer/consumer" "$version" "$socket" \
   || fail "the CMake consumer failed"

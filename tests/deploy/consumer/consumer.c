@@ -1,6 +1,7 @@
 /* A program of another project built against an installed hiqcache (install_consumer_test.sh):
  * checks the library's ABI and version, then asks a daemon that is not running for its
- * statistics, which must fail cleanly: HIQ_UNAVAILABLE with a message, nothing aborts.
+ * statistics, which must fail cleanly: HIQ_UNAVAILABLE (or HIQ_DEADLINE_EXCEEDED, on a machine
+ * too loaded to see the refused connection within the call's 5 s) with a message.
  * Usage: consumer VERSION SOCKET_PATH. Exit 0 when all is as expected, 1 otherwise. */
 #include <hiqcache/hiqcache_c.h>
 #include <stdio.h>
@@ -22,7 +23,7 @@ int main(int argc, char** argv) {
   char target[4096];
   snprintf(target, sizeof(target), "unix://%s", argv[2]);
   hiq_client* client = NULL;
-  int rc = hiq_connect(target, 1000, &client);
+  int rc = hiq_connect(target, 5000, &client);
   if (rc != HIQ_OK || client == NULL) {
     fprintf(stderr, "hiq_connect: code %d: %s\n", rc, hiq_last_error());
     return 1;
@@ -33,7 +34,7 @@ int main(int argc, char** argv) {
   char error[1024];
   snprintf(error, sizeof(error), "%s", hiq_last_error());
   hiq_close(client);
-  if (rc != HIQ_UNAVAILABLE || error[0] == '\0') {
+  if ((rc != HIQ_UNAVAILABLE && rc != HIQ_DEADLINE_EXCEEDED) || error[0] == '\0') {
     fprintf(stderr, "hiq_get_stats without a daemon: code %d (want %d), message \"%s\"\n", rc,
             HIQ_UNAVAILABLE, error);
     return 1;
