@@ -162,6 +162,9 @@ extern "C" {
 
 int hiq_abi_version(void) { return HIQ_C_ABI_VERSION; }
 
+// HIQ_VERSION: the project version, defined for this target by client/CMakeLists.txt.
+const char* hiq_version(void) { return HIQ_VERSION; }
+
 const char* hiq_last_error(void) { return g_last_error.c_str(); }
 
 int hiq_connect(const char* target, int64_t timeout_ms, hiq_client** out) {

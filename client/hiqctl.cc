@@ -7,6 +7,7 @@
 //     health [--service NAME]             grpc.health.v1.Health/Check (service "" by default)
 //     drain [--wait]                      stop taking new work (admin only)
 //     watch [--interval S] [--count N]    stats, refreshed
+//   hiqctl --version                      "hiqctl X.Y.Z" (the project version)
 //
 // For a unix target hiqctl opens a session with the daemon (hiqcache/session.h), so that the
 // daemon knows who calls: Drain and Evict of other callers' blocks need an admin (root, the
@@ -36,6 +37,9 @@
 #include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 
+// HIQ_VERSION: the project version ("X.Y.Z", from python/hiqcache/_version.py), defined for
+// this file by client/CMakeLists.txt.
+
 namespace hiqcache {
 namespace {
 
@@ -54,6 +58,7 @@ constexpr char kUsage[] =
     "  drain [--wait]                      stop taking new work (health NOT_SERVING); with\n"
     "                                      --wait, return once queued work has finished\n"
     "  watch [--interval S] [--count N]    stats, refreshed every S seconds (default 2)\n"
+    "hiqctl --version prints the version.\n"
     "ADDR: unix:///path/to.sock, /path/to.sock or host:port (default: ";
 
 struct Args {
@@ -136,6 +141,8 @@ std::string Parse(int argc, char** argv, Args* args) {
       if (!next(&args->service)) return "--service needs a value";
     } else if (a == "-h" || a == "--help") {
       return "help";
+    } else if (a == "--version") {
+      return "version";
     } else if (a.starts_with("-")) {
       return "unknown flag " + a;
     } else if (args->command.empty()) {
@@ -611,6 +618,10 @@ int Main(int argc, char** argv) {
   Args args;
   const std::string error = Parse(argc, argv, &args);
   if (error == "help") return Usage(""), kExitOk;
+  if (error == "version") {
+    std::cout << "hiqctl " HIQ_VERSION "\n";
+    return kExitOk;
+  }
   if (!error.empty()) return Usage(error);
   auto target = client_internal::NormalizeTarget(args.target);
   if (!target.ok()) return Usage(target.status().message());

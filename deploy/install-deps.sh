@@ -33,6 +33,9 @@ packages=(
   libclang-rt-14-dev
   # The format check (tests/deploy/format_check.sh): every C++ file as .clang-format says.
   clang-format
+  # The Debian package (cpack -G DEB, deploy/packaging/debian.cmake; tests/deploy/
+  # deb_package_test.sh): dpkg-shlibdeps for its Depends, which CPack runs on `file`'s answer.
+  dpkg-dev file
 )
 
 missing=()

@@ -14,8 +14,7 @@ from hiqcache.spec import (Attention, Codec, DeviceKind, DType, EventPoolSpec, G
                            LayerView, NamespaceRef, PoolSpec, RegisteredPool, SharedBuffer,
                            TensorView, slot_major_bytes, slot_major_view)
 from hiqcache.status import HiqError, Status, StatusCode
-
-__version__ = "0.1.0"
+from hiqcache._version import __version__
 
 __all__ = [
     "Attention", "BackupResult", "BlockKey", "BlockStatus", "Client", "Codec", "DType",
@@ -24,5 +23,5 @@ __all__ = [
     "NamespaceStats", "PoolSpec", "PoolStats", "RegisteredPool", "RestoreResult", "Session",
     "SessionError", "SharedBuffer", "Status", "StatusCode", "TensorView", "chain_block_key",
     "compute_block_keys", "default_socket_path", "normalize_target", "root_block_key",
-    "slot_major_bytes", "slot_major_view",
+    "slot_major_bytes", "slot_major_view", "__version__",
 ]

@@ -13,6 +13,9 @@
 #include "core/l3_tier.h"
 #include "hiqcache/paths.h"
 
+// HIQ_VERSION: the project version ("X.Y.Z", from python/hiqcache/_version.py), defined for
+// this file by server/CMakeLists.txt.
+
 namespace hiqcache::server {
 namespace {
 
@@ -681,7 +684,7 @@ std::string UsageText() {
          "                 [--l3-write-policy write_through|on_evict] [--l3-budget-bytes SIZE]\n"
          "                 [--l3-lookup-deadline-ms MS] [--l3-fetch-deadline-ms MS]\n"
          "                 (each key K of the config's [l3] table is also a flag, --l3-K)\n"
-         "                 [--print-default-config] [--check-config]\n"
+         "                 [--print-default-config] [--check-config] [--version]\n"
          "ADDR: unix:///path/to.sock or host:port (repeatable). SIZE: 8GiB, 8GB, 8589934592.\n"
          "Without arguments hiqcached uses its embedded default configuration.\n";
 }
@@ -698,6 +701,11 @@ StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::st
     if (arg == "--help" || arg == "-h") {
       *exit_now = true;
       *message = UsageText();
+      return c;
+    }
+    if (arg == "--version") {
+      *exit_now = true;
+      *message = "hiqcached " HIQ_VERSION "\n";
       return c;
     }
     if (arg == "--print-default-config") {

@@ -126,8 +126,8 @@ StatusOr<uint64_t> ParseSize(const std::string& text);
 Status ApplyConfigText(const std::string& text, const std::string& source, DaemonConfig* config);
 
 // Builds the configuration from argv: the embedded default, then --config FILE, then the other
-// flags. Returns the usage text as an OK-but-exit signal through `*exit_now` for --help, the
-// embedded default for --print-default-config, and the effective configuration for
+// flags. Sets `*exit_now` (exit 0) and `*message`: the usage for --help, "hiqcached X.Y.Z" for
+// --version, the embedded default for --print-default-config, the effective configuration for
 // --check-config (after validating it).
 StatusOr<DaemonConfig> LoadConfig(int argc, char** argv, bool* exit_now, std::string* message);
 

@@ -31,6 +31,7 @@ namespace {
 // Every exported entry point, listed once (an X-macro), resolved below with dlsym as ctypes does.
 #define HIQ_C_ABI_FUNCTIONS(X)   \
   X(hiq_abi_version)             \
+  X(hiq_version)                 \
   X(hiq_last_error)              \
   X(hiq_connect)                 \
   X(hiq_close)                   \
@@ -107,6 +108,7 @@ class HiqcacheCTest : public ::testing::Test {
 
 TEST_F(HiqcacheCTest, ExportsOnlyTheCAbi) {
   EXPECT_EQ(C().hiq_abi_version(), HIQ_C_ABI_VERSION);
+  EXPECT_STREQ(C().hiq_version(), HIQ_PROJECT_VERSION);
   EXPECT_EQ(hiq_test_c_header_sizes(), 1) << "the C view of the structs changed size";
   // The C++ client linked into the library is hidden: an engine's own copy cannot collide.
   for (const char* hidden :

@@ -56,7 +56,9 @@ fi
 # Where each target landed.
 find_one() {
   local name=$1 f
-  f=$(find "$BUILD" -name "$name" -type f -perm -u+x -not -path '*/CMakeFiles/*' | head -n 1)
+  # A file, or a link to one (libhiqcache.so -> libhiqcache.so.N -> libhiqcache.so.X.Y.Z).
+  f=$(find "$BUILD" -name "$name" \( -type f -o -type l \) -perm -u+x -not -path '*/CMakeFiles/*' \
+    | head -n 1)
   [[ -n "$f" ]] || { echo "pack_for_device: $name not built" >&2; exit 1; }
   echo "$f"
 }

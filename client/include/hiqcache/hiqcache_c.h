@@ -211,7 +211,11 @@ typedef struct hiq_l3_stats {
 
 /* --- library ---------------------------------------------------------------------------- */
 
+/* HIQ_C_ABI_VERSION of the library (also the N of its soname libhiqcache.so.N). */
 HIQ_C_API int hiq_abi_version(void);
+/* The hiqcache release the library belongs to, "X.Y.Z" (the version `hiqcached --version`
+ * reports, and pkg-config's and the CMake package's). Static storage; never NULL. */
+HIQ_C_API const char* hiq_version(void);
 /* The message of the last failed call on this thread ("" when none). Valid until the next
  * hiq_* call on this thread. */
 HIQ_C_API const char* hiq_last_error(void);
