@@ -11,7 +11,8 @@
 # $HIQ_VENV_CACHE (default ~/.cache/hiqcache/venvs/<sha256 of the lock>; the same filesystem as
 # the checkout, else nothing is kept): a new venv with that lock starts as hard links to it (a few
 # seconds), with the paths in its bin/ rewritten to its own. Remove that folder to reclaim the
-# space once no checkout uses it; a changed lock replaces it.
+# space once no checkout uses it; a changed lock replaces it. HIQ_VENV_PROGRESS=1 shows each
+# download (run-demo.sh sets it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${HIQ_VENV:-$root/.venv}
@@ -45,7 +46,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   t=$(date +%s)
   mkdir -p "$wheels"
   echo "setup-venv: installing python/requirements.lock into $venv (wheelhouse $wheels)" >&2
-  "$py" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" -r "$lock"
+  if [ "${HIQ_VENV_PROGRESS:-0}" = 1 ]; then
+    # pip's own lines for each wheel it downloads (name, size, rate); none for wheels already
+    # in the wheelhouse.
+    echo "setup-venv: downloading what the wheelhouse lacks (about 3 GB on a new machine)" >&2
+    "$py" -m pip download --no-deps --only-binary=:all: -d "$wheels" -r "$lock" 2>&1 \
+      | { grep -v -e '^File was already downloaded' -e '^Collecting ' -e '^Looking in ' \
+            -e '^Successfully downloaded' || true; }
+    echo "setup-venv: installing $(grep -c '==' "$lock") packages (about 6.6 GB written)" >&2
+  else
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" -r "$lock"
+  fi
   "$py" -m pip install -q --no-deps --no-index --find-links "$wheels" -r "$lock"
   echo "$want" >"$stamp"
   echo "setup-venv: done in $(( $(date +%s) - t ))s" >&2

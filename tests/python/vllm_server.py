@@ -130,12 +130,16 @@ class VllmServer:
         except FileNotFoundError:
             return ""
 
-    def complete(self, prompt: str, max_tokens: int = 8) -> Completion:
-        """One greedy completion (temperature 0), streamed: the time to its first token is
-        measured here, at the client."""
+    def complete(self, prompt: str | list[int], max_tokens: int = 8,
+                 cache_salt: str | None = None) -> Completion:
+        """One greedy completion (temperature 0) of a text or of token ids, streamed: the time
+        to its first token is measured here, at the client. cache_salt: vLLM's per-request salt
+        of its prefix cache, which the connector's block keys include too."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "logprobs": 1, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         text, logprobs, usage, ttft = [], [], {}, None
         t0 = time.monotonic()
         with self._client.stream("POST", "/v1/completions", json=body) as r:
