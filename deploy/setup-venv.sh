@@ -58,7 +58,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$py" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" -r "$lock"
   fi
   "$py" -m pip install -q --no-deps --no-index --find-links "$wheels" -r "$lock"
-  echo "$want" >"$stamp"
+  # A new file, renamed over the old: a venv linked from the installed lock shares the old
+  # stamp's inode with that copy and its other venvs, which must keep their own.
+  echo "$want" >"$stamp.new"
+  mv -f "$stamp.new" "$stamp"
   echo "setup-venv: done in $(( $(date +%s) - t ))s" >&2
   # Keep it for the next clone (before hiqcache is installed: that comes from each checkout).
   mkdir -p "$venvs"
