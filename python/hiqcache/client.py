@@ -46,25 +46,37 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from hiqcache.host import SHM_DIR, SLOT_BYTES, HostEventPool, HostShm, normalize_name
 from hiqcache.keys import BlockKey
-from hiqcache.session import (Session, SessionError, UntrustedDaemon, call_later,
-                              session_path_for_target)
-from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
-                           PoolSpec, RegisteredPool)
+from hiqcache.session import (
+    Session,
+    SessionError,
+    UntrustedDaemon,
+    call_later,
+    session_path_for_target,
+)
+from hiqcache.spec import (
+    CODEC_FROM_PB,
+    DEVICE_FROM_PB,
+    Codec,
+    DeviceKind,
+    NamespaceRef,
+    PoolSpec,
+    RegisteredPool,
+)
 from hiqcache.status import HiqError, Status, StatusCode
 from hiqcache.v1 import cache_pb2 as pb
 from hiqcache.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hiqcache")
 T = TypeVar("T")
-Metadata = Optional[tuple[tuple[str, str], ...]]
+Metadata = tuple[tuple[str, str], ...] | None
 
 # After the first release of a dead daemon's slots, the second one: a store of the daemon's device
 # still in flight when it died may land after the first.
@@ -821,9 +833,10 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Backup, pb.BackupRequest(
-            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            done_event=done_event, sync=sync), dl, md), slots=(done_event, -1))
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Backup, pb.BackupRequest(
+                pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+                done_event=done_event, sync=sync), dl, md), slots=(done_event, -1))
         if resp is None or not s.ok or len(resp.results) != len(keys):
             if s.ok:
                 s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
@@ -838,9 +851,10 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return RestoreResult(0, 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Restore, pb.RestoreRequest(
-            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Restore, pb.RestoreRequest(
+                pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+                layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
             slots=(done_event, layer_event_base))
         if resp is None or not s.ok:
             return RestoreResult(0, 0, s)
@@ -907,7 +921,7 @@ class Client:
             self._channel.unsubscribe(self._on_state)
             self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -124,7 +124,7 @@ class HostShm:
         return self.name.startswith(MEMFD_PREFIX)
 
     @classmethod
-    def create(cls, name: str, size: int, populate: bool = True) -> "HostShm":
+    def create(cls, name: str, size: int, populate: bool = True) -> HostShm:
         """A new zero-filled named object of `size` bytes, mode 0600. FileExistsError if taken.
         Prefer create_memfd unless another process must open the object by name.
 
@@ -145,7 +145,7 @@ class HostShm:
         return cls(name, size, fd, owner=True, populate=populate)
 
     @classmethod
-    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> "HostShm":
+    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> HostShm:
         """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
         that no process can shrink it under the daemon's mapping. It has no name: nothing is
         left behind when this process dies, and only processes given its fd can map it.
@@ -163,7 +163,7 @@ class HostShm:
         return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True, populate=populate)
 
     @classmethod
-    def open(cls, name: str, min_size: int = 0) -> "HostShm":
+    def open(cls, name: str, min_size: int = 0) -> HostShm:
         """Maps an existing object (its whole size); ValueError when smaller than min_size."""
         name = normalize_name(name)
         fd = os.open(SHM_DIR + name, os.O_RDWR | os.O_CLOEXEC)
@@ -174,7 +174,7 @@ class HostShm:
         return cls(name, size, fd, owner=False)
 
     @classmethod
-    def from_fd(cls, fd: int, min_size: int = 0, tag: str = "fd") -> "HostShm":
+    def from_fd(cls, fd: int, min_size: int = 0, tag: str = "fd") -> HostShm:
         """Maps the object behind `fd` (a memfd or shm fd, open read-write; its whole size),
         keeping a duplicate of the fd (the caller's stays the caller's). ValueError when smaller
         than min_size."""
@@ -186,7 +186,7 @@ class HostShm:
             raise ValueError(f"fd {fd} holds {size} bytes, need {min_size}")
         return cls(MEMFD_PREFIX + tag, size, own, owner=False, keep_fd=True)
 
-    def shared_buffer(self) -> "SharedBuffer":
+    def shared_buffer(self) -> SharedBuffer:
         """This object as a registered buffer: by fd when this handle keeps one, else by name."""
         from hiqcache.spec import SharedBuffer
 
@@ -194,7 +194,7 @@ class HostShm:
             return SharedBuffer(size_bytes=self.size, host_fd=self.fd)
         return SharedBuffer(size_bytes=self.size, host_shm_name=self.name)
 
-    def array(self, dtype: "np.dtype | str" = np.uint8) -> np.ndarray:
+    def array(self, dtype: np.dtype | str = np.uint8) -> np.ndarray:
         """The whole object as a flat numpy array (no copy)."""
         return np.frombuffer(self._mmap, dtype=dtype)
 
@@ -223,7 +223,7 @@ class HostShm:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "HostShm":
+    def __enter__(self) -> HostShm:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -242,7 +242,7 @@ class HostEventPool:
         self._slots = shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1)
 
     @classmethod
-    def create(cls, count: int, name: str = "") -> "HostEventPool":
+    def create(cls, count: int, name: str = "") -> HostEventPool:
         """`count` zeroed slots: in a memfd (HostShm.create_memfd) unless a shm `name` is given
         (for another process that must open them by name)."""
         if count <= 0:
@@ -255,7 +255,7 @@ class HostEventPool:
     def name(self) -> str:
         return self.shm.name
 
-    def spec(self) -> "EventPoolSpec":
+    def spec(self) -> EventPoolSpec:
         from hiqcache.spec import EventPoolSpec
 
         if self.shm.fd >= 0:
@@ -274,7 +274,7 @@ class HostEventPool:
         backwards."""
         self._slots[:, 0] = 0
 
-    def release(self, highest: int, slots: "Iterable[int] | None" = None) -> int:
+    def release(self, highest: int, slots: Iterable[int] | None = None) -> int:
         """Stores highest | EVENT_FAILED_BIT in each of `slots` (default: every slot) whose
         ticket part is below `highest` and returns how many: what a client does for the slots a
         daemon whose session ended was to store tickets into (docs/design.md "A dead daemon releases
@@ -301,7 +301,8 @@ class HostEventPool:
         (the daemon failed the work, or the client released the slots of a daemon that is gone:
         treat its rows as a miss); DEADLINE_EXCEEDED after `timeout` seconds."""
         if not 0 <= slot < self.count:
-            return Status(StatusCode.INVALID_ARGUMENT, f"slot {slot} out of range [0, {self.count})")
+            return Status(StatusCode.INVALID_ARGUMENT,
+                          f"slot {slot} out of range [0, {self.count})")
         deadline = time.monotonic() + timeout
         sleep = 0.0
         spins = 0

@@ -50,21 +50,33 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import (STORAGE_BATCH_SIZE, HiCacheStorage,
-                                                   HiCacheStorageConfig,
-                                                   HiCacheStorageExtraInfo)
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 
 from hiqcache.client import BlockStatus, Client, normalize_target
 from hiqcache.host import HostShm
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
 from hiqcache.session import session_path_for_target
-from hiqcache.spec import (Attention, Codec, DeviceKind, DType, Geometry, LayerView, PoolSpec,
-                           SharedBuffer, TensorView)
+from hiqcache.spec import (
+    Attention,
+    Codec,
+    DeviceKind,
+    DType,
+    Geometry,
+    LayerView,
+    PoolSpec,
+    SharedBuffer,
+    TensorView,
+)
 from hiqcache.status import HiqError, Status
 
 log = logging.getLogger("hiqcache.sglang")
@@ -89,7 +101,7 @@ class BackendOptions:
     staging_pages: int = 0
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> "BackendOptions":
+    def parse(cls, extra: dict[str, Any] | None) -> BackendOptions:
         """Validates the extra config; ValueError naming the offending key."""
         opts = ExtraConfig(extra, WHERE, _SGLANG_KEYS + _OUR_KEYS)
         allocator = opts.text("allocator")
@@ -171,7 +183,7 @@ class HostLayout:
     page_size: int
 
     @classmethod
-    def of(cls, host: Any) -> "HostLayout":
+    def of(cls, host: Any) -> HostLayout:
         """ValueError naming what this backend cannot serve exactly."""
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -278,7 +290,7 @@ class _Pool:
 class HiqCacheStorage(HiCacheStorage):
     """The backend SGLang builds as cls(storage_config, kwargs) (see the module docstring)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         self.config = storage_config
         self.opts = BackendOptions.parse(storage_config.extra_config)
         parts = [f"sglang:{storage_config.model_name or 'unnamed'}"]
@@ -373,7 +385,7 @@ class HiqCacheStorage(HiCacheStorage):
     # -- zero-copy interface (interface_v1) --
 
     def batch_exists(self, keys: list[str],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages the daemon holds (0 on any failure)."""
         try:
             handle = self._handle()
@@ -388,7 +400,7 @@ class HiqCacheStorage(HiCacheStorage):
             return 0
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Backs up the pages at host_indices (page_size slots per key); per page, whether the
         daemon holds it now. Returns once the daemon has read the pages."""
         try:
@@ -398,7 +410,7 @@ class HiqCacheStorage(HiCacheStorage):
             return [False] * len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Restores the pages into host_indices; True for the leading pages written."""
         try:
             return self._get(self._handle(), keys, self._rows(len(keys), host_indices))
@@ -460,8 +472,8 @@ class HiqCacheStorage(HiCacheStorage):
                 if not run(pool, area, first, min(cap, n - first)):
                     return
 
-    def batch_set(self, keys: list[str], values: Optional[Any] = None,
-                  target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    def batch_set(self, keys: list[str], values: Any | None = None,
+                  target_locations: Any | None = None, target_sizes: Any | None = None
                   ) -> bool:
         """Backs up flat pages (SGLang's get_data_page); True when every page is held."""
         try:
@@ -485,8 +497,8 @@ class HiqCacheStorage(HiCacheStorage):
             self._failed("backup", err)
             return False
 
-    def batch_get(self, keys: list[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> list[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Restores pages into target_locations (flat page tensors, SGLang's
         get_dummy_flat_data_page); None for the pages from the first missing one on."""
         out: list[torch.Tensor | None] = [None] * len(keys)
@@ -511,14 +523,14 @@ class HiqCacheStorage(HiCacheStorage):
             self._failed("restore", err)
         return out
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         if target_location is None and self.mem_pool_host is not None:
             target_location = self.mem_pool_host.get_dummy_flat_data_page()
         return self.batch_get([key], [target_location])[0]
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
     def exists(self, key: str) -> bool:
@@ -535,8 +547,8 @@ class HiqCacheStorage(HiCacheStorage):
             raise ValueError(f"hiqcache: host pools {', '.join(extra)} of a hybrid model are not "
                              "supported (this backend stores KV pages only)")
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Optional[list] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> Any:
         """Pools added after start-up (SGLang's dynamic sidecars) are not served: a miss."""
         from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
 
@@ -545,11 +557,11 @@ class HiqCacheStorage(HiCacheStorage):
             return PoolTransferResult.empty()
         return PoolTransferResult(self.batch_exists(keys, extra_info), {})
 
-    def batch_get_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    def batch_get_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 
-    def batch_set_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    def batch_set_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 

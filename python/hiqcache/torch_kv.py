@@ -47,7 +47,8 @@ def paged_view(t: torch.Tensor, buffer: int, offset_bytes: int) -> TensorView:
     ValueError for a layout TensorView cannot express (head_dim not contiguous, negative or
     zero strides)."""
     if t.dim() != 4:
-        raise ValueError(f"paged_view: need [blocks, block_size, heads, head_dim], got {tuple(t.shape)}")
+        raise ValueError("paged_view: need [blocks, block_size, heads, head_dim], "
+                         f"got {tuple(t.shape)}")
     if t.element_size() != 2:
         raise ValueError(f"paged_view: need a 2-byte dtype (bf16/fp16), got {t.dtype}")
     blocks, bs, heads, dim = t.shape
@@ -168,11 +169,11 @@ _CUDA_HOST_REGISTER_MAPPED = 0x2
 class _CudaDriver:
     """The few CUDA driver calls CudaTicketSlots needs, from libcuda.so.1 through ctypes."""
 
-    _instance: "_CudaDriver | None" = None
+    _instance: _CudaDriver | None = None
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "_CudaDriver":
+    def get(cls) -> _CudaDriver:
         """The process's instance; RuntimeError when libcuda.so.1 or a symbol is missing."""
         with cls._lock:
             if cls._instance is None:
@@ -290,11 +291,12 @@ class CudaTicketSlots(HostEventPool):
             raise ValueError("CudaTicketSlots: closed")
         return self.dev_ptr + slot * SLOT_BYTES
 
-    def _stream(self, stream: "torch.cuda.Stream | None") -> int:
-        return (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
+    def _stream(self, stream: torch.cuda.Stream | None) -> int:
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        return s.cuda_stream
 
     def wait_on_stream(self, slot: int, ticket: int,
-                       stream: "torch.cuda.Stream | None" = None) -> None:
+                       stream: torch.cuda.Stream | None = None) -> None:
         """Makes later work on `stream` (default: the device's current stream) wait until the
         slot holds ticket `ticket` or a later one, failed or not.
 
@@ -313,7 +315,7 @@ class CudaTicketSlots(HostEventPool):
                                       CU_STREAM_WAIT_VALUE_GEQ)
 
     def write_on_stream(self, slot: int, value: int,
-                        stream: "torch.cuda.Stream | None" = None) -> None:
+                        stream: torch.cuda.Stream | None = None) -> None:
         """Has `stream` (default: the device's current stream) store `value` into the slot once
         the work enqueued on it before has completed, its memory writes included
         (cuStreamWriteValue64): how an engine tells the daemon that a request's rows are ready

@@ -48,12 +48,25 @@ import torch
 from hiqcache.client import Client
 from hiqcache.host import TICKET_MASK, HostEventPool, HostShm
 from hiqcache.keys import BlockKey, root_block_key
-from hiqcache.spec import (DeviceKind, LayerView, PoolSpec, SharedBuffer, slot_major_bytes,
-                           slot_major_view)
+from hiqcache.spec import (
+    DeviceKind,
+    LayerView,
+    PoolSpec,
+    SharedBuffer,
+    slot_major_bytes,
+    slot_major_view,
+)
 from hiqcache.status import HiqError
-from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _Load, _LoadSteps, _LogOnce, _staging_tokens,
-                                  model_identity)
+from hiqcache.vllm.common import (
+    ConnectorOptions,
+    HiqCacheConnectorMetadata,
+    _engine_geometry,
+    _Load,
+    _LoadSteps,
+    _LogOnce,
+    _staging_tokens,
+    model_identity,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -145,7 +158,7 @@ class _Side:
 class CudaWorker(_LoadSteps):
     """The worker half for vLLM on CUDA (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions,
+    def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions,
                  ops: DeviceOps | None = None):
         self.cfg = vllm_config
         self.opts = opts
@@ -450,7 +463,8 @@ class CudaWorker(_LoadSteps):
             return
         s = load.slots.wait(_LAYER_BASE + layer, self.load_ticket, self.opts.timeout_ms / 1000)
         if not s.ok:
-            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing", layer, s)
+            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing",
+                      layer, s)
             self.layers_failed = True  # one deadline per step, not one per layer
             return
         self.layers_done.add(layer)
