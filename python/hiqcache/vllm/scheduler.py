@@ -158,3 +158,6 @@ class _Scheduler:
             self.reqs.pop(req_id, None)
         return meta
 
+    def request_finished(self, request: Request) -> None:
+        self.reqs.pop(request.request_id, None)
+
