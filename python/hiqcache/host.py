@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from hiqcache.status import Status, StatusCode
 
@@ -62,7 +63,7 @@ def reap_stale(tags: tuple[str, ...]) -> list[str]:
     """Unlinks this user's shm objects named by unique_name(tag) for one of `tags` whose
     process is gone (an engine killed before it could unlink its own). Returns their names.
     Objects of live processes, other users' objects and other names are left alone."""
-    reaped = []
+    reaped: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
@@ -108,7 +109,8 @@ class HostShm:
         self.owner = owner  # created here: close() unlinks a named object
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -194,8 +196,10 @@ class HostShm:
             return SharedBuffer(size_bytes=self.size, host_fd=self.fd)
         return SharedBuffer(size_bytes=self.size, host_shm_name=self.name)
 
-    def array(self, dtype: np.dtype | str = np.uint8) -> np.ndarray:
-        """The whole object as a flat numpy array (no copy)."""
+    def array(self, dtype: npt.DTypeLike = np.uint8) -> np.ndarray:
+        """The whole object as a flat numpy array (no copy). ValueError once closed."""
+        if self._mmap is None:
+            raise ValueError(f"HostShm {self.name}: closed")
         return np.frombuffer(self._mmap, dtype=dtype)
 
     def close(self) -> None:
@@ -239,7 +243,8 @@ class HostEventPool:
                              f"{count * SLOT_BYTES}")
         self.shm = shm
         self.count = count
-        self._slots = shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1)
+        self._slots: np.ndarray | None = (
+            shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1))
 
     @classmethod
     def create(cls, count: int, name: str = "") -> HostEventPool:
@@ -262,17 +267,24 @@ class HostEventPool:
             return EventPoolSpec(host_fd=self.shm.fd, count=self.count)
         return EventPoolSpec(host_shm_name=self.name, count=self.count)
 
+    def _words(self) -> np.ndarray:
+        """The slots as [count, 8] uint64 words (a slot's ticket is its first). ValueError once
+        closed."""
+        if self._slots is None:
+            raise ValueError(f"HostEventPool {self.shm.name}: closed")
+        return self._slots
+
     def read(self, slot: int) -> int:
-        return int(self._slots[slot, 0])
+        return int(self._words()[slot, 0])
 
     def store(self, slot: int, value: int) -> None:
         """E.g. to tell the daemon that a request's wait_event is satisfied."""
-        self._slots[slot, 0] = value
+        self._words()[slot, 0] = value
 
     def reset(self) -> None:
         """Zeroes every slot. Only while no daemon holds them: a registered slot never moves
         backwards."""
-        self._slots[:, 0] = 0
+        self._words()[:, 0] = 0
 
     def release(self, highest: int, slots: Iterable[int] | None = None) -> int:
         """Stores highest | EVENT_FAILED_BIT in each of `slots` (default: every slot) whose
@@ -287,7 +299,7 @@ class HostEventPool:
         if highest <= 0:
             return 0
         marked = (highest & TICKET_MASK) | EVENT_FAILED_BIT
-        words = self._slots
+        words = self._words()
         n = 0
         for i in range(self.count) if slots is None else slots:
             if 0 <= i < self.count and (int(words[i, 0]) & TICKET_MASK) < highest:
@@ -307,7 +319,7 @@ class HostEventPool:
         sleep = 0.0
         spins = 0
         while True:
-            value = int(self._slots[slot, 0])
+            value = int(self._words()[slot, 0])
             done = value & TICKET_MASK
             if done >= ticket:
                 if value & EVENT_FAILED_BIT:

@@ -45,6 +45,7 @@ first 16 bytes, any other string its XXH3-128.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -249,7 +250,8 @@ class HostLayout:
 def _memfd_of(host: Any) -> int:
     """The memfd that backs host.kv_buffer from its first byte (ShmHostTensorAllocator)."""
     alloc = getattr(host, "allocator", None)
-    fds, mms = getattr(alloc, "fds", None), getattr(alloc, "mms", None)
+    fds: list[int] | None = getattr(alloc, "fds", None)
+    mms: list[mmap.mmap] | None = getattr(alloc, "mms", None)
     if not fds or not mms or len(fds) != len(mms):
         raise ValueError(f"hiqcache: the host pool ({type(alloc).__name__}) is not in shared "
                          f"memory: set \"allocator\": \"shm\" in {WHERE}")
@@ -287,10 +289,10 @@ class _Pool:
                  if info else "not registered yet")
 
 
-class HiqCacheStorage(HiCacheStorage):
+class HiqCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's classes are untyped (Any)
     """The backend SGLang builds as cls(storage_config, kwargs) (see the module docstring)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         self.config = storage_config
         self.opts = BackendOptions.parse(storage_config.extra_config)
         parts = [f"sglang:{storage_config.model_name or 'unnamed'}"]
@@ -306,7 +308,7 @@ class HiqCacheStorage(HiCacheStorage):
             parts.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")
         self.model = "|".join(parts)
         self.client = Client(self.opts.target, call_timeout=self.opts.timeout_ms / 1000)
-        self.mem_pool_host = None
+        self.mem_pool_host: Any = None  # set by HiCacheStorage.register_mem_pool_host
         self.layout: HostLayout | None = None
         self.pool: _Pool | None = None
         self._fd = -1
@@ -314,7 +316,7 @@ class HiqCacheStorage(HiCacheStorage):
         self._staging: tuple[_Pool, HostShm, torch.Tensor] | None = None
         self._staging_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
-        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._warned: set[str] = set()
         self._closed = False
@@ -377,6 +379,7 @@ class HiqCacheStorage(HiCacheStorage):
     def _note(self, kind: str, pages: int, seconds: float) -> None:
         if not self.config.enable_storage_metrics or pages == 0 or self.layout is None:
             return
+        assert self._geometry is not None  # set with the layout
         nbytes = pages * self.layout.page_size * self._geometry.bytes_per_token
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
@@ -447,6 +450,7 @@ class HiqCacheStorage(HiCacheStorage):
         if self._staging is not None or self.layout is None or self._closed:
             return self._staging
         lay, kv = self.layout, self.mem_pool_host.kv_buffer
+        assert self._geometry is not None  # set with the layout
         page_bytes = lay.page_size * self._geometry.bytes_per_token
         pages = self.opts.staging_pages or max(1, min(STORAGE_BATCH_SIZE,
                                                       _STAGING_BYTES // page_bytes))
@@ -467,6 +471,7 @@ class HiqCacheStorage(HiCacheStorage):
             if staged is None or staged[0].handle == 0:
                 return
             pool, _, area = staged
+            assert self.layout is not None  # the copy area is made from it
             cap = self.layout.pages_in(area)
             for first in range(0, n, cap):
                 if not run(pool, area, first, min(cap, n - first)):
@@ -483,6 +488,7 @@ class HiqCacheStorage(HiCacheStorage):
             ps = self.layout.page_size if self.layout else 0
 
             def run(pool: _Pool, area: torch.Tensor, first: int, count: int) -> bool:
+                assert self.layout is not None  # the copy area is made from it
                 for j in range(count):
                     dst = self.layout.page(area, j * ps)
                     dst.copy_(values[first + j].reshape(dst.shape))
@@ -508,6 +514,7 @@ class HiqCacheStorage(HiCacheStorage):
             ps = self.layout.page_size if self.layout else 0
 
             def run(pool: _Pool, area: torch.Tensor, first: int, count: int) -> bool:
+                assert self.layout is not None  # the copy area is made from it
                 got = self._get(pool.handle, keys[first:first + count], list(range(count * ps)))
                 for j in range(count):
                     if not got[j]:
@@ -547,7 +554,7 @@ class HiqCacheStorage(HiCacheStorage):
             raise ValueError(f"hiqcache: host pools {', '.join(extra)} of a hybrid model are not "
                              "supported (this backend stores KV pages only)")
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: list | None = None,
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> Any:
         """Pools added after start-up (SGLang's dynamic sidecars) are not served: a miss."""
         from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
@@ -557,11 +564,11 @@ class HiqCacheStorage(HiCacheStorage):
             return PoolTransferResult.empty()
         return PoolTransferResult(self.batch_exists(keys, extra_info), {})
 
-    def batch_get_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None
+    def batch_get_v2(self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 
-    def batch_set_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None
+    def batch_set_v2(self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 

@@ -145,13 +145,14 @@ def cuda_export(t: torch.Tensor) -> tuple[bytes, int, int]:
         raise ValueError(f"cuda_export: {EXPANDABLE_SEGMENTS_MESSAGE}")
     storage = t.untyped_storage()
     # (device, handle, storage bytes, storage offset from the allocation base, ...)
-    shared = storage._share_cuda_()
+    shared = storage._share_cuda_()  # type: ignore[no-untyped-call]  # unannotated in torch
     try:
         handle = parse_torch_ipc_handle(shared[1])
     except ValueError as err:
         raise ValueError(f"cuda_export: {err}") from None
     size, base_offset = int(shared[2]), int(shared[3])
-    return handle, base_offset + t.storage_offset() * t.element_size(), base_offset + size
+    offset = base_offset + int(t.storage_offset()) * t.element_size()
+    return handle, offset, base_offset + size
 
 
 def cuda_device_uuid(device: int) -> str:
@@ -270,9 +271,9 @@ class CudaTicketSlots(HostEventPool):
         size = -(-count * SLOT_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
         super().__init__(HostShm.create_memfd("cuda-slots", size), count)
         try:
-            self._host_ptr = self._slots.ctypes.data
+            self._host_ptr = self._words().ctypes.data
             with torch.cuda.device(self.device):
-                cudart = torch.cuda.cudart()
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
                 err = cudart.cudaHostRegister(
                     self._host_ptr, size, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
                 if err != cudart.cudaError.success:
@@ -334,7 +335,7 @@ class CudaTicketSlots(HostEventPool):
             self._registered = False
             try:
                 with torch.cuda.device(self.device):
-                    cudart = torch.cuda.cudart()
+                    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
                     err = cudart.cudaHostUnregister(self._host_ptr)
                     if err != cudart.cudaError.success:
                         log.warning("hiqcache: cudaHostUnregister of ticket slots failed: %s",

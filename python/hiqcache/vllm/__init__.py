@@ -35,7 +35,7 @@ metadata), scheduler, cpu_worker, cuda_worker.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -79,7 +79,9 @@ class HiqCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # vLLM passes kv_cache_config; the base class only keeps it.
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._opts = ConnectorOptions.parse(extra)
         bs = vllm_config.cache_config.block_size
@@ -158,7 +160,8 @@ class HiqCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
+        # Made by build_connector_meta: always ours.
+        meta = cast(HiqCacheConnectorMetadata, self._get_connector_metadata())
         self._guard("wait_for_save", lambda: self._worker.save(meta))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -25,7 +25,10 @@ log = logging.getLogger("hiqcache.vllm")
 
 _EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport")
 CUDA_TRANSPORTS = ("auto", "ipc", "host")
-_TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+# Keyed by vLLM's model_config.dtype: a torch.dtype once vLLM resolved it (typed with its
+# string spellings too).
+_TORCH_DTYPES: dict[torch.dtype | str, DType] = {torch.bfloat16: DType.BF16,
+                                                 torch.float16: DType.FP16}
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,15 @@ class _LoadSteps:
     the blocks vLLM must recompute. A worker sets `load_slots` (the HostEventPool its done slots
     are in), `geometry`, `opts`, `stats`, `warn` and `layer_index`."""
 
-    load_slots: HostEventPool | None
     geometry: Geometry
     opts: ConnectorOptions
     stats: dict[str, Any]
     warn: _LogOnce
     layer_index: dict[str, int]
+
+    if TYPE_CHECKING:
+        @property
+        def load_slots(self) -> HostEventPool | None: ...
 
     def _saves_that_fit(self, meta: HiqCacheConnectorMetadata, room_blocks: int
                         ) -> tuple[list[BlockKey], list[int]]:

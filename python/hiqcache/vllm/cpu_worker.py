@@ -204,6 +204,8 @@ class TileConverter:
 class CpuWorker(_LoadSteps):
     """The worker half for vLLM on CPU (see the module docstring)."""
 
+    staging: torch.Tensor | None  # [L, 2, rows, heads, dim] over the shm; None once shut down
+
     def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions):
         self.cfg = vllm_config
         self.opts = opts
@@ -301,6 +303,7 @@ class CpuWorker(_LoadSteps):
 
     def _tiles_to_rows(self, layer: int, block_ids: list[int], first_row: int) -> None:
         """Copies vLLM blocks of one layer into staging rows (first_row on)."""
+        assert self.staging is not None  # registered, not shut down
         kv, st = self.layers[layer], self.staging[layer]
         runs = _runs(block_ids)
         if len(runs) * 4 > len(block_ids):  # fragmented: one gather beats many small copies
@@ -314,6 +317,7 @@ class CpuWorker(_LoadSteps):
 
     def _rows_to_tiles(self, layer: int, block_ids: list[int], first_row: int) -> None:
         """Writes staging rows of one layer into vLLM blocks, in the attention's tile order."""
+        assert self.staging is not None  # registered, not shut down
         kv, st = self.layers[layer], self.staging[layer]
         runs = _runs(block_ids)
         if len(runs) * 4 > len(block_ids):
@@ -354,6 +358,7 @@ class CpuWorker(_LoadSteps):
                 self._fail(tr.block_ids)
                 continue
             rows = range(row, row + need)
+            assert self.client is not None  # registered the pool
             res = self.client.restore(
                 self.pool, tr.keys, rows, layer_event_base=_SLOT_LAYER_BASE,
                 done_event=self._done_slot(len(self.loads)),
@@ -411,6 +416,7 @@ class CpuWorker(_LoadSteps):
         for layer in range(self.geometry.num_layers):
             self._tiles_to_rows(layer, ids, self.load_rows)
         rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
+        assert self.client is not None  # registered the pool
         res = self.client.backup(self.pool, keys, rows, done_event=_SLOT_BACKUP_DONE, sync=False)
         self._backup_sent(res)
         self.stats["save_seconds"] += time.perf_counter() - t0
