@@ -261,7 +261,7 @@ def pick_codecs(spec: str) -> list[hq.Codec]:
     try:
         return [hq.Codec.parse(n.strip()) for n in spec.split(",") if n.strip()]
     except ValueError as err:
-        raise SystemExit(f"--codecs: {err}")
+        raise SystemExit(f"--codecs: {err}") from err
 
 
 def main() -> int:
@@ -271,8 +271,8 @@ def main() -> int:
     load_start = os.getloadavg()
     started = datetime.datetime.now().astimezone()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir()
     tok = AutoTokenizer.from_pretrained(path)
@@ -508,11 +508,12 @@ def report(r: dict) -> None:
     for name, a in paths.items():
         cos = a["attn_cos_per_layer"]
         lmin = min(range(len(cos)), key=cos.__getitem__)
+        delta_se = "" if name == "floor" else f"± {a['ppl_delta_se']:.3f}"
         row = (f"{name:16s} {pm(a['kl']):>22s} {a['kl']['median']:9.2e} "
                f"{pm(a['top1'], 100, '.2f'):>14s} "
                f"{a['ppl']['ppl']:7.3f} ± {a['ppl']['se']:5.3f} "
                f"{a['ppl']['ppl'] - floor['ppl']['ppl']:+7.3f} "
-               f"{'' if name == 'floor' else '± %.3f' % a['ppl_delta_se']:>7s} ")
+               f"{delta_se:>7s} ")
         if name == "floor":
             row += f"{'—':>20s} {cos[lmin]:.6f}/L{lmin:<2d} {'—':>8s} {'—':>8s} {'—':>7s}"
         else:

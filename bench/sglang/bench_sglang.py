@@ -37,15 +37,20 @@ sys.path.insert(0, str(ROOT / "tests" / "python"))
 sys.path.insert(0, str(ROOT / "python"))  # this checkout's hiqcache, not the venv's copy
 
 import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: E402
 
 import hiqcache  # noqa: E402
-
 from daemon import Daemon  # noqa: E402
 from kv_util import int8_violations  # noqa: E402
-from sglang_kv import (MHA_LAYOUTS, Engine, KvShape, bf16_bits, extra_config,  # noqa: E402
-                       make_backend, page_hashes)
-
-from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: E402
+from sglang_kv import (  # noqa: E402
+    MHA_LAYOUTS,
+    Engine,
+    KvShape,
+    bf16_bits,
+    extra_config,
+    make_backend,
+    page_hashes,
+)
 
 GEOMETRIES = {  # layers, KV heads, head_dim (MHA, BF16)
     "smollm2-135m": (30, 3, 64),

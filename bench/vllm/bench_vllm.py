@@ -37,11 +37,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 
+import hiqcache as hq  # noqa: E402
 from daemon import Daemon  # noqa: E402
 from real_model import model_dir  # noqa: E402
 from vllm_engine import engine_env  # noqa: E402
-
-import hiqcache as hq  # noqa: E402
 
 BS = 32
 
@@ -118,7 +117,7 @@ def bench_ttft(model: str, ids: list[int], reps: int, tmp: pathlib.Path) -> dict
 def bench_fidelity(model: str, ids: list[int], pairs: int, tmp: pathlib.Path) -> dict:
     rng = random.Random(11)
     groups = []
-    for i in range(pairs):
+    for _ in range(pairs):
         n = rng.randrange(200, 1500)
         prefix = rotation(ids, rng.randrange(len(ids)), n)
         groups.append((prefix + rotation(ids, rng.randrange(len(ids)), 24),
@@ -182,7 +181,7 @@ def bench_layout(reps: int) -> dict:
     for name, ids in (("consecutive", list(range(nb, 2 * nb))),
                       ("fragmented", list(range(0, 2 * nb, 2)))):
         for op, fn in (("restore", w._rows_to_tiles), ("backup", w._tiles_to_rows)):
-            t = median_s(lambda l: fn(l, ids, 0))
+            t = median_s(lambda l, fn=fn, ids=ids: fn(l, ids, 0))
             out[f"{op}_{name}_ms"] = t * 1000
             out[f"{op}_{name}_vs_memcpy"] = copy / t
     return out
@@ -251,7 +250,8 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
         result["fidelity"] = f = bench_fidelity(model, ids, args.pairs, tmp)
         print(f"int8_per_head vs vLLM's prefix cache, {f['pairs']} prompt pairs, {f['max_tokens']} "
               f"greedy tokens: first token {f['first_token_agreement'] * 100:.1f}% equal, whole "
-              f"sequence {f['identical_sequences'] * 100:.1f}%, {f['tokens_equal_before_divergence']}"
+              f"sequence {f['identical_sequences'] * 100:.1f}%, "
+              f"{f['tokens_equal_before_divergence']}"
               f"/{f['tokens_compared']} tokens before divergence; |dlogprob| median "
               f"{f['logprob_delta_median']:.4f}, p90 {f['logprob_delta_p90']:.4f}, max "
               f"{f['logprob_delta_max']:.4f}")
@@ -301,7 +301,8 @@ def main() -> None:
     run(args, model, ids, pathlib.Path(tmp), result)
     shutil.rmtree(tmp, ignore_errors=True)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    existing = json.loads(pathlib.Path(args.out).read_text()) if pathlib.Path(args.out).exists() else {}
+    out_path = pathlib.Path(args.out)
+    existing = json.loads(out_path.read_text()) if out_path.exists() else {}
     existing.update(result)
     pathlib.Path(args.out).write_text(json.dumps(existing, indent=1))
     print(f"wrote {args.out}")

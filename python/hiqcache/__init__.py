@@ -4,15 +4,38 @@
 their engine themselves.
 """
 
-from hiqcache.client import (BackupResult, BlockStatus, Client, DaemonStats, L3Stats,
-                             LookupResult, NamespaceStats, PoolStats, RestoreResult,
-                             default_socket_path, normalize_target)
+from hiqcache.client import (
+    BackupResult,
+    BlockStatus,
+    Client,
+    DaemonStats,
+    L3Stats,
+    LookupResult,
+    NamespaceStats,
+    PoolStats,
+    RestoreResult,
+    default_socket_path,
+    normalize_target,
+)
 from hiqcache.host import EVENT_FAILED_BIT, HostEventPool, HostShm
-from hiqcache.session import Session, SessionError
 from hiqcache.keys import BlockKey, chain_block_key, compute_block_keys, root_block_key
-from hiqcache.spec import (Attention, Codec, DeviceKind, DType, EventPoolSpec, Geometry,
-                           LayerView, NamespaceRef, PoolSpec, RegisteredPool, SharedBuffer,
-                           TensorView, slot_major_bytes, slot_major_view)
+from hiqcache.session import Session, SessionError
+from hiqcache.spec import (
+    Attention,
+    Codec,
+    DeviceKind,
+    DType,
+    EventPoolSpec,
+    Geometry,
+    LayerView,
+    NamespaceRef,
+    PoolSpec,
+    RegisteredPool,
+    SharedBuffer,
+    TensorView,
+    slot_major_bytes,
+    slot_major_view,
+)
 from hiqcache.status import HiqError, Status, StatusCode
 from hiqcache._version import __version__
 

@@ -46,25 +46,59 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
 from hiqcache.host import SHM_DIR, SLOT_BYTES, HostEventPool, HostShm, normalize_name
 from hiqcache.keys import BlockKey
-from hiqcache.session import (Session, SessionError, UntrustedDaemon, call_later,
-                              session_path_for_target)
-from hiqcache.spec import (CODEC_FROM_PB, DEVICE_FROM_PB, Codec, DeviceKind, NamespaceRef,
-                           PoolSpec, RegisteredPool)
+from hiqcache.session import (
+    Session,
+    SessionError,
+    UntrustedDaemon,
+    call_later,
+    session_path_for_target,
+)
+from hiqcache.spec import (
+    CODEC_FROM_PB,
+    DEVICE_FROM_PB,
+    Codec,
+    DeviceKind,
+    EventPoolSpec,
+    NamespaceRef,
+    PoolSpec,
+    RegisteredPool,
+    SharedBuffer,
+)
 from hiqcache.status import HiqError, Status, StatusCode
 from hiqcache.v1 import cache_pb2 as pb
 from hiqcache.v1 import cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hiqcache")
 T = TypeVar("T")
-Metadata = Optional[tuple[tuple[str, str], ...]]
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+class _CacheStub(Protocol):
+    """pb_grpc.CacheStub, typed: the generated module has no .pyi."""
+
+    RegisterPool: grpc.UnaryUnaryMultiCallable[pb.RegisterPoolRequest, pb.RegisterPoolResponse]
+    ReleasePool: grpc.UnaryUnaryMultiCallable[pb.ReleasePoolRequest, pb.ReleasePoolResponse]
+    Lookup: grpc.UnaryUnaryMultiCallable[pb.LookupRequest, pb.LookupResponse]
+    Backup: grpc.UnaryUnaryMultiCallable[pb.BackupRequest, pb.BackupResponse]
+    Restore: grpc.UnaryUnaryMultiCallable[pb.RestoreRequest, pb.RestoreResponse]
+    Evict: grpc.UnaryUnaryMultiCallable[pb.EvictRequest, pb.EvictResponse]
+    GetStats: grpc.UnaryUnaryMultiCallable[pb.GetStatsRequest, pb.GetStatsResponse]
+    Drain: grpc.UnaryUnaryMultiCallable[pb.DrainRequest, pb.DrainResponse]
+
+
+class _Ticketed(Protocol):
+    """The answer of a request that names slots (Backup, Restore)."""
+
+    @property
+    def ticket(self) -> int: ...
 
 # After the first release of a dead daemon's slots, the second one: a store of the daemon's device
 # still in flight when it died may land after the first.
@@ -336,7 +370,7 @@ class Client:
         self._channel = (grpc.secure_channel(channel_target, credentials, options=options)
                          if credentials is not None
                          else grpc.insecure_channel(channel_target, options=options))
-        self._stub = pb_grpc.CacheStub(self._channel)
+        self._stub: _CacheStub = pb_grpc.CacheStub(self._channel)
         self._lock = threading.Lock()
         self._pools: dict[int, _Pool] = {}
         self._next_handle = 1
@@ -485,7 +519,7 @@ class Client:
         fds: list[int] = []
         where: list[int] = []  # buffer index per fd; -1 = the events
 
-        def fd_of(obj: Any) -> int:
+        def fd_of(obj: SharedBuffer | EventPoolSpec) -> int:
             if obj.host_fd >= 0:
                 return obj.host_fd
             # With this process's own rights: the daemon then needs none of its own. An object
@@ -710,7 +744,7 @@ class Client:
                 return None, s
             resp, s = rpc(server_id, deadline, sess.metadata() if sess else None)
             if ticketed and s.ok and sess is not None:
-                self._note_ticket(pool, gen, resp.ticket)
+                self._note_ticket(pool, gen, cast(_Ticketed, resp).ticket)
             if s.ok or not _is_stale(s):
                 return resp, s
             self._invalidate(pool, server_id, s)
@@ -821,9 +855,10 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return BackupResult([BlockStatus.NOT_STORED] * len(keys), 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Backup, pb.BackupRequest(
-            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            done_event=done_event, sync=sync), dl, md), slots=(done_event, -1))
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Backup, pb.BackupRequest(
+                pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+                done_event=done_event, sync=sync), dl, md), slots=(done_event, -1))
         if resp is None or not s.ok or len(resp.results) != len(keys):
             if s.ok:
                 s = Status(StatusCode.INTERNAL, "backup answered a wrong number of results")
@@ -838,9 +873,10 @@ class Client:
         blocks, s = self._blocks(handle, keys, rows)
         if blocks is None:
             return RestoreResult(0, 0, s)
-        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(self._stub.Restore, pb.RestoreRequest(
-            pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
-            layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
+        resp, s = self._with_pool(handle, lambda pid, dl, md: self._call(
+            self._stub.Restore, pb.RestoreRequest(
+                pool_id=pid, blocks=blocks, wait_event=wait_event, wait_value=wait_value,
+                layer_event_base=layer_event_base, done_event=done_event, sync=sync), dl, md),
             slots=(done_event, layer_event_base))
         if resp is None or not s.ok:
             return RestoreResult(0, 0, s)
@@ -907,7 +943,7 @@ class Client:
             self._channel.unsubscribe(self._on_state)
             self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

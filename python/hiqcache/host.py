@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from hiqcache.status import Status, StatusCode
 
@@ -62,7 +63,7 @@ def reap_stale(tags: tuple[str, ...]) -> list[str]:
     """Unlinks this user's shm objects named by unique_name(tag) for one of `tags` whose
     process is gone (an engine killed before it could unlink its own). Returns their names.
     Objects of live processes, other users' objects and other names are left alone."""
-    reaped = []
+    reaped: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
@@ -108,7 +109,8 @@ class HostShm:
         self.owner = owner  # created here: close() unlinks a named object
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -124,7 +126,7 @@ class HostShm:
         return self.name.startswith(MEMFD_PREFIX)
 
     @classmethod
-    def create(cls, name: str, size: int, populate: bool = True) -> "HostShm":
+    def create(cls, name: str, size: int, populate: bool = True) -> HostShm:
         """A new zero-filled named object of `size` bytes, mode 0600. FileExistsError if taken.
         Prefer create_memfd unless another process must open the object by name.
 
@@ -145,7 +147,7 @@ class HostShm:
         return cls(name, size, fd, owner=True, populate=populate)
 
     @classmethod
-    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> "HostShm":
+    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> HostShm:
         """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
         that no process can shrink it under the daemon's mapping. It has no name: nothing is
         left behind when this process dies, and only processes given its fd can map it.
@@ -163,7 +165,7 @@ class HostShm:
         return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True, populate=populate)
 
     @classmethod
-    def open(cls, name: str, min_size: int = 0) -> "HostShm":
+    def open(cls, name: str, min_size: int = 0) -> HostShm:
         """Maps an existing object (its whole size); ValueError when smaller than min_size."""
         name = normalize_name(name)
         fd = os.open(SHM_DIR + name, os.O_RDWR | os.O_CLOEXEC)
@@ -174,7 +176,7 @@ class HostShm:
         return cls(name, size, fd, owner=False)
 
     @classmethod
-    def from_fd(cls, fd: int, min_size: int = 0, tag: str = "fd") -> "HostShm":
+    def from_fd(cls, fd: int, min_size: int = 0, tag: str = "fd") -> HostShm:
         """Maps the object behind `fd` (a memfd or shm fd, open read-write; its whole size),
         keeping a duplicate of the fd (the caller's stays the caller's). ValueError when smaller
         than min_size."""
@@ -186,7 +188,7 @@ class HostShm:
             raise ValueError(f"fd {fd} holds {size} bytes, need {min_size}")
         return cls(MEMFD_PREFIX + tag, size, own, owner=False, keep_fd=True)
 
-    def shared_buffer(self) -> "SharedBuffer":
+    def shared_buffer(self) -> SharedBuffer:
         """This object as a registered buffer: by fd when this handle keeps one, else by name."""
         from hiqcache.spec import SharedBuffer
 
@@ -194,8 +196,10 @@ class HostShm:
             return SharedBuffer(size_bytes=self.size, host_fd=self.fd)
         return SharedBuffer(size_bytes=self.size, host_shm_name=self.name)
 
-    def array(self, dtype: "np.dtype | str" = np.uint8) -> np.ndarray:
-        """The whole object as a flat numpy array (no copy)."""
+    def array(self, dtype: npt.DTypeLike = np.uint8) -> np.ndarray:
+        """The whole object as a flat numpy array (no copy). ValueError once closed."""
+        if self._mmap is None:
+            raise ValueError(f"HostShm {self.name}: closed")
         return np.frombuffer(self._mmap, dtype=dtype)
 
     def close(self) -> None:
@@ -223,7 +227,7 @@ class HostShm:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "HostShm":
+    def __enter__(self) -> HostShm:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -239,10 +243,11 @@ class HostEventPool:
                              f"{count * SLOT_BYTES}")
         self.shm = shm
         self.count = count
-        self._slots = shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1)
+        self._slots: np.ndarray | None = (
+            shm.array(np.uint64)[: count * (SLOT_BYTES // 8)].reshape(count, -1))
 
     @classmethod
-    def create(cls, count: int, name: str = "") -> "HostEventPool":
+    def create(cls, count: int, name: str = "") -> HostEventPool:
         """`count` zeroed slots: in a memfd (HostShm.create_memfd) unless a shm `name` is given
         (for another process that must open them by name)."""
         if count <= 0:
@@ -255,26 +260,33 @@ class HostEventPool:
     def name(self) -> str:
         return self.shm.name
 
-    def spec(self) -> "EventPoolSpec":
+    def spec(self) -> EventPoolSpec:
         from hiqcache.spec import EventPoolSpec
 
         if self.shm.fd >= 0:
             return EventPoolSpec(host_fd=self.shm.fd, count=self.count)
         return EventPoolSpec(host_shm_name=self.name, count=self.count)
 
+    def _words(self) -> np.ndarray:
+        """The slots as [count, 8] uint64 words (a slot's ticket is its first). ValueError once
+        closed."""
+        if self._slots is None:
+            raise ValueError(f"HostEventPool {self.shm.name}: closed")
+        return self._slots
+
     def read(self, slot: int) -> int:
-        return int(self._slots[slot, 0])
+        return int(self._words()[slot, 0])
 
     def store(self, slot: int, value: int) -> None:
         """E.g. to tell the daemon that a request's wait_event is satisfied."""
-        self._slots[slot, 0] = value
+        self._words()[slot, 0] = value
 
     def reset(self) -> None:
         """Zeroes every slot. Only while no daemon holds them: a registered slot never moves
         backwards."""
-        self._slots[:, 0] = 0
+        self._words()[:, 0] = 0
 
-    def release(self, highest: int, slots: "Iterable[int] | None" = None) -> int:
+    def release(self, highest: int, slots: Iterable[int] | None = None) -> int:
         """Stores highest | EVENT_FAILED_BIT in each of `slots` (default: every slot) whose
         ticket part is below `highest` and returns how many: what a client does for the slots a
         daemon whose session ended was to store tickets into (docs/design.md "A dead daemon releases
@@ -287,7 +299,7 @@ class HostEventPool:
         if highest <= 0:
             return 0
         marked = (highest & TICKET_MASK) | EVENT_FAILED_BIT
-        words = self._slots
+        words = self._words()
         n = 0
         for i in range(self.count) if slots is None else slots:
             if 0 <= i < self.count and (int(words[i, 0]) & TICKET_MASK) < highest:
@@ -301,12 +313,13 @@ class HostEventPool:
         (the daemon failed the work, or the client released the slots of a daemon that is gone:
         treat its rows as a miss); DEADLINE_EXCEEDED after `timeout` seconds."""
         if not 0 <= slot < self.count:
-            return Status(StatusCode.INVALID_ARGUMENT, f"slot {slot} out of range [0, {self.count})")
+            return Status(StatusCode.INVALID_ARGUMENT,
+                          f"slot {slot} out of range [0, {self.count})")
         deadline = time.monotonic() + timeout
         sleep = 0.0
         spins = 0
         while True:
-            value = int(self._slots[slot, 0])
+            value = int(self._words()[slot, 0])
             done = value & TICKET_MASK
             if done >= ticket:
                 if value & EVENT_FAILED_BIT:

@@ -25,12 +25,12 @@ def root_block_key(salt: bytes | str = b"") -> BlockKey:
     return xxhash.xxh3_128_digest(salt)
 
 
-def chain_block_key(previous: BlockKey, tokens: "Sequence[int] | np.ndarray") -> BlockKey:
+def chain_block_key(previous: BlockKey, tokens: Sequence[int] | np.ndarray) -> BlockKey:
     data = np.asarray(tokens, dtype=np.int64).astype("<u4", casting="unsafe").tobytes()
     return xxhash.xxh3_128_digest(previous + data)
 
 
-def compute_block_keys(tokens: "Sequence[int] | np.ndarray", block_tokens: int,
+def compute_block_keys(tokens: Sequence[int] | np.ndarray, block_tokens: int,
                        salt: bytes | str = b"", max_blocks: int | None = None) -> list[BlockKey]:
     """Keys of the floor(len(tokens) / block_tokens) full blocks (at most max_blocks)."""
     if block_tokens <= 0:

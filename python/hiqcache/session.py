@@ -174,7 +174,7 @@ class Greeting:
     gid: int
 
     @classmethod
-    def parse(cls, packet: bytes) -> "Greeting":
+    def parse(cls, packet: bytes) -> Greeting:
         """SessionError when the packet is not a version-1 greeting."""
         try:
             text = packet.decode("ascii")
@@ -196,7 +196,7 @@ class _Watch:
 
     __slots__ = ("fd", "session", "cancelled")
 
-    def __init__(self, fd: int, session: "Session"):
+    def __init__(self, fd: int, session: Session):
         self.fd = fd
         self.session = weakref.ref(session)  # a dropped Session closes itself (__del__)
         self.cancelled = False
@@ -217,7 +217,7 @@ class _Watcher:
         self._thread: threading.Thread | None = None
         self._wake_r = self._wake_w = -1
 
-    def watch(self, session: "Session", fd: int) -> _Watch:
+    def watch(self, session: Session, fd: int) -> _Watch:
         w = _Watch(fd, session)
         with self._lock:
             self._watches[fd] = w
@@ -339,7 +339,7 @@ def call_later(delay: float, fn: Callable[[], None]) -> None:
 
 
 # Sessions open in this process, so that a forked child drops its copies (see the module doc).
-_open_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -383,7 +383,7 @@ class Session:
             if not packet:
                 raise SessionError(f"hiqcached session {path}: closed before its greeting")
             self.greeting = Greeting.parse(packet)
-        except socket.timeout as err:
+        except TimeoutError as err:
             sock.close()
             raise SessionError(f"hiqcached session {path}: no greeting within {timeout} s") \
                 from err
@@ -398,7 +398,7 @@ class Session:
         _open_sessions.add(self)
 
     @classmethod
-    def for_target(cls, target: str, *, timeout: float = 2.0) -> "Session | None":
+    def for_target(cls, target: str, *, timeout: float = 2.0) -> Session | None:
         """A session with the daemon at gRPC target `target`; None for a target that has no
         session socket (not unix). SessionError when a unix target's session cannot be opened."""
         path = session_path_for_target(target)
@@ -572,7 +572,7 @@ class Session:
         sock = self._sock
         return sock.fileno() if sock is not None else -1
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -45,26 +45,39 @@ first 16 bytes, any other string its XXH3-128.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import (STORAGE_BATCH_SIZE, HiCacheStorage,
-                                                   HiCacheStorageConfig,
-                                                   HiCacheStorageExtraInfo)
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 
 from hiqcache.client import BlockStatus, Client, normalize_target
 from hiqcache.host import HostShm
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
 from hiqcache.session import session_path_for_target
-from hiqcache.spec import (Attention, Codec, DeviceKind, DType, Geometry, LayerView, PoolSpec,
-                           SharedBuffer, TensorView)
+from hiqcache.spec import (
+    Attention,
+    Codec,
+    DeviceKind,
+    DType,
+    Geometry,
+    LayerView,
+    PoolSpec,
+    SharedBuffer,
+    TensorView,
+)
 from hiqcache.status import HiqError, Status
 
 log = logging.getLogger("hiqcache.sglang")
@@ -89,7 +102,7 @@ class BackendOptions:
     staging_pages: int = 0
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> "BackendOptions":
+    def parse(cls, extra: dict[str, Any] | None) -> BackendOptions:
         """Validates the extra config; ValueError naming the offending key."""
         opts = ExtraConfig(extra, WHERE, _SGLANG_KEYS + _OUR_KEYS)
         allocator = opts.text("allocator")
@@ -171,7 +184,7 @@ class HostLayout:
     page_size: int
 
     @classmethod
-    def of(cls, host: Any) -> "HostLayout":
+    def of(cls, host: Any) -> HostLayout:
         """ValueError naming what this backend cannot serve exactly."""
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -237,7 +250,8 @@ class HostLayout:
 def _memfd_of(host: Any) -> int:
     """The memfd that backs host.kv_buffer from its first byte (ShmHostTensorAllocator)."""
     alloc = getattr(host, "allocator", None)
-    fds, mms = getattr(alloc, "fds", None), getattr(alloc, "mms", None)
+    fds: list[int] | None = getattr(alloc, "fds", None)
+    mms: list[mmap.mmap] | None = getattr(alloc, "mms", None)
     if not fds or not mms or len(fds) != len(mms):
         raise ValueError(f"hiqcache: the host pool ({type(alloc).__name__}) is not in shared "
                          f"memory: set \"allocator\": \"shm\" in {WHERE}")
@@ -275,10 +289,10 @@ class _Pool:
                  if info else "not registered yet")
 
 
-class HiqCacheStorage(HiCacheStorage):
+class HiqCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's classes are untyped (Any)
     """The backend SGLang builds as cls(storage_config, kwargs) (see the module docstring)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         self.config = storage_config
         self.opts = BackendOptions.parse(storage_config.extra_config)
         parts = [f"sglang:{storage_config.model_name or 'unnamed'}"]
@@ -294,7 +308,7 @@ class HiqCacheStorage(HiCacheStorage):
             parts.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size}")
         self.model = "|".join(parts)
         self.client = Client(self.opts.target, call_timeout=self.opts.timeout_ms / 1000)
-        self.mem_pool_host = None
+        self.mem_pool_host: Any = None  # set by HiCacheStorage.register_mem_pool_host
         self.layout: HostLayout | None = None
         self.pool: _Pool | None = None
         self._fd = -1
@@ -302,7 +316,7 @@ class HiqCacheStorage(HiCacheStorage):
         self._staging: tuple[_Pool, HostShm, torch.Tensor] | None = None
         self._staging_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
-        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._warned: set[str] = set()
         self._closed = False
@@ -365,6 +379,7 @@ class HiqCacheStorage(HiCacheStorage):
     def _note(self, kind: str, pages: int, seconds: float) -> None:
         if not self.config.enable_storage_metrics or pages == 0 or self.layout is None:
             return
+        assert self._geometry is not None  # set with the layout
         nbytes = pages * self.layout.page_size * self._geometry.bytes_per_token
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
@@ -373,7 +388,7 @@ class HiqCacheStorage(HiCacheStorage):
     # -- zero-copy interface (interface_v1) --
 
     def batch_exists(self, keys: list[str],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages the daemon holds (0 on any failure)."""
         try:
             handle = self._handle()
@@ -388,7 +403,7 @@ class HiqCacheStorage(HiCacheStorage):
             return 0
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Backs up the pages at host_indices (page_size slots per key); per page, whether the
         daemon holds it now. Returns once the daemon has read the pages."""
         try:
@@ -398,7 +413,7 @@ class HiqCacheStorage(HiCacheStorage):
             return [False] * len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Restores the pages into host_indices; True for the leading pages written."""
         try:
             return self._get(self._handle(), keys, self._rows(len(keys), host_indices))
@@ -435,6 +450,7 @@ class HiqCacheStorage(HiCacheStorage):
         if self._staging is not None or self.layout is None or self._closed:
             return self._staging
         lay, kv = self.layout, self.mem_pool_host.kv_buffer
+        assert self._geometry is not None  # set with the layout
         page_bytes = lay.page_size * self._geometry.bytes_per_token
         pages = self.opts.staging_pages or max(1, min(STORAGE_BATCH_SIZE,
                                                       _STAGING_BYTES // page_bytes))
@@ -455,13 +471,14 @@ class HiqCacheStorage(HiCacheStorage):
             if staged is None or staged[0].handle == 0:
                 return
             pool, _, area = staged
+            assert self.layout is not None  # the copy area is made from it
             cap = self.layout.pages_in(area)
             for first in range(0, n, cap):
                 if not run(pool, area, first, min(cap, n - first)):
                     return
 
-    def batch_set(self, keys: list[str], values: Optional[Any] = None,
-                  target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    def batch_set(self, keys: list[str], values: Any | None = None,
+                  target_locations: Any | None = None, target_sizes: Any | None = None
                   ) -> bool:
         """Backs up flat pages (SGLang's get_data_page); True when every page is held."""
         try:
@@ -471,6 +488,7 @@ class HiqCacheStorage(HiCacheStorage):
             ps = self.layout.page_size if self.layout else 0
 
             def run(pool: _Pool, area: torch.Tensor, first: int, count: int) -> bool:
+                assert self.layout is not None  # the copy area is made from it
                 for j in range(count):
                     dst = self.layout.page(area, j * ps)
                     dst.copy_(values[first + j].reshape(dst.shape))
@@ -485,8 +503,8 @@ class HiqCacheStorage(HiCacheStorage):
             self._failed("backup", err)
             return False
 
-    def batch_get(self, keys: list[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> list[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Restores pages into target_locations (flat page tensors, SGLang's
         get_dummy_flat_data_page); None for the pages from the first missing one on."""
         out: list[torch.Tensor | None] = [None] * len(keys)
@@ -496,6 +514,7 @@ class HiqCacheStorage(HiCacheStorage):
             ps = self.layout.page_size if self.layout else 0
 
             def run(pool: _Pool, area: torch.Tensor, first: int, count: int) -> bool:
+                assert self.layout is not None  # the copy area is made from it
                 got = self._get(pool.handle, keys[first:first + count], list(range(count * ps)))
                 for j in range(count):
                     if not got[j]:
@@ -511,14 +530,14 @@ class HiqCacheStorage(HiCacheStorage):
             self._failed("restore", err)
         return out
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         if target_location is None and self.mem_pool_host is not None:
             target_location = self.mem_pool_host.get_dummy_flat_data_page()
         return self.batch_get([key], [target_location])[0]
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
     def exists(self, key: str) -> bool:
@@ -535,8 +554,8 @@ class HiqCacheStorage(HiCacheStorage):
             raise ValueError(f"hiqcache: host pools {', '.join(extra)} of a hybrid model are not "
                              "supported (this backend stores KV pages only)")
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Optional[list] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> Any:
         """Pools added after start-up (SGLang's dynamic sidecars) are not served: a miss."""
         from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
 
@@ -545,11 +564,11 @@ class HiqCacheStorage(HiCacheStorage):
             return PoolTransferResult.empty()
         return PoolTransferResult(self.batch_exists(keys, extra_info), {})
 
-    def batch_get_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    def batch_get_v2(self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 
-    def batch_set_v2(self, transfers: list, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    def batch_set_v2(self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 

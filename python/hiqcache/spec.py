@@ -34,7 +34,7 @@ class Codec(enum.Enum):
     INT4_G32_PER_HEAD = "int4_g32_per_head"
 
     @classmethod
-    def parse(cls, name: str) -> "Codec":
+    def parse(cls, name: str) -> Codec:
         """The codec called `name`; ValueError naming the accepted names otherwise."""
         for c in cls:
             if c.value == name:
@@ -185,7 +185,7 @@ class PoolSpec:
     cuda_device_uuid: str = ""
     events: EventPoolSpec = field(default_factory=EventPoolSpec)
 
-    def namespace(self) -> "NamespaceRef":
+    def namespace(self) -> NamespaceRef:
         return NamespaceRef(model=self.model, tenant=self.tenant, geometry=self.geometry,
                             block_tokens=self.block_tokens, codec=self.codec)
 

@@ -15,7 +15,7 @@ class Status:
     code: StatusCode = StatusCode.OK
     message: str = ""
 
-    OK: ClassVar["Status"]
+    OK: ClassVar[Status]
 
     @property
     def ok(self) -> bool:

@@ -47,7 +47,8 @@ def paged_view(t: torch.Tensor, buffer: int, offset_bytes: int) -> TensorView:
     ValueError for a layout TensorView cannot express (head_dim not contiguous, negative or
     zero strides)."""
     if t.dim() != 4:
-        raise ValueError(f"paged_view: need [blocks, block_size, heads, head_dim], got {tuple(t.shape)}")
+        raise ValueError("paged_view: need [blocks, block_size, heads, head_dim], "
+                         f"got {tuple(t.shape)}")
     if t.element_size() != 2:
         raise ValueError(f"paged_view: need a 2-byte dtype (bf16/fp16), got {t.dtype}")
     blocks, bs, heads, dim = t.shape
@@ -144,13 +145,14 @@ def cuda_export(t: torch.Tensor) -> tuple[bytes, int, int]:
         raise ValueError(f"cuda_export: {EXPANDABLE_SEGMENTS_MESSAGE}")
     storage = t.untyped_storage()
     # (device, handle, storage bytes, storage offset from the allocation base, ...)
-    shared = storage._share_cuda_()
+    shared = storage._share_cuda_()  # type: ignore[no-untyped-call]  # unannotated in torch
     try:
         handle = parse_torch_ipc_handle(shared[1])
     except ValueError as err:
         raise ValueError(f"cuda_export: {err}") from None
     size, base_offset = int(shared[2]), int(shared[3])
-    return handle, base_offset + t.storage_offset() * t.element_size(), base_offset + size
+    offset = base_offset + int(t.storage_offset()) * t.element_size()
+    return handle, offset, base_offset + size
 
 
 def cuda_device_uuid(device: int) -> str:
@@ -168,11 +170,11 @@ _CUDA_HOST_REGISTER_MAPPED = 0x2
 class _CudaDriver:
     """The few CUDA driver calls CudaTicketSlots needs, from libcuda.so.1 through ctypes."""
 
-    _instance: "_CudaDriver | None" = None
+    _instance: _CudaDriver | None = None
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "_CudaDriver":
+    def get(cls) -> _CudaDriver:
         """The process's instance; RuntimeError when libcuda.so.1 or a symbol is missing."""
         with cls._lock:
             if cls._instance is None:
@@ -269,9 +271,9 @@ class CudaTicketSlots(HostEventPool):
         size = -(-count * SLOT_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
         super().__init__(HostShm.create_memfd("cuda-slots", size), count)
         try:
-            self._host_ptr = self._slots.ctypes.data
+            self._host_ptr = self._words().ctypes.data
             with torch.cuda.device(self.device):
-                cudart = torch.cuda.cudart()
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
                 err = cudart.cudaHostRegister(
                     self._host_ptr, size, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
                 if err != cudart.cudaError.success:
@@ -290,11 +292,12 @@ class CudaTicketSlots(HostEventPool):
             raise ValueError("CudaTicketSlots: closed")
         return self.dev_ptr + slot * SLOT_BYTES
 
-    def _stream(self, stream: "torch.cuda.Stream | None") -> int:
-        return (stream if stream is not None else torch.cuda.current_stream(self.device)).cuda_stream
+    def _stream(self, stream: torch.cuda.Stream | None) -> int:
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        return s.cuda_stream
 
     def wait_on_stream(self, slot: int, ticket: int,
-                       stream: "torch.cuda.Stream | None" = None) -> None:
+                       stream: torch.cuda.Stream | None = None) -> None:
         """Makes later work on `stream` (default: the device's current stream) wait until the
         slot holds ticket `ticket` or a later one, failed or not.
 
@@ -313,7 +316,7 @@ class CudaTicketSlots(HostEventPool):
                                       CU_STREAM_WAIT_VALUE_GEQ)
 
     def write_on_stream(self, slot: int, value: int,
-                        stream: "torch.cuda.Stream | None" = None) -> None:
+                        stream: torch.cuda.Stream | None = None) -> None:
         """Has `stream` (default: the device's current stream) store `value` into the slot once
         the work enqueued on it before has completed, its memory writes included
         (cuStreamWriteValue64): how an engine tells the daemon that a request's rows are ready
@@ -332,7 +335,7 @@ class CudaTicketSlots(HostEventPool):
             self._registered = False
             try:
                 with torch.cuda.device(self.device):
-                    cudart = torch.cuda.cudart()
+                    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
                     err = cudart.cudaHostUnregister(self._host_ptr)
                     if err != cudart.cudaError.success:
                         log.warning("hiqcache: cudaHostUnregister of ticket slots failed: %s",

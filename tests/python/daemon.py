@@ -39,7 +39,7 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.dir, "daemon.log")
 
-    def start(self, timeout: float = 30.0) -> "Daemon":
+    def start(self, timeout: float = 30.0) -> Daemon:
         args = [daemon_path(), "--listen", self.target, "--pool-bytes", self.pool_bytes,
                 "--shm-name", self.shm_name, "--log-level", "warn", *self.extra]
         with open(self.log, "ab") as log:
@@ -100,7 +100,7 @@ class Daemon:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -50,8 +50,8 @@ class RedisCluster:
         return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
                               text=True, timeout=30).stdout
 
-    def start(self, timeout: float = 30.0) -> "RedisCluster":
-        for i in range(self.masters):
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        for _ in range(self.masters):
             port = _free_port()
             d = os.path.join(self.dir, str(port))
             os.makedirs(d)
@@ -89,7 +89,7 @@ class RedisCluster:
                 p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "RedisCluster":
+    def __enter__(self) -> RedisCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -30,8 +30,16 @@ def main() -> None:
     import torch
 
     from kv_util import int8_violations
-    from sglang_kv import (SMALL, SMALL_MLA, Engine, bf16_bits, extra_config, make_backend,
-                           page_data, page_hashes)
+    from sglang_kv import (
+        SMALL,
+        SMALL_MLA,
+        Engine,
+        bf16_bits,
+        extra_config,
+        make_backend,
+        page_data,
+        page_hashes,
+    )
 
     for job in args["jobs"]:
         shape = SMALL_MLA if job["mla"] else SMALL

@@ -20,8 +20,19 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from daemon import Daemon  # noqa: E402
 from kv_util import int8_violations  # noqa: E402
-from sglang_kv import (MHA_LAYOUTS, MLA_LAYOUTS, SMALL, SMALL_MLA, Engine, KvShape,  # noqa: E402
-                       bf16_bits, extra_config, make_backend, page_data, page_hashes)
+from sglang_kv import (  # noqa: E402
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    SMALL,
+    SMALL_MLA,
+    Engine,
+    KvShape,
+    bf16_bits,
+    extra_config,
+    make_backend,
+    page_data,
+    page_hashes,
+)
 
 HERE = os.path.dirname(__file__)
 OTHER_UID = 61001  # the reading engine runs as another user when the tests run as root

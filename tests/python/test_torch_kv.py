@@ -20,8 +20,14 @@ torch = pytest.importorskip("torch")
 import hiqcache as hq  # noqa: E402
 from hiqcache.host import unique_name  # noqa: E402
 from hiqcache.torch_ipc import parse_torch_ipc_handle  # noqa: E402
-from hiqcache.torch_kv import (CudaTicketSlots, cuda_export, expandable_segments_enabled,  # noqa: E402
-                               memfd_tensor, paged_view, shm_tensor)
+from hiqcache.torch_kv import (  # noqa: E402
+    CudaTicketSlots,
+    cuda_export,
+    expandable_segments_enabled,
+    memfd_tensor,
+    paged_view,
+    shm_tensor,
+)
 
 HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t
 ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")

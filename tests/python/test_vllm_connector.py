@@ -126,6 +126,9 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
         b = run_engine("b-int8", {"model": model, "connector": conn,
                                   "batches": [[p2] for _, p2, _ in prompts]}, tmp_path)
         want_blocks = sum(full_blocks(len(p2), n) for _, p2, n in prompts)
+        for name in ("a-int8", "b-int8"):  # no connector call failed (each would say so)
+            log = (tmp_path / f"{name}.log").read_text()
+            assert "treated as a miss" not in log, log[-6000:]
         assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
         assert b["connector"]["failed_blocks"] == 0
         assert a["connector"]["saved_blocks"] > 0 and a["connector"]["loaded_blocks"] == 0

@@ -16,13 +16,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from daemon import Daemon  # noqa: E402
-from real_model import model_dir  # noqa: E402
-
 from hiqcache.host import HostEventPool  # noqa: E402
 from hiqcache.keys import compute_block_keys  # noqa: E402
 from hiqcache.vllm import ConnectorOptions, CudaWorker  # noqa: E402
 from hiqcache.vllm.common import HiqCacheConnectorMetadata, _Transfer  # noqa: E402
 from hiqcache.vllm.cuda_worker import DeviceOps, split_kv_layer  # noqa: E402
+from real_model import model_dir  # noqa: E402
 
 BS, BLOCKS = 16, 24
 LAYERS, HEADS, DIM = 30, 3, 64  # SmolLM2-135M

@@ -35,15 +35,23 @@ metadata), scheduler, cpu_worker, cuda_worker.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
-from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _LogOnce, model_identity, request_salt)
+from hiqcache.vllm.common import (
+    ConnectorOptions,
+    HiqCacheConnectorMetadata,
+    _engine_geometry,
+    _LogOnce,
+    model_identity,
+    request_salt,
+)
 from hiqcache.vllm.cpu_worker import CpuWorker, TileConverter, probe_tile_order
 from hiqcache.vllm.cuda_worker import CudaWorker
 from hiqcache.vllm.scheduler import _Scheduler
@@ -69,9 +77,11 @@ log = logging.getLogger("hiqcache.vllm")
 class HiqCacheConnector(KVConnectorBase_V1):
     """hiqcached as vLLM's KV connector (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        # vLLM passes kv_cache_config; the base class only keeps it.
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._opts = ConnectorOptions.parse(extra)
         bs = vllm_config.cache_config.block_size
@@ -87,7 +97,8 @@ class HiqCacheConnector(KVConnectorBase_V1):
                      "hiqcached cannot deliver is recomputed",
                      self._kv_transfer_config.kv_load_failure_policy)
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self._scheduler = _Scheduler(vllm_config, self._opts) if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = (_Scheduler(vllm_config, self._opts)
+                           if role == KVConnectorRole.SCHEDULER else None)
         self._vllm_config = vllm_config
         self._worker: CpuWorker | CudaWorker | None = None  # chosen by the KV caches' device
         self._is_worker = role == KVConnectorRole.WORKER
@@ -120,7 +131,7 @@ class HiqCacheConnector(KVConnectorBase_V1):
         worker.register(kv_caches)  # start-up: a layout not understood fails loudly
         self._worker = worker
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -143,13 +154,14 @@ class HiqCacheConnector(KVConnectorBase_V1):
             self._worker.layer_failed(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # saved in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
+        # Made by build_connector_meta: always ours.
+        meta = cast(HiqCacheConnectorMetadata, self._get_connector_metadata())
         self._guard("wait_for_save", lambda: self._worker.save(meta))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -165,26 +177,26 @@ class HiqCacheConnector(KVConnectorBase_V1):
 
     # -- scheduler --
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         n = self._guard("lookup", lambda: self._scheduler.num_new_matched_tokens(
             request, num_computed_tokens), 0)
         return n, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._guard("update_state_after_alloc", lambda: self._scheduler.update_state_after_alloc(
             request, blocks, num_external_tokens))
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         meta = self._guard("build_connector_meta",
                            lambda: self._scheduler.build_meta(scheduler_output))
         return meta if meta is not None else HiqCacheConnectorMetadata()
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._guard("request_finished", lambda: self._scheduler.request_finished(request))

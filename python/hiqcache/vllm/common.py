@@ -25,7 +25,10 @@ log = logging.getLogger("hiqcache.vllm")
 
 _EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport")
 CUDA_TRANSPORTS = ("auto", "ipc", "host")
-_TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+# Keyed by vLLM's model_config.dtype: a torch.dtype once vLLM resolved it (typed with its
+# string spellings too).
+_TORCH_DTYPES: dict[torch.dtype | str, DType] = {torch.bfloat16: DType.BF16,
+                                                 torch.float16: DType.FP16}
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class ConnectorOptions:
     cuda_transport: str = "auto"  # vLLM on CUDA: one of CUDA_TRANSPORTS (cuda_worker.py)
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> "ConnectorOptions":
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
         """Validates kv_connector_extra_config; ValueError naming the offending key."""
         opts = ExtraConfig(extra, "kv_connector_extra_config", _EXTRA_KEYS)
         return cls(target=opts.target(), codec=opts.codec(), tenant=opts.text("tenant"),
@@ -47,7 +50,7 @@ class ConnectorOptions:
                    cuda_transport=opts.choice("cuda_transport", "auto", CUDA_TRANSPORTS))
 
 
-def model_identity(vllm_config: "VllmConfig") -> str:
+def model_identity(vllm_config: VllmConfig) -> str:
     """Everything about the model that changes its KV, as one string (the namespace's model)."""
     m = vllm_config.model_config
     parts = [f"{m.model}@{m.revision or 'main'}", f"dtype={str(m.dtype).removeprefix('torch.')}",
@@ -56,7 +59,7 @@ def model_identity(vllm_config: "VllmConfig") -> str:
     return "|".join(parts)
 
 
-def request_salt(identity: str, request: "Request") -> bytes:
+def request_salt(identity: str, request: Request) -> bytes:
     """The key chain's salt for one request: model identity, LoRA, multimodal inputs, cache salt."""
     parts = [identity]
     lora = getattr(request, "lora_request", None)
@@ -69,7 +72,7 @@ def request_salt(identity: str, request: "Request") -> bytes:
     return "\x1f".join(parts).encode()
 
 
-def _engine_geometry(vllm_config: "VllmConfig", tp_rank: int) -> Geometry:
+def _engine_geometry(vllm_config: VllmConfig, tp_rank: int) -> Geometry:
     m, p = vllm_config.model_config, vllm_config.parallel_config
     dtype = _TORCH_DTYPES.get(m.dtype)
     if dtype is None:
@@ -84,14 +87,15 @@ def _engine_geometry(vllm_config: "VllmConfig", tp_rank: int) -> Geometry:
                     tp_size=p.tensor_parallel_size)
 
 
-def _staging_tokens(vllm_config: "VllmConfig", opts: ConnectorOptions) -> int:
+def _staging_tokens(vllm_config: VllmConfig, opts: ConnectorOptions) -> int:
     """Rows of each staging area: one step's loads (the scheduler never promises more) and one
     step's saves (at most the step's token budget plus one partial block per request)."""
     if opts.staging_tokens:
         return opts.staging_tokens
     s = vllm_config.scheduler_config
     bs = vllm_config.cache_config.block_size
-    rows = max(s.max_num_batched_tokens + s.max_num_seqs * bs, min(vllm_config.model_config.max_model_len, 8192))
+    rows = max(s.max_num_batched_tokens + s.max_num_seqs * bs,
+               min(vllm_config.model_config.max_model_len, 8192))
     return -(-rows // bs) * bs
 
 
@@ -133,17 +137,20 @@ class HiqCacheConnectorMetadata(KVConnectorMetadata):
 
 
 class _LoadSteps:
-    """What both workers keep of a step: the last backup's ticket and the restores in flight, as (transfer, first staging
-    row, ticket, done slot), the layers the forward pass waited for, and the blocks vLLM must
-    recompute. A worker sets `load_slots` (the HostEventPool its done slots are in), `geometry`,
-    `opts`, `stats`, `warn` and `layer_index`."""
+    """What both workers keep of a step: the last backup's ticket and the restores in flight, as
+    (transfer, first staging row, ticket, done slot), the layers the forward pass waited for, and
+    the blocks vLLM must recompute. A worker sets `load_slots` (the HostEventPool its done slots
+    are in), `geometry`, `opts`, `stats`, `warn` and `layer_index`."""
 
-    load_slots: HostEventPool | None
     geometry: Geometry
     opts: ConnectorOptions
     stats: dict[str, Any]
     warn: _LogOnce
     layer_index: dict[str, int]
+
+    if TYPE_CHECKING:
+        @property
+        def load_slots(self) -> HostEventPool | None: ...
 
     def _saves_that_fit(self, meta: HiqCacheConnectorMetadata, room_blocks: int
                         ) -> tuple[list[BlockKey], list[int]]:

@@ -29,9 +29,16 @@ from hiqcache.client import Client
 from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
 from hiqcache.spec import DeviceKind, LayerView, PoolSpec, slot_major_bytes, slot_major_view
 from hiqcache.status import HiqError
-from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _Load, _LoadSteps, _LogOnce, _staging_tokens,
-                                  model_identity)
+from hiqcache.vllm.common import (
+    ConnectorOptions,
+    HiqCacheConnectorMetadata,
+    _engine_geometry,
+    _Load,
+    _LoadSteps,
+    _LogOnce,
+    _staging_tokens,
+    model_identity,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -197,7 +204,9 @@ class TileConverter:
 class CpuWorker(_LoadSteps):
     """The worker half for vLLM on CPU (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions):
+    staging: torch.Tensor | None  # [L, 2, rows, heads, dim] over the shm; None once shut down
+
+    def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions):
         self.cfg = vllm_config
         self.opts = opts
         self.bs = vllm_config.cache_config.block_size
@@ -236,7 +245,8 @@ class CpuWorker(_LoadSteps):
             try:
                 self.layers.append(kv.view(kv.shape[0], g.num_kv_heads, -1))
             except RuntimeError as err:
-                raise ValueError(f"hiqcache: KV cache {name} is not contiguous per block: {err}")
+                raise ValueError(
+                    f"hiqcache: KV cache {name} is not contiguous per block: {err}") from err
         self.layer_index = {n: i for i, n in enumerate(names)}
         self.geometry = g
         self.tiles = TileConverter(first.dtype, self.bs, g.num_kv_heads, g.head_dim)
@@ -293,6 +303,7 @@ class CpuWorker(_LoadSteps):
 
     def _tiles_to_rows(self, layer: int, block_ids: list[int], first_row: int) -> None:
         """Copies vLLM blocks of one layer into staging rows (first_row on)."""
+        assert self.staging is not None  # registered, not shut down
         kv, st = self.layers[layer], self.staging[layer]
         runs = _runs(block_ids)
         if len(runs) * 4 > len(block_ids):  # fragmented: one gather beats many small copies
@@ -306,6 +317,7 @@ class CpuWorker(_LoadSteps):
 
     def _rows_to_tiles(self, layer: int, block_ids: list[int], first_row: int) -> None:
         """Writes staging rows of one layer into vLLM blocks, in the attention's tile order."""
+        assert self.staging is not None  # registered, not shut down
         kv, st = self.layers[layer], self.staging[layer]
         runs = _runs(block_ids)
         if len(runs) * 4 > len(block_ids):
@@ -339,12 +351,14 @@ class CpuWorker(_LoadSteps):
             return
         t0 = time.perf_counter()
         row = 0
-        for i, tr in enumerate(meta.loads):
+        for tr in meta.loads:
             need = len(tr.keys) * self.bs
-            if self.pool == 0 or len(self.loads) >= _MAX_LOADS_PER_STEP or row + need > self.load_rows:
+            if (self.pool == 0 or len(self.loads) >= _MAX_LOADS_PER_STEP
+                    or row + need > self.load_rows):
                 self._fail(tr.block_ids)
                 continue
             rows = range(row, row + need)
+            assert self.client is not None  # registered the pool
             res = self.client.restore(
                 self.pool, tr.keys, rows, layer_event_base=_SLOT_LAYER_BASE,
                 done_event=self._done_slot(len(self.loads)),
@@ -369,10 +383,12 @@ class CpuWorker(_LoadSteps):
             return
         t0 = time.perf_counter()
         self.layers_done.add(layer)
-        s = self.events.wait(_SLOT_LAYER_BASE + layer, self.load_ticket, self.opts.timeout_ms / 1000)
+        s = self.events.wait(_SLOT_LAYER_BASE + layer, self.load_ticket,
+                             self.opts.timeout_ms / 1000)
         if not s.ok:
             # Reported when the step's restores are finished (their done slots say which).
-            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing", layer, s)
+            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing",
+                      layer, s)
             self.layers_done.discard(layer)
             self.layers_failed = True  # one deadline per step, not one per layer
             return
@@ -400,6 +416,7 @@ class CpuWorker(_LoadSteps):
         for layer in range(self.geometry.num_layers):
             self._tiles_to_rows(layer, ids, self.load_rows)
         rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
+        assert self.client is not None  # registered the pool
         res = self.client.backup(self.pool, keys, rows, done_event=_SLOT_BACKUP_DONE, sync=False)
         self._backup_sent(res)
         self.stats["save_seconds"] += time.perf_counter() - t0

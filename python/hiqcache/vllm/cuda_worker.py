@@ -41,22 +41,37 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from hiqcache.client import Client
 from hiqcache.host import TICKET_MASK, HostEventPool, HostShm
 from hiqcache.keys import BlockKey, root_block_key
-from hiqcache.spec import (DeviceKind, LayerView, PoolSpec, SharedBuffer, slot_major_bytes,
-                           slot_major_view)
+from hiqcache.spec import (
+    DeviceKind,
+    LayerView,
+    PoolSpec,
+    SharedBuffer,
+    slot_major_bytes,
+    slot_major_view,
+)
 from hiqcache.status import HiqError
-from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _Load, _LoadSteps, _LogOnce, _staging_tokens,
-                                  model_identity)
+from hiqcache.vllm.common import (
+    ConnectorOptions,
+    HiqCacheConnectorMetadata,
+    _engine_geometry,
+    _Load,
+    _LoadSteps,
+    _LogOnce,
+    _staging_tokens,
+    model_identity,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from hiqcache.torch_kv import CudaTicketSlots
 
 log = logging.getLogger("hiqcache.vllm")
 
@@ -110,23 +125,23 @@ class DeviceOps:
 
     def pin(self, t: torch.Tensor) -> None:
         """Page-locks a tensor over host memory, so the stream's copies are asynchronous DMA."""
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
         err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of the staging area failed: "
                                f"{cudart.cudaGetErrorString(err)}")
 
     def unpin(self, t: torch.Tensor) -> None:
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
         cudart.cudaHostUnregister(t.data_ptr())
 
     def stream_write(self, slots: HostEventPool, slot: int, value: int) -> None:
         """The current stream stores `value` into the slot once its earlier work completed."""
-        slots.write_on_stream(slot, value)
+        cast("CudaTicketSlots", slots).write_on_stream(slot, value)  # made by slots()
 
     def stream_wait(self, slots: HostEventPool, slot: int, ticket: int) -> None:
         """Later work on the current stream waits until the slot reaches `ticket`."""
-        slots.wait_on_stream(slot, ticket)
+        cast("CudaTicketSlots", slots).wait_on_stream(slot, ticket)  # made by slots()
 
 
 @dataclass
@@ -145,7 +160,7 @@ class _Side:
 class CudaWorker(_LoadSteps):
     """The worker half for vLLM on CUDA (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions,
+    def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions,
                  ops: DeviceOps | None = None):
         self.cfg = vllm_config
         self.opts = opts
@@ -266,6 +281,7 @@ class CudaWorker(_LoadSteps):
         self.save_stage = torch.empty(g.num_layers, 2, self.rows, g.num_kv_heads, g.head_dim,
                                       dtype=self.dtype, device=dev)
         stage_views, stage_buffers = self._stage_views(self.save_stage)
+        assert self.client is not None  # made by register_layers
         reachable = self.client.session() is not None
         self.load.pool = self._register(self._spec(DeviceKind.CUDA, buffers, tuple(views),
                                                    self.load.slots))
@@ -297,7 +313,8 @@ class CudaWorker(_LoadSteps):
         """Backs up rows of the save area under a key of this process, restores them into the
         next rows through the daemon's mapping and compares: RuntimeError when they differ (a
         daemon that maps the handles but not this GPU's memory as the engine sees it)."""
-        assert self.client is not None and self.save_side is not None
+        assert (self.client is not None and self.save_side is not None
+                and self.save_stage is not None)
         bs, stage = self.bs, self.save_stage
         g = torch.Generator(device="cpu").manual_seed(os.getpid())
         want = torch.randn(stage.shape[0], 2, bs, *stage.shape[3:], generator=g).to(self.dtype)
@@ -391,6 +408,7 @@ class CudaWorker(_LoadSteps):
             if self.transport == "ipc":
                 # Late restores still write vLLM's blocks: this step's work (and the recompute
                 # of those blocks) waits on the stream for their done slots.
+                assert load is not None  # restores went through it
                 for _, _, ticket, slot in self.loads:
                     self.ops.stream_wait(load.slots, slot, ticket)
             self.warn("busy", "an earlier restore is still running; recomputing")
@@ -410,6 +428,7 @@ class CudaWorker(_LoadSteps):
         # the previous step's reads of these blocks (ipc), its copies out of the staging (host).
         wait_value = load.next_wait_value()
         self.ops.stream_write(load.slots, _WAIT_SLOT, wait_value)
+        assert self.client is not None  # registered the pool
         row = 0
         for tr in meta.loads:
             need = len(tr.keys) * self.bs
@@ -441,6 +460,7 @@ class CudaWorker(_LoadSteps):
             return
         t0 = time.perf_counter()
         load = self.load
+        assert load is not None  # the step's restores went through it
         if self.transport == "ipc":
             # The layer's attention waits on the stream; a failed slot lets it go on and
             # take_load_errors reports the blocks.
@@ -450,10 +470,12 @@ class CudaWorker(_LoadSteps):
             return
         s = load.slots.wait(_LAYER_BASE + layer, self.load_ticket, self.opts.timeout_ms / 1000)
         if not s.ok:
-            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing", layer, s)
+            self.warn("layer", "layer %d of this step's restores failed (%s): recomputing",
+                      layer, s)
             self.layers_failed = True  # one deadline per step, not one per layer
             return
         self.layers_done.add(layer)
+        assert self.load_stage is not None  # host transport
         stage = self.load_stage[layer]
         heads, dim = self.geometry.num_kv_heads, self.geometry.head_dim
         for tr, first_row, _, _ in self.loads:
@@ -484,6 +506,7 @@ class CudaWorker(_LoadSteps):
         if not keys:
             return
         n = len(ids)
+        assert self.save_stage is not None and self.client is not None  # made with save_side
         heads, dim = self.geometry.num_kv_heads, self.geometry.head_dim
         index = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         for layer in range(self.geometry.num_layers):

@@ -9,9 +9,16 @@ from typing import TYPE_CHECKING
 from hiqcache.client import Client
 from hiqcache.keys import BlockKey, chain_block_key, root_block_key
 from hiqcache.spec import NamespaceRef
-from hiqcache.vllm.common import (ConnectorOptions, HiqCacheConnectorMetadata, _engine_geometry,
-                                  _LogOnce, _staging_tokens, _Transfer, model_identity,
-                                  request_salt)
+from hiqcache.vllm.common import (
+    ConnectorOptions,
+    HiqCacheConnectorMetadata,
+    _engine_geometry,
+    _LogOnce,
+    _staging_tokens,
+    _Transfer,
+    model_identity,
+    request_salt,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -22,7 +29,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Request:
-    request: "Request"
+    request: Request
     salt: bytes
     bs: int
     keys: list[BlockKey] = field(default_factory=list)
@@ -44,7 +51,7 @@ class _Request:
 
 
 class _Scheduler:
-    def __init__(self, vllm_config: "VllmConfig", opts: ConnectorOptions):
+    def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions):
         self.bs = vllm_config.cache_config.block_size
         self.identity = model_identity(vllm_config)
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -58,7 +65,7 @@ class _Scheduler:
         self.promised_tokens = 0  # load tokens promised to the step being scheduled
         self.warn = _LogOnce()
 
-    def _state(self, request: "Request") -> _Request:
+    def _state(self, request: Request) -> _Request:
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = _Request(request=request, salt=request_salt(self.identity, request), bs=self.bs)
@@ -66,10 +73,10 @@ class _Scheduler:
         return st
 
     @staticmethod
-    def cacheable(request: "Request") -> bool:
+    def cacheable(request: Request) -> bool:
         return getattr(request, "prompt_embeds", None) is None
 
-    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.cacheable(request):
             return 0
         st = self._state(request)  # tracked for its saves even when nothing is looked up
@@ -88,7 +95,7 @@ class _Scheduler:
         hit = min(res.prefix_blocks, n_local + room)
         return max(0, hit - n_local) * self.bs
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self._state(request)
         if num_external_tokens > 0:
@@ -109,7 +116,7 @@ class _Scheduler:
         return _Transfer(st.request.request_id, st.keys_upto(end)[start:end],
                          st.block_ids[start:end])
 
-    def build_meta(self, out: "SchedulerOutput") -> HiqCacheConnectorMetadata:
+    def build_meta(self, out: SchedulerOutput) -> HiqCacheConnectorMetadata:
         meta = HiqCacheConnectorMetadata()
         self.promised_tokens = 0
         steps: list[tuple[_Request, int, int]] = []
@@ -129,7 +136,8 @@ class _Scheduler:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            steps.append((st, cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0)))
+            steps.append((st, cached.num_computed_tokens[i],
+                          out.num_scheduled_tokens.get(req_id, 0)))
         for st, computed, scheduled in steps:
             if st.load is not None:
                 first, n = st.load
@@ -150,5 +158,5 @@ class _Scheduler:
             self.reqs.pop(req_id, None)
         return meta
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: Request) -> None:
         self.reqs.pop(request.request_id, None)
