@@ -31,10 +31,9 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 
+import hiqcache as hq  # noqa: E402
 from real_model import model_dir  # noqa: E402
 from vllm_server import VllmServer  # noqa: E402
-
-import hiqcache as hq  # noqa: E402
 
 QUESTIONS = ("\n\nIn one sentence, what does the passage above say?\nAnswer:",
              "\n\nWhich rights does the passage above give the reader?\nAnswer:")
@@ -51,7 +50,7 @@ def bf16_bytes_per_token(model: str) -> int:
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2
 
 
-def namespace(client: hq.Client, model: str) -> "hq.NamespaceStats | None":
+def namespace(client: hq.Client, model: str) -> hq.NamespaceStats | None:
     for ns in client.get_stats().namespaces:
         if ns.model.startswith(model + "@"):
             return ns

@@ -4,6 +4,7 @@
 their engine themselves.
 """
 
+from hiqcache._version import __version__
 from hiqcache.client import (
     BackupResult,
     BlockStatus,
@@ -37,7 +38,6 @@ from hiqcache.spec import (
     slot_major_view,
 )
 from hiqcache.status import HiqError, Status, StatusCode
-from hiqcache._version import __version__
 
 __all__ = [
     "Attention", "BackupResult", "BlockKey", "BlockStatus", "Client", "Codec", "DType",

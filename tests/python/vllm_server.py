@@ -90,7 +90,7 @@ class VllmServer:
     def command_line(self) -> str:
         return shlex.join(self.command())
 
-    def start(self, timeout: float = 300.0) -> "VllmServer":
+    def start(self, timeout: float = 300.0) -> VllmServer:
         """Starts the server and waits until GET /health answers 200; the log is in workdir."""
         import importlib.metadata
 
@@ -216,7 +216,7 @@ class VllmServer:
         self.proc = None
         return rc
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
