@@ -83,7 +83,6 @@ struct CudaBackend::DeviceState {
   StagingPlan plan;
   uint8_t* staging = nullptr;
   std::function<void(int, const Status&)> on_failed;
-  std::unique_ptr<CompletionThread> completion;
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> device_bytes{0};  // staging + arenas
 
@@ -91,9 +90,10 @@ struct CudaBackend::DeviceState {
   std::vector<uint32_t> free_pairs;  // GUARDED_BY(mu)
   std::vector<Arena> spare;          // GUARDED_BY(mu): arenas of released pools, for reuse
   Status failure;                    // GUARDED_BY(mu)
+  // The completion threads of the device's bindings, failed with it.
+  std::vector<CompletionThread*> waiters;  // GUARDED_BY(mu)
 
   ~DeviceState() {
-    completion.reset();
     for (const Arena& a : spare) {
       api->FreeDevice(device, a.device);
       api->FreePinned(a.host);
@@ -117,6 +117,17 @@ struct CudaBackend::DeviceState {
     free_pairs.push_back(pair);
   }
 
+  // A binding's completion thread, failed at once if the device already failed.
+  void AddWaiter(CompletionThread* w) {
+    std::lock_guard<std::mutex> lock(mu);
+    waiters.push_back(w);
+    if (!failure.ok()) w->FailAll(failure);
+  }
+  void RemoveWaiter(CompletionThread* w) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase(waiters, w);
+  }
+
   // Marks the device failed (first call: logs, fails its pending completions, tells the daemon)
   // and returns the status its requests fail with.
   Status Fail(const Status& cause) {
@@ -131,13 +142,14 @@ struct CudaBackend::DeviceState {
                               "cached blocks survive in the shared-memory pool)");
         failed.store(true, std::memory_order_release);
         first = true;
+        // Under mu: a binding removes its thread under mu before destroying it.
+        for (CompletionThread* w : waiters) w->FailAll(failure);
       }
       out = failure;
     }
     if (first) {
       HIQ_LOG(ERROR) << "event=device_failed device=" << device << " error=\"" << cause.message()
                      << "\"";
-      if (completion) completion->FailAll(out);
       if (on_failed) on_failed(device, cause);
     }
     return out;
@@ -245,6 +257,8 @@ struct BindingResources {
   std::shared_ptr<FaultBudget> budget;
   uint64_t charged = 0;
   DeviceStream compute, copy;
+  // Waits for `complete` (recorded on `compute` only).
+  std::unique_ptr<CompletionThread> completion;
   // Daemon-owned: completion of a task; per slab, "filled" (producer done) and "freed"
   // (consumer done); the copy stream's tail, joined into the compute stream.
   DeviceEvent complete, filled[2], freed[2], tail;
@@ -255,6 +269,11 @@ struct BindingResources {
   void Release() {
     if (api == nullptr) return;
     const int d = dev->device;
+    if (completion != nullptr) {
+      // No task is pending (Close's precondition): the thread is idle and joins at once.
+      dev->RemoveWaiter(completion.get());
+      completion.reset();
+    }
     if (compute) api->DestroyStream(d, std::exchange(compute, DeviceStream{}));
     if (copy) api->DestroyStream(d, std::exchange(copy, DeviceStream{}));
     for (DeviceEvent* e : {&complete, &filled[0], &filled[1], &freed[0], &freed[1], &tail}) {
@@ -416,7 +435,7 @@ class CudaBinding : public PoolBinding {
     // `task = task`, not `task`: a by-copy capture of the const reference would be a const
     // member, and std::move of it below a copy, leaving a reference here that the completion
     // thread drops after the worker ran the continuation (the last one, once the core let go).
-    dev_->completion->Watch(
+    res_->completion->Watch(
         res_->complete, [this, task = task, pair, st, finish](const Status& q) mutable {
           dev_->Release(pair);
           Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
@@ -631,7 +650,7 @@ StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8
 CudaBackend::~CudaBackend() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    devices_.clear();  // stops the completion threads, frees staging and arenas
+    devices_.clear();  // frees staging and spare arenas
   }
   for (auto& [p, l] : registered_) api_->UnregisterHost(p);
 }
@@ -700,9 +719,6 @@ StatusOr<std::shared_ptr<CudaBackend::DeviceState>> CudaBackend::Device(int devi
   state->staging = *staging;
   state->device_bytes.store(bytes);
   for (uint32_t p = state->plan.pairs; p-- > 0;) state->free_pairs.push_back(p);
-  DeviceState* raw = state.get();
-  state->completion = std::make_unique<CompletionThread>(
-      api_, device, [raw](const Status& st) { return raw->Fail(st); });
   HIQ_LOG(INFO) << "event=cuda_device_bound device=" << device << " staging_bytes=" << bytes
                 << " slab_pairs=" << state->plan.pairs << " slab_bytes=" << state->plan.slab_bytes;
   devices_[device] = state;
@@ -806,10 +822,17 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
   }
   HIQ_ASSIGN_OR_RETURN(res->compute, api_->CreateStream(device));
   HIQ_ASSIGN_OR_RETURN(res->copy, api_->CreateStream(device));
-  for (DeviceEvent* e : {&res->complete, &res->filled[0], &res->filled[1], &res->freed[0],
-                         &res->freed[1], &res->tail}) {
+  // The completion event is waited for by the binding's completion thread; the others only
+  // order streams.
+  HIQ_ASSIGN_OR_RETURN(res->complete, api_->CreateBlockingEvent(device));
+  for (DeviceEvent* e :
+       {&res->filled[0], &res->filled[1], &res->freed[0], &res->freed[1], &res->tail}) {
     HIQ_ASSIGN_OR_RETURN(*e, api_->CreateEvent(device));
   }
+  DeviceState* raw = dev.get();
+  res->completion = std::make_unique<CompletionThread>(
+      api_, device, [raw](const Status& st) { return raw->Fail(st); });
+  dev->AddWaiter(res->completion.get());
   auto arena = dev->TakeArena(plan.arena_bytes);
   if (!arena.ok()) {
     return ResourceExhausted("allocating " + std::to_string(plan.arena_bytes) +

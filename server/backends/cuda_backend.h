@@ -27,7 +27,9 @@
 //      so each lands only after the work it signals. Then it records the pool's completion event
 //      on the compute stream. (An asynchronous request was answered when it was queued: its
 //      outcome reaches the engine through the slots.)
-//   2. The device's CompletionThread sees the completion event complete, returns the slabs and
+//   2. The pool's CompletionThread (device_completion.h), blocked in cudaEventSynchronize on the
+//      completion event (created with cudaEventBlockingSync: the thread sleeps, nothing polls),
+//      wakes when the device completed the task's work, returns the slabs and
 //      defers the rest to a worker: publish the backed-up blocks (visible to Lookup only from
 //      then on) or drop the restore's pins, then the pool's next task starts. A pool therefore
 //      has at most one task on the device, and its tasks run in request order.

@@ -118,6 +118,18 @@ class CudaDeviceApi : public DeviceApi {
         FromCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
     return DeviceEvent{e};
   }
+  StatusOr<DeviceEvent> CreateBlockingEvent(int device) override {
+    kernels::DeviceGuard g(device);
+    HIQ_RETURN_IF_ERROR(g.status());
+    cudaEvent_t e = nullptr;
+    // cudaEventBlockingSync: cudaEventSynchronize on it blocks the calling thread until the event
+    // completed instead of busy-waiting (CUDA runtime API, cudaEventCreateWithFlags and
+    // cudaEventSynchronize), so a completion thread costs no CPU while the device works.
+    HIQ_RETURN_IF_ERROR(
+        FromCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync),
+                 "cudaEventCreateWithFlags"));
+    return DeviceEvent{e};
+  }
   void DestroyEvent(int device, DeviceEvent event) override {
     kernels::DeviceGuard g(device);
     LogIfError(cudaEventDestroy(E(event)), "cudaEventDestroy");
@@ -143,6 +155,15 @@ class CudaDeviceApi : public DeviceApi {
       return false;
     }
     return FromCuda(err, "cudaEventQuery");
+  }
+
+  Status SynchronizeEvent(int device, DeviceEvent event) override {
+    kernels::DeviceGuard g(device);
+    HIQ_RETURN_IF_ERROR(g.status());
+    // Returns cudaSuccess at once for an event never recorded, else once the work captured by
+    // its most recent record completed; it may return the error of earlier asynchronous work
+    // (a sticky one once the context is lost: FromCuda makes it kDataLoss).
+    return FromCuda(cudaEventSynchronize(E(event)), "cudaEventSynchronize");
   }
 
   StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,

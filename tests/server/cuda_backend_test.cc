@@ -15,7 +15,8 @@
 // work and never touches a cancelled pool's mappings, staging runs in chunks through a fixed
 // budget with slabs never reused while queued work reads them, no allocation on the request
 // path, registration leaves nothing queued on the device, IPC events refused, device/UUID
-// mismatch and VMM hints, registration chunks.
+// mismatch and VMM hints, registration chunks; completion observed by a blocking wait on the
+// device's signal, never polled.
 #include "backends/cuda_backend.h"
 
 #include <fcntl.h>
@@ -665,6 +666,37 @@ TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrder) {
     ASSERT_EQ(o->size(), static_cast<size_t>(kTasks));
     for (int i = 0; i < kTasks; ++i) EXPECT_EQ((*o)[i], static_cast<uint64_t>(i + 1));
   }
+}
+
+// Completion is observed when the device signals it: the pool's completion thread blocks in
+// SynchronizeEvent on the task's completion event (cudaEventBlockingSync in the real runtime)
+// while the work is on the device, makes no query, and the reply comes once the fake ran it.
+TEST_F(CudaBackendTest, CompletionIsObservedWhenTheDeviceSignalsItWithoutPolling) {
+  Options o;
+  o.auto_run = false;
+  Build(o);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const std::vector<uint8_t> original = e.Bytes();
+  auto b = BackupAsync(Transfer(pool, Blocks(1, 2, 0), /*sync=*/true));
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }))
+      << "no completion thread waits for the device";
+  std::this_thread::sleep_for(20ms);  // any poll with a backoff would have queried by now
+  EXPECT_EQ(b.wait_for(0ms), std::future_status::timeout);
+  EXPECT_EQ(fake_->Called(Call::kQuery), 0u);
+  fake_->RunReady();  // the device completes the backup: the waiter wakes
+  auto br = Await(b);
+  ASSERT_TRUE(br.ok()) << br.status().ToString();
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 1, 2), 2u);
+  auto r = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/true));
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }));
+  fake_->RunReady();
+  auto rr = Await(r);
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  ExpectRestored(e, original, 0, 32, 2 * kBlockTokens, kInt8);
+  EXPECT_EQ(fake_->Called(Call::kQuery), 0u) << "completion was polled";
+  EXPECT_GE(fake_->Called(Call::kSynchronize), 2u);
 }
 
 // ---------------------------------------------------------------------------------------------

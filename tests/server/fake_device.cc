@@ -63,10 +63,10 @@ std::string HandleOf(const char* kind, uint64_t id) {
 }
 
 const char* CallName(FakeDevice::Call c) {
-  static const char* kNames[] = {"CreateStream", "CreateEvent",   "RecordEvent", "StreamWaitEvent",
-                                 "QueryEvent",   "OpenIpcBuffer", "AllocDevice", "AllocPinned",
-                                 "RegisterHost", "Copy",          "Encode",      "Decode",
-                                 "WriteValue64"};
+  static const char* kNames[] = {
+      "CreateStream",  "CreateEvent", "RecordEvent",  "StreamWaitEvent", "QueryEvent",
+      "OpenIpcBuffer", "AllocDevice", "AllocPinned",  "RegisterHost",    "Copy",
+      "Encode",        "Decode",      "WriteValue64", "SynchronizeEvent"};
   return kNames[static_cast<int>(c)];
 }
 
@@ -263,6 +263,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
   if (op.fail) {
     lost_ = DataLoss(std::string("fake device: ") + CallName(op.kind) +
                      " failed on the device (illegal address)");
+    cv_.notify_all();  // SynchronizeEvent waiters
   }
   if (!lost_.ok()) {
     // A lost context runs nothing; records never complete (queries fail instead).
@@ -303,6 +304,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       break;
     case Call::kRecord:
       op.record->done = true;
+      cv_.notify_all();  // SynchronizeEvent waiters
       break;
     case Call::kWriteValue:
       std::atomic_ref<uint64_t>(*op.slot).store(op.value, std::memory_order_release);
@@ -328,6 +330,7 @@ void FakeDevice::FailExecution(Call call, uint32_t skip) {
 }
 
 Status FakeDevice::InjectedLocked(Call call) {
+  called_[static_cast<int>(call)] += 1;
   if (!lost_.ok()) return lost_;
   for (auto it = faults_.begin(); it != faults_.end(); ++it) {
     if (it->call != call || it->on_execute) continue;
@@ -346,6 +349,16 @@ Status FakeDevice::InjectedLocked(Call call) {
 std::vector<std::string> FakeDevice::Violations() {
   std::lock_guard<std::mutex> lock(mu_);
   return violations_;
+}
+
+uint64_t FakeDevice::Called(Call call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return called_[static_cast<int>(call)];
+}
+
+size_t FakeDevice::BlockedSyncs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return blocked_syncs_;
 }
 
 uint64_t FakeDevice::Enqueued(Call call) {
@@ -494,6 +507,22 @@ StatusOr<bool> FakeDevice::QueryEvent(int, DeviceEvent event) {
   if (!ev->latest->done) return false;
   Join(&host_vc_, ev->latest->vc);  // the host now knows that work completed
   return true;
+}
+
+StatusOr<DeviceEvent> FakeDevice::CreateBlockingEvent(int device) { return CreateEvent(device); }
+
+Status FakeDevice::SynchronizeEvent(int, DeviceEvent event) {
+  std::unique_lock<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kSynchronize));
+  std::shared_ptr<Record> rec = EventLocked(event, "SynchronizeEvent")->latest;
+  if (rec == nullptr) return Status::Ok();
+  ++blocked_syncs_;
+  cv_.wait(lock, [&] { return rec->done || !lost_.ok() || stop_; });
+  --blocked_syncs_;
+  if (!lost_.ok()) return lost_;
+  if (!rec->done) return Unavailable("fake device destroyed");
+  Join(&host_vc_, rec->vc);  // the host now knows that work completed
+  return Status::Ok();
 }
 
 StatusOr<DeviceApi::IpcBuffer> FakeDevice::OpenIpcBuffer(int, std::string_view handle,

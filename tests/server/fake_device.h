@@ -4,7 +4,9 @@
 // Model (the CUDA runtime's semantics, device_api.h): each stream is a FIFO of operations
 // (copies, encode/decode kernels, event records, event waits). RecordEvent makes the record the
 // event's most recent one at the time of the call; StreamWaitEvent captures the most recent
-// record at the time of the call (none: no wait); QueryEvent reports on the most recent record.
+// record at the time of the call (none: no wait); QueryEvent reports on the most recent record;
+// SynchronizeEvent blocks the calling thread until the most recent record at the time of the call
+// ran (none: returns at once) and fails once the context is lost.
 // An operation runs once it is first in its stream and, for a wait, once the captured record
 // completed. RunReady() runs every runnable operation, in an adversarial order (the most recently
 // enqueued runnable operation first, so that whatever the host did not order is reordered);
@@ -59,6 +61,7 @@ class FakeDevice : public DeviceApi {
     kEncode,
     kDecode,
     kWriteValue,
+    kSynchronize,
     kCount
   };
 
@@ -89,6 +92,10 @@ class FakeDevice : public DeviceApi {
 
   // --- observation ---
   std::vector<std::string> Violations();
+  // API calls of a kind made so far (failed ones included).
+  uint64_t Called(Call call);
+  // Threads blocked in SynchronizeEvent now.
+  size_t BlockedSyncs();
   uint64_t Enqueued(Call call);
   uint64_t Executed(Call call);
   uint64_t AllocCalls();
@@ -105,6 +112,10 @@ class FakeDevice : public DeviceApi {
   Status RecordEvent(int device, DeviceEvent event, DeviceStream stream) override;
   Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) override;
   StatusOr<bool> QueryEvent(int device, DeviceEvent event) override;
+  StatusOr<DeviceEvent> CreateBlockingEvent(int device) override;
+  // Blocks until the most recent record at the time of the call ran (RunReady, or the auto-run
+  // thread), or the context is lost (returns the loss), or the fake is destroyed.
+  Status SynchronizeEvent(int device, DeviceEvent event) override;
   StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,
                                     uint64_t size_bytes) override;
   void CloseIpcBuffer(int device, uint8_t* data) override;
@@ -181,6 +192,8 @@ class FakeDevice : public DeviceApi {
   std::vector<std::string> violations_;
   uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
   uint64_t executed_[static_cast<int>(Call::kCount)] = {};
+  uint64_t called_[static_cast<int>(Call::kCount)] = {};
+  size_t blocked_syncs_ = 0;
   uint64_t alloc_calls_ = 0;
   std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
   bool auto_run_ = false, stop_ = false;
