@@ -1,9 +1,17 @@
 // CudaBackend: the CUDA device kind. Engines share their GPU KV buffers through cudaIpcMemHandles
 // of the allocation base (plus view offsets) and their ticket slots as a memfd the daemon maps
-// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams (a
-// compute and a copy stream per pool) and moves the compressed bytes between a device staging slab
-// and the page-locked pool with the copy engines, so the engine's SMs are held only for the short
-// codec kernels.
+// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams and
+// moves the compressed bytes between a device staging slab and the page-locked pool with the copy
+// engines, so the engine's SMs are held only for the short codec kernels.
+//
+// A pool has two lanes, one per direction, each with a compute and a copy stream, its own events,
+// job arrays and completion thread: restores on streams of the device's greatest priority,
+// backups on streams of its least. A restore is therefore never queued behind its pool's backup:
+// both may be on the device together (each holding a staging pair), the restore's decode kernels
+// are scheduled before pending backup kernels, and its H2D copies run beside the backup's D2H
+// copies on the other copy engine (stream priorities order kernels only, never copies: CUDA
+// runtime API, cudaStreamCreateWithPriority). A backup leaves a device's last free staging pair
+// to restores (when the device has more than one).
 //
 // Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
 // a fake device in the unit tests. This file includes no CUDA header.
@@ -24,15 +32,17 @@
 //                 kernel -> after the last chunk of layer l, the ticket into slot
 //                 layer_event_base + l -> the ticket into done_event's slot.
 //      The slot stores are cuStreamWriteValue64 on the compute stream (DeviceApi::WriteValue64),
-//      so each lands only after the work it signals. Then it records the pool's completion event
+//      so each lands only after the work it signals. Then it records the lane's completion event
 //      on the compute stream. (An asynchronous request was answered when it was queued: its
 //      outcome reaches the engine through the slots.)
-//   2. The pool's CompletionThread (device_completion.h), blocked in cudaEventSynchronize on the
+//   2. The lane's CompletionThread (device_completion.h), blocked in cudaEventSynchronize on the
 //      completion event (created with cudaEventBlockingSync: the thread sleeps, nothing polls),
 //      wakes when the device completed the task's work, returns the slabs and
 //      defers the rest to a worker: publish the backed-up blocks (visible to Lookup only from
-//      then on) or drop the restore's pins, then the pool's next task starts. A pool therefore
-//      has at most one task on the device, and its tasks run in request order.
+//      then on) or drop the restore's pins, then the pool's next task of that direction starts.
+//      A pool therefore has at most one backup and one restore on the device; each direction's
+//      tasks run in request order, and the core holds back a task that conflicts with an
+//      earlier one of the other direction (CacheCore: same rows or slots).
 //   A task that fails stores `ticket | failed` into every slot it names from the host: at once
 //   when nothing of it reached the device, else once its device work stopped (completed, or the
 //   device was lost), so that an engine released by the failed bit never races a kernel still
@@ -50,7 +60,8 @@
 // service manager restarts it (the pool survives in shared memory). Any other error fails the
 // one request.
 //
-// Thread-safety: as DeviceBackend says; Bind may run concurrently with tasks of other pools.
+// Thread-safety: as DeviceBackend says (a pool's StartBackup and StartRestore may run
+// concurrently: they use separate lanes); Bind may run concurrently with tasks of other pools.
 #pragma once
 
 #include <atomic>

@@ -97,12 +97,20 @@ class CudaDeviceApi : public DeviceApi {
     return out;
   }
 
-  StatusOr<DeviceStream> CreateStream(int device) override {
+  StatusOr<DeviceStream> CreateStream(int device, Priority priority) override {
     kernels::DeviceGuard g(device);
     HIQ_RETURN_IF_ERROR(g.status());
+    // Lower numbers are greater priorities; [greatest, least] is the device's range (0, the
+    // default, is its least on current GPUs). cudaStreamCreateWithPriority clamps a value outside
+    // the range; only kernels are scheduled by priority, never copies (CUDA runtime API).
+    int least = 0, greatest = 0;
+    HIQ_RETURN_IF_ERROR(FromCuda(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                                 "cudaDeviceGetStreamPriorityRange"));
     cudaStream_t s = nullptr;
-    HIQ_RETURN_IF_ERROR(FromCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                 "cudaStreamCreateWithFlags"));
+    HIQ_RETURN_IF_ERROR(
+        FromCuda(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking,
+                                              priority == Priority::kHigh ? greatest : least),
+                 "cudaStreamCreateWithPriority"));
     return DeviceStream{s};
   }
   void DestroyStream(int device, DeviceStream stream) override {

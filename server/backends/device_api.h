@@ -54,8 +54,15 @@ class DeviceApi {
   // The visible devices' UUIDs (32 lowercase hex digits), by ordinal.
   virtual StatusOr<std::vector<std::string>> DeviceUuids() = 0;
 
-  // A non-blocking stream (no implicit synchronization with the legacy default stream).
-  virtual StatusOr<DeviceStream> CreateStream(int device) = 0;
+  // A stream's scheduling priority. Restores are on the engine's critical path (its forward pass
+  // waits on their layer slots), backups are not.
+  enum class Priority { kLow, kHigh };
+  // A non-blocking stream (no implicit synchronization with the legacy default stream), created
+  // with the device's least (kLow) or greatest (kHigh) priority (cudaDeviceGetStreamPriorityRange,
+  // cudaStreamCreateWithPriority). Per the CUDA runtime API, a priority is a hint for scheduling
+  // kernels only: pending kernels of a higher-priority stream are preferred when SMs free up,
+  // running blocks are not preempted, and copies (H2D, D2H) are not affected at all.
+  virtual StatusOr<DeviceStream> CreateStream(int device, Priority priority) = 0;
   // Pending work still completes; never waits for it.
   virtual void DestroyStream(int device, DeviceStream stream) = 0;
   // A daemon-owned event (cudaEventDisableTiming). Engines' completion never uses events: an

@@ -16,7 +16,8 @@
 // budget with slabs never reused while queued work reads them, no allocation on the request
 // path, registration leaves nothing queued on the device, IPC events refused, device/UUID
 // mismatch and VMM hints, registration chunks; completion observed by a blocking wait on the
-// device's signal, never polled.
+// device's signal, never polled; a restore enqueued on high-priority streams above a running
+// backup of its pool (order per direction; a conflicting restore waits).
 #include "backends/cuda_backend.h"
 
 #include <fcntl.h>
@@ -617,55 +618,111 @@ TEST_F(CudaBackendTest, HostPoolsKeepWorkingWhileCudaPoolsWait) {
   for (auto& f : queued) EXPECT_TRUE(Await(f).ok());
 }
 
-// A pool's requests complete in request order, each after the one before it.
-TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrder) {
+// A pool's backups complete in request order, and so do its restores. A restore does not wait
+// behind earlier backups (they run on their own strands and streams), unless it writes rows an
+// earlier backup reads (or signals a slot it signals): then it waits for that backup.
+TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrderPerDirection) {
   Engine& e = NewEngine();
   const uint64_t pool = Register(e);
   Engine& e2 = NewEngine(1);
   const uint64_t pool2 = Register(e2);
   const uint64_t first = RecordLate(e);
   std::mutex mu;
-  std::vector<uint64_t> order, order2;
+  // Per pool, per direction (0 backup, 1 restore): the tickets in reply order.
+  std::vector<uint64_t> order[2][2];
   std::atomic<int> replies{0};
   constexpr int kTasks = 12;
   for (int i = 0; i < kTasks; ++i) {
     for (uint64_t p : {pool, pool2}) {
+      // Rows 4 * (i % 8): restore 8 (ticket 9) writes the rows of backup 0 (ticket 1), restore 11
+      // those of backup 3; restores 2 and 5 conflict with no earlier backup.
       TransferSpec t = Transfer(p, Blocks(1000 + i, 1, 4 * (i % 8)), /*sync=*/true);
       if (i == 0 && p == pool) t.wait_event = kWait;
-      auto* out = p == pool ? &order : &order2;
+      auto* out = order[p == pool ? 0 : 1];
       if (i % 3 == 2) {
         core_->Restore(t, [&, out](StatusOr<RestoreResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
           std::lock_guard<std::mutex> lock(mu);
-          out->push_back(r->ticket);
+          out[1].push_back(r->ticket);
           ++replies;
         });
       } else {
         core_->Backup(t, [&, out](StatusOr<BackupResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
           std::lock_guard<std::mutex> lock(mu);
-          out->push_back(r->ticket);
+          out[0].push_back(r->ticket);
           ++replies;
         });
       }
     }
   }
-  // pool2 proceeds while pool waits for its first task's wait_event.
+  // pool2 proceeds while pool waits for its first task's wait_event; so do pool's restores that
+  // conflict with no waiting backup.
   ASSERT_TRUE(WaitUntil([&] {
     std::lock_guard<std::mutex> lock(mu);
-    return order2.size() == kTasks;
+    return order[1][0].size() + order[1][1].size() == kTasks && order[0][1].size() == 2;
   }));
+  std::this_thread::sleep_for(50ms);
   {
     std::lock_guard<std::mutex> lock(mu);
-    EXPECT_TRUE(order.empty());
+    EXPECT_TRUE(order[0][0].empty());
+    EXPECT_EQ(order[0][1], (std::vector<uint64_t>{3, 6}));
   }
   Complete(first);
   ASSERT_TRUE(WaitUntil([&] { return replies.load() == 2 * kTasks; }));
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto* o : {&order, &order2}) {
-    ASSERT_EQ(o->size(), static_cast<size_t>(kTasks));
-    for (int i = 0; i < kTasks; ++i) EXPECT_EQ((*o)[i], static_cast<uint64_t>(i + 1));
+  const std::vector<uint64_t> backups = {1, 2, 4, 5, 7, 8, 10, 11}, restores = {3, 6, 9, 12};
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(order[p][0], backups);
+    EXPECT_EQ(order[p][1], restores);
   }
+}
+
+// A restore requested while a backup of the same pool is still on the device (its work not run)
+// is enqueued at once, on the pool's high-priority streams, and completes while the backup is
+// still pending: the device runs only the high-priority streams here.
+TEST_F(CudaBackendTest, RestoreIsEnqueuedAboveARunningBackupOfItsPool) {
+  Options o;
+  o.staging_bytes = 64ull << 20;  // two slab pairs: one for each task
+  Build(o);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const std::vector<uint8_t> original = e.Bytes();
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
+  fake_->SetAutoRun(false);
+  const uint64_t encodes = fake_->Executed(Call::kEncode);
+  TransferSpec bt = Transfer(pool, Blocks(10, 2, 8), /*sync=*/true);
+  bt.done_event = kDone;
+  auto b = BackupAsync(bt);
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }));  // on the device
+  EXPECT_EQ(fake_->EnqueuedAt(Call::kEncode, DeviceApi::Priority::kHigh), 0u);
+  TransferSpec rt = Transfer(pool, Blocks(1, 2, 32), /*sync=*/true);
+  rt.layer_event_base = kLayerBase;
+  rt.done_event = kLayerBase + kLayers;  // a slot of its own
+  auto r = RestoreAsync(rt);
+  ASSERT_TRUE(WaitUntil(
+      [&] { return fake_->EnqueuedAt(Call::kDecode, DeviceApi::Priority::kHigh) == kLayers; }, 2s))
+      << "the restore was not enqueued while the backup was on the device";
+  EXPECT_EQ(fake_->EnqueuedAt(Call::kDecode, DeviceApi::Priority::kLow), 0u);
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 2; }));
+  fake_->RunReadyAt(DeviceApi::Priority::kHigh);
+  auto rr = Await(r, 5s);
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  EXPECT_EQ(rr->restored_blocks, 2u);
+  ExpectRestored(e, original, 0, 32, 2 * kBlockTokens, kInt8);
+  EXPECT_EQ(e.Slot(kLayerBase + kLayers), rr->ticket);
+  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(e.Slot(kLayerBase + l), rr->ticket);
+  // The backup has not run at all: no encode, its done slot untouched, no reply.
+  EXPECT_EQ(fake_->Executed(Call::kEncode), encodes);
+  EXPECT_EQ(e.Slot(kDone), 0u);
+  EXPECT_EQ(b.wait_for(0ms), std::future_status::timeout);
+  fake_->SetAutoRun(true);
+  auto br = Await(b);
+  ASSERT_TRUE(br.ok()) << br.status().ToString();
+  EXPECT_LT(br->ticket, rr->ticket);
+  EXPECT_EQ(e.Slot(kDone), br->ticket);
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 10, 2), 2u);
 }
 
 // Completion is observed when the device signals it: the pool's completion thread blocks in
@@ -932,7 +989,8 @@ TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   auto f1 = BackupAsync(t1);
   ASSERT_TRUE(Await(f1).ok());
   ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));  // on the device
-  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/true));
+  // The restore writes rows the running backup reads: it waits for it (it does not overtake).
+  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 8), /*sync=*/true));
   auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/true));
   const uint64_t k_kernels = fake_->KernelsTouching(e.k_handle);
   std::atomic<bool> returned{false};
@@ -1082,8 +1140,8 @@ TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
   FakeDevice fake(1);
   auto slab = fake.AllocDevice(0, 256);
   auto host = fake.AllocPinned(256);
-  auto compute = fake.CreateStream(0);
-  auto copy = fake.CreateStream(0);
+  auto compute = fake.CreateStream(0, DeviceApi::Priority::kLow);
+  auto copy = fake.CreateStream(0, DeviceApi::Priority::kLow);
   auto filled = fake.CreateEvent(0);
   ASSERT_TRUE(slab.ok() && host.ok() && compute.ok() && copy.ok() && filled.ok());
   // Producer writes the slab on `compute`; the consumer copies it out on `copy` after a wait.
@@ -1103,8 +1161,8 @@ TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
 
 TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
   FakeDevice fake(1);
-  auto producer = fake.CreateStream(0);
-  auto stream = fake.CreateStream(0);
+  auto producer = fake.CreateStream(0, DeviceApi::Priority::kLow);
+  auto stream = fake.CreateStream(0, DeviceApi::Priority::kLow);
   auto theirs = fake.CreateEvent(0);
   auto mine = fake.CreateEvent(0);
   ASSERT_TRUE(producer.ok() && stream.ok() && theirs.ok() && mine.ok());
@@ -1133,7 +1191,7 @@ TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
 
 TEST(FakeDeviceTest, ReportsASlotStoreIntoUnregisteredMemory) {
   FakeDevice fake(1);
-  auto stream = fake.CreateStream(0);
+  auto stream = fake.CreateStream(0, DeviceApi::Priority::kLow);
   ASSERT_TRUE(stream.ok());
   alignas(64) static uint64_t slot[8];
   HIQ_ASSERT_OK(fake.WriteValue64(0, *stream, slot, 7));

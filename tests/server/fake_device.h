@@ -18,7 +18,8 @@
 // the store reaches the front of its stream (SlotStores lists them).
 //
 // Checks, reported by Violations():
-//   - races: two operations touching overlapping memory (one writing) that no stream order,
+//   - races: two operations touching overlapping memory (one writing; a kernel touches the rows
+//     of the engine's buffers its job names) that no stream order,
 //     event wait or host-observed completion orders (vector clocks): e.g. a staging slab reused
 //     while a queued copy still reads it;
 //   - use after close/free: an operation touching a closed IPC buffer or freed memory, or an
@@ -97,6 +98,11 @@ class FakeDevice : public DeviceApi {
   // Threads blocked in SynchronizeEvent now.
   size_t BlockedSyncs();
   uint64_t Enqueued(Call call);
+  // Operations of a kind enqueued so far on streams of `priority`.
+  uint64_t EnqueuedAt(Call call, Priority priority);
+  // Runs every runnable operation of streams of `priority` only (as RunReady); returns how many
+  // ran.
+  size_t RunReadyAt(Priority priority);
   uint64_t Executed(Call call);
   uint64_t AllocCalls();
   size_t OpenIpcBuffers();
@@ -105,7 +111,7 @@ class FakeDevice : public DeviceApi {
 
   // --- DeviceApi ---
   StatusOr<std::vector<std::string>> DeviceUuids() override;
-  StatusOr<DeviceStream> CreateStream(int device) override;
+  StatusOr<DeviceStream> CreateStream(int device, Priority priority) override;
   void DestroyStream(int device, DeviceStream stream) override;
   StatusOr<DeviceEvent> CreateEvent(int device) override;
   void DestroyEvent(int device, DeviceEvent event) override;
@@ -154,7 +160,8 @@ class FakeDevice : public DeviceApi {
   Event* EventLocked(DeviceEvent e, const char* what);
   void EnqueueLocked(Stream* s, Op op);
   bool RunnableLocked(const Stream& s) const;
-  size_t RunReadyLocked();
+  // Runs runnable operations of every stream (null) or of streams of *only.
+  size_t RunReadyLocked(const Priority* only = nullptr);
   void ExecuteLocked(Stream* s);
   std::vector<Access> AccessesLocked(const Op& op);
   const Buffer* BufferAtLocked(const uint8_t* p) const;
@@ -179,6 +186,7 @@ class FakeDevice : public DeviceApi {
   std::vector<std::pair<uint8_t*, size_t>> registered_;
   std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_;  // closed or freed
   std::vector<Access> log_;  // accesses of executed operations
+  std::map<const Buffer*, uint64_t> kernels_run_;  // executed kernels touching each buffer
   VClock host_vc_;           // what the host has seen complete
   uint64_t next_seq_ = 0, next_record_ = 0;
   struct Fault {
@@ -193,6 +201,7 @@ class FakeDevice : public DeviceApi {
   uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
   uint64_t executed_[static_cast<int>(Call::kCount)] = {};
   uint64_t called_[static_cast<int>(Call::kCount)] = {};
+  uint64_t enqueued_high_[static_cast<int>(Call::kCount)] = {};
   size_t blocked_syncs_ = 0;
   uint64_t alloc_calls_ = 0;
   std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
