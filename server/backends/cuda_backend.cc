@@ -207,7 +207,8 @@ struct ChunkPlan {
   uint32_t backup_layers = 0;   // layers per backup chunk
   uint32_t layer_chunks = 0;    // backup chunks per block range
   uint32_t backup_blocks = 0;   // blocks per backup chunk
-  uint32_t restore_blocks = 0;  // blocks per restore unit (one layer each)
+  uint64_t slab_layers = 0;     // block-layers (layer_bytes each) a slab holds
+  uint32_t restore_blocks = 0;  // blocks per restore unit of one layer (more than a slab holds)
   size_t views_off = 0, rows_off = 0, ptrs_off = 0, flags_off = 0, arena_bytes = 0;
 
   static StatusOr<ChunkPlan> For(const kernels::BlockLayout& layout, const StagingPlan& staging,
@@ -222,6 +223,7 @@ struct ChunkPlan {
           " bytes): use smaller blocks, or raise hiqcached's cuda_staging_bytes");
     }
     const uint64_t per_slab_layers = staging.slab_bytes / p.layer_bytes;
+    p.slab_layers = per_slab_layers;
     p.backup_layers = static_cast<uint32_t>(std::min<uint64_t>(layers, per_slab_layers));
     p.layer_chunks = (layers + p.backup_layers - 1) / p.backup_layers;
     const uint64_t chunk_bytes = uint64_t{p.backup_layers} * p.layer_bytes;
@@ -575,54 +577,71 @@ class CudaBinding : public PoolBinding {
     return Ctx(api_->CopyAsync(device_, {&flags, 1}, ln.compute), "copying non-finite flags");
   }
 
+  // A restore goes through the slab pair in units of (group of consecutive layers, chunk of
+  // blocks). When every block of the request fits a slab with at least one layer, a unit holds
+  // all of them with as many layers as fit (block-major in the slab: block j's layers at
+  // j * group * layer_bytes), so each block's layers of a unit arrive with one H2D copy of its
+  // contiguous pool payload: n x ceil(layers / group) copies instead of n x layers. Otherwise a
+  // unit is one layer of restore_blocks blocks. Layer slots are stored as each layer's last decode
+  // is enqueued, so the engine's layer l still starts once layer l is written.
   Status EnqueueRestore(Lane& ln, RestoreTask& t, uint32_t pair) {
     const uint32_t n = static_cast<uint32_t>(t.payloads.size());
-    uint8_t** dev_ptrs = nullptr;
-    const uint32_t cr = plan_.restore_blocks;
-    if (n > 0) {
-      HIQ_ASSIGN_OR_RETURN(dev_ptrs, UploadJobArrays(ln, t.rows, pair, cr, plan_.layer_bytes));
-    }
+    const uint32_t layers = layout_.num_layers;
     if (n == 0) {
       // Nothing to write: the layer slots still get the ticket.
-      for (uint32_t l = 0; t.layer_event_base >= 0 && l < layout_.num_layers; ++l) {
+      for (uint32_t l = 0; t.layer_event_base >= 0 && l < layers; ++l) {
         HIQ_RETURN_IF_ERROR(StoreSlot(ln, t.layer_event_base + static_cast<int32_t>(l), t.ticket,
                                       "layer_event_base"));
       }
       return Status::Ok();
     }
+    uint32_t cr = plan_.restore_blocks;  // blocks per unit
+    uint32_t group = 1;                  // layers per unit
+    if (n <= plan_.slab_layers) {
+      cr = n;
+      group = static_cast<uint32_t>(std::min<uint64_t>(layers, plan_.slab_layers / n));
+    }
+    const size_t stride = size_t{group} * plan_.layer_bytes;  // one block's layers in a slab
+    HIQ_ASSIGN_OR_RETURN(uint8_t * *dev_ptrs, UploadJobArrays(ln, t.rows, pair, cr, stride));
     std::vector<DeviceApi::Copy> copies;
     uint32_t k = 0;  // unit number: slab k % 2
-    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+    for (uint32_t l0 = 0; l0 < layers; l0 += group) {
+      const uint32_t gc = std::min(group, layers - l0);
       for (uint32_t b0 = 0; b0 < n; b0 += cr, ++k) {
         const uint32_t bc = std::min(cr, n - b0);
         const uint32_t s = k % 2;
         if (k >= 2) {
-          // The decode of unit k - 2 reads this slab: copy into it only after that decode.
+          // The decodes of unit k - 2 read this slab: copy into it only after them.
           HIQ_RETURN_IF_ERROR(
               Ctx(api_->StreamWaitEvent(device_, ln.copy, ln.freed[s]), "staging ring"));
         }
         copies.clear();
         for (uint32_t j = 0; j < bc; ++j) {
-          copies.push_back({dev_->Slab(pair, s) + j * plan_.layer_bytes,
-                            t.payloads[b0 + j] + size_t{l} * plan_.layer_bytes, plan_.layer_bytes});
+          copies.push_back({dev_->Slab(pair, s) + j * stride,
+                            t.payloads[b0 + j] + size_t{l0} * plan_.layer_bytes,
+                            size_t{gc} * plan_.layer_bytes});
         }
         HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, copies, ln.copy), "copying into staging"));
         HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.filled[s], ln.copy));
         HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, ln.compute, ln.filled[s]));
         kernels::DecodeJob job;
         job.layout = layout_;
-        job.layout.num_layers = 1;
-        job.layers = DeviceViews(ln, l);
+        job.layout.num_layers = gc;
+        job.layers = DeviceViews(ln, l0);
         job.rows = DeviceRows(ln, b0);
         job.blocks = dev_ptrs + s * cr;
         job.num_blocks = bc;
-        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, 0, 1, ln.compute), "decode"));
+        const bool last_chunk = b0 + bc == n;
+        for (uint32_t i = 0; i < gc; ++i) {
+          HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, i, 1, ln.compute), "decode"));
+          // Copy, decode and scatter of layer l0 + i (every chunk) are enqueued before its slot
+          // store.
+          if (last_chunk && t.layer_event_base >= 0) {
+            HIQ_RETURN_IF_ERROR(StoreSlot(ln, t.layer_event_base + static_cast<int32_t>(l0 + i),
+                                          t.ticket, "layer_event_base"));
+          }
+        }
         HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.freed[s], ln.compute));
-      }
-      // Copy, decode and scatter of layer l are enqueued before its slot store.
-      if (t.layer_event_base >= 0) {
-        HIQ_RETURN_IF_ERROR(StoreSlot(ln, t.layer_event_base + static_cast<int32_t>(l), t.ticket,
-                                      "layer_event_base"));
       }
     }
     return Status::Ok();

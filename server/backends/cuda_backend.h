@@ -27,10 +27,17 @@
 //                 copy stream waits for it -> D2H copies into the reserved pool payloads; slab
 //                 k%2 is encoded into again only after the copy stream finished reading it
 //                 (events) -> non-finite flags D2H -> ticket into done_event's slot.
-//        Restore: per (layer, chunk of blocks): copy stream H2D copies into slab k%2 (after
-//                 the decode that last read it) -> compute waits for them -> decode+scatter
-//                 kernel -> after the last chunk of layer l, the ticket into slot
-//                 layer_event_base + l -> the ticket into done_event's slot.
+//        Restore: per unit k (group of consecutive layers, chunk of blocks): copy stream H2D
+//                 copies into slab k%2 (after the decodes that last read it) -> compute waits
+//                 for them -> per layer of the group a decode+scatter kernel, and after the
+//                 last chunk's decode of layer l the ticket into slot layer_event_base + l ->
+//                 the ticket into done_event's slot. When every block of the request fits a slab
+//                 with at least one layer, a unit is all blocks x as many layers as fit, laid
+//                 out block-major in the slab, so each block's layers of the unit (contiguous in
+//                 its pool payload) arrive with one copy: n x ceil(layers / group) DMAs, not
+//                 n x layers (2,048 tokens of Qwen3-8B in 16-token blocks through 16 MiB slabs:
+//                 3 layers per unit, 1,536 copies instead of 4,608). Else a unit is one layer of
+//                 as many blocks as fit.
 //      The slot stores are cuStreamWriteValue64 on the compute stream (DeviceApi::WriteValue64),
 //      so each lands only after the work it signals. Then it records the lane's completion event
 //      on the compute stream. (An asynchronous request was answered when it was queued: its

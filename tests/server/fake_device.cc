@@ -394,6 +394,11 @@ uint64_t FakeDevice::Enqueued(Call call) {
   return enqueued_[static_cast<int>(call)];
 }
 
+uint64_t FakeDevice::EnqueuedCopies() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return copies_enqueued_;
+}
+
 uint64_t FakeDevice::EnqueuedAt(Call call, Priority priority) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t high = enqueued_high_[static_cast<int>(call)];
@@ -690,6 +695,7 @@ Status FakeDevice::CopyAsync(int, std::span<const Copy> copies, DeviceStream str
   Op op;
   op.kind = Call::kCopy;
   op.copies.assign(copies.begin(), copies.end());
+  copies_enqueued_ += copies.size();
   EnqueueLocked(StreamLocked(stream), std::move(op));
   return Status::Ok();
 }

@@ -98,6 +98,8 @@ class FakeDevice : public DeviceApi {
   // Threads blocked in SynchronizeEvent now.
   size_t BlockedSyncs();
   uint64_t Enqueued(Call call);
+  // Single copies (DMAs) enqueued so far: each entry of every CopyAsync call.
+  uint64_t EnqueuedCopies();
   // Operations of a kind enqueued so far on streams of `priority`.
   uint64_t EnqueuedAt(Call call, Priority priority);
   // Runs every runnable operation of streams of `priority` only (as RunReady); returns how many
@@ -203,6 +205,7 @@ class FakeDevice : public DeviceApi {
   uint64_t called_[static_cast<int>(Call::kCount)] = {};
   uint64_t enqueued_high_[static_cast<int>(Call::kCount)] = {};
   size_t blocked_syncs_ = 0;
+  uint64_t copies_enqueued_ = 0;
   uint64_t alloc_calls_ = 0;
   std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
   bool auto_run_ = false, stop_ = false;
