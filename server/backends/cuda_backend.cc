@@ -1,11 +1,13 @@
 #include "backends/cuda_backend.h"
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "backends/device_completion.h"
 #include "backends/residency.h"
@@ -313,8 +315,10 @@ class CudaBinding : public PoolBinding {
  public:
   using Lane = BindingResources::Lane;
   CudaBinding(std::unique_ptr<BindingResources> res, kernels::BlockLayout layout, ChunkPlan plan,
-              uint32_t num_rows, std::chrono::milliseconds wait_timeout)
-      : res_(std::move(res)),
+              uint32_t num_rows, std::chrono::milliseconds wait_timeout,
+              kernels::ThreadPool* hash_pool)
+      : hash_pool_(hash_pool),
+        res_(std::move(res)),
         api_(res_->api),
         dev_(res_->dev),
         device_(dev_->device),
@@ -435,7 +439,7 @@ class CudaBinding : public PoolBinding {
   }
 
   // Records the completion event after everything the task enqueued, answers an asynchronous
-  // request, and hands the rest to the device's completion thread.
+  // request, and hands the rest to the lane's completion thread.
   template <typename Task, typename Finish>
   StartResult Submit(Lane& ln, const std::shared_ptr<Task>& task, uint32_t pair, Status st,
                      Finish finish) {
@@ -483,6 +487,12 @@ class CudaBinding : public PoolBinding {
       for (uint32_t c = 0; c < plan_.layer_chunks; ++c) {
         for (size_t b = 0; b < n; ++b) nonfinite[b] |= flags[c * n + b];
       }
+      // The pool headers' checksums, in parallel (the core hashes on one thread otherwise).
+      task.checksums.assign(n, 0);
+      const size_t bytes = layout_.BlockBytes();
+      hash_pool_->ParallelFor(n, [&](size_t b) {
+        if (!nonfinite[b]) task.checksums[b] = XXH3_64bits(task.payloads[b], bytes);
+      });
     }
     task.on_written(nonfinite, st);
     task.on_complete(st);
@@ -647,6 +657,7 @@ class CudaBinding : public PoolBinding {
     return Status::Ok();
   }
 
+  kernels::ThreadPool* const hash_pool_;
   std::unique_ptr<BindingResources> res_;
   DeviceApi* const api_;
   const std::shared_ptr<DeviceState> dev_;
@@ -667,7 +678,11 @@ class CudaBinding : public PoolBinding {
 
 CudaBackend::CudaBackend(DeviceApi* api, CudaBackendOptions options,
                          std::vector<std::pair<uint8_t*, uint64_t>> registered)
-    : api_(api), options_(std::move(options)), registered_(std::move(registered)) {}
+    : api_(api),
+      options_(std::move(options)),
+      hash_pool_(std::make_unique<kernels::ThreadPool>(std::clamp(
+          options_.hash_threads, 1u, std::max(1u, std::thread::hardware_concurrency())))),
+      registered_(std::move(registered)) {}
 
 StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8_t* pool,
                                                            uint64_t pool_bytes,
@@ -888,7 +903,7 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
   res->has_arena = true;
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec),
-                                               options_.wait_timeout);
+                                               options_.wait_timeout, hash_pool_.get());
   binding->StageViews(views);
   return std::unique_ptr<PoolBinding>(std::move(binding));
 }

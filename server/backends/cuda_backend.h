@@ -26,7 +26,9 @@
 //        Backup:  per chunk k (blocks x layers that fit a slab): encode kernel into slab k%2 ->
 //                 copy stream waits for it -> D2H copies into the reserved pool payloads; slab
 //                 k%2 is encoded into again only after the copy stream finished reading it
-//                 (events) -> non-finite flags D2H -> ticket into done_event's slot.
+//                 (events) -> non-finite flags D2H -> ticket into done_event's slot. Once the
+//                 work completed, the payloads are hashed for the pool headers on
+//                 hash_threads threads (BackupTask::checksums) before the blocks are published.
 //        Restore: per unit k (group of consecutive layers, chunk of blocks): copy stream H2D
 //                 copies into slab k%2 (after the decodes that last read it) -> compute waits
 //                 for them -> per layer of the group a decode+scatter kernel, and after the
@@ -84,6 +86,7 @@
 #include "backends/device_api.h"
 #include "backends/host_backend.h"
 #include "core/device_backend.h"
+#include "thread_pool.h"
 
 namespace hiqcache::server {
 
@@ -106,6 +109,10 @@ struct CudaBackendOptions {
   // The rules for the engines' slot objects (the daemon's pool object refused); null = only the
   // caller's ownership of named objects is checked.
   const HostBackend* client_objects = nullptr;
+  // Threads (the finishing transfer worker included) that hash a completed backup's payloads
+  // (XXH3-64, the pool headers' checksums) in parallel, shared by the backend's pools; at most
+  // the machine's hardware threads.
+  unsigned hash_threads = 4;
 };
 
 // How a device's staging budget is cut: `pairs` pairs of slabs of `slab_bytes` each (every task
@@ -139,7 +146,7 @@ class CudaBackend : public DeviceBackend {
   Status DeviceFailure() const;
 
   struct Mapping;      // an opened IPC allocation, shared by every binding that names it
-  struct DeviceState;  // staging, completion thread and failure state of one device
+  struct DeviceState;  // staging, arenas and failure state of one device
 
  private:
   CudaBackend(DeviceApi* api, CudaBackendOptions options,
@@ -151,6 +158,7 @@ class CudaBackend : public DeviceBackend {
 
   DeviceApi* const api_;
   const CudaBackendOptions options_;
+  std::unique_ptr<kernels::ThreadPool> hash_pool_;
   std::vector<std::pair<uint8_t*, uint64_t>> registered_;  // host-registered chunks
   mutable std::mutex mu_;
   std::vector<std::string> uuids_;                       // GUARDED_BY(mu_): filled on first Bind

@@ -16,7 +16,7 @@
 //                       wait_value yet, no CUDA staging free), kCompleted (done, on_complete
 //                       already called), or kPending (the device has the work; the worker is
 //                       free).
-//   defer(work)         CUDA: called by the pool's completion thread once the device finished;
+//   defer(work)         CUDA: called by a completion thread of the pool once the device finished;
 //                       `work` must then run on a worker (it ends the task: on_written,
 //                       on_complete). The caller keeps the pool's next task of the same
 //                       direction waiting until then.

@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -519,6 +520,51 @@ TEST_F(CudaBackendTest, RestoreCopiesEachBlocksLayersOfAUnitInOneDma) {
       }
     }
   }
+}
+
+// A completed backup's payloads are hashed by the backend, on its hash threads, before
+// on_written (BackupTask::checksums): the core then publishes them without hashing each block on
+// the finishing worker alone.
+TEST_F(CudaBackendTest, BackupChecksumsAreComputedByTheBackend) {
+  Engine& e = NewEngine();
+  kernels::BlockLayout lay;
+  lay.row.num_heads = kHeads;
+  lay.row.head_dim = kDim;
+  lay.num_layers = kLayers;
+  lay.kv_planes = 2;
+  lay.block_tokens = kBlockTokens;
+  auto bound = cuda_->Bind(Spec(e), lay, nullptr);
+  ASSERT_TRUE(bound.ok()) << bound.status().ToString();
+  std::unique_ptr<PoolBinding> binding = std::move(bound).value();
+  constexpr uint32_t kN = 3;
+  auto task = std::make_shared<BackupTask>();
+  BackupTask* raw = task.get();
+  task->ticket = 1;
+  for (uint32_t b = 0; b < kN; ++b) {
+    task->payloads.push_back(pool_mem_->data() + b * kBlockBytes);  // registered pool memory
+    for (uint32_t t = 0; t < kBlockTokens; ++t) task->rows.push_back(b * kBlockTokens + t);
+  }
+  std::promise<std::function<void()>> deferred;
+  task->defer = [&](std::function<void()> work) { deferred.set_value(std::move(work)); };
+  std::vector<uint64_t> sums;
+  Status written = Internal("not called");
+  task->on_written = [&](const std::vector<uint8_t>& nonfinite, const Status& st) {
+    written = st;
+    EXPECT_EQ(nonfinite, std::vector<uint8_t>(kN, 0));
+    sums = raw->checksums;
+  };
+  task->on_complete = [](const Status&) {};
+  ASSERT_EQ(binding->StartBackup(task), StartResult::kPending);
+  auto work = deferred.get_future();
+  ASSERT_EQ(work.wait_for(10s), std::future_status::ready);
+  work.get()();
+  HIQ_EXPECT_OK(written);
+  ASSERT_EQ(sums.size(), kN) << "the backend left the checksums to the core";
+  for (uint32_t b = 0; b < kN; ++b) {
+    EXPECT_EQ(sums[b], XXH3_64bits(task->payloads[b], kBlockBytes)) << "block " << b;
+  }
+  binding->Cancel();
+  binding->Close();
 }
 
 TEST_F(CudaBackendTest, StagingIsAllocatedAtBindAndShownInStats) {
