@@ -187,9 +187,9 @@ class FakeDevice : public DeviceApi {
   std::vector<Alloc> allocs_;
   std::vector<std::pair<uint8_t*, size_t>> registered_;
   std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_;  // closed or freed
-  std::vector<Access> log_;  // accesses of executed operations
+  std::vector<Access> log_;                        // accesses of executed operations
   std::map<const Buffer*, uint64_t> kernels_run_;  // executed kernels touching each buffer
-  VClock host_vc_;           // what the host has seen complete
+  VClock host_vc_;                                 // what the host has seen complete
   uint64_t next_seq_ = 0, next_record_ = 0;
   struct Fault {
     Call call;
