@@ -102,10 +102,11 @@ struct CacheCore::Pool {
     if (core != nullptr) core->RetirePool(*this);
   }
 
-  // REQUIRES: post_mu held (tickets enter in order). Notes a request of a two-strand pool.
-  void AddInFlight(uint64_t ticket, bool restore, const TransferSpec& spec) {
+  // What request `spec` touches, for a pool with two strands (nothing for the others). Made
+  // before post_mu is taken: sorting a request's rows is not done under it.
+  InFlight Touches(bool restore, const TransferSpec& spec) const {
     InFlight f;
-    f.ticket = ticket;
+    if (restore_strand == strand) return f;
     f.restore = restore;
     for (const BlockSpec& b : spec.blocks)
       f.rows.insert(f.rows.end(), b.rows.begin(), b.rows.end());
@@ -117,6 +118,12 @@ struct CacheCore::Pool {
       }
     }
     std::sort(f.slots.begin(), f.slots.end());
+    return f;
+  }
+  // REQUIRES: post_mu held (tickets enter in order). Notes request `ticket` of a two-strand pool.
+  void AddInFlight(uint64_t ticket, InFlight f) {
+    if (restore_strand == strand) return;
+    f.ticket = ticket;
     std::lock_guard<std::mutex> lock(flight_mu);
     in_flight.push_back(std::move(f));
   }
@@ -848,6 +855,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
     });
   }
   req->reply = std::make_shared<BackupDone>();
+  Pool::InFlight touches = pool->Touches(/*restore=*/false, spec);
 
   // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
   Status st = ChargePending(pool->client, req->pending_bytes);
@@ -861,9 +869,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   {
     std::lock_guard<std::mutex> lock(pool->post_mu);
     req->result.ticket = ++pool->next_ticket;
-    if (pool->restore_strand != pool->strand) {
-      pool->AddInFlight(req->result.ticket, /*restore=*/false, req->spec);
-    }
+    pool->AddInFlight(req->result.ticket, std::move(touches));
     if (!req->sync) {
       // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
       req->replied = true;
@@ -1079,6 +1085,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->pending_bytes = SaturatingMul(keys.size(), per_block);
   req->pins.reserve(keys.size());
   req->reply = std::make_shared<RestoreDone>();
+  Pool::InFlight touches = pool->Touches(/*restore=*/true, spec);
   Status st = ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
@@ -1121,9 +1128,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->spec = std::move(spec);
   std::lock_guard<std::mutex> lock(pool->post_mu);
   req->result.ticket = ++pool->next_ticket;
-  if (pool->restore_strand != pool->strand) {
-    pool->AddInFlight(req->result.ticket, /*restore=*/true, req->spec);
-  }
+  pool->AddInFlight(req->result.ticket, std::move(touches));
   if (!req->sync) {
     req->replied = true;
     (*req->reply)(req->result);
