@@ -11,7 +11,8 @@
 // are scheduled before pending backup kernels, and its H2D copies run beside the backup's D2H
 // copies on the other copy engine (stream priorities order kernels only, never copies: CUDA
 // runtime API, cudaStreamCreateWithPriority). A backup leaves a device's last free staging pair
-// to restores (when the device has more than one).
+// to restores when the device has more than one (a staging budget of at least 64 MiB: with a
+// single pair a restore still waits for the running backup's pair).
 //
 // Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
 // a fake device in the unit tests. This file includes no CUDA header.
