@@ -14,9 +14,9 @@
 #         HIQ_L3_FUZZ_SECONDS (20) from tests/fuzz/l3_reply_corpus (where hiredis is installed);
 #         skipped when clang++ is missing
 #         (deploy/install-deps.sh installs it)
-#   tsan  g++ -fsanitize=thread: thread pool, transfer engine, L3 tier (where hiredis is
-#         installed), client fail-open (multi-threaded client) and the multi-process load test
-#         against a TSan daemon
+#   tsan  g++ -fsanitize=thread: thread pool, transfer engine, the CUDA backend's scheduling on
+#         the fake device, L3 tier (where hiredis is installed), client fail-open
+#         (multi-threaded client) and the multi-process load test against a TSan daemon
 # HIQ_CHECK_STAGES selects them ("asan fuzz tsan" by default; "" skips all). A failure in any
 # stage fails the script.
 set -euo pipefail

@@ -1,11 +1,13 @@
 #include "backends/cuda_backend.h"
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "backends/device_completion.h"
 #include "backends/residency.h"
@@ -83,7 +85,6 @@ struct CudaBackend::DeviceState {
   StagingPlan plan;
   uint8_t* staging = nullptr;
   std::function<void(int, const Status&)> on_failed;
-  std::unique_ptr<CompletionThread> completion;
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> device_bytes{0};  // staging + arenas
 
@@ -91,9 +92,10 @@ struct CudaBackend::DeviceState {
   std::vector<uint32_t> free_pairs;  // GUARDED_BY(mu)
   std::vector<Arena> spare;          // GUARDED_BY(mu): arenas of released pools, for reuse
   Status failure;                    // GUARDED_BY(mu)
+  // The completion threads of the device's bindings, failed with it.
+  std::vector<CompletionThread*> waiters;  // GUARDED_BY(mu)
 
   ~DeviceState() {
-    completion.reset();
     for (const Arena& a : spare) {
       api->FreeDevice(device, a.device);
       api->FreePinned(a.host);
@@ -105,9 +107,12 @@ struct CudaBackend::DeviceState {
     return staging + (2ull * pair + s) * plan.slab_bytes;
   }
 
-  std::optional<uint32_t> TryAcquire() {
+  // A backup leaves the last free pair to restores (when the device has more than one): a
+  // restore is on an engine's critical path, a backup is not.
+  std::optional<uint32_t> TryAcquire(bool restore) {
     std::lock_guard<std::mutex> lock(mu);
     if (free_pairs.empty()) return std::nullopt;
+    if (!restore && plan.pairs > 1 && free_pairs.size() == 1) return std::nullopt;
     uint32_t p = free_pairs.back();
     free_pairs.pop_back();
     return p;
@@ -115,6 +120,17 @@ struct CudaBackend::DeviceState {
   void Release(uint32_t pair) {
     std::lock_guard<std::mutex> lock(mu);
     free_pairs.push_back(pair);
+  }
+
+  // A binding's completion thread, failed at once if the device already failed.
+  void AddWaiter(CompletionThread* w) {
+    std::lock_guard<std::mutex> lock(mu);
+    waiters.push_back(w);
+    if (!failure.ok()) w->FailAll(failure);
+  }
+  void RemoveWaiter(CompletionThread* w) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase(waiters, w);
   }
 
   // Marks the device failed (first call: logs, fails its pending completions, tells the daemon)
@@ -131,13 +147,14 @@ struct CudaBackend::DeviceState {
                               "cached blocks survive in the shared-memory pool)");
         failed.store(true, std::memory_order_release);
         first = true;
+        // Under mu: a binding removes its thread under mu before destroying it.
+        for (CompletionThread* w : waiters) w->FailAll(failure);
       }
       out = failure;
     }
     if (first) {
       HIQ_LOG(ERROR) << "event=device_failed device=" << device << " error=\"" << cause.message()
                      << "\"";
-      if (completion) completion->FailAll(out);
       if (on_failed) on_failed(device, cause);
     }
     return out;
@@ -192,7 +209,8 @@ struct ChunkPlan {
   uint32_t backup_layers = 0;   // layers per backup chunk
   uint32_t layer_chunks = 0;    // backup chunks per block range
   uint32_t backup_blocks = 0;   // blocks per backup chunk
-  uint32_t restore_blocks = 0;  // blocks per restore unit (one layer each)
+  uint64_t slab_layers = 0;     // block-layers (layer_bytes each) a slab holds
+  uint32_t restore_blocks = 0;  // blocks per restore unit of one layer (more than a slab holds)
   size_t views_off = 0, rows_off = 0, ptrs_off = 0, flags_off = 0, arena_bytes = 0;
 
   static StatusOr<ChunkPlan> For(const kernels::BlockLayout& layout, const StagingPlan& staging,
@@ -207,6 +225,7 @@ struct ChunkPlan {
           " bytes): use smaller blocks, or raise hiqcached's cuda_staging_bytes");
     }
     const uint64_t per_slab_layers = staging.slab_bytes / p.layer_bytes;
+    p.slab_layers = per_slab_layers;
     p.backup_layers = static_cast<uint32_t>(std::min<uint64_t>(layers, per_slab_layers));
     p.layer_chunks = (layers + p.backup_layers - 1) / p.backup_layers;
     const uint64_t chunk_bytes = uint64_t{p.backup_layers} * p.layer_bytes;
@@ -232,6 +251,8 @@ struct ChunkPlan {
   }
 };
 
+enum LaneIndex { kBackupLane = 0, kRestoreLane = 1 };
+
 // Everything a binding holds on the device; released (never waiting) by Release().
 struct BindingResources {
   DeviceApi* api = nullptr;
@@ -244,10 +265,21 @@ struct BindingResources {
   // resident), given back when they are unlocked.
   std::shared_ptr<FaultBudget> budget;
   uint64_t charged = 0;
-  DeviceStream compute, copy;
-  // Daemon-owned: completion of a task; per slab, "filled" (producer done) and "freed"
-  // (consumer done); the copy stream's tail, joined into the compute stream.
-  DeviceEvent complete, filled[2], freed[2], tail;
+  // One lane per direction (kBackupLane, kRestoreLane), so that a pool's restore runs beside its
+  // backup instead of behind it.
+  struct Lane {
+    DeviceStream compute, copy;
+    // Daemon-owned: completion of the lane's task (a blocking event, waited for by `completion`);
+    // per slab, "filled" (producer done) and "freed" (consumer done); the copy stream's tail,
+    // joined into the compute stream.
+    DeviceEvent complete, filled[2], freed[2], tail;
+    std::unique_ptr<CompletionThread> completion;
+    size_t arena_off = 0;  // the lane's job arrays: ChunkPlan::arena_bytes from here
+    // Whether the views were copied to the lane's job arrays on the device. Only the lane's
+    // Start* calls (one at a time) use it.
+    bool views_uploaded = false;
+  };
+  Lane lanes[2];
   DeviceState::Arena arena;
   bool has_arena = false;
 
@@ -255,10 +287,18 @@ struct BindingResources {
   void Release() {
     if (api == nullptr) return;
     const int d = dev->device;
-    if (compute) api->DestroyStream(d, std::exchange(compute, DeviceStream{}));
-    if (copy) api->DestroyStream(d, std::exchange(copy, DeviceStream{}));
-    for (DeviceEvent* e : {&complete, &filled[0], &filled[1], &freed[0], &freed[1], &tail}) {
-      if (*e) api->DestroyEvent(d, std::exchange(*e, DeviceEvent{}));
+    for (Lane& ln : lanes) {
+      if (ln.completion != nullptr) {
+        // No task is pending (Close's precondition): the thread is idle and joins at once.
+        dev->RemoveWaiter(ln.completion.get());
+        ln.completion.reset();
+      }
+      if (ln.compute) api->DestroyStream(d, std::exchange(ln.compute, DeviceStream{}));
+      if (ln.copy) api->DestroyStream(d, std::exchange(ln.copy, DeviceStream{}));
+      for (DeviceEvent* e :
+           {&ln.complete, &ln.filled[0], &ln.filled[1], &ln.freed[0], &ln.freed[1], &ln.tail}) {
+        if (*e) api->DestroyEvent(d, std::exchange(*e, DeviceEvent{}));
+      }
     }
     if (slots_registered) api->UnregisterHost(slots->data());
     slots_registered = false;
@@ -273,9 +313,12 @@ struct BindingResources {
 
 class CudaBinding : public PoolBinding {
  public:
+  using Lane = BindingResources::Lane;
   CudaBinding(std::unique_ptr<BindingResources> res, kernels::BlockLayout layout, ChunkPlan plan,
-              uint32_t num_rows, std::chrono::milliseconds wait_timeout)
-      : res_(std::move(res)),
+              uint32_t num_rows, std::chrono::milliseconds wait_timeout,
+              kernels::ThreadPool* hash_pool)
+      : hash_pool_(hash_pool),
+        res_(std::move(res)),
         api_(res_->api),
         dev_(res_->dev),
         device_(dev_->device),
@@ -309,8 +352,10 @@ class CudaBinding : public PoolBinding {
   // or freed. (A copy enqueued here would be ordered before nothing: a pool released, or a
   // backend torn down, before any task ran would return or free the arena under it.)
   void StageViews(const std::vector<kernels::LayerViews>& views) {
-    std::memcpy(res_->arena.host + plan_.views_off, views.data(),
-                views.size() * sizeof(kernels::LayerViews));
+    for (const Lane& ln : res_->lanes) {
+      std::memcpy(Host(ln) + plan_.views_off, views.data(),
+                  views.size() * sizeof(kernels::LayerViews));
+    }
   }
 
   StartResult StartBackup(const std::shared_ptr<BackupTask>& task) override {
@@ -322,12 +367,14 @@ class CudaBinding : public PoolBinding {
       FinishBackup(*task, settled);
       return StartResult::kCompleted;
     }
-    std::optional<uint32_t> pair = dev_->TryAcquire();
+    std::optional<uint32_t> pair = dev_->TryAcquire(/*restore=*/false);
     if (!pair) return StartResult::kNotReady;  // every slab pair is on the device: retry
-    Status st = Ctx(EnqueueBackup(*task, *pair), "backup");
-    if (!st.ok()) st = Merge(st, JoinCopyStream());
-    if (st.ok()) st = StoreSlot(task->done_event, task->ticket, "done_event");
-    return Submit(task, *pair, st, [this](BackupTask& t, const Status& s) { FinishBackup(t, s); });
+    Lane& ln = res_->lanes[kBackupLane];
+    Status st = Ctx(EnqueueBackup(ln, *task, *pair), "backup");
+    if (!st.ok()) st = Merge(st, JoinCopyStream(ln));
+    if (st.ok()) st = StoreSlot(ln, task->done_event, task->ticket, "done_event");
+    return Submit(ln, task, *pair, st,
+                  [this](BackupTask& t, const Status& s) { FinishBackup(t, s); });
   }
 
   StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) override {
@@ -338,12 +385,13 @@ class CudaBinding : public PoolBinding {
       task->on_complete(settled);
       return StartResult::kCompleted;
     }
-    std::optional<uint32_t> pair = dev_->TryAcquire();
+    std::optional<uint32_t> pair = dev_->TryAcquire(/*restore=*/true);
     if (!pair) return StartResult::kNotReady;
-    Status st = Ctx(EnqueueRestore(*task, *pair), "restore");
-    if (!st.ok()) st = Merge(st, JoinCopyStream());
-    if (st.ok()) st = StoreSlot(task->done_event, task->ticket, "done_event");
-    return Submit(task, *pair, st, [](RestoreTask& t, const Status& s) { t.on_complete(s); });
+    Lane& ln = res_->lanes[kRestoreLane];
+    Status st = Ctx(EnqueueRestore(ln, *task, *pair), "restore");
+    if (!st.ok()) st = Merge(st, JoinCopyStream(ln));
+    if (st.ok()) st = StoreSlot(ln, task->done_event, task->ticket, "done_event");
+    return Submit(ln, task, *pair, st, [](RestoreTask& t, const Status& s) { t.on_complete(s); });
   }
 
  private:
@@ -381,20 +429,21 @@ class CudaBinding : public PoolBinding {
     res_->slots->Store(t.done_event, t.ticket, true);
   }
 
-  // Enqueues the store of `ticket` into slot `event` on the compute stream, behind everything
-  // enqueued there so far. event < 0: nothing.
-  Status StoreSlot(int32_t event, uint64_t ticket, const char* field) {
+  // Enqueues the store of `ticket` into slot `event` on the lane's compute stream, behind
+  // everything enqueued there so far. event < 0: nothing.
+  Status StoreSlot(Lane& ln, int32_t event, uint64_t ticket, const char* field) {
     if (event < 0 || static_cast<uint32_t>(event) >= event_count_) return Status::Ok();
-    return Ctx(api_->WriteValue64(device_, res_->compute,
+    return Ctx(api_->WriteValue64(device_, ln.compute,
                                   res_->slots->slot(static_cast<uint32_t>(event)), ticket),
                std::string("storing the ticket into ") + field + " slot " + std::to_string(event));
   }
 
   // Records the completion event after everything the task enqueued, answers an asynchronous
-  // request, and hands the rest to the device's completion thread.
+  // request, and hands the rest to the lane's completion thread.
   template <typename Task, typename Finish>
-  StartResult Submit(const std::shared_ptr<Task>& task, uint32_t pair, Status st, Finish finish) {
-    Status rec = api_->RecordEvent(device_, res_->complete, res_->compute);
+  StartResult Submit(Lane& ln, const std::shared_ptr<Task>& task, uint32_t pair, Status st,
+                     Finish finish) {
+    Status rec = api_->RecordEvent(device_, ln.complete, ln.compute);
     if (!rec.ok()) {
       // Nothing would tell when the device is done with the slabs, the pool's payloads and the
       // engine's buffers: the device's state is unknown, so it is failed.
@@ -416,8 +465,8 @@ class CudaBinding : public PoolBinding {
     // `task = task`, not `task`: a by-copy capture of the const reference would be a const
     // member, and std::move of it below a copy, leaving a reference here that the completion
     // thread drops after the worker ran the continuation (the last one, once the core let go).
-    dev_->completion->Watch(
-        res_->complete, [this, task = task, pair, st, finish](const Status& q) mutable {
+    ln.completion->Watch(
+        ln.complete, [this, task = task, pair, st, finish](const Status& q) mutable {
           dev_->Release(pair);
           Status out = st.ok() ? dev_->Reported(Ctx(q, "device work")) : st;
           // The device work stopped: whatever of it did not land is released as failed (a slot
@@ -434,35 +483,42 @@ class CudaBinding : public PoolBinding {
     const size_t n = task.payloads.size();
     std::vector<uint8_t> nonfinite(n, 0);
     if (st.ok() && n > 0) {
-      const uint8_t* flags = res_->arena.host + plan_.flags_off;
+      const uint8_t* flags = Host(res_->lanes[kBackupLane]) + plan_.flags_off;
       for (uint32_t c = 0; c < plan_.layer_chunks; ++c) {
         for (size_t b = 0; b < n; ++b) nonfinite[b] |= flags[c * n + b];
       }
+      // The pool headers' checksums, in parallel (the core hashes on one thread otherwise).
+      task.checksums.assign(n, 0);
+      const size_t bytes = layout_.BlockBytes();
+      hash_pool_->ParallelFor(n, [&](size_t b) {
+        if (!nonfinite[b]) task.checksums[b] = XXH3_64bits(task.payloads[b], bytes);
+      });
     }
     task.on_written(nonfinite, st);
     task.on_complete(st);
   }
 
   // Makes the compute stream wait for everything enqueued on the copy stream so far.
-  Status JoinCopyStream() {
-    HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->tail, res_->copy));
-    return api_->StreamWaitEvent(device_, res_->compute, res_->tail);
+  Status JoinCopyStream(Lane& ln) {
+    HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.tail, ln.copy));
+    return api_->StreamWaitEvent(device_, ln.compute, ln.tail);
   }
 
-  const uint32_t* DeviceRows(uint32_t first_block) const {
-    return reinterpret_cast<const uint32_t*>(res_->arena.device + plan_.rows_off) +
+  uint8_t* Host(const Lane& ln) const { return res_->arena.host + ln.arena_off; }
+  uint8_t* Dev(const Lane& ln) const { return res_->arena.device + ln.arena_off; }
+  const uint32_t* DeviceRows(const Lane& ln, uint32_t first_block) const {
+    return reinterpret_cast<const uint32_t*>(Dev(ln) + plan_.rows_off) +
            size_t{first_block} * layout_.block_tokens;
   }
-  const kernels::LayerViews* DeviceViews(uint32_t layer) const {
-    return reinterpret_cast<const kernels::LayerViews*>(res_->arena.device + plan_.views_off) +
-           layer;
+  const kernels::LayerViews* DeviceViews(const Lane& ln, uint32_t layer) const {
+    return reinterpret_cast<const kernels::LayerViews*>(Dev(ln) + plan_.views_off) + layer;
   }
   // Uploads the task's rows and, per slab of `pair`, the staging address of each of `per_slab`
   // blocks `stride` bytes apart; returns the device array of slab 0 (slab 1's follows it).
-  StatusOr<uint8_t**> UploadJobArrays(const std::vector<uint32_t>& rows, uint32_t pair,
+  StatusOr<uint8_t**> UploadJobArrays(Lane& ln, const std::vector<uint32_t>& rows, uint32_t pair,
                                       uint32_t per_slab, size_t stride) {
-    uint8_t* host = res_->arena.host;
-    uint8_t* dev = res_->arena.device;
+    uint8_t* host = Host(ln);
+    uint8_t* dev = Dev(ln);
     const size_t rows_bytes = rows.size() * sizeof(uint32_t);
     std::memcpy(host + plan_.rows_off, rows.data(), rows_bytes);
     auto** ptrs = reinterpret_cast<uint8_t**>(host + plan_.ptrs_off);
@@ -477,21 +533,20 @@ class CudaBinding : public PoolBinding {
          size_t{layout_.num_layers} * sizeof(kernels::LayerViews)}};
     // The views once, with the first task's arrays (StageViews): later tasks run behind that
     // copy on the same stream.
-    const size_t n = views_uploaded_ ? 2 : 3;
-    HIQ_RETURN_IF_ERROR(
-        Ctx(api_->CopyAsync(device_, {up, n}, res_->compute), "uploading job arrays"));
-    views_uploaded_ = true;
+    const size_t n = ln.views_uploaded ? 2 : 3;
+    HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, {up, n}, ln.compute), "uploading job arrays"));
+    ln.views_uploaded = true;
     return reinterpret_cast<uint8_t**>(dev + plan_.ptrs_off);
   }
 
-  Status EnqueueBackup(BackupTask& t, uint32_t pair) {
+  Status EnqueueBackup(Lane& ln, BackupTask& t, uint32_t pair) {
     const uint32_t n = static_cast<uint32_t>(t.payloads.size());
     if (n == 0) return Status::Ok();
     const uint32_t cb = plan_.backup_blocks;
     const uint32_t lc = plan_.backup_layers;
     const size_t stride = size_t{lc} * plan_.layer_bytes;  // one block's chunk in a slab
-    HIQ_ASSIGN_OR_RETURN(uint8_t * *dev_ptrs, UploadJobArrays(t.rows, pair, cb, stride));
-    uint8_t* dev_flags = res_->arena.device + plan_.flags_off;
+    HIQ_ASSIGN_OR_RETURN(uint8_t * *dev_ptrs, UploadJobArrays(ln, t.rows, pair, cb, stride));
+    uint8_t* dev_flags = Dev(ln) + plan_.flags_off;
     std::vector<DeviceApi::Copy> copies;
     uint32_t k = 0;  // chunk number: slab k % 2
     for (uint32_t b0 = 0; b0 < n; b0 += cb) {
@@ -503,89 +558,106 @@ class CudaBinding : public PoolBinding {
         if (k >= 2) {
           // The D2H copies of chunk k - 2 read this slab: encode into it only after them.
           HIQ_RETURN_IF_ERROR(
-              Ctx(api_->StreamWaitEvent(device_, res_->compute, res_->freed[s]), "staging ring"));
+              Ctx(api_->StreamWaitEvent(device_, ln.compute, ln.freed[s]), "staging ring"));
         }
         kernels::EncodeJob job;
         job.layout = layout_;
         job.layout.num_layers = lcount;
-        job.layers = DeviceViews(l0);
-        job.rows = DeviceRows(b0);
+        job.layers = DeviceViews(ln, l0);
+        job.rows = DeviceRows(ln, b0);
         job.blocks = dev_ptrs + s * cb;
         job.num_blocks = bc;
         job.nonfinite = dev_flags + size_t{c} * n + b0;
-        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchEncode(device_, job, res_->compute), "encode"));
-        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->filled[s], res_->compute));
-        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, res_->copy, res_->filled[s]));
+        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchEncode(device_, job, ln.compute), "encode"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.filled[s], ln.compute));
+        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, ln.copy, ln.filled[s]));
         copies.clear();
         for (uint32_t j = 0; j < bc; ++j) {
           copies.push_back({t.payloads[b0 + j] + size_t{l0} * plan_.layer_bytes,
                             dev_->Slab(pair, s) + j * stride, size_t{lcount} * plan_.layer_bytes});
         }
         HIQ_RETURN_IF_ERROR(
-            Ctx(api_->CopyAsync(device_, copies, res_->copy), "copying into the pool"));
-        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->freed[s], res_->copy));
+            Ctx(api_->CopyAsync(device_, copies, ln.copy), "copying into the pool"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.freed[s], ln.copy));
       }
     }
-    HIQ_RETURN_IF_ERROR(JoinCopyStream());
-    const DeviceApi::Copy flags{res_->arena.host + plan_.flags_off, dev_flags,
+    HIQ_RETURN_IF_ERROR(JoinCopyStream(ln));
+    const DeviceApi::Copy flags{Host(ln) + plan_.flags_off, dev_flags,
                                 size_t{n} * plan_.layer_chunks};
-    return Ctx(api_->CopyAsync(device_, {&flags, 1}, res_->compute), "copying non-finite flags");
+    return Ctx(api_->CopyAsync(device_, {&flags, 1}, ln.compute), "copying non-finite flags");
   }
 
-  Status EnqueueRestore(RestoreTask& t, uint32_t pair) {
+  // A restore goes through the slab pair in units of (group of consecutive layers, chunk of
+  // blocks). When every block of the request fits a slab with at least one layer, a unit holds
+  // all of them with as many layers as fit (block-major in the slab: block j's layers at
+  // j * group * layer_bytes), so each block's layers of a unit arrive with one H2D copy of its
+  // contiguous pool payload: n x ceil(layers / group) copies instead of n x layers. Otherwise a
+  // unit is one layer of restore_blocks blocks. Layer slots are stored as each layer's last decode
+  // is enqueued, so the engine's layer l still starts once layer l is written.
+  Status EnqueueRestore(Lane& ln, RestoreTask& t, uint32_t pair) {
     const uint32_t n = static_cast<uint32_t>(t.payloads.size());
-    uint8_t** dev_ptrs = nullptr;
-    const uint32_t cr = plan_.restore_blocks;
-    if (n > 0) {
-      HIQ_ASSIGN_OR_RETURN(dev_ptrs, UploadJobArrays(t.rows, pair, cr, plan_.layer_bytes));
-    }
+    const uint32_t layers = layout_.num_layers;
     if (n == 0) {
       // Nothing to write: the layer slots still get the ticket.
-      for (uint32_t l = 0; t.layer_event_base >= 0 && l < layout_.num_layers; ++l) {
-        HIQ_RETURN_IF_ERROR(
-            StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket, "layer_event_base"));
+      for (uint32_t l = 0; t.layer_event_base >= 0 && l < layers; ++l) {
+        HIQ_RETURN_IF_ERROR(StoreSlot(ln, t.layer_event_base + static_cast<int32_t>(l), t.ticket,
+                                      "layer_event_base"));
       }
       return Status::Ok();
     }
+    uint32_t cr = plan_.restore_blocks;  // blocks per unit
+    uint32_t group = 1;                  // layers per unit
+    if (n <= plan_.slab_layers) {
+      cr = n;
+      group = static_cast<uint32_t>(std::min<uint64_t>(layers, plan_.slab_layers / n));
+    }
+    const size_t stride = size_t{group} * plan_.layer_bytes;  // one block's layers in a slab
+    HIQ_ASSIGN_OR_RETURN(uint8_t * *dev_ptrs, UploadJobArrays(ln, t.rows, pair, cr, stride));
     std::vector<DeviceApi::Copy> copies;
     uint32_t k = 0;  // unit number: slab k % 2
-    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+    for (uint32_t l0 = 0; l0 < layers; l0 += group) {
+      const uint32_t gc = std::min(group, layers - l0);
       for (uint32_t b0 = 0; b0 < n; b0 += cr, ++k) {
         const uint32_t bc = std::min(cr, n - b0);
         const uint32_t s = k % 2;
         if (k >= 2) {
-          // The decode of unit k - 2 reads this slab: copy into it only after that decode.
+          // The decodes of unit k - 2 read this slab: copy into it only after them.
           HIQ_RETURN_IF_ERROR(
-              Ctx(api_->StreamWaitEvent(device_, res_->copy, res_->freed[s]), "staging ring"));
+              Ctx(api_->StreamWaitEvent(device_, ln.copy, ln.freed[s]), "staging ring"));
         }
         copies.clear();
         for (uint32_t j = 0; j < bc; ++j) {
-          copies.push_back({dev_->Slab(pair, s) + j * plan_.layer_bytes,
-                            t.payloads[b0 + j] + size_t{l} * plan_.layer_bytes, plan_.layer_bytes});
+          copies.push_back({dev_->Slab(pair, s) + j * stride,
+                            t.payloads[b0 + j] + size_t{l0} * plan_.layer_bytes,
+                            size_t{gc} * plan_.layer_bytes});
         }
-        HIQ_RETURN_IF_ERROR(
-            Ctx(api_->CopyAsync(device_, copies, res_->copy), "copying into staging"));
-        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->filled[s], res_->copy));
-        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, res_->compute, res_->filled[s]));
+        HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, copies, ln.copy), "copying into staging"));
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.filled[s], ln.copy));
+        HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, ln.compute, ln.filled[s]));
         kernels::DecodeJob job;
         job.layout = layout_;
-        job.layout.num_layers = 1;
-        job.layers = DeviceViews(l);
-        job.rows = DeviceRows(b0);
+        job.layout.num_layers = gc;
+        job.layers = DeviceViews(ln, l0);
+        job.rows = DeviceRows(ln, b0);
         job.blocks = dev_ptrs + s * cr;
         job.num_blocks = bc;
-        HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, 0, 1, res_->compute), "decode"));
-        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, res_->freed[s], res_->compute));
-      }
-      // Copy, decode and scatter of layer l are enqueued before its slot store.
-      if (t.layer_event_base >= 0) {
-        HIQ_RETURN_IF_ERROR(
-            StoreSlot(t.layer_event_base + static_cast<int32_t>(l), t.ticket, "layer_event_base"));
+        const bool last_chunk = b0 + bc == n;
+        for (uint32_t i = 0; i < gc; ++i) {
+          HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, i, 1, ln.compute), "decode"));
+          // Copy, decode and scatter of layer l0 + i (every chunk) are enqueued before its slot
+          // store.
+          if (last_chunk && t.layer_event_base >= 0) {
+            HIQ_RETURN_IF_ERROR(StoreSlot(ln, t.layer_event_base + static_cast<int32_t>(l0 + i),
+                                          t.ticket, "layer_event_base"));
+          }
+        }
+        HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.freed[s], ln.compute));
       }
     }
     return Status::Ok();
   }
 
+  kernels::ThreadPool* const hash_pool_;
   std::unique_ptr<BindingResources> res_;
   DeviceApi* const api_;
   const std::shared_ptr<DeviceState> dev_;
@@ -596,8 +668,6 @@ class CudaBinding : public PoolBinding {
   const uint32_t event_count_;
   const uint64_t ticket_floor_;
   const std::chrono::milliseconds wait_timeout_;
-  // Whether the views were copied to the device. Only Start* (one call at a time) use it.
-  bool views_uploaded_ = false;
   std::atomic<bool> cancelled_{false};
   std::mutex close_mu_;
 };
@@ -608,7 +678,11 @@ class CudaBinding : public PoolBinding {
 
 CudaBackend::CudaBackend(DeviceApi* api, CudaBackendOptions options,
                          std::vector<std::pair<uint8_t*, uint64_t>> registered)
-    : api_(api), options_(std::move(options)), registered_(std::move(registered)) {}
+    : api_(api),
+      options_(std::move(options)),
+      hash_pool_(std::make_unique<kernels::ThreadPool>(std::clamp(
+          options_.hash_threads, 1u, std::max(1u, std::thread::hardware_concurrency())))),
+      registered_(std::move(registered)) {}
 
 StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8_t* pool,
                                                            uint64_t pool_bytes,
@@ -631,7 +705,7 @@ StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8
 CudaBackend::~CudaBackend() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    devices_.clear();  // stops the completion threads, frees staging and arenas
+    devices_.clear();  // frees staging and spare arenas
   }
   for (auto& [p, l] : registered_) api_->UnregisterHost(p);
 }
@@ -700,9 +774,6 @@ StatusOr<std::shared_ptr<CudaBackend::DeviceState>> CudaBackend::Device(int devi
   state->staging = *staging;
   state->device_bytes.store(bytes);
   for (uint32_t p = state->plan.pairs; p-- > 0;) state->free_pairs.push_back(p);
-  DeviceState* raw = state.get();
-  state->completion = std::make_unique<CompletionThread>(
-      api_, device, [raw](const Status& st) { return raw->Fail(st); });
   HIQ_LOG(INFO) << "event=cuda_device_bound device=" << device << " staging_bytes=" << bytes
                 << " slab_pairs=" << state->plan.pairs << " slab_bytes=" << state->plan.slab_bytes;
   devices_[device] = state;
@@ -804,15 +875,27 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
     }
     res->slots_registered = true;
   }
-  HIQ_ASSIGN_OR_RETURN(res->compute, api_->CreateStream(device));
-  HIQ_ASSIGN_OR_RETURN(res->copy, api_->CreateStream(device));
-  for (DeviceEvent* e : {&res->complete, &res->filled[0], &res->filled[1], &res->freed[0],
-                         &res->freed[1], &res->tail}) {
-    HIQ_ASSIGN_OR_RETURN(*e, api_->CreateEvent(device));
+  DeviceState* raw = dev.get();
+  for (int i : {kBackupLane, kRestoreLane}) {
+    BindingResources::Lane& ln = res->lanes[i];
+    // Restores at the device's greatest priority, backups at its least.
+    const auto prio = i == kRestoreLane ? DeviceApi::Priority::kHigh : DeviceApi::Priority::kLow;
+    HIQ_ASSIGN_OR_RETURN(ln.compute, api_->CreateStream(device, prio));
+    HIQ_ASSIGN_OR_RETURN(ln.copy, api_->CreateStream(device, prio));
+    // The completion event is waited for by the lane's completion thread; the others only
+    // order streams.
+    HIQ_ASSIGN_OR_RETURN(ln.complete, api_->CreateBlockingEvent(device));
+    for (DeviceEvent* e : {&ln.filled[0], &ln.filled[1], &ln.freed[0], &ln.freed[1], &ln.tail}) {
+      HIQ_ASSIGN_OR_RETURN(*e, api_->CreateEvent(device));
+    }
+    ln.completion = std::make_unique<CompletionThread>(
+        api_, device, [raw](const Status& st) { return raw->Fail(st); });
+    dev->AddWaiter(ln.completion.get());
+    ln.arena_off = i * plan.arena_bytes;
   }
-  auto arena = dev->TakeArena(plan.arena_bytes);
+  auto arena = dev->TakeArena(2 * plan.arena_bytes);
   if (!arena.ok()) {
-    return ResourceExhausted("allocating " + std::to_string(plan.arena_bytes) +
+    return ResourceExhausted("allocating " + std::to_string(2 * plan.arena_bytes) +
                              " bytes of job arrays on device " + std::to_string(device) + ": " +
                              arena.status().message());
   }
@@ -820,7 +903,7 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
   res->has_arena = true;
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec),
-                                               options_.wait_timeout);
+                                               options_.wait_timeout, hash_pool_.get());
   binding->StageViews(views);
   return std::unique_ptr<PoolBinding>(std::move(binding));
 }

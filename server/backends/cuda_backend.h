@@ -1,9 +1,18 @@
 // CudaBackend: the CUDA device kind. Engines share their GPU KV buffers through cudaIpcMemHandles
 // of the allocation base (plus view offsets) and their ticket slots as a memfd the daemon maps
-// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams (a
-// compute and a copy stream per pool) and moves the compressed bytes between a device staging slab
-// and the page-locked pool with the copy engines, so the engine's SMs are held only for the short
-// codec kernels.
+// and page-locks (ticket_slots.h); the daemon quantizes and dequantizes on its own streams and
+// moves the compressed bytes between a device staging slab and the page-locked pool with the copy
+// engines, so the engine's SMs are held only for the short codec kernels.
+//
+// A pool has two lanes, one per direction, each with a compute and a copy stream, its own events,
+// job arrays and completion thread: restores on streams of the device's greatest priority,
+// backups on streams of its least. A restore is therefore never queued behind its pool's backup:
+// both may be on the device together (each holding a staging pair), the restore's decode kernels
+// are scheduled before pending backup kernels, and its H2D copies run beside the backup's D2H
+// copies on the other copy engine (stream priorities order kernels only, never copies: CUDA
+// runtime API, cudaStreamCreateWithPriority). A backup leaves a device's last free staging pair
+// to restores when the device has more than one (a staging budget of at least 64 MiB: with a
+// single pair a restore still waits for the running backup's pair).
 //
 // Every device call goes through DeviceApi (device_api.h): the real CUDA runtime in hiqcached,
 // a fake device in the unit tests. This file includes no CUDA header.
@@ -18,19 +27,32 @@
 //        Backup:  per chunk k (blocks x layers that fit a slab): encode kernel into slab k%2 ->
 //                 copy stream waits for it -> D2H copies into the reserved pool payloads; slab
 //                 k%2 is encoded into again only after the copy stream finished reading it
-//                 (events) -> non-finite flags D2H -> ticket into done_event's slot.
-//        Restore: per (layer, chunk of blocks): copy stream H2D copies into slab k%2 (after
-//                 the decode that last read it) -> compute waits for them -> decode+scatter
-//                 kernel -> after the last chunk of layer l, the ticket into slot
-//                 layer_event_base + l -> the ticket into done_event's slot.
+//                 (events) -> non-finite flags D2H -> ticket into done_event's slot. Once the
+//                 work completed, the payloads are hashed for the pool headers on
+//                 hash_threads threads (BackupTask::checksums) before the blocks are published.
+//        Restore: per unit k (group of consecutive layers, chunk of blocks): copy stream H2D
+//                 copies into slab k%2 (after the decodes that last read it) -> compute waits
+//                 for them -> per layer of the group a decode+scatter kernel, and after the
+//                 last chunk's decode of layer l the ticket into slot layer_event_base + l ->
+//                 the ticket into done_event's slot. When every block of the request fits a slab
+//                 with at least one layer, a unit is all blocks x as many layers as fit, laid
+//                 out block-major in the slab, so each block's layers of the unit (contiguous in
+//                 its pool payload) arrive with one copy: n x ceil(layers / group) DMAs, not
+//                 n x layers (2,048 tokens of Qwen3-8B in 16-token blocks through 16 MiB slabs:
+//                 3 layers per unit, 1,536 copies instead of 4,608). Else a unit is one layer of
+//                 as many blocks as fit.
 //      The slot stores are cuStreamWriteValue64 on the compute stream (DeviceApi::WriteValue64),
-//      so each lands only after the work it signals. Then it records the pool's completion event
+//      so each lands only after the work it signals. Then it records the lane's completion event
 //      on the compute stream. (An asynchronous request was answered when it was queued: its
 //      outcome reaches the engine through the slots.)
-//   2. The device's CompletionThread sees the completion event complete, returns the slabs and
+//   2. The lane's CompletionThread (device_completion.h), blocked in cudaEventSynchronize on the
+//      completion event (created with cudaEventBlockingSync: the thread sleeps, nothing polls),
+//      wakes when the device completed the task's work, returns the slabs and
 //      defers the rest to a worker: publish the backed-up blocks (visible to Lookup only from
-//      then on) or drop the restore's pins, then the pool's next task starts. A pool therefore
-//      has at most one task on the device, and its tasks run in request order.
+//      then on) or drop the restore's pins, then the pool's next task of that direction starts.
+//      A pool therefore has at most one backup and one restore on the device; each direction's
+//      tasks run in request order, and the core holds back a task that conflicts with an
+//      earlier one of the other direction (CacheCore: same rows or slots).
 //   A task that fails stores `ticket | failed` into every slot it names from the host: at once
 //   when nothing of it reached the device, else once its device work stopped (completed, or the
 //   device was lost), so that an engine released by the failed bit never races a kernel still
@@ -48,7 +70,8 @@
 // service manager restarts it (the pool survives in shared memory). Any other error fails the
 // one request.
 //
-// Thread-safety: as DeviceBackend says; Bind may run concurrently with tasks of other pools.
+// Thread-safety: as DeviceBackend says (a pool's StartBackup and StartRestore may run
+// concurrently: they use separate lanes); Bind may run concurrently with tasks of other pools.
 #pragma once
 
 #include <atomic>
@@ -64,6 +87,7 @@
 #include "backends/device_api.h"
 #include "backends/host_backend.h"
 #include "core/device_backend.h"
+#include "thread_pool.h"
 
 namespace hiqcache::server {
 
@@ -86,6 +110,10 @@ struct CudaBackendOptions {
   // The rules for the engines' slot objects (the daemon's pool object refused); null = only the
   // caller's ownership of named objects is checked.
   const HostBackend* client_objects = nullptr;
+  // Threads (the finishing transfer worker included) that hash a completed backup's payloads
+  // (XXH3-64, the pool headers' checksums) in parallel, shared by the backend's pools; at most
+  // the machine's hardware threads.
+  unsigned hash_threads = 4;
 };
 
 // How a device's staging budget is cut: `pairs` pairs of slabs of `slab_bytes` each (every task
@@ -119,7 +147,7 @@ class CudaBackend : public DeviceBackend {
   Status DeviceFailure() const;
 
   struct Mapping;      // an opened IPC allocation, shared by every binding that names it
-  struct DeviceState;  // staging, completion thread and failure state of one device
+  struct DeviceState;  // staging, arenas and failure state of one device
 
  private:
   CudaBackend(DeviceApi* api, CudaBackendOptions options,
@@ -131,6 +159,7 @@ class CudaBackend : public DeviceBackend {
 
   DeviceApi* const api_;
   const CudaBackendOptions options_;
+  std::unique_ptr<kernels::ThreadPool> hash_pool_;
   std::vector<std::pair<uint8_t*, uint64_t>> registered_;  // host-registered chunks
   mutable std::mutex mu_;
   std::vector<std::string> uuids_;                       // GUARDED_BY(mu_): filled on first Bind

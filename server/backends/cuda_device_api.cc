@@ -97,12 +97,20 @@ class CudaDeviceApi : public DeviceApi {
     return out;
   }
 
-  StatusOr<DeviceStream> CreateStream(int device) override {
+  StatusOr<DeviceStream> CreateStream(int device, Priority priority) override {
     kernels::DeviceGuard g(device);
     HIQ_RETURN_IF_ERROR(g.status());
+    // Lower numbers are greater priorities; [greatest, least] is the device's range (0, the
+    // default, is its least on current GPUs). cudaStreamCreateWithPriority clamps a value outside
+    // the range; only kernels are scheduled by priority, never copies (CUDA runtime API).
+    int least = 0, greatest = 0;
+    HIQ_RETURN_IF_ERROR(FromCuda(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                                 "cudaDeviceGetStreamPriorityRange"));
     cudaStream_t s = nullptr;
-    HIQ_RETURN_IF_ERROR(FromCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                 "cudaStreamCreateWithFlags"));
+    HIQ_RETURN_IF_ERROR(
+        FromCuda(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking,
+                                              priority == Priority::kHigh ? greatest : least),
+                 "cudaStreamCreateWithPriority"));
     return DeviceStream{s};
   }
   void DestroyStream(int device, DeviceStream stream) override {
@@ -116,6 +124,18 @@ class CudaDeviceApi : public DeviceApi {
     cudaEvent_t e = nullptr;
     HIQ_RETURN_IF_ERROR(
         FromCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
+    return DeviceEvent{e};
+  }
+  StatusOr<DeviceEvent> CreateBlockingEvent(int device) override {
+    kernels::DeviceGuard g(device);
+    HIQ_RETURN_IF_ERROR(g.status());
+    cudaEvent_t e = nullptr;
+    // cudaEventBlockingSync: cudaEventSynchronize on it blocks the calling thread until the event
+    // completed instead of busy-waiting (CUDA runtime API, cudaEventCreateWithFlags and
+    // cudaEventSynchronize), so a completion thread costs no CPU while the device works.
+    HIQ_RETURN_IF_ERROR(
+        FromCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync),
+                 "cudaEventCreateWithFlags"));
     return DeviceEvent{e};
   }
   void DestroyEvent(int device, DeviceEvent event) override {
@@ -143,6 +163,15 @@ class CudaDeviceApi : public DeviceApi {
       return false;
     }
     return FromCuda(err, "cudaEventQuery");
+  }
+
+  Status SynchronizeEvent(int device, DeviceEvent event) override {
+    kernels::DeviceGuard g(device);
+    HIQ_RETURN_IF_ERROR(g.status());
+    // Returns cudaSuccess at once for an event never recorded, else once the work captured by
+    // its most recent record completed; it may return the error of earlier asynchronous work
+    // (a sticky one once the context is lost: FromCuda makes it kDataLoss).
+    return FromCuda(cudaEventSynchronize(E(event)), "cudaEventSynchronize");
   }
 
   StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,

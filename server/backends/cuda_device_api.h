@@ -3,8 +3,9 @@
 // header, so hiqcached_main.cc stays CUDA-free.
 //
 // Create() switches every visible device to cudaDeviceScheduleBlockingSync, so that anything in
-// the process that synchronizes sleeps instead of spinning a core (the daemon itself never
-// synchronizes: completion is polled by CompletionThread). Errors are classified: sticky errors
+// the process that synchronizes sleeps instead of spinning a core (the daemon synchronizes only
+// on its completion events, created with cudaEventBlockingSync, from its completion threads:
+// device_completion.h). Errors are classified: sticky errors
 // (illegal address, launch failure, uncorrectable ECC, ...; the context is lost) are returned as
 // kDataLoss, allocation failures as kResourceExhausted, the rest as kInternal or
 // kInvalidArgument. Thread-safe.

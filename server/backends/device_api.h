@@ -10,7 +10,8 @@
 // Semantics are the CUDA runtime's, in particular: StreamWaitEvent captures the most recent
 // record of the event at the time of the call (a record made later is not waited for; an event
 // never recorded is no wait at all), and QueryEvent reports on that most recent record.
-// Nothing here waits for device work: enqueue calls return once the work is queued.
+// Nothing here but SynchronizeEvent waits for device work: enqueue calls return once the work is
+// queued.
 //
 // Errors: a failed call returns its Status. An error after which the device's context is unusable
 // for the rest of the process (illegal address, launch failure, uncorrectable ECC, ... : CUDA's
@@ -53,13 +54,24 @@ class DeviceApi {
   // The visible devices' UUIDs (32 lowercase hex digits), by ordinal.
   virtual StatusOr<std::vector<std::string>> DeviceUuids() = 0;
 
-  // A non-blocking stream (no implicit synchronization with the legacy default stream).
-  virtual StatusOr<DeviceStream> CreateStream(int device) = 0;
+  // A stream's scheduling priority. Restores are on the engine's critical path (its forward pass
+  // waits on their layer slots), backups are not.
+  enum class Priority { kLow, kHigh };
+  // A non-blocking stream (no implicit synchronization with the legacy default stream), created
+  // with the device's least (kLow) or greatest (kHigh) priority (cudaDeviceGetStreamPriorityRange,
+  // cudaStreamCreateWithPriority). Per the CUDA runtime API, a priority is a hint for scheduling
+  // kernels only: pending kernels of a higher-priority stream are preferred when SMs free up,
+  // running blocks are not preempted, and copies (H2D, D2H) are not affected at all.
+  virtual StatusOr<DeviceStream> CreateStream(int device, Priority priority) = 0;
   // Pending work still completes; never waits for it.
   virtual void DestroyStream(int device, DeviceStream stream) = 0;
   // A daemon-owned event (cudaEventDisableTiming). Engines' completion never uses events: an
   // event carries no value and cannot be released by the host (ticket_slots.h).
   virtual StatusOr<DeviceEvent> CreateEvent(int device) = 0;
+  // A daemon-owned event that a host thread waits for with SynchronizeEvent
+  // (cudaEventDisableTiming | cudaEventBlockingSync: per cudaEventSynchronize's documentation, the
+  // waiting thread then blocks until the device completed the event instead of busy-waiting).
+  virtual StatusOr<DeviceEvent> CreateBlockingEvent(int device) = 0;
   virtual void DestroyEvent(int device, DeviceEvent event) = 0;
 
   // Captures the work enqueued on `stream` so far.
@@ -68,6 +80,11 @@ class DeviceApi {
   virtual Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) = 0;
   // true once the most recent record has completed (or there was none), false while pending.
   virtual StatusOr<bool> QueryEvent(int device, DeviceEvent event) = 0;
+  // Blocks the calling thread until the most recent record of `event` completed (none: returns
+  // at once), as cudaEventSynchronize. Returns the error of the device work when it failed (a
+  // sticky one as kDataLoss, see below). The only DeviceApi call that waits for device work: it
+  // is made by the completion threads alone (device_completion.h).
+  virtual Status SynchronizeEvent(int device, DeviceEvent event) = 0;
 
   // An engine's device allocation opened from its 64-byte IPC handle.
   struct IpcBuffer {

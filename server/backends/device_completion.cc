@@ -1,116 +1,92 @@
 #include "backends/device_completion.h"
 
-#include <algorithm>
+#include <utility>
 
 #include "hiqcache/log.h"
 
 namespace hiqcache::server {
-namespace {
-
-// Polling backoff: a completion is seen within ~kMinPoll of the device finishing while work
-// completes steadily, and an idle wait costs at most one query per kMaxPoll per entry.
-constexpr auto kMinPoll = std::chrono::microseconds(10);
-constexpr auto kMaxPoll = std::chrono::microseconds(1000);
-
-}  // namespace
 
 CompletionThread::CompletionThread(DeviceApi* api, int device,
                                    std::function<Status(const Status&)> on_sticky)
-    : api_(api), device_(device), on_sticky_(std::move(on_sticky)) {
-  thread_ = std::thread([this] { Loop(); });
+    : state_(std::make_shared<State>()) {
+  state_->api = api;
+  state_->device = device;
+  state_->on_sticky = std::move(on_sticky);
+  thread_ = std::thread([state = state_] { Loop(state); });
 }
 
 CompletionThread::~CompletionThread() {
+  size_t pending = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+    pending = state_->entries.size();
   }
-  cv_.notify_all();
-  thread_.join();
-  if (!entries_.empty()) {
-    HIQ_LOG(WARN) << "device " << device_ << ": completion thread stops with " << entries_.size()
-                  << " completion(s) still pending (device work that never completed)";
-    // Their callbacks hold tasks whose pools use this device: destroying them here would tear
-    // those down in the middle of the backend's destruction. They are left to the process exit.
-    new std::vector<Entry>(std::move(entries_));
+  state_->cv.notify_all();
+  if (pending == 0 && std::this_thread::get_id() != thread_.get_id()) {
+    thread_.join();
+    return;
   }
+  if (pending == 0) {
+    thread_.detach();  // destroyed from a callback of its own thread: it returns on its own
+    return;
+  }
+  HIQ_LOG(WARN) << "device " << state_->device << ": completion thread stops with " << pending
+                << " completion(s) still pending (device work that never completed)";
+  // Their callbacks hold tasks whose pools use this device: destroying them here would tear
+  // those down in the middle of the backend's destruction, and the thread may be blocked in a
+  // wait for them. Both are left to the process's exit (the thread holds the state).
+  thread_.detach();
 }
 
 void CompletionThread::Watch(DeviceEvent event, Done done) {
   Status failed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failure_.ok()) {
-      entries_.push_back({event, std::move(done)});
-      kicked_ = true;
-      cv_.notify_all();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->failure.ok()) {
+      state_->entries.push_back({event, std::move(done)});
+      state_->cv.notify_all();
       return;
     }
-    failed = failure_;
+    failed = state_->failure;
   }
   done(failed);
 }
 
 void CompletionThread::FailAll(const Status& failure) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failure_.ok()) failure_ = failure;
-  kicked_ = true;
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->failure.ok()) state_->failure = failure;
+  state_->cv.notify_all();
 }
 
 size_t CompletionThread::watched() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return entries_.size();
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->entries.size();
 }
 
-void CompletionThread::Loop() {
-  auto poll = kMinPoll;
-  std::unique_lock<std::mutex> lock(mu_);
+void CompletionThread::Loop(const std::shared_ptr<State>& state) {
+  State& s = *state;
+  std::unique_lock<std::mutex> lock(s.mu);
   for (;;) {
-    if (stop_) return;
-    if (entries_.empty()) {
-      cv_.wait(lock, [&] { return stop_ || !entries_.empty(); });
-      poll = kMinPoll;
-      continue;
+    s.cv.wait(lock, [&] { return s.stop || !s.entries.empty(); });
+    if (s.stop) return;
+    Status st = s.failure;
+    if (st.ok()) {
+      // Wait outside the lock: Watch and FailAll never wait behind the device.
+      const DeviceEvent event = s.entries.front().event;
+      lock.unlock();
+      st = s.api->SynchronizeEvent(s.device, event);
+      if (!st.ok() && IsStickyDeviceError(st)) st = s.on_sticky(st);
+      lock.lock();
+      if (!st.ok() && IsStickyDeviceError(st) && s.failure.ok()) s.failure = st;
+      // FailAll while this wait was in progress: the device failed, whatever this wait saw.
+      if (!s.failure.ok()) st = s.failure;
     }
-    std::vector<Entry> batch;
-    batch.swap(entries_);
-    kicked_ = false;
-    Status failure = failure_;
+    Done done = std::move(s.entries.front().done);
+    s.entries.pop_front();
     lock.unlock();
-    // Query outside the lock: Watch never waits behind a driver call.
-    std::vector<std::pair<Done, Status>> ready;
-    std::vector<Entry> still;
-    for (Entry& e : batch) {
-      if (!failure.ok()) {
-        ready.emplace_back(std::move(e.done), failure);
-        continue;
-      }
-      StatusOr<bool> q = api_->QueryEvent(device_, e.event);
-      if (q.ok() && !*q) {
-        still.push_back(std::move(e));
-        continue;
-      }
-      Status st = q.status();
-      if (!q.ok() && IsStickyDeviceError(st)) {
-        failure = on_sticky_(st);
-        st = failure;
-      }
-      ready.emplace_back(std::move(e.done), st);
-    }
-    for (auto& [done, st] : ready) done(st);
+    done(st);
     lock.lock();
-    if (!failure.ok() && failure_.ok()) failure_ = failure;
-    // Entries watched meanwhile came after these: keep the order (each pool has at most one).
-    still.insert(still.end(), std::make_move_iterator(entries_.begin()),
-                 std::make_move_iterator(entries_.end()));
-    entries_.swap(still);
-    if (!ready.empty() || kicked_ || !failure_.ok()) {
-      poll = kMinPoll;
-      continue;
-    }
-    cv_.wait_for(lock, poll, [&] { return stop_ || kicked_; });
-    poll = std::min(kMaxPoll, poll * 2);
   }
 }
 

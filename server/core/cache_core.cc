@@ -6,6 +6,7 @@
 #include <cctype>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <new>
 #include <random>
@@ -65,7 +66,23 @@ struct CacheCore::Pool {
   uint64_t mapped_bytes = 0;  // charged against max_mapped_bytes_per_client
   std::atomic<bool> retired{false};
   std::unique_ptr<PoolBinding> binding;
+  // Backups run on `strand`. Restores of a pool whose device signals (CUDA) run on
+  // `restore_strand`, so that a restore never waits behind the pool's backups on the device;
+  // HOST pools have one strand for both.
   std::shared_ptr<TransferEngine::Strand> strand;
+  std::shared_ptr<TransferEngine::Strand> restore_strand;
+  // Requests of a pool with two strands, posted and not finished, in ticket order. A request
+  // starts only once no earlier request of the other direction that it conflicts with (a row
+  // one writes and the other touches, or a slot both signal) is left: tickets that share a slot
+  // or rows still complete in ticket order.
+  struct InFlight {
+    uint64_t ticket = 0;
+    bool restore = false;
+    std::vector<uint32_t> rows;  // sorted
+    std::vector<int32_t> slots;  // done_event and layer slots the daemon stores into, sorted
+  };
+  std::mutex flight_mu;
+  std::deque<InFlight> in_flight;  // GUARDED_BY(flight_mu)
   // Held while a request takes its ticket and posts its sub-tasks: tickets reach the strand in
   // order, and one request's sub-tasks stay contiguous.
   std::mutex post_mu;
@@ -83,6 +100,59 @@ struct CacheCore::Pool {
   ~Pool() {
     binding.reset();  // the mappings close before the quota they were charged to is given back
     if (core != nullptr) core->RetirePool(*this);
+  }
+
+  // What request `spec` touches, for a pool with two strands (nothing for the others). Made
+  // before post_mu is taken: sorting a request's rows is not done under it.
+  InFlight Touches(bool restore, const TransferSpec& spec) const {
+    InFlight f;
+    if (restore_strand == strand) return f;
+    f.restore = restore;
+    for (const BlockSpec& b : spec.blocks)
+      f.rows.insert(f.rows.end(), b.rows.begin(), b.rows.end());
+    std::sort(f.rows.begin(), f.rows.end());
+    if (spec.done_event >= 0) f.slots.push_back(spec.done_event);
+    if (restore && spec.layer_event_base >= 0) {
+      for (uint32_t l = 0; l < layout.num_layers; ++l) {
+        f.slots.push_back(spec.layer_event_base + static_cast<int32_t>(l));
+      }
+    }
+    std::sort(f.slots.begin(), f.slots.end());
+    return f;
+  }
+  // REQUIRES: post_mu held (tickets enter in order). Notes request `ticket` of a two-strand pool.
+  void AddInFlight(uint64_t ticket, InFlight f) {
+    if (restore_strand == strand) return;
+    f.ticket = ticket;
+    std::lock_guard<std::mutex> lock(flight_mu);
+    in_flight.push_back(std::move(f));
+  }
+  void RemoveInFlight(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(flight_mu);
+    std::erase_if(in_flight, [&](const InFlight& f) { return f.ticket == ticket; });
+  }
+  // Whether request `ticket` must still wait for an earlier request of the other direction.
+  bool WaitsForOtherDirection(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(flight_mu);
+    auto me = std::find_if(in_flight.begin(), in_flight.end(),
+                           [&](const InFlight& f) { return f.ticket == ticket; });
+    if (me == in_flight.end()) return false;
+    for (auto it = in_flight.begin(); it != me; ++it) {
+      if (it->restore == me->restore) continue;
+      if (Intersect(it->rows, me->rows) || Intersect(it->slots, me->slots)) return true;
+    }
+    return false;
+  }
+  template <typename T>
+  static bool Intersect(const std::vector<T>& a, const std::vector<T>& b) {
+    for (size_t i = 0, j = 0; i < a.size() && j < b.size();) {
+      if (a[i] == b[j]) return true;
+      if (a[i] < b[j])
+        ++i;
+      else
+        ++j;
+    }
+    return false;
   }
 
   // Counts a new request, unless the pool was released (then the caller answers NOT_FOUND).
@@ -452,6 +522,8 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     pool->client_pid = spec.caller.authenticated() ? spec.caller.pid : spec.client_pid;
     pool->peer = spec.peer;
     pool->strand = engine_.NewStrand(pool->client);
+    pool->restore_strand =
+        pool->binding->SignalsOnDevice() ? engine_.NewStrand(pool->client) : pool->strand;
     pool->next_ticket.store(pool->binding->TicketFloor());
 
     RegisterResult out;
@@ -783,6 +855,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
     });
   }
   req->reply = std::make_shared<BackupDone>();
+  Pool::InFlight touches = pool->Touches(/*restore=*/false, spec);
 
   // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
   Status st = ChargePending(pool->client, req->pending_bytes);
@@ -796,6 +869,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   {
     std::lock_guard<std::mutex> lock(pool->post_mu);
     req->result.ticket = ++pool->next_ticket;
+    pool->AddInFlight(req->result.ticket, std::move(touches));
     if (!req->sync) {
       // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
       req->replied = true;
@@ -824,6 +898,10 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
       req->has_started = true;
     }
     if (*slot == nullptr) {
+      if (c == 0 && pool.restore_strand != pool.strand &&
+          pool.WaitsForOtherDirection(req->result.ticket)) {
+        return TransferEngine::StepResult::kNotReady;
+      }
       auto task = std::make_shared<BackupTask>();
       task->ticket = req->result.ticket;
       task->caller_deadline = spec.deadline;
@@ -955,6 +1033,7 @@ void CacheCore::FinishBackup(const std::shared_ptr<BackupRequest>& req) {
                                   std::chrono::steady_clock::now() - req->started, run.ok()));
   }
   pool.backups.fetch_add(req->moved, std::memory_order_relaxed);
+  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req->result.ticket);
   if (!run.ok()) {
     HIQ_LOG(WARN) << "event=backup_failed pool=" << pool.id << " ticket=" << req->result.ticket
                   << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
@@ -1006,6 +1085,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->pending_bytes = SaturatingMul(keys.size(), per_block);
   req->pins.reserve(keys.size());
   req->reply = std::make_shared<RestoreDone>();
+  Pool::InFlight touches = pool->Touches(/*restore=*/true, spec);
   Status st = ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
@@ -1048,11 +1128,12 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->spec = std::move(spec);
   std::lock_guard<std::mutex> lock(pool->post_mu);
   req->result.ticket = ++pool->next_ticket;
+  pool->AddInFlight(req->result.ticket, std::move(touches));
   if (!req->sync) {
     req->replied = true;
     (*req->reply)(req->result);
   }
-  engine_.PostSteps(pool->strand, std::move(steps));
+  engine_.PostSteps(pool->restore_strand, std::move(steps));
 }
 
 TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreRequest>& req,
@@ -1075,10 +1156,14 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
       req->has_started = true;
     }
     if (*slot == nullptr) {
+      if (c == 0 && pool.restore_strand != pool.strand &&
+          pool.WaitsForOtherDirection(req->result.ticket)) {
+        return TransferEngine::StepResult::kNotReady;
+      }
       auto task = std::make_shared<RestoreTask>();
       task->ticket = req->result.ticket;
       task->caller_deadline = spec.deadline;
-      task->defer = DeferOnStrand(pool.strand);
+      task->defer = DeferOnStrand(pool.restore_strand);
       if (!req->error.ok()) {
         // An earlier sub-task failed: the rest write nothing; the last one still releases the
         // layer events and done_event, with the failure bit.
@@ -1145,6 +1230,7 @@ void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
                                   std::chrono::steady_clock::now() - req->started, run.ok()));
   }
   pool.restores.fetch_add(req->restored, std::memory_order_relaxed);
+  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req->result.ticket);
   if (!run.ok()) {
     HIQ_LOG(WARN) << "event=restore_failed pool=" << pool.id << " ticket=" << req->result.ticket
                   << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())

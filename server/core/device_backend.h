@@ -10,19 +10,23 @@
 // device: cuda_backend.h).
 //
 // A task's life (both kinds):
-//   Start*(task)        on a transfer worker, one task of a pool at a time. Answers kNotReady
+//   Start*(task)        on a transfer worker, one task of a pool and direction at a time (see
+//                       Thread-safety). Answers kNotReady
 //                       (nothing done, try again later: the wait_event slot has not reached
 //                       wait_value yet, no CUDA staging free), kCompleted (done, on_complete
 //                       already called), or kPending (the device has the work; the worker is
 //                       free).
-//   defer(work)         CUDA: called by the device's completion thread once the device finished;
+//   defer(work)         CUDA: called by a completion thread of the pool once the device finished;
 //                       `work` must then run on a worker (it ends the task: on_written,
-//                       on_complete). The caller keeps the pool's next task waiting until then.
+//                       on_complete). The caller keeps the pool's next task of the same
+//                       direction waiting until then.
 //   on_written(..)      backup: the payloads are final (or the error that stopped the work).
 //   on_complete(st)     last, exactly once: the task's outcome.
-// Thread-safety: Bind may be called concurrently; a PoolBinding's Start* calls are issued one at a
-// time (the transfer engine serializes each pool's work, and a pool's next task starts only after
-// the previous one completed), Cancel and Close from any thread.
+// Thread-safety: Bind may be called concurrently. A PoolBinding's StartBackup calls are issued one
+// at a time, each after the previous backup completed, and so are its StartRestore calls; when
+// SignalsOnDevice() a StartBackup may run concurrently with a StartRestore (the core gives such a
+// pool a strand per direction, docs/design.md "Completion: ticket slots"), else every Start* call
+// of a pool follows the completion of the one before. Cancel and Close from any thread.
 #pragma once
 
 #include <chrono>

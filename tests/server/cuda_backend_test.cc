@@ -15,13 +15,16 @@
 // work and never touches a cancelled pool's mappings, staging runs in chunks through a fixed
 // budget with slabs never reused while queued work reads them, no allocation on the request
 // path, registration leaves nothing queued on the device, IPC events refused, device/UUID
-// mismatch and VMM hints, registration chunks.
+// mismatch and VMM hints, registration chunks; completion observed by a blocking wait on the
+// device's signal, never polled; a restore enqueued on high-priority streams above a running
+// backup of its pool (order per direction; a conflicting restore waits).
 #include "backends/cuda_backend.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -157,6 +160,7 @@ struct Options {
   uint64_t register_chunk = 0;  // 0 = one registration
   std::chrono::milliseconds release_timeout{5000};
   bool auto_run = true;
+  uint32_t max_blocks = 64;  // per request
 };
 
 class CudaBackendTest : public ::testing::Test {
@@ -197,7 +201,7 @@ class CudaBackendTest : public ::testing::Test {
     host_ = std::make_unique<HostBackend>(codec_.get(), 2000ms);
     CudaBackendOptions co;
     co.staging_bytes = o.staging_bytes;
-    co.max_blocks_per_request = 64;
+    co.max_blocks_per_request = o.max_blocks;
     if (o.register_chunk != 0) co.register_chunk_bytes = o.register_chunk;
     co.on_device_failed = [this](int device, const Status& st) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -210,7 +214,7 @@ class CudaBackendTest : public ::testing::Test {
     CoreOptions opts;
     opts.transfer_workers = o.workers;
     opts.release_timeout = o.release_timeout;
-    opts.limits.max_blocks_per_request = 64;
+    opts.limits.max_blocks_per_request = o.max_blocks;
     core_ = std::make_unique<CacheCore>(opts, store_.get(), host_.get(), cuda_.get());
   }
 
@@ -449,6 +453,120 @@ TEST_F(CudaBackendTest, RequestsLargerThanTheBudgetRunInChunksAndNeverReuseBusyS
   }
 }
 
+// A 2,048-token restore in 16-token blocks (128 blocks of 36 layers) took one H2D copy per
+// (block, layer): 4,608. It now goes in units of every block x as many layers as fit a slab,
+// block-major in the slab, so each block's layers of a unit (contiguous in the pool) are one
+// copy. The restored rows are the originals within INT8 error.
+TEST_F(CudaBackendTest, RestoreCopiesEachBlocksLayersOfAUnitInOneDma) {
+  Options o;
+  o.staging_bytes = 64ull << 20;  // two pairs of 16 MiB slabs
+  o.max_blocks = 128;
+  Build(o);
+  constexpr uint32_t kTokens = 2048, kBt = 16, kL = 36, kN = kTokens / kBt;
+  const uint64_t plane = uint64_t{kL} * kTokens * kRowBytes;
+  std::vector<uint8_t> k(plane), v(plane);
+  uint64_t state = 99;
+  for (auto* buf : {&k, &v}) {
+    auto* e = reinterpret_cast<uint16_t*>(buf->data());
+    for (size_t i = 0; i < buf->size() / 2; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      e[i] = FloatToBf16(static_cast<float>(static_cast<double>(state >> 11) * 0x1.0p-53 - 0.5));
+    }
+  }
+  const std::vector<uint8_t> k0 = k, v0 = v;
+  RegisterSpec s = testing::BaseSpec("test/long", kL, kHeads, kDim, kBt);
+  s.device_kind = kCuda;
+  s.cuda_device_uuid = UuidOf(*fake_, 0);
+  for (auto* buf : {&k, &v}) {
+    BufferSpec b;
+    b.has_cuda_ipc_handle = true;
+    b.cuda_ipc_handle = fake_->ExportBuffer(buf->data(), plane, 0);
+    b.size_bytes = plane;
+    s.buffers.push_back(b);
+  }
+  testing::AddLayerMajorLayers(&s, kTokens, kRowBytes);
+  auto reg = core_->RegisterPool(s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  std::vector<BlockSpec> blocks(kN);
+  for (uint32_t i = 0; i < kN; ++i) {
+    blocks[i].key = KeyString(5000 + i);
+    for (uint32_t t = 0; t < kBt; ++t) blocks[i].rows.push_back(i * kBt + t);
+  }
+  ASSERT_TRUE(Backup(Transfer(reg->pool_id, blocks)).ok());
+  std::fill(k.begin(), k.end(), 0);
+  std::fill(v.begin(), v.end(), 0);
+  const uint64_t before = fake_->EnqueuedCopies();
+  auto r = Restore(Transfer(reg->pool_id, blocks));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->restored_blocks, kN);
+  const uint64_t copies = fake_->EnqueuedCopies() - before;
+  // Layers per unit: a 16 MiB slab holds 3,971 block-layers of 4,224 bytes, 31 per block.
+  const uint64_t layer_bytes = 2ull * kBt * (kHeads * kDim + 2 * kHeads);
+  const uint64_t group = std::min<uint64_t>(kL, ((16ull << 20) / layer_bytes) / kN);
+  EXPECT_EQ(group, 31u);
+  // One copy per block and unit, plus the job arrays (rows, block pointers, views).
+  EXPECT_EQ(copies, kN * ((kL + group - 1) / group) + 3) << "(block, layer) copies: " << kN * kL;
+  EXPECT_EQ(fake_->Executed(Call::kDecode), kL) << "one decode per layer";
+  // Every element within INT8 error of its head's range (max |x| / 127 per step).
+  int bad = 0;
+  for (int p = 0; p < 2; ++p) {
+    const auto* want = reinterpret_cast<const uint16_t*>((p == 0 ? k0 : v0).data());
+    const auto* got = reinterpret_cast<const uint16_t*>((p == 0 ? k : v).data());
+    for (size_t i = 0; i < plane / 2 && bad < 4; ++i) {
+      if (std::fabs(Bf16ToFloat(got[i]) - Bf16ToFloat(want[i])) > 0.5f / 127 + 0.01f) {
+        ADD_FAILURE() << "plane " << p << " element " << i << ": " << Bf16ToFloat(got[i]) << " for "
+                      << Bf16ToFloat(want[i]);
+        ++bad;
+      }
+    }
+  }
+}
+
+// A completed backup's payloads are hashed by the backend, on its hash threads, before
+// on_written (BackupTask::checksums): the core then publishes them without hashing each block on
+// the finishing worker alone.
+TEST_F(CudaBackendTest, BackupChecksumsAreComputedByTheBackend) {
+  Engine& e = NewEngine();
+  kernels::BlockLayout lay;
+  lay.row.num_heads = kHeads;
+  lay.row.head_dim = kDim;
+  lay.num_layers = kLayers;
+  lay.kv_planes = 2;
+  lay.block_tokens = kBlockTokens;
+  auto bound = cuda_->Bind(Spec(e), lay, nullptr);
+  ASSERT_TRUE(bound.ok()) << bound.status().ToString();
+  std::unique_ptr<PoolBinding> binding = std::move(bound).value();
+  constexpr uint32_t kN = 3;
+  auto task = std::make_shared<BackupTask>();
+  BackupTask* raw = task.get();
+  task->ticket = 1;
+  for (uint32_t b = 0; b < kN; ++b) {
+    task->payloads.push_back(pool_mem_->data() + b * kBlockBytes);  // registered pool memory
+    for (uint32_t t = 0; t < kBlockTokens; ++t) task->rows.push_back(b * kBlockTokens + t);
+  }
+  std::promise<std::function<void()>> deferred;
+  task->defer = [&](std::function<void()> work) { deferred.set_value(std::move(work)); };
+  std::vector<uint64_t> sums;
+  Status written = Internal("not called");
+  task->on_written = [&](const std::vector<uint8_t>& nonfinite, const Status& st) {
+    written = st;
+    EXPECT_EQ(nonfinite, std::vector<uint8_t>(kN, 0));
+    sums = raw->checksums;
+  };
+  task->on_complete = [](const Status&) {};
+  ASSERT_EQ(binding->StartBackup(task), StartResult::kPending);
+  auto work = deferred.get_future();
+  ASSERT_EQ(work.wait_for(10s), std::future_status::ready);
+  work.get()();
+  HIQ_EXPECT_OK(written);
+  ASSERT_EQ(sums.size(), kN) << "the backend left the checksums to the core";
+  for (uint32_t b = 0; b < kN; ++b) {
+    EXPECT_EQ(sums[b], XXH3_64bits(task->payloads[b], kBlockBytes)) << "block " << b;
+  }
+  binding->Cancel();
+  binding->Close();
+}
+
 TEST_F(CudaBackendTest, StagingIsAllocatedAtBindAndShownInStats) {
   EXPECT_EQ(core_->Snapshot().staging_device_bytes, 0u);
   Engine& e = NewEngine();
@@ -616,55 +734,142 @@ TEST_F(CudaBackendTest, HostPoolsKeepWorkingWhileCudaPoolsWait) {
   for (auto& f : queued) EXPECT_TRUE(Await(f).ok());
 }
 
-// A pool's requests complete in request order, each after the one before it.
-TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrder) {
+// A pool's backups complete in request order, and so do its restores. A restore does not wait
+// behind earlier backups (they run on their own strands and streams), unless it writes rows an
+// earlier backup reads (or signals a slot it signals): then it waits for that backup.
+TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrderPerDirection) {
   Engine& e = NewEngine();
   const uint64_t pool = Register(e);
   Engine& e2 = NewEngine(1);
   const uint64_t pool2 = Register(e2);
   const uint64_t first = RecordLate(e);
   std::mutex mu;
-  std::vector<uint64_t> order, order2;
+  // Per pool, per direction (0 backup, 1 restore): the tickets in reply order.
+  std::vector<uint64_t> order[2][2];
   std::atomic<int> replies{0};
   constexpr int kTasks = 12;
   for (int i = 0; i < kTasks; ++i) {
     for (uint64_t p : {pool, pool2}) {
+      // Rows 4 * (i % 8): restore 8 (ticket 9) writes the rows of backup 0 (ticket 1), restore 11
+      // those of backup 3; restores 2 and 5 conflict with no earlier backup.
       TransferSpec t = Transfer(p, Blocks(1000 + i, 1, 4 * (i % 8)), /*sync=*/true);
       if (i == 0 && p == pool) t.wait_event = kWait;
-      auto* out = p == pool ? &order : &order2;
+      auto* out = order[p == pool ? 0 : 1];
       if (i % 3 == 2) {
         core_->Restore(t, [&, out](StatusOr<RestoreResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
           std::lock_guard<std::mutex> lock(mu);
-          out->push_back(r->ticket);
+          out[1].push_back(r->ticket);
           ++replies;
         });
       } else {
         core_->Backup(t, [&, out](StatusOr<BackupResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
           std::lock_guard<std::mutex> lock(mu);
-          out->push_back(r->ticket);
+          out[0].push_back(r->ticket);
           ++replies;
         });
       }
     }
   }
-  // pool2 proceeds while pool waits for its first task's wait_event.
+  // pool2 proceeds while pool waits for its first task's wait_event; so do pool's restores that
+  // conflict with no waiting backup.
   ASSERT_TRUE(WaitUntil([&] {
     std::lock_guard<std::mutex> lock(mu);
-    return order2.size() == kTasks;
+    return order[1][0].size() + order[1][1].size() == kTasks && order[0][1].size() == 2;
   }));
+  std::this_thread::sleep_for(50ms);
   {
     std::lock_guard<std::mutex> lock(mu);
-    EXPECT_TRUE(order.empty());
+    EXPECT_TRUE(order[0][0].empty());
+    EXPECT_EQ(order[0][1], (std::vector<uint64_t>{3, 6}));
   }
   Complete(first);
   ASSERT_TRUE(WaitUntil([&] { return replies.load() == 2 * kTasks; }));
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto* o : {&order, &order2}) {
-    ASSERT_EQ(o->size(), static_cast<size_t>(kTasks));
-    for (int i = 0; i < kTasks; ++i) EXPECT_EQ((*o)[i], static_cast<uint64_t>(i + 1));
+  const std::vector<uint64_t> backups = {1, 2, 4, 5, 7, 8, 10, 11}, restores = {3, 6, 9, 12};
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(order[p][0], backups);
+    EXPECT_EQ(order[p][1], restores);
   }
+}
+
+// A restore requested while a backup of the same pool is still on the device (its work not run)
+// is enqueued at once, on the pool's high-priority streams, and completes while the backup is
+// still pending: the device runs only the high-priority streams here.
+TEST_F(CudaBackendTest, RestoreIsEnqueuedAboveARunningBackupOfItsPool) {
+  Options o;
+  o.staging_bytes = 64ull << 20;  // two slab pairs: one for each task
+  Build(o);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const std::vector<uint8_t> original = e.Bytes();
+  ASSERT_TRUE(Backup(Transfer(pool, Blocks(1, 2, 0))).ok());
+  fake_->SetAutoRun(false);
+  const uint64_t encodes = fake_->Executed(Call::kEncode);
+  TransferSpec bt = Transfer(pool, Blocks(10, 2, 8), /*sync=*/true);
+  bt.done_event = kDone;
+  auto b = BackupAsync(bt);
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }));  // on the device
+  EXPECT_EQ(fake_->EnqueuedAt(Call::kEncode, DeviceApi::Priority::kHigh), 0u);
+  TransferSpec rt = Transfer(pool, Blocks(1, 2, 32), /*sync=*/true);
+  rt.layer_event_base = kLayerBase;
+  rt.done_event = kLayerBase + kLayers;  // a slot of its own
+  auto r = RestoreAsync(rt);
+  ASSERT_TRUE(WaitUntil(
+      [&] { return fake_->EnqueuedAt(Call::kDecode, DeviceApi::Priority::kHigh) == kLayers; }, 2s))
+      << "the restore was not enqueued while the backup was on the device";
+  EXPECT_EQ(fake_->EnqueuedAt(Call::kDecode, DeviceApi::Priority::kLow), 0u);
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 2; }));
+  fake_->RunReadyAt(DeviceApi::Priority::kHigh);
+  auto rr = Await(r, 5s);
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  EXPECT_EQ(rr->restored_blocks, 2u);
+  ExpectRestored(e, original, 0, 32, 2 * kBlockTokens, kInt8);
+  EXPECT_EQ(e.Slot(kLayerBase + kLayers), rr->ticket);
+  for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(e.Slot(kLayerBase + l), rr->ticket);
+  // The backup has not run at all: no encode, its done slot untouched, no reply.
+  EXPECT_EQ(fake_->Executed(Call::kEncode), encodes);
+  EXPECT_EQ(e.Slot(kDone), 0u);
+  EXPECT_EQ(b.wait_for(0ms), std::future_status::timeout);
+  fake_->SetAutoRun(true);
+  auto br = Await(b);
+  ASSERT_TRUE(br.ok()) << br.status().ToString();
+  EXPECT_LT(br->ticket, rr->ticket);
+  EXPECT_EQ(e.Slot(kDone), br->ticket);
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 10, 2), 2u);
+}
+
+// Completion is observed when the device signals it: the pool's completion thread blocks in
+// SynchronizeEvent on the task's completion event (cudaEventBlockingSync in the real runtime)
+// while the work is on the device, makes no query, and the reply comes once the fake ran it.
+TEST_F(CudaBackendTest, CompletionIsObservedWhenTheDeviceSignalsItWithoutPolling) {
+  Options o;
+  o.auto_run = false;
+  Build(o);
+  Engine& e = NewEngine();
+  const uint64_t pool = Register(e);
+  const std::vector<uint8_t> original = e.Bytes();
+  auto b = BackupAsync(Transfer(pool, Blocks(1, 2, 0), /*sync=*/true));
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }))
+      << "no completion thread waits for the device";
+  std::this_thread::sleep_for(20ms);  // any poll with a backoff would have queried by now
+  EXPECT_EQ(b.wait_for(0ms), std::future_status::timeout);
+  EXPECT_EQ(fake_->Called(Call::kQuery), 0u);
+  fake_->RunReady();  // the device completes the backup: the waiter wakes
+  auto br = Await(b);
+  ASSERT_TRUE(br.ok()) << br.status().ToString();
+  core_->WaitIdle();
+  EXPECT_EQ(Lookup(pool, 1, 2), 2u);
+  auto r = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/true));
+  ASSERT_TRUE(WaitUntil([&] { return fake_->BlockedSyncs() == 1; }));
+  fake_->RunReady();
+  auto rr = Await(r);
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  ExpectRestored(e, original, 0, 32, 2 * kBlockTokens, kInt8);
+  EXPECT_EQ(fake_->Called(Call::kQuery), 0u) << "completion was polled";
+  EXPECT_GE(fake_->Called(Call::kSynchronize), 2u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -900,7 +1105,8 @@ TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   auto f1 = BackupAsync(t1);
   ASSERT_TRUE(Await(f1).ok());
   ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));  // on the device
-  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 32), /*sync=*/true));
+  // The restore writes rows the running backup reads: it waits for it (it does not overtake).
+  auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 8), /*sync=*/true));
   auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/true));
   const uint64_t k_kernels = fake_->KernelsTouching(e.k_handle);
   std::atomic<bool> returned{false};
@@ -1050,8 +1256,8 @@ TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
   FakeDevice fake(1);
   auto slab = fake.AllocDevice(0, 256);
   auto host = fake.AllocPinned(256);
-  auto compute = fake.CreateStream(0);
-  auto copy = fake.CreateStream(0);
+  auto compute = fake.CreateStream(0, DeviceApi::Priority::kLow);
+  auto copy = fake.CreateStream(0, DeviceApi::Priority::kLow);
   auto filled = fake.CreateEvent(0);
   ASSERT_TRUE(slab.ok() && host.ok() && compute.ok() && copy.ok() && filled.ok());
   // Producer writes the slab on `compute`; the consumer copies it out on `copy` after a wait.
@@ -1071,8 +1277,8 @@ TEST(FakeDeviceTest, ReportsASlabReusedWithoutAWait) {
 
 TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
   FakeDevice fake(1);
-  auto producer = fake.CreateStream(0);
-  auto stream = fake.CreateStream(0);
+  auto producer = fake.CreateStream(0, DeviceApi::Priority::kLow);
+  auto stream = fake.CreateStream(0, DeviceApi::Priority::kLow);
   auto theirs = fake.CreateEvent(0);
   auto mine = fake.CreateEvent(0);
   ASSERT_TRUE(producer.ok() && stream.ok() && theirs.ok() && mine.ok());
@@ -1101,7 +1307,7 @@ TEST(FakeDeviceTest, WaitCapturesTheMostRecentRecordAtTheTimeOfTheCall) {
 
 TEST(FakeDeviceTest, ReportsASlotStoreIntoUnregisteredMemory) {
   FakeDevice fake(1);
-  auto stream = fake.CreateStream(0);
+  auto stream = fake.CreateStream(0, DeviceApi::Priority::kLow);
   ASSERT_TRUE(stream.ok());
   alignas(64) static uint64_t slot[8];
   HIQ_ASSERT_OK(fake.WriteValue64(0, *stream, slot, 7));

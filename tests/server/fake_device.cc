@@ -40,6 +40,7 @@ struct FakeDevice::Op {
 struct FakeDevice::Stream {
   int id = 0;
   int device = 0;
+  Priority priority = Priority::kLow;
   bool destroyed = false;
   uint64_t count = 0;
   VClock tail;
@@ -63,10 +64,10 @@ std::string HandleOf(const char* kind, uint64_t id) {
 }
 
 const char* CallName(FakeDevice::Call c) {
-  static const char* kNames[] = {"CreateStream", "CreateEvent",   "RecordEvent", "StreamWaitEvent",
-                                 "QueryEvent",   "OpenIpcBuffer", "AllocDevice", "AllocPinned",
-                                 "RegisterHost", "Copy",          "Encode",      "Decode",
-                                 "WriteValue64"};
+  static const char* kNames[] = {
+      "CreateStream",  "CreateEvent", "RecordEvent",  "StreamWaitEvent", "QueryEvent",
+      "OpenIpcBuffer", "AllocDevice", "AllocPinned",  "RegisterHost",    "Copy",
+      "Encode",        "Decode",      "WriteValue64", "SynchronizeEvent"};
   return kNames[static_cast<int>(c)];
 }
 
@@ -135,14 +136,8 @@ uint64_t FakeDevice::KernelsTouching(const std::string& buffer) {
       for (const Buffer* b : KernelBuffersLocked(op)) n += b == want ? 1 : 0;
     }
   }
-  // Executed kernels: their accesses of the engine buffer are in the log.
-  for (const Access& a : log_) {
-    if ((a.kind == Call::kEncode || a.kind == Call::kDecode) && a.lo == want->data &&
-        a.hi == want->data + want->bytes) {
-      ++n;
-    }
-  }
-  return n;
+  auto it = kernels_run_.find(want);  // executed kernels
+  return n + (it != kernels_run_.end() ? it->second : 0);
 }
 
 // --- progress ----------------------------------------------------------------------------------
@@ -167,12 +162,18 @@ size_t FakeDevice::RunReady() {
   return RunReadyLocked();
 }
 
-size_t FakeDevice::RunReadyLocked() {
+size_t FakeDevice::RunReadyAt(Priority priority) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunReadyLocked(&priority);
+}
+
+size_t FakeDevice::RunReadyLocked(const Priority* only) {
   size_t ran = 0;
   for (;;) {
     // The most recently enqueued runnable operation first: adversarial for missing waits.
     Stream* pick = nullptr;
     for (auto& s : streams_) {
+      if (only != nullptr && s->priority != *only) continue;
       if (RunnableLocked(*s) && (pick == nullptr || s->ops.front().seq > pick->ops.front().seq)) {
         pick = s.get();
       }
@@ -219,6 +220,30 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
     const uint8_t* lo = static_cast<const uint8_t*>(p);
     out.push_back({lo, lo + n, write, 0, op.own, op.seq, op.kind});
   };
+  // The engine rows a kernel touches: per layer and plane, each run of consecutive row indices
+  // as one range (from its first row's first head to its last row's last head).
+  auto add_rows = [&](const kernels::BlockLayout& lay, const kernels::LayerViews* layers,
+                      const uint32_t* rows, uint32_t num_blocks, uint32_t first, uint32_t count,
+                      bool write) {
+    std::vector<uint32_t> r(rows, rows + size_t{num_blocks} * lay.block_tokens);
+    std::sort(r.begin(), r.end());
+    r.erase(std::unique(r.begin(), r.end()), r.end());
+    const uint64_t head_bytes = uint64_t{lay.row.head_dim} * 2;
+    for (uint32_t l = first; l < first + count; ++l) {
+      for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        const kernels::StridedView& v = layers[l].planes[p];
+        const uint64_t row_bytes = (lay.row.num_heads - 1) * v.head_stride + head_bytes;
+        for (size_t i = 0; i < r.size();) {
+          size_t j = i + 1;
+          while (j < r.size() && r[j] == r[j - 1] + 1 && v.page_rows == 0) ++j;
+          const uint8_t* lo = v.base + v.RowOffset(r[i]);
+          const uint8_t* hi = v.base + v.RowOffset(r[j - 1]) + row_bytes;
+          add(lo, static_cast<size_t>(hi - lo), write);
+          i = j;
+        }
+      }
+    }
+  };
   switch (op.kind) {
     case Call::kCopy:
       for (const Copy& c : op.copies) {
@@ -231,7 +256,7 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
       add(j.layers, j.layout.num_layers * sizeof(kernels::LayerViews), false);
       add(j.rows, size_t{j.num_blocks} * j.layout.block_tokens * 4, false);
       add(j.blocks, size_t{j.num_blocks} * sizeof(uint8_t*), false);
-      for (const Buffer* b : KernelBuffersLocked(op)) add(b->data, b->bytes, false);
+      add_rows(j.layout, j.layers, j.rows, j.num_blocks, 0, j.layout.num_layers, false);
       for (uint32_t b = 0; b < j.num_blocks; ++b) add(j.blocks[b], j.layout.BlockBytes(), true);
       add(j.nonfinite, j.num_blocks, true);
       break;
@@ -245,7 +270,7 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
         add(j.blocks[b] + op.first * j.layout.LayerBytes(), op.count * j.layout.LayerBytes(),
             false);
       }
-      for (const Buffer* b : KernelBuffersLocked(op)) add(b->data, b->bytes, true);
+      add_rows(j.layout, j.layers, j.rows, j.num_blocks, op.first, op.count, true);
       break;
     }
     case Call::kWriteValue:
@@ -263,6 +288,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
   if (op.fail) {
     lost_ = DataLoss(std::string("fake device: ") + CallName(op.kind) +
                      " failed on the device (illegal address)");
+    cv_.notify_all();  // SynchronizeEvent waiters
   }
   if (!lost_.ok()) {
     // A lost context runs nothing; records never complete (queries fail instead).
@@ -303,6 +329,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       break;
     case Call::kRecord:
       op.record->done = true;
+      cv_.notify_all();  // SynchronizeEvent waiters
       break;
     case Call::kWriteValue:
       std::atomic_ref<uint64_t>(*op.slot).store(op.value, std::memory_order_release);
@@ -312,6 +339,9 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       break;
   }
   executed_[static_cast<int>(op.kind)] += 1;
+  if (op.kind == Call::kEncode || op.kind == Call::kDecode) {
+    for (const Buffer* b : KernelBuffersLocked(op)) kernels_run_[b] += 1;
+  }
   log_.insert(log_.end(), acc.begin(), acc.end());
 }
 
@@ -328,6 +358,7 @@ void FakeDevice::FailExecution(Call call, uint32_t skip) {
 }
 
 Status FakeDevice::InjectedLocked(Call call) {
+  called_[static_cast<int>(call)] += 1;
   if (!lost_.ok()) return lost_;
   for (auto it = faults_.begin(); it != faults_.end(); ++it) {
     if (it->call != call || it->on_execute) continue;
@@ -348,9 +379,30 @@ std::vector<std::string> FakeDevice::Violations() {
   return violations_;
 }
 
+uint64_t FakeDevice::Called(Call call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return called_[static_cast<int>(call)];
+}
+
+size_t FakeDevice::BlockedSyncs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return blocked_syncs_;
+}
+
 uint64_t FakeDevice::Enqueued(Call call) {
   std::lock_guard<std::mutex> lock(mu_);
   return enqueued_[static_cast<int>(call)];
+}
+
+uint64_t FakeDevice::EnqueuedCopies() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return copies_enqueued_;
+}
+
+uint64_t FakeDevice::EnqueuedAt(Call call, Priority priority) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t high = enqueued_high_[static_cast<int>(call)];
+  return priority == Priority::kHigh ? high : enqueued_[static_cast<int>(call)] - high;
 }
 
 uint64_t FakeDevice::Executed(Call call) {
@@ -406,12 +458,13 @@ FakeDevice::Event* FakeDevice::EventLocked(DeviceEvent e, const char* what) {
   return ev;
 }
 
-StatusOr<DeviceStream> FakeDevice::CreateStream(int device) {
+StatusOr<DeviceStream> FakeDevice::CreateStream(int device, Priority priority) {
   std::lock_guard<std::mutex> lock(mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCreateStream));
   auto s = std::make_unique<Stream>();
   s->id = static_cast<int>(streams_.size()) + 1;
   s->device = device;
+  s->priority = priority;
   Stream* raw = s.get();
   streams_.push_back(std::move(s));
   return DeviceStream{raw};
@@ -448,6 +501,7 @@ void FakeDevice::EnqueueLocked(Stream* s, Op op) {
   s->tail = op.vc;
   if (op.kind == Call::kRecord) op.record->vc = op.vc;
   enqueued_[static_cast<int>(op.kind)] += 1;
+  if (s->priority == Priority::kHigh) enqueued_high_[static_cast<int>(op.kind)] += 1;
   for (auto it = faults_.begin(); it != faults_.end(); ++it) {
     if (it->call != op.kind || !it->on_execute) continue;
     if (it->skip > 0) {
@@ -494,6 +548,22 @@ StatusOr<bool> FakeDevice::QueryEvent(int, DeviceEvent event) {
   if (!ev->latest->done) return false;
   Join(&host_vc_, ev->latest->vc);  // the host now knows that work completed
   return true;
+}
+
+StatusOr<DeviceEvent> FakeDevice::CreateBlockingEvent(int device) { return CreateEvent(device); }
+
+Status FakeDevice::SynchronizeEvent(int, DeviceEvent event) {
+  std::unique_lock<std::mutex> lock(mu_);
+  HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kSynchronize));
+  std::shared_ptr<Record> rec = EventLocked(event, "SynchronizeEvent")->latest;
+  if (rec == nullptr) return Status::Ok();
+  ++blocked_syncs_;
+  cv_.wait(lock, [&] { return rec->done || !lost_.ok() || stop_; });
+  --blocked_syncs_;
+  if (!lost_.ok()) return lost_;
+  if (!rec->done) return Unavailable("fake device destroyed");
+  Join(&host_vc_, rec->vc);  // the host now knows that work completed
+  return Status::Ok();
 }
 
 StatusOr<DeviceApi::IpcBuffer> FakeDevice::OpenIpcBuffer(int, std::string_view handle,
@@ -625,6 +695,7 @@ Status FakeDevice::CopyAsync(int, std::span<const Copy> copies, DeviceStream str
   Op op;
   op.kind = Call::kCopy;
   op.copies.assign(copies.begin(), copies.end());
+  copies_enqueued_ += copies.size();
   EnqueueLocked(StreamLocked(stream), std::move(op));
   return Status::Ok();
 }

@@ -4,7 +4,9 @@
 // Model (the CUDA runtime's semantics, device_api.h): each stream is a FIFO of operations
 // (copies, encode/decode kernels, event records, event waits). RecordEvent makes the record the
 // event's most recent one at the time of the call; StreamWaitEvent captures the most recent
-// record at the time of the call (none: no wait); QueryEvent reports on the most recent record.
+// record at the time of the call (none: no wait); QueryEvent reports on the most recent record;
+// SynchronizeEvent blocks the calling thread until the most recent record at the time of the call
+// ran (none: returns at once) and fails once the context is lost.
 // An operation runs once it is first in its stream and, for a wait, once the captured record
 // completed. RunReady() runs every runnable operation, in an adversarial order (the most recently
 // enqueued runnable operation first, so that whatever the host did not order is reordered);
@@ -16,7 +18,8 @@
 // the store reaches the front of its stream (SlotStores lists them).
 //
 // Checks, reported by Violations():
-//   - races: two operations touching overlapping memory (one writing) that no stream order,
+//   - races: two operations touching overlapping memory (one writing; a kernel touches the rows
+//     of the engine's buffers its job names) that no stream order,
 //     event wait or host-observed completion orders (vector clocks): e.g. a staging slab reused
 //     while a queued copy still reads it;
 //   - use after close/free: an operation touching a closed IPC buffer or freed memory, or an
@@ -59,6 +62,7 @@ class FakeDevice : public DeviceApi {
     kEncode,
     kDecode,
     kWriteValue,
+    kSynchronize,
     kCount
   };
 
@@ -89,7 +93,18 @@ class FakeDevice : public DeviceApi {
 
   // --- observation ---
   std::vector<std::string> Violations();
+  // API calls of a kind made so far (failed ones included).
+  uint64_t Called(Call call);
+  // Threads blocked in SynchronizeEvent now.
+  size_t BlockedSyncs();
   uint64_t Enqueued(Call call);
+  // Single copies (DMAs) enqueued so far: each entry of every CopyAsync call.
+  uint64_t EnqueuedCopies();
+  // Operations of a kind enqueued so far on streams of `priority`.
+  uint64_t EnqueuedAt(Call call, Priority priority);
+  // Runs every runnable operation of streams of `priority` only (as RunReady); returns how many
+  // ran.
+  size_t RunReadyAt(Priority priority);
   uint64_t Executed(Call call);
   uint64_t AllocCalls();
   size_t OpenIpcBuffers();
@@ -98,13 +113,17 @@ class FakeDevice : public DeviceApi {
 
   // --- DeviceApi ---
   StatusOr<std::vector<std::string>> DeviceUuids() override;
-  StatusOr<DeviceStream> CreateStream(int device) override;
+  StatusOr<DeviceStream> CreateStream(int device, Priority priority) override;
   void DestroyStream(int device, DeviceStream stream) override;
   StatusOr<DeviceEvent> CreateEvent(int device) override;
   void DestroyEvent(int device, DeviceEvent event) override;
   Status RecordEvent(int device, DeviceEvent event, DeviceStream stream) override;
   Status StreamWaitEvent(int device, DeviceStream stream, DeviceEvent event) override;
   StatusOr<bool> QueryEvent(int device, DeviceEvent event) override;
+  StatusOr<DeviceEvent> CreateBlockingEvent(int device) override;
+  // Blocks until the most recent record at the time of the call ran (RunReady, or the auto-run
+  // thread), or the context is lost (returns the loss), or the fake is destroyed.
+  Status SynchronizeEvent(int device, DeviceEvent event) override;
   StatusOr<IpcBuffer> OpenIpcBuffer(int device, std::string_view handle,
                                     uint64_t size_bytes) override;
   void CloseIpcBuffer(int device, uint8_t* data) override;
@@ -143,7 +162,8 @@ class FakeDevice : public DeviceApi {
   Event* EventLocked(DeviceEvent e, const char* what);
   void EnqueueLocked(Stream* s, Op op);
   bool RunnableLocked(const Stream& s) const;
-  size_t RunReadyLocked();
+  // Runs runnable operations of every stream (null) or of streams of *only.
+  size_t RunReadyLocked(const Priority* only = nullptr);
   void ExecuteLocked(Stream* s);
   std::vector<Access> AccessesLocked(const Op& op);
   const Buffer* BufferAtLocked(const uint8_t* p) const;
@@ -167,8 +187,9 @@ class FakeDevice : public DeviceApi {
   std::vector<Alloc> allocs_;
   std::vector<std::pair<uint8_t*, size_t>> registered_;
   std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_;  // closed or freed
-  std::vector<Access> log_;  // accesses of executed operations
-  VClock host_vc_;           // what the host has seen complete
+  std::vector<Access> log_;                        // accesses of executed operations
+  std::map<const Buffer*, uint64_t> kernels_run_;  // executed kernels touching each buffer
+  VClock host_vc_;                                 // what the host has seen complete
   uint64_t next_seq_ = 0, next_record_ = 0;
   struct Fault {
     Call call;
@@ -181,6 +202,10 @@ class FakeDevice : public DeviceApi {
   std::vector<std::string> violations_;
   uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
   uint64_t executed_[static_cast<int>(Call::kCount)] = {};
+  uint64_t called_[static_cast<int>(Call::kCount)] = {};
+  uint64_t enqueued_high_[static_cast<int>(Call::kCount)] = {};
+  size_t blocked_syncs_ = 0;
+  uint64_t copies_enqueued_ = 0;
   uint64_t alloc_calls_ = 0;
   std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
   bool auto_run_ = false, stop_ = false;
