@@ -18,6 +18,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 
@@ -45,8 +46,8 @@ def summary(name: str, xs: list[float]) -> str:
 
 
 def latency(calls: int, d: Daemon, kv: HostKv) -> None:
-    py = hq.Client(d.target)
-    c = CClient(d.target)
+    py = hq.Client(d.target, call_timeout=10.0, register_timeout=10.0)
+    c = CClient(d.target, timeout_ms=10000)
     try:
         ph = py.register_pool(kv.spec("bench-clients", BT))
         ch = c.register_host(kv.shm.name, kv.shm.size, G, kv.layers, "bench-clients", BT,
@@ -117,6 +118,10 @@ def sizes() -> None:
     lib = os.path.realpath(lib_path())
     own = os.path.getsize(lib)
     print(f"libhiqcache.so (as built)        {own / mib:7.1f} MiB")
+    with tempfile.TemporaryDirectory() as tmp:
+        stripped = os.path.join(tmp, "lib.so")
+        if subprocess.run(["strip", "-o", stripped, lib]).returncode == 0:
+            print(f"libhiqcache.so (stripped)        {os.path.getsize(stripped) / mib:7.1f} MiB")
     ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
     paths = [ln.split("=>")[1].split("(")[0].strip() for ln in ldd.splitlines() if "=>" in ln]
     libs = sum(os.path.getsize(os.path.realpath(p)) for p in paths if p)
