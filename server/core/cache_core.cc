@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -68,17 +67,17 @@ struct CacheCore::Pool {
   std::shared_ptr<TransferEngine::Strand> strand;
   // Held while a request takes its ticket and posts its sub-tasks: tickets reach the strand in
   // order, and one request's sub-tasks stay contiguous.
-  std::mutex post_mu;
+  Mutex post_mu;
   std::atomic<uint64_t> next_ticket{0};
   std::atomic<uint64_t> backups{0};
   std::atomic<uint64_t> restores{0};
 
   // Tasks of this pool posted and not yet completed, so that a release can wait for them.
-  std::mutex mu;
-  std::condition_variable idle_cv;
-  uint32_t outstanding = 0;      // GUARDED_BY(mu)
-  bool released = false;         // GUARDED_BY(mu): no task may begin any more
-  bool close_when_idle = false;  // GUARDED_BY(mu): a release gave up waiting; the last task closes
+  Mutex mu;
+  CondVar idle_cv;
+  uint32_t outstanding GUARDED_BY(mu) = 0;
+  bool released GUARDED_BY(mu) = false;         // no task may begin any more
+  bool close_when_idle GUARDED_BY(mu) = false;  // a release gave up waiting; the last task closes
 
   ~Pool() {
     binding.reset();  // the mappings close before the quota they were charged to is given back
@@ -87,7 +86,7 @@ struct CacheCore::Pool {
 
   // Counts a new request, unless the pool was released (then the caller answers NOT_FOUND).
   bool BeginTask() {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (released) return false;
     ++outstanding;
     return true;
@@ -97,11 +96,11 @@ struct CacheCore::Pool {
   void EndTask() {
     bool close = false;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       close = --outstanding == 0 && close_when_idle;
       if (close) close_when_idle = false;
     }
-    idle_cv.notify_all();
+    idle_cv.NotifyAll();
     if (close) {
       binding->Close();
       HIQ_LOG(INFO) << "event=release_pool_closed pool=" << id
@@ -292,7 +291,7 @@ size_t CacheCore::ChunkBlocks(const kernels::BlockLayout& layout) const {
 }
 
 Status CacheCore::ChargePending(uint64_t client, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
+  MutexLock lock(&usage_mu_);
   ClientUsage& u = usage_[client];
   const uint64_t max = options_.quotas.max_pending_bytes_per_client;
   if (SaturatingAdd(u.pending_bytes, bytes) > max) {
@@ -309,7 +308,7 @@ Status CacheCore::ChargePending(uint64_t client, uint64_t bytes) {
 }
 
 void CacheCore::UnchargePending(uint64_t client, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
+  MutexLock lock(&usage_mu_);
   auto it = usage_.find(client);
   if (it == usage_.end()) return;
   it->second.pending_bytes -= std::min(bytes, it->second.pending_bytes);
@@ -317,7 +316,7 @@ void CacheCore::UnchargePending(uint64_t client, uint64_t bytes) {
 }
 
 bool CacheCore::MayReserve(uint64_t client, uint64_t slots) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
+  MutexLock lock(&usage_mu_);
   auto it = usage_.find(client);
   const uint64_t held = it == usage_.end() ? 0 : it->second.reserved_slots;
   // A client holding none may always go on (its requests are refused up front when one sub-task
@@ -326,7 +325,7 @@ bool CacheCore::MayReserve(uint64_t client, uint64_t slots) {
 }
 
 void CacheCore::AddReserved(uint64_t client, int64_t slots) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
+  MutexLock lock(&usage_mu_);
   ClientUsage& u = usage_[client];
   if (slots >= 0) {
     u.reserved_slots += static_cast<uint64_t>(slots);
@@ -353,7 +352,7 @@ std::shared_ptr<FaultBudget> CacheCore::FaultBudgetOfLocked(uint64_t client) {
 void CacheCore::RetirePool(Pool& pool) {
   if (pool.retired.exchange(true)) return;
   {
-    std::lock_guard<std::mutex> lock(usage_mu_);
+    MutexLock lock(&usage_mu_);
     auto it = usage_.find(pool.client);
     if (it != usage_.end()) {
       ClientUsage& u = it->second;
@@ -406,7 +405,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     std::shared_ptr<FaultBudget> budget;
     {
       // Quotas are checked and charged at once, before anything is opened.
-      std::lock_guard<std::mutex> lock(usage_mu_);
+      MutexLock lock(&usage_mu_);
       ClientUsage& u = usage_[pool->client];
       const Quotas& q = options_.quotas;
       Status over;
@@ -456,7 +455,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 
     RegisterResult out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       // Unguessable ids from the kernel's generator: a pool id is what lets a caller write into
       // an engine's KV buffers, so one process must not be able to predict another's, and an id
       // held from before a restart never names another pool.
@@ -486,7 +485,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
                                                                const Caller& caller,
                                                                bool admin_may) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = pools_.find(pool_id);
   // Another caller's pool reads exactly as an unknown one: no oracle of which ids exist.
   if (it == pools_.end() || !((admin_may && caller.admin) || Owns(*it->second, caller))) {
@@ -498,7 +497,7 @@ StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
 Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
   std::shared_ptr<Pool> pool;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pools_.find(pool_id);
     if (it == pools_.end() || !(caller.admin || Owns(*it->second, caller))) {
       return NotFound(UnknownPoolText(pool_id));
@@ -507,7 +506,7 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
     pools_.erase(it);
   }
   {
-    std::lock_guard<std::mutex> lock(pool->mu);
+    MutexLock lock(&pool->mu);
     pool->released = true;  // a request that found the pool just before cannot begin now
   }
   // Queued work stops touching the engine's buffers and events (CUDA), and a HOST task waiting
@@ -518,9 +517,9 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
   const auto t0 = std::chrono::steady_clock::now();
   bool drained;
   {
-    std::unique_lock<std::mutex> lock(pool->mu);
-    drained = pool->idle_cv.wait_for(lock, options_.release_timeout,
-                                     [&] { return pool->outstanding == 0; });
+    MutexLock lock(&pool->mu);
+    drained = pool->idle_cv.WaitFor(&pool->mu, options_.release_timeout,
+                                    [&]() REQUIRES(pool->mu) { return pool->outstanding == 0; });
     if (!drained) pool->close_when_idle = true;
   }
   const auto waited =
@@ -548,7 +547,7 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
 size_t CacheCore::ReleasePoolsOfClient(uint32_t pid) {
   std::vector<uint64_t> ids;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       if (pool->client_pid == pid) ids.push_back(id);
     }
@@ -566,7 +565,7 @@ size_t CacheCore::ReleasePoolsOfSession(uint64_t session) {
   if (session == 0) return 0;
   std::vector<uint64_t> ids;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       if (pool->owner.session == session) ids.push_back(id);
     }
@@ -794,7 +793,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   *req->reply = std::move(*done);
   req->spec = std::move(spec);
   {
-    std::lock_guard<std::mutex> lock(pool->post_mu);
+    MutexLock lock(&pool->post_mu);
     req->result.ticket = ++pool->next_ticket;
     if (!req->sync) {
       // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
@@ -1046,7 +1045,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->result.restored_blocks = static_cast<uint32_t>(req->pins.size());
   *req->reply = std::move(*done);
   req->spec = std::move(spec);
-  std::lock_guard<std::mutex> lock(pool->post_mu);
+  MutexLock lock(&pool->post_mu);
   req->result.ticket = ++pool->next_ticket;
   if (!req->sync) {
     req->replied = true;
@@ -1163,7 +1162,7 @@ void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
 
 std::vector<uint32_t> CacheCore::ClientPids() const {
   std::vector<uint32_t> pids;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [id, pool] : pools_) {
     if (pool->client_pid != 0) pids.push_back(pool->client_pid);
   }
@@ -1193,7 +1192,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   };
   std::set<uint32_t> namespaces_of_mine;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       pools_per_ns[pool->ns->id] += 1;
       if (pool->binding != nullptr) snap.faulted_bytes += pool->binding->FaultedBytes();

@@ -44,7 +44,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,6 +54,7 @@
 #include "core/registration.h"
 #include "core/requests.h"
 #include "core/transfer_engine.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
 #include "pool/block_store.h"
 
@@ -342,15 +342,15 @@ class CacheCore {
 
   std::atomic<bool> destroying_{false};
 
-  std::mutex usage_mu_;
-  std::map<uint64_t, ClientUsage> usage_;  // GUARDED_BY(usage_mu_); declared before pools_
+  Mutex usage_mu_;
+  std::map<uint64_t, ClientUsage> usage_ GUARDED_BY(usage_mu_);  // declared before pools_
   // Each client's fault budget, shared by its pools' bindings for as long as one holds it.
-  std::map<uint64_t, std::weak_ptr<FaultBudget>> fault_budgets_;  // GUARDED_BY(usage_mu_)
-  // The budget of `client`, the live one if a binding holds it. REQUIRES: usage_mu_ held.
-  std::shared_ptr<FaultBudget> FaultBudgetOfLocked(uint64_t client);
+  std::map<uint64_t, std::weak_ptr<FaultBudget>> fault_budgets_ GUARDED_BY(usage_mu_);
+  // The budget of `client`, the live one if a binding holds it.
+  std::shared_ptr<FaultBudget> FaultBudgetOfLocked(uint64_t client) REQUIRES(usage_mu_);
 
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Pool>> pools_ GUARDED_BY(mu_);
 
   TransferEngine engine_;  // last: destroyed (drained) first
 };

@@ -120,7 +120,7 @@ BlockStore::BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options,
 }
 
 void BlockStore::Format() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   extents_.clear();
   index_.clear();
   for (auto& [id, ns] : namespaces_) {
@@ -198,7 +198,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
     report->reason = "pool header of another format or size";
     return false;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // Extents named by the directory, checked against the pool bounds and each other.
   std::vector<std::pair<uint64_t, uint32_t>> order;  // offset, dir slot
   for (uint64_t i = 0; i < directory_entries_; ++i) {
@@ -421,7 +421,7 @@ void BlockStore::DropOrphanLocked(
 }
 
 bool BlockStore::HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [id, ns] : namespaces_) {
     if (id >= kFirstOrphanId && ns->hash == hash) {
       return ns->payload_bytes == payload_bytes && ns->counters.blocks > 0;
@@ -431,7 +431,7 @@ bool BlockStore::HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) 
 }
 
 bool BlockStore::RemoveNamespace(uint32_t ns_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = namespaces_.find(ns_id);
   if (it == namespaces_.end()) return true;
   NsState& ns = *it->second;
@@ -444,7 +444,7 @@ bool BlockStore::RemoveNamespace(uint32_t ns_id) {
 }
 
 std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<uint32_t> out;
   out.reserve(emptied_.size());
   for (uint32_t id : emptied_) {
@@ -464,7 +464,7 @@ std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
 }
 
 bool BlockStore::AddNamespace(const StoreNamespace& info) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (namespaces_.count(info.id)) return false;
   if (AdoptOrphanLocked(info) != nullptr) return true;
   auto ns = std::make_unique<NsState>();
@@ -510,8 +510,8 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
   // a group lookup of 64 namespaces x 65,536 keys must not stall every other caller's.
   const size_t keys_per_hold =
       std::max<size_t>(1, kLookupProbesPerHold / std::max<size_t>(1, ids.size()));
-  std::unique_lock<std::mutex> lock(mu_);
-  auto all_known = [&] {
+  MutexLock lock(&mu_);
+  auto all_known = [&]() REQUIRES(mu_) {
     for (uint32_t id : ids) {
       if (namespaces_.count(id) == 0) return false;
     }
@@ -539,8 +539,8 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
     }
     for (BlockEntry* e : run) TouchLocked(e);
     if (stopped || n == keys.size()) break;
-    lock.unlock();
-    lock.lock();
+    lock.Unlock();
+    lock.Lock();
     stopped = !all_known();  // a namespace removed meanwhile holds nothing more
   }
   for (uint32_t id : ids) {
@@ -722,7 +722,7 @@ void BlockStore::EvictForRoomLocked(BlockEntry* e) {
 }
 
 void BlockStore::SetEvictionSink(EvictionSink sink) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   sink_ = std::move(sink);
 }
 
@@ -794,7 +794,7 @@ BlockEntry* BlockStore::AllocateSlotLocked(NsState& ns) {
 std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
     uint32_t ns_id, std::span<const BlockKey> keys) {
   std::vector<WriteReservation> out(keys.size());
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto nit = namespaces_.find(ns_id);
   if (nit == namespaces_.end()) return out;  // unknown (or removed): every key kNoSpace
   NsState& ns = *nit->second;
@@ -836,7 +836,7 @@ std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
 }
 
 void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum, bool from_l3) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NsState& ns = *namespaces_.at(e->ns);
   BlockHeader* h = HeaderOf(e);
   h->checksum = checksum;
@@ -858,7 +858,7 @@ void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum, bool from_l3) {
 }
 
 void BlockStore::AbortWrite(BlockHandle e, bool rejected) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NsState& ns = *namespaces_.at(e->ns);
   if (rejected) ns.counters.rejected += 1;
   if (e->indexed) {
@@ -874,7 +874,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
   std::vector<uint8_t> verify;  // per pin: hash it before handing it out
   NsState* ns = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto nit = namespaces_.find(ns_id);
     if (nit == namespaces_.end()) return out;
     ns = nit->second.get();
@@ -903,7 +903,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
     }
   }
   if (good == out.size()) return out;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   BlockEntry* bad = out[good].handle;
   if (bad->indexed) {  // a concurrent read of the same block may have dropped it already
     HIQ_LOG(WARN) << "event=pool_block_corrupt ns=" << ns_id << " offset=" << bad->offset
@@ -923,7 +923,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
 
 bool BlockStore::PinCommitted(uint32_t ns_id, const BlockKey& key, uint64_t namespace_tag,
                               ReadPin* pin, uint64_t* checksum) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = index_.find({ns_id, key});
   if (it == index_.end() || it->second->state != BlockState::kCommitted) return false;
   BlockEntry* e = it->second;
@@ -937,12 +937,12 @@ bool BlockStore::PinCommitted(uint32_t ns_id, const BlockKey& key, uint64_t name
 }
 
 void BlockStore::Unpin(BlockHandle e) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (--e->pins == 0 && !e->indexed) FreeSlotLocked(e);
 }
 
 uint32_t BlockStore::Evict(uint32_t ns_id, std::span<const BlockKey> keys) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint32_t n = 0;
   for (const auto& key : keys) {
     auto it = index_.find({ns_id, key});
@@ -954,7 +954,7 @@ uint32_t BlockStore::Evict(uint32_t ns_id, std::span<const BlockKey> keys) {
 }
 
 StoreStats BlockStore::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   StoreStats s;
   s.pool_bytes = bytes_;
   s.capacity_bytes = CapacityBytes();
