@@ -16,14 +16,6 @@
 namespace hiqcache::server {
 namespace {
 
-// The quota key every anonymous caller shares: above any uid.
-constexpr uint64_t kAnonymousClient = uint64_t{1} << 32;
-
-std::string ClientName(uint64_t client) {
-  return client == kAnonymousClient ? std::string("anonymous callers (no session)")
-                                    : "uid " + std::to_string(client);
-}
-
 uint64_t SaturatingMul(uint64_t a, uint64_t b) {
   uint64_t out;
   return __builtin_mul_overflow(a, b, &out) ? UINT64_MAX : out;
@@ -245,6 +237,7 @@ CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBacken
       host_(host),
       cuda_(cuda),
       start_(std::chrono::steady_clock::now()),
+      quotas_(options.quotas),
       engine_(options.transfer_workers) {}
 
 CacheCore::~CacheCore() {
@@ -260,7 +253,7 @@ std::function<void(std::function<void()>)> CacheCore::DeferOnStrand(
 }
 
 uint64_t CacheCore::ClientOf(const Caller& caller) {
-  return caller.authenticated() ? uint64_t{caller.uid} : kAnonymousClient;
+  return caller.authenticated() ? uint64_t{caller.uid} : QuotaLedger::kAnonymousClient;
 }
 
 bool CacheCore::Owns(const Pool& pool, const Caller& caller) {
@@ -290,78 +283,9 @@ size_t CacheCore::ChunkBlocks(const kernels::BlockLayout& layout) const {
   return static_cast<size_t>(std::max<uint64_t>(1, blocks));
 }
 
-Status CacheCore::ChargePending(uint64_t client, uint64_t bytes) {
-  MutexLock lock(&usage_mu_);
-  ClientUsage& u = usage_[client];
-  const uint64_t max = options_.quotas.max_pending_bytes_per_client;
-  if (SaturatingAdd(u.pending_bytes, bytes) > max) {
-    const uint64_t have = u.pending_bytes;
-    if (u.empty()) usage_.erase(client);
-    return ResourceExhausted(
-        "blocks: this request moves " + std::to_string(bytes) + " bytes and " + ClientName(client) +
-        " already have " + std::to_string(have) +
-        " bytes of backups and restores queued or running, at most " + std::to_string(max) +
-        " per client (quota max_pending_bytes_per_client): retry once earlier work completed");
-  }
-  u.pending_bytes += bytes;
-  return Status::Ok();
-}
-
-void CacheCore::UnchargePending(uint64_t client, uint64_t bytes) {
-  MutexLock lock(&usage_mu_);
-  auto it = usage_.find(client);
-  if (it == usage_.end()) return;
-  it->second.pending_bytes -= std::min(bytes, it->second.pending_bytes);
-  if (it->second.empty()) usage_.erase(it);
-}
-
-bool CacheCore::MayReserve(uint64_t client, uint64_t slots) {
-  MutexLock lock(&usage_mu_);
-  auto it = usage_.find(client);
-  const uint64_t held = it == usage_.end() ? 0 : it->second.reserved_slots;
-  // A client holding none may always go on (its requests are refused up front when one sub-task
-  // alone exceeds the quota), so waiting here always ends.
-  return held == 0 || held + slots <= options_.quotas.max_reserved_slots_per_client;
-}
-
-void CacheCore::AddReserved(uint64_t client, int64_t slots) {
-  MutexLock lock(&usage_mu_);
-  ClientUsage& u = usage_[client];
-  if (slots >= 0) {
-    u.reserved_slots += static_cast<uint64_t>(slots);
-  } else {
-    u.reserved_slots -= std::min<uint64_t>(static_cast<uint64_t>(-slots), u.reserved_slots);
-  }
-  if (u.empty()) usage_.erase(client);
-}
-
-std::shared_ptr<FaultBudget> CacheCore::FaultBudgetOfLocked(uint64_t client) {
-  std::weak_ptr<FaultBudget>& slot = fault_budgets_[client];
-  std::shared_ptr<FaultBudget> budget = slot.lock();
-  if (budget == nullptr) {
-    budget = std::make_shared<FaultBudget>(options_.quotas.max_faulted_bytes_per_client);
-    slot = budget;
-  }
-  // Budgets no binding holds any more are dropped now and then (one entry per uid seen).
-  if (fault_budgets_.size() > 64 && fault_budgets_.size() > 2 * usage_.size()) {
-    std::erase_if(fault_budgets_, [](const auto& e) { return e.second.expired(); });
-  }
-  return budget;
-}
-
 void CacheCore::RetirePool(Pool& pool) {
   if (pool.retired.exchange(true)) return;
-  {
-    MutexLock lock(&usage_mu_);
-    auto it = usage_.find(pool.client);
-    if (it != usage_.end()) {
-      ClientUsage& u = it->second;
-      u.pools -= std::min<uint64_t>(1, u.pools);
-      u.buffers -= std::min<uint64_t>(pool.buffers, u.buffers);
-      u.mapped_bytes -= std::min(pool.mapped_bytes, u.mapped_bytes);
-      if (u.empty()) usage_.erase(it);
-    }
-  }
+  quotas_.UnchargePool(pool.client, pool.buffers, pool.mapped_bytes);
   if (pool.ns == nullptr || destroying_.load()) return;
   if (namespaces_.Release(pool.ns->id,
                           [this](uint32_t id) { return store_->RemoveNamespace(id); })) {
@@ -402,42 +326,9 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     if (!reg.cuda) {
       pool->mapped_bytes = SaturatingAdd(pool->mapped_bytes, 64ull * spec.events.count);
     }
-    std::shared_ptr<FaultBudget> budget;
-    {
-      // Quotas are checked and charged at once, before anything is opened.
-      MutexLock lock(&usage_mu_);
-      ClientUsage& u = usage_[pool->client];
-      const Quotas& q = options_.quotas;
-      Status over;
-      if (u.pools + 1 > q.max_pools_per_client) {
-        over = ResourceExhausted(ClientName(pool->client) + " already have " +
-                                 std::to_string(u.pools) + " pools registered, at most " +
-                                 std::to_string(q.max_pools_per_client) +
-                                 " per client (quota max_pools_per_client)");
-      } else if (u.buffers + pool->buffers > q.max_buffers_per_client) {
-        over = ResourceExhausted(
-            "buffers: this registration maps " + std::to_string(pool->buffers) + " buffers and " +
-            ClientName(pool->client) + " already have " + std::to_string(u.buffers) +
-            " mapped, at most " + std::to_string(q.max_buffers_per_client) +
-            " per client (quota max_buffers_per_client)");
-      } else if (SaturatingAdd(u.mapped_bytes, pool->mapped_bytes) >
-                 q.max_mapped_bytes_per_client) {
-        over = ResourceExhausted(
-            "buffers: this registration maps " + std::to_string(pool->mapped_bytes) +
-            " bytes (buffers and events) and " + ClientName(pool->client) + " already have " +
-            std::to_string(u.mapped_bytes) + " bytes mapped, at most " +
-            std::to_string(q.max_mapped_bytes_per_client) +
-            " per client (quota max_mapped_bytes_per_client)");
-      }
-      if (!over.ok()) {
-        if (u.empty()) usage_.erase(pool->client);
-        return over;
-      }
-      u.pools += 1;
-      u.buffers += pool->buffers;
-      u.mapped_bytes += pool->mapped_bytes;
-      budget = FaultBudgetOfLocked(pool->client);
-    }
+    // Quotas are checked and charged at once, before anything is opened.
+    HIQ_ASSIGN_OR_RETURN(std::shared_ptr<FaultBudget> budget,
+                         quotas_.ChargePool(pool->client, pool->buffers, pool->mapped_bytes));
     pool->core = this;  // from here on the pool gives its quota back when it goes
     HIQ_ASSIGN_OR_RETURN(pool->binding, backend->Bind(spec, reg.layout, std::move(budget)));
 
@@ -784,10 +675,10 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   req->reply = std::make_shared<BackupDone>();
 
   // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
-  Status st = ChargePending(pool->client, req->pending_bytes);
+  Status st = quotas_.ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
-    UnchargePending(pool->client, req->pending_bytes);
+    quotas_.UnchargePending(pool->client, req->pending_bytes);
     return (*done)(ReleasedPool(spec.pool_id));
   }
   *req->reply = std::move(*done);
@@ -851,7 +742,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
         };
       } else {
         const auto [b, e] = req->chunks[c];
-        if (!MayReserve(pool.client, e - b)) return TransferEngine::StepResult::kNotReady;
+        if (!quotas_.MayReserve(pool.client, e - b)) return TransferEngine::StepResult::kNotReady;
         task->wait_event = req->device ? spec.wait_event : -1;  // HOST: the gate waited
         task->wait_value = spec.wait_value;
         task->done_event = last ? spec.done_event : -1;
@@ -883,7 +774,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
           }
         }
         const int64_t reserved = static_cast<int64_t>(writes->reservations.size());
-        AddReserved(pool.client, reserved);
+        quotas_.AddReserved(pool.client, reserved);
         BlockStore* store = store_;
         const size_t payload_bytes = pool.layout.BlockBytes();
         const uint64_t client = pool.client;
@@ -910,7 +801,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
               l3->Published(ns.id, ns.hash, payload_bytes, req->keys[writes->index[j]]);
             }
           }
-          AddReserved(client, -reserved);
+          quotas_.AddReserved(client, -reserved);
         };
         task->on_complete = [this, req, writes, last, raw](const Status& run) {
           if (!writes->settled) {
@@ -936,7 +827,7 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
     } else if (writes != nullptr && !writes->settled) {
       writes->settled = true;
       for (const auto& r : writes->reservations) store_->AbortWrite(r.handle, false);
-      AddReserved(pool.client, -static_cast<int64_t>(writes->reservations.size()));
+      quotas_.AddReserved(pool.client, -static_cast<int64_t>(writes->reservations.size()));
     }
     if (last) FinishBackup(req);
     return TransferEngine::StepResult::kDone;
@@ -966,7 +857,7 @@ void CacheCore::FinishBackup(const std::shared_ptr<BackupRequest>& req) {
     else
       (*req->reply)(run);
   }
-  UnchargePending(pool.client, req->pending_bytes);
+  quotas_.UnchargePending(pool.client, req->pending_bytes);
   pool.EndTask();
 }
 
@@ -1005,10 +896,10 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->pending_bytes = SaturatingMul(keys.size(), per_block);
   req->pins.reserve(keys.size());
   req->reply = std::make_shared<RestoreDone>();
-  Status st = ChargePending(pool->client, req->pending_bytes);
+  Status st = quotas_.ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
-    UnchargePending(pool->client, req->pending_bytes);
+    quotas_.UnchargePending(pool->client, req->pending_bytes);
     return (*done)(ReleasedPool(spec.pool_id));
   }
   std::vector<TransferEngine::StepTask> steps;
@@ -1026,7 +917,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
       }
     }
     const uint64_t pinned_bytes = SaturatingMul(req->pins.size(), per_block);
-    UnchargePending(pool->client, req->pending_bytes - pinned_bytes);
+    quotas_.UnchargePending(pool->client, req->pending_bytes - pinned_bytes);
     req->pending_bytes = pinned_bytes;
     req->chunks = req->device ? Ranges(req->pins.size(), std::max<size_t>(1, req->pins.size()))
                               : Ranges(req->pins.size(), ChunkBlocks(pool->layout));
@@ -1038,7 +929,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
     }
   } catch (const std::bad_alloc&) {
     for (const auto& p : req->pins) store_->Unpin(p.handle);
-    UnchargePending(pool->client, req->pending_bytes);
+    quotas_.UnchargePending(pool->client, req->pending_bytes);
     pool->EndTask();
     return (*done)(OutOfMemory("Restore"));
   }
@@ -1156,7 +1047,7 @@ void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
     else
       (*req->reply)(run);
   }
-  UnchargePending(pool.client, req->pending_bytes);
+  quotas_.UnchargePending(pool.client, req->pending_bytes);
   pool.EndTask();
 }
 
