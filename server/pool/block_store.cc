@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <string_view>
 
 #include "hiqcache/log.h"
@@ -53,7 +54,8 @@ BlockStore::BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options,
       verify_reads_one_in_(options.verify_reads_one_in),
       meta_bytes_(PoolMetaBytes(bytes)),
       directory_(reinterpret_cast<ExtentDirEntry*>(base + kPoolHeaderBytes)),
-      directory_entries_(DirectoryEntriesFor(bytes)) {
+      directory_entries_(DirectoryEntriesFor(bytes)),
+      free_space_(granule_) {
   RebuildReport local;
   if (report == nullptr) report = &local;
   *report = RebuildReport();
@@ -79,7 +81,7 @@ void BlockStore::Format() {
   }
   used_bytes_ = 0;
   live_blocks_ = 0;
-  free_ranges_.clear();
+  free_space_.Clear();
   auto* ph = reinterpret_cast<PoolHeader*>(base_);
   std::memset(ph, 0, sizeof(PoolHeader));
   if (bytes_ <= meta_bytes_) return;
@@ -87,7 +89,7 @@ void BlockStore::Format() {
   free_dir_slots_.clear();
   for (uint64_t i = directory_entries_; i-- > 0;)
     free_dir_slots_.push_back(static_cast<uint32_t>(i));
-  InsertFreeLocked(meta_bytes_, bytes_ - meta_bytes_);
+  free_space_.Add(meta_bytes_, bytes_ - meta_bytes_);
   ph->version = kPoolFormatVersion;
   ph->directory_entries = static_cast<uint32_t>(directory_entries_);
   ph->pool_bytes = bytes_;
@@ -316,24 +318,14 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   const uint64_t demand = std::min<uint64_t>(ns.slots_per_extent, std::max<uint64_t>(first, have));
   const uint64_t want = kExtentHeaderBytes + demand * ns.slot_bytes;
   const uint64_t min_bytes = kExtentHeaderBytes + ns.slot_bytes;
-  auto pick = free_ranges_.end();
-  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
-    if (it->second >= want) {
-      pick = it;
-      break;
-    }
-    if (it->second >= min_bytes && (pick == free_ranges_.end() || it->second > pick->second)) {
-      pick = it;
-    }
-  }
-  if (pick == free_ranges_.end() || free_dir_slots_.empty()) return false;
-  const uint64_t offset = pick->first;
-  const uint64_t avail = pick->second;
+  const std::optional<FreeRange> pick = free_space_.Find(want, min_bytes);
+  if (!pick || free_dir_slots_.empty()) return false;
+  const uint64_t offset = pick->offset;
+  const uint64_t avail = pick->bytes;
   const uint32_t slots = static_cast<uint32_t>(
       std::min<uint64_t>(demand, (avail - kExtentHeaderBytes) / ns.slot_bytes));
   const uint64_t bytes = kExtentHeaderBytes + uint64_t{slots} * ns.slot_bytes;
-  free_ranges_.erase(pick);
-  if (avail > bytes) free_ranges_[offset + bytes] = avail - bytes;
+  free_space_.Take(*pick, bytes);
 
   auto ext = std::make_unique<Extent>();
   ext->offset = offset;
@@ -375,15 +367,6 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   return true;
 }
 
-void BlockStore::InsertFreeLocked(uint64_t offset, uint64_t length) {
-  while (length > 0) {
-    const uint64_t piece = std::min(length, (offset / granule_ + 1) * granule_ - offset);
-    free_ranges_[offset] = piece;
-    offset += piece;
-    length -= piece;
-  }
-}
-
 void BlockStore::FreeExtentLocked(Extent* ext) {
   NsState& ns = *namespaces_.at(ext->ns);
   std::erase(ns.extents, ext);
@@ -392,23 +375,7 @@ void BlockStore::FreeExtentLocked(Extent* ext) {
   free_dir_slots_.push_back(ext->dir_slot);
   std::atomic_ref<uint64_t>(reinterpret_cast<ExtentHeader*>(base_ + ext->offset)->magic)
       .store(0, std::memory_order_release);
-  uint64_t off = ext->offset;
-  uint64_t len = ext->bytes;
-  // Coalesces with its neighbours, but never across a granule boundary.
-  auto next = free_ranges_.lower_bound(off);
-  if (next != free_ranges_.end() && off + len == next->first && next->first % granule_ != 0) {
-    len += next->second;
-    next = free_ranges_.erase(next);
-  }
-  if (next != free_ranges_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == off && off % granule_ != 0) {
-      off = prev->first;
-      len += prev->second;
-      free_ranges_.erase(prev);
-    }
-  }
-  free_ranges_[off] = len;
+  free_space_.Free(ext->offset, ext->bytes);
   extents_.erase(ext->self);
 }
 

@@ -34,6 +34,7 @@
 
 #include "hiqcache/block_id.h"
 #include "hiqcache/mutex.h"
+#include "pool/extent_allocator.h"
 #include "pool/pool_format.h"
 
 namespace hiqcache::server {
@@ -241,8 +242,6 @@ class BlockStore {
 
   // Each returns a free slot's entry, or null.
   BlockEntry* AllocateSlotLocked(NsState& ns) REQUIRES(mu_);
-  // Adds [offset, offset + length) to the free ranges, split at granule boundaries.
-  void InsertFreeLocked(uint64_t offset, uint64_t length) REQUIRES(mu_);
   BlockEntry* TakeFreeSlotLocked(NsState& ns) REQUIRES(mu_);
   bool AllocateExtentLocked(NsState& ns) REQUIRES(mu_);
   bool ReclaimLocked(NsState& ns) REQUIRES(mu_);
@@ -281,8 +280,8 @@ class BlockStore {
   static constexpr uint32_t kFirstOrphanId = 0x80000000u;
   uint32_t next_orphan_id_ GUARDED_BY(mu_) = kFirstOrphanId;
   mutable Mutex mu_;
-  uint64_t clock_ GUARDED_BY(mu_) = 0;                        // recency stamps and commit sequence
-  std::map<uint64_t, uint64_t> free_ranges_ GUARDED_BY(mu_);  // offset -> length, coalesced
+  uint64_t clock_ GUARDED_BY(mu_) = 0;          // recency stamps and commit sequence
+  ExtentAllocator free_space_ GUARDED_BY(mu_);  // the pool's bytes outside extents
   std::list<std::unique_ptr<Extent>> extents_ GUARDED_BY(mu_);
   // ReclaimLocked's bytes claimed per owner, kept to reuse its buckets.
   std::unordered_map<std::string_view, uint64_t> claimed_scratch_ GUARDED_BY(mu_);

@@ -119,7 +119,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
       DropExtentLocked(report, slot, offset, "payload_bytes differs from its namespace's");
       continue;
     }
-    if (offset > cursor) InsertFreeLocked(cursor, offset - cursor);
+    if (offset > cursor) free_space_.Add(cursor, offset - cursor);
     cursor = offset + d.bytes;
     auto ext = std::make_unique<StoreExtent>();
     ext->offset = offset;
@@ -151,7 +151,7 @@ bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
     ns->extents.push_back(raw);
     report->extents += 1;
   }
-  if (cursor < bytes_) InsertFreeLocked(cursor, bytes_ - cursor);
+  if (cursor < bytes_) free_space_.Add(cursor, bytes_ - cursor);
 
   // Verify payload checksums in parallel: a pool of hundreds of GiB is read once at start.
   std::vector<uint8_t> good(candidates.size(), 0);
