@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -16,6 +15,7 @@
 #include "channel.h"
 #include "hiqcache/host_shm.h"
 #include "hiqcache/log.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/session.h"
 #include "hiqcache/session_protocol.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
@@ -280,7 +280,7 @@ class Client::Impl {
   ~Impl() {
     {
       // First, so that nothing is released for the sessions closed below.
-      std::lock_guard<std::mutex> lock(session_watcher_mu_);
+      MutexLock lock(&session_watcher_mu_);
       session_watcher_.reset();
     }
     stop_.store(true);
@@ -314,21 +314,21 @@ class Client::Impl {
     std::shared_ptr<PoolSlots> slots;
     uint32_t num_layers = 0;
 
-    std::mutex mu;           // serializes (re)registration; guards the fields below
-    uint64_t server_id = 0;  // 0 = not registered
-    uint64_t epoch = 0;      // connection epoch of the registration
+    Mutex mu;                               // serializes (re)registration; guards the fields below
+    uint64_t server_id GUARDED_BY(mu) = 0;  // 0 = not registered
+    uint64_t epoch GUARDED_BY(mu) = 0;      // connection epoch of the registration
     // The session the registration went through (null: none, the pool is anonymous and
     // epoch-checked). While it is alive the daemon has not restarted and server_id is ours.
-    std::shared_ptr<Session> session;
-    RegisteredPool info;
-    bool registered_once = false;
-    bool attempted = false;
-    Clock::time_point last_attempt;
-    Status last_error;
+    std::shared_ptr<Session> session GUARDED_BY(mu);
+    RegisteredPool info GUARDED_BY(mu);
+    bool registered_once GUARDED_BY(mu) = false;
+    bool attempted GUARDED_BY(mu) = false;
+    Clock::time_point last_attempt GUARDED_BY(mu);
+    Status last_error GUARDED_BY(mu);
   };
 
   std::shared_ptr<Pool> Find(PoolHandle h) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pools_.find(h.id);
     return it == pools_.end() ? nullptr : it->second;
   }
@@ -345,8 +345,8 @@ class Client::Impl {
   void WatchSession(const std::shared_ptr<Session>& session,
                     const std::shared_ptr<PoolSlots>& slots);
 
-  // Whether pool.server_id still names this registration on the daemon. REQUIRES: pool.mu held.
-  bool IdIsCurrent(const Pool& pool) const {
+  // Whether pool.server_id still names this registration on the daemon.
+  bool IdIsCurrent(const Pool& pool) const REQUIRES(pool.mu) {
     if (pool.server_id == 0) return false;
     if (pool.session != nullptr) return pool.session->alive();
     return pool.epoch == epoch_.load();
@@ -367,14 +367,13 @@ class Client::Impl {
   }
   // Why the last session open refused the listener (socket_trust.h); OK when it did not.
   Status TrustError() {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    MutexLock lock(&session_mu_);
     return trust_error_;
   }
   // Fills `out` (a copy of pool.request) with fd ids for the HOST buffers and the event object,
   // passing their fds over `session`. False when nothing went by fd.
   StatusOr<bool> PassFds(const Pool& pool, Session& session, v1::RegisterPoolRequest* out);
-  // REQUIRES: pool.mu held.
-  Status RegisterLocked(Pool& pool, Clock::time_point deadline);
+  Status RegisterLocked(Pool& pool, Clock::time_point deadline) REQUIRES(pool.mu);
   // The pool's current daemon id, registering it first when needed (rate-limited).
   StatusOr<uint64_t> EnsureRegistered(Pool& pool, Clock::time_point deadline);
   // Forgets `stale_id` unless another thread has re-registered already.
@@ -409,20 +408,20 @@ class Client::Impl {
   std::atomic<bool> stop_{false};
 
   const bool session_capable_;  // a unix target: the daemon may serve a session beside it
-  std::mutex session_mu_;
-  std::shared_ptr<Session> session_;      // GUARDED_BY(session_mu_)
-  Clock::time_point session_retry_at_{};  // GUARDED_BY(session_mu_)
-  bool session_warned_ = false;           // GUARDED_BY(session_mu_)
+  Mutex session_mu_;
+  std::shared_ptr<Session> session_ GUARDED_BY(session_mu_);
+  Clock::time_point session_retry_at_ GUARDED_BY(session_mu_) = {};
+  bool session_warned_ GUARDED_BY(session_mu_) = false;
   // Set while the listener is not trusted: no call goes to it, not even anonymous ones.
-  Status trust_error_;  // GUARDED_BY(session_mu_)
+  Status trust_error_ GUARDED_BY(session_mu_);
 
-  mutable std::mutex mu_;
-  uint64_t next_handle_ = 1;                                   // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  uint64_t next_handle_ GUARDED_BY(mu_) = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<Pool>> pools_ GUARDED_BY(mu_);
 
-  std::mutex session_watcher_mu_;
-  std::unique_ptr<SessionWatcher> session_watcher_;  // GUARDED_BY(session_watcher_mu_)
-  bool session_watcher_failed_ = false;              // GUARDED_BY(session_watcher_mu_)
+  Mutex session_watcher_mu_;
+  std::unique_ptr<SessionWatcher> session_watcher_ GUARDED_BY(session_watcher_mu_);
+  bool session_watcher_failed_ GUARDED_BY(session_watcher_mu_) = false;
 
   std::thread watcher_;  // last: starts after everything it reads
 };
@@ -430,7 +429,7 @@ class Client::Impl {
 void Client::Impl::WatchSession(const std::shared_ptr<Session>& session,
                                 const std::shared_ptr<PoolSlots>& slots) {
   if (session == nullptr || slots == nullptr) return;
-  std::lock_guard<std::mutex> lock(session_watcher_mu_);
+  MutexLock lock(&session_watcher_mu_);
   if (session_watcher_ == nullptr && !session_watcher_failed_) {
     auto started = SessionWatcher::Start(target_);
     if (started.ok()) {
@@ -446,7 +445,7 @@ void Client::Impl::WatchSession(const std::shared_ptr<Session>& session,
 
 std::shared_ptr<Session> Client::Impl::CurrentSession(bool force) {
   if (!session_capable_) return nullptr;
-  std::lock_guard<std::mutex> lock(session_mu_);
+  MutexLock lock(&session_mu_);
   if (session_ != nullptr && session_->alive()) return session_;
   const auto now = Clock::now();
   if (!force && now < session_retry_at_) return nullptr;
@@ -598,7 +597,7 @@ Status Client::Impl::RegisterLocked(Pool& pool, Clock::time_point deadline) {
 }
 
 StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point deadline) {
-  std::lock_guard<std::mutex> lock(pool.mu);
+  MutexLock lock(&pool.mu);
   if (pool.server_id != 0) {
     if (IdIsCurrent(pool)) return pool.server_id;
     // The session died (the daemon restarted) or, without a session, the connection broke
@@ -623,7 +622,7 @@ StatusOr<uint64_t> Client::Impl::EnsureRegistered(Pool& pool, Clock::time_point 
 }
 
 void Client::Impl::Invalidate(Pool& pool, uint64_t stale_id, const Status& why) {
-  std::lock_guard<std::mutex> lock(pool.mu);
+  MutexLock lock(&pool.mu);
   if (pool.server_id != stale_id) return;
   if (why.code() == StatusCode::kUnavailable && pool.session != nullptr && pool.session->alive()) {
     // The same daemon still holds the session, so the id is still ours (a reconnect, or a
@@ -674,11 +673,11 @@ StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pendi
                   << slots.status().ToString();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     pool->handle = next_handle_++;
   }
   {
-    std::lock_guard<std::mutex> lock(pool->mu);
+    MutexLock lock(&pool->mu);
     Status s = RegisterLocked(*pool, Clock::now() + options_.register_timeout);
     if (!s.ok() && !(pending_if_unavailable && IsUnreachable(s))) return s;
     if (!s.ok()) {
@@ -686,7 +685,7 @@ StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pendi
                     << "; pool kept pending, registers once the daemon is back";
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   pools_.emplace(pool->handle, pool);
   return PoolHandle{pool->handle};
 }
@@ -694,7 +693,7 @@ StatusOr<PoolHandle> Client::Impl::RegisterPool(const PoolSpec& spec, bool pendi
 StatusOr<RegisteredPool> Client::Impl::PoolInfo(PoolHandle h) const {
   std::shared_ptr<Pool> pool = Find(h);
   if (pool == nullptr) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
-  std::lock_guard<std::mutex> lock(pool->mu);
+  MutexLock lock(&pool->mu);
   if (!IdIsCurrent(*pool)) {
     return Unavailable("pool not registered with hiqcached at " + target_ +
                        (pool->last_error.ok() ? "" : ": " + pool->last_error.ToString()));
@@ -705,14 +704,14 @@ StatusOr<RegisteredPool> Client::Impl::PoolInfo(PoolHandle h) const {
 Status Client::Impl::ReleasePool(PoolHandle h) {
   std::shared_ptr<Pool> pool;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pools_.find(h.id);
     if (it == pools_.end()) return InvalidArgument("unknown pool handle " + std::to_string(h.id));
     pool = std::move(it->second);
     pools_.erase(it);
   }
   if (pool->slots != nullptr) pool->slots->Forget();
-  std::lock_guard<std::mutex> lock(pool->mu);
+  MutexLock lock(&pool->mu);
   if (!IdIsCurrent(*pool)) return Status::Ok();
   grpc::ClientContext ctx;
   ctx.set_deadline(GrpcDeadline(Clock::now() + options_.call_timeout));

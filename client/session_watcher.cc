@@ -42,7 +42,7 @@ SessionWatcher::~SessionWatcher() {
     (void)thread_.release();
   } else if (thread_ != nullptr) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
     Wake();
@@ -63,7 +63,7 @@ void SessionWatcher::Wake() const {
 void SessionWatcher::Watch(std::shared_ptr<Session> session, std::shared_ptr<PoolSlots> slots) {
   if (session == nullptr || slots == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = std::find_if(entries_.begin(), entries_.end(),
                            [&](const Entry& e) { return e.session == session; });
     if (it == entries_.end()) {
@@ -104,7 +104,7 @@ void SessionWatcher::Run() {
     polled.clear();
     int timeout_ms = -1;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
       const auto now = Clock::now();
       for (Entry& e : entries_) {
@@ -138,7 +138,7 @@ void SessionWatcher::Run() {
       uint64_t count;
       (void)::read(wake_fd_, &count, sizeof(count));
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stop_) return;
     const auto now = Clock::now();
     for (size_t k = 1; n > 0 && k < fds.size(); ++k) {

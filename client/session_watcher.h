@@ -23,11 +23,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "hiqcache/mutex.h"
 #include "hiqcache/session.h"
 #include "hiqcache/status.h"
 #include "pool_slots.h"
@@ -61,15 +61,15 @@ class SessionWatcher {
   void Wake() const;
   void Run();
   // Stores the failed values of `entry`'s pools (its first or second pass). REQUIRES:
-  // entry.ended, mu_ held.
-  void Release(const Entry& entry, bool first) const;
+  // entry.ended.
+  void Release(const Entry& entry, bool first) const REQUIRES(mu_);
 
   const std::string target_;
   const int wake_fd_;      // eventfd, CLOEXEC
   const pid_t owner_pid_;  // the process that runs the thread
-  std::mutex mu_;
-  std::vector<Entry> entries_;  // GUARDED_BY(mu_); removed only by the thread
-  bool stop_ = false;           // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::vector<Entry> entries_ GUARDED_BY(mu_);  // removed only by the thread
+  bool stop_ GUARDED_BY(mu_) = false;
   std::unique_ptr<std::thread> thread_;
 };
 

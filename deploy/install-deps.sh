@@ -28,7 +28,8 @@ packages=(
   systemd
   prometheus
   # Sanitizer and fuzzing stages of deploy/run-tests.sh: clang with its compiler-rt runtimes
-  # (ASan, UBSan, TSan, libFuzzer).
+  # (ASan, UBSan, TSan, libFuzzer); clang's -Wthread-safety for ctest thread_safety
+  # (tests/deploy/thread_safety.py).
   clang
   libclang-rt-14-dev
   # The format check (tests/deploy/format_check.sh): every C++ file as .clang-format says.

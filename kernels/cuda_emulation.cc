@@ -12,10 +12,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "cuda_runtime_emulation.h"
+#include "hiqcache/mutex.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -38,8 +38,8 @@ constexpr uint32_t kMaxThreadsPerBlock = 1024;
 std::atomic<Fault> g_fault{Fault::kNone};
 std::atomic<uint32_t> g_sm_count{2};
 
-std::mutex g_stats_mu;
-Stats g_stats;
+Mutex g_stats_mu;
+Stats g_stats GUARDED_BY(g_stats_mu);
 
 // One lane's fiber stack, with an inaccessible guard page below it (stacks grow down).
 class FiberStack {
@@ -254,7 +254,7 @@ uint32_t CompleteShuffles(Warp* w, uint32_t present) {
     }
     done |= m;
     released |= m;
-    std::lock_guard<std::mutex> lock(g_stats_mu);
+    MutexLock lock(&g_stats_mu);
     ++g_stats.shuffles;
   }
   return static_cast<uint32_t>(__builtin_popcount(released));
@@ -348,7 +348,7 @@ bool RunGrid(Dim grid, Dim block, const std::function<void()>& body, std::string
   gridDim = saved_grid;
   blockIdx = saved_bidx;
   threadIdx = saved_tidx;
-  std::lock_guard<std::mutex> lock(g_stats_mu);
+  MutexLock lock(&g_stats_mu);
   ++g_stats.launches;
   g_stats.ctas += ctas;
   g_stats.max_grid = std::max(g_stats.max_grid, ctas);
@@ -387,12 +387,12 @@ void SetSmCount(uint32_t sms) { g_sm_count.store(sms, std::memory_order_relaxed)
 uint32_t SmCount() { return g_sm_count.load(std::memory_order_relaxed); }
 
 Stats GetStats() {
-  std::lock_guard<std::mutex> lock(g_stats_mu);
+  MutexLock lock(&g_stats_mu);
   return g_stats;
 }
 
 void ResetStats() {
-  std::lock_guard<std::mutex> lock(g_stats_mu);
+  MutexLock lock(&g_stats_mu);
   g_stats = Stats{};
 }
 

@@ -37,10 +37,10 @@ ThreadPool::ThreadPool(unsigned threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_.store(true, std::memory_order_seq_cst);
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -63,9 +63,9 @@ void ThreadPool::WorkerLoop() {
              generation_.load(std::memory_order_acquire) != seen;
     };
     if (!SpinFor(ready)) {
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       sleeping_workers_.fetch_add(1, std::memory_order_seq_cst);
-      wake_.wait(lock, [&] {
+      wake_.Wait(&mu_, [&] {
         return stop_.load(std::memory_order_seq_cst) ||
                generation_.load(std::memory_order_seq_cst) != seen;
       });
@@ -76,8 +76,8 @@ void ThreadPool::WorkerLoop() {
     RunItems();
     if (active_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
         caller_sleeping_.load(std::memory_order_seq_cst)) {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_.notify_one();
+      MutexLock lock(&mu_);
+      done_.NotifyOne();
     }
   }
 }
@@ -88,22 +88,22 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::lock_guard<std::mutex> loop_lock(loop_mu_);
+  MutexLock loop_lock(&loop_mu_);
   fn_ = &fn;
   n_ = n;
   next_.store(0, std::memory_order_relaxed);
   active_.store(static_cast<unsigned>(workers_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes the loop
   if (sleeping_workers_.load(std::memory_order_seq_cst) > 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    wake_.notify_all();
+    MutexLock lock(&mu_);
+    wake_.NotifyAll();
   }
   RunItems();
   auto finished = [&] { return active_.load(std::memory_order_acquire) == 0; };
   if (!SpinFor(finished)) {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     caller_sleeping_.store(true, std::memory_order_seq_cst);
-    done_.wait(lock, [&] { return active_.load(std::memory_order_seq_cst) == 0; });
+    done_.Wait(&mu_, [&] { return active_.load(std::memory_order_seq_cst) == 0; });
     caller_sleeping_.store(false, std::memory_order_relaxed);
   }
   fn_ = nullptr;

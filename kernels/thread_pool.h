@@ -13,13 +13,13 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "hiqcache/mutex.h"
 
 namespace hiqcache::kernels {
 
@@ -41,10 +41,10 @@ class ThreadPool {
   void WorkerLoop();
   void RunItems();
 
-  std::mutex loop_mu_;  // serializes ParallelFor calls
-  std::mutex mu_;       // only for the condition variables' sleeps and wake-ups
-  std::condition_variable wake_;
-  std::condition_variable done_;
+  Mutex loop_mu_;  // serializes ParallelFor calls
+  Mutex mu_;       // only for the condition variables' sleeps and wake-ups
+  CondVar wake_;
+  CondVar done_;
   // Published to the workers by the release store of generation_ (written only while no worker
   // is inside a loop).
   const std::function<void(size_t)>* fn_ = nullptr;

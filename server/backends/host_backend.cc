@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "backends/residency.h"
@@ -18,6 +17,7 @@
 #include "core/fault_budget.h"
 #include "core/registration.h"
 #include "hiqcache/log.h"
+#include "hiqcache/mutex.h"
 
 namespace hiqcache::server {
 
@@ -191,7 +191,7 @@ class HostBinding : public PoolBinding {
 
   Status Failure() const override {
     if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
-    std::lock_guard<std::mutex> lock(failure_mu_);
+    MutexLock lock(&failure_mu_);
     return failure_;
   }
 
@@ -359,7 +359,7 @@ class HostBinding : public PoolBinding {
   }
 
   Status Fail(const std::string& field) {
-    std::lock_guard<std::mutex> lock(failure_mu_);
+    MutexLock lock(&failure_mu_);
     if (!failed_.load(std::memory_order_relaxed)) {
       failure_ = FailedPrecondition(
           field +
@@ -386,8 +386,8 @@ class HostBinding : public PoolBinding {
   std::atomic<bool> cancelled_{false};
   uint64_t checked_faults_ = 0;  // RecoveredFaults() when CheckMemory last found nothing broken
   std::atomic<bool> failed_{false};
-  mutable std::mutex failure_mu_;
-  Status failure_;  // GUARDED_BY(failure_mu_)
+  mutable Mutex failure_mu_;
+  Status failure_ GUARDED_BY(failure_mu_);
 };
 
 }  // namespace

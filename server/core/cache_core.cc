@@ -1,313 +1,15 @@
 #include "core/cache_core.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
-#include <cctype>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <exception>
-#include <new>
 #include <random>
 #include <set>
 #include <unordered_set>
 
+#include "core/cache_core_internal.h"
 #include "hiqcache/log.h"
 
 namespace hiqcache::server {
-namespace {
-
-// The quota key every anonymous caller shares: above any uid.
-constexpr uint64_t kAnonymousClient = uint64_t{1} << 32;
-
-std::string ClientName(uint64_t client) {
-  return client == kAnonymousClient ? std::string("anonymous callers (no session)")
-                                    : "uid " + std::to_string(client);
-}
-
-uint64_t SaturatingMul(uint64_t a, uint64_t b) {
-  uint64_t out;
-  return __builtin_mul_overflow(a, b, &out) ? UINT64_MAX : out;
-}
-
-uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
-  uint64_t out;
-  return __builtin_add_overflow(a, b, &out) ? UINT64_MAX : out;
-}
-
-// Engine-side (BF16/FP16) bytes of one block: what a backup reads and a restore writes.
-uint64_t InputBlockBytes(const kernels::BlockLayout& l) {
-  return uint64_t{l.num_layers} * l.kv_planes * l.block_tokens * l.row.InputRowBytes();
-}
-
-struct KeyHash {
-  size_t operator()(const BlockKey& k) const {
-    uint64_t a, b;
-    std::memcpy(&a, k.data(), 8);
-    std::memcpy(&b, k.data() + 8, 8);
-    return static_cast<size_t>(a ^ (b * 0x9E3779B97F4A7C15ull));
-  }
-};
-
-}  // namespace
-
-struct CacheCore::Pool {
-  CacheCore* core = nullptr;  // set once the pool holds quota: RetirePool gives it back
-  uint64_t id = 0;
-  std::shared_ptr<const NamespaceInfo> ns;  // a use of the namespace (NamespaceTable::Acquire)
-  kernels::BlockLayout layout;
-  bool cuda = false;
-  Caller owner;             // who registered it
-  uint64_t client = 0;      // quota key (ClientOf(owner))
-  uint32_t client_pid = 0;  // the kernel's pid when authenticated, else the reported one
-  std::string peer;
-  uint32_t buffers = 0;       // charged against max_buffers_per_client
-  uint64_t mapped_bytes = 0;  // charged against max_mapped_bytes_per_client
-  std::atomic<bool> retired{false};
-  std::unique_ptr<PoolBinding> binding;
-  // Backups run on `strand`. Restores of a pool whose device signals (CUDA) run on
-  // `restore_strand`, so that a restore never waits behind the pool's backups on the device;
-  // HOST pools have one strand for both.
-  std::shared_ptr<TransferEngine::Strand> strand;
-  std::shared_ptr<TransferEngine::Strand> restore_strand;
-  // Requests of a pool with two strands, posted and not finished, in ticket order. A request
-  // starts only once no earlier request of the other direction that it conflicts with (a row
-  // one writes and the other touches, or a slot both signal) is left: tickets that share a slot
-  // or rows still complete in ticket order.
-  struct InFlight {
-    uint64_t ticket = 0;
-    bool restore = false;
-    std::vector<uint32_t> rows;  // sorted
-    std::vector<int32_t> slots;  // done_event and layer slots the daemon stores into, sorted
-  };
-  std::mutex flight_mu;
-  std::deque<InFlight> in_flight;  // GUARDED_BY(flight_mu)
-  // Held while a request takes its ticket and posts its sub-tasks: tickets reach the strand in
-  // order, and one request's sub-tasks stay contiguous.
-  std::mutex post_mu;
-  std::atomic<uint64_t> next_ticket{0};
-  std::atomic<uint64_t> backups{0};
-  std::atomic<uint64_t> restores{0};
-
-  // Tasks of this pool posted and not yet completed, so that a release can wait for them.
-  std::mutex mu;
-  std::condition_variable idle_cv;
-  uint32_t outstanding = 0;      // GUARDED_BY(mu)
-  bool released = false;         // GUARDED_BY(mu): no task may begin any more
-  bool close_when_idle = false;  // GUARDED_BY(mu): a release gave up waiting; the last task closes
-
-  ~Pool() {
-    binding.reset();  // the mappings close before the quota they were charged to is given back
-    if (core != nullptr) core->RetirePool(*this);
-  }
-
-  // What request `spec` touches, for a pool with two strands (nothing for the others). Made
-  // before post_mu is taken: sorting a request's rows is not done under it.
-  InFlight Touches(bool restore, const TransferSpec& spec) const {
-    InFlight f;
-    if (restore_strand == strand) return f;
-    f.restore = restore;
-    for (const BlockSpec& b : spec.blocks)
-      f.rows.insert(f.rows.end(), b.rows.begin(), b.rows.end());
-    std::sort(f.rows.begin(), f.rows.end());
-    if (spec.done_event >= 0) f.slots.push_back(spec.done_event);
-    if (restore && spec.layer_event_base >= 0) {
-      for (uint32_t l = 0; l < layout.num_layers; ++l) {
-        f.slots.push_back(spec.layer_event_base + static_cast<int32_t>(l));
-      }
-    }
-    std::sort(f.slots.begin(), f.slots.end());
-    return f;
-  }
-  // REQUIRES: post_mu held (tickets enter in order). Notes request `ticket` of a two-strand pool.
-  void AddInFlight(uint64_t ticket, InFlight f) {
-    if (restore_strand == strand) return;
-    f.ticket = ticket;
-    std::lock_guard<std::mutex> lock(flight_mu);
-    in_flight.push_back(std::move(f));
-  }
-  void RemoveInFlight(uint64_t ticket) {
-    std::lock_guard<std::mutex> lock(flight_mu);
-    std::erase_if(in_flight, [&](const InFlight& f) { return f.ticket == ticket; });
-  }
-  // Whether request `ticket` must still wait for an earlier request of the other direction.
-  bool WaitsForOtherDirection(uint64_t ticket) {
-    std::lock_guard<std::mutex> lock(flight_mu);
-    auto me = std::find_if(in_flight.begin(), in_flight.end(),
-                           [&](const InFlight& f) { return f.ticket == ticket; });
-    if (me == in_flight.end()) return false;
-    for (auto it = in_flight.begin(); it != me; ++it) {
-      if (it->restore == me->restore) continue;
-      if (Intersect(it->rows, me->rows) || Intersect(it->slots, me->slots)) return true;
-    }
-    return false;
-  }
-  template <typename T>
-  static bool Intersect(const std::vector<T>& a, const std::vector<T>& b) {
-    for (size_t i = 0, j = 0; i < a.size() && j < b.size();) {
-      if (a[i] == b[j]) return true;
-      if (a[i] < b[j])
-        ++i;
-      else
-        ++j;
-    }
-    return false;
-  }
-
-  // Counts a new request, unless the pool was released (then the caller answers NOT_FOUND).
-  bool BeginTask() {
-    std::lock_guard<std::mutex> lock(mu);
-    if (released) return false;
-    ++outstanding;
-    return true;
-  }
-  // The end of a request begun with BeginTask. Closes the binding when a release timed out
-  // waiting for this.
-  void EndTask() {
-    bool close = false;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      close = --outstanding == 0 && close_when_idle;
-      if (close) close_when_idle = false;
-    }
-    idle_cv.notify_all();
-    if (close) {
-      binding->Close();
-      HIQ_LOG(INFO) << "event=release_pool_closed pool=" << id
-                    << " (its last device work completed)";
-      if (core != nullptr) core->RetirePool(*this);
-    }
-  }
-};
-
-// One Backup request, shared by its sub-tasks (which run one at a time, in order, on the pool's
-// strand: no lock is needed between them).
-struct CacheCore::BackupRequest {
-  std::shared_ptr<Pool> pool;
-  TransferSpec spec;
-  std::vector<BlockKey> keys;  // of every block of the request
-  std::vector<size_t> unique;  // request indexes of the first occurrence of each key
-  // Sub-tasks: ranges of `unique`. With `gated`, the first one is the wait for wait_event alone.
-  std::vector<std::pair<size_t, size_t>> chunks;
-  bool gated = false;
-  bool device = false;  // CUDA: one task; the device waits and signals
-  bool sync = false;
-  BackupResult result;
-  std::shared_ptr<BackupDone> reply;
-  bool replied = false;
-  bool finished = false;
-  uint64_t pending_bytes = 0;  // charged to the pool's client until the request finishes
-  Status error;                // the first failure of a sub-task
-  std::chrono::steady_clock::time_point started{};
-  bool has_started = false;
-  uint64_t moved = 0;  // blocks written into the pool
-};
-
-// One Restore request, as BackupRequest.
-struct CacheCore::RestoreRequest {
-  std::shared_ptr<Pool> pool;
-  TransferSpec spec;
-  std::vector<BlockStore::ReadPin> pins;          // the restored leading run
-  std::vector<std::pair<size_t, size_t>> chunks;  // ranges of `pins`
-  bool device = false;
-  bool sync = false;
-  RestoreResult result;
-  std::shared_ptr<RestoreDone> reply;
-  bool replied = false;
-  bool finished = false;
-  uint64_t pending_bytes = 0;
-  Status error;
-  std::chrono::steady_clock::time_point started{};
-  bool has_started = false;
-  uint64_t restored = 0;  // blocks of sub-tasks that completed
-};
-
-namespace {
-
-TransferEngine::StepResult StepOf(StartResult r) {
-  switch (r) {
-    case StartResult::kNotReady:
-      return TransferEngine::StepResult::kNotReady;
-    case StartResult::kCompleted:
-      return TransferEngine::StepResult::kDone;
-    case StartResult::kPending:
-      break;
-  }
-  return TransferEngine::StepResult::kDetached;
-}
-
-std::string UnknownPoolText(uint64_t pool_id) {
-  return "pool_id: unknown pool " + std::to_string(pool_id) +
-         " (released, or hiqcached restarted: register again)";
-}
-
-Status ReleasedPool(uint64_t pool_id) {
-  return NotFound("pool_id: unknown pool " + std::to_string(pool_id) + " (released)");
-}
-
-Status OutOfMemory(const char* what) {
-  return ResourceExhausted(std::string(what) + ": hiqcached is out of memory");
-}
-
-// Logs what a sub-task of `rpc` ("Backup", "Restore") threw and the error its request ends with.
-Status TaskThrew(const char* rpc, uint64_t pool_id, uint64_t ticket, const std::exception& ex) {
-  const bool oom = dynamic_cast<const std::bad_alloc*>(&ex) != nullptr;
-  std::string event = rpc;
-  for (char& c : event) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  HIQ_LOG(ERROR) << "event=" << event << "_failed pool=" << pool_id << " ticket=" << ticket
-                 << " error=\"" << (oom ? std::string("out of memory") : LogSafe(ex.what()))
-                 << "\"";
-  return oom ? OutOfMemory(rpc) : Status(StatusCode::kInternal, event + " failed");
-}
-
-std::vector<BlockKey> KeysOf(const std::vector<BlockSpec>& blocks, size_t n) {
-  std::vector<BlockKey> keys;
-  keys.reserve(n);
-  for (size_t i = 0; i < n; ++i) keys.push_back(ToBlockKey(blocks[i].key));
-  return keys;
-}
-
-TransferSample SampleOf(const NamespaceInfo& ns, const kernels::BlockLayout& l, bool restore,
-                        size_t blocks, std::chrono::steady_clock::duration elapsed, bool ok) {
-  TransferSample s;
-  s.restore = restore;
-  s.namespace_id = ns.hex_id;
-  s.model = ns.desc.model;
-  s.blocks = blocks;
-  s.input_bytes = uint64_t{blocks} * InputBlockBytes(l);
-  s.stored_bytes = uint64_t{blocks} * l.BlockBytes();
-  s.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
-  s.ok = ok;
-  return s;
-}
-
-// Splits [0, n) into ranges of at most `per` (at least one range, possibly empty).
-std::vector<std::pair<size_t, size_t>> Ranges(size_t n, size_t per) {
-  std::vector<std::pair<size_t, size_t>> out;
-  for (size_t b = 0; b < n; b += per) out.emplace_back(b, std::min(n, b + per));
-  if (out.empty()) out.emplace_back(0, 0);
-  return out;
-}
-
-// A wait that a HOST binding answers at once with a failure (CANCELLED once the pool is
-// released, else DEADLINE_EXCEEDED): a slot never holds UINT64_MAX, and the task's first try lies
-// further back than any wait timeout (host_backend.cc CheckWait). The last sub-task of a request
-// that already failed runs with it, so that its events get the failure bit and nothing is read
-// or written.
-constexpr uint64_t kNeverValue = UINT64_MAX;
-std::chrono::steady_clock::time_point LongAgo() {
-  return std::chrono::steady_clock::now() - std::chrono::hours(24);
-}
-
-// An event of the request a HOST binding can check (any valid index), or -1.
-int32_t ProbeEvent(const TransferSpec& spec) {
-  if (spec.wait_event >= 0) return spec.wait_event;
-  if (spec.done_event >= 0) return spec.done_event;
-  return spec.layer_event_base;
-}
-
-}  // namespace
 
 CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBackend* host,
                      DeviceBackend* cuda)
@@ -316,6 +18,7 @@ CacheCore::CacheCore(const CoreOptions& options, BlockStore* store, DeviceBacken
       host_(host),
       cuda_(cuda),
       start_(std::chrono::steady_clock::now()),
+      quotas_(options.quotas),
       engine_(options.transfer_workers) {}
 
 CacheCore::~CacheCore() {
@@ -331,7 +34,7 @@ std::function<void(std::function<void()>)> CacheCore::DeferOnStrand(
 }
 
 uint64_t CacheCore::ClientOf(const Caller& caller) {
-  return caller.authenticated() ? uint64_t{caller.uid} : kAnonymousClient;
+  return caller.authenticated() ? uint64_t{caller.uid} : QuotaLedger::kAnonymousClient;
 }
 
 bool CacheCore::Owns(const Pool& pool, const Caller& caller) {
@@ -361,78 +64,9 @@ size_t CacheCore::ChunkBlocks(const kernels::BlockLayout& layout) const {
   return static_cast<size_t>(std::max<uint64_t>(1, blocks));
 }
 
-Status CacheCore::ChargePending(uint64_t client, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
-  ClientUsage& u = usage_[client];
-  const uint64_t max = options_.quotas.max_pending_bytes_per_client;
-  if (SaturatingAdd(u.pending_bytes, bytes) > max) {
-    const uint64_t have = u.pending_bytes;
-    if (u.empty()) usage_.erase(client);
-    return ResourceExhausted(
-        "blocks: this request moves " + std::to_string(bytes) + " bytes and " + ClientName(client) +
-        " already have " + std::to_string(have) +
-        " bytes of backups and restores queued or running, at most " + std::to_string(max) +
-        " per client (quota max_pending_bytes_per_client): retry once earlier work completed");
-  }
-  u.pending_bytes += bytes;
-  return Status::Ok();
-}
-
-void CacheCore::UnchargePending(uint64_t client, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
-  auto it = usage_.find(client);
-  if (it == usage_.end()) return;
-  it->second.pending_bytes -= std::min(bytes, it->second.pending_bytes);
-  if (it->second.empty()) usage_.erase(it);
-}
-
-bool CacheCore::MayReserve(uint64_t client, uint64_t slots) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
-  auto it = usage_.find(client);
-  const uint64_t held = it == usage_.end() ? 0 : it->second.reserved_slots;
-  // A client holding none may always go on (its requests are refused up front when one sub-task
-  // alone exceeds the quota), so waiting here always ends.
-  return held == 0 || held + slots <= options_.quotas.max_reserved_slots_per_client;
-}
-
-void CacheCore::AddReserved(uint64_t client, int64_t slots) {
-  std::lock_guard<std::mutex> lock(usage_mu_);
-  ClientUsage& u = usage_[client];
-  if (slots >= 0) {
-    u.reserved_slots += static_cast<uint64_t>(slots);
-  } else {
-    u.reserved_slots -= std::min<uint64_t>(static_cast<uint64_t>(-slots), u.reserved_slots);
-  }
-  if (u.empty()) usage_.erase(client);
-}
-
-std::shared_ptr<FaultBudget> CacheCore::FaultBudgetOfLocked(uint64_t client) {
-  std::weak_ptr<FaultBudget>& slot = fault_budgets_[client];
-  std::shared_ptr<FaultBudget> budget = slot.lock();
-  if (budget == nullptr) {
-    budget = std::make_shared<FaultBudget>(options_.quotas.max_faulted_bytes_per_client);
-    slot = budget;
-  }
-  // Budgets no binding holds any more are dropped now and then (one entry per uid seen).
-  if (fault_budgets_.size() > 64 && fault_budgets_.size() > 2 * usage_.size()) {
-    std::erase_if(fault_budgets_, [](const auto& e) { return e.second.expired(); });
-  }
-  return budget;
-}
-
 void CacheCore::RetirePool(Pool& pool) {
   if (pool.retired.exchange(true)) return;
-  {
-    std::lock_guard<std::mutex> lock(usage_mu_);
-    auto it = usage_.find(pool.client);
-    if (it != usage_.end()) {
-      ClientUsage& u = it->second;
-      u.pools -= std::min<uint64_t>(1, u.pools);
-      u.buffers -= std::min<uint64_t>(pool.buffers, u.buffers);
-      u.mapped_bytes -= std::min(pool.mapped_bytes, u.mapped_bytes);
-      if (u.empty()) usage_.erase(it);
-    }
-  }
+  quotas_.UnchargePool(pool.client, pool.buffers, pool.mapped_bytes);
   if (pool.ns == nullptr || destroying_.load()) return;
   if (namespaces_.Release(pool.ns->id,
                           [this](uint32_t id) { return store_->RemoveNamespace(id); })) {
@@ -473,42 +107,9 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
     if (!reg.cuda) {
       pool->mapped_bytes = SaturatingAdd(pool->mapped_bytes, 64ull * spec.events.count);
     }
-    std::shared_ptr<FaultBudget> budget;
-    {
-      // Quotas are checked and charged at once, before anything is opened.
-      std::lock_guard<std::mutex> lock(usage_mu_);
-      ClientUsage& u = usage_[pool->client];
-      const Quotas& q = options_.quotas;
-      Status over;
-      if (u.pools + 1 > q.max_pools_per_client) {
-        over = ResourceExhausted(ClientName(pool->client) + " already have " +
-                                 std::to_string(u.pools) + " pools registered, at most " +
-                                 std::to_string(q.max_pools_per_client) +
-                                 " per client (quota max_pools_per_client)");
-      } else if (u.buffers + pool->buffers > q.max_buffers_per_client) {
-        over = ResourceExhausted(
-            "buffers: this registration maps " + std::to_string(pool->buffers) + " buffers and " +
-            ClientName(pool->client) + " already have " + std::to_string(u.buffers) +
-            " mapped, at most " + std::to_string(q.max_buffers_per_client) +
-            " per client (quota max_buffers_per_client)");
-      } else if (SaturatingAdd(u.mapped_bytes, pool->mapped_bytes) >
-                 q.max_mapped_bytes_per_client) {
-        over = ResourceExhausted(
-            "buffers: this registration maps " + std::to_string(pool->mapped_bytes) +
-            " bytes (buffers and events) and " + ClientName(pool->client) + " already have " +
-            std::to_string(u.mapped_bytes) + " bytes mapped, at most " +
-            std::to_string(q.max_mapped_bytes_per_client) +
-            " per client (quota max_mapped_bytes_per_client)");
-      }
-      if (!over.ok()) {
-        if (u.empty()) usage_.erase(pool->client);
-        return over;
-      }
-      u.pools += 1;
-      u.buffers += pool->buffers;
-      u.mapped_bytes += pool->mapped_bytes;
-      budget = FaultBudgetOfLocked(pool->client);
-    }
+    // Quotas are checked and charged at once, before anything is opened.
+    HIQ_ASSIGN_OR_RETURN(std::shared_ptr<FaultBudget> budget,
+                         quotas_.ChargePool(pool->client, pool->buffers, pool->mapped_bytes));
     pool->core = this;  // from here on the pool gives its quota back when it goes
     HIQ_ASSIGN_OR_RETURN(pool->binding, backend->Bind(spec, reg.layout, std::move(budget)));
 
@@ -528,7 +129,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 
     RegisterResult out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       // Unguessable ids from the kernel's generator: a pool id is what lets a caller write into
       // an engine's KV buffers, so one process must not be able to predict another's, and an id
       // held from before a restart never names another pool.
@@ -558,7 +159,7 @@ StatusOr<RegisterResult> CacheCore::RegisterPool(const RegisterSpec& spec) {
 StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
                                                                const Caller& caller,
                                                                bool admin_may) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = pools_.find(pool_id);
   // Another caller's pool reads exactly as an unknown one: no oracle of which ids exist.
   if (it == pools_.end() || !((admin_may && caller.admin) || Owns(*it->second, caller))) {
@@ -570,7 +171,7 @@ StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::FindPool(uint64_t pool_id,
 Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
   std::shared_ptr<Pool> pool;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pools_.find(pool_id);
     if (it == pools_.end() || !(caller.admin || Owns(*it->second, caller))) {
       return NotFound(UnknownPoolText(pool_id));
@@ -579,7 +180,7 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
     pools_.erase(it);
   }
   {
-    std::lock_guard<std::mutex> lock(pool->mu);
+    MutexLock lock(&pool->mu);
     pool->released = true;  // a request that found the pool just before cannot begin now
   }
   // Queued work stops touching the engine's buffers and events (CUDA), and a HOST task waiting
@@ -590,9 +191,9 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
   const auto t0 = std::chrono::steady_clock::now();
   bool drained;
   {
-    std::unique_lock<std::mutex> lock(pool->mu);
-    drained = pool->idle_cv.wait_for(lock, options_.release_timeout,
-                                     [&] { return pool->outstanding == 0; });
+    MutexLock lock(&pool->mu);
+    drained = pool->idle_cv.WaitFor(&pool->mu, options_.release_timeout,
+                                    [&]() REQUIRES(pool->mu) { return pool->outstanding == 0; });
     if (!drained) pool->close_when_idle = true;
   }
   const auto waited =
@@ -620,7 +221,7 @@ Status CacheCore::ReleasePool(uint64_t pool_id, const Caller& caller) {
 size_t CacheCore::ReleasePoolsOfClient(uint32_t pid) {
   std::vector<uint64_t> ids;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       if (pool->client_pid == pid) ids.push_back(id);
     }
@@ -638,7 +239,7 @@ size_t CacheCore::ReleasePoolsOfSession(uint64_t session) {
   if (session == 0) return 0;
   std::vector<uint64_t> ids;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       if (pool->owner.session == session) ids.push_back(id);
     }
@@ -795,461 +396,9 @@ StatusOr<std::shared_ptr<CacheCore::Pool>> CacheCore::PoolForTransfer(const Tran
   return pool;
 }
 
-void CacheCore::Backup(TransferSpec spec, BackupDone done) {
-  try {
-    BackupImpl(std::move(spec), &done);
-  } catch (const std::bad_alloc&) {
-    // Thrown before anything was queued or charged (BackupImpl allocates first), and before
-    // `done` was moved from.
-    if (done) done(OutOfMemory("Backup"));
-  }
-}
-
-void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
-  auto found = PoolForTransfer(spec, /*restore=*/false);
-  if (!found.ok()) return (*done)(found.status());
-  std::shared_ptr<Pool> pool = std::move(found).value();
-
-  auto req = std::make_shared<BackupRequest>();
-  req->pool = pool;
-  const size_t n = spec.blocks.size();
-  req->keys = KeysOf(spec.blocks, n);
-  req->result.results.assign(n, BlockResult::kStored);
-  {
-    // A key repeated within the request is reserved (and written) once.
-    std::unordered_set<BlockKey, KeyHash> seen;
-    seen.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (seen.insert(req->keys[i]).second) {
-        req->unique.push_back(i);
-      } else {
-        req->result.results[i] = BlockResult::kAlreadyPresent;
-      }
-    }
-  }
-  req->device = pool->binding->SignalsOnDevice();
-  const size_t per_task = req->device ? req->unique.size() : ChunkBlocks(pool->layout);
-  if (std::min(per_task, req->unique.size()) > options_.quotas.max_reserved_slots_per_client) {
-    return (*done)(ResourceExhausted(
-        "blocks: this backup reserves " + std::to_string(req->unique.size()) +
-        " pool slots at once, more than the " +
-        std::to_string(options_.quotas.max_reserved_slots_per_client) +
-        " a client may hold (quota max_reserved_slots_per_client): split the request"));
-  }
-  if (req->device) {
-    req->chunks.emplace_back(0, req->unique.size());
-  } else {
-    // HOST: the wait for wait_event is a sub-task of its own, so that no slot is reserved before
-    // the engine's data is there.
-    req->gated = spec.wait_event >= 0;
-    if (req->gated) req->chunks.emplace_back(0, 0);
-    for (const auto& r : Ranges(req->unique.size(), per_task)) req->chunks.push_back(r);
-  }
-  req->pending_bytes = SaturatingMul(req->unique.size(), InputBlockBytes(pool->layout));
-  req->sync = spec.sync;
-  std::vector<TransferEngine::StepTask> steps;
-  steps.reserve(req->chunks.size());
-  for (size_t c = 0; c < req->chunks.size(); ++c) {
-    steps.push_back([this, req, c, task = std::shared_ptr<BackupTask>()]() mutable {
-      return BackupStep(req, c, &task);
-    });
-  }
-  req->reply = std::make_shared<BackupDone>();
-  Pool::InFlight touches = pool->Touches(/*restore=*/false, spec);
-
-  // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
-  Status st = ChargePending(pool->client, req->pending_bytes);
-  if (!st.ok()) return (*done)(st);
-  if (!pool->BeginTask()) {
-    UnchargePending(pool->client, req->pending_bytes);
-    return (*done)(ReleasedPool(spec.pool_id));
-  }
-  *req->reply = std::move(*done);
-  req->spec = std::move(spec);
-  {
-    std::lock_guard<std::mutex> lock(pool->post_mu);
-    req->result.ticket = ++pool->next_ticket;
-    pool->AddInFlight(req->result.ticket, std::move(touches));
-    if (!req->sync) {
-      // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
-      req->replied = true;
-      (*req->reply)(req->result);
-    }
-    engine_.PostSteps(pool->strand, std::move(steps));
-  }
-}
-
-// The reservations of one backup sub-task, shared by its callbacks.
-struct BackupChunkWrites {
-  std::vector<BlockStore::WriteReservation> reservations;
-  std::vector<size_t> index;  // request index of each reserved block
-  bool settled = false;       // committed or aborted
-};
-
-TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupRequest>& req,
-                                                 size_t c, std::shared_ptr<BackupTask>* slot) {
-  Pool& pool = *req->pool;
-  const bool last = c + 1 == req->chunks.size();
-  const TransferSpec& spec = req->spec;
-  std::shared_ptr<BackupChunkWrites> writes;
-  try {
-    if (!req->has_started) {
-      req->started = std::chrono::steady_clock::now();
-      req->has_started = true;
-    }
-    if (*slot == nullptr) {
-      if (c == 0 && pool.restore_strand != pool.strand &&
-          pool.WaitsForOtherDirection(req->result.ticket)) {
-        return TransferEngine::StepResult::kNotReady;
-      }
-      auto task = std::make_shared<BackupTask>();
-      task->ticket = req->result.ticket;
-      task->caller_deadline = spec.deadline;
-      task->defer = DeferOnStrand(pool.strand);
-      BackupTask* raw = task.get();
-      if (!req->error.ok()) {
-        // An earlier sub-task failed: the rest reserve and read nothing; the last one still
-        // releases done_event, with the failure bit.
-        if (!last) return TransferEngine::StepResult::kDone;
-        if (spec.done_event < 0) {
-          FinishBackup(req);
-          return TransferEngine::StepResult::kDone;
-        }
-        task->wait_event = ProbeEvent(spec);
-        task->wait_value = kNeverValue;
-        task->first_try = LongAgo();
-        task->done_event = spec.done_event;
-        task->on_written = [](const std::vector<uint8_t>&, const Status&) {};
-        task->on_complete = [this, req](const Status&) { FinishBackup(req); };
-      } else if (req->gated && c == 0) {
-        task->wait_event = spec.wait_event;
-        task->wait_value = spec.wait_value;
-        task->on_written = [](const std::vector<uint8_t>&, const Status&) {};
-        task->on_complete = [req](const Status& run) {
-          if (!run.ok() && req->error.ok()) req->error = run;
-        };
-      } else {
-        const auto [b, e] = req->chunks[c];
-        if (!MayReserve(pool.client, e - b)) return TransferEngine::StepResult::kNotReady;
-        task->wait_event = req->device ? spec.wait_event : -1;  // HOST: the gate waited
-        task->wait_value = spec.wait_value;
-        task->done_event = last ? spec.done_event : -1;
-        std::vector<BlockKey> keys;
-        keys.reserve(e - b);
-        for (size_t j = b; j < e; ++j) keys.push_back(req->keys[req->unique[j]]);
-        writes = std::make_shared<BackupChunkWrites>();
-        writes->index.reserve(e - b);
-        task->payloads.reserve(e - b);
-        task->rows.reserve((e - b) * pool.layout.block_tokens);
-        // Reserved now that the task starts: a backup still waiting holds no slot.
-        auto res = store_->ReserveWrites(pool.ns->id, keys);
-        for (size_t j = 0; j < res.size(); ++j) {
-          const size_t i = req->unique[b + j];
-          switch (res[j].outcome) {
-            case BlockStore::WriteOutcome::kReserved:
-              writes->index.push_back(i);
-              writes->reservations.push_back(res[j]);
-              task->payloads.push_back(res[j].payload);
-              task->rows.insert(task->rows.end(), spec.blocks[i].rows.begin(),
-                                spec.blocks[i].rows.end());
-              break;
-            case BlockStore::WriteOutcome::kPresent:
-              req->result.results[i] = BlockResult::kAlreadyPresent;
-              break;
-            case BlockStore::WriteOutcome::kNoSpace:
-              req->result.results[i] = BlockResult::kRejected;
-              break;
-          }
-        }
-        const int64_t reserved = static_cast<int64_t>(writes->reservations.size());
-        AddReserved(pool.client, reserved);
-        BlockStore* store = store_;
-        const size_t payload_bytes = pool.layout.BlockBytes();
-        const uint64_t client = pool.client;
-        // The callbacks live in the task: they hold a raw pointer to it, never a reference that
-        // would make the task own itself. The backend keeps the task alive while it calls them.
-        L3Tier* l3 = options_.l3;
-        task->on_written = [this, store, l3, req, writes, payload_bytes, raw, client, reserved](
-                               const std::vector<uint8_t>& nonfinite, const Status& st) {
-          if (writes->settled) return;
-          writes->settled = true;
-          const std::vector<uint64_t>& sums = raw->checksums;
-          for (size_t j = 0; j < writes->reservations.size(); ++j) {
-            const auto& r = writes->reservations[j];
-            if (!st.ok() || j >= nonfinite.size() || nonfinite[j]) {
-              store->AbortWrite(r.handle, /*rejected=*/st.ok());
-              req->result.results[writes->index[j]] = BlockResult::kRejected;
-              continue;
-            }
-            store->CommitWrite(r.handle,
-                               j < sums.size() ? sums[j] : XXH3_64bits(r.payload, payload_bytes));
-            ++req->moved;
-            if (l3 != nullptr) {
-              const NamespaceInfo& ns = *req->pool->ns;
-              l3->Published(ns.id, ns.hash, payload_bytes, req->keys[writes->index[j]]);
-            }
-          }
-          AddReserved(client, -reserved);
-        };
-        task->on_complete = [this, req, writes, last, raw](const Status& run) {
-          if (!writes->settled) {
-            // The backend ended the task without on_written: nothing of it is valid.
-            raw->on_written(std::vector<uint8_t>(writes->reservations.size(), 0),
-                            run.ok() ? Status(StatusCode::kInternal, "no payloads written") : run);
-          }
-          if (!run.ok() && req->error.ok()) req->error = run;
-          if (last) FinishBackup(req);
-        };
-      }
-      *slot = std::move(task);
-    }
-    std::shared_ptr<BackupTask> task = *slot;
-    return StepOf(pool.binding->StartBackup(task));
-  } catch (const std::exception& ex) {
-    Status threw = TaskThrew("Backup", pool.id, req->result.ticket, ex);
-    if (req->error.ok()) req->error = threw;
-    if (*slot != nullptr && (*slot)->on_complete) {
-      // Settles the sub-task's reservations (and, for the last one, finishes the request).
-      std::shared_ptr<BackupTask> task = *slot;
-      task->on_complete(req->error);
-    } else if (writes != nullptr && !writes->settled) {
-      writes->settled = true;
-      for (const auto& r : writes->reservations) store_->AbortWrite(r.handle, false);
-      AddReserved(pool.client, -static_cast<int64_t>(writes->reservations.size()));
-    }
-    if (last) FinishBackup(req);
-    return TransferEngine::StepResult::kDone;
-  }
-}
-
-void CacheCore::FinishBackup(const std::shared_ptr<BackupRequest>& req) {
-  if (req->finished) return;
-  req->finished = true;
-  Pool& pool = *req->pool;
-  const Status& run = req->error;
-  CoreObserver* observer = options_.observer;
-  if (observer != nullptr && req->moved > 0) {
-    observer->OnTransfer(SampleOf(*pool.ns, pool.layout, /*restore=*/false, req->moved,
-                                  std::chrono::steady_clock::now() - req->started, run.ok()));
-  }
-  pool.backups.fetch_add(req->moved, std::memory_order_relaxed);
-  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req->result.ticket);
-  if (!run.ok()) {
-    HIQ_LOG(WARN) << "event=backup_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                  << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
-                  << "\"";
-  }
-  if (!req->replied) {
-    req->replied = true;
-    if (run.ok())
-      (*req->reply)(req->result);
-    else
-      (*req->reply)(run);
-  }
-  UnchargePending(pool.client, req->pending_bytes);
-  pool.EndTask();
-}
-
-void CacheCore::Restore(TransferSpec spec, RestoreDone done) {
-  try {
-    RestoreImpl(std::move(spec), &done);
-  } catch (const std::bad_alloc&) {
-    if (done) done(OutOfMemory("Restore"));
-  }
-}
-
-void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
-  // Also refuses a restore that names a row twice: its cost is bounded by the rows it writes.
-  auto found = PoolForTransfer(spec, /*restore=*/true);
-  if (!found.ok()) return (*done)(found.status());
-  std::shared_ptr<Pool> pool = std::move(found).value();
-
-  auto req = std::make_shared<RestoreRequest>();
-  req->pool = pool;
-  std::vector<BlockKey> keys = KeysOf(spec.blocks, spec.blocks.size());
-  {
-    // A key named twice is restored once: the leading run ends before its second occurrence
-    // (the engine recomputes the rest, as for a missing block).
-    std::unordered_set<BlockKey, KeyHash> seen;
-    seen.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (!seen.insert(keys[i]).second) {
-        keys.resize(i);
-        break;
-      }
-    }
-  }
-  req->device = pool->binding->SignalsOnDevice();
-  req->sync = spec.sync;
-  const uint64_t per_block = InputBlockBytes(pool->layout);
-  req->pending_bytes = SaturatingMul(keys.size(), per_block);
-  req->pins.reserve(keys.size());
-  req->reply = std::make_shared<RestoreDone>();
-  Pool::InFlight touches = pool->Touches(/*restore=*/true, spec);
-  Status st = ChargePending(pool->client, req->pending_bytes);
-  if (!st.ok()) return (*done)(st);
-  if (!pool->BeginTask()) {
-    UnchargePending(pool->client, req->pending_bytes);
-    return (*done)(ReleasedPool(spec.pool_id));
-  }
-  std::vector<TransferEngine::StepTask> steps;
-  try {
-    // Pinned on arrival: the answer says how many leading blocks will be restored.
-    req->pins = store_->PinReads(pool->ns->id, keys);
-    if (options_.l3 != nullptr && req->pins.size() < keys.size()) {
-      // The blocks after the pool's run come from L3 into the pool, then are restored from the
-      // pool as any other block (same tasks, same events).
-      const size_t have = req->pins.size();
-      const std::span<const BlockKey> rest = std::span<const BlockKey>(keys).subspan(have);
-      if (PromoteFromL3(*pool, rest) > 0) {
-        std::vector<BlockStore::ReadPin> more = store_->PinReads(pool->ns->id, rest);
-        req->pins.insert(req->pins.end(), more.begin(), more.end());
-      }
-    }
-    const uint64_t pinned_bytes = SaturatingMul(req->pins.size(), per_block);
-    UnchargePending(pool->client, req->pending_bytes - pinned_bytes);
-    req->pending_bytes = pinned_bytes;
-    req->chunks = req->device ? Ranges(req->pins.size(), std::max<size_t>(1, req->pins.size()))
-                              : Ranges(req->pins.size(), ChunkBlocks(pool->layout));
-    steps.reserve(req->chunks.size());
-    for (size_t c = 0; c < req->chunks.size(); ++c) {
-      steps.push_back([this, req, c, task = std::shared_ptr<RestoreTask>()]() mutable {
-        return RestoreStep(req, c, &task);
-      });
-    }
-  } catch (const std::bad_alloc&) {
-    for (const auto& p : req->pins) store_->Unpin(p.handle);
-    UnchargePending(pool->client, req->pending_bytes);
-    pool->EndTask();
-    return (*done)(OutOfMemory("Restore"));
-  }
-  req->result.restored_blocks = static_cast<uint32_t>(req->pins.size());
-  *req->reply = std::move(*done);
-  req->spec = std::move(spec);
-  std::lock_guard<std::mutex> lock(pool->post_mu);
-  req->result.ticket = ++pool->next_ticket;
-  pool->AddInFlight(req->result.ticket, std::move(touches));
-  if (!req->sync) {
-    req->replied = true;
-    (*req->reply)(req->result);
-  }
-  engine_.PostSteps(pool->restore_strand, std::move(steps));
-}
-
-TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreRequest>& req,
-                                                  size_t c, std::shared_ptr<RestoreTask>* slot) {
-  Pool& pool = *req->pool;
-  const bool last = c + 1 == req->chunks.size();
-  const TransferSpec& spec = req->spec;
-  const auto [b, e] = req->chunks[c];
-  // Drops the pins of this sub-task once: the device has finished reading those payloads (or
-  // never will), so they may be evicted from now on.
-  auto unpin = [this, req, b = b, e = e] {
-    for (size_t j = b; j < e; ++j) {
-      if (req->pins[j].handle != nullptr) store_->Unpin(req->pins[j].handle);
-      req->pins[j].handle = nullptr;
-    }
-  };
-  try {
-    if (!req->has_started) {
-      req->started = std::chrono::steady_clock::now();
-      req->has_started = true;
-    }
-    if (*slot == nullptr) {
-      if (c == 0 && pool.restore_strand != pool.strand &&
-          pool.WaitsForOtherDirection(req->result.ticket)) {
-        return TransferEngine::StepResult::kNotReady;
-      }
-      auto task = std::make_shared<RestoreTask>();
-      task->ticket = req->result.ticket;
-      task->caller_deadline = spec.deadline;
-      task->defer = DeferOnStrand(pool.restore_strand);
-      if (!req->error.ok()) {
-        // An earlier sub-task failed: the rest write nothing; the last one still releases the
-        // layer events and done_event, with the failure bit.
-        unpin();
-        if (!last) return TransferEngine::StepResult::kDone;
-        if (spec.done_event < 0 && spec.layer_event_base < 0) {
-          FinishRestore(req);
-          return TransferEngine::StepResult::kDone;
-        }
-        task->wait_event = ProbeEvent(spec);
-        task->wait_value = kNeverValue;
-        task->first_try = LongAgo();
-        task->layer_event_base = spec.layer_event_base;
-        task->done_event = spec.done_event;
-        task->on_complete = [this, req](const Status&) { FinishRestore(req); };
-      } else {
-        // The first sub-task waits for wait_event; the last signals the layer and done events.
-        task->wait_event = c == 0 ? spec.wait_event : -1;
-        task->wait_value = spec.wait_value;
-        task->layer_event_base = last ? spec.layer_event_base : -1;
-        task->done_event = last ? spec.done_event : -1;
-        task->payloads.reserve(e - b);
-        task->rows.reserve((e - b) * pool.layout.block_tokens);
-        for (size_t j = b; j < e; ++j) {
-          task->payloads.push_back(req->pins[j].payload);
-          task->rows.insert(task->rows.end(), spec.blocks[j].rows.begin(),
-                            spec.blocks[j].rows.end());
-        }
-        task->on_complete = [this, req, unpin, last, n = e - b](const Status& run) {
-          unpin();
-          if (run.ok())
-            req->restored += n;
-          else if (req->error.ok())
-            req->error = run;
-          if (last) FinishRestore(req);
-        };
-      }
-      *slot = std::move(task);
-    }
-    std::shared_ptr<RestoreTask> task = *slot;
-    return StepOf(pool.binding->StartRestore(task));
-  } catch (const std::exception& ex) {
-    Status threw = TaskThrew("Restore", pool.id, req->result.ticket, ex);
-    if (req->error.ok()) req->error = threw;
-    unpin();
-    if (last) FinishRestore(req);
-    return TransferEngine::StepResult::kDone;
-  }
-}
-
-void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
-  if (req->finished) return;
-  req->finished = true;
-  Pool& pool = *req->pool;
-  const Status& run = req->error;
-  // Pins of sub-tasks that never ran (an exception) go now.
-  for (auto& p : req->pins) {
-    if (p.handle != nullptr) store_->Unpin(p.handle);
-    p.handle = nullptr;
-  }
-  CoreObserver* observer = options_.observer;
-  if (observer != nullptr && !req->pins.empty()) {
-    observer->OnTransfer(SampleOf(*pool.ns, pool.layout, /*restore=*/true, req->pins.size(),
-                                  std::chrono::steady_clock::now() - req->started, run.ok()));
-  }
-  pool.restores.fetch_add(req->restored, std::memory_order_relaxed);
-  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req->result.ticket);
-  if (!run.ok()) {
-    HIQ_LOG(WARN) << "event=restore_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                  << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
-                  << "\"";
-  }
-  if (!req->replied) {
-    req->replied = true;
-    if (run.ok())
-      (*req->reply)(req->result);
-    else
-      (*req->reply)(run);
-  }
-  UnchargePending(pool.client, req->pending_bytes);
-  pool.EndTask();
-}
-
 std::vector<uint32_t> CacheCore::ClientPids() const {
   std::vector<uint32_t> pids;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [id, pool] : pools_) {
     if (pool->client_pid != 0) pids.push_back(pool->client_pid);
   }
@@ -1279,7 +428,7 @@ CoreSnapshot CacheCore::Snapshot(const Caller& caller, uint32_t ns_offset, uint3
   };
   std::set<uint32_t> namespaces_of_mine;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, pool] : pools_) {
       pools_per_ns[pool->ns->id] += 1;
       if (pool->binding != nullptr) snap.faulted_bytes += pool->binding->FaultedBytes();

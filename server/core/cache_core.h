@@ -44,7 +44,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,9 +51,11 @@
 #include "core/device_backend.h"
 #include "core/l3_tier.h"
 #include "core/namespace_table.h"
+#include "core/quota_ledger.h"
 #include "core/registration.h"
 #include "core/requests.h"
 #include "core/transfer_engine.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
 #include "pool/block_store.h"
 
@@ -92,22 +93,6 @@ class CoreObserver {
 // Who shares a namespace (DaemonConfig::namespace_scope): callers of one uid; of one uid and one
 // pod or container (Caller::pod; processes of the host itself share by uid); every caller.
 enum class NamespaceScope { kUid, kPod, kNode };
-
-// Per-client quotas (client: the uid of an authenticated caller; every anonymous caller together
-// is one client). A per-process limit would be bypassed by forking. Defaults fit an 8-GPU node
-// whose engines register pools of hundreds of GiB with a buffer per layer and plane.
-struct Quotas {
-  uint32_t max_pools_per_client = 256;                 // max_pools_per_client
-  uint32_t max_buffers_per_client = 8192;              // max_buffers_per_client (mappings)
-  uint64_t max_mapped_bytes_per_client = 16ull << 40;  // max_mapped_bytes_per_client
-  // Engine-side bytes of the client's backups and restores queued or running.
-  uint64_t max_pending_bytes_per_client = 64ull << 30;  // max_pending_bytes_per_client
-  // Pool slots reserved by the client's backups and not yet written (committed or dropped).
-  uint32_t max_reserved_slots_per_client = 16384;  // max_reserved_slots_per_client
-  // Bytes of the client's shared memory the daemon may fault in on the client's behalf (pages
-  // of its buffers and event slots that were not in memory when touched: fault_budget.h).
-  uint64_t max_faulted_bytes_per_client = 4ull << 30;  // max_faulted_bytes_per_client
-};
 
 struct CoreOptions {
   Limits limits;
@@ -266,18 +251,6 @@ class CacheCore {
 
  private:
   struct Pool;
-  // What a client holds against its quotas.
-  struct ClientUsage {
-    uint64_t pools = 0;
-    uint64_t buffers = 0;
-    uint64_t mapped_bytes = 0;
-    uint64_t pending_bytes = 0;
-    uint64_t reserved_slots = 0;
-    bool empty() const {
-      return pools == 0 && buffers == 0 && mapped_bytes == 0 && pending_bytes == 0 &&
-             reserved_slots == 0;
-    }
-  };
   struct BackupRequest;
   struct RestoreRequest;
   // The pool if it exists and `caller` may use it; else NOT_FOUND (one text for both).
@@ -303,12 +276,6 @@ class CacheCore {
   void SweepNamespaces();
   // Tells the observer a namespace is gone.
   void NamespaceRemoved(const NamespaceInfo& ns);
-  // Charges `bytes` of pending work to `client`, or answers RESOURCE_EXHAUSTED.
-  Status ChargePending(uint64_t client, uint64_t bytes);
-  void UnchargePending(uint64_t client, uint64_t bytes);
-  // Whether `client` may reserve `slots` more slots now (below its quota, or it holds none).
-  bool MayReserve(uint64_t client, uint64_t slots);
-  void AddReserved(uint64_t client, int64_t slots);
   // The Backup/Restore bodies; may throw std::bad_alloc before anything is queued.
   void BackupImpl(TransferSpec spec, BackupDone* done);
   void RestoreImpl(TransferSpec spec, RestoreDone* done);
@@ -342,15 +309,10 @@ class CacheCore {
 
   std::atomic<bool> destroying_{false};
 
-  std::mutex usage_mu_;
-  std::map<uint64_t, ClientUsage> usage_;  // GUARDED_BY(usage_mu_); declared before pools_
-  // Each client's fault budget, shared by its pools' bindings for as long as one holds it.
-  std::map<uint64_t, std::weak_ptr<FaultBudget>> fault_budgets_;  // GUARDED_BY(usage_mu_)
-  // The budget of `client`, the live one if a binding holds it. REQUIRES: usage_mu_ held.
-  std::shared_ptr<FaultBudget> FaultBudgetOfLocked(uint64_t client);
+  QuotaLedger quotas_;  // declared before pools_: a pool gives its quota back as it goes
 
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Pool>> pools_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Pool>> pools_ GUARDED_BY(mu_);
 
   TransferEngine engine_;  // last: destroyed (drained) first
 };

@@ -84,19 +84,19 @@ StoreNamespace NamespaceInfo::ForStore() const {
 }
 
 const NamespaceInfo& NamespaceTable::Intern(const NamespaceDesc& desc) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return *InternLocked(desc).info;
 }
 
 std::shared_ptr<const NamespaceInfo> NamespaceTable::Acquire(const NamespaceDesc& desc) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Entry& e = InternLocked(desc);
   ++e.uses;
   return e.info;
 }
 
 bool NamespaceTable::Release(uint32_t id, const std::function<bool(uint32_t)>& forget) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_id_.find(id);
   if (it == by_id_.end()) return true;
   if (it->second.uses > 0) --it->second.uses;
@@ -108,7 +108,7 @@ bool NamespaceTable::Release(uint32_t id, const std::function<bool(uint32_t)>& f
 
 std::shared_ptr<const NamespaceInfo> NamespaceTable::RemoveIfUnused(
     uint32_t id, const std::function<bool(uint32_t)>& forget) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_id_.find(id);
   if (it == by_id_.end()) {
     (void)forget(id);
@@ -123,18 +123,18 @@ std::shared_ptr<const NamespaceInfo> NamespaceTable::RemoveIfUnused(
 
 std::shared_ptr<const NamespaceInfo> NamespaceTable::Find(const NamespaceDesc& desc) const {
   const std::string text = desc.CanonicalText();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_text_.find(text);
   return it == by_text_.end() ? nullptr : by_id_.at(it->second).info;
 }
 
 const NamespaceInfo& NamespaceTable::Get(uint32_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return *by_id_.at(id).info;
 }
 
 std::vector<std::shared_ptr<const NamespaceInfo>> NamespaceTable::All() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<std::shared_ptr<const NamespaceInfo>> out;
   out.reserve(by_id_.size());
   // In id order: creation order until ids wrap.
@@ -145,12 +145,12 @@ std::vector<std::shared_ptr<const NamespaceInfo>> NamespaceTable::All() const {
 }
 
 size_t NamespaceTable::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return by_id_.size();
 }
 
 uint32_t NamespaceTable::Uses(uint32_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_id_.find(id);
   return it == by_id_.end() ? 0 : it->second.uses;
 }

@@ -18,12 +18,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "hiqcache/block_id.h"
+#include "hiqcache/mutex.h"
 #include "pool/block_store.h"
 #include "record_format.h"
 
@@ -95,13 +95,12 @@ class NamespaceTable {
     std::string text;  // canonical text: the by_text_ key
     uint32_t uses = 0;
   };
-  // REQUIRES: mu_ held.
-  Entry& InternLocked(const NamespaceDesc& desc);
+  Entry& InternLocked(const NamespaceDesc& desc) REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::map<std::string, uint32_t> by_text_;    // GUARDED_BY(mu_)
-  std::unordered_map<uint32_t, Entry> by_id_;  // GUARDED_BY(mu_)
-  uint32_t next_id_ = 0;                       // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<std::string, uint32_t> by_text_ GUARDED_BY(mu_);
+  std::unordered_map<uint32_t, Entry> by_id_ GUARDED_BY(mu_);
+  uint32_t next_id_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace hiqcache::server

@@ -16,10 +16,10 @@ TransferEngine::TransferEngine(unsigned workers) {
 TransferEngine::~TransferEngine() {
   WaitIdle();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  ready_cv_.notify_all();
+  ready_cv_.NotifyAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -44,7 +44,7 @@ void TransferEngine::PostRetryable(const std::shared_ptr<Strand>& strand, Retrya
 void TransferEngine::ScheduleLocked(std::shared_ptr<Strand> strand) {
   strand->scheduled = true;
   PushReadyLocked(std::move(strand));
-  ready_cv_.notify_one();
+  ready_cv_.NotifyOne();
 }
 
 void TransferEngine::PushReadyLocked(std::shared_ptr<Strand> strand) {
@@ -82,7 +82,7 @@ TransferEngine::StepResult TransferEngine::RunTask(StepTask& task) {
 }
 
 void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask task) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   strand->tasks.push_back(std::move(task));
   ++pending_;
   if (!strand->scheduled) ScheduleLocked(strand);
@@ -90,14 +90,14 @@ void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask ta
 
 void TransferEngine::PostSteps(const std::shared_ptr<Strand>& strand, std::vector<StepTask> tasks) {
   if (tasks.empty()) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& t : tasks) strand->tasks.push_back(std::move(t));
   pending_ += tasks.size();
   if (!strand->scheduled) ScheduleLocked(strand);
 }
 
 void TransferEngine::Resume(const std::shared_ptr<Strand>& strand, Task continuation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (strand->running) {
     // The detaching task has not returned yet: its worker picks the continuation up.
     strand->early_continuation = std::move(continuation);
@@ -116,7 +116,7 @@ void TransferEngine::Resume(const std::shared_ptr<Strand>& strand, Task continua
 
 void TransferEngine::WorkerLoop() {
   using Clock = std::chrono::steady_clock;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     // Parked strands whose retry time has come go back to the ready queue.
     const auto now = Clock::now();
@@ -131,11 +131,11 @@ void TransferEngine::WorkerLoop() {
     if (ready_.empty()) {
       if (stop_ && parked_.empty()) return;
       if (parked_.empty()) {
-        ready_cv_.wait(lock);
+        ready_cv_.Wait(&mu_);
       } else {
         auto next = parked_.front().first;
         for (const auto& p : parked_) next = std::min(next, p.first);
-        ready_cv_.wait_until(lock, next);
+        ready_cv_.WaitUntil(&mu_, next);
       }
       continue;
     }
@@ -143,10 +143,10 @@ void TransferEngine::WorkerLoop() {
     StepTask task = std::move(strand->tasks.front());
     strand->tasks.pop_front();
     strand->running = true;
-    lock.unlock();
+    lock.Unlock();
     const StepResult result = RunTask(task);
     if (result != StepResult::kNotReady) task = nullptr;
-    lock.lock();
+    lock.Lock();
     strand->running = false;
     if (result == StepResult::kNotReady) {
       // Not ready: keep it first in its strand and look again after a short, growing delay.
@@ -154,7 +154,7 @@ void TransferEngine::WorkerLoop() {
       strand->backoff = std::min(std::chrono::microseconds(1000),
                                  std::max(std::chrono::microseconds(20), strand->backoff * 2));
       parked_.emplace_back(Clock::now() + strand->backoff, std::move(strand));
-      ready_cv_.notify_one();  // a worker sleeping without a deadline now needs one
+      ready_cv_.NotifyOne();  // a worker sleeping without a deadline now needs one
       continue;
     }
     strand->backoff = std::chrono::microseconds(0);
@@ -171,32 +171,32 @@ void TransferEngine::WorkerLoop() {
         return StepResult::kDone;
       });
       PushReadyLocked(std::move(strand));
-      ready_cv_.notify_one();
+      ready_cv_.NotifyOne();
       continue;
     }
     --pending_;
     if (!strand->tasks.empty()) {
       PushReadyLocked(std::move(strand));
-      ready_cv_.notify_one();
+      ready_cv_.NotifyOne();
     } else {
       strand->scheduled = false;
     }
-    if (pending_ == 0) idle_cv_.notify_all();
+    if (pending_ == 0) idle_cv_.NotifyAll();
   }
 }
 
 void TransferEngine::WaitIdle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  idle_cv_.wait(lock, [&] { return pending_ == 0; });
+  MutexLock lock(&mu_);
+  idle_cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return pending_ == 0; });
 }
 
 bool TransferEngine::WaitIdleFor(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_for(lock, timeout, [&] { return pending_ == 0; });
+  MutexLock lock(&mu_);
+  return idle_cv_.WaitFor(&mu_, timeout, [&]() REQUIRES(mu_) { return pending_ == 0; });
 }
 
 size_t TransferEngine::Pending() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return pending_;
 }
 

@@ -23,14 +23,14 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "hiqcache/mutex.h"
 
 namespace hiqcache::server {
 
@@ -71,40 +71,41 @@ class TransferEngine {
 
  private:
   void WorkerLoop();
-  // REQUIRES: mu_ held. Puts `strand` (not scheduled) on the ready queue.
-  void ScheduleLocked(std::shared_ptr<Strand> strand);
-  // REQUIRES: mu_ held. Appends `strand` to its group's ready strands.
-  void PushReadyLocked(std::shared_ptr<Strand> strand);
-  // REQUIRES: mu_ held, a strand ready. The next strand in round-robin order.
-  std::shared_ptr<Strand> PopReadyLocked();
+  // Puts `strand` (not scheduled) on the ready queue.
+  void ScheduleLocked(std::shared_ptr<Strand> strand) REQUIRES(mu_);
+  // Appends `strand` to its group's ready strands.
+  void PushReadyLocked(std::shared_ptr<Strand> strand) REQUIRES(mu_);
+  // REQUIRES: a strand ready. The next strand in round-robin order.
+  std::shared_ptr<Strand> PopReadyLocked() REQUIRES(mu_);
   // Runs one task, turning an exception into kDone (logged).
   static StepResult RunTask(StepTask& task);
 
-  mutable std::mutex mu_;
-  std::condition_variable ready_cv_;
-  std::condition_variable idle_cv_;
+  mutable Mutex mu_;
+  CondVar ready_cv_;
+  CondVar idle_cv_;
   // Ready strands per group, and the groups with ready strands in service order.
-  std::map<uint64_t, std::deque<std::shared_ptr<Strand>>> ready_;  // GUARDED_BY(mu_)
-  std::deque<uint64_t> ready_groups_;                              // GUARDED_BY(mu_)
+  std::map<uint64_t, std::deque<std::shared_ptr<Strand>>> ready_ GUARDED_BY(mu_);
+  std::deque<uint64_t> ready_groups_ GUARDED_BY(mu_);
   // Strands whose first task was not ready, with when to try again.
-  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Strand>>>
-      parked_;          // GUARDED_BY(mu_)
-  size_t pending_ = 0;  // GUARDED_BY(mu_)
-  bool stop_ = false;   // GUARDED_BY(mu_)
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Strand>>> parked_
+      GUARDED_BY(mu_);
+  size_t pending_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 
+// Every member but `group` is guarded by the engine's mu_: a lock of another object, which the
+// thread-safety analysis cannot name here, so these are not annotated.
 class TransferEngine::Strand {
  private:
   friend class TransferEngine;
   uint64_t group = 0;
-  std::deque<StepTask> tasks;            // GUARDED_BY(engine mu_)
-  std::chrono::microseconds backoff{0};  // GUARDED_BY(engine mu_): retry delay of the first task
-  // GUARDED_BY(engine mu_): in ready_, parked_ or running, or detached (busy until Resume).
-  bool scheduled = false;
-  bool running = false;   // GUARDED_BY(engine mu_): a worker is inside its first task
-  bool detached = false;  // GUARDED_BY(engine mu_): its task returned kDetached, no Resume yet
-  // GUARDED_BY(engine mu_): a Resume that came while the detaching task was still running.
+  std::deque<StepTask> tasks;
+  std::chrono::microseconds backoff{0};  // retry delay of the first task
+  bool scheduled = false;  // in ready_, parked_ or running, or detached (busy until Resume)
+  bool running = false;    // a worker is inside its first task
+  bool detached = false;   // its task returned kDetached, no Resume yet
+  // A Resume that came while the detaching task was still running.
   Task early_continuation;
   bool has_early_continuation = false;
 };

@@ -5,15 +5,14 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <list>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 
 #include "hiqcache/log.h"
+#include "hiqcache/mutex.h"
 #include "l3/l3_value.h"
 #include "l3/redis_cluster.h"
 
@@ -58,12 +57,12 @@ class RedisL3Tier final : public L3Tier {
     // No eviction reaches the queue once this returns (it waits for a call in progress).
     if (o_.policy == L3WritePolicy::kOnEvict) store_->SetEvictionSink({});
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    open_cv_.notify_all();
-    queue_cv_.notify_all();
-    stop_cv_.notify_all();
+    open_cv_.NotifyAll();
+    queue_cv_.NotifyAll();
+    stop_cv_.NotifyAll();
     opener_.join();
     for (auto& t : writers_) t.join();
   }
@@ -168,7 +167,7 @@ class RedisL3Tier final : public L3Tier {
                  const BlockKey& key) override {
     if (o_.policy != L3WritePolicy::kWriteThrough) return;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!RoomLocked(payload_bytes)) {
         ++dropped_writes_;
         return;
@@ -176,7 +175,7 @@ class RedisL3Tier final : public L3Tier {
       queue_.push_back(WriteItem{ns_id, ns, payload_bytes, key, {}});
       queue_bytes_ += payload_bytes;
     }
-    queue_cv_.notify_one();
+    queue_cv_.NotifyOne();
   }
 
   // The store's eviction sink (on_evict), called with the store's lock held: the block is encoded
@@ -185,7 +184,7 @@ class RedisL3Tier final : public L3Tier {
   void Evicted(const BlockStore::EvictedBlock& b) {
     const uint64_t bytes = b.payload.size();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_ || !RoomLocked(bytes)) {
         ++dropped_writes_;
         return;
@@ -201,7 +200,7 @@ class RedisL3Tier final : public L3Tier {
       ok = false;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       --copying_;
       if (ok) {
         queue_.push_back(std::move(item));
@@ -211,7 +210,7 @@ class RedisL3Tier final : public L3Tier {
         ++dropped_writes_;
       }
     }
-    if (ok) queue_cv_.notify_one();
+    if (ok) queue_cv_.NotifyOne();
   }
 
   L3Stats Stats() const override {
@@ -230,7 +229,7 @@ class RedisL3Tier final : public L3Tier {
     s.skipped_writes = Get(skipped_writes_);
     s.bytes_in = Get(bytes_in_);
     s.bytes_out = Get(bytes_out_);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     s.dropped_writes = dropped_writes_;
     s.spilled_blocks = spilled_blocks_;
     s.write_queue_bytes = queue_bytes_;
@@ -239,7 +238,7 @@ class RedisL3Tier final : public L3Tier {
     s.budget_bytes = o_.budget_bytes;
     s.budget_deletes = Get(budget_deletes_);
     {
-      std::lock_guard<std::mutex> ledger_lock(ledger_mu_);
+      MutexLock ledger_lock(&ledger_mu_);
       s.budget_used_bytes = ledger_bytes_;
     }
     std::vector<uint32_t> us = fetch_us_;  // at most kL3FetchLatencySamples: sorted here
@@ -265,8 +264,8 @@ class RedisL3Tier final : public L3Tier {
     std::string value;  // on_evict: the value, encoded at eviction
   };
 
-  // REQUIRES: mu_ held. Whether the queue has room for one more block of `bytes`.
-  bool RoomLocked(uint64_t bytes) const {
+  // Whether the queue has room for one more block of `bytes`.
+  bool RoomLocked(uint64_t bytes) const REQUIRES(mu_) {
     return queue_.size() + copying_ + 1 <= o_.write_queue_blocks &&
            queue_bytes_ + bytes <= o_.write_queue_bytes;
   }
@@ -299,7 +298,7 @@ class RedisL3Tier final : public L3Tier {
   // own earlier write, takes the bytes in flight, and returns the blocks to DEL first (oldest
   // first). False when `bytes` alone exceeds the budget (the write is dropped).
   bool ReserveBudget(const LedgerKey& key, uint64_t bytes, std::vector<LedgerKey>* victims) {
-    std::lock_guard<std::mutex> lock(ledger_mu_);
+    MutexLock lock(&ledger_mu_);
     if (bytes > o_.budget_bytes) return false;
     const auto now = Clock::now();
     while (!ledger_.empty() && ledger_.front().expires <= now) ForgetLocked(ledger_.begin());
@@ -313,7 +312,7 @@ class RedisL3Tier final : public L3Tier {
   }
   // The write of ReserveBudget ended; a written block enters the ledger.
   void EndBudget(const LedgerKey& key, uint64_t bytes, bool written) {
-    std::lock_guard<std::mutex> lock(ledger_mu_);
+    MutexLock lock(&ledger_mu_);
     inflight_bytes_ -= std::min(inflight_bytes_, bytes);
     if (!written) return;
     if (auto it = ledger_index_.find(key); it != ledger_index_.end()) ForgetLocked(it->second);
@@ -322,8 +321,7 @@ class RedisL3Tier final : public L3Tier {
     ledger_index_[key] = std::prev(ledger_.end());
     ledger_bytes_ += bytes;
   }
-  // REQUIRES: ledger_mu_ held.
-  void ForgetLocked(std::list<LedgerEntry>::iterator it) {
+  void ForgetLocked(std::list<LedgerEntry>::iterator it) REQUIRES(ledger_mu_) {
     ledger_bytes_ -= std::min(ledger_bytes_, it->bytes);
     ledger_index_.erase(it->key);
     ledger_.erase(it);
@@ -402,7 +400,7 @@ class RedisL3Tier final : public L3Tier {
     if (o_.on_fetch) o_.on_fetch(d, ok);
     const auto us = std::chrono::duration_cast<std::chrono::microseconds>(d).count();
     const uint32_t v = static_cast<uint32_t>(std::clamp<int64_t>(us, 0, UINT32_MAX));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (fetch_us_.size() < kL3FetchLatencySamples) {
       fetch_us_.push_back(v);
     } else {
@@ -418,7 +416,7 @@ class RedisL3Tier final : public L3Tier {
 
   // An idle reader, or null (none open yet, or all busy: the opener is asked for one more).
   std::unique_ptr<l3::RedisCluster> TakeReader() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!idle_.empty()) {
       auto c = std::move(idle_.back());
       idle_.pop_back();
@@ -426,12 +424,12 @@ class RedisL3Tier final : public L3Tier {
     }
     if (readers_ + want_ < o_.max_readers) {
       ++want_;
-      open_cv_.notify_one();
+      open_cv_.NotifyOne();
     }
     return nullptr;
   }
   void GiveReader(std::unique_ptr<l3::RedisCluster> c) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     idle_.push_back(std::move(c));
   }
 
@@ -439,16 +437,16 @@ class RedisL3Tier final : public L3Tier {
   // cluster is unreachable.
   void OpenerLoop() {
     bool logged = false;
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     while (!stop_) {
       const bool need = readers_ < std::max<uint32_t>(1, o_.min_readers) || want_ > 0;
       if (!need) {
-        open_cv_.wait(lock);
+        open_cv_.Wait(&mu_);
         continue;
       }
-      lock.unlock();
+      lock.Unlock();
       auto opened = l3::RedisCluster::Open(cluster_options_);
-      lock.lock();
+      lock.Lock();
       if (opened.ok()) {
         if (logged || readers_ == 0) {
           HIQ_LOG(INFO) << "event=l3_connected seeds=" << o_.seeds.size();
@@ -464,7 +462,7 @@ class RedisL3Tier final : public L3Tier {
           logged = true;
         }
         want_ = 0;
-        open_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
+        open_cv_.WaitFor(&mu_, std::chrono::seconds(1), [this]() REQUIRES(mu_) { return stop_; });
       }
     }
   }
@@ -478,8 +476,8 @@ class RedisL3Tier final : public L3Tier {
     for (;;) {
       WriteItem item;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        queue_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        queue_cv_.Wait(&mu_, [this]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });
         if (stop_) return;
         item = std::move(queue_.front());
         queue_.pop_front();
@@ -530,7 +528,7 @@ class RedisL3Tier final : public L3Tier {
   // copy writes memory already faulted in: a fresh multi-MB buffer costs its page faults, which
   // on_evict would pay inside the pool's lock.
   std::string TakeBuffer() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (spare_.empty()) return {};
     std::string b = std::move(spare_.back());
     spare_.pop_back();
@@ -539,7 +537,7 @@ class RedisL3Tier final : public L3Tier {
   }
   void GiveBuffer(std::string b) {
     if (b.capacity() == 0) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (spare_bytes_ + b.capacity() > o_.write_queue_bytes) return;
     spare_bytes_ += b.capacity();
     spare_.push_back(std::move(b));
@@ -548,8 +546,8 @@ class RedisL3Tier final : public L3Tier {
   static constexpr int kWriteRetries = 3;
   // Sleeps `d` unless the tier is being destroyed; false when it is.
   bool SleepUnlessStopping(std::chrono::milliseconds d) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return !stop_cv_.wait_for(lock, d, [this] { return stop_; });
+    MutexLock lock(&mu_);
+    return !stop_cv_.WaitFor(&mu_, d, [this]() REQUIRES(mu_) { return stop_; });
   }
 
   // SETs one value (within the budget, when there is one).
@@ -559,7 +557,7 @@ class RedisL3Tier final : public L3Tier {
     if (budgeted) {
       std::vector<LedgerKey> victims;
       if (!ReserveBudget(lkey, value.size(), &victims)) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         ++dropped_writes_;
         return;
       }
@@ -616,32 +614,32 @@ class RedisL3Tier final : public L3Tier {
   Suspension lookup_suspension_{"lookups"};
   Suspension fetch_suspension_{"fetches"};
 
-  mutable std::mutex mu_;
-  bool stop_ = false;                                    // GUARDED_BY(mu_)
-  std::vector<std::unique_ptr<l3::RedisCluster>> idle_;  // GUARDED_BY(mu_)
-  uint32_t readers_ = 0;                                 // GUARDED_BY(mu_): opened
-  uint32_t want_ = 0;                                    // GUARDED_BY(mu_): asked for
-  std::condition_variable open_cv_;
-  std::deque<WriteItem> queue_;     // GUARDED_BY(mu_)
-  uint64_t queue_bytes_ = 0;        // GUARDED_BY(mu_)
-  uint64_t dropped_writes_ = 0;     // GUARDED_BY(mu_)
-  uint64_t spilled_blocks_ = 0;     // GUARDED_BY(mu_)
-  uint32_t copying_ = 0;            // GUARDED_BY(mu_): evicted blocks being encoded, room taken
-  std::vector<std::string> spare_;  // GUARDED_BY(mu_): value buffers for reuse
-  uint64_t spare_bytes_ = 0;        // GUARDED_BY(mu_): their capacity
-  std::vector<uint32_t> fetch_us_;  // GUARDED_BY(mu_): the last fetches' durations, a ring
-  size_t fetch_next_ = 0;           // GUARDED_BY(mu_): the ring's next slot
-  std::condition_variable queue_cv_;
+  mutable Mutex mu_;
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::vector<std::unique_ptr<l3::RedisCluster>> idle_ GUARDED_BY(mu_);
+  uint32_t readers_ GUARDED_BY(mu_) = 0;  // opened
+  uint32_t want_ GUARDED_BY(mu_) = 0;     // asked for
+  CondVar open_cv_;
+  std::deque<WriteItem> queue_ GUARDED_BY(mu_);
+  uint64_t queue_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t dropped_writes_ GUARDED_BY(mu_) = 0;
+  uint64_t spilled_blocks_ GUARDED_BY(mu_) = 0;
+  uint32_t copying_ GUARDED_BY(mu_) = 0;            // evicted blocks being encoded, room taken
+  std::vector<std::string> spare_ GUARDED_BY(mu_);  // value buffers for reuse
+  uint64_t spare_bytes_ GUARDED_BY(mu_) = 0;        // their capacity
+  std::vector<uint32_t> fetch_us_ GUARDED_BY(mu_);  // the last fetches' durations, a ring
+  size_t fetch_next_ GUARDED_BY(mu_) = 0;           // the ring's next slot
+  CondVar queue_cv_;
   // Wakes writers sleeping between retries only when the tier stops: waiting on queue_cv_
   // there would swallow the notify_one meant for an idle writer.
-  std::condition_variable stop_cv_;
+  CondVar stop_cv_;
 
-  mutable std::mutex ledger_mu_;   // after mu_ (never held while taking it)
-  std::list<LedgerEntry> ledger_;  // GUARDED_BY(ledger_mu_): oldest write first
-  std::unordered_map<LedgerKey, std::list<LedgerEntry>::iterator, LedgerKeyHash>
-      ledger_index_;             // GUARDED_BY(ledger_mu_)
-  uint64_t ledger_bytes_ = 0;    // GUARDED_BY(ledger_mu_)
-  uint64_t inflight_bytes_ = 0;  // GUARDED_BY(ledger_mu_): reserved by writes in progress
+  mutable Mutex ledger_mu_ ACQUIRED_AFTER(mu_);           // never held while taking mu_
+  std::list<LedgerEntry> ledger_ GUARDED_BY(ledger_mu_);  // oldest write first
+  std::unordered_map<LedgerKey, std::list<LedgerEntry>::iterator, LedgerKeyHash> ledger_index_
+      GUARDED_BY(ledger_mu_);
+  uint64_t ledger_bytes_ GUARDED_BY(ledger_mu_) = 0;
+  uint64_t inflight_bytes_ GUARDED_BY(ledger_mu_) = 0;  // reserved by writes in progress
 
   std::thread opener_;
   std::vector<std::thread> writers_;

@@ -140,7 +140,7 @@ void DurationHistogram::Render(const std::string& name, std::string* out) const 
 
 void DaemonMetrics::OnTransfer(const TransferSample& sample) {
   (sample.restore ? decode_ : encode_).Observe(sample.duration);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::pair<std::string, bool> key{std::string(sample.namespace_id), sample.restore};
   std::string_view model = sample.model;
   // Two entries (backup, restore) per namespace.
@@ -159,7 +159,7 @@ void DaemonMetrics::OnTransfer(const TransferSample& sample) {
 }
 
 void DaemonMetrics::OnNamespaceRemoved(std::string_view namespace_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   moved_.erase({std::string(namespace_id), false});
   moved_.erase({std::string(namespace_id), true});
 }
@@ -170,7 +170,7 @@ void DaemonMetrics::OnL3Fetch(std::chrono::nanoseconds duration, bool ok) {
 }
 
 void DaemonMetrics::OnRequestRejected(std::string_view rpc, StatusCode code) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   rejected_[{std::string(rpc), static_cast<int>(code)}] += 1;
 }
 
@@ -319,7 +319,7 @@ std::string DaemonMetrics::Render(const CoreSnapshot& snap, const DaemonInfo& in
     l3_fetch_.Render("hiqcache_l3_fetch_duration_seconds", &out);
   }
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Header(&out, "hiqcache_transferred_bytes_total", "counter",
          "Bytes moved by completed backup and restore tasks; form=\"bf16_equivalent\" counts "
          "the engine-side 16-bit bytes, form=\"stored\" the encoded bytes in the pool.");

@@ -16,11 +16,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 
 #include "core/cache_core.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server {
@@ -81,10 +81,10 @@ class DaemonMetrics final : public CoreObserver {
   DurationHistogram decode_;
   DurationHistogram l3_fetch_;
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   // (namespace_id, restore) -> bytes moved; at most kMaxNamespaceSeries namespaces and "other".
-  std::map<std::pair<std::string, bool>, Moved> moved_;       // GUARDED_BY(mu_)
-  std::map<std::pair<std::string, int>, uint64_t> rejected_;  // GUARDED_BY(mu_): (rpc, code)
+  std::map<std::pair<std::string, bool>, Moved> moved_ GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, uint64_t> rejected_ GUARDED_BY(mu_);  // (rpc, code)
 };
 
 // Escapes a label value for the text format (backslash, double quote, newline).

@@ -108,10 +108,10 @@ void ServiceNotifier::StartWatchdog(std::function<bool()> alive) {
   if (!enabled() || watchdog_.count() == 0 || watchdog_thread_.joinable()) return;
   const auto period = watchdog_ / 2;
   watchdog_thread_ = std::thread([this, period, alive = std::move(alive)] {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     bool warned = false;
     while (!stop_) {
-      lock.unlock();
+      lock.Unlock();
       if (!alive || alive()) {
         Status st = Notify("WATCHDOG=1");
         if (!st.ok() && !warned) {
@@ -121,18 +121,18 @@ void ServiceNotifier::StartWatchdog(std::function<bool()> alive) {
       } else {
         HIQ_LOG(ERROR) << "liveness check failed: watchdog ping withheld";
       }
-      lock.lock();
-      cv_.wait_for(lock, period, [this] { return stop_; });
+      lock.Lock();
+      cv_.WaitFor(&mu_, period, [this]() REQUIRES(mu_) { return stop_; });
     }
   });
 }
 
 void ServiceNotifier::StopWatchdog() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   if (watchdog_thread_.joinable()) watchdog_thread_.join();
 }
 

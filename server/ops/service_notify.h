@@ -10,13 +10,12 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
 
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server {
@@ -55,9 +54,9 @@ class ServiceNotifier {
   std::string socket_;
   std::chrono::microseconds watchdog_{0};
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread watchdog_thread_;
 };
 

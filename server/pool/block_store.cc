@@ -5,75 +5,23 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <string_view>
-#include <thread>
 
 #include "hiqcache/log.h"
+#include "pool/block_store_internal.h"
 
 namespace hiqcache::server {
 namespace {
 
-// Extents are sized to about this many bytes (at least one slot): large enough that extent
-// headers cost nothing, small enough that namespaces can trade space at a useful granularity.
-constexpr uint64_t kTargetExtentBytes = 64ull << 20;
 constexpr uint64_t kFirstExtentBytes = 1ull << 20;
 constexpr size_t kLookupProbesPerHold = 4096;
-
-// Slots an extent of `slot_bytes` slots holds at most: what AllocateExtentLocked ever makes.
-uint64_t MaxSlotsPerExtent(uint64_t slot_bytes) {
-  return std::max<uint64_t>(1, kTargetExtentBytes / slot_bytes);
-}
-
-// Dropped extents logged one by one at rebuild; the rest only in the count.
-constexpr uint64_t kMaxLoggedDrops = 8;
 
 void StoreState(BlockHeader* h, BlockState s) {
   std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(s), std::memory_order_release);
 }
 
 }  // namespace
-
-struct BlockEntry {
-  StoreExtent* extent = nullptr;
-  uint64_t offset = 0;  // of the slot (its header) from the pool base
-  uint32_t slot = 0;
-  uint32_t ns = 0;
-  BlockKey key{};
-  BlockState state = BlockState::kFree;
-  uint32_t pins = 0;
-  bool indexed = false;
-  bool in_lru = false;
-  bool from_l3 = false;  // promoted from L3: not offered to the eviction sink
-  uint64_t last_use = 0;
-  std::list<BlockEntry*>::iterator lru_it;
-};
-
-struct StoreExtent {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  uint32_t dir_slot = 0;
-  uint32_t ns = 0;
-  std::vector<BlockEntry> entries;
-  std::vector<uint32_t> free_slots;
-  bool in_partial = false;
-  std::list<std::unique_ptr<StoreExtent>>::iterator self;
-};
-
-struct BlockStore::NsState {
-  uint32_t id = 0;
-  uint64_t payload_bytes = 0;
-  uint64_t slot_bytes = 0;
-  uint32_t slots_per_extent = 0;
-  NamespaceHash hash{};
-  std::string text;
-  // Whose the blocks are (NamespaceDesc::scope: a uid, or a uid and pod; "" when namespaces are
-  // node-wide); an orphan of a rebuilt pool, not yet adopted, has none (kOrphanOwner).
-  std::string owner;
-  std::vector<Extent*> extents;
-  std::vector<Extent*> partial;  // extents with at least one free slot
-  std::list<BlockEntry*> lru;    // committed blocks, most recent first
-  NamespaceCounters counters;
-};
 
 size_t BlockStore::KeyHash::operator()(const std::pair<uint32_t, BlockKey>& k) const {
   uint64_t a, b;
@@ -106,7 +54,8 @@ BlockStore::BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options,
       verify_reads_one_in_(options.verify_reads_one_in),
       meta_bytes_(PoolMetaBytes(bytes)),
       directory_(reinterpret_cast<ExtentDirEntry*>(base + kPoolHeaderBytes)),
-      directory_entries_(DirectoryEntriesFor(bytes)) {
+      directory_entries_(DirectoryEntriesFor(bytes)),
+      free_space_(granule_) {
   RebuildReport local;
   if (report == nullptr) report = &local;
   *report = RebuildReport();
@@ -120,7 +69,7 @@ BlockStore::BlockStore(uint8_t* base, size_t bytes, const StoreOptions& options,
 }
 
 void BlockStore::Format() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   extents_.clear();
   index_.clear();
   for (auto& [id, ns] : namespaces_) {
@@ -132,7 +81,7 @@ void BlockStore::Format() {
   }
   used_bytes_ = 0;
   live_blocks_ = 0;
-  free_ranges_.clear();
+  free_space_.Clear();
   auto* ph = reinterpret_cast<PoolHeader*>(base_);
   std::memset(ph, 0, sizeof(PoolHeader));
   if (bytes_ <= meta_bytes_) return;
@@ -140,220 +89,11 @@ void BlockStore::Format() {
   free_dir_slots_.clear();
   for (uint64_t i = directory_entries_; i-- > 0;)
     free_dir_slots_.push_back(static_cast<uint32_t>(i));
-  InsertFreeLocked(meta_bytes_, bytes_ - meta_bytes_);
+  free_space_.Add(meta_bytes_, bytes_ - meta_bytes_);
   ph->version = kPoolFormatVersion;
   ph->directory_entries = static_cast<uint32_t>(directory_entries_);
   ph->pool_bytes = bytes_;
   std::atomic_ref<uint64_t>(ph->magic).store(kPoolMagic, std::memory_order_release);
-}
-
-const char* BlockStore::CheckExtent(const ExtentDirEntry& d, uint64_t offset,
-                                    uint64_t cursor) const {
-  // The directory entry first: the extent lies in the pool, after the metadata and the extent
-  // before it, within one registration granule, and holds at least its header.
-  if (offset < cursor) return "offset overlaps the pool metadata or the previous extent";
-  if (offset % kSlotAlign != 0) return "offset not 64-byte aligned";
-  if (offset >= bytes_ || d.bytes > bytes_ - offset) return "extent past the end of the pool";
-  if (d.bytes < kExtentHeaderBytes + kBlockHeaderBytes + kSlotAlign) return "extent too small";
-  // An extent across a registration chunk (granule_) cannot be one DMA copy.
-  if (offset / granule_ != (offset + d.bytes - 1) / granule_) return "extent crosses a granule";
-  // Then its header, now known to be inside the pool. Every product and sum below is bounded by
-  // d.bytes (< pool size), so none wraps.
-  const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
-  if (eh->magic != kExtentMagic) return "bad extent magic";
-  if (eh->extent_bytes != d.bytes) return "extent_bytes differs from the directory";
-  const uint64_t room = d.bytes - kExtentHeaderBytes;
-  if (eh->payload_bytes == 0 || eh->payload_bytes > room - kBlockHeaderBytes) {
-    return "payload_bytes does not fit in the extent";
-  }
-  if (eh->slot_bytes != SlotBytesFor(eh->payload_bytes)) return "slot_bytes != its payload's";
-  if (eh->slot_bytes > room) return "slot_bytes does not fit in the extent";
-  if (eh->num_slots == 0 || eh->num_slots > room / eh->slot_bytes) {
-    return "num_slots does not fit in the extent";
-  }
-  if (uint64_t{eh->num_slots} * eh->slot_bytes != room) return "num_slots * slot_bytes != size";
-  if (eh->num_slots > MaxSlotsPerExtent(eh->slot_bytes)) return "more slots than extents hold";
-  return nullptr;
-}
-
-void BlockStore::DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset,
-                                  const char* why) {
-  if (report->extents_corrupt < kMaxLoggedDrops) {
-    HIQ_LOG(WARN) << "event=pool_extent_dropped dir_slot=" << dir_slot << " offset=" << offset
-                  << " bytes=" << directory_[dir_slot].bytes << " reason=\"" << why << "\"";
-  }
-  report->extents_corrupt += 1;
-  directory_[dir_slot] = ExtentDirEntry{};
-  free_dir_slots_.push_back(dir_slot);
-}
-
-bool BlockStore::Rebuild(unsigned threads, RebuildReport* report) {
-  const auto* ph = reinterpret_cast<const PoolHeader*>(base_);
-  if (bytes_ <= meta_bytes_ || ph->magic != kPoolMagic) {
-    report->reason = "no pool header (new pool)";
-    return false;
-  }
-  if (ph->version != kPoolFormatVersion || ph->pool_bytes != bytes_ ||
-      ph->directory_entries != directory_entries_) {
-    report->reason = "pool header of another format or size";
-    return false;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  // Extents named by the directory, checked against the pool bounds and each other.
-  std::vector<std::pair<uint64_t, uint32_t>> order;  // offset, dir slot
-  for (uint64_t i = 0; i < directory_entries_; ++i) {
-    const ExtentDirEntry& d = directory_[i];
-    if (d.bytes == 0) {
-      free_dir_slots_.push_back(static_cast<uint32_t>(i));
-      continue;
-    }
-    order.emplace_back(d.offset, static_cast<uint32_t>(i));
-  }
-  std::reverse(free_dir_slots_.begin(), free_dir_slots_.end());
-  std::sort(order.begin(), order.end());
-  std::map<NamespaceHash, NsState*> by_hash;
-  std::vector<BlockEntry*> candidates;
-  uint64_t cursor = meta_bytes_;
-  for (const auto& [offset, slot] : order) {
-    ExtentDirEntry& d = directory_[slot];
-    const char* why = CheckExtent(d, offset, cursor);
-    if (why != nullptr) {
-      DropExtentLocked(report, slot, offset, why);
-      continue;
-    }
-    const auto* eh = reinterpret_cast<const ExtentHeader*>(base_ + offset);
-    NamespaceHash hash;
-    std::memcpy(hash.data(), eh->namespace_hash, 16);
-    NsState*& ns = by_hash[hash];
-    if (ns == nullptr) {
-      auto created = std::make_unique<NsState>();
-      created->id = next_orphan_id_++;
-      created->hash = hash;
-      created->payload_bytes = eh->payload_bytes;
-      created->slot_bytes = eh->slot_bytes;
-      created->slots_per_extent = static_cast<uint32_t>(MaxSlotsPerExtent(created->slot_bytes));
-      // Shown in stats and logs until a registration adopts it: printable ASCII only.
-      created->text.assign(eh->namespace_text,
-                           strnlen(eh->namespace_text, sizeof(eh->namespace_text)));
-      for (char& c : created->text) {
-        if (c < 0x20 || c > 0x7e) c = '?';
-      }
-      created->counters.capacity_blocks = CapacityBlocks(created->payload_bytes);
-      ns = created.get();
-      namespaces_.emplace(created->id, std::move(created));
-    } else if (ns->payload_bytes != eh->payload_bytes) {
-      DropExtentLocked(report, slot, offset, "payload_bytes differs from its namespace's");
-      continue;
-    }
-    if (offset > cursor) InsertFreeLocked(cursor, offset - cursor);
-    cursor = offset + d.bytes;
-    auto ext = std::make_unique<StoreExtent>();
-    ext->offset = offset;
-    ext->bytes = d.bytes;
-    ext->dir_slot = slot;
-    ext->ns = ns->id;
-    ext->entries.resize(eh->num_slots);
-    for (uint32_t i = 0; i < eh->num_slots; ++i) {
-      BlockEntry& e = ext->entries[i];
-      e.extent = ext.get();
-      e.slot = i;
-      e.ns = ns->id;
-      e.offset = offset + kExtentHeaderBytes + uint64_t{i} * eh->slot_bytes;
-      const BlockHeader* bh = HeaderOf(&e);
-      const auto state = static_cast<BlockState>(bh->state);
-      if (bh->magic == kBlockMagic && state == BlockState::kCommitted &&
-          bh->payload_bytes == ns->payload_bytes &&
-          std::memcmp(&bh->namespace_tag, hash.data(), 8) == 0) {
-        candidates.push_back(&e);
-      } else if (bh->magic == kBlockMagic && state == BlockState::kWriting) {
-        report->blocks_incomplete += 1;
-      } else if (bh->magic != kBlockMagic || state != BlockState::kFree) {
-        report->blocks_corrupt += 1;
-      }
-    }
-    Extent* raw = ext.get();
-    extents_.push_front(std::move(ext));
-    raw->self = extents_.begin();
-    ns->extents.push_back(raw);
-    report->extents += 1;
-  }
-  if (cursor < bytes_) InsertFreeLocked(cursor, bytes_ - cursor);
-
-  // Verify payload checksums in parallel: a pool of hundreds of GiB is read once at start.
-  std::vector<uint8_t> good(candidates.size(), 0);
-  {
-    std::atomic<size_t> next{0};
-    std::vector<std::thread> workers;
-    for (unsigned t = 0; t < std::max(1u, threads); ++t) {
-      workers.emplace_back([&] {
-        for (size_t i = next++; i < candidates.size(); i = next++) {
-          const BlockHeader* bh = HeaderOf(candidates[i]);
-          good[i] = XXH3_64bits(reinterpret_cast<const uint8_t*>(bh) + kBlockHeaderBytes,
-                                bh->payload_bytes) == bh->checksum;
-        }
-      });
-    }
-    for (auto& w : workers) w.join();
-  }
-  std::vector<BlockEntry*> kept;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    BlockEntry* e = candidates[i];
-    const BlockHeader* bh = HeaderOf(e);
-    BlockKey key;
-    std::memcpy(key.data(), bh->key, 16);
-    if (!good[i] || index_.count({e->ns, key})) {
-      report->blocks_corrupt += 1;  // payload torn or altered, or a key held twice
-      continue;
-    }
-    e->key = key;
-    e->state = BlockState::kCommitted;
-    e->indexed = true;
-    e->last_use = bh->commit_seq;
-    index_.emplace(std::make_pair(e->ns, key), e);
-    kept.push_back(e);
-  }
-  // Recency: most recently committed first. The commit sequences are renumbered 1..n in that
-  // order (headers too), so that the clock starts from the number of blocks kept, whatever
-  // sequence numbers the headers held: one near 2^64 would otherwise wrap it.
-  std::sort(kept.begin(), kept.end(), [](const BlockEntry* a, const BlockEntry* b) {
-    return a->last_use != b->last_use ? a->last_use > b->last_use : a->offset < b->offset;
-  });
-  clock_ = kept.size();
-  for (size_t i = 0; i < kept.size(); ++i) {
-    kept[i]->last_use = kept.size() - i;
-    HeaderOf(kept[i])->commit_seq = kept[i]->last_use;
-  }
-  for (BlockEntry* e : kept) {
-    NsState& ns = *namespaces_.at(e->ns);
-    ns.lru.push_back(e);
-    e->lru_it = std::prev(ns.lru.end());
-    e->in_lru = true;
-    ns.counters.blocks += 1;
-    ns.counters.bytes += ns.slot_bytes;
-    used_bytes_ += ns.slot_bytes;
-    ++live_blocks_;
-  }
-  // Every other slot is free (headers of dropped blocks say so from now on).
-  for (auto& ext : extents_) {
-    NsState& ns = *namespaces_.at(ext->ns);
-    for (uint32_t i = ext->entries.size(); i-- > 0;) {
-      BlockEntry& e = ext->entries[i];
-      if (e.state == BlockState::kCommitted) continue;
-      BlockHeader* bh = HeaderOf(&e);
-      if (bh->magic != kBlockMagic || bh->state != static_cast<uint32_t>(BlockState::kFree)) {
-        std::memset(bh, 0, sizeof(BlockHeader));
-        bh->magic = kBlockMagic;
-      }
-      ext->free_slots.push_back(i);
-    }
-    if (!ext->free_slots.empty()) {
-      ext->in_partial = true;
-      ns.partial.push_back(ext.get());
-    }
-  }
-  report->blocks_kept = kept.size();
-  report->namespaces = by_hash.size();
-  return true;
 }
 
 BlockStore::~BlockStore() = default;
@@ -421,7 +161,7 @@ void BlockStore::DropOrphanLocked(
 }
 
 bool BlockStore::HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [id, ns] : namespaces_) {
     if (id >= kFirstOrphanId && ns->hash == hash) {
       return ns->payload_bytes == payload_bytes && ns->counters.blocks > 0;
@@ -431,7 +171,7 @@ bool BlockStore::HoldsOrphan(const NamespaceHash& hash, uint64_t payload_bytes) 
 }
 
 bool BlockStore::RemoveNamespace(uint32_t ns_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = namespaces_.find(ns_id);
   if (it == namespaces_.end()) return true;
   NsState& ns = *it->second;
@@ -444,7 +184,7 @@ bool BlockStore::RemoveNamespace(uint32_t ns_id) {
 }
 
 std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<uint32_t> out;
   out.reserve(emptied_.size());
   for (uint32_t id : emptied_) {
@@ -464,7 +204,7 @@ std::vector<uint32_t> BlockStore::TakeEmptiedNamespaces() {
 }
 
 bool BlockStore::AddNamespace(const StoreNamespace& info) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (namespaces_.count(info.id)) return false;
   if (AdoptOrphanLocked(info) != nullptr) return true;
   auto ns = std::make_unique<NsState>();
@@ -510,8 +250,8 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
   // a group lookup of 64 namespaces x 65,536 keys must not stall every other caller's.
   const size_t keys_per_hold =
       std::max<size_t>(1, kLookupProbesPerHold / std::max<size_t>(1, ids.size()));
-  std::unique_lock<std::mutex> lock(mu_);
-  auto all_known = [&] {
+  MutexLock lock(&mu_);
+  auto all_known = [&]() REQUIRES(mu_) {
     for (uint32_t id : ids) {
       if (namespaces_.count(id) == 0) return false;
     }
@@ -539,8 +279,8 @@ uint32_t BlockStore::LookupPrefix(std::span<const uint32_t> ns, std::span<const 
     }
     for (BlockEntry* e : run) TouchLocked(e);
     if (stopped || n == keys.size()) break;
-    lock.unlock();
-    lock.lock();
+    lock.Unlock();
+    lock.Lock();
     stopped = !all_known();  // a namespace removed meanwhile holds nothing more
   }
   for (uint32_t id : ids) {
@@ -578,24 +318,14 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   const uint64_t demand = std::min<uint64_t>(ns.slots_per_extent, std::max<uint64_t>(first, have));
   const uint64_t want = kExtentHeaderBytes + demand * ns.slot_bytes;
   const uint64_t min_bytes = kExtentHeaderBytes + ns.slot_bytes;
-  auto pick = free_ranges_.end();
-  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
-    if (it->second >= want) {
-      pick = it;
-      break;
-    }
-    if (it->second >= min_bytes && (pick == free_ranges_.end() || it->second > pick->second)) {
-      pick = it;
-    }
-  }
-  if (pick == free_ranges_.end() || free_dir_slots_.empty()) return false;
-  const uint64_t offset = pick->first;
-  const uint64_t avail = pick->second;
+  const std::optional<FreeRange> pick = free_space_.Find(want, min_bytes);
+  if (!pick || free_dir_slots_.empty()) return false;
+  const uint64_t offset = pick->offset;
+  const uint64_t avail = pick->bytes;
   const uint32_t slots = static_cast<uint32_t>(
       std::min<uint64_t>(demand, (avail - kExtentHeaderBytes) / ns.slot_bytes));
   const uint64_t bytes = kExtentHeaderBytes + uint64_t{slots} * ns.slot_bytes;
-  free_ranges_.erase(pick);
-  if (avail > bytes) free_ranges_[offset + bytes] = avail - bytes;
+  free_space_.Take(*pick, bytes);
 
   auto ext = std::make_unique<Extent>();
   ext->offset = offset;
@@ -637,15 +367,6 @@ bool BlockStore::AllocateExtentLocked(NsState& ns) {
   return true;
 }
 
-void BlockStore::InsertFreeLocked(uint64_t offset, uint64_t length) {
-  while (length > 0) {
-    const uint64_t piece = std::min(length, (offset / granule_ + 1) * granule_ - offset);
-    free_ranges_[offset] = piece;
-    offset += piece;
-    length -= piece;
-  }
-}
-
 void BlockStore::FreeExtentLocked(Extent* ext) {
   NsState& ns = *namespaces_.at(ext->ns);
   std::erase(ns.extents, ext);
@@ -654,23 +375,7 @@ void BlockStore::FreeExtentLocked(Extent* ext) {
   free_dir_slots_.push_back(ext->dir_slot);
   std::atomic_ref<uint64_t>(reinterpret_cast<ExtentHeader*>(base_ + ext->offset)->magic)
       .store(0, std::memory_order_release);
-  uint64_t off = ext->offset;
-  uint64_t len = ext->bytes;
-  // Coalesces with its neighbours, but never across a granule boundary.
-  auto next = free_ranges_.lower_bound(off);
-  if (next != free_ranges_.end() && off + len == next->first && next->first % granule_ != 0) {
-    len += next->second;
-    next = free_ranges_.erase(next);
-  }
-  if (next != free_ranges_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == off && off % granule_ != 0) {
-      off = prev->first;
-      len += prev->second;
-      free_ranges_.erase(prev);
-    }
-  }
-  free_ranges_[off] = len;
+  free_space_.Free(ext->offset, ext->bytes);
   extents_.erase(ext->self);
 }
 
@@ -722,7 +427,7 @@ void BlockStore::EvictForRoomLocked(BlockEntry* e) {
 }
 
 void BlockStore::SetEvictionSink(EvictionSink sink) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   sink_ = std::move(sink);
 }
 
@@ -794,7 +499,7 @@ BlockEntry* BlockStore::AllocateSlotLocked(NsState& ns) {
 std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
     uint32_t ns_id, std::span<const BlockKey> keys) {
   std::vector<WriteReservation> out(keys.size());
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto nit = namespaces_.find(ns_id);
   if (nit == namespaces_.end()) return out;  // unknown (or removed): every key kNoSpace
   NsState& ns = *nit->second;
@@ -836,7 +541,7 @@ std::vector<BlockStore::WriteReservation> BlockStore::ReserveWrites(
 }
 
 void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum, bool from_l3) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NsState& ns = *namespaces_.at(e->ns);
   BlockHeader* h = HeaderOf(e);
   h->checksum = checksum;
@@ -858,7 +563,7 @@ void BlockStore::CommitWrite(BlockHandle e, uint64_t checksum, bool from_l3) {
 }
 
 void BlockStore::AbortWrite(BlockHandle e, bool rejected) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   NsState& ns = *namespaces_.at(e->ns);
   if (rejected) ns.counters.rejected += 1;
   if (e->indexed) {
@@ -874,7 +579,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
   std::vector<uint8_t> verify;  // per pin: hash it before handing it out
   NsState* ns = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto nit = namespaces_.find(ns_id);
     if (nit == namespaces_.end()) return out;
     ns = nit->second.get();
@@ -903,7 +608,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
     }
   }
   if (good == out.size()) return out;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   BlockEntry* bad = out[good].handle;
   if (bad->indexed) {  // a concurrent read of the same block may have dropped it already
     HIQ_LOG(WARN) << "event=pool_block_corrupt ns=" << ns_id << " offset=" << bad->offset
@@ -923,7 +628,7 @@ std::vector<BlockStore::ReadPin> BlockStore::PinReads(uint32_t ns_id,
 
 bool BlockStore::PinCommitted(uint32_t ns_id, const BlockKey& key, uint64_t namespace_tag,
                               ReadPin* pin, uint64_t* checksum) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = index_.find({ns_id, key});
   if (it == index_.end() || it->second->state != BlockState::kCommitted) return false;
   BlockEntry* e = it->second;
@@ -937,12 +642,12 @@ bool BlockStore::PinCommitted(uint32_t ns_id, const BlockKey& key, uint64_t name
 }
 
 void BlockStore::Unpin(BlockHandle e) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (--e->pins == 0 && !e->indexed) FreeSlotLocked(e);
 }
 
 uint32_t BlockStore::Evict(uint32_t ns_id, std::span<const BlockKey> keys) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint32_t n = 0;
   for (const auto& key : keys) {
     auto it = index_.find({ns_id, key});
@@ -954,7 +659,7 @@ uint32_t BlockStore::Evict(uint32_t ns_id, std::span<const BlockKey> keys) {
 }
 
 StoreStats BlockStore::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   StoreStats s;
   s.pool_bytes = bytes_;
   s.capacity_bytes = CapacityBytes();

@@ -25,7 +25,6 @@
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -34,6 +33,8 @@
 #include <vector>
 
 #include "hiqcache/block_id.h"
+#include "hiqcache/mutex.h"
+#include "pool/extent_allocator.h"
 #include "pool/pool_format.h"
 
 namespace hiqcache::server {
@@ -239,32 +240,33 @@ class BlockStore {
     size_t operator()(const std::pair<uint32_t, BlockKey>& k) const;
   };
 
-  // REQUIRES: mu_ held. Each returns a free slot's entry, or null.
-  BlockEntry* AllocateSlotLocked(NsState& ns);
-  // Adds [offset, offset + length) to the free ranges, split at granule boundaries.
-  void InsertFreeLocked(uint64_t offset, uint64_t length);
-  BlockEntry* TakeFreeSlotLocked(NsState& ns);
-  bool AllocateExtentLocked(NsState& ns);
-  bool ReclaimLocked(NsState& ns);
-  void EvictEntryLocked(BlockEntry* e);  // leaves the index; slot freed now or on last unpin
-  // REQUIRES: mu_ held. EvictEntryLocked for room: the sink sees the block first.
-  void EvictForRoomLocked(BlockEntry* e);
-  void UnindexLocked(BlockEntry* e);  // leaves the index and the LRU (no counter)
-  void FreeSlotLocked(BlockEntry* e);
-  void FreeExtentLocked(Extent* ext);
-  void TouchLocked(BlockEntry* e);
+  // Each returns a free slot's entry, or null.
+  BlockEntry* AllocateSlotLocked(NsState& ns) REQUIRES(mu_);
+  BlockEntry* TakeFreeSlotLocked(NsState& ns) REQUIRES(mu_);
+  bool AllocateExtentLocked(NsState& ns) REQUIRES(mu_);
+  bool ReclaimLocked(NsState& ns) REQUIRES(mu_);
+  // Leaves the index; the slot is freed now or on the last unpin.
+  void EvictEntryLocked(BlockEntry* e) REQUIRES(mu_);
+  // EvictEntryLocked for room: the sink sees the block first.
+  void EvictForRoomLocked(BlockEntry* e) REQUIRES(mu_);
+  void UnindexLocked(BlockEntry* e) REQUIRES(mu_);  // leaves the index and the LRU (no counter)
+  void FreeSlotLocked(BlockEntry* e) REQUIRES(mu_);
+  void FreeExtentLocked(Extent* ext) REQUIRES(mu_);
+  void TouchLocked(BlockEntry* e) REQUIRES(mu_);
   BlockHeader* HeaderOf(const BlockEntry* e) const;
   void Format();
   bool Rebuild(unsigned threads, RebuildReport* report);
   // Null when directory entry `d` (at `offset`, the previous kept extent ending at `cursor`) and
   // the extent header it names fit the pool geometry; else which field does not.
   const char* CheckExtent(const ExtentDirEntry& d, uint64_t offset, uint64_t cursor) const;
-  // REQUIRES: mu_ held. Clears directory slot `dir_slot`, counts and logs the drop.
-  void DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset, const char* why);
-  NsState* AdoptOrphanLocked(const StoreNamespace& info);
-  // REQUIRES: mu_ held. Evicts an orphan's blocks, frees its extents and forgets it.
-  void DropOrphanLocked(std::unordered_map<uint32_t, std::unique_ptr<NsState>>::iterator it);
-  void IndexEntryLocked(NsState& ns, BlockEntry* e);
+  // Clears directory slot `dir_slot`, counts and logs the drop.
+  void DropExtentLocked(RebuildReport* report, uint32_t dir_slot, uint64_t offset, const char* why)
+      REQUIRES(mu_);
+  NsState* AdoptOrphanLocked(const StoreNamespace& info) REQUIRES(mu_);
+  // Evicts an orphan's blocks, frees its extents and forgets it.
+  void DropOrphanLocked(std::unordered_map<uint32_t, std::unique_ptr<NsState>>::iterator it)
+      REQUIRES(mu_);
+  void IndexEntryLocked(NsState& ns, BlockEntry* e) REQUIRES(mu_);
 
   uint8_t* const base_;
   const size_t bytes_;
@@ -273,24 +275,24 @@ class BlockStore {
   const uint64_t meta_bytes_;  // header + extent directory
   ExtentDirEntry* const directory_;
   const uint64_t directory_entries_;
-  std::vector<uint32_t> free_dir_slots_;  // GUARDED_BY(mu_)
+  std::vector<uint32_t> free_dir_slots_ GUARDED_BY(mu_);
   // Ids of the namespaces Rebuild finds, until AddNamespace adopts them: above any table id.
   static constexpr uint32_t kFirstOrphanId = 0x80000000u;
-  uint32_t next_orphan_id_ = kFirstOrphanId;  // GUARDED_BY(mu_)
-  mutable std::mutex mu_;
-  uint64_t clock_ = 0;                        // GUARDED_BY(mu_): recency stamps and commit sequence
-  std::map<uint64_t, uint64_t> free_ranges_;  // GUARDED_BY(mu_): offset -> length, coalesced
-  std::list<std::unique_ptr<Extent>> extents_;  // GUARDED_BY(mu_)
+  uint32_t next_orphan_id_ GUARDED_BY(mu_) = kFirstOrphanId;
+  mutable Mutex mu_;
+  uint64_t clock_ GUARDED_BY(mu_) = 0;          // recency stamps and commit sequence
+  ExtentAllocator free_space_ GUARDED_BY(mu_);  // the pool's bytes outside extents
+  std::list<std::unique_ptr<Extent>> extents_ GUARDED_BY(mu_);
   // ReclaimLocked's bytes claimed per owner, kept to reuse its buckets.
-  std::unordered_map<std::string_view, uint64_t> claimed_scratch_;     // GUARDED_BY(mu_)
-  std::unordered_map<uint32_t, std::unique_ptr<NsState>> namespaces_;  // GUARDED_BY(mu_)
-  std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_;  // GUARDED_BY
-  uint64_t used_bytes_ = 0;               // GUARDED_BY(mu_)
-  uint64_t live_blocks_ = 0;              // GUARDED_BY(mu_)
-  uint64_t corrupt_ = 0;                  // GUARDED_BY(mu_)
-  uint64_t reads_ = 0;                    // GUARDED_BY(mu_): block reads, for verify_reads_one_in_
-  std::unordered_set<uint32_t> emptied_;  // GUARDED_BY(mu_): block count dropped to 0
-  EvictionSink sink_;                     // GUARDED_BY(mu_)
+  std::unordered_map<std::string_view, uint64_t> claimed_scratch_ GUARDED_BY(mu_);
+  std::unordered_map<uint32_t, std::unique_ptr<NsState>> namespaces_ GUARDED_BY(mu_);
+  std::unordered_map<std::pair<uint32_t, BlockKey>, BlockEntry*, KeyHash> index_ GUARDED_BY(mu_);
+  uint64_t used_bytes_ GUARDED_BY(mu_) = 0;
+  uint64_t live_blocks_ GUARDED_BY(mu_) = 0;
+  uint64_t corrupt_ GUARDED_BY(mu_) = 0;
+  uint64_t reads_ GUARDED_BY(mu_) = 0;                    // block reads, for verify_reads_one_in_
+  std::unordered_set<uint32_t> emptied_ GUARDED_BY(mu_);  // block count dropped to 0
+  EvictionSink sink_ GUARDED_BY(mu_);
 };
 
 }  // namespace hiqcache::server

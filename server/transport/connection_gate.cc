@@ -110,7 +110,7 @@ void ConnectionGate::Loop() {
     // Hang-ups first, so that a connection accepted in this round sees them counted.
     ready.clear();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       for (int i = 0; i < n; ++i) {
         const uint64_t tag = events[i].data.u64;
         if (tag == kWakeTag) return;
@@ -161,7 +161,7 @@ bool ConnectionGate::FitsLocked(const ucred& peer, bool* admin_checked, bool* ad
 
 void ConnectionGate::Refuse(int fd, const ucred& peer) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = per_uid_.find(peer.uid);
     const size_t of_uid = it == per_uid_.end() ? 0 : it->second;
     auto& last = last_refusal_log_[peer.uid];
@@ -208,7 +208,7 @@ void ConnectionGate::Accept(int listen_fd) {
     bool admin_checked = false, admin = false;
     int dup = -1;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       bool fits = FitsLocked(peer, &admin_checked, &admin);
       if (!fits && Clock::now() - last_recount_ >= kRecountEvery) {
         RecountLocked();

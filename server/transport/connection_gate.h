@@ -38,12 +38,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
 
 namespace hiqcache::server {
@@ -86,12 +86,12 @@ class ConnectionGate {
   void Loop();
   void Accept(int listen_fd);
   void Refuse(int fd, const ucred& peer);
-  // REQUIRES: mu_ held. Uncounts the connection whose duplicate is `dup` and closes that.
-  void ForgetLocked(int dup);
-  // REQUIRES: mu_ held. Forgets the connections gRPC closed (held only through the duplicate).
-  void RecountLocked();
-  // REQUIRES: mu_ held. Whether a connection of `peer` fits the bounds as counted.
-  bool FitsLocked(const ucred& peer, bool* admin_checked, bool* admin);
+  // Uncounts the connection whose duplicate is `dup` and closes that.
+  void ForgetLocked(int dup) REQUIRES(mu_);
+  // Forgets the connections gRPC closed (held only through the duplicate).
+  void RecountLocked() REQUIRES(mu_);
+  // Whether a connection of `peer` fits the bounds as counted.
+  bool FitsLocked(const ucred& peer, bool* admin_checked, bool* admin) REQUIRES(mu_);
 
   const ConnectionLimits limits_;
   const IsAdmin is_admin_;
@@ -103,12 +103,12 @@ class ConnectionGate {
   int wake_fd_ = -1;     // eventfd: stops the loop
   int reserve_fd_ = -1;  // kept open, given up to refuse a connection when out of descriptors
 
-  std::mutex mu_;
-  std::unordered_map<int, Tracked> open_;  // GUARDED_BY(mu_): duplicate fd -> its connection
-  std::map<uid_t, size_t> per_uid_;        // GUARDED_BY(mu_)
-  std::chrono::steady_clock::time_point last_recount_;                       // GUARDED_BY(mu_)
-  std::map<uid_t, std::chrono::steady_clock::time_point> last_refusal_log_;  // GUARDED_BY(mu_)
-  std::map<uid_t, uint64_t> unlogged_refusals_;                              // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::unordered_map<int, Tracked> open_ GUARDED_BY(mu_);  // duplicate fd -> its connection
+  std::map<uid_t, size_t> per_uid_ GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point last_recount_ GUARDED_BY(mu_);
+  std::map<uid_t, std::chrono::steady_clock::time_point> last_refusal_log_ GUARDED_BY(mu_);
+  std::map<uid_t, uint64_t> unlogged_refusals_ GUARDED_BY(mu_);
   std::thread loop_;
 };
 

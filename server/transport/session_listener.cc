@@ -95,10 +95,10 @@ StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
 
 SessionListener::~SessionListener() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  ended_cv_.notify_all();
+  ended_cv_.NotifyAll();
   if (wake_fd_ >= 0) {
     uint64_t one = 1;
     (void)!::write(wake_fd_, &one, sizeof(one));
@@ -155,7 +155,7 @@ void SessionListener::Accept(int listen_fd) {
   }
   const PeerPlacement where = PlacementOf(cred.pid);
   const bool admin = IsAdmin(cred.uid, cred.gid) && MayAdminister(where);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (sessions_.size() >= options_.max_sessions ||
       per_uid_[cred.uid] >= options_.max_sessions_per_uid) {
     HIQ_LOG(WARN) << "event=session_refused pid=" << cred.pid << " uid=" << cred.uid
@@ -224,7 +224,7 @@ bool SessionListener::Serve(Session* s) {
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.remove_suffix(1);
   if (text != "FDS") return refuse("unknown message (expected \"FDS\" with fds attached)");
   if (fds.empty()) return refuse("FDS: no fds attached (SCM_RIGHTS)");
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (s->fds.size() + fds.size() > kMaxHeldFdsPerSession) {
     return refuse("FDS: this session would hold " + std::to_string(s->fds.size() + fds.size()) +
                   " unconsumed fds, at most " + std::to_string(kMaxHeldFdsPerSession) +
@@ -268,7 +268,7 @@ void SessionListener::EndLocked(uint64_t id) {
   HIQ_LOG(DEBUG) << "event=session_end session=" << id << " pid=" << s->caller.pid;
   sessions_.erase(it);
   ended_.push_back(id);
-  ended_cv_.notify_one();
+  ended_cv_.NotifyOne();
 }
 
 void SessionListener::Loop() {
@@ -280,7 +280,7 @@ void SessionListener::Loop() {
     pfds.push_back({wake_fd_, POLLIN, 0});
     for (int fd : listen_fds_) pfds.push_back({fd, POLLIN, 0});
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
       for (const auto& [id, s] : sessions_) {
         pfds.push_back({s->fd, POLLIN, 0});
@@ -294,7 +294,7 @@ void SessionListener::Loop() {
     }
     if (rc <= 0) continue;
     if (pfds[0].revents != 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
     }
     const size_t first_session = 1 + listen_fds_.size();
@@ -306,7 +306,7 @@ void SessionListener::Loop() {
       const uint64_t id = ids[i - first_session];
       Session* s;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         auto it = sessions_.find(id);
         if (it == sessions_.end()) continue;
         s = it->second.get();  // only this thread ends sessions: stays valid below
@@ -316,7 +316,7 @@ void SessionListener::Loop() {
         keep = false;
       }
       if (!keep) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         EndLocked(id);
       }
     }
@@ -324,20 +324,20 @@ void SessionListener::Loop() {
 }
 
 void SessionListener::ReleaseLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
-    ended_cv_.wait(lock, [&] { return stop_ || !ended_.empty(); });
+    ended_cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || !ended_.empty(); });
     if (stop_) return;
     const uint64_t id = ended_.front();
     ended_.pop_front();
-    lock.unlock();
+    lock.Unlock();
     if (on_end_) on_end_(id);
-    lock.lock();
+    lock.Lock();
   }
 }
 
 Caller SessionListener::Authenticate(std::string_view token) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_token_.find(std::string(token));
   if (it == by_token_.end()) return Caller{};
   return sessions_.at(it->second)->caller;
@@ -346,7 +346,7 @@ Caller SessionListener::Authenticate(std::string_view token) const {
 SessionListener::TakenFds SessionListener::TakeFds(uint64_t session,
                                                    const std::vector<uint64_t>& ids) {
   TakenFds out;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return out;
   for (uint64_t id : ids) {
@@ -360,12 +360,12 @@ SessionListener::TakenFds SessionListener::TakeFds(uint64_t session,
 }
 
 size_t SessionListener::SessionCount() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return sessions_.size();
 }
 
 bool SessionListener::HasSession(const ucred& peer) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return per_process_.count({peer.uid, peer.pid}) != 0;
 }
 
