@@ -1104,7 +1104,9 @@ TEST_F(CudaBackendTest, ReleaseWaitsForDeviceWorkAndCancelsQueuedWork) {
   TransferSpec t1 = Transfer(pool, Blocks(10, 2, 8), /*sync=*/false);
   auto f1 = BackupAsync(t1);
   ASSERT_TRUE(Await(f1).ok());
-  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0; }));  // on the device
+  // On the device, all of it enqueued: its completion thread waits on its completion event,
+  // recorded after its last kernel.
+  ASSERT_TRUE(WaitUntil([&] { return fake_->PendingOps() > 0 && fake_->BlockedSyncs() > 0; }));
   // The restore writes rows the running backup reads: it waits for it (it does not overtake).
   auto f2 = RestoreAsync(Transfer(pool, Blocks(1, 2, 8), /*sync=*/true));
   auto f3 = BackupAsync(Transfer(pool, Blocks(30, 1, 16), /*sync=*/true));
