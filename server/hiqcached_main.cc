@@ -32,7 +32,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -44,8 +43,10 @@
 #include "core/config.h"
 #include "core/l3_tier.h"
 #include "hiqcache/log.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/session_protocol.h"
 #include "hiqcache/socket_trust.h"
+#include "hiqcache/thread_annotations.h"
 #include "pool/block_store.h"
 #include "transport/cache_service.h"
 #include "transport/connection_gate.h"
@@ -177,8 +178,8 @@ std::string HumanBytes(uint64_t b) {
 
 // What the watchdog's liveness probe may call; Publish withdraws the core before it is destroyed.
 struct LiveCore {
-  std::mutex mu;
-  CacheCore* core = nullptr;  // GUARDED_BY(mu)
+  Mutex mu;
+  CacheCore* core GUARDED_BY(mu) = nullptr;
   class Publish {
    public:
     Publish(LiveCore* live, CacheCore* core) : live_(live) { Set(core); }
@@ -186,7 +187,7 @@ struct LiveCore {
 
    private:
     void Set(CacheCore* core) {
-      std::lock_guard<std::mutex> lock(live_->mu);
+      MutexLock lock(&live_->mu);
       live_->core = core;
     }
     LiveCore* live_;
@@ -239,7 +240,7 @@ int Run(int argc, char** argv) {
   LiveCore live;
   ServiceNotifier notifier = ServiceNotifier::FromEnvironment();
   notifier.StartWatchdog([&live] {
-    std::lock_guard<std::mutex> lock(live.mu);
+    MutexLock lock(&live.mu);
     if (live.core != nullptr) (void)live.core->ClientPids();
     return true;
   });

@@ -88,12 +88,12 @@ struct CudaBackend::DeviceState {
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> device_bytes{0};  // staging + arenas
 
-  std::mutex mu;
-  std::vector<uint32_t> free_pairs;  // GUARDED_BY(mu)
-  std::vector<Arena> spare;          // GUARDED_BY(mu): arenas of released pools, for reuse
-  Status failure;                    // GUARDED_BY(mu)
+  Mutex mu;
+  std::vector<uint32_t> free_pairs GUARDED_BY(mu);
+  std::vector<Arena> spare GUARDED_BY(mu);  // arenas of released pools, for reuse
+  Status failure GUARDED_BY(mu);
   // The completion threads of the device's bindings, failed with it.
-  std::vector<CompletionThread*> waiters;  // GUARDED_BY(mu)
+  std::vector<CompletionThread*> waiters GUARDED_BY(mu);
 
   ~DeviceState() {
     for (const Arena& a : spare) {
@@ -109,37 +109,37 @@ struct CudaBackend::DeviceState {
 
   // A backup leaves the last free pair to restores (when the device has more than one): a
   // restore is on an engine's critical path, a backup is not.
-  std::optional<uint32_t> TryAcquire(bool restore) {
-    std::lock_guard<std::mutex> lock(mu);
+  std::optional<uint32_t> TryAcquire(bool restore) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     if (free_pairs.empty()) return std::nullopt;
     if (!restore && plan.pairs > 1 && free_pairs.size() == 1) return std::nullopt;
     uint32_t p = free_pairs.back();
     free_pairs.pop_back();
     return p;
   }
-  void Release(uint32_t pair) {
-    std::lock_guard<std::mutex> lock(mu);
+  void Release(uint32_t pair) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     free_pairs.push_back(pair);
   }
 
   // A binding's completion thread, failed at once if the device already failed.
-  void AddWaiter(CompletionThread* w) {
-    std::lock_guard<std::mutex> lock(mu);
+  void AddWaiter(CompletionThread* w) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     waiters.push_back(w);
     if (!failure.ok()) w->FailAll(failure);
   }
-  void RemoveWaiter(CompletionThread* w) {
-    std::lock_guard<std::mutex> lock(mu);
+  void RemoveWaiter(CompletionThread* w) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     std::erase(waiters, w);
   }
 
   // Marks the device failed (first call: logs, fails its pending completions, tells the daemon)
   // and returns the status its requests fail with.
-  Status Fail(const Status& cause) {
+  Status Fail(const Status& cause) EXCLUDES(mu) {
     Status out;
     bool first = false;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       if (failure.ok()) {
         failure = Unavailable("CUDA device " + std::to_string(device) + " (GPU-" + uuid +
                               ") failed: " + cause.message() +
@@ -159,16 +159,16 @@ struct CudaBackend::DeviceState {
     }
     return out;
   }
-  Status Failure() {
-    std::lock_guard<std::mutex> lock(mu);
+  Status Failure() EXCLUDES(mu) {
+    MutexLock lock(&mu);
     return failure;
   }
   // What a request sees of a device call's error: a sticky one fails the device.
-  Status Reported(const Status& st) { return IsStickyDeviceError(st) ? Fail(st) : st; }
+  Status Reported(const Status& st) EXCLUDES(mu) { return IsStickyDeviceError(st) ? Fail(st) : st; }
 
-  StatusOr<Arena> TakeArena(size_t bytes) {
+  StatusOr<Arena> TakeArena(size_t bytes) EXCLUDES(mu) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       auto best = spare.end();
       for (auto it = spare.begin(); it != spare.end(); ++it) {
         if (it->bytes >= bytes && (best == spare.end() || it->bytes < best->bytes)) best = it;
@@ -192,8 +192,8 @@ struct CudaBackend::DeviceState {
     return a;
   }
   // Kept for a later bind: freeing device memory would synchronize the device.
-  void ReturnArena(const Arena& a) {
-    std::lock_guard<std::mutex> lock(mu);
+  void ReturnArena(const Arena& a) EXCLUDES(mu) {
+    MutexLock lock(&mu);
     spare.push_back(a);
   }
 };
@@ -341,7 +341,7 @@ class CudaBinding : public PoolBinding {
     return dev_->failed.load(std::memory_order_acquire) ? dev_->Failure() : Status::Ok();
   }
   void Close() override {
-    std::lock_guard<std::mutex> lock(close_mu_);
+    MutexLock lock(&close_mu_);
     res_->Release();
   }
 
@@ -669,7 +669,7 @@ class CudaBinding : public PoolBinding {
   const uint64_t ticket_floor_;
   const std::chrono::milliseconds wait_timeout_;
   std::atomic<bool> cancelled_{false};
-  std::mutex close_mu_;
+  Mutex close_mu_;
 };
 
 }  // namespace
@@ -704,21 +704,21 @@ StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(DeviceApi* api, uint8
 
 CudaBackend::~CudaBackend() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     devices_.clear();  // frees staging and spare arenas
   }
   for (auto& [p, l] : registered_) api_->UnregisterHost(p);
 }
 
 uint64_t CudaBackend::StagingDeviceBytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t total = 0;
   for (const auto& [d, state] : devices_) total += state->device_bytes.load();
   return total;
 }
 
 Status CudaBackend::DeviceFailure() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [d, state] : devices_) {
     Status st = state->Failure();
     if (!st.ok()) return st;
@@ -734,7 +734,7 @@ StatusOr<int> CudaBackend::DeviceForUuid(const std::string& uuid) {
         "got '" +
         uuid.substr(0, 64) + "'");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (uuids_.empty()) {
     auto listed = api_->DeviceUuids();
     if (!listed.ok() || listed->empty()) {
@@ -751,7 +751,7 @@ StatusOr<int> CudaBackend::DeviceForUuid(const std::string& uuid) {
 }
 
 StatusOr<std::shared_ptr<CudaBackend::DeviceState>> CudaBackend::Device(int device) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = devices_.find(device);
   if (it != devices_.end()) return it->second;
   auto state = std::make_shared<DeviceState>();
@@ -773,7 +773,10 @@ StatusOr<std::shared_ptr<CudaBackend::DeviceState>> CudaBackend::Device(int devi
   }
   state->staging = *staging;
   state->device_bytes.store(bytes);
-  for (uint32_t p = state->plan.pairs; p-- > 0;) state->free_pairs.push_back(p);
+  {
+    MutexLock state_lock(&state->mu);  // not yet shared: taken for the analysis
+    for (uint32_t p = state->plan.pairs; p-- > 0;) state->free_pairs.push_back(p);
+  }
   HIQ_LOG(INFO) << "event=cuda_device_bound device=" << device << " staging_bytes=" << bytes
                 << " slab_pairs=" << state->plan.pairs << " slab_bytes=" << state->plan.slab_bytes;
   devices_[device] = state;
@@ -784,7 +787,7 @@ StatusOr<std::shared_ptr<CudaBackend::Mapping>> CudaBackend::OpenMapping(int dev
                                                                          const std::string& handle,
                                                                          uint64_t size_bytes,
                                                                          const std::string& field) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto key = std::make_pair(device, handle);
   auto it = mappings_.find(key);
   if (it != mappings_.end()) {

@@ -80,13 +80,14 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "backends/device_api.h"
 #include "backends/host_backend.h"
 #include "core/device_backend.h"
+#include "hiqcache/mutex.h"
+#include "hiqcache/thread_annotations.h"
 #include "thread_pool.h"
 
 namespace hiqcache::server {
@@ -142,9 +143,9 @@ class CudaBackend : public DeviceBackend {
   StatusOr<std::unique_ptr<PoolBinding>> Bind(const RegisterSpec& spec,
                                               const kernels::BlockLayout& layout,
                                               std::shared_ptr<FaultBudget> fault_budget) override;
-  uint64_t StagingDeviceBytes() const override;
+  uint64_t StagingDeviceBytes() const override EXCLUDES(mu_);
   // OK, or the failure of the first device that failed.
-  Status DeviceFailure() const;
+  Status DeviceFailure() const EXCLUDES(mu_);
 
   struct Mapping;      // an opened IPC allocation, shared by every binding that names it
   struct DeviceState;  // staging, arenas and failure state of one device
@@ -152,20 +153,21 @@ class CudaBackend : public DeviceBackend {
  private:
   CudaBackend(DeviceApi* api, CudaBackendOptions options,
               std::vector<std::pair<uint8_t*, uint64_t>> registered);
-  StatusOr<int> DeviceForUuid(const std::string& uuid);
-  StatusOr<std::shared_ptr<DeviceState>> Device(int device);
+  StatusOr<int> DeviceForUuid(const std::string& uuid) EXCLUDES(mu_);
+  StatusOr<std::shared_ptr<DeviceState>> Device(int device) EXCLUDES(mu_);
   StatusOr<std::shared_ptr<Mapping>> OpenMapping(int device, const std::string& handle,
-                                                 uint64_t size_bytes, const std::string& field);
+                                                 uint64_t size_bytes, const std::string& field)
+      EXCLUDES(mu_);
 
   DeviceApi* const api_;
   const CudaBackendOptions options_;
   std::unique_ptr<kernels::ThreadPool> hash_pool_;
   std::vector<std::pair<uint8_t*, uint64_t>> registered_;  // host-registered chunks
-  mutable std::mutex mu_;
-  std::vector<std::string> uuids_;                       // GUARDED_BY(mu_): filled on first Bind
-  std::map<int, std::shared_ptr<DeviceState>> devices_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<std::string> uuids_ GUARDED_BY(mu_);  // filled on first Bind
+  std::map<int, std::shared_ptr<DeviceState>> devices_ GUARDED_BY(mu_);
   // Each handle is opened once per device (opening it twice fails); bindings share it.
-  std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>> mappings_;  // GUARDED_BY(mu_)
+  std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>> mappings_ GUARDED_BY(mu_);
 };
 
 }  // namespace hiqcache::server

@@ -18,11 +18,11 @@ CompletionThread::CompletionThread(DeviceApi* api, int device,
 CompletionThread::~CompletionThread() {
   size_t pending = 0;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(&state_->mu);
     state_->stop = true;
     pending = state_->entries.size();
   }
-  state_->cv.notify_all();
+  state_->cv.NotifyAll();
   if (pending == 0 && std::this_thread::get_id() != thread_.get_id()) {
     thread_.join();
     return;
@@ -42,10 +42,10 @@ CompletionThread::~CompletionThread() {
 void CompletionThread::Watch(DeviceEvent event, Done done) {
   Status failed;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(&state_->mu);
     if (state_->failure.ok()) {
       state_->entries.push_back({event, std::move(done)});
-      state_->cv.notify_all();
+      state_->cv.NotifyAll();
       return;
     }
     failed = state_->failure;
@@ -54,39 +54,39 @@ void CompletionThread::Watch(DeviceEvent event, Done done) {
 }
 
 void CompletionThread::FailAll(const Status& failure) {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   if (state_->failure.ok()) state_->failure = failure;
-  state_->cv.notify_all();
+  state_->cv.NotifyAll();
 }
 
 size_t CompletionThread::watched() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   return state_->entries.size();
 }
 
 void CompletionThread::Loop(const std::shared_ptr<State>& state) {
   State& s = *state;
-  std::unique_lock<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   for (;;) {
-    s.cv.wait(lock, [&] { return s.stop || !s.entries.empty(); });
+    s.cv.Wait(&s.mu, [&]() REQUIRES(s.mu) { return s.stop || !s.entries.empty(); });
     if (s.stop) return;
     Status st = s.failure;
     if (st.ok()) {
       // Wait outside the lock: Watch and FailAll never wait behind the device.
       const DeviceEvent event = s.entries.front().event;
-      lock.unlock();
+      lock.Unlock();
       st = s.api->SynchronizeEvent(s.device, event);
       if (!st.ok() && IsStickyDeviceError(st)) st = s.on_sticky(st);
-      lock.lock();
+      lock.Lock();
       if (!st.ok() && IsStickyDeviceError(st) && s.failure.ok()) s.failure = st;
       // FailAll while this wait was in progress: the device failed, whatever this wait saw.
       if (!s.failure.ok()) st = s.failure;
     }
     Done done = std::move(s.entries.front().done);
     s.entries.pop_front();
-    lock.unlock();
+    lock.Unlock();
     done(st);
-    lock.lock();
+    lock.Lock();
   }
 }
 

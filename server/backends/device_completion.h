@@ -21,15 +21,15 @@
 // Thread-safe.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 
 #include "backends/device_api.h"
+#include "hiqcache/mutex.h"
 #include "hiqcache/status.h"
+#include "hiqcache/thread_annotations.h"
 
 namespace hiqcache::server {
 
@@ -66,11 +66,11 @@ class CompletionThread {
     DeviceApi* api = nullptr;
     int device = -1;
     std::function<Status(const Status&)> on_sticky;
-    mutable std::mutex mu;
-    std::condition_variable cv;
-    std::deque<Entry> entries;  // GUARDED_BY(mu): in watch order; the first may be in a wait
-    bool stop = false;          // GUARDED_BY(mu)
-    Status failure;             // GUARDED_BY(mu): set once the device failed
+    mutable Mutex mu;
+    CondVar cv;
+    std::deque<Entry> entries GUARDED_BY(mu);  // in watch order; the first may be in a wait
+    bool stop GUARDED_BY(mu) = false;
+    Status failure GUARDED_BY(mu);  // set once the device failed
   };
   static void Loop(const std::shared_ptr<State>& state);
 

@@ -32,7 +32,6 @@
 #include <cstring>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +42,8 @@
 #include "codec_reference.h"
 #include "core/cache_core.h"
 #include "fake_device.h"
+#include "hiqcache/mutex.h"
+#include "hiqcache/thread_annotations.h"
 #include "pool/block_store.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
@@ -204,7 +205,7 @@ class CudaBackendTest : public ::testing::Test {
     co.max_blocks_per_request = o.max_blocks;
     if (o.register_chunk != 0) co.register_chunk_bytes = o.register_chunk;
     co.on_device_failed = [this](int device, const Status& st) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       failed_devices_.push_back(device);
       failure_ = st;
     };
@@ -373,9 +374,9 @@ class CudaBackendTest : public ::testing::Test {
     }
   }
 
-  std::mutex mu_;
-  std::vector<int> failed_devices_;  // GUARDED_BY(mu_)
-  Status failure_;                   // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::vector<int> failed_devices_ GUARDED_BY(mu_);
+  Status failure_ GUARDED_BY(mu_);
   std::map<uint64_t, const Engine*> pending_records_;
   uint64_t next_record_ = 0;
   std::unique_ptr<FakeDevice> fake_;
@@ -743,7 +744,7 @@ TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrderPerDirection) {
   Engine& e2 = NewEngine(1);
   const uint64_t pool2 = Register(e2);
   const uint64_t first = RecordLate(e);
-  std::mutex mu;
+  Mutex mu;
   // Per pool, per direction (0 backup, 1 restore): the tickets in reply order.
   std::vector<uint64_t> order[2][2];
   std::atomic<int> replies{0};
@@ -758,14 +759,14 @@ TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrderPerDirection) {
       if (i % 3 == 2) {
         core_->Restore(t, [&, out](StatusOr<RestoreResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
-          std::lock_guard<std::mutex> lock(mu);
+          MutexLock lock(&mu);
           out[1].push_back(r->ticket);
           ++replies;
         });
       } else {
         core_->Backup(t, [&, out](StatusOr<BackupResult> r) {
           ASSERT_TRUE(r.ok()) << r.status().ToString();
-          std::lock_guard<std::mutex> lock(mu);
+          MutexLock lock(&mu);
           out[0].push_back(r->ticket);
           ++replies;
         });
@@ -775,18 +776,18 @@ TEST_F(CudaBackendTest, EachPoolsWorkCompletesInRequestOrderPerDirection) {
   // pool2 proceeds while pool waits for its first task's wait_event; so do pool's restores that
   // conflict with no waiting backup.
   ASSERT_TRUE(WaitUntil([&] {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     return order[1][0].size() + order[1][1].size() == kTasks && order[0][1].size() == 2;
   }));
   std::this_thread::sleep_for(50ms);
   {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     EXPECT_TRUE(order[0][0].empty());
     EXPECT_EQ(order[0][1], (std::vector<uint64_t>{3, 6}));
   }
   Complete(first);
   ASSERT_TRUE(WaitUntil([&] { return replies.load() == 2 * kTasks; }));
-  std::lock_guard<std::mutex> lock(mu);
+  MutexLock lock(&mu);
   const std::vector<uint64_t> backups = {1, 2, 4, 5, 7, 8, 10, 11}, restores = {3, 6, 9, 12};
   for (int p = 0; p < 2; ++p) {
     EXPECT_EQ(order[p][0], backups);
@@ -926,7 +927,7 @@ TEST_F(CudaBackendTest, FailedEnqueueReleasesEverySlotWithTheFailedBit) {
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->restored_blocks, 4u);
   ExpectRestored(e, before, 0, 32, 16, kInt8);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   EXPECT_TRUE(failed_devices_.empty());
 }
 
@@ -1067,7 +1068,7 @@ TEST_F(CudaBackendTest, StickyErrorOnEnqueueFailsTheDevice) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
   EXPECT_FALSE(cuda_->DeviceFailure().ok());
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   EXPECT_EQ(failed_devices_, std::vector<int>{0});
 }
 
@@ -1084,7 +1085,7 @@ TEST_F(CudaBackendTest, StickyErrorSeenByTheCompletionThreadFailsTheDevice) {
   auto again = Backup(Transfer(pool, Blocks(5, 1, 0), /*sync=*/false));
   ASSERT_FALSE(again.ok());
   EXPECT_EQ(again.status().code(), StatusCode::kUnavailable);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   EXPECT_EQ(failed_devices_.size(), 1u);
 }
 

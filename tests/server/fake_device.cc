@@ -75,21 +75,24 @@ const char* CallName(FakeDevice::Call c) {
 
 FakeDevice::FakeDevice(int devices) : devices_(devices) {
   runner_ = std::thread([this] {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return stop_ || auto_run_; });
+      cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return stop_ || auto_run_; });
       if (stop_) return;
-      if (RunReadyLocked() == 0) cv_.wait_for(lock, std::chrono::milliseconds(5));
+      // Nothing ran: sleeps until notified, or 5 ms at most.
+      if (RunReadyLocked() == 0) {
+        cv_.WaitUntil(&mu_, std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+      }
     }
   });
 }
 
 FakeDevice::~FakeDevice() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   runner_.join();
   for (const Alloc& a : allocs_) std::free(a.data);
 }
@@ -104,7 +107,7 @@ void FakeDevice::ViolationLocked(std::string what) { violations_.push_back(std::
 // --- the engine's side -------------------------------------------------------------------------
 
 std::string FakeDevice::ExportBuffer(uint8_t* data, size_t bytes, int device) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto b = std::make_unique<Buffer>();
   b->handle = HandleOf("FAKEBUF", buffers_.size() + 1);
   b->data = data;
@@ -116,17 +119,17 @@ std::string FakeDevice::ExportBuffer(uint8_t* data, size_t bytes, int device) {
 }
 
 std::vector<std::pair<uint64_t*, uint64_t>> FakeDevice::SlotStores() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return slot_stores_;
 }
 
 bool FakeDevice::BufferOpen(const std::string& buffer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return buffers_.at(buffer)->opens > 0;
 }
 
 uint64_t FakeDevice::KernelsTouching(const std::string& buffer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // Counted at enqueue (below) would need the views then; recount over the log and queues.
   uint64_t n = 0;
   const Buffer* want = buffers_.at(buffer).get();
@@ -144,10 +147,10 @@ uint64_t FakeDevice::KernelsTouching(const std::string& buffer) {
 
 void FakeDevice::SetAutoRun(bool on) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto_run_ = on;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 bool FakeDevice::RunnableLocked(const Stream& s) const {
@@ -158,12 +161,12 @@ bool FakeDevice::RunnableLocked(const Stream& s) const {
 }
 
 size_t FakeDevice::RunReady() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return RunReadyLocked();
 }
 
 size_t FakeDevice::RunReadyAt(Priority priority) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return RunReadyLocked(&priority);
 }
 
@@ -185,7 +188,7 @@ size_t FakeDevice::RunReadyLocked(const Priority* only) {
 }
 
 size_t FakeDevice::PendingOps() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (auto& s : streams_) n += s->ops.size();
   return n;
@@ -288,7 +291,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
   if (op.fail) {
     lost_ = DataLoss(std::string("fake device: ") + CallName(op.kind) +
                      " failed on the device (illegal address)");
-    cv_.notify_all();  // SynchronizeEvent waiters
+    cv_.NotifyAll();  // SynchronizeEvent waiters
   }
   if (!lost_.ok()) {
     // A lost context runs nothing; records never complete (queries fail instead).
@@ -329,7 +332,7 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       break;
     case Call::kRecord:
       op.record->done = true;
-      cv_.notify_all();  // SynchronizeEvent waiters
+      cv_.NotifyAll();  // SynchronizeEvent waiters
       break;
     case Call::kWriteValue:
       std::atomic_ref<uint64_t>(*op.slot).store(op.value, std::memory_order_release);
@@ -348,12 +351,12 @@ void FakeDevice::ExecuteLocked(Stream* s) {
 // --- faults and observation --------------------------------------------------------------------
 
 void FakeDevice::FailCall(Call call, Status status, uint32_t skip) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   faults_.push_back({call, std::move(status), skip, false});
 }
 
 void FakeDevice::FailExecution(Call call, uint32_t skip) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   faults_.push_back({call, Status::Ok(), skip, true});
 }
 
@@ -375,62 +378,62 @@ Status FakeDevice::InjectedLocked(Call call) {
 }
 
 std::vector<std::string> FakeDevice::Violations() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return violations_;
 }
 
 uint64_t FakeDevice::Called(Call call) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return called_[static_cast<int>(call)];
 }
 
 size_t FakeDevice::BlockedSyncs() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return blocked_syncs_;
 }
 
 uint64_t FakeDevice::Enqueued(Call call) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return enqueued_[static_cast<int>(call)];
 }
 
 uint64_t FakeDevice::EnqueuedCopies() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return copies_enqueued_;
 }
 
 uint64_t FakeDevice::EnqueuedAt(Call call, Priority priority) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const uint64_t high = enqueued_high_[static_cast<int>(call)];
   return priority == Priority::kHigh ? high : enqueued_[static_cast<int>(call)] - high;
 }
 
 uint64_t FakeDevice::Executed(Call call) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return executed_[static_cast<int>(call)];
 }
 
 uint64_t FakeDevice::AllocCalls() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return alloc_calls_;
 }
 
 size_t FakeDevice::OpenIpcBuffers() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& [h, b] : buffers_) n += b->opens;
   return n;
 }
 
 size_t FakeDevice::LiveStreams() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& s : streams_) n += s->destroyed ? 0 : 1;
   return n;
 }
 
 std::vector<std::pair<uint8_t*, size_t>> FakeDevice::Registered() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return registered_;
 }
 
@@ -459,7 +462,7 @@ FakeDevice::Event* FakeDevice::EventLocked(DeviceEvent e, const char* what) {
 }
 
 StatusOr<DeviceStream> FakeDevice::CreateStream(int device, Priority priority) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCreateStream));
   auto s = std::make_unique<Stream>();
   s->id = static_cast<int>(streams_.size()) + 1;
@@ -471,19 +474,19 @@ StatusOr<DeviceStream> FakeDevice::CreateStream(int device, Priority priority) {
 }
 
 void FakeDevice::DestroyStream(int, DeviceStream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   static_cast<Stream*>(stream.ptr)->destroyed = true;  // queued work still runs
 }
 
 StatusOr<DeviceEvent> FakeDevice::CreateEvent(int) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCreateEvent));
   events_.push_back(std::make_unique<Event>());
   return DeviceEvent{events_.back().get()};
 }
 
 void FakeDevice::DestroyEvent(int, DeviceEvent event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto* ev = static_cast<Event*>(event.ptr);
   if (ev->destroyed) ViolationLocked("an event was destroyed twice");
   ev->destroyed = true;
@@ -513,11 +516,11 @@ void FakeDevice::EnqueueLocked(Stream* s, Op op) {
     break;
   }
   s->ops.push_back(std::move(op));
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 Status FakeDevice::RecordEvent(int, DeviceEvent event, DeviceStream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kRecord));
   Event* ev = EventLocked(event, "RecordEvent");
   Op op;
@@ -530,7 +533,7 @@ Status FakeDevice::RecordEvent(int, DeviceEvent event, DeviceStream stream) {
 }
 
 Status FakeDevice::StreamWaitEvent(int, DeviceStream stream, DeviceEvent event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kWait));
   Event* ev = EventLocked(event, "StreamWaitEvent");
   Op op;
@@ -541,7 +544,7 @@ Status FakeDevice::StreamWaitEvent(int, DeviceStream stream, DeviceEvent event) 
 }
 
 StatusOr<bool> FakeDevice::QueryEvent(int, DeviceEvent event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kQuery));
   Event* ev = EventLocked(event, "QueryEvent");
   if (ev->latest == nullptr) return true;
@@ -553,12 +556,12 @@ StatusOr<bool> FakeDevice::QueryEvent(int, DeviceEvent event) {
 StatusOr<DeviceEvent> FakeDevice::CreateBlockingEvent(int device) { return CreateEvent(device); }
 
 Status FakeDevice::SynchronizeEvent(int, DeviceEvent event) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kSynchronize));
   std::shared_ptr<Record> rec = EventLocked(event, "SynchronizeEvent")->latest;
   if (rec == nullptr) return Status::Ok();
   ++blocked_syncs_;
-  cv_.wait(lock, [&] { return rec->done || !lost_.ok() || stop_; });
+  cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return rec->done || !lost_.ok() || stop_; });
   --blocked_syncs_;
   if (!lost_.ok()) return lost_;
   if (!rec->done) return Unavailable("fake device destroyed");
@@ -568,7 +571,7 @@ Status FakeDevice::SynchronizeEvent(int, DeviceEvent event) {
 
 StatusOr<DeviceApi::IpcBuffer> FakeDevice::OpenIpcBuffer(int, std::string_view handle,
                                                          uint64_t size_bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kOpenIpcBuffer));
   auto it = buffers_.find(std::string(handle));
   if (it == buffers_.end()) return InvalidArgument("fake: unknown IPC memory handle");
@@ -582,7 +585,7 @@ StatusOr<DeviceApi::IpcBuffer> FakeDevice::OpenIpcBuffer(int, std::string_view h
 }
 
 void FakeDevice::CloseIpcBuffer(int, uint8_t* data) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const Buffer* found = nullptr;
   for (auto& [h, b] : buffers_) {
     if (b->data == data && b->opens > 0) {
@@ -609,7 +612,7 @@ void FakeDevice::CloseIpcBuffer(int, uint8_t* data) {
 }
 
 StatusOr<uint8_t*> FakeDevice::AllocDevice(int, size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kAllocDevice));
   ++alloc_calls_;
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
@@ -619,7 +622,7 @@ StatusOr<uint8_t*> FakeDevice::AllocDevice(int, size_t bytes) {
 }
 
 void FakeDevice::FreeDevice(int, uint8_t* data) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (Alloc& a : allocs_) {
     if (a.data == data && !a.freed) {
       a.freed = true;
@@ -636,7 +639,7 @@ void FakeDevice::FreeDevice(int, uint8_t* data) {
 }
 
 StatusOr<uint8_t*> FakeDevice::AllocPinned(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kAllocPinned));
   ++alloc_calls_;
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
@@ -646,7 +649,7 @@ StatusOr<uint8_t*> FakeDevice::AllocPinned(size_t bytes) {
 }
 
 void FakeDevice::FreePinned(uint8_t* data) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (Alloc& a : allocs_) {
     if (a.data == data && !a.freed) {
       a.freed = true;
@@ -658,14 +661,14 @@ void FakeDevice::FreePinned(uint8_t* data) {
 }
 
 Status FakeDevice::RegisterHost(uint8_t* data, size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kRegisterHost));
   registered_.emplace_back(data, bytes);
   return Status::Ok();
 }
 
 void FakeDevice::UnregisterHost(uint8_t* data) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::erase_if(registered_, [&](const auto& r) { return r.first == data; });
 }
 
@@ -683,7 +686,7 @@ bool FakeDevice::HostMemoryOkLocked(const uint8_t* p, size_t n) const {
 }
 
 Status FakeDevice::CopyAsync(int, std::span<const Copy> copies, DeviceStream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kCopy));
   for (const Copy& c : copies) {
     if (!HostMemoryOkLocked(static_cast<const uint8_t*>(c.src), c.bytes) ||
@@ -701,7 +704,7 @@ Status FakeDevice::CopyAsync(int, std::span<const Copy> copies, DeviceStream str
 }
 
 Status FakeDevice::LaunchEncode(int, const kernels::EncodeJob& job, DeviceStream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kEncode));
   Op op;
   op.kind = Call::kEncode;
@@ -712,7 +715,7 @@ Status FakeDevice::LaunchEncode(int, const kernels::EncodeJob& job, DeviceStream
 
 Status FakeDevice::LaunchDecode(int, const kernels::DecodeJob& job, uint32_t first_layer,
                                 uint32_t num_layers, DeviceStream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kDecode));
   Op op;
   op.kind = Call::kDecode;
@@ -724,7 +727,7 @@ Status FakeDevice::LaunchDecode(int, const kernels::DecodeJob& job, uint32_t fir
 }
 
 Status FakeDevice::WriteValue64(int, DeviceStream stream, uint64_t* slot, uint64_t value) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   HIQ_RETURN_IF_ERROR(InjectedLocked(Call::kWriteValue));
   if (reinterpret_cast<uintptr_t>(slot) % 8 != 0) {
     ViolationLocked("WriteValue64 to an address that is not 8-byte aligned");

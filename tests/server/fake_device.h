@@ -32,17 +32,17 @@
 // Thread-safe (one mutex; operations run under it).
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "backends/device_api.h"
+#include "hiqcache/mutex.h"
+#include "hiqcache/thread_annotations.h"
 
 namespace hiqcache::server::testing {
 
@@ -156,59 +156,62 @@ class FakeDevice : public DeviceApi {
     Call kind;
   };
 
-  // REQUIRES: mu_ held.
-  Status InjectedLocked(Call call);
-  Stream* StreamLocked(DeviceStream s);
-  Event* EventLocked(DeviceEvent e, const char* what);
-  void EnqueueLocked(Stream* s, Op op);
-  bool RunnableLocked(const Stream& s) const;
+  Status InjectedLocked(Call call) REQUIRES(mu_);
+  Stream* StreamLocked(DeviceStream s) REQUIRES(mu_);
+  Event* EventLocked(DeviceEvent e, const char* what) REQUIRES(mu_);
+  void EnqueueLocked(Stream* s, Op op) REQUIRES(mu_);
+  bool RunnableLocked(const Stream& s) const REQUIRES(mu_);
   // Runs runnable operations of every stream (null) or of streams of *only.
-  size_t RunReadyLocked(const Priority* only = nullptr);
-  void ExecuteLocked(Stream* s);
-  std::vector<Access> AccessesLocked(const Op& op);
-  const Buffer* BufferAtLocked(const uint8_t* p) const;
-  std::vector<const Buffer*> KernelBuffersLocked(const Op& op);
-  bool HostMemoryOkLocked(const uint8_t* p, size_t n) const;
-  void ViolationLocked(std::string what);
+  size_t RunReadyLocked(const Priority* only = nullptr) REQUIRES(mu_);
+  void ExecuteLocked(Stream* s) REQUIRES(mu_);
+  std::vector<Access> AccessesLocked(const Op& op) REQUIRES(mu_);
+  const Buffer* BufferAtLocked(const uint8_t* p) const REQUIRES(mu_);
+  std::vector<const Buffer*> KernelBuffersLocked(const Op& op) REQUIRES(mu_);
+  bool HostMemoryOkLocked(const uint8_t* p, size_t n) const REQUIRES(mu_);
+  void ViolationLocked(std::string what) REQUIRES(mu_);
   static void Join(VClock* into, const VClock& from);
 
   const int devices_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::unique_ptr<Stream>> streams_;  // index = stream id - 1
-  std::vector<std::unique_ptr<Event>> events_;
-  std::map<std::string, std::unique_ptr<Buffer>> buffers_;  // exported, by handle
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<std::unique_ptr<Stream>> streams_ GUARDED_BY(mu_);  // index = stream id - 1
+  std::vector<std::unique_ptr<Event>> events_ GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<Buffer>> buffers_ GUARDED_BY(mu_);  // exported, by handle
   struct Alloc {
     uint8_t* data;
     size_t bytes;
     bool pinned;
     bool freed;
   };
-  std::vector<Alloc> allocs_;
-  std::vector<std::pair<uint8_t*, size_t>> registered_;
-  std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_;  // closed or freed
-  std::vector<Access> log_;                        // accesses of executed operations
-  std::map<const Buffer*, uint64_t> kernels_run_;  // executed kernels touching each buffer
-  VClock host_vc_;                                 // what the host has seen complete
-  uint64_t next_seq_ = 0, next_record_ = 0;
+  std::vector<Alloc> allocs_ GUARDED_BY(mu_);
+  std::vector<std::pair<uint8_t*, size_t>> registered_ GUARDED_BY(mu_);
+  // Closed or freed.
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> dead_ranges_ GUARDED_BY(mu_);
+  std::vector<Access> log_ GUARDED_BY(mu_);  // accesses of executed operations
+  // Executed kernels touching each buffer.
+  std::map<const Buffer*, uint64_t> kernels_run_ GUARDED_BY(mu_);
+  VClock host_vc_ GUARDED_BY(mu_);  // what the host has seen complete
+  uint64_t next_seq_ GUARDED_BY(mu_) = 0;
+  uint64_t next_record_ GUARDED_BY(mu_) = 0;
   struct Fault {
     Call call;
     Status status;
     uint32_t skip;
     bool on_execute;
   };
-  std::vector<Fault> faults_;
-  Status lost_;  // set once a sticky failure happened: every call fails with it
-  std::vector<std::string> violations_;
-  uint64_t enqueued_[static_cast<int>(Call::kCount)] = {};
-  uint64_t executed_[static_cast<int>(Call::kCount)] = {};
-  uint64_t called_[static_cast<int>(Call::kCount)] = {};
-  uint64_t enqueued_high_[static_cast<int>(Call::kCount)] = {};
-  size_t blocked_syncs_ = 0;
-  uint64_t copies_enqueued_ = 0;
-  uint64_t alloc_calls_ = 0;
-  std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_;
-  bool auto_run_ = false, stop_ = false;
+  std::vector<Fault> faults_ GUARDED_BY(mu_);
+  Status lost_ GUARDED_BY(mu_);  // set once a sticky failure happened: every call fails with it
+  std::vector<std::string> violations_ GUARDED_BY(mu_);
+  uint64_t enqueued_[static_cast<int>(Call::kCount)] GUARDED_BY(mu_) = {};
+  uint64_t executed_[static_cast<int>(Call::kCount)] GUARDED_BY(mu_) = {};
+  uint64_t called_[static_cast<int>(Call::kCount)] GUARDED_BY(mu_) = {};
+  uint64_t enqueued_high_[static_cast<int>(Call::kCount)] GUARDED_BY(mu_) = {};
+  size_t blocked_syncs_ GUARDED_BY(mu_) = 0;
+  uint64_t copies_enqueued_ GUARDED_BY(mu_) = 0;
+  uint64_t alloc_calls_ GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t*, uint64_t>> slot_stores_ GUARDED_BY(mu_);
+  bool auto_run_ GUARDED_BY(mu_) = false;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread runner_;
 };
 
