@@ -287,6 +287,9 @@ class CacheCore {
                                          std::shared_ptr<RestoreTask>* task);
   void FinishBackup(const std::shared_ptr<BackupRequest>& req);
   void FinishRestore(const std::shared_ptr<RestoreRequest>& req);
+  // What both finishes end with (cache_core_internal.h): `kind` is "backup" or "restore".
+  template <typename Request>
+  void EndRequest(Request& req, const char* kind);
   // Blocks per sub-task for this layout (HOST), at least 1.
   size_t ChunkBlocks(const kernels::BlockLayout& layout) const;
   // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.

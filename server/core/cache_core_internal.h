@@ -219,6 +219,30 @@ struct CacheCore::RestoreRequest {
   uint64_t restored = 0;  // blocks of sub-tasks that completed
 };
 
+// The end both request machines share, once their own bookkeeping is done: the request leaves
+// its pool's in-flight list, a failure is logged, the caller is answered if it was not yet, the
+// pending bytes are given back and the pool's task ends.
+template <typename Request>
+void CacheCore::EndRequest(Request& req, const char* kind) {
+  Pool& pool = *req.pool;
+  const Status& run = req.error;
+  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req.result.ticket);
+  if (!run.ok()) {
+    HIQ_LOG(WARN) << "event=" << kind << "_failed pool=" << pool.id
+                  << " ticket=" << req.result.ticket << " code=" << StatusCodeName(run.code())
+                  << " error=\"" << LogSafe(run.message()) << "\"";
+  }
+  if (!req.replied) {
+    req.replied = true;
+    if (run.ok())
+      (*req.reply)(req.result);
+    else
+      (*req.reply)(run);
+  }
+  quotas_.UnchargePending(pool.client, req.pending_bytes);
+  pool.EndTask();
+}
+
 inline TransferEngine::StepResult StepOf(StartResult r) {
   switch (r) {
     case StartResult::kNotReady:

@@ -192,21 +192,7 @@ void CacheCore::FinishRestore(const std::shared_ptr<RestoreRequest>& req) {
                                   std::chrono::steady_clock::now() - req->started, run.ok()));
   }
   pool.restores.fetch_add(req->restored, std::memory_order_relaxed);
-  if (pool.restore_strand != pool.strand) pool.RemoveInFlight(req->result.ticket);
-  if (!run.ok()) {
-    HIQ_LOG(WARN) << "event=restore_failed pool=" << pool.id << " ticket=" << req->result.ticket
-                  << " code=" << StatusCodeName(run.code()) << " error=\"" << LogSafe(run.message())
-                  << "\"";
-  }
-  if (!req->replied) {
-    req->replied = true;
-    if (run.ok())
-      (*req->reply)(req->result);
-    else
-      (*req->reply)(run);
-  }
-  quotas_.UnchargePending(pool.client, req->pending_bytes);
-  pool.EndTask();
+  EndRequest(*req, "restore");
 }
 
 }  // namespace hiqcache::server
