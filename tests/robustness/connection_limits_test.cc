@@ -156,11 +156,14 @@ TEST_F(ConnectionLimitsTest, StalledCallsHoldNoMoreThanTheGrpcMemoryQuota) {
       "[ stall    ] the attacker sent %.0f MiB; the daemon grew by %.0f MiB (quota 64 MiB)\n",
       sent / 1048576.0, grown / 1048576.0);
   // Without the quota the daemon took all of it (2,013 MB sent, 1,935 MiB grown); with it, it
-  // grew by 81-117 MiB here: the quota counts gRPC's buffers, not every allocation around them.
-  EXPECT_GT(sent, 192ull << 20) << "the attack did not get going";
+  // grew by 77-117 MiB of 191-307 MiB sent here: the quota counts gRPC's buffers, not every
+  // allocation around them. How much the attacker gets to send before gRPC resets its streams
+  // varies with the machine's load, so the bound is on the share of it the daemon kept.
+  EXPECT_GT(sent, 128ull << 20) << "the attack did not get going (twice the quota)";
   // (Under a sanitizer the daemon's own allocations cost more than gRPC's quota counts.)
   if (!kSanitized) {
     EXPECT_LT(grown, 192ull << 20) << "stalled calls grew the daemon far past its quota";
+    EXPECT_LT(grown, sent / 4 * 3) << "the daemon kept most of what the stalled calls sent";
   }
   // Others are served meanwhile.
   it::SpawnResult r = EngineBackup(daemon, kVictim);
