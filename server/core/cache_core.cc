@@ -38,7 +38,7 @@ uint64_t CacheCore::ClientOf(const Caller& caller) {
 }
 
 bool CacheCore::Owns(const Pool& pool, const Caller& caller) {
-  // An anonymous pool is today's pool: any anonymous caller may use it, no authenticated one.
+  // An anonymous pool (allow_anonymous) belongs to every anonymous caller, to no authenticated one.
   if (!pool.owner.authenticated()) return !caller.authenticated();
   return caller.authenticated() && caller.uid == pool.owner.uid && caller.pid == pool.owner.pid;
 }
