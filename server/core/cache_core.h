@@ -290,6 +290,16 @@ class CacheCore {
   // What both finishes end with (cache_core_internal.h): `kind` is "backup" or "restore".
   template <typename Request>
   void EndRequest(Request& req, const char* kind);
+  // Gives an accepted request (BeginTask done, pending bytes charged) its ticket, notes it in its
+  // pool's in-flight list, posts its sub-tasks to `strand` and answers an asynchronous caller,
+  // in ticket order (cache_core_internal.h). When the daemon cannot allocate for that, none of
+  // it happened: the ticket, the in-flight entry, the pending bytes and the task are given back,
+  // the caller is answered RESOURCE_EXHAUSTED and it returns false (the caller drops what else
+  // it holds, e.g. a restore's pins).
+  template <typename Request, typename InFlight>
+  bool PostRequest(Request& req, const std::shared_ptr<TransferEngine::Strand>& strand,
+                   InFlight touches, std::vector<TransferEngine::StepTask> steps,
+                   const char* rpc);
   // Blocks per sub-task for this layout (HOST), at least 1.
   size_t ChunkBlocks(const kernels::BlockLayout& layout) const;
   // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.

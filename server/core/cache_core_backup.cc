@@ -76,7 +76,6 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   req->reply = std::make_shared<BackupDone>();
   Pool::InFlight touches = pool->Touches(/*restore=*/false, spec);
 
-  // Nothing below throws before the work is posted, except PostSteps (then nothing is queued).
   Status st = quotas_.ChargePending(pool->client, req->pending_bytes);
   if (!st.ok()) return (*done)(st);
   if (!pool->BeginTask()) {
@@ -85,17 +84,8 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   }
   *req->reply = std::move(*done);
   req->spec = std::move(spec);
-  {
-    MutexLock lock(&pool->post_mu);
-    req->result.ticket = ++pool->next_ticket;
-    pool->AddInFlight(req->result.ticket, std::move(touches));
-    if (!req->sync) {
-      // Accepted: see cache_core.h (Reservations) for what BLOCK_STORED means here.
-      req->replied = true;
-      (*req->reply)(req->result);
-    }
-    engine_.PostSteps(pool->strand, std::move(steps));
-  }
+  // Accepted (async): see cache_core.h (Reservations) for what BLOCK_STORED means here.
+  PostRequest(*req, pool->strand, std::move(touches), std::move(steps), "Backup");
 }
 
 // The reservations of one backup sub-task, shared by its callbacks.

@@ -268,6 +268,40 @@ inline Status OutOfMemory(const char* what) {
   return ResourceExhausted(std::string(what) + ": hiqcached is out of memory");
 }
 
+template <typename Request, typename InFlight>
+bool CacheCore::PostRequest(Request& req, const std::shared_ptr<TransferEngine::Strand>& strand,
+                            InFlight touches, std::vector<TransferEngine::StepTask> steps,
+                            const char* rpc) {
+  Pool& pool = *req.pool;
+  {
+    MutexLock lock(&pool.post_mu);
+    const uint64_t ticket = ++pool.next_ticket;
+    req.result.ticket = ticket;
+    // An asynchronous caller's answer is the acceptance below, sent by this thread: no sub-task
+    // may answer it, which `replied`, set before any is posted, says.
+    req.replied = !req.sync;
+    const auto accepted = req.result;
+    bool posted = false;
+    try {
+      pool.AddInFlight(ticket, std::move(touches));
+      engine_.PostSteps(strand, std::move(steps));  // all or nothing
+      posted = true;
+    } catch (const std::bad_alloc&) {
+      pool.RemoveInFlight(ticket);
+      --pool.next_ticket;  // post_mu held: no later ticket was handed out
+      req.replied = true;
+    }
+    if (posted) {
+      if (!req.sync) (*req.reply)(accepted);
+      return true;
+    }
+  }
+  quotas_.UnchargePending(pool.client, req.pending_bytes);
+  pool.EndTask();
+  (*req.reply)(OutOfMemory(rpc));
+  return false;
+}
+
 // Logs what a sub-task of `rpc` ("Backup", "Restore") threw and the error its request ends with.
 inline Status TaskThrew(const char* rpc, uint64_t pool_id, uint64_t ticket,
                         const std::exception& ex) {

@@ -88,14 +88,9 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->result.restored_blocks = static_cast<uint32_t>(req->pins.size());
   *req->reply = std::move(*done);
   req->spec = std::move(spec);
-  MutexLock lock(&pool->post_mu);
-  req->result.ticket = ++pool->next_ticket;
-  pool->AddInFlight(req->result.ticket, std::move(touches));
-  if (!req->sync) {
-    req->replied = true;
-    (*req->reply)(req->result);
+  if (!PostRequest(*req, pool->restore_strand, std::move(touches), std::move(steps), "Restore")) {
+    for (const auto& p : req->pins) store_->Unpin(p.handle);
   }
-  engine_.PostSteps(pool->restore_strand, std::move(steps));
 }
 
 TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreRequest>& req,

@@ -91,7 +91,13 @@ void TransferEngine::PostStep(const std::shared_ptr<Strand>& strand, StepTask ta
 void TransferEngine::PostSteps(const std::shared_ptr<Strand>& strand, std::vector<StepTask> tasks) {
   if (tasks.empty()) return;
   MutexLock lock(&mu_);
-  for (auto& t : tasks) strand->tasks.push_back(std::move(t));
+  const size_t before = strand->tasks.size();
+  try {
+    for (auto& t : tasks) strand->tasks.push_back(std::move(t));
+  } catch (const std::bad_alloc&) {
+    while (strand->tasks.size() > before) strand->tasks.pop_back();  // never allocates
+    throw;
+  }
   pending_ += tasks.size();
   if (!strand->scheduled) ScheduleLocked(strand);
 }

@@ -56,7 +56,8 @@ class TransferEngine {
   void PostRetryable(const std::shared_ptr<Strand>& strand, RetryableTask task);
   void PostStep(const std::shared_ptr<Strand>& strand, StepTask task);
   // Posts `tasks` in order as one unit: no task posted concurrently to `strand` lands between
-  // them (a request's sub-tasks stay contiguous, so tickets of a pool complete in order).
+  // them (a request's sub-tasks stay contiguous, so tickets of a pool complete in order). All or
+  // nothing: when queueing cannot allocate, it throws std::bad_alloc with none of them queued.
   void PostSteps(const std::shared_ptr<Strand>& strand, std::vector<StepTask> tasks);
   // Ends the detached task of `strand`: `continuation` runs on a worker, then the strand's next
   // task may start. REQUIRES: called exactly once per kDetached answer; may be called from any

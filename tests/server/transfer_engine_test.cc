@@ -6,12 +6,31 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+// Allocation failure on demand: while g_fail_after >= 0 on a thread, that thread's
+// (g_fail_after + 1)-th allocation by operator new throws std::bad_alloc.
+namespace {
+thread_local int g_fail_after = -1;
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (g_fail_after == 0) {
+    g_fail_after = -1;
+    throw std::bad_alloc();
+  }
+  if (g_fail_after > 0) --g_fail_after;
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace hiqcache::server {
 namespace {
@@ -277,6 +296,30 @@ TEST(TransferEngineTest, AThrowingTaskIsDroppedAndTheWorkerLives) {
   });
   engine.Post(strand, [&] { ran.fetch_add(1); });
   engine.WaitIdle();
+  EXPECT_EQ(ran.load(), 1);
+  EXPECT_EQ(engine.Pending(), 0u);
+}
+
+TEST(TransferEngineTest, PostStepsThatCannotAllocateQueuesNothing) {
+  TransferEngine engine(1);
+  auto strand = engine.NewStrand();
+  std::atomic<int> ran{0};
+  std::vector<TransferEngine::StepTask> steps;
+  for (int i = 0; i < 200; ++i) {
+    steps.push_back([&] {
+      ran.fetch_add(1);
+      return TransferEngine::StepResult::kDone;
+    });
+  }
+  // The strand's queue grows by blocks: its third allocation fails, part-way through the steps.
+  g_fail_after = 2;
+  EXPECT_THROW(engine.PostSteps(strand, std::move(steps)), std::bad_alloc);
+  g_fail_after = -1;
+  EXPECT_TRUE(engine.WaitIdleFor(5s));
+  EXPECT_EQ(ran.load(), 0) << "steps of a post that failed ran";
+  EXPECT_EQ(engine.Pending(), 0u);
+  engine.Post(strand, [&] { ran.fetch_add(1); });
+  EXPECT_TRUE(engine.WaitIdleFor(5s));
   EXPECT_EQ(ran.load(), 1);
   EXPECT_EQ(engine.Pending(), 0u);
 }
