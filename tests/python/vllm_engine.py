@@ -8,7 +8,9 @@ JOB: {"model": dir, "connector": {extra config} | null, "kv_connector": vLLM con
       "max_tokens": 8, "prefix_caching": true, "before_batch": "path-{n}" (wait for that file
       before batch n), "after_batch": "path-{n}" (create it after n batches),
       "evict_before_load": k (see _evict_before_load), "kv_cache_bytes": vLLM's own KV cache
-      size, "log_stats": true (per-request time to first token), "tp": tensor parallel size}
+      size, "log_stats": true (per-request time to first token), "tp": tensor parallel size,
+      "pause_s": seconds the engine idles before each batch after the first (a tier finishes
+      storing what the previous batch sent)}
 where each prompt is a list of token ids; the prompts of one batch are submitted together
 (concurrency), the batches one after another. OUT: per prompt the greedy token ids, their
 logprobs and the time to first token of its batch, plus the worker connector's counters.
@@ -90,6 +92,8 @@ def run(job: dict) -> dict:
         _evict_before_load(job["evict_before_load"])
     results = []
     for index, batch in enumerate(job["batches"]):
+        if index and job.get("pause_s"):
+            time.sleep(job["pause_s"])
         if job.get("before_batch"):
             # A hook for failure tests: wait until a file exists (another process acts).
             flag = pathlib.Path(job["before_batch"].format(n=index))
