@@ -2,11 +2,15 @@
 
     python vllm_engine.py JOB.json OUT.json
 
-JOB: {"model": dir, "connector": {extra config} | null, "batches": [[prompt, ...], ...],
+JOB: {"model": dir, "connector": {extra config} | null, "kv_connector": vLLM connector class
+      (default HiqCacheConnector from hiqcache.vllm; another name is one of vLLM's own, e.g.
+      LMCacheMPConnector, given "connector" as its extra config), "batches": [[prompt, ...], ...],
       "max_tokens": 8, "prefix_caching": true, "before_batch": "path-{n}" (wait for that file
       before batch n), "after_batch": "path-{n}" (create it after n batches),
       "evict_before_load": k (see _evict_before_load), "kv_cache_bytes": vLLM's own KV cache
-      size, "log_stats": true (per-request time to first token), "tp": tensor parallel size}
+      size, "log_stats": true (per-request time to first token), "tp": tensor parallel size,
+      "pause_s": seconds the engine idles before each batch after the first (a tier finishes
+      storing what the previous batch sent)}
 where each prompt is a list of token ids; the prompts of one batch are submitted together
 (concurrency), the batches one after another. OUT: per prompt the greedy token ids, their
 logprobs and the time to first token of its batch, plus the worker connector's counters.
@@ -65,9 +69,10 @@ def run(job: dict) -> dict:
     if job.get("connector") is not None:
         from vllm.config import KVTransferConfig
 
-        kv_cfg = KVTransferConfig(kv_connector="HiqCacheConnector",
-                                  kv_connector_module_path="hiqcache.vllm", kv_role="kv_both",
-                                  kv_connector_extra_config=job["connector"])
+        name = job.get("kv_connector", "HiqCacheConnector")
+        module = "hiqcache.vllm" if name == "HiqCacheConnector" else None
+        kv_cfg = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
+                                  kv_role="kv_both", kv_connector_extra_config=job["connector"])
     if job.get("kv_cache_bytes"):
         # vLLM's CPU platform lets this variable override kv_cache_memory_bytes.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -87,6 +92,8 @@ def run(job: dict) -> dict:
         _evict_before_load(job["evict_before_load"])
     results = []
     for index, batch in enumerate(job["batches"]):
+        if index and job.get("pause_s"):
+            time.sleep(job["pause_s"])
         if job.get("before_batch"):
             # A hook for failure tests: wait until a file exists (another process acts).
             flag = pathlib.Path(job["before_batch"].format(n=index))
@@ -109,7 +116,7 @@ def run(job: dict) -> dict:
         if job.get("after_batch"):
             pathlib.Path(job["after_batch"].format(n=index + 1)).touch()
     stats = {}
-    if kv_cfg is not None and job.get("tp", 1) == 1:
+    if kv_cfg is not None and job.get("tp", 1) == 1 and kv_cfg.kv_connector_module_path:
         # In-process worker (single process mode); with TP the workers are other processes.
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
