@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 import zlib
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -183,6 +184,8 @@ def run_case(geom: str, codec: str, layout: str, args: argparse.Namespace, reps:
                     "restores": ns[0].restores, "evictions": ns[0].evictions,
                     "capacity_blocks": ns[0].capacity_blocks}
         del src, dst, flat, pages_a, pages_b
+    for arm in runs:
+        arm.backend = arm.daemon = None  # the backends hold the host pool
     del engine
     gc.collect()
 
@@ -209,7 +212,7 @@ def run_case(geom: str, codec: str, layout: str, args: argparse.Namespace, reps:
 class Arm:
     """One daemon and its backend on the shared host pool, with its timings."""
 
-    def __init__(self, prefix: str, daemon: Daemon, backend: object):
+    def __init__(self, prefix: str, daemon: Daemon | None, backend: Any):
         self.prefix, self.daemon, self.backend = prefix, daemon, backend
         self.t_set: list[float] = []
         self.t_get: list[float] = []
@@ -218,6 +221,7 @@ class Arm:
 
     def rep(self, tag: str, slots_a, slots_b, pages_a, pages_b, first_a, first_b, codec: str,
             engine: Engine, batch: int, warmup: bool) -> None:
+        assert self.daemon is not None and self.daemon.proc is not None
         backend, pid, what = self.backend, self.daemon.proc.pid, f"{self.prefix}{tag}"
         keys = page_hashes(tag, batch)
         if backend.batch_exists(keys) != 0:
