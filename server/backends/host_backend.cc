@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "backends/residency.h"
@@ -147,10 +148,11 @@ namespace {
 // XXH3-64 of each block's payload of an EncodeJob, computed while the codec's threads encode it:
 // a block's layers are hashed in layer order (streaming XXH3, the same digest as hashing the
 // whole payload at once) by whichever thread finishes a layer that continues the block's hashed
-// prefix, while the other threads go on encoding. Hashing runs beside the encode on every
-// codec thread and reads each layer while it is still in cache, instead of a second pass over
-// the payloads from memory afterwards (one thread per block: a one-block sub-task left the
-// other threads idle). Thread-safe for LayerEncoded; Digest once Encode has returned.
+// prefix, while the other threads go on encoding. So the hash runs on every codec thread and
+// reads each layer while it is still in cache; a pass over the payloads after the encode would
+// read them back from memory, one block per thread (a one-block sub-task: on one thread while
+// the others wait). Thread-safe for LayerEncoded; Digest once Encode has returned. Throws
+// std::bad_alloc when a hash state cannot be allocated (the task then fails alone).
 class LayerHasher {
  public:
   LayerHasher(const kernels::BlockLayout& layout, const std::vector<uint8_t*>& payloads)
@@ -160,7 +162,10 @@ class LayerHasher {
         blocks_(payloads.size()),
         done_(new std::atomic<uint8_t>[payloads.size() * layout.num_layers]) {
     for (size_t i = 0; i < payloads.size() * layers_; ++i) done_[i].store(0);
-    for (Block& b : blocks_) XXH3_64bits_reset(b.state.get());
+    for (Block& b : blocks_) {
+      if (b.state == nullptr) throw std::bad_alloc();
+      XXH3_64bits_reset(b.state.get());
+    }
   }
 
   // The EncodeJob::layer_encoded hook.
