@@ -373,6 +373,7 @@ void CpuCodec::Encode(const EncodeJob& job) {
                                            job.blocks[b] + lay.RowOffset(l, p, 0));
     }
     if (!finite) bad[item] = 1;
+    if (job.layer_encoded != nullptr) job.layer_encoded(job.layer_encoded_context, b, l);
   });
   if (job.nonfinite != nullptr) {
     for (uint32_t b = 0; b < job.num_blocks; ++b) {

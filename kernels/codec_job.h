@@ -22,6 +22,12 @@ struct EncodeJob {
   // Out: num_blocks flags, set to 1 where a row of that block held NaN or Inf (INT8, FP8, INT4);
   // the payload of such a block is unspecified and must not be published. May be null for RAW.
   uint8_t* nonfinite = nullptr;
+  // Optional (CPU executor): called once per (block, layer) as soon as that layer of that block
+  // is encoded (all its planes and tokens), before Encode returns, on the codec thread that
+  // encoded it, so from several threads at once. Lets the caller consume a block's payload
+  // layer by layer while the rest is still being encoded (a HOST backup hashes it).
+  void (*layer_encoded)(void* context, uint32_t block, uint32_t layer) = nullptr;
+  void* layer_encoded_context = nullptr;
 };
 
 struct DecodeJob {

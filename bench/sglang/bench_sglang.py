@@ -9,10 +9,13 @@ page hashes with batch_set_v1 (slots A), restores it with batch_get_v1 into othe
 checks it (raw: every page bit-exact; int8: a sample page within the codec bound), then times,
 single-threaded in this process, a copy of the same pages A -> B (the same gathered page layout)
 and a contiguous memcpy of the same byte count. Medians over --reps after one warm-up rep.
+With --baseline-daemon a second daemon (another build) serves a second backend on the same host
+pool, and each rep runs both, in alternating order: a same-run A/B ("vs baseline" = baseline
+median / this median).
 
     .venv/bin/python bench/sglang/bench_sglang.py [--reps 5] [--geometries smollm2-135m qwen3-8b]
         [--codecs int8_per_head raw] [--layouts page_first] [--page-size 64] [--out FILE]
-        [--daemon-arg=--transfer-chunk-bytes=1GiB ...]
+        [--daemon-arg=--transfer-chunk-bytes=1GiB ...] [--baseline-daemon OTHER/hiqcached]
 
 Rates count BF16-equivalent bytes (pages x page_size x BF16 bytes per token), decimal GB.
 Prints a table and writes JSON (bench/results/sglang.json).
@@ -21,6 +24,7 @@ Prints a table and writes JSON (bench/results/sglang.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -31,6 +35,7 @@ import statistics
 import sys
 import time
 import zlib
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -116,106 +121,142 @@ def run_case(geom: str, codec: str, layout: str, args: argparse.Namespace, reps:
                  "host_pool_pages": engine.host.page_num, "device_pool_tokens": device_tokens,
                  "daemon_pool_bytes": pool_bytes, "reps": reps, "warmup_reps": 1}
     out["daemon_args"] = list(args.daemon_arg)
-    with Daemon(pool_bytes=pool_bytes, extra=tuple(args.daemon_arg)) as d:
-        backend = make_backend(engine, extra_config(d.target, codec),
-                               model=f"bench-{geom}", metrics=False)
-        try:
+    arms = [("", None)]
+    if args.baseline_daemon:
+        arms.append(("baseline_", args.baseline_daemon))
+        out["baseline_daemon"] = args.baseline_daemon
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for prefix, binary in arms:
+            d = stack.enter_context(Daemon(pool_bytes=pool_bytes, extra=tuple(args.daemon_arg),
+                                           binary=binary))
+            backend = make_backend(engine, extra_config(d.target, codec),
+                                   model=f"bench-{geom}", metrics=False)
+            stack.callback(backend.close)
             handle = backend._handle()
             if not handle:
-                raise SystemExit(f"{geom}/{codec}/{layout}: the daemon refused the host pool")
+                raise SystemExit(f"{geom}/{codec}/{layout}: the {prefix or 'main '}daemon "
+                                 "refused the host pool")
             info = backend.client.pool_info(handle)
             out["encoded_bytes_per_token"] = info.encoded_bytes_per_token
             out["daemon_capacity_tokens"] = info.capacity_tokens
             if info.capacity_tokens < batch * ps:
                 raise SystemExit(f"daemon pool {pool_bytes} holds {info.capacity_tokens} tokens, "
                                  f"less than one batch ({batch * ps})")
-            slots_a, slots_b = engine.alloc_pages(batch), engine.alloc_pages(batch)
-            first_a = slots_a[::ps].tolist()
-            first_b = slots_b[::ps].tolist()
-            fill_random(engine, first_a, seed=zlib.crc32(f"{geom}/{layout}".encode()))
-            pages_a = [engine.host.get_data_page(s, flat=False) for s in first_a]
-            pages_b = [engine.host.get_data_page(s, flat=False) for s in first_b]
-            flat = engine.host.kv_buffer.view(-1).view(torch.uint8)
-            src = flat[:nbytes]
-            dst = torch.empty(nbytes, dtype=torch.uint8)
-            threads = torch.get_num_threads()
-            t_set, t_get, t_gather, t_contig = [], [], [], []
-            cpu_set, cpu_get = [], []
-            pid = d.proc.pid
-            for r in range(reps + 1):
-                keys = page_hashes(f"bench/{geom}/{codec}/{layout}/rep{r}", batch)
-                if backend.batch_exists(keys) != 0:
-                    raise SystemExit("fresh keys already held: the daemon would not store them")
-                c, t = proc_cpu_s(pid), time.perf_counter()
-                stored = backend.batch_set_v1(keys, slots_a)
-                dt_set = time.perf_counter() - t
-                dc_set = proc_cpu_s(pid) - c
-                if not all(stored):
-                    raise SystemExit(f"{geom}/{codec}/{layout} rep {r}: batch_set_v1 stored "
-                                     f"{sum(stored)}/{batch} pages")
-                for p in pages_b:
-                    p.zero_()
-                c, t = proc_cpu_s(pid), time.perf_counter()
-                got = backend.batch_get_v1(keys, slots_b)
-                dt_get = time.perf_counter() - t
-                dc_get = proc_cpu_s(pid) - c
-                if not all(got):
-                    raise SystemExit(f"{geom}/{codec}/{layout} rep {r}: batch_get_v1 restored "
-                                     f"{sum(got)}/{batch} pages")
-                if codec == "raw":
-                    bad = [i for i, (a, b) in enumerate(zip(pages_a, pages_b))
-                           if not torch.equal(a, b)]
-                    if bad:
-                        raise SystemExit(f"raw restore differs in pages {bad[:8]} (rep {r})")
-                else:
-                    for i in (0, batch // 2, batch - 1):
-                        a, b = engine.page(first_a[i]), engine.page(first_b[i])
-                        v = int8_violations(bf16_bits(a), bf16_bits(b))
-                        if v or torch.equal(a, b):
-                            raise SystemExit(f"int8 restore of page {i}: {v} elements outside "
-                                             f"the bound, exact={torch.equal(a, b)} (rep {r})")
-                torch.set_num_threads(1)
-                try:
-                    t = time.perf_counter()
-                    for a, b in zip(pages_a, pages_b):
-                        b.copy_(a)
-                    dt_gather = time.perf_counter() - t
-                    t = time.perf_counter()
-                    dst.copy_(src)
-                    dt_contig = time.perf_counter() - t
-                finally:
-                    torch.set_num_threads(threads)
-                if r == 0:
-                    continue  # warm-up
-                cpu_set.append(dc_set)
-                cpu_get.append(dc_get)
-                t_set.append(dt_set)
-                t_get.append(dt_get)
-                t_gather.append(dt_gather)
-                t_contig.append(dt_contig)
-            stats = backend.client.get_stats()
-            ns = [n for n in stats.namespaces if n.model == backend.model]
+            runs.append(Arm(prefix, d, backend))
+        slots_a, slots_b = engine.alloc_pages(batch), engine.alloc_pages(batch)
+        first_a = slots_a[::ps].tolist()
+        first_b = slots_b[::ps].tolist()
+        fill_random(engine, first_a, seed=zlib.crc32(f"{geom}/{layout}".encode()))
+        pages_a = [engine.host.get_data_page(s, flat=False) for s in first_a]
+        pages_b = [engine.host.get_data_page(s, flat=False) for s in first_b]
+        flat = engine.host.kv_buffer.view(-1).view(torch.uint8)
+        src = flat[:nbytes]
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        threads = torch.get_num_threads()
+        t_gather, t_contig = [], []
+        for r in range(reps + 1):
+            # Arms alternate which goes first, so that neither always follows the memcpys.
+            for arm in runs if r % 2 == 0 else runs[::-1]:
+                arm.rep(f"bench/{geom}/{codec}/{layout}/rep{r}", slots_a, slots_b, pages_a,
+                        pages_b, first_a, first_b, codec, engine, batch, warmup=r == 0)
+            torch.set_num_threads(1)
+            try:
+                t = time.perf_counter()
+                for a, b in zip(pages_a, pages_b):
+                    b.copy_(a)
+                dt_gather = time.perf_counter() - t
+                t = time.perf_counter()
+                dst.copy_(src)
+                dt_contig = time.perf_counter() - t
+            finally:
+                torch.set_num_threads(threads)
+            if r == 0:
+                continue  # warm-up
+            t_gather.append(dt_gather)
+            t_contig.append(dt_contig)
+        for arm in runs:
+            stats = arm.backend.client.get_stats()
+            ns = [n for n in stats.namespaces if n.model == arm.backend.model]
             if ns:
-                out["daemon_namespace"] = {"blocks": ns[0].blocks, "backups": ns[0].backups,
-                                           "restores": ns[0].restores,
-                                           "evictions": ns[0].evictions,
-                                           "capacity_blocks": ns[0].capacity_blocks}
-        finally:
-            backend.close()
-    del backend, engine, src, dst, flat, pages_a, pages_b
+                out[f"{arm.prefix}daemon_namespace"] = {
+                    "blocks": ns[0].blocks, "backups": ns[0].backups,
+                    "restores": ns[0].restores, "evictions": ns[0].evictions,
+                    "capacity_blocks": ns[0].capacity_blocks}
+        del src, dst, flat, pages_a, pages_b
+    for arm in runs:
+        arm.backend = arm.daemon = None  # the backends hold the host pool
+    del engine
     gc.collect()
 
     mg, mc = med(t_gather), med(t_contig)
-    for name, times in (("batch_set_v1", t_set), ("batch_get_v1", t_get),
-                        ("memcpy_gathered_pages", t_gather), ("memcpy_contiguous", t_contig)):
+    timed = [("memcpy_gathered_pages", t_gather), ("memcpy_contiguous", t_contig)]
+    for arm in runs:
+        timed += [(f"{arm.prefix}batch_set_v1", arm.t_set),
+                  (f"{arm.prefix}batch_get_v1", arm.t_get)]
+    for name, times in timed:
         m = med(times)
         out[name] = {"median_s": m, "times_s": times, "pages_per_s": batch / m,
                      "gb_per_s": nbytes / m / 1e9, "vs_memcpy_gathered": mg / m,
                      "vs_memcpy_contiguous": mc / m}
-    for name, cpu in (("batch_set_v1", cpu_set), ("batch_get_v1", cpu_get)):
-        out[name]["daemon_cpu_s"] = cpu
-        out[name]["daemon_cores_busy"] = sum(cpu) / sum(out[name]["times_s"])
+    for arm in runs:
+        for op, cpu in (("batch_set_v1", arm.cpu_set), ("batch_get_v1", arm.cpu_get)):
+            r = out[arm.prefix + op]
+            r["daemon_cpu_s"] = cpu
+            r["daemon_cores_busy"] = sum(cpu) / sum(r["times_s"])
+            if arm.prefix:
+                out[op]["vs_baseline"] = r["median_s"] / out[op]["median_s"]
     return out
+
+
+class Arm:
+    """One daemon and its backend on the shared host pool, with its timings."""
+
+    def __init__(self, prefix: str, daemon: Daemon | None, backend: Any):
+        self.prefix, self.daemon, self.backend = prefix, daemon, backend
+        self.t_set: list[float] = []
+        self.t_get: list[float] = []
+        self.cpu_set: list[float] = []
+        self.cpu_get: list[float] = []
+
+    def rep(self, tag: str, slots_a, slots_b, pages_a, pages_b, first_a, first_b, codec: str,
+            engine: Engine, batch: int, warmup: bool) -> None:
+        assert self.daemon is not None and self.daemon.proc is not None
+        backend, pid, what = self.backend, self.daemon.proc.pid, f"{self.prefix}{tag}"
+        keys = page_hashes(tag, batch)
+        if backend.batch_exists(keys) != 0:
+            raise SystemExit("fresh keys already held: the daemon would not store them")
+        c, t = proc_cpu_s(pid), time.perf_counter()
+        stored = backend.batch_set_v1(keys, slots_a)
+        dt_set = time.perf_counter() - t
+        dc_set = proc_cpu_s(pid) - c
+        if not all(stored):
+            raise SystemExit(f"{what}: batch_set_v1 stored {sum(stored)}/{batch} pages")
+        for p in pages_b:
+            p.zero_()
+        c, t = proc_cpu_s(pid), time.perf_counter()
+        got = backend.batch_get_v1(keys, slots_b)
+        dt_get = time.perf_counter() - t
+        dc_get = proc_cpu_s(pid) - c
+        if not all(got):
+            raise SystemExit(f"{what}: batch_get_v1 restored {sum(got)}/{batch} pages")
+        if codec == "raw":
+            bad = [i for i, (a, b) in enumerate(zip(pages_a, pages_b)) if not torch.equal(a, b)]
+            if bad:
+                raise SystemExit(f"{what}: raw restore differs in pages {bad[:8]}")
+        else:
+            for i in (0, batch // 2, batch - 1):
+                a, b = engine.page(first_a[i]), engine.page(first_b[i])
+                v = int8_violations(bf16_bits(a), bf16_bits(b))
+                if v or torch.equal(a, b):
+                    raise SystemExit(f"{what}: int8 restore of page {i}: {v} elements outside "
+                                     f"the bound, exact={torch.equal(a, b)}")
+        if warmup:
+            return
+        self.t_set.append(dt_set)
+        self.t_get.append(dt_get)
+        self.cpu_set.append(dc_set)
+        self.cpu_get.append(dc_get)
 
 
 def print_case(c: dict) -> None:
@@ -226,13 +267,17 @@ def print_case(c: dict) -> None:
           + (f", daemon evictions {c['daemon_namespace']['evictions']}"
              if "daemon_namespace" in c else "")
           + (f", daemon {' '.join(c['daemon_args'])}" if c["daemon_args"] else ""))
-    for name in ("batch_set_v1", "batch_get_v1", "memcpy_gathered_pages", "memcpy_contiguous"):
+    for name in ("batch_set_v1", "batch_get_v1", "baseline_batch_set_v1", "baseline_batch_get_v1",
+                 "memcpy_gathered_pages", "memcpy_contiguous"):
+        if name not in c:
+            continue
         r = c[name]
         print(f"  {name:22s} {r['median_s'] * 1e3:8.1f} ms {r['pages_per_s']:8.0f} pages/s "
               f"{r['gb_per_s']:6.2f} GB/s  {r['vs_memcpy_gathered']:5.2f}x gathered "
               f"{r['vs_memcpy_contiguous']:5.2f}x contiguous"
               + (f"  daemon {r['daemon_cores_busy']:.2f} cores" if "daemon_cores_busy" in r
-                 else ""))
+                 else "")
+              + (f"  {r['vs_baseline']:.2f}x baseline" if "vs_baseline" in r else ""))
 
 
 def main() -> None:
@@ -251,6 +296,9 @@ def main() -> None:
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra hiqcached argument (repeatable), e.g. --daemon-arg="
                     "--transfer-chunk-bytes=1GiB")
+    ap.add_argument("--baseline-daemon", default=None, metavar="HIQCACHED",
+                    help="another hiqcached binary, run beside this one on the same host pool "
+                    "with its reps interleaved (a same-run A/B)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang.json"))
     args = ap.parse_args()
     logging.getLogger("hiqcache").setLevel(logging.WARNING)

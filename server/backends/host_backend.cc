@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "backends/residency.h"
@@ -144,6 +145,75 @@ ShmMapping::~ShmMapping() {
 
 namespace {
 
+// XXH3-64 of each block's payload of an EncodeJob, computed while the codec's threads encode it:
+// a block's layers are hashed in layer order (streaming XXH3, the same digest as hashing the
+// whole payload at once) by whichever thread finishes a layer that continues the block's hashed
+// prefix, while the other threads go on encoding. So the hash runs on every codec thread and
+// reads each layer while it is still in cache; a pass over the payloads after the encode would
+// read them back from memory, one block per thread (a one-block sub-task: on one thread while
+// the others wait). Thread-safe for LayerEncoded; Digest once Encode has returned. Throws
+// std::bad_alloc when a hash state cannot be allocated (the task then fails alone).
+class LayerHasher {
+ public:
+  LayerHasher(const kernels::BlockLayout& layout, const std::vector<uint8_t*>& payloads)
+      : layers_(layout.num_layers),
+        layer_bytes_(layout.LayerBytes()),
+        payloads_(payloads),
+        blocks_(payloads.size()),
+        done_(new std::atomic<uint8_t>[payloads.size() * layout.num_layers]) {
+    for (size_t i = 0; i < payloads.size() * layers_; ++i) done_[i].store(0);
+    for (Block& b : blocks_) {
+      if (b.state == nullptr) throw std::bad_alloc();
+      XXH3_64bits_reset(b.state.get());
+    }
+  }
+
+  // The EncodeJob::layer_encoded hook.
+  static void LayerEncoded(void* self, uint32_t block, uint32_t layer) {
+    static_cast<LayerHasher*>(self)->Done(block, layer);
+  }
+
+  // REQUIRES: every layer of `block` reported (Encode returned).
+  uint64_t Digest(size_t block) const { return XXH3_64bits_digest(blocks_[block].state.get()); }
+
+ private:
+  struct StateDeleter {
+    void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+  };
+  struct Block {
+    std::unique_ptr<XXH3_state_t, StateDeleter> state{XXH3_createState()};
+    std::atomic<bool> busy{false};  // a thread is hashing this block's layers
+    std::atomic<uint32_t> next{0};  // layers hashed so far (written by the busy thread only)
+  };
+
+  // Marks the layer encoded, then hashes what continues the block's hashed prefix unless another
+  // thread is at it. The seq_cst marks and flag form a Dekker handshake: a thread that finds the
+  // block busy has marked its layer before the busy thread releases the flag and looks again, so
+  // no encoded layer is left unhashed, and Encode returns only after every hook call returned.
+  void Done(uint32_t block, uint32_t layer) {
+    Block& b = blocks_[block];
+    std::atomic<uint8_t>* done = &done_[size_t{block} * layers_];
+    done[layer].store(1);
+    for (;;) {
+      if (b.busy.exchange(true)) return;
+      uint32_t n = b.next.load(std::memory_order_relaxed);
+      for (; n < layers_ && done[n].load(); ++n) {
+        XXH3_64bits_update(b.state.get(), payloads_[block] + size_t{n} * layer_bytes_,
+                           layer_bytes_);
+      }
+      b.next.store(n, std::memory_order_relaxed);
+      b.busy.store(false);
+      if (n >= layers_ || !done[n].load()) return;
+    }
+  }
+
+  const uint32_t layers_;
+  const size_t layer_bytes_;
+  const std::vector<uint8_t*>& payloads_;
+  std::vector<Block> blocks_;
+  std::unique_ptr<std::atomic<uint8_t>[]> done_;  // [block][layer]: encoded
+};
+
 class HostBinding : public PoolBinding {
  public:
   // `names[i]` names buffers[i] in errors ("buffers[3]").
@@ -233,17 +303,19 @@ class HostBinding : public PoolBinding {
       job.blocks = task.payloads.data();
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
       job.nonfinite = nonfinite.data();
+      // Block checksums for the pool headers, hashed as the layers are encoded.
+      LayerHasher hasher(layout_, task.payloads);
+      job.layer_encoded = &LayerHasher::LayerEncoded;
+      job.layer_encoded_context = &hasher;
       codec_->Encode(job);
       // Zeros read from a truncated buffer are no KV: nothing of this task is committed.
       st = CheckMemory();
-    }
-    if (st.ok() && !task.payloads.empty()) {
-      // Block checksums for the pool headers, on the codec's threads.
-      const size_t bytes = layout_.BlockBytes();
-      task.checksums.assign(task.payloads.size(), 0);
-      codec_->ParallelFor(task.payloads.size(), [&](size_t b) {
-        if (!nonfinite[b]) task.checksums[b] = XXH3_64bits(task.payloads[b], bytes);
-      });
+      if (st.ok()) {
+        task.checksums.assign(task.payloads.size(), 0);
+        for (size_t b = 0; b < task.payloads.size(); ++b) {
+          if (!nonfinite[b]) task.checksums[b] = hasher.Digest(b);
+        }
+      }
     }
     task.on_written(nonfinite, st);
     SignalValue(task.done_event, task.ticket, !st.ok());

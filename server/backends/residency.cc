@@ -53,22 +53,39 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
                                          const kernels::LayerViews* layers, const uint32_t* rows,
                                          size_t num_rows) {
   runs_.clear();
+  if (num_rows == 0 || layout.num_layers == 0) return 0;
   const uint64_t head_bytes = uint64_t{layout.row.head_dim} * 2;
   const uint32_t heads = layout.row.num_heads;
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    for (uint32_t p = 0; p < layout.kv_planes; ++p) {
-      const kernels::StridedView& v = layers[l].planes[p];
-      const bool contiguous = v.head_stride == head_bytes;
+  auto add_row = [&](const kernels::StridedView& v, uint32_t row) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(v.Head(row, 0));
+    if (v.head_stride == head_bytes) {
+      Add(start, start + heads * head_bytes);
+      return;
+    }
+    for (uint32_t h = 0; h < heads; ++h) {
+      const uintptr_t head = start + uint64_t{h} * v.head_stride;
+      Add(head, head + head_bytes);
+    }
+  };
+  for (uint32_t p = 0; p < layout.kv_planes; ++p) {
+    // Visit the rows in address order where the layout allows, so that Add merges neighbours
+    // into few runs and CountNotResident need not sort thousands: a row's layers one after
+    // another where layers interleave within a row (page_first: a slot holds every layer),
+    // else each layer's rows in turn (layer_first).
+    const kernels::StridedView& first = layers[0].planes[p];
+    bool layers_inner = false;
+    if (layout.num_layers > 1) {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(first.Head(rows[0], 0));
+      const uintptr_t b = reinterpret_cast<uintptr_t>(layers[1].planes[p].Head(rows[0], 0));
+      layers_inner = b > a && b - a < first.row_stride;
+    }
+    if (layers_inner) {
       for (size_t i = 0; i < num_rows; ++i) {
-        const uintptr_t row = reinterpret_cast<uintptr_t>(v.Head(rows[i], 0));
-        if (contiguous) {
-          Add(row, row + heads * head_bytes);
-          continue;
-        }
-        for (uint32_t h = 0; h < heads; ++h) {
-          const uintptr_t head = row + uint64_t{h} * v.head_stride;
-          Add(head, head + head_bytes);
-        }
+        for (uint32_t l = 0; l < layout.num_layers; ++l) add_row(layers[l].planes[p], rows[i]);
+      }
+    } else {
+      for (uint32_t l = 0; l < layout.num_layers; ++l) {
+        for (size_t i = 0; i < num_rows; ++i) add_row(layers[l].planes[p], rows[i]);
       }
     }
   }
@@ -78,8 +95,9 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
 uint64_t ResidencyProbe::CountNotResident() {
   if (runs_.empty()) return 0;
   // Runs of different views may overlap (aliased layers, K and V in one tensor): merge them all,
-  // so that a page is asked about and counted once.
-  std::sort(runs_.begin(), runs_.end());
+  // so that a page is asked about and counted once. Runs added in address order (the usual
+  // case, see RowsNotResident) need no sort.
+  if (!std::is_sorted(runs_.begin(), runs_.end())) std::sort(runs_.begin(), runs_.end());
   size_t out = 0;
   for (size_t i = 1; i < runs_.size(); ++i) {
     if (runs_[i].first <= runs_[out].second) {

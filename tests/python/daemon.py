@@ -24,9 +24,11 @@ def daemon_path() -> str:
 
 class Daemon:
     def __init__(self, pool_bytes: str = "256MiB", extra: tuple[str, ...] = (),
-                 shm_name: str | None = None, open_to_all_users: bool = False):
+                 shm_name: str | None = None, open_to_all_users: bool = False,
+                 binary: str | None = None):
         """open_to_all_users: sockets mode 0666 in a directory others may traverse, for tests
-        whose children drop to other uids."""
+        whose children drop to other uids. binary: the hiqcached to run (default:
+        daemon_path())."""
         self.dir = tempfile.mkdtemp(prefix="hiq-py-")
         if open_to_all_users:
             os.chmod(self.dir, 0o711)
@@ -36,12 +38,13 @@ class Daemon:
         self.shm_name = shm_name or f"/hiq-py-pool-{os.getpid()}-{os.urandom(3).hex()}"
         self.pool_bytes = pool_bytes
         self.extra = tuple(extra)
+        self.binary = binary
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.dir, "daemon.log")
 
     def start(self, timeout: float = 30.0) -> Daemon:
-        args = [daemon_path(), "--listen", self.target, "--pool-bytes", self.pool_bytes,
-                "--shm-name", self.shm_name, "--log-level", "warn", *self.extra]
+        args = [self.binary or daemon_path(), "--listen", self.target, "--pool-bytes",
+                self.pool_bytes, "--shm-name", self.shm_name, "--log-level", "warn", *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <cstring>
@@ -266,6 +267,28 @@ TEST_F(HostBackendTest, PunchedHolesAreChargedAgain) {
   ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 2, 0, &outcome, &written)), StartResult::kCompleted);
   ASSERT_TRUE(outcome.ok()) << outcome.ToString();
   EXPECT_EQ(budget->charged(), 2 * page);
+}
+
+// A backup's block checksums (what the pool headers get) are the XXH3-64 of each payload as
+// written, for sub-tasks of one block and of several: the codec's threads hash each block's
+// layers in order while they encode the rest, and every block is hashed in full.
+TEST_F(HostBackendTest, BackupChecksumsAreTheXxh3OfThePayloads) {
+  auto b = Bind(Spec());
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  uint64_t ticket = 1;
+  for (uint32_t blocks : {1u, 3u, kRows / kBlockTokens}) {
+    for (int rep = 0; rep < 20; ++rep) {
+      Status outcome, written;
+      auto task = BackupTask_(blocks, ticket++, -1, &outcome, &written);
+      ASSERT_EQ((*b)->StartBackup(task), StartResult::kCompleted);
+      ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+      ASSERT_EQ(task->checksums.size(), blocks);
+      for (uint32_t i = 0; i < blocks; ++i) {
+        ASSERT_EQ(task->checksums[i], XXH3_64bits(task->payloads[i], BlockBytes()))
+            << blocks << " blocks, block " << i << ", rep " << rep;
+      }
+    }
+  }
 }
 
 TEST_F(HostBackendTest, BuffersAndEventsByFd) {

@@ -1,0 +1,174 @@
+// ResidencyProbe::RowsNotResident against a page-by-page count: for the host layouts engines use
+// (layers inside a slot as in SGLang's page_first, layer-major as in layer_first, heads apart as
+// in page_head), rows in order, in reverse and shuffled, K and V apart or aliased, over a memfd
+// whose pages are partly written (resident) and partly holes.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/residency.h"
+
+namespace hiqcache::server {
+namespace {
+
+constexpr uint32_t kLayers = 4, kHeads = 2, kDim = 64, kSlots = 256;
+constexpr uint64_t kHeadBytes = uint64_t{kDim} * 2;
+constexpr uint64_t kRowBytes = kHeads * kHeadBytes;
+constexpr uint64_t kPlaneBytes = uint64_t{kSlots} * kLayers * kRowBytes;
+
+class ResidencyProbeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    page_ = ResidencyProbe::PageBytes();
+    bytes_ = 2 * kPlaneBytes;
+    fd_ = ::memfd_create("hiq-residency-probe-test", MFD_CLOEXEC);
+    ASSERT_GE(fd_, 0);
+    ASSERT_EQ(::ftruncate(fd_, static_cast<off_t>(bytes_)), 0);
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    data_ = static_cast<uint8_t*>(p);
+    // Every third page written (resident), the others holes.
+    for (uint64_t at = 0; at < bytes_; at += 3 * page_) std::memset(data_ + at, 1, page_);
+    layout_.row.num_heads = kHeads;
+    layout_.row.head_dim = kDim;
+    layout_.num_layers = kLayers;
+    layout_.kv_planes = 2;
+    layout_.block_tokens = 4;
+  }
+  void TearDown() override {
+    if (data_ != nullptr) ::munmap(data_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Bytes in the distinct pages the rows' heads touch that mincore reports not resident, page by
+  // page.
+  uint64_t Expected(const std::vector<kernels::LayerViews>& views,
+                    const std::vector<uint32_t>& rows) const {
+    std::set<uintptr_t> pages;
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        for (uint32_t r : rows) {
+          for (uint32_t h = 0; h < kHeads; ++h) {
+            const uintptr_t a = reinterpret_cast<uintptr_t>(views[l].planes[p].Head(r, h));
+            for (uintptr_t x = a & ~(page_ - 1); x < a + kHeadBytes; x += page_) pages.insert(x);
+          }
+        }
+      }
+    }
+    uint64_t missing = 0;
+    for (uintptr_t x : pages) {
+      unsigned char v = 0;
+      EXPECT_EQ(::mincore(reinterpret_cast<void*>(x), page_, &v), 0);
+      if ((v & 1) == 0) missing += page_;
+    }
+    return missing;
+  }
+
+  // page_first: [plane][slot][layer][head][dim].
+  std::vector<kernels::LayerViews> PageFirst(bool alias_v = false) const {
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data_ + (alias_v ? 0 : p * kPlaneBytes) + l * kRowBytes;
+        s.row_stride = kLayers * kRowBytes;
+        s.head_stride = kHeadBytes;
+        s.num_rows = kSlots;
+      }
+    }
+    return v;
+  }
+  // layer_first: [plane][layer][slot][head][dim].
+  std::vector<kernels::LayerViews> LayerFirst() const {
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data_ + p * kPlaneBytes + l * kSlots * kRowBytes;
+        s.row_stride = kRowBytes;
+        s.head_stride = kHeadBytes;
+        s.num_rows = kSlots;
+      }
+    }
+    return v;
+  }
+  // page_head: [plane][page][head][page row][layer][dim], 16-row pages.
+  std::vector<kernels::LayerViews> PageHead() const {
+    constexpr uint64_t kPageRows = 16;
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data_ + p * kPlaneBytes + l * kHeadBytes;
+        s.row_stride = kLayers * kHeadBytes;
+        s.head_stride = kPageRows * kLayers * kHeadBytes;
+        s.page_rows = kPageRows;
+        s.page_stride = kHeads * kPageRows * kLayers * kHeadBytes;
+        s.num_rows = kSlots;
+      }
+    }
+    return v;
+  }
+
+  void Check(const std::string& what, const std::vector<kernels::LayerViews>& views) {
+    std::vector<std::vector<uint32_t>> row_sets;
+    std::vector<uint32_t> rows(64);
+    std::iota(rows.begin(), rows.end(), 40);  // in order
+    row_sets.push_back(rows);
+    std::reverse(rows.begin(), rows.end());
+    row_sets.push_back(rows);
+    std::vector<uint32_t> all(kSlots);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), std::mt19937(7));
+    row_sets.emplace_back(all.begin(), all.begin() + 48);  // shuffled, with gaps
+    row_sets.push_back({200, 201, 202, 203, 8, 9, 10, 11, 120, 121, 122, 123});  // blocks
+    row_sets.push_back({kSlots - 1});
+    for (size_t i = 0; i < row_sets.size(); ++i) {
+      const uint64_t want = Expected(views, row_sets[i]);
+      EXPECT_EQ(
+          probe_.RowsNotResident(layout_, views.data(), row_sets[i].data(), row_sets[i].size()),
+          want)
+          << what << ", row set " << i;
+    }
+  }
+
+  size_t page_ = 0;
+  uint64_t bytes_ = 0;
+  int fd_ = -1;
+  uint8_t* data_ = nullptr;
+  kernels::BlockLayout layout_;
+  ResidencyProbe probe_;
+};
+
+TEST_F(ResidencyProbeTest, PageFirstCountsEachMissingPageOnce) { Check("page_first", PageFirst()); }
+
+TEST_F(ResidencyProbeTest, LayerFirstCountsEachMissingPageOnce) {
+  Check("layer_first", LayerFirst());
+}
+
+TEST_F(ResidencyProbeTest, HeadsApartCountEachMissingPageOnce) { Check("page_head", PageHead()); }
+
+TEST_F(ResidencyProbeTest, AliasedPlanesCountEachMissingPageOnce) {
+  Check("page_first, V aliasing K", PageFirst(/*alias_v=*/true));
+}
+
+// The expectation is not vacuous: the rows span both written pages and holes.
+TEST_F(ResidencyProbeTest, RowsSpanHolesAndWrittenPages) {
+  std::vector<uint32_t> rows(64);
+  std::iota(rows.begin(), rows.end(), 40);
+  const auto views = PageFirst();
+  const uint64_t missing = probe_.RowsNotResident(layout_, views.data(), rows.data(), rows.size());
+  EXPECT_GT(missing, 0u);
+  EXPECT_LT(missing, 2 * rows.size() * kLayers * kRowBytes);
+}
+
+}  // namespace
+}  // namespace hiqcache::server
