@@ -95,10 +95,6 @@ struct BlockLayout {
   HIQ_HD size_t RowOffset(uint32_t layer, uint32_t plane, uint32_t token) const {
     return PlaneOffset(layer, plane) + static_cast<size_t>(token) * row.PlaneRowBytes(plane);
   }
-  // Offset of KIVI's K channel parameters of `layer` (zero points, then scales).
-  HIQ_HD size_t ParamOffset(uint32_t layer) const {
-    return PlaneOffset(layer, 0) + static_cast<size_t>(block_tokens) * row.PlaneRowBytes(0);
-  }
 };
 
 }  // namespace hiqcache::kernels
