@@ -353,6 +353,14 @@ BENCHMARK_CAPTURE(BM_DecodeCodec, Int4, CodecKind::kInt4G32PerHead)
     ->Apply(ThreadArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int4Kivi, CodecKind::kInt4Kivi)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int4Kivi, CodecKind::kInt4Kivi)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeOneBlock)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeOneBlock)
     ->Apply(ThreadAndLayerArgs)

@@ -62,6 +62,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_FP8_E4M3_PER_HEAD;
     case Codec::kInt4G32PerHead:
       return v1::CODEC_INT4_G32_PER_HEAD;
+    case Codec::kInt4Kivi:
+      return v1::CODEC_INT4_KIVI;
     case Codec::kInt8PerHead:
       break;
   }
@@ -116,6 +118,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kFp8E4m3PerHead;
     case v1::CODEC_INT4_G32_PER_HEAD:
       return Codec::kInt4G32PerHead;
+    case v1::CODEC_INT4_KIVI:
+      return Codec::kInt4Kivi;
     default:
       return Codec::kInt8PerHead;
   }

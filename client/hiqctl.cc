@@ -285,6 +285,8 @@ const char* CodecEnumName(Codec c) {
       return "CODEC_FP8_E4M3_PER_HEAD";
     case Codec::kInt4G32PerHead:
       return "CODEC_INT4_G32_PER_HEAD";
+    case Codec::kInt4Kivi:
+      return "CODEC_INT4_KIVI";
     case Codec::kInt8PerHead:
       break;
   }

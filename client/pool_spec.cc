@@ -14,6 +14,8 @@ const char* CodecName(Codec codec) {
       return "fp8_e4m3_per_head";
     case Codec::kInt4G32PerHead:
       return "int4_g32_per_head";
+    case Codec::kInt4Kivi:
+      return "int4_kivi";
     case Codec::kInt8PerHead:
       break;
   }

@@ -12,6 +12,7 @@
 
 #include "codec_cpu_fp8.h"
 #include "codec_cpu_int4.h"
+#include "codec_cpu_kivi.h"
 #include "codec_math.h"
 #include "codec_reference.h"
 #include "codec_simd-inl.h"
@@ -211,7 +212,7 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& vi
 bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   if (fmt.codec == CodecKind::kRaw) return EncodeRowReference(fmt, view, row, dst);
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return EncodeRowsFp8Simd(fmt, view, &row, 1, dst);
-  if (fmt.codec == CodecKind::kInt4G32PerHead) return EncodeRowsInt4Simd(fmt, view, &row, 1, dst);
+  if (fmt.IsInt4Rows()) return EncodeRowsInt4Simd(fmt, view, &row, 1, dst);
   return fmt.dtype == DType::kBF16 ? EncodeRowT<DType::kBF16>(fmt, view, row, dst)
                                    : EncodeRowT<DType::kFP16>(fmt, view, row, dst);
 }
@@ -219,7 +220,7 @@ bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint
 void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row) {
   if (fmt.codec == CodecKind::kRaw) return DecodeRowReference(fmt, src, view, row);
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return DecodeRowsFp8Simd(fmt, src, view, &row, 1);
-  if (fmt.codec == CodecKind::kInt4G32PerHead) return DecodeRowsInt4Simd(fmt, src, view, &row, 1);
+  if (fmt.IsInt4Rows()) return DecodeRowsInt4Simd(fmt, src, view, &row, 1);
   if (fmt.dtype == DType::kBF16) {
     DecodeRowT<DType::kBF16>(fmt, src, view, row);
   } else {
@@ -240,7 +241,7 @@ bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* r
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
     return EncodeRowsFp8Simd(fmt, view, rows, num_rows, dst);
   }
-  if (fmt.codec == CodecKind::kInt4G32PerHead) {
+  if (fmt.IsInt4Rows()) {  // INT4, and KIVI's V rows
     return EncodeRowsInt4Simd(fmt, view, rows, num_rows, dst);
   }
   if (fmt.codec == CodecKind::kRaw) {
@@ -266,7 +267,7 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
     return DecodeRowsFp8Simd(fmt, src, view, rows, num_rows);
   }
-  if (fmt.codec == CodecKind::kInt4G32PerHead) {
+  if (fmt.IsInt4Rows()) {  // INT4, and KIVI's V rows
     return DecodeRowsInt4Simd(fmt, src, view, rows, num_rows);
   }
   if (fmt.codec == CodecKind::kRaw) {
@@ -341,9 +342,14 @@ uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned thr
 void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, uint32_t begin,
                  uint32_t end) {
   const BlockLayout& lay = job.layout;
+  const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens + begin;
+  if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
+    DecodeKiviKRowsSimd(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0), lay.block_tokens, begin,
+                        end, job.layers[layer].planes[0], rows);
+    return;
+  }
   HWY_DYNAMIC_DISPATCH(DecodeRows)
-  (lay.row, job.blocks[b] + lay.RowOffset(layer, p, 0) + begin * lay.row.RowBytes(),
-   job.layers[layer].planes[p], job.rows + static_cast<size_t>(b) * lay.block_tokens + begin,
+  (lay.row, job.blocks[b] + lay.RowOffset(layer, p, begin), job.layers[layer].planes[p], rows,
    end - begin);
 }
 }  // namespace
@@ -368,6 +374,11 @@ void CpuCodec::Encode(const EncodeJob& job) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     bool finite = true;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
+        finite &= EncodeKiviKPlaneSimd(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
+                                       job.blocks[b] + lay.PlaneOffset(l, 0));
+        continue;
+      }
       finite &=
           HWY_DYNAMIC_DISPATCH(EncodeRows)(lay.row, job.layers[l].planes[p], rows, lay.block_tokens,
                                            job.blocks[b] + lay.RowOffset(l, p, 0));

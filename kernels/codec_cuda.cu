@@ -670,6 +670,10 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   if (lay.row.dtype != DType::kBF16 && lay.row.dtype != DType::kFP16) {
     return InvalidArgument(w + ": layout.row.dtype is not BF16 or FP16");
   }
+  if (lay.row.codec == CodecKind::kInt4Kivi) {
+    return Status(StatusCode::kUnimplemented,
+                  w + ": layout.row.codec CODEC_INT4_KIVI has no CUDA kernel (HOST pools only)");
+  }
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
       lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead) {
     return InvalidArgument(w + ": layout.row.codec is unknown");

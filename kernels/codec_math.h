@@ -48,6 +48,29 @@
 //   an fp16 subnormal, |x^| <= 2^-14). Together, INT8's bound with the group's s:
 //   |x^ - x| <= (0.5 + 2^-8) * s + 2^-8 * |x^|   (+ 2^-25 for FP16 subnormal x^)
 //   (about 0.072 amax of the group, against INT8's 0.0039 amax of the head.)
+//
+// INT4 KIVI, K plane (per channel c = (head, dim) over the block's tokens; lo/hi the channel's
+// smallest and largest x; every product by 0.5 or 2 below is exact in fp32):
+//   z  = lo + 0 (the input dtype's bits: exact; -0 stored as +0)
+//   s  = bf16_rne(max(0.5 hi - 0.5 lo, 2^-112) / 7.5)   (fp32; s >= 2^-114.9, a normal bf16)
+//   q  = clamp(round_half_even(2 * ((0.5 x - 0.5 z) / s)), 0, 15)   (fp32; the halving keeps a
+//        range near the dtype's largest values finite), an unsigned nibble, element 2i of a row
+//        low. A channel of one value (lo == hi) stores q = 0 and restores z = x exactly.
+//   x^ = rne(2 * (q * (0.5 s) + 0.5 z)) in the output dtype, saturated: fp32's q * s + z, halved
+//        so that a range near the dtype's largest values does not overflow (q * 0.5 s is exact in
+//        fp32: 4 + 8 bits, so a fused multiply-add gives the same sum)
+// V plane: INT4 grouped rows, exactly as above.
+//
+// INT4 KIVI K error bound, elementwise, s the element's channel scale:
+//   s rounds (hi - lo) / 15 to 8 significant bits, so (x - z) / s <= 15 / (1 - 2^-8) < 15.06:
+//     rne lands in [0, 15] (the clamp never binds on a finite channel);
+//   the fp32 difference and quotient add at most 2 * 15.06 * 2^-24 < 2^-19 to |q - (x - z) / s|,
+//     so |q * s + z - x| <= (0.5 + 2^-19) * s;
+//   the fp32 sum y = fl(q * s + z) adds 2^-24 |y| <= 2^-23 |x^| (+ subnormal terms far below
+//     2^-9 s), and the output rounding u |x^| (u = 2^-8 BF16, 2^-11 FP16; + 2^-25 where x^ is an
+//     fp16 subnormal). Together:
+//   |x^ - x| <= (0.5 + 2^-8) * s + (u + 2^-22) * |x^|   (+ 2^-25 for FP16 subnormal x^)
+//   (s is about (hi - lo) / 15 of the channel: an outlier channel keeps its step to itself.)
 #pragma once
 
 #include <cstdint>
@@ -271,6 +294,37 @@ HIQ_HD int32_t Int4NibbleValue(uint32_t nibble) {
 
 HIQ_HD uint16_t DequantizeInt4Element(uint32_t nibble, float s, DType dtype) {
   return FloatToHalfSat(static_cast<float>(Int4NibbleValue(nibble)) * s, dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT4 KIVI: K per channel over a block (asymmetric, 16 levels); V as INT4 grouped rows.
+
+constexpr int kKiviKQMax = 15;
+
+// The stored zero point of a channel whose smallest element is `lo` (a value of the input dtype,
+// as fp32): lo's own bits, with -0 as +0.
+HIQ_HD uint16_t KiviKZeroBits(float lo, DType dtype) { return FloatToHalfSat(lo + 0.0f, dtype); }
+
+// The bf16 scale of a channel whose elements lie in [lo, hi] (finite values of the input dtype).
+HIQ_HD uint16_t KiviKScaleBf16(float lo, float hi) {
+  float r = 0.5f * hi - 0.5f * lo;
+  const float floor = BitsToFloat(kAmaxFloorBits);
+  if (!(r >= floor)) r = floor;
+  return FloatToBf16Sat(r / 7.5f);
+}
+
+// q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, 15), as an unsigned nibble.
+HIQ_HD uint32_t QuantizeKiviKElement(float x, float z, float s) {
+  float q = RoundHalfEven(2.0f * ((0.5f * x - 0.5f * z) / s));
+  if (q > static_cast<float>(kKiviKQMax)) q = static_cast<float>(kKiviKQMax);
+  if (q < 0.0f) q = 0.0f;
+  return static_cast<uint32_t>(q);
+}
+
+// x^ = rne(2 * (q * (0.5 s) + 0.5 z)): fp32's q * s + z, without overflow where the channel's
+// range is near the dtype's largest values.
+HIQ_HD uint16_t DequantizeKiviKElement(uint32_t nibble, float z, float s, DType dtype) {
+  return FloatToHalfSat(2.0f * (static_cast<float>(nibble & 0xFu) * (0.5f * s) + 0.5f * z), dtype);
 }
 
 }  // namespace hiqcache::kernels

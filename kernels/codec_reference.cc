@@ -65,6 +65,68 @@ void DecodeRowInt4(const RowFormat& fmt, const uint8_t* src, const StridedView& 
 
 }  // namespace
 
+bool EncodeKiviKPlaneReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                               uint32_t num_rows, uint8_t* dst) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const size_t code_bytes = channels / 2;
+  uint8_t* zeros = dst + static_cast<size_t>(num_rows) * code_bytes;
+  uint8_t* scales = zeros + 2 * channels;
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    for (uint32_t i = 0; i < d; ++i) {
+      const size_t c = static_cast<size_t>(h) * d + i;
+      uint16_t amax_bits = 0;
+      float lo = 0.0f;
+      float hi = 0.0f;
+      for (uint32_t t = 0; t < num_rows; ++t) {
+        const uint16_t bits = LoadU16(view.Head(rows[t], h) + 2 * i);
+        if ((bits & 0x7FFFu) > amax_bits) amax_bits = bits & 0x7FFFu;
+        const float x = HalfToFloat(bits, fmt.dtype);
+        if (t == 0 || x < lo) lo = x;
+        if (t == 0 || x > hi) hi = x;
+      }
+      if (amax_bits >= InfBits(fmt.dtype)) return false;
+      const uint16_t z_bits = KiviKZeroBits(lo, fmt.dtype);
+      const uint16_t s_bits = KiviKScaleBf16(lo, hi);
+      const float z = HalfToFloat(z_bits, fmt.dtype);
+      const float s = Bf16ToFloat(s_bits);
+      for (uint32_t t = 0; t < num_rows; ++t) {
+        const float x = HalfToFloat(LoadU16(view.Head(rows[t], h) + 2 * i), fmt.dtype);
+        uint8_t& byte = dst[t * code_bytes + c / 2];
+        const uint32_t q = QuantizeKiviKElement(x, z, s);
+        byte = (c % 2 == 0) ? static_cast<uint8_t>((byte & 0xF0u) | q)
+                            : static_cast<uint8_t>((byte & 0x0Fu) | (q << 4));
+      }
+      StoreU16(zeros + 2 * c, z_bits);
+      StoreU16(scales + 2 * c, s_bits);
+    }
+  }
+  return true;
+}
+
+void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens,
+                              uint32_t begin, uint32_t end, const StridedView& view,
+                              const uint32_t* rows) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const size_t code_bytes = channels / 2;
+  const uint8_t* zeros = plane + static_cast<size_t>(block_tokens) * code_bytes;
+  const uint8_t* scales = zeros + 2 * channels;
+  for (uint32_t t = begin; t < end; ++t) {
+    const uint8_t* codes = plane + t * code_bytes;
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      uint8_t* out = view.Head(rows[t - begin], h);
+      for (uint32_t i = 0; i < d; ++i) {
+        const size_t c = static_cast<size_t>(h) * d + i;
+        const uint32_t q = (c % 2 == 0) ? (codes[c / 2] & 0xFu) : (codes[c / 2] >> 4);
+        StoreU16(out + 2 * i,
+                 DequantizeKiviKElement(q, HalfToFloat(LoadU16(zeros + 2 * c), fmt.dtype),
+                                        Bf16ToFloat(LoadU16(scales + 2 * c)), fmt.dtype));
+      }
+    }
+  }
+}
+
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
@@ -73,7 +135,7 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
     }
     return true;
   }
-  if (fmt.codec == CodecKind::kInt4G32PerHead) return EncodeRowInt4(fmt, view, row, dst);
+  if (fmt.IsInt4Rows()) return EncodeRowInt4(fmt, view, row, dst);
   const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
   uint8_t* codes = dst;
   uint8_t* scales = dst + fmt.ElementsPerRow();
@@ -107,7 +169,7 @@ void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedV
     }
     return;
   }
-  if (fmt.codec == CodecKind::kInt4G32PerHead) return DecodeRowInt4(fmt, src, view, row);
+  if (fmt.IsInt4Rows()) return DecodeRowInt4(fmt, src, view, row);
   const bool fp8 = fmt.codec == CodecKind::kFp8E4m3PerHead;
   const uint8_t* codes = src;
   const uint8_t* scales = src + fmt.ElementsPerRow();
@@ -129,6 +191,12 @@ void EncodeBlocksReference(const EncodeJob& job) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     for (uint32_t l = 0; l < lay.num_layers; ++l) {
       for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
+          finite &=
+              EncodeKiviKPlaneReference(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
+                                        job.blocks[b] + lay.PlaneOffset(l, 0));
+          continue;
+        }
         for (uint32_t t = 0; t < lay.block_tokens; ++t) {
           finite &= EncodeRowReference(lay.row, job.layers[l].planes[p], rows[t],
                                        job.blocks[b] + lay.RowOffset(l, p, t));
@@ -144,6 +212,12 @@ void DecodeLayerReference(const DecodeJob& job, uint32_t layer) {
   for (uint32_t b = 0; b < job.num_blocks; ++b) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
+        DecodeKiviKRowsReference(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0),
+                                 lay.block_tokens, 0, lay.block_tokens, job.layers[layer].planes[0],
+                                 rows);
+        continue;
+      }
       for (uint32_t t = 0; t < lay.block_tokens; ++t) {
         DecodeRowReference(lay.row, job.blocks[b] + lay.RowOffset(layer, p, t),
                            job.layers[layer].planes[p], rows[t]);

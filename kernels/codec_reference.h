@@ -9,13 +9,25 @@
 
 namespace hiqcache::kernels {
 
-// Encodes one row (all heads of `row` in `view`) into `dst` (fmt.RowBytes() bytes).
+// Encodes one row (all heads of `row` in `view`) into `dst` (fmt.RowBytes() bytes; for
+// CODEC_INT4_KIVI a V row).
 // Returns false, leaving `dst` unspecified, when an INT8, FP8 or INT4 row holds NaN or Inf.
 // REQUIRES for INT4: fmt.head_dim % kInt4GroupElems == 0 (registration enforces it).
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
 // Decodes one stored row into all heads of `row` in `view`.
 void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                         uint32_t row);
+
+// CODEC_INT4_KIVI's K plane of one (block, layer): encodes rows[0..num_rows) of `view` into
+// `dst` (num_rows code rows of H*D/2 bytes, then H*D zero points and H*D bf16 scales). Returns
+// false, leaving `dst` unspecified, when an element is NaN or Inf. REQUIRES: fmt.head_dim even.
+bool EncodeKiviKPlaneReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                               uint32_t num_rows, uint8_t* dst);
+// Decodes rows [begin, end) of a KIVI K plane of `block_tokens` rows at `plane` into
+// rows[0..end - begin) of `view`.
+void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens,
+                              uint32_t begin, uint32_t end, const StridedView& view,
+                              const uint32_t* rows);
 
 void EncodeBlocksReference(const EncodeJob& job);
 // Decodes layer `layer` of every block of the job.

@@ -19,6 +19,12 @@ enum class CodecKind : uint8_t {
   // H*D/2 bytes of two's-complement nibbles (head-major, group-major inside a head; element 2i
   // in the low nibble) | H*D/32 bf16 scales, one per group of 32 elements. D % 32 == 0.
   kInt4G32PerHead = 3,
+  // KIVI-style INT4, stored per plane of a block (see BlockLayout): plane 0 (K, or MLA's one
+  // latent plane) holds block_tokens rows of H*D/2 bytes of unsigned nibbles (element 2i low),
+  // then H*D zero points (the input dtype's bits) and H*D bf16 scales, one pair per channel
+  // (head, dim) over the block's tokens; plane 1 (V) holds block_tokens kInt4G32PerHead rows.
+  // D % 32 == 0.
+  kInt4Kivi = 4,
 };
 
 struct RowFormat {
@@ -31,19 +37,30 @@ struct RowFormat {
   // Bytes of one row as the engine holds it (BF16/FP16).
   HIQ_HD size_t InputRowBytes() const { return ElementsPerRow() * 2; }
   // Bytes of one stored row: H*D + 2H for INT8 and FP8 (1,040 for 8x128), 2*H*D for RAW,
-  // H*D/2 + 2*H*D/32 for INT4 (576 for 8x128).
+  // H*D/2 + 2*H*D/32 for INT4 and KIVI's V rows (576 for 8x128).
   HIQ_HD size_t RowBytes() const {
     if (codec == CodecKind::kRaw) return ElementsPerRow() * 2;
-    if (codec == CodecKind::kInt4G32PerHead) return CodeBytes() + 2u * ScaleCount();
+    if (IsInt4Rows()) return CodeBytes() + 2u * ScaleCount();
     return ElementsPerRow() + 2u * num_heads;
   }
-  // Bytes of the codes at the start of a stored row (the scales follow). Not for RAW.
-  HIQ_HD size_t CodeBytes() const {
-    return codec == CodecKind::kInt4G32PerHead ? ElementsPerRow() / 2 : ElementsPerRow();
+  // Bytes of one stored row of `plane`: RowBytes(), except KIVI's K rows (codes only, H*D/2).
+  HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
+    return codec == CodecKind::kInt4Kivi && plane == 0 ? ElementsPerRow() / 2 : RowBytes();
   }
+  // Bytes after the rows of a plane: KIVI's K channel parameters (H*D zero points and H*D bf16
+  // scales, 4*H*D), else 0.
+  HIQ_HD size_t PlaneParamBytes(uint32_t plane) const {
+    return codec == CodecKind::kInt4Kivi && plane == 0 ? ElementsPerRow() * 4 : 0;
+  }
+  // Bytes of the codes at the start of a stored row (the scales follow). Not for RAW.
+  HIQ_HD size_t CodeBytes() const { return IsInt4Rows() ? ElementsPerRow() / 2 : ElementsPerRow(); }
   // bf16 scales of a stored row: one per head, or per group of 32 elements for INT4.
   HIQ_HD size_t ScaleCount() const {
-    return codec == CodecKind::kInt4G32PerHead ? ElementsPerRow() / kInt4GroupElems : num_heads;
+    return IsInt4Rows() ? ElementsPerRow() / kInt4GroupElems : num_heads;
+  }
+  // Rows in kInt4G32PerHead's format: INT4's, and KIVI's V rows.
+  HIQ_HD bool IsInt4Rows() const {
+    return codec == CodecKind::kInt4G32PerHead || codec == CodecKind::kInt4Kivi;
   }
 };
 
@@ -53,17 +70,30 @@ struct BlockLayout {
   uint32_t kv_planes = 2;  // 2 = K and V (MHA), 1 = one latent row (MLA)
   uint32_t block_tokens = 0;
 
-  HIQ_HD size_t PlaneBytes() const { return static_cast<size_t>(block_tokens) * row.RowBytes(); }
-  HIQ_HD size_t LayerBytes() const { return PlaneBytes() * kv_planes; }
+  // Bytes of one plane of one layer: its rows, then its parameters (KIVI's K only).
+  HIQ_HD size_t PlaneBytes(uint32_t plane) const {
+    return static_cast<size_t>(block_tokens) * row.PlaneRowBytes(plane) +
+           row.PlaneParamBytes(plane);
+  }
+  HIQ_HD size_t LayerBytes() const {
+    size_t bytes = 0;
+    for (uint32_t p = 0; p < kv_planes; ++p) bytes += PlaneBytes(p);
+    return bytes;
+  }
   HIQ_HD size_t BlockBytes() const { return LayerBytes() * num_layers; }
-  // Stored bytes per token across all layers (74,880 for Qwen3-8B INT8).
+  // Stored bytes per token across all layers (74,880 for Qwen3-8B INT8): BlockBytes() /
+  // block_tokens, rounded up where KIVI's per-block K parameters do not divide evenly.
   HIQ_HD size_t BytesPerToken() const {
-    return static_cast<size_t>(num_layers) * kv_planes * row.RowBytes();
+    if (block_tokens == 0) return 0;
+    return (BlockBytes() + block_tokens - 1) / block_tokens;
+  }
+  // Offset of plane `plane` of `layer` inside a block payload.
+  HIQ_HD size_t PlaneOffset(uint32_t layer, uint32_t plane) const {
+    return static_cast<size_t>(layer) * LayerBytes() + (plane == 0 ? 0 : PlaneBytes(0));
   }
   // Offset of (layer, plane, token)'s row inside a block payload.
   HIQ_HD size_t RowOffset(uint32_t layer, uint32_t plane, uint32_t token) const {
-    return static_cast<size_t>(layer) * LayerBytes() + static_cast<size_t>(plane) * PlaneBytes() +
-           static_cast<size_t>(token) * row.RowBytes();
+    return PlaneOffset(layer, plane) + static_cast<size_t>(token) * row.PlaneRowBytes(plane);
   }
 };
 

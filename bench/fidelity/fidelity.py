@@ -569,7 +569,13 @@ def write_outputs(r: dict, args) -> None:
                          f"{a['ppl']['ppl']:.5f} {a['ppl']['se']:.5f}")
         lines += ["", ""]
     dat.write_text("\n".join(lines))
-    print(f"wrote {out} and {dat}")
+    # The gates' limits over all windows (metrics.py), for the plot's gate lines.
+    fl = r["paths"]["floor"]
+    gates = out.with_suffix(".gates")
+    gates.write_text(f"# gate limits of {out.name}: KL as multiples of the floor's mean, top-1 "
+                     f"as points below it\nfloor_kl = {fl['kl']['mean']:.6e}\n"
+                     f"floor_top1 = {100 * fl['top1']['mean']:.4f}\n")
+    print(f"wrote {out}, {dat} and {gates}")
     if args.no_plot:
         return
     png = out.with_suffix(".png")
@@ -577,8 +583,8 @@ def write_outputs(r: dict, args) -> None:
     sub = (f"SmolLM2-135M-Instruct bf16, {c['windows']} windows of GPL-3 text + chat, "
            f"{c['continued_tokens']} continued tokens, {c['decode']} decode, batch {c['batch']}")
     try:
-        gp_vars = (f"datafile='{dat}'; outfile='{png}'; subtitle='{sub}'; "
-                   f"has_raw={int('raw' in r['paths'])}")
+        gp_vars = (f"datafile='{dat}'; outfile='{png}'; gatesfile='{gates}'; "
+                   f"subtitle='{sub}'; has_raw={int('raw' in r['paths'])}")
         subprocess.run(["gnuplot", "-e", gp_vars,
                         str(ROOT / "bench" / "fidelity" / "plot_fidelity.gp")], check=True)
         print(f"wrote {png}")

@@ -85,6 +85,8 @@ def gate_kind(codec_name: str) -> str:
         return "exact"
     if codec_name.startswith(("int8", "fp8")):
         return "strict"
+    if codec_name == "int4_kivi":
+        return "kivi"
     if codec_name.startswith("int4"):
         return "int4"
     return "none"
@@ -107,6 +109,15 @@ def check_gate(name: str, agg: dict, floor: dict, raw_exact: bool | None) -> dic
         checks.append({"check": "ppl equals the floor's", "ok": agg["ppl"]["ppl"] ==
                        floor["ppl"]["ppl"], "value": agg["ppl"]["ppl"],
                        "limit": floor["ppl"]["ppl"]})
+    elif kind == "kivi":
+        # Held to INT8's gate; its verdict also says whether the loose (INT4) one holds.
+        strict = check_gate("int8", agg, floor, raw_exact)
+        loose = check_gate("int4", agg, floor, raw_exact)
+        verdict = ("pass" if strict["verdict"] == "pass" else
+                   "not recommended (passes the 3x gate only)" if loose["verdict"] == "pass"
+                   else "not recommended")
+        return {"kind": kind, "verdict": verdict, "fails_run": False,
+                "checks": strict["checks"] + loose["checks"]}
     elif kind in ("strict", "int4"):
         lim = STRICT if kind == "strict" else LOOSE
         kl_lim = lim["kl_ratio"] * floor["kl"]["mean"]

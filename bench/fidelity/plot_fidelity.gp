@@ -7,9 +7,14 @@
 # checked-in data). Data: one block per path (gnuplot index), its first row the path's name,
 # then prefix_tokens kl_mean kl_se top1_pct top1_se_pct ppl ppl_se. Blocks: the floor first, raw
 # last when has_raw (drawn dotted over the floor, which it must equal), the codecs between.
+# The gates (bench/fidelity/README.md) are drawn as horizontal lines from gatesfile (floor_kl,
+# floor_top1: the floor's means over all windows): KL 1.5x and 3x the floor, top-1 1 and 3
+# points below it. A gate applies to a codec's mean over all windows, not to each length.
 if (!exists("datafile")) datafile = 'bench/results/fidelity.dat'
 if (!exists("outfile")) outfile = 'bench/results/fidelity.png'
 if (!exists("has_raw")) has_raw = 1
+if (!exists("gatesfile")) gatesfile = 'bench/results/fidelity.gates'
+load gatesfile
 if (!exists("subtitle")) subtitle = 'SmolLM2-135M-Instruct bf16, GPL-3 text + chat windows'
 
 stats datafile u 1 nooutput
@@ -37,12 +42,19 @@ set title 'next-token KL(reference || path), nats (mean ± SE over windows)'
 set logscale y
 set format y '%.0e'
 # Block 0 is the floor; raw (if measured) lies exactly on it.
+set style line 8 lc rgb '#555555' lw 1.2 dt 4
+set style line 9 lc rgb '#aaaaaa' lw 1.2 dt 4
 plot for [i=0:npaths-1] datafile index i u 1:2:3 w yerrorlines ls style(i) \
-     title columnheader(1)
+     title columnheader(1), \
+     1.5 * floor_kl w l ls 8 title 'gate: mean KL <= 1.5x floor (INT8, FP8, INT4 KIVI)', \
+     3 * floor_kl w l ls 9 title 'gate: mean KL <= 3x floor (INT4)'
 unset logscale y
 set format y '%g'
 set title 'top-1 agreement with the reference (%)'
 set key bottom left
 plot for [i=0:npaths-1] datafile index i u 1:4:5 w yerrorlines ls style(i) \
-     title columnheader(1)
+     title columnheader(1), \
+     floor_top1 - 1 w l ls 8 title 'gate: mean top-1 >= floor - 1 point (INT8, FP8, INT4 KIVI)', \
+     floor_top1 - 3 w l ls 9 title 'gate: mean top-1 >= floor - 3 points (INT4)'
+
 unset multiplot

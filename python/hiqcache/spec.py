@@ -32,6 +32,9 @@ class Codec(enum.Enum):
     FP8_E4M3_PER_HEAD = "fp8_e4m3_per_head"  # E4M3 codes + a BF16 scale per head: INT8's size
     # int4 codes + a BF16 scale per 32 elements of a head (head_dim % 32 == 0): 0.55x INT8's size
     INT4_G32_PER_HEAD = "int4_g32_per_head"
+    # int4, KIVI-style: K per channel (zero point + BF16 scale over a block's tokens), V as
+    # INT4_G32_PER_HEAD (head_dim % 32 == 0; HOST pools only)
+    INT4_KIVI = "int4_kivi"
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -52,7 +55,8 @@ _DTYPE_PB = {DType.BF16: pb.DTYPE_BF16, DType.FP16: pb.DTYPE_FP16}
 _ATTENTION_PB = {Attention.MHA: pb.ATTENTION_MHA, Attention.MLA: pb.ATTENTION_MLA}
 _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RAW,
              Codec.FP8_E4M3_PER_HEAD: pb.CODEC_FP8_E4M3_PER_HEAD,
-             Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD}
+             Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD,
+             Codec.INT4_KIVI: pb.CODEC_INT4_KIVI}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}

@@ -107,6 +107,8 @@ v1::Codec ToProtoCodec(kernels::CodecKind codec) {
       return v1::CODEC_FP8_E4M3_PER_HEAD;
     case kernels::CodecKind::kInt4G32PerHead:
       return v1::CODEC_INT4_G32_PER_HEAD;
+    case kernels::CodecKind::kInt4Kivi:
+      return v1::CODEC_INT4_KIVI;
     case kernels::CodecKind::kInt8PerHead:
       break;
   }

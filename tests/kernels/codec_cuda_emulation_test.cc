@@ -509,6 +509,21 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
   }
 }
 
+// CODEC_INT4_KIVI has no CUDA kernel: both launchers refuse it up front, naming it.
+TEST(CodecCudaEmulation, Int4KiviIsRefused) {
+  const BlockLayout lay = MakeLayout(DType::kBF16, CodecKind::kInt4Kivi, 2, 64, 2, 2, 4);
+  KvPool src(lay, 8, ViewKind::kContiguous, 1);
+  const std::vector<uint32_t> rows = {0, 1, 2, 3};
+  BlockSet blocks(lay, 1);
+  cuda_emulation::ResetStats();
+  const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
+  EXPECT_EQ(enc.code(), StatusCode::kUnimplemented) << enc.ToString();
+  EXPECT_NE(enc.message().find("CODEC_INT4_KIVI"), std::string::npos) << enc.ToString();
+  const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
+  EXPECT_EQ(dec.code(), StatusCode::kUnimplemented) << dec.ToString();
+  EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+}
+
 // Sets an emulator fault for one scope.
 class ScopedFault {
  public:

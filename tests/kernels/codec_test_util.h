@@ -331,6 +331,8 @@ inline const char* CodecName(CodecKind codec) {
       return "fp8";
     case CodecKind::kInt4G32PerHead:
       return "int4";
+    case CodecKind::kInt4Kivi:
+      return "int4_kivi";
   }
   return "?";
 }
@@ -974,8 +976,8 @@ struct Executor {
 inline std::string DescribePayloadOffset(const BlockLayout& lay, size_t off) {
   const size_t row_bytes = lay.row.RowBytes();
   const size_t layer = off / lay.LayerBytes();
-  const size_t plane = off % lay.LayerBytes() / lay.PlaneBytes();
-  const size_t token = off % lay.PlaneBytes() / row_bytes;
+  const size_t plane = off % lay.LayerBytes() / lay.PlaneBytes(0);
+  const size_t token = off % lay.PlaneBytes(0) / row_bytes;
   const size_t in_row = off % row_bytes;
   std::string where = "layer " + std::to_string(layer) + " plane " + std::to_string(plane) +
                       " token " + std::to_string(token);

@@ -1,5 +1,6 @@
 """HOST KV buffers for Python tests: SGLang-style [layer][K|V][rows][heads][dim] in one shm object,
-bf16 values as uint16 bits, and the INT8, FP8 and INT4 codecs' elementwise error bounds."""
+bf16 values as uint16 bits, and the INT8, FP8, INT4 and INT4 KIVI codecs' elementwise error
+bounds."""
 
 from __future__ import annotations
 
@@ -86,3 +87,19 @@ def int4_violations(original: np.ndarray, restored: np.ndarray) -> int:
     s = np.abs(xg).max(axis=-1, keepdims=True) / 7 * (1 + 2 ** -8)
     bound = (0.5 + 2 ** -8) * s + 2 ** -8 * np.abs(yg)
     return int((np.abs(yg - xg) > bound).sum())
+
+
+def kivi_k_violations(original: np.ndarray, restored: np.ndarray, block_tokens: int) -> int:
+    """K elements outside CODEC_INT4_KIVI's bound (kernels/README.md):
+    |x̂ - x| <= (0.5 + 2^-8)·s + (2^-8 + 2^-22)·|x̂|, s = (max - min) / 15 of the element's channel
+    over its block (rounded up to bf16 precision). Axes [..., tokens, heads, head_dim], the
+    tokens a whole number of blocks in order."""
+    x = from_bf16_bits(original).astype(np.float64)
+    y = from_bf16_bits(restored).astype(np.float64)
+    t = x.shape[-3]
+    xb = x.reshape(*x.shape[:-3], t // block_tokens, block_tokens, *x.shape[-2:])
+    yb = y.reshape(xb.shape)
+    s = (xb.max(axis=-3, keepdims=True) - xb.min(axis=-3, keepdims=True)) / 15 * (1 + 2 ** -8)
+    s = np.maximum(s, 2.0 ** -112 / 7.5)
+    bound = (0.5 + 2 ** -8) * s + (2 ** -8 + 2 ** -22) * np.abs(yb)
+    return int((np.abs(yb - xb) > bound).sum())

@@ -14,7 +14,14 @@ import pytest
 
 import hiqcache as hq
 from daemon import ROOT, Daemon, start_or_skip_without_l3
-from kv_util import HostKv, fp8_violations, int4_violations, int8_violations, to_bf16_bits
+from kv_util import (
+    HostKv,
+    fp8_violations,
+    int4_violations,
+    int8_violations,
+    kivi_k_violations,
+    to_bf16_bits,
+)
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
@@ -95,6 +102,65 @@ def test_fp8_round_trip_within_bound_and_in_stats(daemon, kv):
         assert bad.blocks == [hq.BlockStatus.REJECTED]
         assert c.release_pool(fp8).ok and c.release_pool(int8).ok
     assert hq.Codec.parse("fp8_e4m3_per_head") is hq.Codec.FP8_E4M3_PER_HEAD
+
+
+def test_int4_kivi_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
+    """CODEC_INT4_KIVI: K per channel over each block, V as INT4 rows; every element within its
+    bound, an outlier channel of K confined to itself (INT4's group holding it is coarse), its
+    own namespace, bytes/token and capacity in GetStats, NaN/Inf rejected with nothing stored."""
+    with hq.Client(daemon.target) as c:
+        kivi = c.register_pool(kv.spec("m-kivi", BT, hq.Codec.INT4_KIVI))
+        int4 = c.register_pool(kv.spec("m-kivi", BT, hq.Codec.INT4_G32_PER_HEAD))
+        int8 = c.register_pool(kv.spec("m-kivi", BT, hq.Codec.INT8_PER_HEAD))
+        kv.fill(range(0, 4 * BT), seed=21)
+        # K channel 5 of head 1, layer 0: an outlier channel (offset 60 on every token).
+        x = kv.data[0, 0, :4 * BT, 1, 5].astype(np.uint32) << 16
+        kv.data[0, 0, :4 * BT, 1, 5] = to_bf16_bits(x.view(np.float32) + 60.0)
+        keys = keys_for(range(4 * BT), salt="kivi")
+        for pool in (kivi, int4):
+            res = c.backup(pool, keys, range(0, 4 * BT))
+            assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
+        assert c.lookup(int8, keys).prefix_blocks == 0  # codecs never share blocks
+        src = kv.data[:, :, :4 * BT].copy()
+        restored = {}
+        for pool in (kivi, int4):
+            r = c.restore(pool, keys, range(4 * BT, 8 * BT))
+            assert r.status.ok and r.restored_blocks == 4
+            restored[pool] = kv.data[:, :, 4 * BT:].copy()
+        dst = restored[kivi]
+        assert kivi_k_violations(src[:, 0], dst[:, 0], BT) == 0
+        assert int4_violations(src[:, 1], dst[:, 1]) == 0  # V rows are INT4's
+        assert np.array_equal(dst[:, 1], restored[int4][:, 1])  # byte for byte
+        assert int8_violations(src, dst) > 0  # really 4 bits
+
+        def k_err(y: np.ndarray) -> float:  # channels 0..31 of that head but 5
+            a = (src[0, 0, :, 1, :32].astype(np.uint32) << 16).view(np.float32)
+            b = (y[0, 0, :, 1, :32].astype(np.uint32) << 16).view(np.float32)
+            return float(np.abs(np.delete(a - b, 5, axis=-1)).max())
+        # INT4's group scale follows the outlier (about 64 / 7); KIVI's channels keep their own.
+        assert k_err(dst) < k_err(restored[int4]) / 4
+        info, int8_info = c.pool_info(kivi), c.pool_info(int8)
+        hd = G.num_kv_heads * G.head_dim
+        per_token = G.num_layers * (hd // 2 + 4 * hd // BT + hd // 2 + 2 * hd // 32)
+        assert info.encoded_bytes_per_token == per_token == 504
+        assert info.capacity_tokens > 1.4 * int8_info.capacity_tokens > 0
+        ns = {n.codec: n for n in c.get_stats().namespaces if n.model == "m-kivi"}
+        assert set(ns) == {hq.Codec.INT4_KIVI, hq.Codec.INT4_G32_PER_HEAD,
+                           hq.Codec.INT8_PER_HEAD}
+        assert ns[hq.Codec.INT4_KIVI].blocks == 4
+        assert ns[hq.Codec.INT4_KIVI].encoded_bytes_per_token == 504
+        assert ns[hq.Codec.INT4_KIVI].capacity_blocks > 0
+        # Inf in a K plane and NaN in a V row: rejected, nothing stored.
+        for plane, bits, salt in ((0, 0x7F80, "kivi-inf"), (1, 0x7FC1, "kivi-nan")):
+            kv.fill(range(4 * BT, 5 * BT), seed=22)
+            kv.data[2, plane, 4 * BT + 3, 0, 17] = bits
+            bad_keys = keys_for(range(BT), salt=salt)
+            bad = c.backup(kivi, bad_keys, range(4 * BT, 5 * BT))
+            assert bad.blocks == [hq.BlockStatus.REJECTED]
+            assert c.lookup(kivi, bad_keys).prefix_blocks == 0
+        assert ns[hq.Codec.INT4_KIVI].blocks == 4
+        assert c.release_pool(kivi).ok and c.release_pool(int4).ok and c.release_pool(int8).ok
+    assert hq.Codec.parse("int4_kivi") is hq.Codec.INT4_KIVI
 
 
 def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):

@@ -187,6 +187,53 @@ TEST(ValidateRegistrationTest, Int4RejectsHeadDimNotMultipleOf32) {
   }
 }
 
+TEST(ValidateRegistrationTest, Int4KiviPlanesOfTheirOwnSizes) {
+  RegisterSpec s = SglangSpec();  // Qwen3-8B geometry, 64-token blocks
+  s.codec = 4;                    // CODEC_INT4_KIVI
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt4Kivi);
+  // K: 64 rows of 512 bytes + 4,096 bytes of channel parameters; V: 64 INT4 rows of 576.
+  EXPECT_EQ(r->layout.PlaneBytes(0), 64u * 512u + 4096u);
+  EXPECT_EQ(r->layout.PlaneBytes(1), 64u * 576u);
+  EXPECT_EQ(r->layout.BytesPerToken(), 41472u);
+  EXPECT_EQ(r->layout.BlockBytes(), 41472u * 64u);
+  RegisterSpec v = VllmPagedSpec(36, 8, 128, 32, 16, 16);  // 16-token blocks
+  v.codec = 4;
+  auto r16 = ValidateRegistration(v, Limits{}, kBigPool);
+  ASSERT_TRUE(r16.ok()) << r16.status().ToString();
+  EXPECT_EQ(r16->layout.BytesPerToken(), 48384u);
+  // Its own namespace: the same pool under INT4 hashes differently.
+  RegisterSpec i4 = s;
+  i4.codec = 3;
+  EXPECT_NE(r->ns.CanonicalText(),
+            ValidateRegistration(i4, Limits{}, kBigPool)->ns.CanonicalText());
+  for (uint32_t dim : {1u, 48u, 100u}) {
+    RegisterSpec t = SglangSpec(36, 8, dim);
+    t.codec = 4;
+    ExpectInvalid(t, "geometry.head_dim");
+  }
+}
+
+TEST(ValidateRegistrationTest, Int4KiviRefusedOnCuda) {
+  RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+  s.device_kind = kCuda;
+  for (auto& b : s.buffers) {
+    b.has_host_shm_name = false;
+    b.host_shm_name.clear();
+    b.has_cuda_ipc_handle = true;
+    b.cuda_ipc_handle = std::string(64, '\x01');
+  }
+  s.events.host_fd_id = 1;
+  s.events.count = 8;
+  ASSERT_TRUE(ValidateRegistration(s, Limits{}, kBigPool).ok());
+  s.codec = 4;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(r.status().message().find("CODEC_INT4_KIVI"), std::string::npos);
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -369,7 +416,7 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 4;  // the first value past CODEC_INT4_G32_PER_HEAD
+    t.codec = 5;  // the first value past CODEC_INT4_KIVI
     ExpectInvalid(t, "codec");
   }
   {

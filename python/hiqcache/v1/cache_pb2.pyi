@@ -25,6 +25,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_RAW: _ClassVar[Codec]
     CODEC_FP8_E4M3_PER_HEAD: _ClassVar[Codec]
     CODEC_INT4_G32_PER_HEAD: _ClassVar[Codec]
+    CODEC_INT4_KIVI: _ClassVar[Codec]
 
 class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +48,7 @@ CODEC_INT8_PER_HEAD: Codec
 CODEC_RAW: Codec
 CODEC_FP8_E4M3_PER_HEAD: Codec
 CODEC_INT4_G32_PER_HEAD: Codec
+CODEC_INT4_KIVI: Codec
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind

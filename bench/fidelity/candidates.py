@@ -1,0 +1,140 @@
+"""Candidate 4-bit formats for CODEC_INT4_KIVI, modelled in torch, through fidelity.py's windows,
+decode and metrics beside the daemon's INT8 and INT4: how the format was chosen
+(bench/fidelity/README.md, "INT4 KIVI: candidates"). Exploration only: a candidate's KV here is
+computed by this file, not by hiqcached, so its figures are not a codec's verdict; the verdicts
+are fidelity.py's, through the real daemon.
+
+    .venv/bin/python bench/fidelity/candidates.py --quick --no-gates --no-plot \\
+        --out /tmp/candidates.json
+    HIQ_CANDIDATES=ABK .venv/bin/python bench/fidelity/candidates.py ...  # a subset (letters below)
+
+Each candidate quantizes keys per channel over each block of `--block-tokens` tokens (or of its
+own token group), symmetric (one BF16 scale, levels -7..7) or asymmetric (zero point min and BF16
+scale (max - min) / 15, levels 0..15), and values per token in groups of g elements, likewise;
+None keeps that side exact (bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fidelity as fid  # noqa: E402
+import hiqcache as hq  # noqa: E402
+import kv_roundtrip  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    value: str
+    k_sym: bool | None  # None: exact keys
+    v_group: int | None  # None: exact values
+    v_sym: bool = True
+    k_tokens: int = 0  # key group in tokens; 0 = the block
+
+
+CANDIDATES = {
+    "A": Candidate("k_sym_chan_v_g32_sym", True, 32),
+    "B": Candidate("k_asym_chan_v_g32_sym", False, 32),  # the chosen format
+    "C": Candidate("k_asym_chan_v_g64_sym", False, 64),
+    "D": Candidate("k_sym_chan_v_g64_sym", True, 64),
+    "E": Candidate("k_asym_chan_v_g32_asym", False, 32, False),
+    "G": Candidate("k_asym_chan_v_g64_asym", False, 64, False),
+    "H": Candidate("k_asym_chan_v_g16_sym", False, 16),
+    "I": Candidate("k_asym_chan8_v_g32_sym", False, 32, True, 8),
+    "K": Candidate("k_asym_chan_v_exact", False, None),
+    "V": Candidate("k_exact_v_g32_sym", None, 32),
+    "W": Candidate("k_exact_v_g32_asym", None, 32, False),
+}
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def q_sym(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    s = bf16(torch.clamp(amax, min=2.0 ** -112) / 7)
+    return bf16(torch.clamp(torch.round(x / s), -7, 7) * s)
+
+
+def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    s = bf16(torch.clamp(hi - lo, min=2.0 ** -112) / 15)
+    return bf16(torch.clamp(torch.round((x - lo) / s), 0, 15) * s + lo)
+
+
+def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int) -> torch.Tensor:
+    """x: [1, heads, P, dim] bf16 -> the candidate's restored KV, same shape."""
+    sym = c.k_sym if keys else c.v_sym
+    if keys and c.k_sym is None or not keys and c.v_group is None:
+        return x.contiguous()
+    f = x.float()[0]
+    h, p, d = f.shape
+    if keys:
+        t = c.k_tokens or bt
+        g = f.reshape(h, p // t, t, d)
+        axis = 2
+    else:
+        gs = min(c.v_group or d, d)
+        g = f.reshape(h, p, d // gs, gs)
+        axis = 3
+    if sym:
+        out = q_sym(g, g.abs().amax(dim=axis, keepdim=True))
+    else:
+        out = q_asym(g, g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True))
+    return out.reshape(h, p, d).to(torch.bfloat16).unsqueeze(0).contiguous()
+
+
+def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int) -> int:
+    """Stored bytes per token: 4-bit codes plus BF16 parameters (2 per asymmetric group)."""
+    k = 2 * hd if c.k_sym is None else hd / 2 + 2 * hd / (c.k_tokens or bt) * (1 if c.k_sym else 2)
+    v = 2 * hd if c.v_group is None else hd / 2 + 2 * hd / c.v_group * (1 if c.v_sym else 2)
+    return round(layers * (k + v))
+
+
+def main() -> int:
+    chosen = [CANDIDATES[k] for k in os.environ.get("HIQ_CANDIDATES", "ABCDEG")]
+    base = kv_roundtrip.DaemonKv
+    exact: dict[int, Any] = {}
+
+    class CandidateKv(base):  # type: ignore[misc, valid-type]
+        def register(self, codec: Any) -> Any:
+            if not isinstance(codec, Candidate):
+                return super().register(codec)
+            hd = self.g.num_kv_heads * self.g.head_dim
+            acc = kv_roundtrip.Accepted(codec, -1,  # type: ignore[arg-type]
+                                        bytes_per_token(codec, hd, self.g.num_layers, self.bt))
+            self.encoded_bytes[codec] = acc.encoded_bytes_per_token
+            return acc, ""
+
+        def put(self, kv: Any) -> None:
+            exact[id(self)] = kv
+            super().put(kv)
+
+        def round_trip(self, codec: Any, tokens: list[int], window: int) -> Any:
+            if not isinstance(codec, Candidate):
+                return super().round_trip(codec, tokens, window)
+            p = len(tokens)
+            out = [(quantize(k[:, :, :p], codec, True, self.bt),
+                    quantize(v[:, :, :p], codec, False, self.bt)) for k, v in exact[id(self)]]
+            lo = self.max_tokens  # where restored_bits reads
+            for layer, (k, v) in enumerate(out):
+                for plane, x in ((0, k), (1, v)):
+                    rows = x[0].transpose(0, 1).contiguous().view(torch.int16).numpy()
+                    self.data[layer, plane, lo:lo + p] = rows
+            return out
+
+    fid.DaemonKv = CandidateKv
+    fid.pick_codecs = lambda spec: [hq.Codec.INT8_PER_HEAD, hq.Codec.INT4_G32_PER_HEAD, *chosen]
+    for c in chosen:
+        print(f"{c.value}: Qwen3-8B B/token {bytes_per_token(c, 1024, 36, 16)} at 16-token blocks, "
+              f"{bytes_per_token(c, 1024, 36, 64)} at 64")
+    return int(fid.main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

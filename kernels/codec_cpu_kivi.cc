@@ -1,0 +1,221 @@
+// CODEC_INT4_KIVI's K planes on the SIMD CPU executor (see codec_cpu_kivi.h and codec_math.h).
+//
+// Encode, per head and group of 32 channels: the channels' smallest and largest values over the
+// block's rows (f32 lanes, Min/Max; the non-finite check on the sign-cleared 16-bit patterns),
+// then their zero points and scales (stored, then read back as the decoder reads them), then per
+// row the quotients 2 * ((0.5 x - 0.5 z) / s) rounded to nearest even and clamped to [0, 15],
+// narrowed to bytes in a 32-byte scratch and packed two per byte (element 2i low). Decode unpacks
+// 16 bytes into 32 codes and computes q * s + z per lane. The 16-bit loads and stores are
+// codec_simd-inl.h's.
+//
+// Every operation is the vector form of the reference's (IEEE division, round-half-even, the
+// same fp32 -> BF16/FP16 rounding; -0 zero points stored as +0 by adding +0), so every Highway
+// target produces the reference's bytes.
+#include "codec_cpu_kivi.h"
+
+#include <algorithm>
+#include <cstring>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "codec_cpu_kivi.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "codec_math.h"
+#include "codec_simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace hiqcache::kernels {
+namespace HWY_NAMESPACE {
+namespace {
+
+constexpr uint32_t kG = kInt4GroupElems;  // channels handled together
+// At most one group per vector, so the lane count divides the group.
+using DF = hn::CappedTag<float, kG>;
+using DI32 = hn::RebindToSigned<DF>;
+using DU8 = hn::Rebind<uint8_t, DF>;  // one code per f32 lane
+using DP16 = hn::CappedTag<uint16_t, kG / 2>;
+using DPI16 = hn::RebindToSigned<DP16>;
+using DP8 = hn::Rebind<uint8_t, DP16>;
+using DPU8 = hn::Repartition<uint8_t, DP16>;  // the bytes of the DP16 lanes
+
+// Packs 32 codes (0..15) into 16 bytes, element 2j low.
+HWY_INLINE void PackCodes(const uint8_t* q8, uint8_t* codes) {
+#if HWY_TARGET == HWY_SCALAR
+  for (size_t j = 0; j < kG / 2; ++j)
+    codes[j] = static_cast<uint8_t>(q8[2 * j] | (q8[2 * j + 1] << 4));
+#else
+  const DP16 dp16;
+  const DPI16 dpi16;
+  const DP8 dp8;
+  const DPU8 dpu8;
+  const size_t m = hn::Lanes(dp16);
+  for (size_t j = 0; j < kG / 2; j += m) {
+    const auto w = hn::BitCast(dp16, hn::LoadU(dpu8, q8 + 2 * j));
+    const auto packed = hn::Or(hn::And(w, hn::Set(dp16, 0x000Fu)),
+                               hn::And(hn::ShiftRight<4>(w), hn::Set(dp16, 0x00F0u)));
+    hn::StoreU(hn::DemoteTo(dp8, hn::BitCast(dpi16, packed)), dp8, codes + j);
+  }
+#endif
+}
+
+// Unpacks 16 bytes into 32 codes (0..15).
+HWY_INLINE void UnpackCodes(const uint8_t* codes, uint8_t* q8) {
+#if HWY_TARGET == HWY_SCALAR
+  for (size_t j = 0; j < kG / 2; ++j) {
+    q8[2 * j] = codes[j] & 0xFu;
+    q8[2 * j + 1] = codes[j] >> 4;
+  }
+#else
+  const DP16 dp16;
+  const DP8 dp8;
+  const DPU8 dpu8;
+  const size_t m = hn::Lanes(dp16);
+  for (size_t j = 0; j < kG / 2; j += m) {
+    const auto b = hn::PromoteTo(dp16, hn::LoadU(dp8, codes + j));
+    const auto w = hn::Or(hn::And(b, hn::Set(dp16, 0x000Fu)),
+                          hn::ShiftLeft<4>(hn::And(b, hn::Set(dp16, 0x00F0u))));
+    hn::StoreU(hn::BitCast(dpu8, w), dpu8, q8 + 2 * j);
+  }
+#endif
+}
+
+template <DType kDType>
+bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                  uint32_t num_rows, uint8_t* dst) {
+  const DF df;
+  const DI32 di32;
+  const DU8 du8;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const size_t code_bytes = channels / 2;
+  uint8_t* zeros = dst + static_cast<size_t>(num_rows) * code_bytes;
+  uint8_t* scales = zeros + 2 * channels;
+  // The non-finite check first: every element's sign-cleared bits.
+  uint32_t worst = 0;
+  for (uint32_t t = 0; t < num_rows; ++t) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      worst = std::max(worst, HeadAmaxBits(view.Head(rows[t], h), d));
+    }
+  }
+  if (worst >= InfBits(kDType)) return false;
+  const auto half = hn::Set(df, 0.5f);
+  const auto two = hn::Set(df, 2.0f);
+  const auto floor = hn::Set(df, BitsToFloat(kAmaxFloorBits));
+  const auto levels = hn::Set(df, 7.5f);
+  const auto qmax = hn::Set(df, static_cast<float>(kKiviKQMax));
+  const auto zero = hn::Zero(df);
+  HWY_ALIGN float lo[kG];
+  HWY_ALIGN float hi[kG];
+  HWY_ALIGN uint8_t q8[kG];
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    for (uint32_t g = 0; g < d; g += kG) {
+      const size_t c0 = static_cast<size_t>(h) * d + g;
+      for (size_t i = 0; i < kG; i += n) {
+        auto vlo = LoadHalf<kDType>(df, view.Head(rows[0], h) + 2 * (g + i));
+        auto vhi = vlo;
+        for (uint32_t t = 1; t < num_rows; ++t) {
+          const auto x = LoadHalf<kDType>(df, view.Head(rows[t], h) + 2 * (g + i));
+          vlo = hn::Min(vlo, x);
+          vhi = hn::Max(vhi, x);
+        }
+        const auto r = hn::Max(hn::Sub(hn::Mul(half, vhi), hn::Mul(half, vlo)), floor);
+        StoreHalf<kDType>(df, hn::Add(vlo, zero), zeros + 2 * (c0 + i));
+        StoreHalf<DType::kBF16>(df, hn::Div(r, levels), scales + 2 * (c0 + i));
+        hn::Store(LoadHalf<kDType>(df, zeros + 2 * (c0 + i)), df, lo + i);
+        hn::Store(LoadHalf<DType::kBF16>(df, scales + 2 * (c0 + i)), df, hi + i);  // s
+      }
+      for (uint32_t t = 0; t < num_rows; ++t) {
+        const uint8_t* src = view.Head(rows[t], h) + 2 * g;
+        for (size_t i = 0; i < kG; i += n) {
+          const auto x = LoadHalf<kDType>(df, src + 2 * i);
+          const auto hz = hn::Mul(half, hn::Load(df, lo + i));
+          const auto q =
+              hn::Round(hn::Mul(two, hn::Div(hn::Sub(hn::Mul(half, x), hz), hn::Load(df, hi + i))));
+          const auto qc = hn::Min(hn::Max(q, zero), qmax);
+          hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di32, qc)), du8, q8 + i);
+        }
+        PackCodes(q8, dst + t * code_bytes + c0 / 2);
+      }
+    }
+  }
+  return true;
+}
+
+template <DType kDType>
+void DecodeRowsT(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens, uint32_t begin,
+                 uint32_t end, const StridedView& view, const uint32_t* rows) {
+  const DF df;
+  const DI32 di32;
+  const DU8 du8;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const size_t code_bytes = channels / 2;
+  const uint8_t* zeros = plane + static_cast<size_t>(block_tokens) * code_bytes;
+  const uint8_t* scales = zeros + 2 * channels;
+  const auto half = hn::Set(df, 0.5f);
+  const auto two = hn::Set(df, 2.0f);
+  HWY_ALIGN uint8_t q8[kG];
+  for (uint32_t t = begin; t < end; ++t) {
+    const uint32_t row = rows[t - begin];
+    if (t + kPrefetchRows < end) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows - begin]);
+    const uint8_t* codes = plane + t * code_bytes;
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      uint8_t* out = view.Head(row, h);
+      for (uint32_t g = 0; g < d; g += kG) {
+        const size_t c0 = static_cast<size_t>(h) * d + g;
+        UnpackCodes(codes + c0 / 2, q8);
+        for (size_t i = 0; i < kG; i += n) {
+          const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(du8, q8 + i)));
+          const auto hs = hn::Mul(half, LoadHalf<DType::kBF16>(df, scales + 2 * (c0 + i)));
+          const auto hz = hn::Mul(half, LoadHalf<kDType>(df, zeros + 2 * (c0 + i)));
+          StoreHalf<kDType>(df, hn::Mul(two, hn::Add(hn::Mul(q, hs), hz)), out + 2 * (g + i));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool EncodeKiviKPlane(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                      uint32_t num_rows, uint8_t* dst) {
+  return fmt.dtype == DType::kBF16 ? EncodePlaneT<DType::kBF16>(fmt, view, rows, num_rows, dst)
+                                   : EncodePlaneT<DType::kFP16>(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeKiviKRows(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens,
+                     uint32_t begin, uint32_t end, const StridedView& view, const uint32_t* rows) {
+  if (fmt.dtype == DType::kBF16) {
+    DecodeRowsT<DType::kBF16>(fmt, plane, block_tokens, begin, end, view, rows);
+  } else {
+    DecodeRowsT<DType::kFP16>(fmt, plane, block_tokens, begin, end, view, rows);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace hiqcache::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace hiqcache::kernels {
+
+HWY_EXPORT(EncodeKiviKPlane);
+HWY_EXPORT(DecodeKiviKRows);
+
+bool EncodeKiviKPlaneSimd(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                          uint32_t num_rows, uint8_t* dst) {
+  if (num_rows == 0) return true;
+  return HWY_DYNAMIC_DISPATCH(EncodeKiviKPlane)(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeKiviKRowsSimd(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens,
+                         uint32_t begin, uint32_t end, const StridedView& view,
+                         const uint32_t* rows) {
+  HWY_DYNAMIC_DISPATCH(DecodeKiviKRows)(fmt, plane, block_tokens, begin, end, view, rows);
+}
+
+}  // namespace hiqcache::kernels
+#endif  // HWY_ONCE
