@@ -356,7 +356,10 @@ CpuCodec::CpuCodec(unsigned threads)
 // once: before the first dispatch in the process the table holds Highway's initializing
 // trampoline, which re-runs CPU detection (CPUID, very slow under a hypervisor) on every call
 // made through a pointer taken from it.
-void CpuCodec::Encode(const EncodeJob& job) {
+void CpuCodec::Encode(const EncodeJob& job) { Encode(job, nullptr); }
+
+void CpuCodec::Encode(const EncodeJob& job,
+                      const std::function<void(uint32_t, uint32_t)>& layer_done) {
   const BlockLayout& lay = job.layout;
   if (job.num_blocks == 0) return;
   // One item = one (block, layer) pair: all of its planes and tokens.
@@ -373,6 +376,7 @@ void CpuCodec::Encode(const EncodeJob& job) {
                                            job.blocks[b] + lay.RowOffset(l, p, 0));
     }
     if (!finite) bad[item] = 1;
+    if (layer_done) layer_done(b, l);
   });
   if (job.nonfinite != nullptr) {
     for (uint32_t b = 0; b < job.num_blocks; ++b) {

@@ -21,6 +21,9 @@ class CpuCodec {
 
   unsigned threads() const { return pool_->threads(); }
   void Encode(const EncodeJob& job);
+  // Encode, and layer_done(b, l) on the thread that encoded layer l of block b, right after it
+  // (while other threads encode later layers). Layers of a block finish in any order.
+  void Encode(const EncodeJob& job, const std::function<void(uint32_t, uint32_t)>& layer_done);
   void DecodeLayer(const DecodeJob& job, uint32_t layer);
   void Decode(const DecodeJob& job);
   // Runs fn(i) for i in [0, n) on the codec's threads (e.g. checksums of the blocks just encoded).

@@ -10,7 +10,10 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
+#include <vector>
 
 #include "backends/residency.h"
 #include "codec_job.h"
@@ -144,6 +147,70 @@ ShmMapping::~ShmMapping() {
 
 namespace {
 
+// XXH3-64 checksums of block payloads, computed layer by layer while the codec encodes them:
+// whichever codec thread finishes a layer hashes every leading layer of its block that is
+// encoded and not yet hashed, unless another thread is hashing that block (then that thread
+// picks the layer up when it looks again). A block's layers are hashed in order, so each
+// checksum equals XXH3_64bits of the whole payload; only the last layers' hashing is left when
+// the encode ends, instead of a pass over every payload on one thread per block.
+class LayerwiseChecksums {
+ public:
+  LayerwiseChecksums(uint8_t* const* payloads, uint32_t num_blocks, uint32_t num_layers,
+                     size_t layer_bytes)
+      : payloads_(payloads),
+        num_layers_(num_layers),
+        layer_bytes_(layer_bytes),
+        blocks_(num_blocks),
+        encoded_(static_cast<size_t>(num_blocks) * num_layers) {
+    for (auto& b : blocks_) {
+      b.state.reset(XXH3_createState());
+      if (b.state == nullptr) throw std::bad_alloc();
+      XXH3_64bits_reset(b.state.get());
+    }
+  }
+
+  // Called once per (block, layer), after the layer's bytes are written.
+  void LayerDone(uint32_t b, uint32_t l) {
+    encoded_[static_cast<size_t>(b) * num_layers_ + l].store(true, std::memory_order_seq_cst);
+    Block& block = blocks_[b];
+    for (;;) {
+      if (block.busy.exchange(true, std::memory_order_seq_cst)) return;  // its holder looks again
+      uint32_t next = block.next;
+      while (next < num_layers_ && Encoded(b, next)) {
+        XXH3_64bits_update(block.state.get(), payloads_[b] + next * layer_bytes_, layer_bytes_);
+        ++next;
+      }
+      block.next = next;
+      block.busy.store(false, std::memory_order_seq_cst);
+      // A layer finished while this thread held the block: its thread saw the block busy.
+      if (next == num_layers_ || !Encoded(b, next)) return;
+    }
+  }
+
+  // REQUIRES: every layer of block b done.
+  uint64_t Checksum(uint32_t b) const { return XXH3_64bits_digest(blocks_[b].state.get()); }
+
+ private:
+  struct FreeState {
+    void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+  };
+  struct Block {
+    std::unique_ptr<XXH3_state_t, FreeState> state;
+    std::atomic<bool> busy{false};
+    uint32_t next = 0;  // layers hashed; written by the thread holding busy
+  };
+
+  bool Encoded(uint32_t b, uint32_t l) const {
+    return encoded_[static_cast<size_t>(b) * num_layers_ + l].load(std::memory_order_seq_cst);
+  }
+
+  uint8_t* const* payloads_;
+  uint32_t num_layers_;
+  size_t layer_bytes_;
+  std::vector<Block> blocks_;
+  std::vector<std::atomic<bool>> encoded_;
+};
+
 class HostBinding : public PoolBinding {
  public:
   // `names[i]` names buffers[i] in errors ("buffers[3]").
@@ -233,17 +300,18 @@ class HostBinding : public PoolBinding {
       job.blocks = task.payloads.data();
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
       job.nonfinite = nonfinite.data();
-      codec_->Encode(job);
+      // Block checksums for the pool headers, hashed as the layers are encoded.
+      LayerwiseChecksums sums(task.payloads.data(), job.num_blocks, layout_.num_layers,
+                              layout_.LayerBytes());
+      codec_->Encode(job, [&](uint32_t b, uint32_t l) { sums.LayerDone(b, l); });
       // Zeros read from a truncated buffer are no KV: nothing of this task is committed.
       st = CheckMemory();
-    }
-    if (st.ok() && !task.payloads.empty()) {
-      // Block checksums for the pool headers, on the codec's threads.
-      const size_t bytes = layout_.BlockBytes();
-      task.checksums.assign(task.payloads.size(), 0);
-      codec_->ParallelFor(task.payloads.size(), [&](size_t b) {
-        if (!nonfinite[b]) task.checksums[b] = XXH3_64bits(task.payloads[b], bytes);
-      });
+      if (st.ok()) {
+        task.checksums.assign(task.payloads.size(), 0);
+        for (uint32_t b = 0; b < job.num_blocks; ++b) {
+          if (!nonfinite[b]) task.checksums[b] = sums.Checksum(b);
+        }
+      }
     }
     task.on_written(nonfinite, st);
     SignalValue(task.done_event, task.ticket, !st.ok());

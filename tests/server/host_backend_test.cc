@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <cstring>
@@ -280,6 +281,24 @@ TEST_F(HostBackendTest, BuffersAndEventsByFd) {
   ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
   EXPECT_TRUE(outcome.ok()) << outcome.ToString();
   EXPECT_EQ(events_->Slot(0).load(), 1u);
+}
+
+// Backup checksums (hashed layer by layer while the codec's threads encode) are XXH3-64 of each
+// whole block payload, as the pool's readers and its rebuild verify them.
+TEST_F(HostBackendTest, BackupChecksumsAreXxh3OfThePayloads) {
+  auto b = Bind(Spec());
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  for (uint32_t blocks : {1u, 3u, kRows / kBlockTokens}) {
+    Status outcome, written;
+    auto t = BackupTask_(blocks, blocks, -1, &outcome, &written);
+    ASSERT_EQ((*b)->StartBackup(t), StartResult::kCompleted);
+    ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+    ASSERT_EQ(t->checksums.size(), blocks);
+    for (uint32_t i = 0; i < blocks; ++i) {
+      EXPECT_EQ(t->checksums[i], XXH3_64bits(t->payloads[i], BlockBytes()))
+          << "block " << i << " of " << blocks;
+    }
+  }
 }
 
 TEST_F(HostBackendTest, MappingRecordsShrinkSeal) {
