@@ -121,12 +121,73 @@ HWY_INLINE bool EncodeRowT(const RowFormat& fmt, const StridedView& view, uint32
   return true;
 }
 
+// Decode writes with non-temporal (streaming) stores on x86: a restore's rows go to the engine's
+// KV pool, which the engine reads later (after the layer's event), not this thread, so the
+// stores need not bring the destination's lines into the cache first (a read for ownership of
+// every line, about half of decode's DRAM traffic). A row whose heads are back to back is
+// decoded into an L1-resident buffer first and copied out in whole 64-byte lines; the partial
+// lines at its ends take ordinary stores. Rows of other shapes are decoded in place. Encode
+// keeps ordinary stores: the block checksum reads each layer right after it is written.
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+constexpr bool kStreamDecode = true;
+#else
+constexpr bool kStreamDecode = false;
+#endif
+constexpr size_t kStreamRowMaxBytes = 8 << 10;
+
+// Whether rows of `view` are decoded through the streaming copy.
+inline bool StreamsRows(const RowFormat& fmt, const StridedView& view) {
+  return kStreamDecode && fmt.InputRowBytes() <= kStreamRowMaxBytes &&
+         (fmt.num_heads <= 1 || view.head_stride == static_cast<uint64_t>(fmt.head_dim) * 2);
+}
+
+// Copies n bytes to dst: whole 64-byte lines of dst with non-temporal stores, the rest with
+// ordinary ones. The caller issues an sfence before anyone else may read dst.
+HWY_INLINE void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t lead = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;
+  if (lead > n) lead = n;
+  std::memcpy(dst, src, lead);
+  dst += lead;
+  src += lead;
+  n -= lead;
+  for (; n >= 64; n -= 64, dst += 64, src += 64) {
+#if HIQ_CODEC_X86_AVX3
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+#elif HIQ_CODEC_X86_AVX2
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), lo);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), hi);
+#else
+    std::memcpy(dst, src, 64);
+#endif
+  }
+  std::memcpy(dst, src, n);
+}
+
+// Orders the streaming stores before whatever this thread does next (a layer's event, the end
+// of a work item).
+HWY_INLINE void StreamFence() {
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+  _mm_sfence();
+#endif
+}
+
 template <DType kDType>
 HWY_INLINE void DecodeRowT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
-                           uint32_t row) {
+                           uint32_t row, bool stream) {
   const uint32_t d = fmt.head_dim;
   const int8_t* codes = reinterpret_cast<const int8_t*>(src);
   const uint8_t* scales = src + fmt.ElementsPerRow();
+  if (stream) {
+    alignas(64) uint8_t buf[kStreamRowMaxBytes];
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      DecodeHead<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d,
+                         buf + static_cast<size_t>(h) * d * 2);
+    }
+    StreamCopy(view.Head(row, 0), buf, fmt.InputRowBytes());
+    return;
+  }
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
     DecodeHead<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d, view.Head(row, h));
   }
@@ -202,10 +263,15 @@ template <DType kDType>
 void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                  const uint32_t* rows, uint32_t num_rows) {
   const size_t row_bytes = fmt.RowBytes();
+  const bool stream = StreamsRows(fmt, view);
   for (uint32_t t = 0; t < num_rows; ++t) {
-    if (t + kPrefetchRows < num_rows) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
-    DecodeRowT<kDType>(fmt, src + t * row_bytes, view, rows[t]);
+    // Streaming stores need no write prefetch: it would fetch the lines they avoid reading.
+    if (!stream && t + kPrefetchRows < num_rows) {
+      PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
+    }
+    DecodeRowT<kDType>(fmt, src + t * row_bytes, view, rows[t], stream);
   }
+  if (stream) StreamFence();
 }
 
 bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
@@ -221,9 +287,9 @@ void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return DecodeRowsFp8Simd(fmt, src, view, &row, 1);
   if (fmt.codec == CodecKind::kInt4G32PerHead) return DecodeRowsInt4Simd(fmt, src, view, &row, 1);
   if (fmt.dtype == DType::kBF16) {
-    DecodeRowT<DType::kBF16>(fmt, src, view, row);
+    DecodeRowT<DType::kBF16>(fmt, src, view, row, false);
   } else {
-    DecodeRowT<DType::kFP16>(fmt, src, view, row);
+    DecodeRowT<DType::kFP16>(fmt, src, view, row, false);
   }
 }
 
@@ -273,8 +339,13 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
     if (RawRowContiguous(fmt, view)) {
       const size_t bytes = fmt.RowBytes();
       for (uint32_t t = 0; t < num_rows; ++t) {
-        std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        if (kStreamDecode) {
+          StreamCopy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        } else {
+          std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        }
       }
+      StreamFence();
       return;
     }
     for (uint32_t t = 0; t < num_rows; ++t) {
