@@ -121,28 +121,30 @@ HWY_INLINE bool EncodeRowT(const RowFormat& fmt, const StridedView& view, uint32
   return true;
 }
 
-// Decode writes with non-temporal (streaming) stores on x86: a restore's rows go to the engine's
-// KV pool, which the engine reads later (after the layer's event), not this thread, so the
-// stores need not bring the destination's lines into the cache first (a read for ownership of
-// every line, about half of decode's DRAM traffic). A row whose heads are back to back is
-// decoded into an L1-resident buffer first and copied out in whole 64-byte lines; the partial
-// lines at its ends take ordinary stores. Rows of other shapes are decoded in place. Encode
-// keeps ordinary stores: the block checksum reads each layer right after it is written.
+// Decode writes with non-temporal (streaming) stores on x86 where a head's destination is whole
+// 64-byte lines (its address and length multiples of 64): a restore's rows go to the engine's KV
+// pool, which the engine reads later (after the layer's event), not this thread, so the stores
+// need not bring the destination's lines into the cache first (a read for ownership of every
+// line, a third of decode's DRAM traffic). Other heads take ordinary stores, with the write
+// prefetch. RAW rows whose heads are back to back stream their whole 64-byte lines and store
+// the partial lines at their ends. Encode keeps ordinary stores: the block checksum reads each
+// layer right after it is written.
 #if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
 constexpr bool kStreamDecode = true;
 #else
 constexpr bool kStreamDecode = false;
 #endif
-constexpr size_t kStreamRowMaxBytes = 8 << 10;
 
-// Whether rows of `view` are decoded through the streaming copy.
-inline bool StreamsRows(const RowFormat& fmt, const StridedView& view) {
-  return kStreamDecode && fmt.InputRowBytes() <= kStreamRowMaxBytes &&
-         (fmt.num_heads <= 1 || view.head_stride == static_cast<uint64_t>(fmt.head_dim) * 2);
+// Whether heads of `view` can take streaming stores (rows whose first head is 64-byte aligned).
+inline bool StreamsHeads(const RowFormat& fmt, const StridedView& view) {
+  return kStreamDecode && fmt.head_dim % 32 == 0 &&
+         (fmt.num_heads <= 1 || view.head_stride % 64 == 0);
 }
 
+inline bool Aligned64(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
+
 // Copies n bytes to dst: whole 64-byte lines of dst with non-temporal stores, the rest with
-// ordinary ones. The caller issues an sfence before anyone else may read dst.
+// ordinary ones. The caller issues StreamFence before anyone else may read dst.
 HWY_INLINE void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
   size_t lead = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;
   if (lead > n) lead = n;
@@ -165,11 +167,46 @@ HWY_INLINE void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
   std::memcpy(dst, src, n);
 }
 
-// Orders the streaming stores before whatever this thread does next (a layer's event, the end
-// of a work item).
+// Orders this thread's streaming stores before whatever it does next (the end of its work item,
+// after which a layer's event may be signalled).
 HWY_INLINE void StreamFence() {
 #if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
   _mm_sfence();
+#endif
+}
+
+// DecodeHead's values, written with non-temporal stores 64 bytes at a time. REQUIRES: dst
+// 64-byte aligned, d % 32 == 0, kStreamDecode.
+template <DType kDType>
+HWY_INLINE void DecodeHeadStream(const int8_t* codes, const uint8_t* scale_in, uint32_t d,
+                                 uint8_t* dst) {
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+  const DF df;
+  const DI32 di32;
+  const DI8 di8;
+  uint16_t s_bits;
+  std::memcpy(&s_bits, scale_in, 2);
+  const auto vs = hn::Set(df, Bf16ToFloat(s_bits));
+  auto half = [&](uint32_t i) HWY_ATTR {
+    return HalfBits<kDType>(
+        df, hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(di8, codes + i))), vs));
+  };
+  for (uint32_t i = 0; i < d; i += 32) {
+#if HIQ_CODEC_X86_AVX3
+    // 16 lanes: two vectors of 16 halves make a line.
+    const __m512i line =
+        _mm512_inserti64x4(_mm512_castsi256_si512(half(i).raw), half(i + 16).raw, 1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 2 * i), line);
+#else
+    // 8 lanes: four vectors of 8 halves make a line.
+    const __m256i a = _mm256_set_m128i(half(i + 8).raw, half(i).raw);
+    const __m256i b = _mm256_set_m128i(half(i + 24).raw, half(i + 16).raw);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 32), b);
+#endif
+  }
+#else
+  DecodeHead<kDType>(codes, scale_in, d, dst);
 #endif
 }
 
@@ -179,13 +216,11 @@ HWY_INLINE void DecodeRowT(const RowFormat& fmt, const uint8_t* src, const Strid
   const uint32_t d = fmt.head_dim;
   const int8_t* codes = reinterpret_cast<const int8_t*>(src);
   const uint8_t* scales = src + fmt.ElementsPerRow();
-  if (stream) {
-    alignas(64) uint8_t buf[kStreamRowMaxBytes];
+  if (stream && Aligned64(view.Head(row, 0))) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-      DecodeHead<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d,
-                         buf + static_cast<size_t>(h) * d * 2);
+      DecodeHeadStream<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d,
+                               view.Head(row, h));
     }
-    StreamCopy(view.Head(row, 0), buf, fmt.InputRowBytes());
     return;
   }
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
@@ -263,10 +298,11 @@ template <DType kDType>
 void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                  const uint32_t* rows, uint32_t num_rows) {
   const size_t row_bytes = fmt.RowBytes();
-  const bool stream = StreamsRows(fmt, view);
+  const bool stream = StreamsHeads(fmt, view);
   for (uint32_t t = 0; t < num_rows; ++t) {
     // Streaming stores need no write prefetch: it would fetch the lines they avoid reading.
-    if (!stream && t + kPrefetchRows < num_rows) {
+    if (t + kPrefetchRows < num_rows &&
+        !(stream && Aligned64(view.Head(rows[t + kPrefetchRows], 0)))) {
       PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
     }
     DecodeRowT<kDType>(fmt, src + t * row_bytes, view, rows[t], stream);
