@@ -267,7 +267,8 @@ void BM_MemcpyFlat(benchmark::State& state) {
   const size_t chunk = total / layers;
   for (auto _ : state) {
     for (uint32_t l = 0; l < layers; ++l) {
-      uint8_t* dst = d.raw[l % kBlocks].data() + (l / kBlocks) * chunk;
+      // A chunk (one layer's share) fits one RAW block; layers past kBlocks reuse the first ones.
+      uint8_t* dst = d.raw[l % kBlocks].data();
       std::memcpy(dst, d.pool.buffer(l).data(), chunk);
     }
     benchmark::ClobberMemory();
