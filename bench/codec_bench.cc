@@ -11,10 +11,17 @@
 // copies the same number of bytes in large contiguous chunks (sequential, and glibc uses
 // non-temporal stores at this size), an upper bound no gather reaches.
 //
+// The "huge" rows (BM_MemcpyRowsHuge, BM_EncodeHuge, BM_DecodeHuge; one thread) run the same
+// jobs on a copy of the pool whose buffers are collapsed into 2 MiB transparent huge pages
+// (MADV_HUGEPAGE + MADV_COLLAPSE on the anonymous memory): the gather's cost without one TLB
+// miss per 2,048-byte row. Their label says how much of the copy the kernel made huge.
+//
 // At the end the medians over repetitions are printed with the ratios the design targets:
 // encode and decode each >= 0.8x single-thread memcpy (docs/design.md "Targets").
 //   codec_bench --benchmark_repetitions=5
 #include <benchmark/benchmark.h>
+#include <malloc.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -56,9 +63,22 @@ BlockLayout Qwen3Layout(CodecKind codec) {
 
 unsigned AllThreads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
+// The pool's shape with its rows on 64-byte boundaries, as an engine's KV buffers have them (a
+// std::vector of this size starts 16 bytes into its own mapping with glibc; main fixes the mmap
+// threshold so that every buffer of this size gets one): the offset that aligns such storage.
+KvPool::Shape AlignedPoolShape() {
+  const BlockLayout lay = Qwen3Layout(CodecKind::kInt8PerHead);
+  KvPool::Shape shape = KvPool::ShapeOf(lay, kPoolSlots, testutil::ViewKind::kContiguous);
+  const size_t bytes = shape.plane_offset * lay.kv_planes + 128;
+  std::vector<uint8_t> probe(bytes);
+  shape.base_offset = (64 - reinterpret_cast<uintptr_t>(probe.data()) % 64) % 64;
+  shape.buffer_bytes = bytes;
+  return shape;
+}
+
 struct BenchData {
   BenchData()
-      : pool(Qwen3Layout(CodecKind::kInt8PerHead), kPoolSlots, testutil::ViewKind::kContiguous),
+      : pool(Qwen3Layout(CodecKind::kInt8PerHead), kPoolSlots, AlignedPoolShape()),
         encoded(Qwen3Layout(CodecKind::kInt8PerHead), kBlocks, 1),  // nonzero: touch every page
         raw(Qwen3Layout(CodecKind::kRaw), kBlocks, 1) {
     // Gaussian BF16 values with a per-head sigma, copied from a table (generating ~200M values
@@ -106,6 +126,51 @@ BenchData& Data() {
   return *data;
 }
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+// Asks for 2 MiB pages under [p, p + bytes) (its 2 MiB-aligned part); returns the bytes
+// collapsed into huge pages.
+size_t CollapseToHugePages(uint8_t* p, size_t bytes) {
+  constexpr uintptr_t kHuge = 2 << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end <= begin) return 0;
+  void* a = reinterpret_cast<void*>(begin);
+  if (madvise(a, end - begin, MADV_HUGEPAGE) != 0) return 0;
+  return madvise(a, end - begin, MADV_COLLAPSE) == 0 ? end - begin : 0;
+}
+
+// A copy of Data()'s pool in transparent huge pages (as far as the kernel gives them), with the
+// same rows and its own blocks.
+struct HugeData {
+  HugeData()
+      : pool(Qwen3Layout(CodecKind::kInt8PerHead), kPoolSlots, AlignedPoolShape()),
+        encoded(Qwen3Layout(CodecKind::kInt8PerHead), kBlocks, 1),
+        raw(Qwen3Layout(CodecKind::kRaw), kBlocks, 1) {
+    BenchData& d = Data();
+    size_t total = 0;
+    for (uint32_t l = 0; l < pool.layout().num_layers; ++l) {
+      std::memcpy(pool.buffer(l).data(), d.pool.buffer(l).data(), pool.buffer(l).size());
+      huge_bytes += CollapseToHugePages(pool.buffer(l).data(), pool.buffer(l).size());
+      total += pool.buffer(l).size();
+    }
+    label = std::to_string(huge_bytes * 100 / std::max<size_t>(1, total)) + "% in 2 MiB pages";
+  }
+  KvPool pool;
+  BlockSet encoded;
+  BlockSet raw;
+  size_t huge_bytes = 0;
+  std::string label;
+  uint8_t nonfinite[kBlocks] = {};
+};
+
+HugeData& Huge() {
+  static HugeData* data = new HugeData();
+  return *data;
+}
+
 // memcpy of the same rows the codec gathers, into the same [layer][plane][token] block order
 // (what CODEC_RAW does), one 2,048-byte row per call.
 void MemcpyRows(ThreadPool& tp, BenchData& d) {
@@ -127,6 +192,62 @@ void MemcpyRows(ThreadPool& tp, BenchData& d) {
   });
 }
 
+void BM_MemcpyRowsHuge(benchmark::State& state) {
+  BenchData& d = Data();
+  HugeData& h = Huge();
+  const BlockLayout& lay = h.pool.layout();
+  const size_t row_bytes = lay.row.InputRowBytes();
+  for (auto _ : state) {
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
+      uint8_t* dst = h.raw[b].data();
+      for (uint32_t l = 0; l < lay.num_layers; ++l) {
+        for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+          const StridedView& v = h.pool.view(l, p);
+          for (uint32_t t = 0; t < kBlockTokens; ++t) {
+            std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
+            dst += row_bytes;
+          }
+        }
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(h.label);
+}
+
+void BM_EncodeHuge(benchmark::State& state) {
+  BenchData& d = Data();
+  HugeData& h = Huge();
+  CpuCodec codec(1);
+  EncodeJob job = testutil::MakeEncodeJob(h.pool, d.rows, h.encoded, h.nonfinite);
+  job.num_blocks = kBlocks;
+  for (auto _ : state) {
+    codec.Encode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(h.label);
+}
+
+void BM_DecodeHuge(benchmark::State& state) {
+  BenchData& d = Data();
+  HugeData& h = Huge();
+  CpuCodec codec(1);
+  EncodeJob enc = testutil::MakeEncodeJob(h.pool, d.rows, h.encoded, h.nonfinite);
+  enc.num_blocks = kBlocks;
+  codec.Encode(enc);
+  DecodeJob job = testutil::MakeDecodeJob(h.pool, d.rows, h.encoded);
+  job.num_blocks = kBlocks;
+  for (auto _ : state) {
+    codec.Decode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetLabel(h.label);
+}
+
 void BM_MemcpyRows(benchmark::State& state) {
   BenchData& d = Data();
   ThreadPool tp(static_cast<unsigned>(state.range(0)));
@@ -146,7 +267,8 @@ void BM_MemcpyFlat(benchmark::State& state) {
   const size_t chunk = total / layers;
   for (auto _ : state) {
     for (uint32_t l = 0; l < layers; ++l) {
-      uint8_t* dst = d.raw[l % kBlocks].data() + (l / kBlocks) * chunk;
+      // A chunk (one layer's share) fits one RAW block; layers past kBlocks reuse the first ones.
+      uint8_t* dst = d.raw[l % kBlocks].data();
       std::memcpy(dst, d.pool.buffer(l).data(), chunk);
     }
     benchmark::ClobberMemory();
@@ -366,6 +488,9 @@ BENCHMARK(BM_DecodeOneBlock)
     ->Apply(ThreadAndLayerArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MemcpyRowsHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EncodeHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeHot)->Unit(benchmark::kMicrosecond);
@@ -419,7 +544,9 @@ void PrintSummary(const CollectingReporter& rep) {
       CpuCodec::TargetName(), AllThreads());
   std::printf("  memcpy rows 1T  %7.2f   memcpy flat 1T %7.2f   memcpy rows %uT %7.2f\n", memcpy1,
               flat1, AllThreads(), memcpyn);
-  std::printf("  encode 1T       %7.2f   decode 1T      %7.2f\n", enc1, dec1);
+  std::printf("  encode 1T       %7.2f   decode 1T      %7.2f   (pool rows %s64-byte aligned)\n",
+              enc1, dec1,
+              reinterpret_cast<uintptr_t>(Data().pool.view(0, 0).Head(0, 0)) % 64 ? "NOT " : "");
   std::printf("  encode %uT       %7.2f   decode %uT      %7.2f\n", AllThreads(), encn,
               AllThreads(), decn);
   for (const char* c : {"Raw", "Fp8", "Int4"}) {
@@ -438,6 +565,9 @@ void PrintSummary(const CollectingReporter& rep) {
       AllThreads(), rep.Median("BM_DecodeOneBlock/" + all + "/by_layer:0"),
       rep.Median("BM_DecodeOneBlock/threads:1/by_layer:1"), AllThreads(),
       rep.Median("BM_DecodeOneBlock/" + all + "/by_layer:1"));
+  std::printf("  2 MiB pages (%s): memcpy rows 1T %5.2f   encode 1T %5.2f   decode 1T %5.2f\n",
+              Huge().label.c_str(), rep.Median("BM_MemcpyRowsHuge"), rep.Median("BM_EncodeHuge"),
+              rep.Median("BM_DecodeHuge"));
   std::printf("  reference encode 1T %5.2f   reference decode 1T %5.2f\n", encr, decr);
   std::printf("  L2-resident (compute only): encode 1T %5.2f   decode 1T %5.2f\n",
               rep.Median("BM_EncodeHot"), rep.Median("BM_DecodeHot"));
@@ -445,6 +575,8 @@ void PrintSummary(const CollectingReporter& rep) {
   std::printf("decode/memcpy = %.2f\n", ratio(dec1, memcpy1));
   std::printf("encode/memcpy_flat = %.2f\n", ratio(enc1, flat1));
   std::printf("decode/memcpy_flat = %.2f\n", ratio(dec1, flat1));
+  std::printf("encode_huge/memcpy_flat = %.2f\n", ratio(rep.Median("BM_EncodeHuge"), flat1));
+  std::printf("decode_huge/memcpy_flat = %.2f\n", ratio(rep.Median("BM_DecodeHuge"), flat1));
   std::printf("encode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(encn, memcpyn));
   std::printf("decode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(decn, memcpyn));
   for (const char* c : {"Raw", "Fp8", "Int4"}) {
@@ -463,6 +595,9 @@ void PrintSummary(const CollectingReporter& rep) {
 }  // namespace hiqcache::kernels
 
 int main(int argc, char** argv) {
+  // Every large buffer in its own mapping, at the same offset from a page (see AlignedPoolShape);
+  // glibc's dynamic threshold would otherwise move freed sizes onto the heap.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   hiqcache::kernels::CollectingReporter reporter;

@@ -122,12 +122,108 @@ HWY_INLINE bool EncodeRowT(const RowFormat& fmt, const StridedView& view, uint32
   return true;
 }
 
+// Decode writes with non-temporal (streaming) stores on x86 where a head's destination is whole
+// 64-byte lines (its address and length multiples of 64): a restore's rows go to the engine's KV
+// pool, which the engine reads later (after the layer's event), not this thread, so the stores
+// need not bring the destination's lines into the cache first (the read for ownership of every
+// line: 2 of the 5 bytes of DRAM traffic per element of an INT8 decode). Other heads take ordinary
+// stores, with the write prefetch. RAW rows whose heads are back to back stream their whole 64-byte
+// lines and store the partial lines at their ends. Encode keeps ordinary stores: the block checksum
+// reads each layer right after it is written.
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+constexpr bool kStreamDecode = true;
+#else
+constexpr bool kStreamDecode = false;
+#endif
+
+// Whether heads of `view` can take streaming stores (rows whose first head is 64-byte aligned).
+inline bool StreamsHeads(const RowFormat& fmt, const StridedView& view) {
+  return kStreamDecode && fmt.head_dim % 32 == 0 &&
+         (fmt.num_heads <= 1 || view.head_stride % 64 == 0);
+}
+
+inline bool Aligned64(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
+
+// Copies n bytes to dst: whole 64-byte lines of dst with non-temporal stores, the rest with
+// ordinary ones. The caller issues StreamFence before anyone else may read dst.
+HWY_INLINE void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t lead = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;
+  if (lead > n) lead = n;
+  std::memcpy(dst, src, lead);
+  dst += lead;
+  src += lead;
+  n -= lead;
+  for (; n >= 64; n -= 64, dst += 64, src += 64) {
+#if HIQ_CODEC_X86_AVX3
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+#elif HIQ_CODEC_X86_AVX2
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), lo);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), hi);
+#else
+    std::memcpy(dst, src, 64);
+#endif
+  }
+  std::memcpy(dst, src, n);
+}
+
+// Orders this thread's streaming stores before whatever it does next (the end of its work item,
+// after which a layer's event may be signalled).
+HWY_INLINE void StreamFence() {
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+  _mm_sfence();
+#endif
+}
+
+// DecodeHead's values, written with non-temporal stores 64 bytes at a time. REQUIRES: dst
+// 64-byte aligned, d % 32 == 0, kStreamDecode.
+template <DType kDType>
+HWY_INLINE void DecodeHeadStream(const int8_t* codes, const uint8_t* scale_in, uint32_t d,
+                                 uint8_t* dst) {
+#if HIQ_CODEC_X86_AVX3 || HIQ_CODEC_X86_AVX2
+  const DF df;
+  const DI32 di32;
+  const DI8 di8;
+  uint16_t s_bits;
+  std::memcpy(&s_bits, scale_in, 2);
+  const auto vs = hn::Set(df, Bf16ToFloat(s_bits));
+  auto half = [&](uint32_t i) HWY_ATTR {
+    return HalfBits<kDType>(
+        df, hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(di8, codes + i))), vs));
+  };
+  for (uint32_t i = 0; i < d; i += 32) {
+#if HIQ_CODEC_X86_AVX3
+    // 16 lanes: two vectors of 16 halves make a line.
+    const __m512i line =
+        _mm512_inserti64x4(_mm512_castsi256_si512(half(i).raw), half(i + 16).raw, 1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 2 * i), line);
+#else
+    // 8 lanes: four vectors of 8 halves make a line.
+    const __m256i a = _mm256_set_m128i(half(i + 8).raw, half(i).raw);
+    const __m256i b = _mm256_set_m128i(half(i + 24).raw, half(i + 16).raw);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 32), b);
+#endif
+  }
+#else
+  DecodeHead<kDType>(codes, scale_in, d, dst);
+#endif
+}
+
 template <DType kDType>
 HWY_INLINE void DecodeRowT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
-                           uint32_t row) {
+                           uint32_t row, bool stream) {
   const uint32_t d = fmt.head_dim;
   const int8_t* codes = reinterpret_cast<const int8_t*>(src);
   const uint8_t* scales = src + fmt.ElementsPerRow();
+  if (stream && Aligned64(view.Head(row, 0))) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      DecodeHeadStream<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d,
+                               view.Head(row, h));
+    }
+    return;
+  }
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
     DecodeHead<kDType>(codes + static_cast<size_t>(h) * d, scales + 2 * h, d, view.Head(row, h));
   }
@@ -203,10 +299,16 @@ template <DType kDType>
 void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                  const uint32_t* rows, uint32_t num_rows) {
   const size_t row_bytes = fmt.RowBytes();
+  const bool stream = StreamsHeads(fmt, view);
   for (uint32_t t = 0; t < num_rows; ++t) {
-    if (t + kPrefetchRows < num_rows) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
-    DecodeRowT<kDType>(fmt, src + t * row_bytes, view, rows[t]);
+    // Streaming stores need no write prefetch: it would fetch the lines they avoid reading.
+    if (t + kPrefetchRows < num_rows &&
+        !(stream && Aligned64(view.Head(rows[t + kPrefetchRows], 0)))) {
+      PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows]);
+    }
+    DecodeRowT<kDType>(fmt, src + t * row_bytes, view, rows[t], stream);
   }
+  if (stream) StreamFence();
 }
 
 bool EncodeRow(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
@@ -222,9 +324,9 @@ void DecodeRow(const RowFormat& fmt, const uint8_t* src, const StridedView& view
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) return DecodeRowsFp8Simd(fmt, src, view, &row, 1);
   if (fmt.IsInt4Rows()) return DecodeRowsInt4Simd(fmt, src, view, &row, 1);
   if (fmt.dtype == DType::kBF16) {
-    DecodeRowT<DType::kBF16>(fmt, src, view, row);
+    DecodeRowT<DType::kBF16>(fmt, src, view, row, false);
   } else {
-    DecodeRowT<DType::kFP16>(fmt, src, view, row);
+    DecodeRowT<DType::kFP16>(fmt, src, view, row, false);
   }
 }
 
@@ -274,8 +376,13 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
     if (RawRowContiguous(fmt, view)) {
       const size_t bytes = fmt.RowBytes();
       for (uint32_t t = 0; t < num_rows; ++t) {
-        std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        if (kStreamDecode) {
+          StreamCopy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        } else {
+          std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
+        }
       }
+      StreamFence();
       return;
     }
     for (uint32_t t = 0; t < num_rows; ++t) {

@@ -92,10 +92,10 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> FloatToFp16Vec(DF df, hn::Vec<DF> y
   return hn::Or(sign, hn::IfThenElse(is_sub, sub, normal));
 }
 
-// Stores the Lanes(df) f32 lanes of y as BF16/FP16: round to nearest even, saturated to the
-// largest finite value.
+// The Lanes(df) f32 lanes of y as BF16/FP16 bits in u16 lanes: round to nearest even,
+// saturated to the largest finite value.
 template <DType kDType, class DF>
-HWY_INLINE void StoreHalf(DF df, hn::Vec<DF> y, uint8_t* p) {
+HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> HalfBits(DF df, hn::Vec<DF> y) {
   const hn::RebindToUnsigned<DF> du32;
   const hn::Rebind<uint16_t, DF> du16;
   // Values are < 2^16: the saturating i32 -> u16 demotion is exact.
@@ -106,18 +106,24 @@ HWY_INLINE void StoreHalf(DF df, hn::Vec<DF> y, uint8_t* p) {
     auto bits = hn::BitCast(du32, y);
     auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
     bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)));
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, reinterpret_cast<uint16_t*>(p));
+    return hn::DemoteTo(du16, hn::BitCast(di32, bits));
   } else {
     const auto lim = hn::Set(df, 65504.0f);
     y = hn::Min(hn::Max(y, hn::Neg(lim)), lim);
 #if HIQ_CODEC_HW_F16_DEMOTE
     const hn::Rebind<hwy::float16_t, DF> df16;
-    hn::StoreU(hn::DemoteTo(df16, y), df16, reinterpret_cast<hwy::float16_t*>(p));
+    return hn::BitCast(du16, hn::DemoteTo(df16, y));
 #else
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(df, y))), du16,
-               reinterpret_cast<uint16_t*>(p));
+    return hn::DemoteTo(du16, hn::BitCast(di32, FloatToFp16Vec(df, y)));
 #endif
   }
+}
+
+// Stores the Lanes(df) f32 lanes of y as BF16/FP16 (HalfBits).
+template <DType kDType, class DF>
+HWY_INLINE void StoreHalf(DF df, hn::Vec<DF> y, uint8_t* p) {
+  const hn::Rebind<uint16_t, DF> du16;
+  hn::StoreU(HalfBits<kDType>(df, y), du16, reinterpret_cast<uint16_t*>(p));
 }
 
 // The largest |x| of a head of d elements as BF16/FP16 bits with the sign cleared (|x| orders

@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <algorithm>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -44,10 +46,28 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::RunItems() {
-  for (size_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n_;
-       i = next_.fetch_add(1, std::memory_order_relaxed)) {
-    (*fn_)(i);
+void ThreadPool::RunItems(uint64_t loop) {
+  const LoopSlot& slot = slots_[loop & 1];
+  uint64_t w = word_.load(std::memory_order_acquire);
+  for (;;) {
+    if ((w >> kIndexBits) != loop) return;  // a later loop: this one is done
+    const size_t i = static_cast<size_t>(w & kIndexMask);
+    // Read before the claim: when the claim succeeds the loop is still `loop` (its slot is only
+    // rewritten two loops later, after this item is done), so these are its values; when it
+    // fails they are discarded.
+    const size_t n = slot.n.load(std::memory_order_relaxed);
+    if (i >= n) return;
+    if (!word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel,
+                                     std::memory_order_acquire)) {
+      continue;  // w now holds the current word
+    }
+    (*slot.fn.load(std::memory_order_relaxed))(i);
+    if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
+        caller_sleeping_.load(std::memory_order_seq_cst)) {
+      MutexLock lock(&mu_);
+      done_cv_.NotifyOne();
+    }
+    w = word_.load(std::memory_order_acquire);
   }
 }
 
@@ -60,25 +80,20 @@ void ThreadPool::WorkerLoop() {
   for (;;) {
     auto ready = [&] {
       return stop_.load(std::memory_order_acquire) ||
-             generation_.load(std::memory_order_acquire) != seen;
+             (word_.load(std::memory_order_acquire) >> kIndexBits) != seen;
     };
     if (!SpinFor(ready)) {
       MutexLock lock(&mu_);
       sleeping_workers_.fetch_add(1, std::memory_order_seq_cst);
       wake_.Wait(&mu_, [&] {
         return stop_.load(std::memory_order_seq_cst) ||
-               generation_.load(std::memory_order_seq_cst) != seen;
+               (word_.load(std::memory_order_seq_cst) >> kIndexBits) != seen;
       });
       sleeping_workers_.fetch_sub(1, std::memory_order_relaxed);
     }
     if (stop_.load(std::memory_order_acquire)) return;
-    seen = generation_.load(std::memory_order_acquire);
-    RunItems();
-    if (active_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
-        caller_sleeping_.load(std::memory_order_seq_cst)) {
-      MutexLock lock(&mu_);
-      done_.NotifyOne();
-    }
+    seen = word_.load(std::memory_order_acquire) >> kIndexBits;
+    RunItems(seen);
   }
 }
 
@@ -89,24 +104,34 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     return;
   }
   MutexLock loop_lock(&loop_mu_);
-  fn_ = &fn;
-  n_ = n;
-  next_.store(0, std::memory_order_relaxed);
-  active_.store(static_cast<unsigned>(workers_.size()), std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes the loop
+  if (n <= kIndexMask) return RunLoop(n, fn);
+  // More items than the loop word's index holds: loops of kIndexMask items each.
+  for (size_t base = 0; base < n; base += kIndexMask) {
+    const size_t count = std::min<size_t>(kIndexMask, n - base);
+    const std::function<void(size_t)> shifted = [&fn, base](size_t i) { fn(base + i); };
+    RunLoop(count, shifted);
+  }
+}
+
+void ThreadPool::RunLoop(size_t n, const std::function<void(size_t)>& fn) {
+  const uint64_t loop = ++loops_;
+  LoopSlot& slot = slots_[loop & 1];
+  slot.fn.store(&fn, std::memory_order_relaxed);
+  slot.n.store(n, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  word_.store(loop << kIndexBits, std::memory_order_seq_cst);  // publishes the loop
   if (sleeping_workers_.load(std::memory_order_seq_cst) > 0) {
     MutexLock lock(&mu_);
     wake_.NotifyAll();
   }
-  RunItems();
-  auto finished = [&] { return active_.load(std::memory_order_acquire) == 0; };
+  RunItems(loop);
+  auto finished = [&] { return done_.load(std::memory_order_acquire) == n; };
   if (!SpinFor(finished)) {
     MutexLock lock(&mu_);
     caller_sleeping_.store(true, std::memory_order_seq_cst);
-    done_.Wait(&mu_, [&] { return active_.load(std::memory_order_seq_cst) == 0; });
+    done_cv_.Wait(&mu_, [&] { return done_.load(std::memory_order_seq_cst) == n; });
     caller_sleeping_.store(false, std::memory_order_relaxed);
   }
-  fn_ = nullptr;
 }
 
 }  // namespace hiqcache::kernels

@@ -211,6 +211,101 @@ TEST(CodecCpu, RawRoundTripIsBitExact) {
   EXPECT_GT(bound.elements, 0u);
 }
 
+// Decode's streaming stores (whole 64-byte lines of a head, or of a RAW row) at every alignment
+// of the destination: rows on 64-byte boundaries (every head streams), 2, 16 and 48 bytes off
+// (ordinary stores; RAW streams the inner lines), and heads 64 bytes apart beyond their data.
+// The restored buffer must be the scalar reference's byte for byte, untouched bytes included,
+// and nothing around it may change.
+TEST(CodecCpu, DecodeAtEveryDestinationAlignment) {
+  constexpr uint32_t kRows = 96;
+  std::vector<std::string> errors;
+  for (CodecKind codec : {CodecKind::kInt8PerHead, CodecKind::kRaw}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      for (uint64_t head_pad : {uint64_t{0}, uint64_t{64}}) {
+        for (uint64_t offset : {0, 2, 16, 48}) {
+          BlockLayout lay = MakeLayout(Geometry{4, 128, 2}, dtype, codec);
+          lay.block_tokens = 16;
+          const uint64_t head_stride = 256 + head_pad;
+          const uint64_t row_stride = 4 * head_stride;
+          const uint64_t plane_bytes = row_stride * kRows;
+          const uint64_t bytes = plane_bytes * lay.kv_planes * lay.num_layers;
+          // Source and two destinations, each at `offset` from a 64-byte boundary.
+          std::vector<uint8_t> src_store(bytes + 128), got_store(bytes + 128, 0x5A),
+              want_store(bytes + 128, 0x5A);
+          auto at = [&](std::vector<uint8_t>& v) {
+            const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+            return v.data() + ((64 - p % 64) % 64) + offset;
+          };
+          auto views = [&](uint8_t* base) {
+            std::vector<LayerViews> out(lay.num_layers);
+            for (uint32_t l = 0; l < lay.num_layers; ++l) {
+              for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+                StridedView& v = out[l].planes[p];
+                v.base = base + (l * lay.kv_planes + p) * plane_bytes;
+                v.row_stride = row_stride;
+                v.head_stride = head_stride;
+                v.num_rows = kRows;
+              }
+            }
+            return out;
+          };
+          Rng rng(offset * 7 + head_pad + static_cast<uint64_t>(dtype) * 3 +
+                  static_cast<uint64_t>(codec));
+          const std::vector<LayerViews> src = views(at(src_store));
+          for (uint32_t l = 0; l < lay.num_layers; ++l) {
+            for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+              for (uint32_t r = 0; r < kRows; ++r) {
+                for (uint32_t h = 0; h < 4; ++h) {
+                  GenHead(InputClass::kGaussian, dtype, rng,
+                          reinterpret_cast<uint16_t*>(src[l].planes[p].Head(r, h)), 128);
+                }
+              }
+            }
+          }
+          const uint32_t blocks = 3;
+          const std::vector<uint32_t> rows = RandomRows(kRows, blocks * lay.block_tokens, rng);
+          BlockSet encoded(lay, blocks);
+          std::vector<uint8_t> flags(blocks, 0);
+          EncodeJob enc;
+          enc.layout = lay;
+          enc.layers = src.data();
+          enc.rows = rows.data();
+          enc.blocks = encoded.ptrs();
+          enc.num_blocks = blocks;
+          enc.nonfinite = flags.data();
+          EncodeBlocksReference(enc);
+          const std::vector<LayerViews> got = views(at(got_store));
+          const std::vector<LayerViews> want = views(at(want_store));
+          DecodeJob dec;
+          dec.layout = lay;
+          dec.rows = rows.data();
+          dec.blocks = encoded.ptrs();
+          dec.num_blocks = blocks;
+          dec.layers = want.data();
+          DecodeBlocksReference(dec);
+          dec.layers = got.data();
+          CpuCodec(2).Decode(dec);
+          // The two destinations sit at different places in their vectors: compare from `at`.
+          uint8_t* got_base = at(got_store);
+          size_t stray = 0;
+          for (size_t i = 0; i < got_store.size(); ++i) {
+            const bool inside = &got_store[i] >= got_base && &got_store[i] < got_base + bytes;
+            stray += !inside && got_store[i] != 0x5A;
+          }
+          if (std::memcmp(got_base, at(want_store), bytes) != 0 || stray != 0) {
+            errors.push_back(std::string(codec == CodecKind::kRaw ? "RAW" : "INT8") + " " +
+                             (dtype == DType::kBF16 ? "BF16" : "FP16") + " head_pad " +
+                             std::to_string(head_pad) + " offset " + std::to_string(offset) +
+                             ": restored bytes differ from the reference (" +
+                             std::to_string(stray) + " written outside the buffer)");
+          }
+        }
+      }
+    }
+  }
+  ExpectNoErrors(errors);
+}
+
 // DecodeLayer(l) writes layer l of the requested rows and no other byte of any layer.
 TEST(CodecCpu, DecodeLayerWritesOnlyThatLayer) {
   for (ViewKind vk : AllViewKinds()) {

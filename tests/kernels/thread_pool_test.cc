@@ -1,8 +1,12 @@
 // ThreadPool: every index runs exactly once, loops really run in parallel, concurrent callers
-// are serialized without mixing their items, and pools start and stop cleanly.
+// are serialized without mixing their items, a loop ends once its items are done whatever its
+// workers are doing, and pools start and stop cleanly.
 #include "thread_pool.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
 
 #include <atomic>
 #include <chrono>
@@ -149,6 +153,102 @@ TEST(ThreadPool, SecondCallerWaitsForTheFirstLoop) {
   second.join();
   EXPECT_TRUE(second_done.load());
   EXPECT_FALSE(second_ran_early.load());
+}
+
+// A worker held in a signal handler (it never reaches the loop) must not hold up a loop whose
+// items the caller can run alone: ParallelFor returns once every item is done. Passes only if
+// ParallelFor returns while the worker is still held; a pool that waits for every worker to
+// check in returns only after the watchdog lets the worker go (a deadline, not a timing).
+std::atomic<bool> g_hold_worker{false};
+std::atomic<bool> g_worker_held{false};
+
+void HoldWorker(int) {
+  g_worker_held.store(true);
+  const timespec nap{0, 1000000};
+  while (g_hold_worker.load()) nanosleep(&nap, nullptr);
+  g_worker_held.store(false);
+}
+
+TEST(ThreadPool, ReturnsWhenItemsAreDoneWithoutWaitingForWorkers) {
+  ThreadPool pool(2);
+  // One loop that needs both threads at once: item 0 and item 1 each wait for the other, so the
+  // worker runs one of them; it records its pthread id.
+  std::atomic<int> arrived{0};
+  pthread_t worker{};
+  std::atomic<bool> have_worker{false};
+  const pthread_t caller = pthread_self();
+  pool.ParallelFor(2, [&](size_t) {
+    if (!pthread_equal(pthread_self(), caller)) {
+      worker = pthread_self();
+      have_worker = true;
+    }
+    arrived.fetch_add(1);
+    while (arrived.load() < 2) std::this_thread::yield();
+  });
+  ASSERT_TRUE(have_worker.load());
+
+  struct sigaction sa = {};
+  struct sigaction old_sa = {};
+  sa.sa_handler = HoldWorker;
+  sigemptyset(&sa.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR1, &sa, &old_sa), 0);
+  g_hold_worker = true;
+  ASSERT_EQ(pthread_kill(worker, SIGUSR1), 0);
+  while (!g_worker_held.load()) std::this_thread::yield();
+
+  std::atomic<bool> watchdog_fired{false};
+  std::atomic<bool> loop_returned{false};
+  std::thread watchdog([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!loop_returned.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (!loop_returned.load()) watchdog_fired = true;
+    g_hold_worker = false;
+  });
+  for (int rep = 0; rep < 3; ++rep) {
+    const std::vector<int> hits = RunAndCount(pool, 64);
+    for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "item " << i;
+  }
+  const bool held_throughout = g_hold_worker.load();
+  loop_returned = true;
+  watchdog.join();
+  while (g_worker_held.load()) std::this_thread::yield();
+  EXPECT_FALSE(watchdog_fired.load());
+  EXPECT_TRUE(held_throughout);
+  ASSERT_EQ(sigaction(SIGUSR1, &old_sa, nullptr), 0);
+
+  // The worker comes back to later loops: each item exactly once, and it takes part again.
+  for (int rep = 0; rep < 100; ++rep) {
+    const std::vector<int> hits = RunAndCount(pool, 32);
+    for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "rep " << rep;
+  }
+  arrived = 0;
+  have_worker = false;
+  pool.ParallelFor(2, [&](size_t) {
+    if (!pthread_equal(pthread_self(), caller)) have_worker = true;
+    arrived.fetch_add(1);
+    while (arrived.load() < 2) std::this_thread::yield();
+  });
+  EXPECT_TRUE(have_worker.load());
+}
+
+// Loops of more items than one loop word indexes (2^24 - 1) still run every index once.
+TEST(ThreadPool, LoopsBeyondTheIndexWidth) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "16M instrumented items take about 20 s under ThreadSanitizer";
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+  GTEST_SKIP() << "16M instrumented items take about 20 s under ThreadSanitizer";
+#endif
+#endif
+  ThreadPool pool(2);
+  const size_t n = (size_t{1} << 24) + 5;
+  std::vector<uint8_t> hits(n, 0);
+  pool.ParallelFor(n, [&](size_t i) { ++hits[i]; });
+  size_t wrong = 0;
+  for (uint8_t h : hits) wrong += h != 1;
+  EXPECT_EQ(wrong, 0u);
 }
 
 TEST(ThreadPool, StartsAndStopsCleanly) {
