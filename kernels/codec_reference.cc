@@ -1,6 +1,7 @@
 #include "codec_reference.h"
 
 #include <cstring>
+#include <vector>
 
 namespace hiqcache::kernels {
 namespace {
@@ -63,9 +64,26 @@ void DecodeRowInt4(const RowFormat& fmt, const uint8_t* src, const StridedView& 
   }
 }
 
+// One row of a view with split heads, as a contiguous copy (GatherHeads): row 0 of the answer.
+StridedView RowCopy(const RowFormat& fmt, std::vector<uint8_t>* bytes) {
+  bytes->resize(size_t{fmt.num_heads} * fmt.head_dim * 2);
+  StridedView v;
+  v.base = bytes->data();
+  v.row_stride = bytes->size();
+  v.head_stride = uint64_t{fmt.head_dim} * 2;
+  v.num_rows = 1;
+  return v;
+}
+
 }  // namespace
 
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
+  if (view.dim_run != 0) {
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes);
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, &row, 1, copy.base);
+    return EncodeRowReference(fmt, copy, 0, dst);
+  }
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
@@ -100,6 +118,13 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
 
 void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                         uint32_t row) {
+  if (view.dim_run != 0) {
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes);
+    DecodeRowReference(fmt, src, copy, 0);
+    ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, &row, 1);
+    return;
+  }
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {

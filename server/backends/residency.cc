@@ -58,7 +58,8 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
     for (uint32_t p = 0; p < layout.kv_planes; ++p) {
       const kernels::StridedView& v = layers[l].planes[p];
-      const bool contiguous = v.head_stride == head_bytes;
+      const bool contiguous = v.head_stride == head_bytes && v.dim_run == 0;
+      const uint64_t head_span = v.HeadSpan(layout.row.head_dim);
       for (size_t i = 0; i < num_rows; ++i) {
         const uintptr_t row = reinterpret_cast<uintptr_t>(v.Head(rows[i], 0));
         if (contiguous) {
@@ -67,7 +68,7 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
         }
         for (uint32_t h = 0; h < heads; ++h) {
           const uintptr_t head = row + uint64_t{h} * v.head_stride;
-          Add(head, head + head_bytes);
+          Add(head, head + head_span);
         }
       }
     }
