@@ -7,7 +7,8 @@ cpu_attn_reshape_and_cache on a probe tile at start-up; a layout it cannot map e
 start-up, it never backs up scrambled KV. Then, by extra-config `cpu_transport`:
 
   tiles    the order factors into permuted token and dim axes with each dim run contiguous
-           (every ISA vLLM has): each plane of a tile is a split TensorView (docs/design.md
+           (vec and vec16, the ISAs this machine runs; the AMX order as described above would
+           too, unverified here): each plane of a tile is a split TensorView (docs/design.md
            TensorView: row_group, dim_run). vLLM's KV tensors move into one memfd the daemon
            maps (their storage is swapped in place, so every holder of the tensors sees it), and
            a restore is one decode straight into vLLM's blocks: wait_layer only waits for the
