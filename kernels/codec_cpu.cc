@@ -445,19 +445,71 @@ uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned thr
   return per_item;
 }
 
+// The row executors read and write a head as one run of elements. A view with split heads
+// (StridedView::dim_run) is encoded from a contiguous copy of the work item's rows (GatherHeads)
+// and decoded into one that is then scattered (ScatterHeads); the copy stays in the thread's
+// cache. Returns the copy's view; rows `*index` (0, 1, ... n - 1) address it.
+StridedView SplitScratch(const RowFormat& fmt, uint32_t n, const uint32_t** index) {
+  thread_local std::vector<uint8_t> bytes;
+  thread_local std::vector<uint32_t> rows;
+  const uint64_t head_bytes = uint64_t{fmt.head_dim} * 2;
+  bytes.resize(static_cast<size_t>(n) * fmt.num_heads * head_bytes);
+  if (rows.size() < n) {
+    const size_t old = rows.size();
+    rows.resize(n);
+    for (size_t i = old; i < n; ++i) rows[i] = static_cast<uint32_t>(i);
+  }
+  *index = rows.data();
+  StridedView v;
+  v.base = bytes.data();
+  v.row_stride = fmt.num_heads * head_bytes;
+  v.head_stride = head_bytes;
+  v.num_rows = n;
+  return v;
+}
+
+// Encodes `n` rows of `view` into consecutive stored rows at `dst` (EncodeRows).
+bool EncodeViewRows(const RowFormat& fmt, const StridedView& view, const uint32_t* rows, uint32_t n,
+                    uint8_t* dst) {
+  if (view.dim_run == 0) return HWY_DYNAMIC_DISPATCH(EncodeRows)(fmt, view, rows, n, dst);
+  const uint32_t* index = nullptr;
+  const StridedView copy = SplitScratch(fmt, n, &index);
+  GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, n, copy.base);
+  return HWY_DYNAMIC_DISPATCH(EncodeRows)(fmt, copy, index, n, dst);
+}
+
+// Encodes the KIVI K plane of one (block, layer) from `view` (EncodeKiviKPlaneSimd), split heads
+// from a contiguous copy.
+bool EncodeKiviKViewPlane(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                          uint32_t n, uint8_t* dst) {
+  if (view.dim_run == 0) return EncodeKiviKPlaneSimd(fmt, view, rows, n, dst);
+  const uint32_t* index = nullptr;
+  const StridedView copy = SplitScratch(fmt, n, &index);
+  GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, n, copy.base);
+  return EncodeKiviKPlaneSimd(fmt, copy, index, n, dst);
+}
+
 // Decodes rows [begin, end) of plane p of block b of `layer`.
 void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, uint32_t begin,
                  uint32_t end) {
   const BlockLayout& lay = job.layout;
+  const uint8_t* src = job.blocks[b] + lay.RowOffset(layer, p, begin);
+  const StridedView& view = job.layers[layer].planes[p];
   const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens + begin;
-  if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
-    DecodeKiviKRowsSimd(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0), lay.block_tokens, begin,
-                        end, job.layers[layer].planes[0], rows);
-    return;
-  }
-  HWY_DYNAMIC_DISPATCH(DecodeRows)
-  (lay.row, job.blocks[b] + lay.RowOffset(layer, p, begin), job.layers[layer].planes[p], rows,
-   end - begin);
+  const bool kivi_k = lay.row.codec == CodecKind::kInt4Kivi && p == 0;
+  auto decode = [&](const StridedView& to, const uint32_t* to_rows) {
+    if (kivi_k) {
+      DecodeKiviKRowsSimd(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0), lay.block_tokens,
+                          begin, end, to, to_rows);
+    } else {
+      HWY_DYNAMIC_DISPATCH(DecodeRows)(lay.row, src, to, to_rows, end - begin);
+    }
+  };
+  if (view.dim_run == 0) return decode(view, rows);
+  const uint32_t* index = nullptr;
+  const StridedView copy = SplitScratch(lay.row, end - begin, &index);
+  decode(copy, index);
+  ScatterHeads(copy.base, lay.row.num_heads, lay.row.head_dim, view, rows, end - begin);
 }
 }  // namespace
 
@@ -482,13 +534,12 @@ void CpuCodec::Encode(const EncodeJob& job) {
     bool finite = true;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
       if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
-        finite &= EncodeKiviKPlaneSimd(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
+        finite &= EncodeKiviKViewPlane(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
                                        job.blocks[b] + lay.PlaneOffset(l, 0));
         continue;
       }
-      finite &=
-          HWY_DYNAMIC_DISPATCH(EncodeRows)(lay.row, job.layers[l].planes[p], rows, lay.block_tokens,
-                                           job.blocks[b] + lay.RowOffset(l, p, 0));
+      finite &= EncodeViewRows(lay.row, job.layers[l].planes[p], rows, lay.block_tokens,
+                               job.blocks[b] + lay.RowOffset(l, p, 0));
     }
     if (!finite) bad[item] = 1;
     if (job.layer_encoded != nullptr) job.layer_encoded(job.layer_encoded_context, b, l);

@@ -33,7 +33,8 @@ class CpuCodec {
   std::unique_ptr<ThreadPool> pool_;
 };
 
-// Single-row entry points of the SIMD executor (used by CpuCodec and by tests).
+// Single-row entry points of the SIMD executor (used by CpuCodec and by tests). REQUIRES: heads
+// not split (view.dim_run == 0); CpuCodec's jobs take split views too.
 bool EncodeRowSimd(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
 void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row);
 

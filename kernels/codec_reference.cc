@@ -1,6 +1,7 @@
 #include "codec_reference.h"
 
 #include <cstring>
+#include <vector>
 
 namespace hiqcache::kernels {
 namespace {
@@ -63,10 +64,34 @@ void DecodeRowInt4(const RowFormat& fmt, const uint8_t* src, const StridedView& 
   }
 }
 
+// One row of a view with split heads, as a contiguous copy (GatherHeads): row 0 of the answer.
+StridedView RowCopy(const RowFormat& fmt, std::vector<uint8_t>* bytes, uint32_t n = 1) {
+  const size_t row_bytes = size_t{fmt.num_heads} * fmt.head_dim * 2;
+  bytes->resize(row_bytes * n);
+  StridedView v;
+  v.base = bytes->data();
+  v.row_stride = row_bytes;
+  v.head_stride = uint64_t{fmt.head_dim} * 2;
+  v.num_rows = n;
+  return v;
+}
+
+std::vector<uint32_t> Iota(uint32_t n) {
+  std::vector<uint32_t> v(n);
+  for (uint32_t i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
 }  // namespace
 
 bool EncodeKiviKPlaneReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                                uint32_t num_rows, uint8_t* dst) {
+  if (view.dim_run != 0) {  // split heads: from a contiguous copy of the rows
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes, num_rows);
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, num_rows, copy.base);
+    return EncodeKiviKPlaneReference(fmt, copy, Iota(num_rows).data(), num_rows, dst);
+  }
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
   const size_t code_bytes = channels / 2;
@@ -107,6 +132,14 @@ bool EncodeKiviKPlaneReference(const RowFormat& fmt, const StridedView& view, co
 void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32_t block_tokens,
                               uint32_t begin, uint32_t end, const StridedView& view,
                               const uint32_t* rows) {
+  if (view.dim_run != 0) {  // split heads: into a contiguous copy, then scattered
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes, end - begin);
+    DecodeKiviKRowsReference(fmt, plane, block_tokens, begin, end, copy,
+                             Iota(end - begin).data());
+    ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, rows, end - begin);
+    return;
+  }
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
   const size_t code_bytes = channels / 2;
@@ -128,6 +161,12 @@ void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32
 }
 
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
+  if (view.dim_run != 0) {
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes);
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, &row, 1, copy.base);
+    return EncodeRowReference(fmt, copy, 0, dst);
+  }
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
@@ -162,6 +201,13 @@ bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t 
 
 void DecodeRowReference(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
                         uint32_t row) {
+  if (view.dim_run != 0) {
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes);
+    DecodeRowReference(fmt, src, copy, 0);
+    ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, &row, 1);
+    return;
+  }
   const uint32_t d = fmt.head_dim;
   if (fmt.codec == CodecKind::kRaw) {
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {

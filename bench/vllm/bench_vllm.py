@@ -2,19 +2,24 @@
 """vLLM through hiqcached, on real weights (SmolLM2-135M-Instruct, vLLM on CPU), same run:
 
   ttft      time to first token of prompts with a 2,048-token shared prefix: recomputed (no
-            cache), restored from hiqcached by a fresh engine (int8_per_head and raw), and
-            vLLM's own prefix cache hit (the floor); medians and ratios.
+            cache), restored from hiqcached by a fresh engine (int8_per_head and raw; straight
+            into vLLM's tiles, and through staging), and vLLM's own prefix cache hit (the
+            floor); medians and ratios, and the load average around it.
   fidelity  greedy agreement and logprob deltas of int8_per_head restores against vLLM's own
             prefix cache over many prompt pairs (prefixes of real text, 200-1,500 tokens).
   layout    the connector's conversion between vLLM's CPU attention tiles and the staging rows
             the daemon reads and writes, for one 2,048-token restore and backup of SmolLM2,
             against a copy of the same bytes (consecutive and fragmented block ids).
+  restore   one 2,048-token Restore of SmolLM2 through the real daemon (raw and int8): decoded
+            straight into vLLM's tiles (split views; consecutive and fragmented blocks) against
+            decoded into staging rows plus the conversion, and a copy of the same bytes.
   workload  the shared-prefix workload of the seed's experiment B at this machine's scale: many
             prefix groups, more prefix tokens than vLLM's own KV cache keeps, requests in
             concurrent batches, hiqcached's pool fixed at one byte budget; vLLM alone vs
             hiqcached raw vs int8: prefix hit rate, TTFT, and prefix tokens held per GiB.
 
-    .venv/bin/python bench/vllm/bench_vllm.py [--only ttft|workload] [--reps 7] [--out FILE]
+    .venv/bin/python bench/vllm/bench_vllm.py [--only ttft|restore|workload] [--reps 7]
+        [--out FILE]
 
 Every engine is its own process (tests/python/vllm_engine.py); the daemon is the real hiqcached
 (build/server/hiqcached, or $HIQ_DAEMON_PATH). Prints a table and writes JSON.
@@ -93,24 +98,121 @@ def bench_ttft(model: str, ids: list[int], reps: int, tmp: pathlib.Path) -> dict
     local = engine("ttft-local", {**base, "connector": None, "batches": [warm] + [
         [p] for pair in zip(writes, reads) for p in pair]}, tmp)
     runs["vllm_prefix_cache"] = {"results": [None] + local["results"][2::2]}
+    load = [os.getloadavg()[0]]
     with Daemon(pool_bytes="2GiB") as d:
         for codec in ("int8_per_head", "raw"):
             conn = {"target": d.target, "codec": codec}
             engine(f"ttft-write-{codec}", {**base, "connector": conn,
                                            "batches": [[p] for p in writes]}, tmp)
-            runs[codec] = engine(f"ttft-read-{codec}", {**base, "connector": conn,
-                                                         "batches": [warm] + [[p] for p in reads]},
-                                 tmp)
-            c = runs[codec]["connector"]
-            out[f"{codec}_connector"] = c
+            # Both read engines restore the same stored blocks (a restore evicts nothing).
+            for transport in ("tiles", "staging"):
+                name = codec if transport == "tiles" else f"{codec}_staging"
+                runs[name] = engine(f"ttft-read-{name}", {
+                    **base, "connector": {**conn, "cpu_transport": transport},
+                    "batches": [warm] + [[p] for p in reads]}, tmp)
+                out[f"{name}_connector"] = runs[name]["connector"]
+                load.append(os.getloadavg()[0])
+    out["load_average_1min"] = load
     for name, run in runs.items():
         res = run["results"][1:]
         t = [ttft_of(r) for r in res]
         out[name] = {"ttft_median_s": statistics.median(t), "ttft_s": t,
                      "cached_tokens": [r["num_cached_tokens"] for r in res]}
     rec = out["recompute"]["ttft_median_s"]
-    for name in ("int8_per_head", "raw", "vllm_prefix_cache"):
+    hit = out["vllm_prefix_cache"]["ttft_median_s"]
+    for name in TTFT_RUNS[1:]:
         out[name]["speedup_vs_recompute"] = rec / out[name]["ttft_median_s"]
+        out[name]["vs_vllm_prefix_cache"] = out[name]["ttft_median_s"] / hit
+    return out
+
+
+TTFT_RUNS = ("recompute", "int8_per_head", "raw", "int8_per_head_staging", "raw_staging",
+             "vllm_prefix_cache")
+
+
+def bench_restore(reps: int) -> dict:
+    """One 2,048-token Restore through the real daemon into vLLM's tiles (split views) against
+    into staging rows plus the connector's conversion, and a copy of the same bytes."""
+    import torch
+
+    from hiqcache.vllm.cpu_worker import TileConverter, tile_view_strides
+
+    bs, heads, dim, layers, nb = BS, 3, 64, 30, 64  # SmolLM2-135M, 2,048 tokens
+    g = hq.Geometry(num_layers=layers, num_kv_heads=heads, head_dim=dim)
+    tc = TileConverter(torch.bfloat16, bs, heads, dim)
+    strides = [tile_view_strides(f) for f in tc.factors]
+    if any(st is None for st in strides):
+        return {"isa": tc.describe(), "skipped": "the tile order has no split view"}
+    blocks, tile, es, rows = 2 * nb, 2 * bs * dim, 2, nb * bs
+    tiles = hq.HostShm.create_memfd("bench-tiles", layers * blocks * heads * tile * es)
+    area = torch.frombuffer(tiles.buf, dtype=torch.bfloat16).view(layers, blocks, heads, tile)
+    plane = hq.slot_major_bytes(g, rows)
+    stage = hq.HostShm.create_memfd("bench-staging", layers * 2 * plane)
+    staging = torch.frombuffer(stage.buf, dtype=torch.bfloat16).view(layers, 2, rows, heads, dim)
+    tile_views, stage_views = [], []
+    for l in range(layers):
+        planes = []
+        for p, st in enumerate(strides):
+            assert st is not None
+            planes.append(hq.TensorView(
+                buffer=0, offset_bytes=(l * blocks * heads * tile + p * bs * dim) * es,
+                row_stride_bytes=st["row_stride"] * es, num_rows=blocks * bs,
+                head_stride_bytes=tile * es, page_rows=bs, page_stride_bytes=heads * tile * es,
+                row_group=st["row_group"], row_group_stride_bytes=st["row_group_stride"] * es,
+                dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es))
+        tile_views.append(hq.LayerView(k=planes[0], v=planes[1]))
+        stage_views.append(hq.LayerView(k=hq.slot_major_view(g, rows, 0, 2 * l * plane),
+                                        v=hq.slot_major_view(g, rows, 0, (2 * l + 1) * plane)))
+    nbytes = layers * 2 * rows * heads * dim * es
+    copy_src = torch.randn(layers, nb, heads, tile).to(torch.bfloat16)
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1000
+
+    out: dict = {"isa": tc.describe(), "bytes": nbytes, "threads": torch.get_num_threads(),
+                 "load_average_1min": [os.getloadavg()[0]]}
+    out["memcpy_ms"] = median_ms(lambda: area[:, nb:].copy_(copy_src))
+    consecutive = [b * bs + t for b in range(nb) for t in range(bs)]
+    fragmented = [b * bs + t for b in range(0, blocks, 2) for t in range(bs)]
+    with Daemon(pool_bytes="1GiB") as d, hq.Client(d.target) as c:
+        for codec in (hq.Codec.RAW, hq.Codec.INT8_PER_HEAD):
+            spec = {"model": f"bench-restore-{codec.value}", "geometry": g, "block_tokens": bs,
+                    "codec": codec}
+            tp = c.register_pool(hq.PoolSpec(**spec, buffers=(tiles.shared_buffer(),),
+                                              layers=tuple(tile_views)))
+            sp = c.register_pool(hq.PoolSpec(**spec, buffers=(stage.shared_buffer(),),
+                                              layers=tuple(stage_views)))
+            staging.copy_(torch.randn(staging.shape).to(torch.bfloat16))
+            keys = hq.compute_block_keys(range(rows), bs, salt=codec.value)
+            assert c.backup(sp, keys, range(rows)).blocks == [hq.BlockStatus.STORED] * nb
+
+            def restore(pool: int, into: list[int] | range, keys: list = keys) -> None:
+                assert c.restore(pool, keys, into).restored_blocks == nb
+
+            def staged(sp: int = sp, restore=restore) -> None:
+                restore(sp, range(rows))
+                for l in range(layers):
+                    tc.to_tiles_into(staging[l, 0], staging[l, 1], area[l, :nb])
+
+            r: dict = {"staging_decode_ms": median_ms(lambda: restore(sp, range(rows))),  # noqa: B023
+                       "staging_decode_and_convert_ms": median_ms(staged)}
+            for name, into in (("consecutive", consecutive), ("fragmented", fragmented)):
+                r[f"tiles_{name}_ms"] = median_ms(lambda into=into: restore(tp, into))  # noqa: B023
+                r[f"tiles_{name}_vs_memcpy"] = out["memcpy_ms"] / r[f"tiles_{name}_ms"]
+            r["staging_vs_memcpy"] = out["memcpy_ms"] / r["staging_decode_and_convert_ms"]
+            # The tiles hold what the staged path writes.
+            restore(tp, consecutive)
+            assert torch.equal(area[:, :nb], torch.stack([
+                tc.to_tiles(staging[l, 0], staging[l, 1]) for l in range(layers)]))
+            out[codec.value] = r
+            assert c.release_pool(tp).ok and c.release_pool(sp).ok
+    out["load_average_1min"].append(os.getloadavg()[0])
+    # The memfds stay mapped (the tensors view them) until the process ends.
     return out
 
 
@@ -187,6 +289,9 @@ def bench_layout(reps: int) -> dict:
     return out
 
 
+    return out
+
+
 def bench_workload(model: str, ids: list[int], args: argparse.Namespace, tmp: pathlib.Path) -> dict:
     rng = random.Random(7)
     prefixes = [rotation(ids, 613 * g + 5, args.prefix_tokens) for g in range(args.groups)]
@@ -241,11 +346,13 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
         t = result["ttft"]
         print(f"TTFT, {t['prompt_tokens']}-token prompts with a {t['prefix_tokens']}-token "
               f"shared prefix, median of {t['reps']}:")
-        for name in ("recompute", "int8_per_head", "raw", "vllm_prefix_cache"):
+        for name in TTFT_RUNS:
             r = t[name]
             ratio = r.get("speedup_vs_recompute")
-            print(f"  {name:18s} {r['ttft_median_s'] * 1000:8.1f} ms" +
-                  (f"  {ratio:5.2f}x faster than recompute" if ratio else ""))
+            print(f"  {name:22s} {r['ttft_median_s'] * 1000:8.1f} ms" +
+                  (f"  {ratio:5.2f}x faster than recompute, "
+                   f"{r['vs_vllm_prefix_cache']:.2f}x vLLM's hit" if ratio else ""))
+        print(f"  load average (1 min) around the restores: {t['load_average_1min']}")
     if args.only in (None, "fidelity"):
         result["fidelity"] = f = bench_fidelity(model, ids, args.pairs, tmp)
         print(f"int8_per_head vs vLLM's prefix cache, {f['pairs']} prompt pairs, {f['max_tokens']} "
@@ -264,6 +371,20 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
                   f"({lay[f'restore_{name}_vs_memcpy']:.2f}x memcpy)  backup "
                   f"{lay[f'backup_{name}_ms']:6.2f} ms "
                   f"({lay[f'backup_{name}_vs_memcpy']:.2f}x memcpy)")
+    if args.only in (None, "restore"):
+        result["restore"] = rs = bench_restore(max(args.reps, 9))
+        print(f"Restore through hiqcached, {rs['bytes'] / 1e6:.1f} MB per 2,048 tokens, "
+              f"{rs['isa']}: memcpy {rs['memcpy_ms']:.2f} ms; load {rs['load_average_1min']}")
+        for codec in ("raw", "int8_per_head"):
+            r = rs.get(codec)
+            if r:
+                print(f"  {codec:14s} staging {r['staging_decode_ms']:6.2f} ms + conversion = "
+                      f"{r['staging_decode_and_convert_ms']:6.2f} ms "
+                      f"({r['staging_vs_memcpy']:.2f}x memcpy); tiles "
+                      f"{r['tiles_consecutive_ms']:6.2f} ms "
+                      f"({r['tiles_consecutive_vs_memcpy']:.2f}x), fragmented "
+                      f"{r['tiles_fragmented_ms']:6.2f} ms "
+                      f"({r['tiles_fragmented_vs_memcpy']:.2f}x)")
     if args.only in (None, "workload"):
         result["workload"] = bench_workload(model, ids, args, tmp)
         w = result["workload"]
@@ -283,7 +404,7 @@ def run(args: argparse.Namespace, model: str, ids: list[int], tmp: pathlib.Path,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("ttft", "fidelity", "layout", "workload"))
+    ap.add_argument("--only", choices=("ttft", "fidelity", "layout", "restore", "workload"))
     ap.add_argument("--pairs", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--groups", type=int, default=12)

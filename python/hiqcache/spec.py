@@ -103,7 +103,10 @@ class TensorView:
     Row r is page p = r // page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0,
     t = r; head h of row r starts at base(buffer) + offset_bytes + p * page_stride_bytes +
     t * row_stride_bytes + h * head_stride_bytes (0 = head_dim elements) and holds head_dim
-    contiguous elements.
+    contiguous elements. Split addressing (HOST pools; 0 = not split): with row_group > 0, slot
+    t is at (t // row_group) * row_group_stride_bytes + (t % row_group) * row_stride_bytes; with
+    dim_run > 0 (a divisor of head_dim) the head is head_dim // dim_run runs of dim_run
+    contiguous elements, run j at j * dim_run_stride_bytes from the head's start.
     """
 
     buffer: int
@@ -113,13 +116,19 @@ class TensorView:
     head_stride_bytes: int = 0
     page_rows: int = 0
     page_stride_bytes: int = 0
+    row_group: int = 0
+    row_group_stride_bytes: int = 0
+    dim_run: int = 0
+    dim_run_stride_bytes: int = 0
 
     def to_proto(self) -> pb.TensorView:
         return pb.TensorView(
             buffer=self.buffer, offset_bytes=self.offset_bytes,
             row_stride_bytes=self.row_stride_bytes, num_rows=self.num_rows,
             head_stride_bytes=self.head_stride_bytes, page_rows=self.page_rows,
-            page_stride_bytes=self.page_stride_bytes)
+            page_stride_bytes=self.page_stride_bytes, row_group=self.row_group,
+            row_group_stride_bytes=self.row_group_stride_bytes, dim_run=self.dim_run,
+            dim_run_stride_bytes=self.dim_run_stride_bytes)
 
 
 @dataclass(frozen=True)

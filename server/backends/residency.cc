@@ -58,13 +58,14 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
   const uint32_t heads = layout.row.num_heads;
   auto add_row = [&](const kernels::StridedView& v, uint32_t row) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(v.Head(row, 0));
-    if (v.head_stride == head_bytes) {
+    if (v.head_stride == head_bytes && v.dim_run == 0) {
       Add(start, start + heads * head_bytes);
       return;
     }
+    const uint64_t head_span = v.HeadSpan(layout.row.head_dim);  // a split head's whole extent
     for (uint32_t h = 0; h < heads; ++h) {
       const uintptr_t head = start + uint64_t{h} * v.head_stride;
-      Add(head, head + head_bytes);
+      Add(head, head + head_span);
     }
   };
   for (uint32_t p = 0; p < layout.kv_planes; ++p) {

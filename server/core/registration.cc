@@ -100,6 +100,69 @@ Status CheckRepeatedRows(const TransferSpec& spec, uint32_t num_rows, bool resto
   return Status::Ok();
 }
 
+// One axis of a split view: `size` indices `stride` bytes apart, spelled by `field`.
+struct ViewAxis {
+  uint64_t size;
+  uint64_t stride;
+  const char* field;
+};
+
+// ViewEnd of a view that splits its slots (row_group) or a head's elements (dim_run): every
+// address of the full grid of (page, group, slot, head, run, element) lies below the answer, and
+// no two elements share a byte (sorted by stride, each axis steps past everything the smaller
+// ones span), as the daemon writes every element of a restored row.
+StatusOr<uint64_t> SplitViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
+                                const std::string& field) {
+  if (v.dim_run != 0 && head_dim % v.dim_run != 0) {
+    return InvalidArgument(field + ".dim_run: must divide geometry.head_dim (" +
+                           std::to_string(head_dim) + "), got " + std::to_string(v.dim_run));
+  }
+  if (v.offset_bytes % 2 || v.row_stride_bytes % 2 || v.head_stride_bytes % 2 ||
+      v.page_stride_bytes % 2 || v.row_group_stride_bytes % 2 || v.dim_run_stride_bytes % 2) {
+    return InvalidArgument(field + ": offset and strides must be multiples of 2 bytes");
+  }
+  const uint64_t run = v.dim_run != 0 ? v.dim_run : head_dim;
+  const uint64_t head_stride =
+      v.head_stride_bytes != 0 ? v.head_stride_bytes : uint64_t{head_dim} * 2;
+  const uint64_t slots =
+      v.page_rows != 0 ? std::min<uint64_t>(v.page_rows, v.num_rows) : v.num_rows;
+  const uint64_t pages = v.page_rows != 0 ? (v.num_rows + v.page_rows - 1) / v.page_rows : 1;
+  const uint64_t group = v.row_group != 0 ? std::min<uint64_t>(v.row_group, slots) : slots;
+  ViewAxis axes[] = {
+      {run, 2, "dim_run"},
+      {head_dim / run, v.dim_run_stride_bytes, "dim_run_stride_bytes"},
+      {heads, head_stride, "head_stride_bytes"},
+      {group, v.row_stride_bytes, "row_stride_bytes"},
+      {(slots + group - 1) / group, v.row_group_stride_bytes, "row_group_stride_bytes"},
+      {pages, v.page_stride_bytes, "page_stride_bytes"},
+  };
+  uint64_t span = 2;  // one element
+  for (const ViewAxis& a : axes) {
+    if (a.size > 1 && !MulAdd(a.size - 1, a.stride, &span)) {
+      return InvalidArgument(field + "." + a.field + ": " + std::to_string(a.stride) + " x " +
+                             std::to_string(a.size - 1) + " overflows");
+    }
+  }
+  std::stable_sort(std::begin(axes), std::end(axes),
+                   [](const ViewAxis& a, const ViewAxis& b) { return a.stride < b.stride; });
+  uint64_t covered = 2;  // bytes the axes so far span from an element's first byte
+  for (const ViewAxis& a : axes) {
+    if (a.size <= 1) continue;
+    if (a.stride < covered) {
+      return InvalidArgument(field + "." + a.field + ": " + std::to_string(a.stride) +
+                             " bytes steps inside the " + std::to_string(covered) +
+                             " bytes the smaller strides span: elements of the view overlap");
+    }
+    covered += (a.size - 1) * a.stride;  // <= span: no overflow
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(v.offset_bytes, span, &end)) {
+    return InvalidArgument(field + ".offset_bytes: " + std::to_string(v.offset_bytes) +
+                           " plus the view's " + std::to_string(span) + " bytes overflows");
+  }
+  return end;
+}
+
 }  // namespace
 
 StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
@@ -107,6 +170,7 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
   const uint64_t head_bytes = uint64_t{head_dim} * 2;
   const uint64_t head_stride = v.head_stride_bytes != 0 ? v.head_stride_bytes : head_bytes;
   if (v.num_rows == 0) return InvalidArgument(field + ".num_rows: must be > 0");
+  if (v.row_group != 0 || v.dim_run != 0) return SplitViewEnd(v, heads, head_dim, field);
   if (v.row_stride_bytes == 0 && v.num_rows > 1) {
     return InvalidArgument(field + ".row_stride_bytes: must be > 0");
   }
@@ -313,6 +377,10 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                                " out of range (" + std::to_string(spec.buffers.size()) +
                                " buffers)");
       }
+      if (out.cuda && (v.row_group != 0 || v.dim_run != 0)) {
+        return InvalidArgument(f + (v.dim_run != 0 ? ".dim_run" : ".row_group") +
+                               ": split views are for HOST pools only");
+      }
       HIQ_ASSIGN_OR_RETURN(uint64_t end, ViewEnd(v, spec.num_kv_heads, spec.head_dim, f));
       if (end > spec.buffers[v.buffer].size_bytes) {
         return InvalidArgument(f + ": addresses up to byte " + std::to_string(end) +
@@ -367,6 +435,11 @@ std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
       sv.page_rows = v.page_rows;
       sv.page_stride = v.page_stride_bytes;
       sv.num_rows = v.num_rows;
+      sv.row_group = v.row_group;
+      sv.row_group_stride = v.row_group_stride_bytes;
+      // One run of head_dim elements is an unsplit head.
+      sv.dim_run = v.dim_run == layout.row.head_dim ? 0 : v.dim_run;
+      sv.dim_run_stride = v.dim_run_stride_bytes;
     }
   }
   return out;

@@ -61,6 +61,10 @@ struct ViewSpec {
   uint64_t head_stride_bytes = 0;
   uint64_t page_rows = 0;
   uint64_t page_stride_bytes = 0;
+  uint32_t row_group = 0;  // 0 = slots not grouped
+  uint64_t row_group_stride_bytes = 0;
+  uint32_t dim_run = 0;  // 0 = a head's elements contiguous
+  uint64_t dim_run_stride_bytes = 0;
 };
 
 struct LayerSpec {

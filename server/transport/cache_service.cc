@@ -21,6 +21,10 @@ ViewSpec ToView(bool present, const v1::TensorView& t) {
   v.head_stride_bytes = t.head_stride_bytes();
   v.page_rows = t.page_rows();
   v.page_stride_bytes = t.page_stride_bytes();
+  v.row_group = t.row_group();
+  v.row_group_stride_bytes = t.row_group_stride_bytes();
+  v.dim_run = t.dim_run();
+  v.dim_run_stride_bytes = t.dim_run_stride_bytes();
   return v;
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -304,6 +305,148 @@ TEST(CodecCpu, DecodeAtEveryDestinationAlignment) {
     }
   }
   ExpectNoErrors(errors);
+}
+
+// Views with split addressing (StridedView::row_group, dim_run): vLLM CPU attention's tiles,
+// [pages][heads][K|V][...], K as [dim][token] (runs of one element) and as token groups of 8
+// with dims in pairs ([t / 8][d / 2][t % 8][d % 2]), V as [token][dim]. Each codec encodes the
+// same bytes as from a plain [row][head][dim] copy of the same values, on 1 and 3 threads and
+// with the reference, and a decode writes exactly the plain decode's values at the split
+// addresses and no other byte.
+TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
+  constexpr uint32_t kHeads = 3, kDim = 64, kBs = 16, kPages = 5;
+  const uint64_t tile = uint64_t{kBs} * kDim * 2 * 2, page = tile * kHeads;
+  const uint32_t rows_total = kPages * kBs;
+  const uint32_t order[] = {3, 0, 4, 1};  // the blocks' pages, not in order
+  for (int split = 0; split < 2; ++split) {
+    StridedView k;
+    k.page_rows = kBs;
+    k.page_stride = page;
+    k.head_stride = tile;
+    k.num_rows = rows_total;
+    if (split == 0) {
+      k.row_stride = 2;
+      k.dim_run = 1;
+      k.dim_run_stride = kBs * 2;
+    } else {
+      k.row_stride = 4;
+      k.row_group = 8;
+      k.row_group_stride = 8 * kDim * 2;
+      k.dim_run = 2;
+      k.dim_run_stride = 8 * 2 * 2;
+    }
+    StridedView v;
+    v.row_stride = kDim * 2;
+    v.head_stride = tile;
+    v.page_rows = kBs;
+    v.page_stride = page;
+    v.num_rows = rows_total;
+    // Element (row, head, d) of each plane at its split address.
+    auto at = [&](const StridedView& sv, uint8_t* base, uint32_t r, uint32_t h, uint32_t d) {
+      StridedView b = sv;
+      b.base = base;
+      const uint32_t run = b.dim_run != 0 ? b.dim_run : kDim;
+      return b.Head(r, h) + (d / run) * b.dim_run_stride + (d % run) * 2;
+    };
+    for (CodecKind codec : {CodecKind::kInt8PerHead, CodecKind::kRaw, CodecKind::kFp8E4m3PerHead,
+                            CodecKind::kInt4G32PerHead, CodecKind::kInt4Kivi}) {
+      BlockLayout lay;
+      lay.row = {kHeads, kDim, DType::kBF16, codec};
+      lay.num_layers = 1;
+      lay.block_tokens = kBs;
+      std::vector<uint8_t> tiles(page * kPages);
+      std::vector<uint8_t> plain(size_t{rows_total} * kHeads * kDim * 2 * 2);  // K rows, V rows
+      uint64_t x = 12345 + static_cast<uint64_t>(codec) * 7 + split;
+      for (uint32_t r = 0; r < rows_total; ++r) {
+        for (uint32_t h = 0; h < kHeads; ++h) {
+          for (uint32_t d = 0; d < kDim; ++d) {
+            for (uint32_t p = 0; p < 2; ++p) {
+              x = x * 6364136223846793005ull + 1442695040888963407ull;
+              const uint16_t bits =
+                  FloatToBf16Sat(static_cast<float>((x >> 40) % 2001) / 100.f - 10.f);
+              uint8_t* tb = tiles.data() + (p == 1 ? kBs * kDim * 2 : 0);
+              std::memcpy(at(p == 0 ? k : v, tb, r, h, d), &bits, 2);
+              std::memcpy(
+                  plain.data() + ((size_t{p} * rows_total + r) * kHeads + h) * kDim * 2 + d * 2,
+                  &bits, 2);
+            }
+          }
+        }
+      }
+      LayerViews split_views{{k, v}}, plain_views{};
+      split_views.planes[0].base = tiles.data();
+      split_views.planes[1].base = tiles.data() + kBs * kDim * 2;
+      for (uint32_t p = 0; p < 2; ++p) {
+        StridedView& pv = plain_views.planes[p];
+        pv.base = plain.data() + size_t{p} * rows_total * kHeads * kDim * 2;
+        pv.row_stride = kHeads * kDim * 2;
+        pv.head_stride = kDim * 2;
+        pv.num_rows = rows_total;
+      }
+      std::vector<uint32_t> rows;
+      for (uint32_t b : order) {
+        for (uint32_t t = 0; t < kBs; ++t) rows.push_back(b * kBs + t);
+      }
+      const uint32_t blocks = 4;
+      auto encode = [&](const LayerViews& views, auto&& run) {
+        std::vector<uint8_t> out(blocks * lay.BlockBytes());
+        std::vector<uint8_t*> ptrs;
+        for (uint32_t b = 0; b < blocks; ++b) ptrs.push_back(out.data() + b * lay.BlockBytes());
+        std::vector<uint8_t> nonfinite(blocks, 0);
+        EncodeJob job{lay, &views, rows.data(), ptrs.data(), blocks, nonfinite.data()};
+        run(job);
+        return out;
+      };
+      const std::vector<uint8_t> want =
+          encode(plain_views, [](const EncodeJob& j) { EncodeBlocksReference(j); });
+      const std::string what =
+          "codec " + std::to_string(static_cast<int>(codec)) + " split " + std::to_string(split);
+      EXPECT_TRUE(encode(split_views, [](const EncodeJob& j) { EncodeBlocksReference(j); }) == want)
+          << what << " (reference)";
+      for (unsigned threads : {1u, 3u}) {
+        CpuCodec codec_cpu(threads);
+        EXPECT_TRUE(encode(split_views, [&](const EncodeJob& j) { codec_cpu.Encode(j); }) == want)
+            << what << " threads " << threads;
+      }
+      // Decode into zeroed planes, both ways; the split one compared address by address.
+      std::vector<const uint8_t*> src;
+      for (uint32_t b = 0; b < blocks; ++b) src.push_back(want.data() + b * lay.BlockBytes());
+      std::fill(plain.begin(), plain.end(), 0);
+      DecodeJob plain_job{lay, &plain_views, rows.data(), src.data(), blocks};
+      DecodeBlocksReference(plain_job);
+      for (int exec = 0; exec < 2; ++exec) {
+        std::fill(tiles.begin(), tiles.end(), 0xEE);
+        DecodeJob job{lay, &split_views, rows.data(), src.data(), blocks};
+        if (exec == 0) {
+          DecodeBlocksReference(job);
+        } else {
+          CpuCodec(2).Decode(job);
+        }
+        std::vector<uint8_t> touched(tiles.size(), 0);
+        size_t mismatches = 0;
+        for (uint32_t r : rows) {
+          for (uint32_t h = 0; h < kHeads; ++h) {
+            for (uint32_t d = 0; d < kDim; ++d) {
+              for (uint32_t p = 0; p < 2; ++p) {
+                uint8_t* tb = tiles.data() + (p == 1 ? kBs * kDim * 2 : 0);
+                uint8_t* got = at(p == 0 ? k : v, tb, r, h, d);
+                touched[got - tiles.data()] = touched[got - tiles.data() + 1] = 1;
+                mismatches +=
+                    std::memcmp(got,
+                                plain.data() +
+                                    ((size_t{p} * rows_total + r) * kHeads + h) * kDim * 2 + d * 2,
+                                2) != 0;
+              }
+            }
+          }
+        }
+        size_t stray = 0;
+        for (size_t i = 0; i < tiles.size(); ++i) stray += !touched[i] && tiles[i] != 0xEE;
+        EXPECT_EQ(mismatches, 0u) << what << " exec " << exec;
+        EXPECT_EQ(stray, 0u) << what << " exec " << exec;
+      }
+    }
+  }
 }
 
 // DecodeLayer(l) writes layer l of the requested rows and no other byte of any layer.

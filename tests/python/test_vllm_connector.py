@@ -1,7 +1,10 @@
 """hiqcache.vllm.HiqCacheConnector inside real vLLM engines (CPU, real SmolLM2-135M weights),
 against the real hiqcached.
 
-Every engine is its own process (tests/python/vllm_engine.py). The reference for "identical" is
+Every engine is its own process (tests/python/vllm_engine.py). The engines restore straight into
+vLLM's attention tiles (cpu_transport auto: the tile order of this machine's ISA has a split
+TensorView) except engine C (stores through staging, D restores its blocks into tiles) and
+engine F (staging both ways). The reference for "identical" is
 vLLM's own prefix cache: one engine serves each group's first prompt, then its second prompt from
 its own cache. Engines that restore the shared prefix from hiqcached must match it: exactly with
 codec raw, within measured agreement with int8. Figures go to $HIQ_RESULTS_DIR (default
@@ -132,6 +135,7 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
         assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
         assert b["connector"]["failed_blocks"] == 0
         assert a["connector"]["saved_blocks"] > 0 and a["connector"]["loaded_blocks"] == 0
+        assert a["connector"]["transport"] == b["connector"]["transport"] == "tiles"
         agree, total, deltas = 0, 0, []
         for i in range(GROUPS):
             got, ref = b["results"][i], reference["second"][i]
@@ -228,7 +232,8 @@ def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, p
     with Daemon(pool_bytes="512MiB") as d:
         conn = {"target": d.target, "codec": "raw"}
         flag = str(tmp_path / "flag-{n}")
-        c = start_engine("c", {"model": model, "connector": conn, "after_batch": flag,
+        c = start_engine("c", {"model": model, "connector": {**conn, "cpu_transport": "staging"},
+                               "after_batch": flag,
                                "batches": [[prompts[3][0]], [prompts[4][0]],
                                            [p1 for p1, _, _ in prompts[5:8]] * 3],
                                "max_tokens": 16}, tmp_path)
@@ -261,6 +266,7 @@ def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, p
         assert out["connector"]["loaded_blocks"] == sum(
             full_blocks(len(prompts[i][1]), prompts[i][2]) for i in (3, 4))
         assert out["connector"]["failed_blocks"] == 0
+        assert out["connector"]["transport"] == "tiles"
         for j, i in enumerate((3, 4)):
             assert out["results"][j]["tokens"] == reference["second"][i]["tokens"]
             assert out["results"][j]["logprobs"] == reference["second"][i]["logprobs"]
@@ -326,12 +332,13 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(model, prompts, r
     the evicted blocks, and the output keeps the reference's greedy tokens."""
     p1, p2, shared = prompts[7]
     with Daemon(pool_bytes="512MiB") as d:
-        conn = {"target": d.target, "codec": "raw"}
+        conn = {"target": d.target, "codec": "raw", "cpu_transport": "staging"}
         out = run_engine("f", {"model": model, "connector": conn, "prefix_caching": False,
                                "evict_before_load": 2, "batches": [[p1], [p2]]}, tmp_path)
     blocks = full_blocks(len(p2), shared)
     assert out["connector"]["loaded_blocks"] == 2
     assert out["connector"]["failed_blocks"] == blocks - 2
+    assert out["connector"]["transport"] == "staging"
     got, ref = out["results"][1], reference["second"][7]
     assert got["tokens"] == ref["tokens"]
     assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) < 0.5

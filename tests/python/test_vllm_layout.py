@@ -50,6 +50,39 @@ def test_this_machines_isa_is_converted_by_strided_copies():
         assert conv.factors[0][1] != (0, 1, 2, 3) and conv.factors[1][1] == (0, 1, 2, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs,heads,dim", [(32, 3, 64), (64, 2, 128), (32, 1, 80), (16, 2, 64)])
+def test_split_views_address_every_element_where_vllm_puts_it(dtype, bs, heads, dim):
+    """The split TensorView fields the worker registers (tile_view_strides) put token t, dim d
+    of each plane exactly where vLLM's own op stores it."""
+    from hiqcache.vllm.cpu_worker import tile_view_strides
+
+    conv = TileConverter(dtype, bs, heads, dim)
+    t = torch.arange(bs).view(bs, 1)
+    d = torch.arange(dim).view(1, dim)
+    for plane in range(2):
+        st = tile_view_strides(conv.factors[plane])
+        assert st is not None, conv.describe()
+        slot = ((t // st["row_group"]) * st["row_group_stride"] + (t % st["row_group"])
+                * st["row_stride"]) if st["row_group"] else t * st["row_stride"]
+        run = st["dim_run"] or dim
+        pos = slot + (d // run) * (st["dim_run_stride"] if st["dim_run"] else 0) + d % run
+        assert torch.equal(conv.orders[plane][pos], t * dim + d), (plane, st)
+    if conv.isa in ("vec", "vec16"):  # K as [dim][token]: runs of one element
+        assert tile_view_strides(conv.factors[0]) == {
+            "row_stride": 1, "row_group": 0, "row_group_stride": 0, "dim_run": 1,
+            "dim_run_stride": bs}
+        assert tile_view_strides(conv.factors[1])["dim_run"] == 0  # V rows as they are
+
+
+def test_orders_without_a_split_view_are_refused():
+    from hiqcache.vllm.cpu_worker import tile_view_strides
+
+    # dims of a run not adjacent ([d % 2][t][d // 2]): no TensorView.
+    assert tile_view_strides(((4, 1, 8, 2), (3, 1, 0, 2))) is None
+    assert tile_view_strides(None) is None
+
+
 @pytest.mark.parametrize("block_ids", [[4, 5, 6, 7], [9, 2, 5, 0], [1, 2, 3, 8]])
 def test_worker_moves_exactly_the_named_blocks(block_ids):
     """The worker's staging <-> cache copies (runs of consecutive blocks straight, fragmented
@@ -92,7 +125,8 @@ def test_extra_config_is_validated():
     bad = [({"codecs": "raw"}, "'codecs'"), ({"codec": "int4"}, "unknown codec 'int4'"),
            ({"codec": 1}, "'codec'"), ({"target": "nonsense"}, "'target'"),
            ({"timeout_ms": 0}, "'timeout_ms'"), ({"timeout_ms": True}, "'timeout_ms'"),
-           ({"staging_tokens": -1}, "'staging_tokens'"), ({"tenant": "a\nb"}, "'tenant'")]
+           ({"staging_tokens": -1}, "'staging_tokens'"), ({"tenant": "a\nb"}, "'tenant'"),
+           ({"cpu_transport": "ipc"}, "'cpu_transport'")]
     for extra, needle in bad:
         with pytest.raises(ValueError) as err:
             ConnectorOptions.parse(extra)

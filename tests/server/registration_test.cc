@@ -787,6 +787,123 @@ TEST(ResolveViewsTest, BasesOffsetsAndDefaultHeadStride) {
   EXPECT_EQ(gv[0].planes[1].Head(7, 1) + 128, v.data() + v.size());
 }
 
+// vLLM CPU attention ("vec"): one buffer, per layer [blocks, heads, block_size, 2 * dim] where
+// a (block, head) tile holds K as [dim][token] (dim runs of one element, tokens adjacent), then
+// V as [token][dim].
+RegisterSpec VllmCpuTileSpec(uint32_t layers = 2, uint32_t heads = 3, uint32_t dim = 64,
+                             uint32_t blocks = 4, uint32_t bs = 32) {
+  RegisterSpec s = Base(layers, heads, dim, bs);
+  const uint64_t tile = uint64_t{bs} * dim * 2 * 2;
+  const uint64_t page = tile * heads;
+  s.buffers.push_back(HostBuffer("/cpu-tiles", page * blocks * layers));
+  for (uint32_t l = 0; l < layers; ++l) {
+    ViewSpec k = RowView(0, l * page * blocks, 2, blocks * bs);
+    k.head_stride_bytes = tile;
+    k.page_rows = bs;
+    k.page_stride_bytes = page;
+    k.dim_run = 1;
+    k.dim_run_stride_bytes = uint64_t{bs} * 2;
+    ViewSpec v =
+        RowView(0, l * page * blocks + uint64_t{bs} * dim * 2, uint64_t{dim} * 2, blocks * bs);
+    v.head_stride_bytes = tile;
+    v.page_rows = bs;
+    v.page_stride_bytes = page;
+    s.layers.push_back({k, v});
+  }
+  return s;
+}
+
+TEST(SplitViewTest, VllmCpuTilesExactFitAndResolve) {
+  RegisterSpec s = VllmCpuTileSpec();
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  s.buffers[0].size_bytes -= 1;  // the last V element of the last tile is outside
+  ExpectInvalid(s, "layers[1].v");
+  s = VllmCpuTileSpec();
+  s.buffers[0].size_bytes -= s.buffers[0].size_bytes / 2;  // K of the last layer is outside
+  ExpectInvalid(s, "layers[1].k: addresses up to byte");
+
+  std::vector<uint8_t> buf(VllmCpuTileSpec().buffers[0].size_bytes);
+  auto views = ResolveViews(VllmCpuTileSpec(), r->layout, {buf.data()});
+  const kernels::StridedView& k = views[1].planes[0];
+  EXPECT_EQ(k.dim_run, 1u);
+  EXPECT_EQ(k.dim_run_stride, 64u);
+  // K of token 5, head 2, of block 3, layer 1; dim d is 64 * d bytes further.
+  const uint64_t tile = 32 * 64 * 2 * 2, page = 3 * tile;
+  EXPECT_EQ(k.Head(3 * 32 + 5, 2), buf.data() + 4 * page + 3 * page + 2 * tile + 5 * 2);
+  EXPECT_EQ(k.HeadSpan(64), 63u * 64u + 2u);
+  // Its last element is the last byte of the layer's last tile's K half.
+  EXPECT_EQ(k.Head(4 * 32 - 1, 2) + k.HeadSpan(64), buf.data() + 8 * page - tile / 2);
+  // dim_run == head_dim is an unsplit head.
+  RegisterSpec one = VllmCpuTileSpec();
+  for (auto& l : one.layers) l.v.dim_run = 64;
+  auto r1 = ValidateRegistration(one, Limits{}, kBigPool);
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  EXPECT_EQ(ResolveViews(one, r1->layout, {buf.data()})[0].planes[1].dim_run, 0u);
+  // On K, whose tokens are one element apart, one run of 64 elements overlaps the next token.
+  for (auto& l : one.layers) l.k.dim_run = 64;
+  ExpectInvalid(one, "layers[0].k.row_stride_bytes: 2 bytes steps inside");
+}
+
+TEST(SplitViewTest, TokenGroupsAndDimPairs) {
+  // AMX-like K tile: tokens in groups of 16, dims in runs of 2: [t / 16][d / 2][t % 16][d % 2].
+  RegisterSpec s = VllmCpuTileSpec(1, 2, 64, 2, 32);
+  ViewSpec& k = s.layers[0].k;
+  k.row_stride_bytes = 4;
+  k.row_group = 16;
+  k.row_group_stride_bytes = 16 * 64 * 2;
+  k.dim_run = 2;
+  k.dim_run_stride_bytes = 16 * 2 * 2;
+  ExpectValid(s);
+  // Runs as far apart as the token groups: elements overlap.
+  k.dim_run_stride_bytes = 16 * 64 * 2;
+  ExpectInvalid(s, "elements of the view overlap");
+  k.dim_run_stride_bytes = 16 * 2 * 2;
+  k.row_group_stride_bytes = 64;  // a group starts inside the one before
+  ExpectInvalid(s, "elements of the view overlap");
+}
+
+TEST(SplitViewTest, RejectsOverlapOutOfBoundsAndOverflow) {
+  auto with = [](auto&& edit) {
+    RegisterSpec s = VllmCpuTileSpec();
+    edit(s.layers[0].k);
+    return s;
+  };
+  // Dim runs that land on the next token's elements.
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run_stride_bytes = 32; }),
+                "layers[0].k.dim_run_stride_bytes: 32 bytes steps inside");
+  // Tokens one element apart and runs of two elements: token t's dim 1 is token t+1's dim 0.
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run = 2; }), "elements of the view overlap");
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run_stride_bytes = 0; }),
+                "layers[0].k.dim_run_stride_bytes");
+  ExpectInvalid(with([](ViewSpec& v) { v.row_stride_bytes = 0; }), "layers[0].k.row_stride_bytes");
+  // Heads half a tile apart: head 1's K on head 0's V is no overlap of the view itself, but
+  // a quarter tile lands on head 0's K.
+  ExpectInvalid(with([](ViewSpec& v) { v.head_stride_bytes = 2048; }),
+                "layers[0].k.head_stride_bytes: 2048 bytes steps inside");
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run = 3; }), "layers[0].k.dim_run: must divide");
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run_stride_bytes = 65; }), "multiples of 2");
+  ExpectInvalid(with([](ViewSpec& v) { v.dim_run_stride_bytes = 1ull << 62; }),
+                "layers[0].k.dim_run_stride_bytes: 4611686018427387904 x 63 overflows");
+  ExpectInvalid(with([](ViewSpec& v) {
+                  v.row_group_stride_bytes = ~1ull;
+                  v.row_group = 8;
+                }),
+                "layers[0].k.row_group_stride_bytes");
+  ExpectInvalid(with([](ViewSpec& v) { v.page_stride_bytes = 1ull << 63; }),
+                "layers[0].k.page_stride_bytes");
+  ExpectInvalid(with([](ViewSpec& v) { v.offset_bytes = ~1ull; }), "layers[0].k.offset_bytes");
+  ExpectInvalid(with([](ViewSpec& v) { v.offset_bytes = 1ull << 20; }),
+                "layers[0].k: addresses up to byte");
+  // Split views are HOST-only.
+  RegisterSpec cuda = VllmCpuTileSpec();
+  cuda.device_kind = kCuda;
+  cuda.buffers[0].has_host_shm_name = false;
+  cuda.buffers[0].has_cuda_ipc_handle = true;
+  cuda.buffers[0].cuda_ipc_handle = std::string(64, 'h');
+  ExpectInvalid(cuda, "layers[0].k.dim_run: split views are for HOST pools only");
+}
+
 TEST(MinRowsTest, SmallestViewWins) {
   RegisterSpec s = SglangSpec(2, 2, 64, 16, 4);
   s.layers[1].v.num_rows = 9;

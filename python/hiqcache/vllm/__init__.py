@@ -10,8 +10,9 @@
 
 Names are a contract (docs/design.md "Engine adapters"). Optional extra-config keys beyond the
 contract: `timeout_ms` (deadline of every daemon call, default 1000), `staging_tokens` (token
-rows of each staging area) and `cuda_transport` (vLLM on CUDA: auto, ipc or host; see
-cuda_worker.py). An unknown key or a bad value fails engine start-up with a
+rows of each staging area), `cuda_transport` (vLLM on CUDA: auto, ipc or host; see
+cuda_worker.py) and `cpu_transport` (vLLM on CPU: auto, tiles or staging; see cpu_worker.py). An
+unknown key or a bad value fails engine start-up with a
 message that names it; after start-up the connector never raises into vLLM: any failure is a miss
 (the scheduler's lookup answers 0, a failed restore reports its blocks through
 get_block_ids_with_load_errors so vLLM recomputes exactly those tokens, a failed backup is
@@ -26,7 +27,8 @@ engine holds (Lookup over the ranks' namespaces); build_connector_meta tells the
 stored blocks to load into which vLLM blocks and which newly computed full blocks to save.
 
 Worker half, chosen by the device of vLLM's KV caches at register_kv_caches: cpu_worker.CpuWorker
-for vLLM on CPU (converts vLLM's attention tiles through shared-memory staging), and
+for vLLM on CPU (the daemon reads and writes vLLM's attention tiles in place, or converts them
+through shared-memory staging where it cannot describe their order), and
 cuda_worker.CudaWorker for vLLM on CUDA (the daemon reads and writes vLLM's blocks in place
 through CUDA IPC, or page-locked staging where it cannot). Modules: common (options, identity,
 metadata), scheduler, cpu_worker, cuda_worker.

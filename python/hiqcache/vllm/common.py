@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hiqcache.vllm")
 
-_EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport")
+_EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport",
+               "cpu_transport")
 CUDA_TRANSPORTS = ("auto", "ipc", "host")
+CPU_TRANSPORTS = ("auto", "tiles", "staging")
 # Keyed by vLLM's model_config.dtype: a torch.dtype once vLLM resolved it (typed with its
 # string spellings too).
 _TORCH_DTYPES: dict[torch.dtype | str, DType] = {torch.bfloat16: DType.BF16,
@@ -39,6 +41,7 @@ class ConnectorOptions:
     timeout_ms: int = 1000
     staging_tokens: int = 0  # 0 = derived from the scheduler limits
     cuda_transport: str = "auto"  # vLLM on CUDA: one of CUDA_TRANSPORTS (cuda_worker.py)
+    cpu_transport: str = "auto"  # vLLM on CPU: one of CPU_TRANSPORTS (cpu_worker.py)
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -47,7 +50,8 @@ class ConnectorOptions:
         return cls(target=opts.target(), codec=opts.codec(), tenant=opts.text("tenant"),
                    timeout_ms=opts.integer("timeout_ms", 1000, 1, 600_000),
                    staging_tokens=opts.integer("staging_tokens", 0, 0, 1 << 24),
-                   cuda_transport=opts.choice("cuda_transport", "auto", CUDA_TRANSPORTS))
+                   cuda_transport=opts.choice("cuda_transport", "auto", CUDA_TRANSPORTS),
+                   cpu_transport=opts.choice("cpu_transport", "auto", CPU_TRANSPORTS))
 
 
 def model_identity(vllm_config: VllmConfig) -> str:

@@ -2,32 +2,57 @@
 
 vLLM's CPU attention keeps each (block, head) tile in an order of its own that depends on the
 ISA it picked ("vec": K as [head_dim][block_size], V as [block_size][head_dim]; "amx": tokens in
-groups with pairs of dims interleaved), which no TensorView can express. The worker therefore
-learns the order by running vLLM's own cpu_attn_reshape_and_cache on a probe tile at start-up,
-and converts through a staging area in shared memory that the daemon reads and writes
-([layer][K|V][row][head][dim], one pool registration covering every layer; a memfd sealed
-against shrinking, passed to the daemon by fd over the client's session, or a named shm object
-for a daemon without sessions): a layout it cannot map exactly fails start-up, it never backs up
-scrambled KV. Loads: start_load sends one asynchronous Restore per request into the load area,
-all signalling the same per-layer event slots; wait_layer(layer) waits for that layer only and
-scatters it into vLLM's blocks. Saves: save (all layers written) gathers the step's newly
-computed full blocks into the save area and sends one asynchronous Backup; vLLM's blocks are free
-again as soon as that copy is made, so request_finished never delays freeing them.
+groups with pairs of dims interleaved). The worker learns the order by running vLLM's own
+cpu_attn_reshape_and_cache on a probe tile at start-up; a layout it cannot map exactly fails
+start-up, it never backs up scrambled KV. Then, by extra-config `cpu_transport`:
+
+  tiles    the order factors into permuted token and dim axes with each dim run contiguous
+           (vec and vec16, the ISAs this machine runs; the AMX order as described above would
+           too, unverified here): each plane of a tile is a split TensorView (docs/design.md
+           TensorView: row_group, dim_run). vLLM's KV tensors move into one memfd the daemon
+           maps (their storage is swapped in place, so every holder of the tensors sees it), and
+           a restore is one decode straight into vLLM's blocks: wait_layer only waits for the
+           layer's slot. Behind each layer's blocks the memfd holds a save area of whole tiles: a
+           save copies the step's new blocks there (tile for tile, no conversion) and the daemon
+           encodes them from there, so vLLM's blocks are free again once the copy is made.
+  staging  the daemon reads and writes a staging area in shared memory
+           ([layer][K|V][row][head][dim]); loads: wait_layer(layer) waits for that layer and
+           scatters it into vLLM's blocks; saves gather the step's new blocks into the save area.
+  auto     (default) tiles where the order can be described, else staging; the choice is logged
+           at start-up and kept in the worker's stats ("transport").
+
+Both register one pool covering every layer, its buffer a memfd sealed against shrinking and
+passed to the daemon by fd over the client's session (or a named shm object for a daemon without
+sessions). Loads: start_load sends one asynchronous Restore per request, all signalling the same
+per-layer event slots; a restore still running when the next step starts makes that step
+recompute its loads (with tiles the late restore writes the blocks it was given: the blocks of
+a running request, holding the same tokens). Saves: save (all layers written) copies the step's
+newly computed full blocks into the save area and sends one asynchronous Backup.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hiqcache.client import Client
-from hiqcache.host import HostEventPool, HostShm, reap_stale, unique_name
-from hiqcache.spec import DeviceKind, LayerView, PoolSpec, slot_major_bytes, slot_major_view
+from hiqcache.host import SHM_DIR, HostEventPool, HostShm, reap_stale, unique_name
+from hiqcache.spec import (
+    DeviceKind,
+    LayerView,
+    PoolSpec,
+    TensorView,
+    slot_major_bytes,
+    slot_major_view,
+)
 from hiqcache.status import HiqError
 from hiqcache.vllm.common import (
     ConnectorOptions,
@@ -122,6 +147,37 @@ def _factor_order(order: torch.Tensor, block_size: int, head_dim: int
     return None
 
 
+def tile_view_strides(factors: tuple[tuple[int, int, int, int], tuple[int, ...]] | None
+                      ) -> dict[str, int] | None:
+    """The split TensorView fields (in elements, not bytes) that address one plane of a tile
+    whose order factors as _factor_order found: row_stride, row_group, row_group_stride,
+    dim_run, dim_run_stride. None when the order has no TensorView (the dims of a run are not
+    contiguous)."""
+    if factors is None:
+        return None
+    sizes, perm = factors
+    stride = [0] * 4
+    step = 1
+    for axis in reversed(perm):  # the tile's axes from the innermost out
+        stride[axis] = step
+        step *= sizes[axis]
+    out = {"row_stride": 0, "row_group": 0, "row_group_stride": 0, "dim_run": 0,
+           "dim_run_stride": 0}
+    run = sizes[_D0]
+    if run > 1 and stride[_D0] != 1:
+        return None
+    if sizes[_D1] > 1 and stride[_D1] != run:  # else one run of head_dim elements
+        out["dim_run"], out["dim_run_stride"] = run, stride[_D1]
+    if sizes[_T0] == 1:
+        out["row_stride"] = stride[_T1]
+    elif sizes[_T1] == 1:
+        out["row_stride"] = stride[_T0]
+    else:
+        out["row_stride"], out["row_group"] = stride[_T0], sizes[_T0]
+        out["row_group_stride"] = stride[_T1]
+    return out
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(first block id, count, index in block_ids) of each run of consecutive ids: a run is
     converted straight into (or out of) vLLM's cache, with no gather or scatter copy."""
@@ -144,7 +200,7 @@ class TileConverter:
     other permutation with an element gather (exact, slower)."""
 
     def __init__(self, dtype: torch.dtype, block_size: int, num_heads: int, head_dim: int):
-        self.bs, self.heads, self.dim = block_size, num_heads, head_dim
+        self.bs, self.heads, self.dim, self.dtype = block_size, num_heads, head_dim, dtype
         k_order, v_order, self.isa = probe_tile_order(dtype, block_size, num_heads, head_dim)
         self.orders = (k_order, v_order)
         # tile[..., p] = rowmajor[..., order[p]]; rowmajor[..., q] = tile[..., inverse[q]]
@@ -204,7 +260,8 @@ class TileConverter:
 class CpuWorker(_LoadSteps):
     """The worker half for vLLM on CPU (see the module docstring)."""
 
-    staging: torch.Tensor | None  # [L, 2, rows, heads, dim] over the shm; None once shut down
+    staging: torch.Tensor | None  # staging: [L, 2, rows, heads, dim] over the shm
+    area: torch.Tensor | None  # tiles: [L, blocks + save blocks, heads, 2 * bs * dim] over the shm
 
     def __init__(self, vllm_config: VllmConfig, opts: ConnectorOptions):
         self.cfg = vllm_config
@@ -215,11 +272,15 @@ class CpuWorker(_LoadSteps):
         self.pool = 0
         self.layers: list[torch.Tensor] = []  # per layer [num_blocks, heads, 2 * bs * dim]
         self.layer_index: dict[str, int] = {}
+        self.staging = None
+        self.area = None
+        self.in_place = False
         self._init_loads()
         self.warn = _LogOnce()
         self.lock = threading.Lock()
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
-                      "dropped_saves": 0, "load_seconds": 0.0, "save_seconds": 0.0}
+                      "dropped_saves": 0, "load_seconds": 0.0, "save_seconds": 0.0,
+                      "transport": ""}
 
     # -- registration --
 
@@ -243,48 +304,49 @@ class CpuWorker(_LoadSteps):
                                  f"{kv.dtype}; expected [blocks, {want[0]}, {want[1]}, {want[2]}]"
                                  " (vLLM CPU attention)")
             try:
-                self.layers.append(kv.view(kv.shape[0], g.num_kv_heads, -1))
+                kv.view(kv.shape[0], g.num_kv_heads, -1)
             except RuntimeError as err:
                 raise ValueError(
                     f"hiqcache: KV cache {name} is not contiguous per block: {err}") from err
         self.layer_index = {n: i for i, n in enumerate(names)}
         self.geometry = g
         self.tiles = TileConverter(first.dtype, self.bs, g.num_kv_heads, g.head_dim)
+        strides = tuple(tile_view_strides(f) for f in self.tiles.factors)
+        tensors = [kv_caches[n] for n in names]
+        why = self._tiles_refused(tensors, strides)
+        if why and self.opts.cpu_transport == "tiles":
+            raise ValueError(f"hiqcache: cpu_transport=tiles: {why}")
+        self.in_place = not why
+        self.stats["transport"] = "tiles" if self.in_place else "staging"
 
         rows = _staging_tokens(self.cfg, self.opts)
         self.load_rows = rows
         self.save_rows = rows
-        total = self.load_rows + self.save_rows
-        plane_bytes = slot_major_bytes(g, total)
         # Staging objects of engines (of older versions, or without a session) that were killed
         # before they could unlink them.
         stale = reap_stale((_STAGING_TAG, _EVENTS_TAG))
         if stale:
             log.info("hiqcache: removed %d shm objects of dead engine processes", len(stale))
         self.client = Client(self.opts.target, call_timeout=self.opts.timeout_ms / 1000)
-        # With a session the staging area and the event slots are memfds, passed to the daemon
+        # With a session the shared area and the event slots are memfds, passed to the daemon
         # by fd and sealed against shrinking: nothing to leak in /dev/shm, nothing another
         # process can open. A daemon without sessions (or one down at start-up) gets names.
         by_fd = self.client.session() is not None
-        staging_bytes = g.num_layers * 2 * plane_bytes
         n_events = _SLOT_LAYER_BASE + g.num_layers + _MAX_LOADS_PER_STEP
+        if self.in_place:
+            views = self._share_tiles(tensors, strides, by_fd)
+        else:
+            views = self._make_staging(by_fd)
+        self.layers = [kv.view(kv.shape[0], g.num_kv_heads, -1) for kv in tensors]
         if by_fd:
-            self.shm = HostShm.create_memfd(_STAGING_TAG, staging_bytes)
             self.events = HostEventPool.create(n_events)
         else:
-            self.shm = HostShm.create(unique_name(_STAGING_TAG), staging_bytes)
             self.events = HostEventPool.create(n_events, unique_name(_EVENTS_TAG))
-        torch_dtype = first.dtype
-        self.staging = torch.frombuffer(self.shm.buf, dtype=torch_dtype).view(
-            g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
-        views = tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
-                                v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
-                      for l in range(g.num_layers))
         self.spec = PoolSpec(model=self.identity, tenant=self.opts.tenant, geometry=g,
                              block_tokens=self.bs, codec=self.opts.codec, device=DeviceKind.HOST,
                              buffers=(self.shm.shared_buffer(),), layers=views,
                              events=self.events.spec())
-        atexit.register(self.shutdown)  # unlinks named staging objects if vLLM never calls shutdown
+        atexit.register(self.shutdown)  # unlinks named shm objects if vLLM never calls shutdown
         try:
             self.pool = self.client.register_pool(self.spec, pending_if_unavailable=True)
         except HiqError as err:
@@ -293,11 +355,81 @@ class CpuWorker(_LoadSteps):
                       "the cache", err)
             self.pool = 0
         info = self.client.pool_info(self.pool) if self.pool else None
-        log.info("hiqcache: %d layers, tile order %s, staging %d+%d rows (%.1f MiB) in %s; "
-                 "daemon %s: %s", g.num_layers, self.tiles.describe(), self.load_rows,
+        log.info("hiqcache: %d layers, tile order %s, %s, %d load + %d save rows (%.1f MiB) in "
+                 "%s; daemon %s: %s", g.num_layers, self.tiles.describe(),
+                 "in place" if self.in_place else f"staging ({why})", self.load_rows,
                  self.save_rows, self.shm.size / 2**20, self.shm.name, self.client.target,
                  f"pool {info.pool_id}, {info.encoded_bytes_per_token} B/token" if info
                  else "not registered yet")
+
+    def _tiles_refused(self, tensors: list[torch.Tensor],
+                       strides: tuple[dict[str, int] | None, ...]) -> str:
+        """Why vLLM's tiles cannot be the daemon's views ("" when they can)."""
+        if self.opts.cpu_transport == "staging":
+            return "cpu_transport=staging"
+        if any(st is None for st in strides):
+            return f"tile order {self.tiles.describe()} has no TensorView"
+        if len({kv.data_ptr() for kv in tensors}) != len(tensors):
+            return "layers share a KV cache tensor"
+        if any(not kv.is_contiguous() or kv.shape[0] != tensors[0].shape[0] for kv in tensors):
+            return "KV cache tensors are not contiguous tensors of equal size"
+        return ""
+
+    def _make_staging(self, by_fd: bool) -> tuple[LayerView, ...]:
+        """The staging area: [layer][K|V][load rows + save rows][head][dim]."""
+        g = self.geometry
+        total = self.load_rows + self.save_rows
+        plane_bytes = slot_major_bytes(g, total)
+        size = g.num_layers * 2 * plane_bytes
+        self.shm = (HostShm.create_memfd(_STAGING_TAG, size) if by_fd
+                    else HostShm.create(unique_name(_STAGING_TAG), size))
+        self.staging = torch.frombuffer(self.shm.buf, dtype=self.layers_dtype).view(
+            g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
+        return tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
+                               v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
+                     for l in range(g.num_layers))
+
+    def _share_tiles(self, tensors: list[torch.Tensor],
+                     strides: tuple[dict[str, int] | None, ...], by_fd: bool
+                     ) -> tuple[LayerView, ...]:
+        """Moves vLLM's KV tensors into one memfd, each layer followed by its save area, and
+        answers the split views of their tiles: row = block * block_size + token (a save-area
+        block i is block num_blocks + i)."""
+        g = self.geometry
+        self.blocks = tensors[0].shape[0]
+        self.save_blocks = (self.save_rows + self.bs - 1) // self.bs
+        tile = 2 * self.bs * g.head_dim  # elements of one (block, head) tile, K then V
+        per_layer = self.blocks + self.save_blocks
+        es = tensors[0].element_size()
+        size = g.num_layers * per_layer * g.num_kv_heads * tile * es
+        self.shm = (HostShm.create_memfd(_STAGING_TAG, size) if by_fd
+                    else HostShm.create(unique_name(_STAGING_TAG), size))
+        self.area = torch.frombuffer(self.shm.buf, dtype=tensors[0].dtype).view(
+            g.num_layers, per_layer, g.num_kv_heads, tile)
+        for l, kv in enumerate(tensors):
+            dst = self.area[l, :self.blocks].view(kv.shape)
+            dst.copy_(kv)
+            # In place: vLLM's attention layers and model runner hold this very tensor object.
+            kv.set_(self.area.untyped_storage(), dst.storage_offset(), kv.shape, kv.stride())
+        page = g.num_kv_heads * tile * es
+        views = []
+        for l in range(g.num_layers):
+            planes = []
+            for plane, st in enumerate(strides):
+                assert st is not None
+                planes.append(TensorView(
+                    buffer=0, offset_bytes=(l * per_layer * g.num_kv_heads * tile
+                                            + plane * self.bs * g.head_dim) * es,
+                    row_stride_bytes=st["row_stride"] * es, num_rows=per_layer * self.bs,
+                    head_stride_bytes=tile * es, page_rows=self.bs, page_stride_bytes=page,
+                    row_group=st["row_group"], row_group_stride_bytes=st["row_group_stride"] * es,
+                    dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es))
+            views.append(LayerView(k=planes[0], v=planes[1]))
+        return tuple(views)
+
+    @property
+    def layers_dtype(self) -> torch.dtype:
+        return self.tiles.dtype
 
     # -- tile conversion --
 
@@ -340,7 +472,7 @@ class CpuWorker(_LoadSteps):
 
     def start_load(self, meta: HiqCacheConnectorMetadata) -> None:
         if self.loads and not self._finish_loads(0.0):
-            # A restore of an earlier step still writes the staging area: recompute instead.
+            # A restore of an earlier step still writes its rows: recompute instead.
             self.warn("busy", "an earlier restore is still running; recomputing")
             self.load_ticket = 0  # no layer of this step waits or copies
             for tr in meta.loads:
@@ -354,10 +486,12 @@ class CpuWorker(_LoadSteps):
         for tr in meta.loads:
             need = len(tr.keys) * self.bs
             if (self.pool == 0 or len(self.loads) >= _MAX_LOADS_PER_STEP
-                    or row + need > self.load_rows):
+                    or (not self.in_place and row + need > self.load_rows)):
                 self._fail(tr.block_ids)
                 continue
-            rows = range(row, row + need)
+            rows: Sequence[int] = range(row, row + need)
+            if self.in_place:  # straight into vLLM's blocks
+                rows = [b * self.bs + t for b in tr.block_ids for t in range(self.bs)]
             assert self.client is not None  # registered the pool
             res = self.client.restore(
                 self.pool, tr.keys, rows, layer_event_base=_SLOT_LAYER_BASE,
@@ -392,8 +526,9 @@ class CpuWorker(_LoadSteps):
             self.layers_done.discard(layer)
             self.layers_failed = True  # one deadline per step, not one per layer
             return
-        for tr, first_row, _, _ in self.loads:
-            self._rows_to_tiles(layer, tr.block_ids, first_row)
+        if not self.in_place:
+            for tr, first_row, _, _ in self.loads:
+                self._rows_to_tiles(layer, tr.block_ids, first_row)
         self.stats["load_seconds"] += time.perf_counter() - t0
 
     # -- saves --
@@ -413,9 +548,19 @@ class CpuWorker(_LoadSteps):
         keys, ids = self._saves_that_fit(meta, self.save_rows // self.bs)
         if not keys:
             return
-        for layer in range(self.geometry.num_layers):
-            self._tiles_to_rows(layer, ids, self.load_rows)
-        rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
+        if self.in_place:
+            assert self.area is not None  # registered, not shut down
+            # Tile for tile into the save area behind each layer's blocks.
+            first = self.blocks
+            for layer in range(self.geometry.num_layers):
+                kv, save = self.layers[layer], self.area[layer, first:first + len(ids)]
+                for start, count, offset in _runs(ids):
+                    save[offset:offset + count].copy_(kv[start:start + count])
+            rows: Sequence[int] = range(first * self.bs, (first + len(keys)) * self.bs)
+        else:
+            for layer in range(self.geometry.num_layers):
+                self._tiles_to_rows(layer, ids, self.load_rows)
+            rows = range(self.load_rows, self.load_rows + len(keys) * self.bs)
         assert self.client is not None  # registered the pool
         res = self.client.backup(self.pool, keys, rows, done_event=_SLOT_BACKUP_DONE, sync=False)
         self._backup_sent(res)
@@ -430,5 +575,14 @@ class CpuWorker(_LoadSteps):
         self.client = None
         self.staging = None
         self.events.close()
+        if self.in_place:
+            # vLLM's KV tensors live in the mapping for as long as the process does: it stays
+            # mapped; a named object loses its name.
+            self.area = None
+            self.shm.owner = False
+            if not self.shm.is_memfd:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(SHM_DIR + self.shm.name)
+            return
         self.shm.close()
 
