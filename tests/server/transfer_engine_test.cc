@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "time_margin.h"
+
 namespace hiqcache::server {
 namespace {
 
@@ -242,7 +244,7 @@ TEST(TransferEngineTest, GroupsShareTheWorkersRoundRobin) {
   engine.Post(gate, [&] {
     while (!go.load()) std::this_thread::sleep_for(100us);
   });
-  ASSERT_TRUE(WaitUntil([&] { return engine.Pending() == 1; }, 1000ms));
+  ASSERT_TRUE(WaitUntil([&] { return engine.Pending() == 1; }, test_time::Margin(5000ms)));
   std::this_thread::sleep_for(5ms);  // the gate task is running
   std::mutex mu;
   std::string order;
