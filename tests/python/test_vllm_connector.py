@@ -249,8 +249,10 @@ def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, p
             c.send_signal(signal.SIGKILL)
             c.wait(30)
             t_kill = time.monotonic()
-            wait_for(lambda: all(p.client_pid != c.pid for p in client.get_stats().pools), 5,
-                     "the daemon to release the dead engine's pool")
+            # The contract's 1 s is reported (pool_release_seconds); the wait has the margin of
+            # a loaded machine.
+            wait_for(lambda: all(p.client_pid != c.pid for p in client.get_stats().pools),
+                     margin(10), "the daemon to release the dead engine's pool")
             release_s = time.monotonic() - t_kill
             (tmp_path / "go-1").touch()
             out = finish_engine("d", dd, tmp_path)
