@@ -363,7 +363,9 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
     }
   }
 
-  const int kSamples = rob::kSanitized ? 10 : 30;
+  // 30 samples under a sanitizer too: where 80% of samples overtake, fewer than half of 30 do
+  // less than once in 10,000 runs (of 10, once in 150).
+  const int kSamples = 30;
   std::vector<double> idle = VictimLatencies(client, *victim, vkeys, kSamples);
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> attack_requests{0}, amplified_requests{0};
