@@ -77,7 +77,11 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
   }
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  // gRPC takes each connection attempt's timeout from the minimum reconnect backoff: 20 s (its
+  // own default), so that a daemon on a loaded machine has time to answer the HTTP/2 handshake
+  // (with 100 ms to 1 s, attempts failed "before receiving SETTINGS frame" at load 20). Calls
+  // still end at their own deadlines.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 20000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, INT_MAX);
   args.SetMaxReceiveMessageSize(-1);

@@ -355,7 +355,9 @@ class Client:
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            # Each connection attempt's timeout (gRPC takes it from this): 20 s, gRPC's own
+            # default, so that a daemon on a loaded machine has time to answer the handshake.
+            ("grpc.min_reconnect_backoff_ms", 20000),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),  # see the class docstring
         ]

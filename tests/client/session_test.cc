@@ -26,6 +26,7 @@
 #include "hiqcache/client.h"
 #include "hiqcache/host_shm.h"
 #include "hiqcache/session_protocol.h"
+#include "time_margin.h"
 
 namespace hiqcache {
 namespace {
@@ -173,7 +174,7 @@ TEST(SessionTest, NoGreetingTimesOut) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().ToString();
   EXPECT_GE(took, milliseconds(180));
-  EXPECT_LT(took, milliseconds(2000));
+  EXPECT_LT(took, test_time::Margin(milliseconds(2000)));  // the 200 ms timeout, not a hang
 }
 
 // 20 fds go as 16 + 4, each message answered in order; the daemon side receives the same files.
@@ -512,7 +513,8 @@ TEST_F(DaemonSessionTest, SessionEndReleasesItsPools) {
   ASSERT_EQ(PoolsOf(*observer, ns), 2u);
   client.reset();
   const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_TRUE(it::Eventually([&] { return PoolsOf(*observer, ns) == 0; }, milliseconds(1000)))
+  EXPECT_TRUE(it::Eventually([&] { return PoolsOf(*observer, ns) == 0; },
+                             test_time::Margin(milliseconds(3000))))
       << "pools of a closed session still listed: " << PoolsOf(*observer, ns);
   std::printf(
       "pools released %.0f ms after the session closed\n",

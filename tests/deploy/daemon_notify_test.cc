@@ -18,6 +18,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hiqcache/v1/cache.grpc.pb.h"
 #include "process_util.h"
+#include "time_margin.h"
 
 namespace hiqcache::deploy_test {
 namespace {
@@ -145,11 +146,13 @@ TEST(DaemonNotifyTest, ReadyOnlyWhenServingWatchdogAndStopping) {
   // WATCHDOG_USEC=200000: a ping every 100 ms.
   int pings = 0;
   const auto t0 = Clock::now();
-  while (pings < 4 && Clock::now() - t0 < std::chrono::seconds(3)) {
+  const auto ping_margin = hiqcache::test_time::Margin(milliseconds(1500));
+  while (pings < 4 && Clock::now() - t0 < 2 * ping_margin) {
     if (manager.Receive(milliseconds(500)) == "WATCHDOG=1") ++pings;
   }
   EXPECT_EQ(pings, 4);
-  EXPECT_LT(Clock::now() - t0, milliseconds(1500)) << "pings slower than WATCHDOG_USEC/2";
+  // About 400 ms where the machine is idle; the margin holds on a loaded one.
+  EXPECT_LT(Clock::now() - t0, ping_margin) << "pings slower than WATCHDOG_USEC/2";
 
   // SIGTERM: STOPPING=1 once health stops serving; then exit 0.
   ASSERT_EQ(::kill(daemon.pid(), SIGTERM), 0);

@@ -16,6 +16,7 @@
 
 #include "daemon_process.h"
 #include "it_util.h"
+#include "time_margin.h"
 
 namespace hiqcache::it {
 namespace {
@@ -114,22 +115,25 @@ TEST(DaemonDeathTest, KilledDaemonReleasesWaitersWithTheFailedBit) {
   ASSERT_GT(t, restored.ticket);
   const uint64_t failed = t | kEventFailedBit;
 
-  auto waiter = std::async(std::launch::async, [&] { return ev.Wait(kDone, t, 20s); });
+  // A waiter the daemon's death does not wake waits out 4 times the margin.
+  const auto margin = test_time::Margin(3s);
+  auto waiter = std::async(std::launch::async, [&] { return ev.Wait(kDone, t, 4 * margin); });
   ASSERT_EQ(waiter.wait_for(300ms), std::future_status::timeout)
       << "the backup completed without its wait value: " << waiter.get().ToString();
 
   const auto killed_at = Clock::now();
   daemon.Kill();
-  ASSERT_EQ(waiter.wait_for(3s), std::future_status::ready)
-      << "a waiter on the done slot is still blocked 3 s after the daemon died (slot "
-      << ev.Read(kDone) << ")";
+  ASSERT_EQ(waiter.wait_for(margin), std::future_status::ready)
+      << "a waiter on the done slot is still blocked " << margin.count()
+      << " ms after the daemon died (slot " << ev.Read(kDone) << ")";
   const Status done = waiter.get();
   EXPECT_EQ(done.code(), StatusCode::kAborted) << done.ToString();
-  EXPECT_LT(Clock::now() - killed_at, 3s);
+  EXPECT_LT(Clock::now() - killed_at, margin);
   EXPECT_EQ(ev.Read(kDone), failed);
 
   // Every daemon slot below T holds T | failed; the rest are untouched.
-  ASSERT_TRUE(Eventually([&] { return ev.Read(kOldDone) == failed; }, 2s)) << ev.Read(kOldDone);
+  ASSERT_TRUE(Eventually([&] { return ev.Read(kOldDone) == failed; }, test_time::Margin(10s)))
+      << ev.Read(kOldDone);
   for (uint32_t l = 0; l < kLayers; ++l) EXPECT_EQ(ev.Read(l), failed) << "layer slot " << l;
   EXPECT_EQ(ev.Read(kPast), past) << "a slot past T was lowered";
   EXPECT_EQ(ev.Read(kWait), 0u) << "the engine's wait slot was written";
@@ -141,7 +145,7 @@ TEST(DaemonDeathTest, KilledDaemonReleasesWaitersWithTheFailedBit) {
   ev.Store(kOldDone, t_old);
   const auto lowered_at = Clock::now();
   if (lowered_at - killed_at < 800ms) {
-    EXPECT_TRUE(Eventually([&] { return ev.Read(kOldDone) == failed; }, 3s))
+    EXPECT_TRUE(Eventually([&] { return ev.Read(kOldDone) == failed; }, test_time::Margin(10s)))
         << "no second pass: the slot lowered after the first still holds " << ev.Read(kOldDone);
   } else {
     std::cout
@@ -177,7 +181,8 @@ TEST(DaemonDeathTest, ReleasedPoolAndClosedClientWriteNothing) {
 
   daemon.Kill();
   // b shows that this client does release after a death.
-  EXPECT_TRUE(Eventually([&] { return (*b)->events.Read(kOldDone) == (b2 | kEventFailedBit); }, 3s))
+  EXPECT_TRUE(Eventually([&] { return (*b)->events.Read(kOldDone) == (b2 | kEventFailedBit); },
+                         test_time::Margin(10s)))
       << (*b)->events.Read(kOldDone);
   std::this_thread::sleep_for(1500ms);  // past the second pass
   EXPECT_EQ((*a)->events.Read(kOldDone), a1) << "a released pool's slot was written";

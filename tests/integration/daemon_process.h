@@ -60,8 +60,9 @@ class DaemonProcess {
   bool running() const { return pid_ > 0; }
 
   // Starts the daemon and waits until it serves: its session socket accepts connections (the
-  // gRPC socket listens earlier, while the pool is pre-faulted). False on failure.
-  bool Start(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  // gRPC socket listens earlier, while the pool is pre-faulted). False on failure. The default
+  // timeout holds for a sanitized daemon on a loaded machine.
+  bool Start(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
     std::vector<std::string> args = {HIQ_DAEMON_PATH, "--listen",    target(),
                                      "--pool-bytes",  pool_bytes_,   "--shm-name",
                                      shm_name_,       "--log-level", "warn"};

@@ -32,6 +32,7 @@
 #include "hiqcache/pool_spec.h"
 #include "hiqcache/session.h"
 #include "hiqcache/session_protocol.h"
+#include "time_margin.h"
 
 extern char** environ;
 
@@ -464,7 +465,7 @@ inline NamespaceRef RefOf(const PoolSpec& s) {
 
 inline std::unique_ptr<Client> Connect(
     const std::string& target,
-    std::chrono::milliseconds call_timeout = std::chrono::milliseconds(5000)) {
+    std::chrono::milliseconds call_timeout = test_time::Margin(std::chrono::seconds(5))) {
   ClientOptions o;
   o.target = target;
   o.call_timeout = call_timeout;
@@ -579,9 +580,11 @@ inline SpawnResult Spawn(const std::vector<std::string>& argv,
   return res;
 }
 
-// Polls `pred` every 10 ms until it holds or `timeout` passes.
+// Polls `pred` every 10 ms until it holds or `timeout` passes (by default the margin of 10 s,
+// test_time::Margin, in which a loaded machine gets done what an idle one does at once).
 template <typename Pred>
-bool Eventually(Pred pred, std::chrono::milliseconds timeout = std::chrono::seconds(2)) {
+bool Eventually(Pred pred,
+                std::chrono::milliseconds timeout = test_time::Margin(std::chrono::seconds(10))) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     if (pred()) return true;

@@ -7,6 +7,7 @@
 
 #include "daemon_process.h"
 #include "it_util.h"
+#include "time_margin.h"
 
 #ifndef HIQ_IT_PEER_PATH
 #error "HIQ_IT_PEER_PATH must name the hiq_it_peer binary"
@@ -145,9 +146,11 @@ TEST_F(LookupTest, WeRestorePeerBlocksAndPeerPoolIsReleasedOnExit) {
         }
         return true;
       },
-      milliseconds(3000)))
+      test_time::Margin(milliseconds(10000))))
       << "peer pool still registered after its exit";
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(1500));
+  // The contract's 1 s, asserted with the margin of a loaded machine.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, test_time::Margin(milliseconds(3000)))
+      << "docs/design.md: the daemon releases a dead client's pools within 1 s";
 
   auto p = MakePool(*client_, Options("lk-peer-b"));
   ASSERT_TRUE(p.ok()) << p.status().ToString();

@@ -87,7 +87,9 @@ struct ClusterNode {
 struct ClusterOptions {
   std::string user;      // ACL user created on every node ("" = none)
   std::string password;  // its password; with a user, the default user is switched off
-  int node_timeout_ms = 1000;
+  // Long enough that nodes of a loaded machine (every core busy elsewhere) are not taken for
+  // failed between their pings; a killed master's replica takes over within seconds still.
+  int node_timeout_ms = 3000;
 };
 
 class RedisTestCluster {

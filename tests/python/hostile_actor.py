@@ -22,6 +22,7 @@ import grpc
 from hiqcache.session import Session
 from hiqcache.v1 import cache_pb2 as pb
 from hiqcache.v1 import cache_pb2_grpc as pbg
+from margins import margin
 
 ROWS = 64
 ROW_BYTES = 128
@@ -78,7 +79,7 @@ class Actor:
         if how == "forged":
             return (("hiq-session", "0" * 32),)
         if self.session is None:
-            self.session = Session.for_target(self.target)
+            self.session = Session.for_target(self.target, timeout=margin(10))
         return self.session.metadata() if self.session is not None else ()
 
     def call(self, method, request, how: str = "session"):
@@ -93,7 +94,7 @@ class Actor:
         own_ids: list[int] = []
         if cmd.get("buffer_name") is None:  # our own memory, by fd
             if how == "session" and self.session is None:
-                self.session = Session.for_target(self.target)
+                self.session = Session.for_target(self.target, timeout=margin(10))
             if how != "session" or self.session is None:
                 return {"ok": False, "code": "NO_SESSION", "details": ""}
             own_ids = self.session.send_fds([self.kv_fd, self.ev_fd])
@@ -142,7 +143,7 @@ class Actor:
         if op == "digest":
             return {"ok": True, "digest": self.digest(cmd["rows"])}
         if op == "session":
-            s = Session.for_target(self.target)
+            s = Session.for_target(self.target, timeout=margin(10))
             return {"ok": s is not None, "pid": s.pid if s else 0, "uid": s.uid if s else -1}
         if op == "register":
             return self.register(cmd)

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from margins import margin
+
 
 def drop_to(uid: int) -> None:
     # Before grpc starts any thread: a process-wide change.
@@ -39,25 +41,25 @@ def probe(target: str, pool_id: int, anonymous: bool) -> None:
     from hiqcache.v1 import cache_pb2 as pb
     from hiqcache.v1 import cache_pb2_grpc as pb_grpc
 
-    sess = None if anonymous else Session.for_target(target)
+    sess = None if anonymous else Session.for_target(target, timeout=margin(10))
     md = sess.metadata() if sess else None
     stub = pb_grpc.CacheStub(grpc.insecure_channel(target))
-    stats = stub.GetStats(pb.GetStatsRequest(), timeout=5, metadata=md)
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=margin(10), metadata=md)
     codes = {}
     block = pb.Block(key=b"k" * 16, rows=list(range(16)))
     calls = {
         "Lookup": lambda: stub.Lookup(pb.LookupRequest(pool_id=pool_id, keys=[b"k" * 16]),
-                                      timeout=5, metadata=md),
+                                      timeout=margin(10), metadata=md),
         "Backup": lambda: stub.Backup(pb.BackupRequest(pool_id=pool_id, blocks=[block],
                                                        wait_event=-1, done_event=-1, sync=True),
-                                      timeout=5, metadata=md),
+                                      timeout=margin(10), metadata=md),
         "Restore": lambda: stub.Restore(pb.RestoreRequest(
             pool_id=pool_id, blocks=[block], wait_event=-1, layer_event_base=-1,
-            done_event=-1, sync=True), timeout=5, metadata=md),
+            done_event=-1, sync=True), timeout=margin(10), metadata=md),
         "Evict": lambda: stub.Evict(pb.EvictRequest(pool_id=pool_id, keys=[b"k" * 16]),
-                                    timeout=5, metadata=md),
+                                    timeout=margin(10), metadata=md),
         "ReleasePool": lambda: stub.ReleasePool(pb.ReleasePoolRequest(pool_id=pool_id),
-                                                timeout=5, metadata=md),
+                                                timeout=margin(10), metadata=md),
     }
     for name, call in calls.items():
         try:
@@ -85,7 +87,7 @@ def _register(target: str, model: str):
     layers = tuple(hq.LayerView(k=hq.slot_major_view(g, rows, 0, 2 * l * plane),
                                 v=hq.slot_major_view(g, rows, 0, (2 * l + 1) * plane))
                    for l in range(g.num_layers))
-    c = hq.Client(target or None)
+    c = hq.Client(target or None, call_timeout=margin(10))
     pool = c.register_pool(hq.PoolSpec(model=model, geometry=g, block_tokens=16,
                                        buffers=(shm.shared_buffer(),), layers=layers,
                                        events=events.spec()))

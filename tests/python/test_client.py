@@ -22,6 +22,7 @@ from kv_util import (
     kivi_k_violations,
     to_bf16_bits,
 )
+from margins import margin
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
@@ -39,7 +40,7 @@ def keys_for(tokens, salt="test"):
 
 
 def test_raw_round_trip_is_bit_exact_and_int8_within_bound(daemon, kv):
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         for codec in (hq.Codec.RAW, hq.Codec.INT8_PER_HEAD):
             pool = c.register_pool(kv.spec(f"m-{codec.value}", BT, codec))
             kv.fill(range(0, 4 * BT), seed=1)
@@ -68,7 +69,7 @@ def test_raw_round_trip_is_bit_exact_and_int8_within_bound(daemon, kv):
 def test_fp8_round_trip_within_bound_and_in_stats(daemon, kv):
     """CODEC_FP8_E4M3_PER_HEAD: INT8's bytes per token, every element within its bound, its own
     namespace (no blocks shared with INT8), reported by GetStats with its codec and capacity."""
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         fp8 = c.register_pool(kv.spec("m-fp8", BT, hq.Codec.FP8_E4M3_PER_HEAD))
         int8 = c.register_pool(kv.spec("m-fp8", BT, hq.Codec.INT8_PER_HEAD))
         kv.fill(range(0, 4 * BT), seed=11)
@@ -167,7 +168,7 @@ def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
     """CODEC_INT4_G32_PER_HEAD: H*D/2 + 2*H*D/32 bytes per row (0.55x INT8's), every element
     within its group's bound, its own namespace, GetStats with its codec, more capacity than INT8
     in the same pool bytes; zero groups exact, Inf rejected, head_dim % 32 != 0 refused."""
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         int4 = c.register_pool(kv.spec("m-int4", BT, hq.Codec.INT4_G32_PER_HEAD))
         int8 = c.register_pool(kv.spec("m-int4", BT, hq.Codec.INT8_PER_HEAD))
         kv.fill(range(0, 4 * BT), seed=12)
@@ -219,7 +220,7 @@ def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
 
 
 def test_prefix_semantics_and_restore_stops_at_first_missing(daemon, kv):
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         pool = c.register_pool(kv.spec("m", BT))
         kv.fill(range(0, 4 * BT), seed=2)
         keys = keys_for(range(4 * BT))
@@ -249,7 +250,7 @@ def test_stats_show_l3_when_the_daemon_has_it():
     kv = HostKv(hq.Geometry(num_layers=2, num_kv_heads=2, head_dim=64), 4 * BT)
     try:
         start_or_skip_without_l3(d)
-        with hq.Client(d.target) as c:
+        with hq.Client(d.target, call_timeout=margin(10)) as c:
             pool = c.register_pool(kv.spec("m-l3", BT))
             keys = keys_for(range(2 * BT))
             assert c.lookup(pool, keys).prefix_blocks == 0
@@ -271,7 +272,7 @@ def test_lookup_group_answers_what_every_rank_holds(daemon):
              for r in range(2)]
     kvs = [HostKv(g, 4 * BT) for g in geoms]
     try:
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             pools = [c.register_pool(k.spec("tp-model", BT)) for k in kvs]
             keys = keys_for(range(4 * BT))
             for k in kvs:
@@ -300,7 +301,7 @@ def test_lookup_group_answers_what_every_rank_holds(daemon):
 def test_async_restore_signals_layers_and_done(daemon, kv):
     events = hq.HostEventPool.create(8)
     try:
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             pool = c.register_pool(kv.spec("m", BT, events=events))
             kv.fill(range(0, 2 * BT), seed=4)
             keys = keys_for(range(2 * BT))
@@ -323,7 +324,7 @@ def test_async_restore_signals_layers_and_done(daemon, kv):
 
 
 def test_bad_input_is_refused_and_changes_nothing(daemon, kv):
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         with pytest.raises(hq.HiqError) as err:
             c.register_pool(hq.PoolSpec(model="m", geometry=G, block_tokens=BT,
                                         buffers=kv.spec("m", BT).buffers, layers=kv.layers[:2]))
@@ -355,7 +356,7 @@ def test_fail_open_without_daemon_then_reregisters_after_restart(kv):
         b = c.backup(pool, keys, range(2 * BT))
         assert b.blocks == [hq.BlockStatus.NOT_STORED] * 2 and not b.status.ok
         assert c.restore(pool, keys, range(2 * BT)).restored_blocks == 0
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < margin(3)  # 3 x the 0.5 s deadline where idle
         with pytest.raises(hq.HiqError):
             c.get_stats()
         # Daemon up: the pending pool registers on first use.
@@ -418,7 +419,7 @@ def test_a_new_client_is_not_held_back_by_another_clients_reconnect_backoff(kv):
         assert not early.lookup_group([hq.NamespaceRef(model="m", geometry=G, block_tokens=BT)],
                                       keys_for(range(BT))).status.ok
         d.start()
-        with hq.Client(d.target) as late:
+        with hq.Client(d.target, call_timeout=margin(10)) as late:
             late.register_pool(kv.spec("m", BT))  # raises if it shared the backed-off connection
         early.close()
     finally:

@@ -27,6 +27,7 @@ import hiqcache as hq
 from daemon import Daemon, daemon_path
 from hiqcache.session import MAX_FDS_PER_MESSAGE, Session, SessionError, session_path_for_target
 from kv_util import HostKv, int8_violations
+from margins import margin
 
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
@@ -149,7 +150,7 @@ def test_session_handles_refusals_garbage_and_hang_ups(tmp_path):
 
 
 def test_greeting_names_this_process_and_calls_carry_its_token(daemon):
-    with Session.for_target(daemon.target) as s:
+    with Session.for_target(daemon.target, timeout=margin(10)) as s:
         assert (s.pid, s.uid, s.gid) == (os.getpid(), os.getuid(), os.getgid())
         assert re.fullmatch(r"[0-9a-f]{32}", s.token)
         assert s.metadata() == (("hiq-session", s.token),)
@@ -158,7 +159,7 @@ def test_greeting_names_this_process_and_calls_carry_its_token(daemon):
     assert not s.alive()
     with pytest.raises(SessionError):
         s.send_fds([0])
-    with hq.Client(daemon.target) as c:
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
         sess = c.session()
         assert sess is not None and sess.pid == os.getpid()
         assert c.session() is sess  # one session per client, kept while alive
@@ -169,7 +170,7 @@ def test_send_fds_answers_one_id_per_fd_in_several_messages(daemon):
     n = MAX_FDS_PER_MESSAGE + 4
     fds = [os.memfd_create(f"hiq-test-{i}", os.MFD_CLOEXEC) for i in range(n)]
     try:
-        with Session.for_target(daemon.target) as s:
+        with Session.for_target(daemon.target, timeout=margin(10)) as s:
             assert s.send_fds([]) == []
             ids = s.send_fds(fds)
             assert len(ids) == n and len(set(ids)) == n and 0 not in ids
@@ -185,12 +186,12 @@ def test_session_ends_when_the_daemon_stops():
     d = Daemon()
     try:
         d.start()
-        s = Session.for_target(d.target)
+        s = Session.for_target(d.target, timeout=margin(10))
         assert s.alive()
         assert d.stop() == 0
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + margin(3.0)
         while s.alive():
-            assert time.monotonic() < deadline, "session still alive 1 s after the daemon exited"
+            assert time.monotonic() < deadline, "session still alive 3 s after the daemon exited"
             time.sleep(0.01)
         s.close()
     finally:
@@ -208,7 +209,7 @@ def test_memfd_registration_round_trips_raw_bit_exact_and_int8_within_bound(daem
         # Sealed: nobody (this process included) can shrink it under the daemon's mapping.
         with pytest.raises(PermissionError):
             os.ftruncate(kv.shm.fd, 4096)
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             for codec in (hq.Codec.RAW, hq.Codec.INT8_PER_HEAD):
                 pool = c.register_pool(kv.spec(f"memfd-{codec.value}", BT, codec, events=events))
                 kv.fill(range(0, 4 * BT), seed=11)
@@ -240,7 +241,7 @@ def test_named_objects_are_passed_by_fd_the_client_opens(daemon):
     kv = HostKv(G, 4 * BT)
     events = hq.HostEventPool.create(4, name=hq.host.unique_name("test-ev"))
     try:
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             sess = c.session()
             assert sess is not None
             send = sess.send_fds
@@ -283,7 +284,7 @@ def test_a_buffer_held_only_as_an_fd_needs_a_session():
 def test_another_user_neither_sees_nor_uses_my_pool(shared_daemon):
     kv = HostKv(G, 4 * BT, memfd=True)
     try:
-        with hq.Client(shared_daemon.target) as c:
+        with hq.Client(shared_daemon.target, call_timeout=margin(10)) as c:
             pool = c.register_pool(kv.spec("victim", BT, hq.Codec.RAW))
             pool_id = c.pool_info(pool).pool_id
             kv.fill(range(2 * BT), seed=13)
@@ -333,7 +334,8 @@ def test_another_process_of_the_same_user_cannot_use_its_pool(shared_daemon):
         assert seen["codes"] == {k: "NOT_FOUND" for k in
                                  ("Lookup", "Backup", "Restore", "Evict", "ReleasePool")}, seen
         assert holder.poll() is None
-        with hq.Client(shared_daemon.target) as admin:  # root: the holder's pool is still there
+        # root: the holder's pool is still there
+        with hq.Client(shared_daemon.target, call_timeout=margin(10)) as admin:
             assert len(pools_of(admin.get_stats(), "same-user")) == 1
     finally:
         holder.kill()
@@ -368,7 +370,7 @@ def test_a_squatted_default_socket_gets_no_memory_and_no_calls(monkeypatch):
         assert f"belongs to uid {SQUATTER_UID}" in refused["message"], refused
         # What the squatter's daemon holds, asked as one who trusts it.
         monkeypatch.setenv("HIQ_DAEMON_UID", str(SQUATTER_UID))
-        with hq.Client(target) as c:
+        with hq.Client(target, call_timeout=margin(10)) as c:
             assert pools_of(c.get_stats(), "victim") == []
             told = run_peer("register", "", "victim", uid=OTHER_UID)
             assert told["register"] == "OK" and told["lookup"] == "OK" and told["pool_id"], told
@@ -383,13 +385,15 @@ def test_a_squatted_default_socket_gets_no_memory_and_no_calls(monkeypatch):
 def test_a_killed_process_loses_its_pools_within_1s(daemon):
     holder, held = start_holder(daemon.target, "doomed")
     try:
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             assert [p.client_pid for p in pools_of(c.get_stats(), "doomed")] == [held["pid"]]
             t0 = time.monotonic()
             holder.send_signal(signal.SIGKILL)
             holder.wait()
             while pools_of(c.get_stats(), "doomed"):
-                assert time.monotonic() - t0 < 1.0, "pool still registered 1 s after SIGKILL"
+                # The contract's 1 s, asserted with the margin of a loaded machine.
+                assert time.monotonic() - t0 < margin(3.0), (
+                    "pool still registered after SIGKILL (contract: within 1 s)")
                 time.sleep(0.01)
     finally:
         holder.kill()
@@ -399,14 +403,14 @@ def test_a_killed_process_loses_its_pools_within_1s(daemon):
 def test_closing_the_client_releases_its_pools(daemon):
     kv = HostKv(G, BT, memfd=True)
     try:
-        with hq.Client(daemon.target) as watcher:
-            c = hq.Client(daemon.target)
+        with hq.Client(daemon.target, call_timeout=margin(10)) as watcher:
+            c = hq.Client(daemon.target, call_timeout=margin(10))
             c.register_pool(kv.spec("closing", BT))
             assert len(pools_of(watcher.get_stats(), "closing")) == 1
             c.close()
-            deadline = time.monotonic() + 1.0
+            deadline = time.monotonic() + margin(3.0)
             while pools_of(watcher.get_stats(), "closing"):
-                assert time.monotonic() < deadline, "pool still registered 1 s after close()"
+                assert time.monotonic() < deadline, "pool still registered 3 s after close()"
                 time.sleep(0.01)
     finally:
         kv.close()
@@ -418,7 +422,7 @@ def test_reregisters_through_a_new_session_after_a_restart():
     events = hq.HostEventPool.create(4)
     try:
         d.start()
-        c = hq.Client(d.target, call_timeout=0.5, reregister_interval=0.05)
+        c = hq.Client(d.target, call_timeout=margin(5), reregister_interval=0.05)
         pool = c.register_pool(kv.spec("restart", BT, hq.Codec.RAW, events=events))
         token = c.session().token
         kv.fill(range(2 * BT), seed=14)
@@ -427,7 +431,7 @@ def test_reregisters_through_a_new_session_after_a_restart():
         assert b.status.ok and events.wait(0, b.ticket, 10).ok
         assert d.stop() == 0
         d.start()  # same pool shm: warm
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + margin(20)
         while c.lookup(pool, keys).prefix_blocks != 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -448,7 +452,7 @@ def test_reregisters_through_a_new_session_after_a_restart():
 
 
 def test_a_forked_child_drops_the_inherited_session(daemon):
-    s = Session.for_target(daemon.target)
+    s = Session.for_target(daemon.target, timeout=margin(10))
     try:
         pid = os.fork()
         if pid == 0:  # the child: no token, no connection inherited
@@ -499,7 +503,7 @@ def test_a_killed_daemon_releases_the_slots_of_its_pools():
     c = None
     try:
         d.start()
-        c = hq.Client(d.target)
+        c = hq.Client(d.target, call_timeout=margin(10))
         pool = c.register_pool(kv.spec("killed", BT, hq.Codec.RAW, events=events))
         kv.fill(range(2 * BT), seed=15)
         keys = keys_for(2, salt="killed")
@@ -520,9 +524,9 @@ def test_a_killed_daemon_releases_the_slots_of_its_pools():
         assert events.read(0) == 0  # the work still waits for slot 1
         d.kill()
         t0 = time.monotonic()
-        s = events.wait(0, t, 3.0)
+        s = events.wait(0, t, 3 * margin(3.0))  # a waiter not woken waits out 3 margins
         assert s.code == hq.StatusCode.ABORTED, s
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < margin(3.0)
         assert events.wait(6, t, 0).code == hq.StatusCode.ABORTED  # a layer slot
         released = [0, 2, 5, 6, 7, 8]
         assert [events.read(i) for i in released] == [t | FAILED] * len(released)
@@ -531,7 +535,7 @@ def test_a_killed_daemon_releases_the_slots_of_its_pools():
         # A store of the dead daemon still in flight that lands after the first pass moves a slot
         # back; the second pass, about a second later, releases it again.
         events.store(2, t - 1)
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + margin(5.0)
         while events.read(2) != t | FAILED:
             assert time.monotonic() < deadline, "slot 2 not released again"
             time.sleep(0.02)
@@ -563,11 +567,11 @@ def test_a_client_that_closes_or_releases_writes_nothing_into_its_slots():
                 assert b.status.ok and events.wait(done, b.ticket, 10).ok, b.status
             return b.ticket
 
-        c = hq.Client(d.target)
+        c = hq.Client(d.target, call_timeout=margin(10))
         backups(c, c.register_pool(kv.spec("quiet-closed", BT, hq.Codec.RAW, events=closed)),
                 closed)
         c.close()
-        others = hq.Client(d.target)
+        others = hq.Client(d.target, call_timeout=margin(10))
         gone = others.register_pool(kv.spec("quiet-released", BT, hq.Codec.RAW, events=released))
         stays = others.register_pool(kv.spec("quiet-kept", BT, hq.Codec.RAW, events=kept))
         backups(others, gone, released)
@@ -576,7 +580,7 @@ def test_a_client_that_closes_or_releases_writes_nothing_into_its_slots():
         before = {name: [e.read(i) for i in range(4)]
                   for name, e in (("closed", closed), ("released", released))}
         d.kill()
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + margin(5.0)
         while kept.read(1) != t | FAILED:  # the kill was noticed
             assert time.monotonic() < deadline, "the kept pool's slots were not released"
             time.sleep(0.02)

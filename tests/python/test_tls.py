@@ -12,6 +12,7 @@ import pytest
 
 import hiqcache as hq
 from daemon import Daemon
+from margins import margin
 
 
 def free_port() -> int:
@@ -63,10 +64,10 @@ def test_a_reachable_tcp_listener_needs_tls_and_serves_only_tls(tmp_path):
         layers = tuple(hq.LayerView(k=hq.slot_major_view(g, 64, 0, 2 * l * plane),
                                     v=hq.slot_major_view(g, 64, 0, (2 * l + 1) * plane))
                        for l in range(2))
-        with hq.Client(d.target) as owner:
+        with hq.Client(d.target, call_timeout=margin(10)) as owner:
             owner.register_pool(hq.PoolSpec(model="private-model", geometry=g, block_tokens=16,
                                             buffers=(shm.shared_buffer(),), layers=layers))
-            with hq.Client(tcp, tls_ca_file=ca_pem) as c:
+            with hq.Client(tcp, tls_ca_file=ca_pem, call_timeout=margin(10)) as c:
                 stats = c.get_stats()
                 assert stats.pool_bytes > 0 and stats.caller_uid == 0 and not stats.caller_admin
                 assert stats.namespaces == [] and stats.pools == [] and stats.namespaces_total == 0

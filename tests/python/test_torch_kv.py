@@ -28,6 +28,7 @@ from hiqcache.torch_kv import (  # noqa: E402
     paged_view,
     shm_tensor,
 )
+from margins import margin  # noqa: E402
 
 HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t
 ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -67,7 +68,7 @@ def test_views_from_strides_round_trip_through_the_daemon(daemon, layout, memory
         spec = hq.PoolSpec(model=f"torch-{layout}", geometry=g, block_tokens=BS,
                            codec=hq.Codec.RAW, layers=views,
                            buffers=(shm.shared_buffer(),))
-        with hq.Client(daemon.target) as c:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
             pool = c.register_pool(spec)
             keys = hq.compute_block_keys(range(2 * BS), BS)
             # Blocks 1 and 4 out, into blocks 2 and 5.

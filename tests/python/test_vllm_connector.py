@@ -27,6 +27,7 @@ import pytest
 import hiqcache as hq
 import redis_cluster
 from daemon import ROOT, Daemon, start_or_skip_without_l3
+from margins import margin
 from real_model import model_dir
 from vllm_engine import engine_env
 
@@ -162,7 +163,7 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
         # ... and the greedy continuation survives it (measured: see the results file).
         assert first_equal >= GROUPS - 1
         assert float(np.median(deltas)) < 0.1
-        stats = hq.Client(d.target).get_stats()
+        stats = hq.Client(d.target, call_timeout=margin(10)).get_stats()
         models = {n.model for n in stats.namespaces}
         assert len(models) == 1 and next(iter(models)).startswith(model)
         assert {n.codec for n in stats.namespaces} == {hq.Codec.INT8_PER_HEAD}
@@ -193,11 +194,11 @@ def test_two_nodes_share_prefixes_through_l3(model, prompts, reference, tmp_path
                 assert a["results"][i]["tokens"] == reference["first"][i]["tokens"], i
 
             def a_written():
-                s = hq.Client(da.target).get_stats()
+                s = hq.Client(da.target, call_timeout=margin(10)).get_stats()
                 backups = sum(n.backups for n in s.namespaces)
                 return s.l3.write_queue_blocks == 0 and s.l3.writes == backups > 0
             wait_for(a_written, 60, "node A's blocks in L3")
-            assert rc.keys() == hq.Client(da.target).get_stats().l3.writes
+            assert rc.keys() == hq.Client(da.target, call_timeout=margin(10)).get_stats().l3.writes
 
             b = run_engine("l3-b", {"model": model,
                                     "connector": {"target": db.target, "codec": "raw"},
@@ -210,7 +211,7 @@ def test_two_nodes_share_prefixes_through_l3(model, prompts, reference, tmp_path
                 assert got["num_cached_tokens"] == ref["num_cached_tokens"] > 0
                 assert got["tokens"] == ref["tokens"], i
                 assert got["logprobs"] == ref["logprobs"], i
-            sb = hq.Client(db.target).get_stats()
+            sb = hq.Client(db.target, call_timeout=margin(10)).get_stats()
             assert sb.l3.promoted_blocks == want_blocks, sb.l3
             assert sb.l3.corrupt_values == 0 and sb.l3.fetch_errors == 0
             # B's pool got the prefix from L3 (promoted: restores, not backups of B's).
@@ -240,7 +241,7 @@ def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, p
         dd = start_engine("d", {"model": model, "connector": conn,
                                 "before_batch": str(tmp_path / "go-{n}"),
                                 "batches": [[prompts[3][1]], [prompts[4][1]]]}, tmp_path)
-        client = hq.Client(d.target)
+        client = hq.Client(d.target, call_timeout=margin(10))
         try:
             wait_for(lambda: (tmp_path / "flag-2").exists(), 300, "engine C's first batches")
             (tmp_path / "go-0").touch()  # D restores group 3 while C is alive
@@ -253,8 +254,10 @@ def test_two_engines_share_blocks_and_one_dying_does_not_hurt_the_other(model, p
             c.send_signal(signal.SIGKILL)
             c.wait(30)
             t_kill = time.monotonic()
-            wait_for(lambda: all(p.client_pid != c.pid for p in client.get_stats().pools), 5,
-                     "the daemon to release the dead engine's pool")
+            # The contract's 1 s is reported (pool_release_seconds); the wait has the margin of
+            # a loaded machine.
+            wait_for(lambda: all(p.client_pid != c.pid for p in client.get_stats().pools),
+                     margin(10), "the daemon to release the dead engine's pool")
             release_s = time.monotonic() - t_kill
             (tmp_path / "go-1").touch()
             out = finish_engine("d", dd, tmp_path)
@@ -364,7 +367,7 @@ def test_tensor_parallel_engine_loads_only_what_every_rank_holds(model, prompts,
         conn = {"target": d.target, "codec": "raw"}
         a = run_engine("tp-a", {"model": model, "connector": conn, "tp": 3,
                                 "batches": [[p1]]}, tmp_path, env=env_bind)
-        client = hq.Client(d.target)
+        client = hq.Client(d.target, call_timeout=margin(10))
         stats = client.get_stats()
         assert len(stats.namespaces) == 3 and all(n.blocks > 0 for n in stats.namespaces)
         identity = stats.namespaces[0].model

@@ -14,6 +14,7 @@ import pytest
 
 import hiqcache as hq
 from daemon import Daemon
+from margins import margin
 from real_model import model_dir
 from vllm_server import VllmServer
 
@@ -41,7 +42,7 @@ def test_fresh_vllm_serve_takes_the_prefix_from_the_daemon(tmp_path):
     a, b = gpl_prompts()
     with Daemon(pool_bytes="256MiB") as d:
         conn = {"target": d.target, "codec": "raw"}
-        client = hq.Client(d.target)
+        client = hq.Client(d.target, call_timeout=margin(10))
         first = VllmServer(model, tmp_path / "first", conn)
         try:
             first.start()

@@ -9,8 +9,9 @@
 //     bystander's backups into the full pool were rejected; now nothing is reserved while it waits.
 //   - Amplification and fairness: a restore naming one block many times over the same rows is
 //     refused; an attacker saturating both workers with huge legitimate restores delays a
-//     victim's one-block restore by about one sub-task, not one request. The test prints the
-//     figure (victim p50/p90 idle and under attack).
+//     victim's one-block restore by about one sub-task, not one request: most victim restores
+//     end while the attacker requests in flight at their start go on. The test prints the
+//     latencies (victim p50/p90 idle and under attack) as information.
 //   - Churn: thousands of register/release cycles with unique model names leave the namespace
 //     count, GetStats and the daemon's RSS where they were, and registration does not slow down.
 //
@@ -283,16 +284,36 @@ std::vector<double> VictimLatencies(Client& client, it::TestPool& victim,
   return out;
 }
 
+// Blocks the daemon restored into the pools of `model`, counted when each request ends (the
+// daemon adds a request's blocks to its pool's count as the request finishes).
+uint64_t RestoredBlocksOf(Client& client, const std::string& model) {
+  auto s = client.GetStats();
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  uint64_t n = 0;
+  if (s.ok()) {
+    for (const PoolStats& p : s->pools) n += p.model == model ? p.restores : 0;
+  }
+  return n;
+}
+
 TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
   // Two attacker pools (one per transfer worker) restore 128 blocks of 2 MiB each (32 layers x
   // 8 heads x 128 dims x 16 tokens, BF16) per request, back to back; the victim restores one
-  // small block. Before this change each attacker request was one task of ~256 MiB of decode,
-  // and a victim's restore waited for one to end.
-  Daemon d("256MiB", {"--wait-timeout-ms", "3000"});
+  // small block. The daemon runs a request as sub-tasks of 8 such blocks (16 MiB), so the
+  // victim waits for a sub-task, not for a whole attacker request (16 sub-tasks).
+  //
+  // The outcome asserted does not depend on the machine's speed: per victim restore, whether an
+  // attacker request ended between the daemon's request counts read just before and just after
+  // it. Were whole requests served in turn, the victim's restore could start only once an
+  // attacker request ended (both workers are busy with them), and nearly every sample would see
+  // one end; with sub-tasks most samples see none. The latencies are printed as information
+  // (latency bounds belong to benchmarks).
+  const std::string kAttackerModel = "qf/fair-attacker";
+  Daemon d("384MiB", {"--wait-timeout-ms", "3000"});
   ASSERT_TRUE(d.Start());
   ClientOptions co;
   co.target = d.target();
-  co.call_timeout = 60s;
+  co.call_timeout = 600s;  // only a hang ends a call: the test measures order, not time
   auto cc = Client::Connect(co);
   ASSERT_TRUE(cc.ok());
   Client& client = **cc;
@@ -304,14 +325,14 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
   it::FillRows(victim->kv, 7, it::RowRange(0, kBt), kBt);
   ASSERT_TRUE(client.Backup(victim->handle, vkeys, it::RowRange(0, kBt)).status.ok());
 
-  constexpr uint32_t kBlocks = 64;
+  constexpr uint32_t kBlocks = 128;
   it::PoolOptions ao;
   ao.geometry = it::Geom(32, 8, 128);
   ao.num_rows = kBlocks * kBt;
   ao.block_tokens = kBt;
   std::vector<it::TestPool> attackers;
   for (int i = 0; i < 2; ++i) {
-    ao.model = "qf/fair-attacker";  // both pools in one namespace: one backup serves both
+    ao.model = kAttackerModel;  // both pools in one namespace: one backup serves both
     auto p = it::MakePool(client, ao);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     attackers.push_back(std::move(p).value());
@@ -319,7 +340,8 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
   const auto akeys = it::Keys(9, kBlocks, kBt);
   const auto arows = it::RowRange(0, kBlocks * kBt);
   it::FillRows(attackers[0].kv, 9, arows, kBt);
-  ASSERT_TRUE(client.Backup(attackers[0].handle, akeys, arows).status.ok());
+  auto stored = client.Backup(attackers[0].handle, akeys, arows);
+  ASSERT_TRUE(stored.status.ok()) << stored.status.ToString();
   ASSERT_EQ(client.Lookup(attackers[1].handle, akeys).prefix_blocks, kBlocks);  // one namespace
 
   // Amplification: one block restored many times over the same rows.
@@ -341,13 +363,15 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
     }
   }
 
-  const int kSamples = rob::kSanitized ? 10 : 30;
+  // 30 samples under a sanitizer too: where 80% of samples overtake, fewer than half of 30 do
+  // less than once in 10,000 runs (of 10, once in 150).
+  const int kSamples = 30;
   std::vector<double> idle = VictimLatencies(client, *victim, vkeys, kSamples);
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> attack_requests{0}, amplified_requests{0};
   // Each attacker first tries the amplification (4,096 x one 2 MiB block into the same 16 rows:
   // 8 GiB of decode from a 256 KiB request); refused, it falls back to legitimate restores of
-  // its 64 distinct blocks, back to back.
+  // its 128 distinct blocks, back to back.
   constexpr uint32_t kAmplified = 4096;
   const std::vector<BlockKey> amp_keys(kAmplified, akeys[0]);
   std::vector<uint32_t> amp_rows;
@@ -372,37 +396,61 @@ TEST(FairnessTest, AVictimsRestoreIsNotStarvedByHugeRestores) {
       }
     });
   }
-  std::this_thread::sleep_for(300ms);  // both workers busy
+  // Both workers busy: two attacker requests have ended (and the next ones are sent). Only a
+  // hang makes this wait end by its deadline.
+  const uint64_t attacked_from = RestoredBlocksOf(client, kAttackerModel);
+  const auto busy_by = Clock::now() + 300s;
+  while (RestoredBlocksOf(client, kAttackerModel) < attacked_from + 2 * kBlocks &&
+         Clock::now() < busy_by) {
+    std::this_thread::sleep_for(10ms);
+  }
+  if (Clock::now() >= busy_by) {
+    stop.store(true);
+    for (auto& t : threads) t.join();
+    FAIL() << "no two attacker requests ended within 300 s";
+  }
   const auto t0 = Clock::now();
-  std::vector<double> attacked = VictimLatencies(client, *victim, vkeys, kSamples);
+  std::vector<double> attacked;
+  int overtook = 0;  // victim restores during which no attacker request ended
+  for (int i = 0; i < kSamples; ++i) {
+    const uint64_t before = RestoredBlocksOf(client, kAttackerModel);
+    const auto s0 = Clock::now();
+    auto r = client.Restore(victim->handle, vkeys, it::RowRange(kBt, kBt));
+    attacked.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s0).count());
+    overtook += RestoredBlocksOf(client, kAttackerModel) == before;
+    EXPECT_TRUE(r.status.ok() && r.restored_blocks == 1) << r.status.ToString();
+    std::this_thread::sleep_for(20ms);
+  }
   const double attack_s = std::chrono::duration<double>(Clock::now() - t0).count();
   stop.store(true);
   for (auto& t : threads) t.join();
   const double idle_p50 = Percentile(idle, 50), idle_p90 = Percentile(idle, 90);
   const double att_p50 = Percentile(attacked, 50), att_p90 = Percentile(attacked, 90);
+  const uint64_t done = attack_requests.load();
+  const double attacker_ms = done > 0 ? 1000.0 * attack_s * static_cast<double>(attackers.size()) /
+                                            static_cast<double>(done)
+                                      : 0;
   std::printf(
       "[ fairness ] victim 1-block restore, %d samples: idle p50 %.2f ms p90 %.2f ms; "
-      "under attack p50 %.2f ms p90 %.2f ms (attackers: %.2f amplified requests/s of "
-      "%u x one 2 MiB block, %.1f requests/s of %u distinct 2 MiB blocks; %u cores)\n",
-      kSamples, idle_p50, idle_p90, att_p50, att_p90,
+      "under attack p50 %.2f ms p90 %.2f ms; one attacker request %.1f ms (attackers: %.2f "
+      "amplified requests/s of %u x one 2 MiB block, %.1f requests/s of %u distinct 2 MiB "
+      "blocks; %u cores)\n",
+      kSamples, idle_p50, idle_p90, att_p50, att_p90, attacker_ms,
       static_cast<double>(amplified_requests.load()) / attack_s, kAmplified,
-      static_cast<double>(attack_requests.load()) / attack_s, kBlocks,
-      std::thread::hardware_concurrency());
-  EXPECT_GT(attack_requests.load() + amplified_requests.load(), 0u);
+      static_cast<double>(done) / attack_s, kBlocks, std::thread::hardware_concurrency());
+  std::printf(
+      "[ fairness ] %d of %d victim restores ended before any attacker request in flight at "
+      "their start\n",
+      overtook, kSamples);
+  EXPECT_GT(done + amplified_requests.load(), 0u);
   if (!OtherDaemon()) {
     EXPECT_EQ(amplified_requests.load(), 0u);
-    // Waiting behind whole attacker requests would put the victim's median near half an
-    // attacker request or more; that request's time, measured in the same run, scales with
-    // the machine's load as the victim's does.
-    const uint64_t done = attack_requests.load();
-    const double attacker_ms =
-        done > 0
-            ? 1000.0 * attack_s * static_cast<double>(attackers.size()) / static_cast<double>(done)
-            : 1e9;
-    std::printf("[ fairness ] one attacker request takes %.1f ms\n", attacker_ms);
-    EXPECT_TRUE(att_p50 < 10 * idle_p50 + 50 || att_p50 < 0.25 * attacker_ms)
-        << "the victim waited for whole attacker requests: p50 " << att_p50 << " ms, idle p50 "
-        << idle_p50 << " ms, one attacker request " << attacker_ms << " ms";
+    // Sub-tasks: a sample sees an attacker request end about 2 x 1/16 of the time (more with
+    // the RPCs around it); whole requests in turn: nearly always. Half is the margin.
+    EXPECT_GE(2 * overtook, kSamples)
+        << "the victim waited for whole attacker requests: " << overtook << " of " << kSamples
+        << " restores ended with no attacker request ending meanwhile (p50 " << att_p50
+        << " ms, idle p50 " << idle_p50 << " ms, one attacker request " << attacker_ms << " ms)";
   }
 }
 

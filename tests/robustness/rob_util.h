@@ -27,6 +27,7 @@
 
 #include "it_util.h"
 #include "pool/pool_format.h"
+#include "time_margin.h"
 
 namespace hiqcache::rob {
 
@@ -105,17 +106,7 @@ class Child {
 
 // Whether this binary (and so the daemon of its build directory) runs under a sanitizer: memory
 // bounds and timing targets are relaxed there (shadow memory, 2-20x slower code).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using test_time::kSanitized;
 
 // A client for tests that restart the daemon under it: generous deadlines, and re-registration
 // allowed every 50 ms, so that the first calls after a restart register again at once.

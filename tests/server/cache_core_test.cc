@@ -29,6 +29,7 @@
 #include "pool/pool_format.h"
 #include "register_spec_util.h"
 #include "server_test_util.h"
+#include "time_margin.h"
 
 namespace hiqcache::server {
 namespace {
@@ -781,6 +782,10 @@ TEST_F(CacheCoreTest, StalledAsyncBackupReservesNothing) {
 }
 
 TEST_F(CacheCoreTest, ReleasePoolCancelsTasksWaitingForEvents) {
+  // Cancelled tasks stop within the margin; a wait_timeout far above it tells them apart from
+  // tasks that ran out of time.
+  const auto margin = hiqcache::test_time::Margin(500ms);
+  Build(4 * margin);
   const uint64_t pool = Register();
   ASSERT_TRUE(Backup(Transfer(pool, {Block(1, 0)})).ok());  // ticket 1
   // A backup (ticket 2) and a restore (ticket 3) wait for events that never come.
@@ -800,7 +805,7 @@ TEST_F(CacheCoreTest, ReleasePoolCancelsTasksWaitingForEvents) {
   HIQ_EXPECT_OK(core_->ReleasePool(pool));
   // Both tasks stop at once (not after wait_timeout_ms) and report failure on their events.
   const auto start = std::chrono::steady_clock::now();
-  while (Slot(2).load() == 0 && std::chrono::steady_clock::now() - start < 500ms) {
+  while (Slot(2).load() == 0 && std::chrono::steady_clock::now() - start < margin) {
     std::this_thread::sleep_for(1ms);
   }
   const bool cancelled = Slot(2).load() != 0;
@@ -911,7 +916,10 @@ TEST_F(CacheCoreTest, ObserverSeesTransfersThatMoveBlocks) {
 
 TEST_F(CacheCoreTest, PoolsWaitingOnEventsDoNotStallOtherPools) {
   // Pools a and b each queue a backup that waits for its wait_event; with the default two
-  // transfer workers, pool c's request must still run ("different strands run concurrently").
+  // transfer workers, pool c's request must still run ("different strands run concurrently"),
+  // within the margin, far below the wait_timeout that would free a stalled worker.
+  const auto margin = hiqcache::test_time::Margin(1000ms);
+  Build(4 * margin);
   const uint64_t a = Register();
   const uint64_t b = Register();
   const uint64_t c = Register(kRaw);
@@ -925,7 +933,7 @@ TEST_F(CacheCoreTest, PoolsWaitingOnEventsDoNotStallOtherPools) {
   auto f = p.get_future();
   core_->Backup(Transfer(c, {Block(1, 0)}),
                 [&](StatusOr<BackupResult> r) { p.set_value(std::move(r)); });
-  const bool finished_while_others_wait = f.wait_for(300ms) == std::future_status::ready;
+  const bool finished_while_others_wait = f.wait_for(margin) == std::future_status::ready;
   Slot(0).store(1, std::memory_order_release);
   Slot(1).store(1, std::memory_order_release);
   auto r = Await(f);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "hiqcache/session_protocol.h"
+#include "time_margin.h"
 
 namespace hiqcache::server {
 namespace {
@@ -106,10 +107,10 @@ class SessionListenerTest : public ::testing::Test {
   }
   void TearDown() override { listener_.reset(); }
 
-  // Waits until `pred` holds, at most 2 s.
+  // Waits until `pred` holds, at most the margin of 10 s (test_time::Margin).
   template <typename Pred>
   bool Eventually(Pred pred) {
-    auto until = std::chrono::steady_clock::now() + 2s;
+    auto until = std::chrono::steady_clock::now() + test_time::Margin(10s);
     while (!pred()) {
       if (std::chrono::steady_clock::now() > until) return false;
       std::this_thread::sleep_for(5ms);

@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "time_margin.h"
+
 // Allocation failure on demand: while g_fail_after >= 0 on a thread, that thread's
 // (g_fail_after + 1)-th allocation by operator new throws std::bad_alloc.
 namespace {
@@ -261,7 +263,7 @@ TEST(TransferEngineTest, GroupsShareTheWorkersRoundRobin) {
   engine.Post(gate, [&] {
     while (!go.load()) std::this_thread::sleep_for(100us);
   });
-  ASSERT_TRUE(WaitUntil([&] { return engine.Pending() == 1; }, 1000ms));
+  ASSERT_TRUE(WaitUntil([&] { return engine.Pending() == 1; }, test_time::Margin(5000ms)));
   std::this_thread::sleep_for(5ms);  // the gate task is running
   std::mutex mu;
   std::string order;
@@ -315,11 +317,11 @@ TEST(TransferEngineTest, PostStepsThatCannotAllocateQueuesNothing) {
   g_fail_after = 2;
   EXPECT_THROW(engine.PostSteps(strand, std::move(steps)), std::bad_alloc);
   g_fail_after = -1;
-  EXPECT_TRUE(engine.WaitIdleFor(5s));
+  EXPECT_TRUE(engine.WaitIdleFor(test_time::Margin(5s)));
   EXPECT_EQ(ran.load(), 0) << "steps of a post that failed ran";
   EXPECT_EQ(engine.Pending(), 0u);
   engine.Post(strand, [&] { ran.fetch_add(1); });
-  EXPECT_TRUE(engine.WaitIdleFor(5s));
+  EXPECT_TRUE(engine.WaitIdleFor(test_time::Margin(5s)));
   EXPECT_EQ(ran.load(), 1);
   EXPECT_EQ(engine.Pending(), 0u);
 }
