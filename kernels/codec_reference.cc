@@ -135,8 +135,7 @@ void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32
   if (view.dim_run != 0) {  // split heads: into a contiguous copy, then scattered
     std::vector<uint8_t> bytes;
     const StridedView copy = RowCopy(fmt, &bytes, end - begin);
-    DecodeKiviKRowsReference(fmt, plane, block_tokens, begin, end, copy,
-                             Iota(end - begin).data());
+    DecodeKiviKRowsReference(fmt, plane, block_tokens, begin, end, copy, Iota(end - begin).data());
     ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, rows, end - begin);
     return;
   }

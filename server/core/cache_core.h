@@ -298,8 +298,7 @@ class CacheCore {
   // it holds, e.g. a restore's pins).
   template <typename Request, typename InFlight>
   bool PostRequest(Request& req, const std::shared_ptr<TransferEngine::Strand>& strand,
-                   InFlight touches, std::vector<TransferEngine::StepTask> steps,
-                   const char* rpc);
+                   InFlight touches, std::vector<TransferEngine::StepTask> steps, const char* rpc);
   // Blocks per sub-task for this layout (HOST), at least 1.
   size_t ChunkBlocks(const kernels::BlockLayout& layout) const;
   // What a task's `defer` does: runs the work on a worker as the end of the strand's detached task.

@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -68,8 +69,14 @@ class DaemonProcess {
                                      shm_name_,       "--log-level", "warn"};
     args.insert(args.end(), extra_.begin(), extra_.end());
     args.insert(args.begin(), prefix_.begin(), prefix_.end());
+    const pid_t parent = ::getpid();
     pid_ = ::fork();
     if (pid_ == 0) {
+      // A test that crashes or is killed by ctest's timeout takes its daemons with it (the
+      // signal comes when the forking thread ends: tests start their daemons on the thread that
+      // runs the test).
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(127);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
