@@ -590,6 +590,17 @@ TEST(FailoverTest, MasterKilledReplicaPromoted) {
     if (c.MasterOf(KeySlot(k)) == victim.addr()) victim_key = k;
   }
   ASSERT_NE(victim_key, "");
+  // WAIT counts a replica that acknowledged the offset; on a loaded machine a replica that
+  // attached late may still be loading its first full copy. The replica must hold every key
+  // of its master before the master dies, or the test would measure a lost write it caused.
+  const long long victim_keys = cluster.Admin(victim.port, {"DBSIZE"}).integer;
+  const auto synced_by = Clock::now() + hiqcache::test_time::Margin(milliseconds(10000));
+  long long replica_keys = 0;
+  while ((replica_keys = cluster.Admin(replica.port, {"DBSIZE"}).integer) != victim_keys &&
+         Clock::now() < synced_by) {
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  ASSERT_EQ(replica_keys, victim_keys) << "the replica did not copy its master's keys";
   cluster.Kill(victim);
 
   const auto killed_at = Clock::now();
