@@ -34,7 +34,6 @@ using DI32 = hn::RebindToSigned<DF>;
 using DI8 = hn::Rebind<int8_t, DF>;  // one code per f32 lane
 // Packing: at most 16 u16 lanes = one group's 32 int8 codes or 16 packed bytes.
 using DP16 = hn::CappedTag<uint16_t, kInt4GroupElems / 2>;
-using DPI16 = hn::RebindToSigned<DP16>;
 using DP8 = hn::Rebind<uint8_t, DP16>;
 using DPI8 = hn::Repartition<int8_t, DP16>;             // the bytes of the DP16 lanes
 using DG16 = hn::CappedTag<uint16_t, kInt4GroupElems>;  // one group's 16-bit elements
@@ -68,24 +67,7 @@ HWY_INLINE void QuantizeGroup(const uint8_t* src, float s, uint8_t* codes) {
         hn::Min(hn::Max(hn::Round(hn::Div(LoadHalf<kDType>(df, src + 2 * i), vs)), qmin), qmax);
     hn::StoreU(hn::DemoteTo(di8, hn::ConvertTo(di32, q)), di8, q8 + i);
   }
-#if HWY_TARGET == HWY_SCALAR  // single lanes: no byte view of a u16 vector
-  for (size_t j = 0; j < kInt4GroupElems / 2; ++j) {
-    codes[j] = static_cast<uint8_t>((q8[2 * j] & 0xF) | ((q8[2 * j + 1] & 0xF) << 4));
-  }
-#else
-  // Each u16 lane holds elements 2j (low byte) and 2j + 1: one packed byte.
-  const DP16 dp16;
-  const DPI16 dpi16;
-  const DP8 dp8;
-  const DPI8 dpi8;
-  const size_t m = hn::Lanes(dp16);
-  for (size_t j = 0; j < kInt4GroupElems / 2; j += m) {
-    const auto w = hn::BitCast(dp16, hn::LoadU(dpi8, q8 + 2 * j));
-    const auto packed = hn::Or(hn::And(w, hn::Set(dp16, 0x000Fu)),
-                               hn::And(hn::ShiftRight<4>(w), hn::Set(dp16, 0x00F0u)));
-    hn::StoreU(hn::DemoteTo(dp8, hn::BitCast(dpi16, packed)), dp8, codes + j);
-  }
-#endif
+  PackNibbles32(reinterpret_cast<const uint8_t*>(q8), codes);
 }
 
 // Decodes the 16 code bytes of one group with scale s into 32 BF16/FP16 elements at dst.

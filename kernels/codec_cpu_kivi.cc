@@ -35,29 +35,8 @@ using DF = hn::CappedTag<float, kG>;
 using DI32 = hn::RebindToSigned<DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;  // one code per f32 lane
 using DP16 = hn::CappedTag<uint16_t, kG / 2>;
-using DPI16 = hn::RebindToSigned<DP16>;
 using DP8 = hn::Rebind<uint8_t, DP16>;
 using DPU8 = hn::Repartition<uint8_t, DP16>;  // the bytes of the DP16 lanes
-
-// Packs 32 codes (0..15) into 16 bytes, element 2j low.
-HWY_INLINE void PackCodes(const uint8_t* q8, uint8_t* codes) {
-#if HWY_TARGET == HWY_SCALAR
-  for (size_t j = 0; j < kG / 2; ++j)
-    codes[j] = static_cast<uint8_t>(q8[2 * j] | (q8[2 * j + 1] << 4));
-#else
-  const DP16 dp16;
-  const DPI16 dpi16;
-  const DP8 dp8;
-  const DPU8 dpu8;
-  const size_t m = hn::Lanes(dp16);
-  for (size_t j = 0; j < kG / 2; j += m) {
-    const auto w = hn::BitCast(dp16, hn::LoadU(dpu8, q8 + 2 * j));
-    const auto packed = hn::Or(hn::And(w, hn::Set(dp16, 0x000Fu)),
-                               hn::And(hn::ShiftRight<4>(w), hn::Set(dp16, 0x00F0u)));
-    hn::StoreU(hn::DemoteTo(dp8, hn::BitCast(dpi16, packed)), dp8, codes + j);
-  }
-#endif
-}
 
 // Unpacks 16 bytes into 32 codes (0..15).
 HWY_INLINE void UnpackCodes(const uint8_t* codes, uint8_t* q8) {
@@ -136,7 +115,7 @@ bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t*
           const auto qc = hn::Min(hn::Max(q, zero), qmax);
           hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di32, qc)), du8, q8 + i);
         }
-        PackCodes(q8, dst + t * code_bytes + c0 / 2);
+        PackNibbles32(q8, dst + t * code_bytes + c0 / 2);
       }
     }
   }

@@ -221,6 +221,29 @@ HWY_INLINE void QuantizeHeadWith(const uint8_t* src, uint32_t d, float s, Byte* 
   }
 }
 
+// Packs 32 codes, one per byte with the code in its low nibble, into 16 bytes: element 2j in the
+// low nibble of byte j (the code bytes of INT4's and INT4 KIVI's records).
+HWY_INLINE void PackNibbles32(const uint8_t* q8, uint8_t* packed) {
+#if HWY_TARGET == HWY_SCALAR  // single lanes: no byte view of a u16 vector
+  for (size_t j = 0; j < 16; ++j) {
+    packed[j] = static_cast<uint8_t>((q8[2 * j] & 0xF) | ((q8[2 * j + 1] & 0xF) << 4));
+  }
+#else
+  // Each u16 lane holds elements 2j (low byte) and 2j + 1: one packed byte.
+  const hn::CappedTag<uint16_t, 16> d16;
+  const hn::RebindToSigned<decltype(d16)> di16;
+  const hn::Rebind<uint8_t, decltype(d16)> d8;
+  const hn::Repartition<uint8_t, decltype(d16)> dbytes;
+  const size_t m = hn::Lanes(d16);
+  for (size_t j = 0; j < 16; j += m) {
+    const auto w = hn::BitCast(d16, hn::LoadU(dbytes, q8 + 2 * j));
+    const auto p = hn::Or(hn::And(w, hn::Set(d16, 0x000Fu)),
+                          hn::And(hn::ShiftRight<4>(w), hn::Set(d16, 0x00F0u)));
+    hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di16, p)), d8, packed + j);
+  }
+#endif
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace hiqcache::kernels
 HWY_AFTER_NAMESPACE();

@@ -67,6 +67,25 @@ def rotation(ids: list[int], start: int, n: int) -> list[int]:
     return out
 
 
+def workload_requests(ids: list[int], args: argparse.Namespace
+                      ) -> tuple[list[tuple[int, int, list[int]]], list[list[list[int]]]]:
+    """The shared-prefix workload (experiment B): `args.groups` prefixes of `args.prefix_tokens`
+    tokens, each asked once per round with its own 24-token suffix, `args.rounds` rounds in a
+    shuffled order (seed 7). Returns the requests as (round, group, prompt) and the prompts in
+    batches of `args.concurrency`."""
+    rng = random.Random(7)
+    prefixes = [rotation(ids, 613 * g + 5, args.prefix_tokens) for g in range(args.groups)]
+    requests: list[tuple[int, int, list[int]]] = []
+    for r in range(args.rounds):
+        order = list(range(args.groups))
+        rng.shuffle(order)
+        for g in order:
+            requests.append((r, g, prefixes[g] + rotation(ids, 7000 + 17 * len(requests), 24)))
+    batches = [[p for _, _, p in requests[i:i + args.concurrency]]
+               for i in range(0, len(requests), args.concurrency)]
+    return requests, batches
+
+
 def engine(name: str, job: dict, tmp: pathlib.Path) -> dict:
     jp, op = tmp / f"{name}.job.json", tmp / f"{name}.out.json"
     jp.write_text(json.dumps(job))
@@ -293,16 +312,7 @@ def bench_layout(reps: int) -> dict:
 
 
 def bench_workload(model: str, ids: list[int], args: argparse.Namespace, tmp: pathlib.Path) -> dict:
-    rng = random.Random(7)
-    prefixes = [rotation(ids, 613 * g + 5, args.prefix_tokens) for g in range(args.groups)]
-    requests = []
-    for r in range(args.rounds):
-        order = list(range(args.groups))
-        rng.shuffle(order)
-        for g in order:
-            requests.append((r, g, prefixes[g] + rotation(ids, 7000 + 17 * len(requests), 24)))
-    batches = [[p for _, _, p in requests[i:i + args.concurrency]]
-               for i in range(0, len(requests), args.concurrency)]
+    requests, batches = workload_requests(ids, args)
     vllm_kv = args.vllm_kv_mib << 20
     base = {"model": model, "max_tokens": 4, "log_stats": True, "kv_cache_bytes": vllm_kv,
             "max_model_len": 2048, "max_num_seqs": args.concurrency, "batches": batches}

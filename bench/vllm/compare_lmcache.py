@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests" / "python"))
 sys.path.insert(0, str(ROOT / "python"))  # this checkout's hiqcache, not the venv's copy
 sys.path.insert(0, str(HERE))
 
-from bench_vllm import BS, rotation, text_ids, ttft_of  # noqa: E402
+from bench_vllm import BS, rotation, text_ids, ttft_of, workload_requests  # noqa: E402
 
 import hiqcache as hq  # noqa: E402
 from daemon import Daemon  # noqa: E402
@@ -259,18 +259,7 @@ def bench_ttft(model: str, ids: list[int], args: argparse.Namespace,
 
 def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
                    arms: list[tuple[str, str | None]], tmp: pathlib.Path) -> dict:
-    import random
-
-    rng = random.Random(7)
-    prefixes = [rotation(ids, 613 * g + 5, args.prefix_tokens) for g in range(args.groups)]
-    requests = []
-    for r in range(args.rounds):
-        order = list(range(args.groups))
-        rng.shuffle(order)
-        for g in order:
-            requests.append((r, g, prefixes[g] + rotation(ids, 7000 + 17 * len(requests), 24)))
-    batches = [[p for _, _, p in requests[i:i + args.concurrency]]
-               for i in range(0, len(requests), args.concurrency)]
+    requests, batches = workload_requests(ids, args)
     vllm_kv, budget = args.vllm_kv_mib << 20, args.tier_mib << 20
     base = {"model": model, "max_tokens": 4, "log_stats": True, "kv_cache_bytes": vllm_kv,
             "max_model_len": 1024, "max_num_seqs": args.concurrency, "batches": batches}
