@@ -73,6 +73,8 @@ asan_dir=${HIQ_ASAN_DIR:-$root/build-asan}
 # The tests of a checking stage are those labelled for it where they are defined
 # (hiq_sanitize in tests/*/CMakeLists.txt): listed from the configured tree, built, and run.
 labelled() {  # dir label: the names of the tests with that label
+  # The build system first, so that tests added since the directory was configured are listed.
+  cmake --build "$1" --target build.ninja >/dev/null
   (cd "$1" && ctest -N -L "^$2\$" | sed -n 's/^ *Test *#[0-9]*: //p')
 }
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
