@@ -290,12 +290,21 @@ class CacheCore {
   // What both finishes end with (cache_core_internal.h): `kind` is "backup" or "restore".
   template <typename Request>
   void EndRequest(Request& req, const char* kind);
-  // Gives an accepted request (BeginTask done, pending bytes charged) its ticket, notes it in its
-  // pool's in-flight list, posts its sub-tasks to `strand` and answers an asynchronous caller,
-  // in ticket order (cache_core_internal.h). When the daemon cannot allocate for that, none of
-  // it happened: the ticket, the in-flight entry, the pending bytes and the task are given back,
-  // the caller is answered RESOURCE_EXHAUSTED and it returns false (the caller drops what else
-  // it holds, e.g. a restore's pins).
+  // Charges a new request's pending bytes to its pool's client and counts it on the pool
+  // (BeginTask). On failure nothing stays charged, and the status is the caller's answer.
+  template <typename Request>
+  Status Admit(Request& req, uint64_t pool_id);
+  // What every sub-task's step does first: notes when the request started and, for the first
+  // sub-task of a two-strand pool before its task exists (`new_task`), whether it must still
+  // wait for an earlier conflicting request of the other direction.
+  template <typename Request>
+  bool WaitsToStart(Request& req, size_t chunk, bool new_task);
+  // Gives an accepted request (Admit done) its ticket, notes it in its pool's in-flight list, posts
+  // its sub-tasks to `strand` and answers an asynchronous caller, in ticket order
+  // (cache_core_internal.h). When the daemon cannot allocate for that, none of it happened: the
+  // ticket, the in-flight entry, the pending bytes and the task are given back, the caller is
+  // answered RESOURCE_EXHAUSTED and it returns false (the caller drops what else it holds, e.g. a
+  // restore's pins).
   template <typename Request, typename InFlight>
   bool PostRequest(Request& req, const std::shared_ptr<TransferEngine::Strand>& strand,
                    InFlight touches, std::vector<TransferEngine::StepTask> steps, const char* rpc);

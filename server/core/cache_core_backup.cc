@@ -76,12 +76,7 @@ void CacheCore::BackupImpl(TransferSpec spec, BackupDone* done) {
   req->reply = std::make_shared<BackupDone>();
   Pool::InFlight touches = pool->Touches(/*restore=*/false, spec);
 
-  Status st = quotas_.ChargePending(pool->client, req->pending_bytes);
-  if (!st.ok()) return (*done)(st);
-  if (!pool->BeginTask()) {
-    quotas_.UnchargePending(pool->client, req->pending_bytes);
-    return (*done)(ReleasedPool(spec.pool_id));
-  }
+  if (Status st = Admit(*req, spec.pool_id); !st.ok()) return (*done)(st);
   *req->reply = std::move(*done);
   req->spec = std::move(spec);
   // Accepted (async): see cache_core.h (Reservations) for what BLOCK_STORED means here.
@@ -102,15 +97,8 @@ TransferEngine::StepResult CacheCore::BackupStep(const std::shared_ptr<BackupReq
   const TransferSpec& spec = req->spec;
   std::shared_ptr<BackupChunkWrites> writes;
   try {
-    if (!req->has_started) {
-      req->started = std::chrono::steady_clock::now();
-      req->has_started = true;
-    }
+    if (WaitsToStart(*req, c, *slot == nullptr)) return TransferEngine::StepResult::kNotReady;
     if (*slot == nullptr) {
-      if (c == 0 && pool.restore_strand != pool.strand &&
-          pool.WaitsForOtherDirection(req->result.ticket)) {
-        return TransferEngine::StepResult::kNotReady;
-      }
       auto task = std::make_shared<BackupTask>();
       task->ticket = req->result.ticket;
       task->caller_deadline = spec.deadline;

@@ -268,6 +268,28 @@ inline Status OutOfMemory(const char* what) {
   return ResourceExhausted(std::string(what) + ": hiqcached is out of memory");
 }
 
+template <typename Request>
+Status CacheCore::Admit(Request& req, uint64_t pool_id) {
+  Pool& pool = *req.pool;
+  HIQ_RETURN_IF_ERROR(quotas_.ChargePending(pool.client, req.pending_bytes));
+  if (!pool.BeginTask()) {
+    quotas_.UnchargePending(pool.client, req.pending_bytes);
+    return ReleasedPool(pool_id);
+  }
+  return Status::Ok();
+}
+
+template <typename Request>
+bool CacheCore::WaitsToStart(Request& req, size_t chunk, bool new_task) {
+  if (!req.has_started) {
+    req.started = std::chrono::steady_clock::now();
+    req.has_started = true;
+  }
+  const Pool& pool = *req.pool;
+  return new_task && chunk == 0 && pool.restore_strand != pool.strand &&
+         req.pool->WaitsForOtherDirection(req.result.ticket);
+}
+
 template <typename Request, typename InFlight>
 bool CacheCore::PostRequest(Request& req, const std::shared_ptr<TransferEngine::Strand>& strand,
                             InFlight touches, std::vector<TransferEngine::StepTask> steps,

@@ -48,12 +48,7 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
   req->pins.reserve(keys.size());
   req->reply = std::make_shared<RestoreDone>();
   Pool::InFlight touches = pool->Touches(/*restore=*/true, spec);
-  Status st = quotas_.ChargePending(pool->client, req->pending_bytes);
-  if (!st.ok()) return (*done)(st);
-  if (!pool->BeginTask()) {
-    quotas_.UnchargePending(pool->client, req->pending_bytes);
-    return (*done)(ReleasedPool(spec.pool_id));
-  }
+  if (Status st = Admit(*req, spec.pool_id); !st.ok()) return (*done)(st);
   std::vector<TransferEngine::StepTask> steps;
   try {
     // Pinned on arrival: the answer says how many leading blocks will be restored.
@@ -108,15 +103,8 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
     }
   };
   try {
-    if (!req->has_started) {
-      req->started = std::chrono::steady_clock::now();
-      req->has_started = true;
-    }
+    if (WaitsToStart(*req, c, *slot == nullptr)) return TransferEngine::StepResult::kNotReady;
     if (*slot == nullptr) {
-      if (c == 0 && pool.restore_strand != pool.strand &&
-          pool.WaitsForOtherDirection(req->result.ticket)) {
-        return TransferEngine::StepResult::kNotReady;
-      }
       auto task = std::make_shared<RestoreTask>();
       task->ticket = req->result.ticket;
       task->caller_deadline = spec.deadline;
