@@ -11,7 +11,9 @@ are fidelity.py's, through the real daemon.
 Each candidate quantizes keys per channel over each block of `--block-tokens` tokens (or of its
 own token group), symmetric (one BF16 scale, levels -7..7) or asymmetric (zero point min and BF16
 scale (max - min) / 15, levels 0..15), and values per token in groups of g elements, likewise;
-None keeps that side exact (bf16).
+None keeps that side exact (bf16). Rotated candidates (k_rot / v_rot) apply the orthonormal
+Hadamard transform over head_dim before quantizing and again after (it is its own inverse); keys
+may then be grouped per token (k_group) instead of per channel.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Candidate:
     v_group: int | None  # None: exact values
     v_sym: bool = True
     k_tokens: int = 0  # key group in tokens; 0 = the block
+    k_rot: bool = False  # keys rotated by the head_dim Hadamard transform before quantizing
+    v_rot: bool = False  # values likewise
+    k_group: int = 0  # keys per token in groups of k_group (sym) instead of per channel
 
 
 CANDIDATES = {
@@ -50,7 +55,21 @@ CANDIDATES = {
     "K": Candidate("k_asym_chan_v_exact", False, None),
     "V": Candidate("k_exact_v_g32_sym", None, 32),
     "W": Candidate("k_exact_v_g32_asym", None, 32, False),
+    # Rotated: an orthonormal Hadamard transform over head_dim spreads a channel's outliers over
+    # every channel before quantizing, and the restore applies it again (it is its own inverse).
+    "R": Candidate("hadamard_k_asym_chan_v_g32_sym", False, 32, True, 0, True, True),
+    "S": Candidate("hadamard_k_g32_sym_v_g32_sym", True, 32, True, 0, True, True, 32),
+    "T": Candidate("k_asym_chan_hadamard_v_g32_sym", False, 32, True, 0, False, True),
+    "U": Candidate("hadamard_k_g32_asym_v_g32_asym", False, 32, False, 0, True, True, 32),
 }
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal d x d Hadamard matrix (d a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / h.shape[0] ** 0.5
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +93,13 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int) -> torch.Tensor
         return x.contiguous()
     f = x.float()[0]
     h, p, d = f.shape
-    if keys:
+    rot = hadamard(d) if (c.k_rot if keys else c.v_rot) else None
+    if rot is not None:
+        f = bf16(f @ rot)  # stored as BF16 before quantizing, as the input is
+    if keys and c.k_group:
+        g = f.reshape(h, p, d // c.k_group, c.k_group)
+        axis = 3
+    elif keys:
         t = c.k_tokens or bt
         g = f.reshape(h, p // t, t, d)
         axis = 2
@@ -86,12 +111,15 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int) -> torch.Tensor
         out = q_sym(g, g.abs().amax(dim=axis, keepdim=True))
     else:
         out = q_asym(g, g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True))
+    if rot is not None:
+        out = out.reshape(h, p, d) @ rot
     return out.reshape(h, p, d).to(torch.bfloat16).unsqueeze(0).contiguous()
 
 
 def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int) -> int:
     """Stored bytes per token: 4-bit codes plus BF16 parameters (2 per asymmetric group)."""
-    k = 2 * hd if c.k_sym is None else hd / 2 + 2 * hd / (c.k_tokens or bt) * (1 if c.k_sym else 2)
+    k_groups = hd / c.k_group if c.k_group else hd / (c.k_tokens or bt)
+    k = 2 * hd if c.k_sym is None else hd / 2 + 2 * k_groups * (1 if c.k_sym else 2)
     v = 2 * hd if c.v_group is None else hd / 2 + 2 * hd / c.v_group * (1 if c.v_sym else 2)
     return round(layers * (k + v))
 

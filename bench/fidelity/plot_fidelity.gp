@@ -41,6 +41,7 @@ set multiplot layout 1,2 title "hiqcached codecs against the bf16 noise floor: "
 set title 'next-token KL(reference || path), nats (mean ± SE over windows)'
 set logscale y
 set format y '%.0e'
+set yrange [5e-4:3]  # headroom above the data for the key
 # Block 0 is the floor; raw (if measured) lies exactly on it.
 set style line 8 lc rgb '#555555' lw 1.2 dt 4
 set style line 9 lc rgb '#aaaaaa' lw 1.2 dt 4
@@ -52,6 +53,7 @@ unset logscale y
 set format y '%g'
 set title 'top-1 agreement with the reference (%)'
 set key bottom left
+set yrange [72:100.5]  # room below the data for the key
 plot for [i=0:npaths-1] datafile index i u 1:4:5 w yerrorlines ls style(i) \
      title columnheader(1), \
      floor_top1 - 1 w l ls 8 title 'gate: mean top-1 >= floor - 1 point (INT8, FP8, INT4 KIVI)', \
