@@ -642,7 +642,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) KiviKEncodeKernel(const Kiv
     uint32_t b, l, h, c;
     p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &h, &c);
     const uint32_t e0 = c * kChunkElems;
-    const StridedView& view = p.layers[l].planes[0];
+    const StridedView view = p.layers[l].planes[0];  // in registers across the stores below
     const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
 
     // Pass 1: each channel's smallest and largest x (the reference's comparisons, token 0
@@ -729,7 +729,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) KiviKDecodeKernel(const Kiv
     p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &h, &c);
     l += p.first_layer;
     const uint32_t e0 = c * kChunkElems;
-    const StridedView& view = p.layers[l].planes[0];
+    const StridedView view = p.layers[l].planes[0];  // in registers across the stores below
     const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
     const uint8_t* plane = p.blocks[b] + p.layout.PlaneOffset(l, 0);
     const size_t channel0 = static_cast<size_t>(h) * d;
