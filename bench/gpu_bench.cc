@@ -21,7 +21,9 @@
 //                  --mps both, again under a private MPS control daemon; the output says which.
 //
 // Usage: gpu_bench [--tokens N] [--reps N] [--block-tokens N] [--block-sweep N,N,...]
-//                  [--mps auto|off|both] [--interference-seconds S] [--json FILE]
+//                  [--mps auto|off|both] [--interference-seconds S] [--json FILE] [--codec NAME]
+// --codec (default int8_per_head; int4_kivi, fp8_e4m3_per_head, ...: hiqcache::CodecName's
+// names) is the codec of every pool the benchmark registers; GB/s stay BF16-equivalent.
 // --block-tokens (default 64) is the block size of the concurrent, latency and interference
 // phases. Each phase runs in a fresh process (so that an MPS phase starts with no CUDA context)
 // that starts its own hiqcached ($HIQ_DAEMON_PATH, else the path compiled in) with --device
@@ -54,6 +56,7 @@
 #include "cuda_handles.h"
 #include "hiqcache/client.h"
 #include "hiqcache/cuda_export.h"
+#include "hiqcache/pool_spec.h"
 #include "kv_check.h"
 
 extern char** environ;
@@ -87,6 +90,7 @@ struct Options {
   std::string json;
   std::string label;    // interference: "without MPS" or "with MPS, ..."
   double duration = 0;  // forward: seconds to measure
+  Codec codec = Codec::kInt8PerHead;
 };
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -230,9 +234,11 @@ struct Engine {
   CudaKvPool kv;
   kernels::CudaStream stream;
   uint32_t tokens = 0;  // the prefix: rows [0, tokens); the pool has twice as many rows
+  Codec codec = Codec::kInt8PerHead;
 
   // `granule`: tokens is rounded down to a multiple of it (the largest block size used).
   void Start(const Options& o, uint32_t granule) {
+    codec = o.codec;
     tokens = o.tokens / granule * granule;
     if (tokens == 0) Die("--tokens must be at least the largest block size");
     // $HIQ_GPU_POOL_BYTES: a smaller pool where /dev/shm is small (run_on_device.sh sets it).
@@ -279,7 +285,7 @@ struct Engine {
     Check(ev.status(), "CudaTicketSlots::Create");
     p.slots = std::make_unique<CudaTicketSlots>(std::move(ev).value());
     auto h = client->RegisterPool(
-        MakeCudaPoolSpec("Qwen/Qwen3-8B@gpu-bench", kv, block_tokens, p.slots.get()));
+        MakeCudaPoolSpec("Qwen/Qwen3-8B@gpu-bench", kv, block_tokens, p.slots.get(), codec));
     Check(h.status(), "RegisterPool");
     p.handle = *h;
     p.keys = MoreKeys(p, first_row, count, salt);
@@ -817,7 +823,9 @@ std::vector<std::string> PassThrough(const Options& o) {
           "--interference-seconds",
           std::to_string(o.interference_seconds),
           "--json",
-          o.json};
+          o.json,
+          "--codec",
+          CodecName(o.codec)};
 }
 
 int RunMain(const Options& o) {
@@ -831,6 +839,7 @@ int RunMain(const Options& o) {
     return 0;
   }
   if (!o.json.empty()) std::filesystem::remove(o.json);
+  std::printf("codec: %s\n", CodecName(o.codec));
   int rc = 0;
   std::vector<std::string> args = {"--mode", "transfer"};
   for (auto& a : PassThrough(o)) args.push_back(a);
@@ -910,7 +919,24 @@ int main(int argc, char** argv) {
       o.label = v;
     else if (a == "--duration")
       o.duration = std::stod(v);
-    else {
+    else if (a == "--codec") {
+      bool known = false;
+      for (const hiqcache::Codec c :
+           {hiqcache::Codec::kInt8PerHead, hiqcache::Codec::kRaw, hiqcache::Codec::kFp8E4m3PerHead,
+            hiqcache::Codec::kInt4G32PerHead, hiqcache::Codec::kInt4Kivi}) {
+        if (v == hiqcache::CodecName(c)) {
+          o.codec = c;
+          known = true;
+        }
+      }
+      if (!known) {
+        std::fprintf(stderr,
+                     "gpu_bench: --codec wants int8_per_head, raw, fp8_e4m3_per_head, "
+                     "int4_g32_per_head or int4_kivi, got %s\n",
+                     v.c_str());
+        return 2;
+      }
+    } else {
       std::fprintf(stderr, "gpu_bench: unknown flag %s\n", a.c_str());
       return 2;
     }

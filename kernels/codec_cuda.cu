@@ -15,6 +15,10 @@
 // Decode: load codes and the head's (INT4: the group's) scale, dequantize, store 16 bytes per
 // lane.
 // Each lane keeps kUnits units in flight (all loads before any use) to hide memory latency.
+// CODEC_INT4_KIVI: its V planes are INT4 rows (the same kernels, from plane 1); its K planes
+// reduce over the block's tokens per channel, so their unit is a chunk of 8 channels of one
+// head of one (block, layer) K plane, owned by one lane (KiviKEncodeKernel: min/max pass, then
+// zero points, scales and a code pass; KiviKDecodeKernel), launched before the V rows.
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
 // warp-uniform grid-stride loop, so the daemon never floods the GPU it shares with the engine.
@@ -55,6 +59,7 @@ struct EncodeParams {
   const uint32_t* rows;    // this launch's first block
   uint8_t* const* blocks;  // this launch's first block
   uint8_t* nonfinite;      // this launch's first block, or null
+  uint32_t first_plane;    // the shape's plane 0 is this plane (1: KIVI's V rows)
   uint32_t total_units;
   uint32_t group_log2;  // lanes per head = 1 << group_log2
 };
@@ -66,6 +71,7 @@ struct DecodeParams {
   const uint32_t* rows;
   const uint8_t* const* blocks;
   uint32_t first_layer;
+  uint32_t first_plane;  // the shape's plane 0 is this plane (1: KIVI's V rows)
   uint32_t total_units;
   uint32_t group_log2;
 };
@@ -359,6 +365,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) EncodeScaledKernel(const En
       if (valid[j]) {
         uint32_t l, pl, t;
         p.shape.Decompose(static_cast<uint32_t>(u), &block[j], &l, &pl, &t, &head[j]);
+        pl += p.first_plane;
         const uint32_t row = p.rows[static_cast<size_t>(block[j]) * tokens + t];
         src = HeadPtr(p.layers[l].planes[pl], row, head[j]);
         aligned16 = Aligned(src, 16);
@@ -457,6 +464,7 @@ __device__ __forceinline__ void DecodeGroups(const DecodeParams& p, uint64_t bas
       uint32_t b, l, pl, t, h;
       p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
       l += p.first_layer;
+      pl += p.first_plane;
       const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
       head_codes = src_row + static_cast<size_t>(h) * d / 2;
       head_scales = src_row + code_bytes + 2u * static_cast<size_t>(h) * groups_per_head;
@@ -532,6 +540,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeScaledKernel(const De
           uint32_t b, l, pl, t, h;
           p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &pl, &t, &h);
           l += p.first_layer;
+          pl += p.first_plane;
           const uint8_t* src_row = p.blocks[b] + p.layout.RowOffset(l, pl, t);
           codes = src_row + static_cast<size_t>(h) * d;
           s_bits[j] = LoadU16Unaligned(src_row + elems_per_row + 2u * h);
@@ -568,6 +577,200 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) DecodeScaledKernel(const De
           }
           StoreHalfChunk(dst[j], e0, d, out);
         }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CODEC_INT4_KIVI's K planes (its V planes are INT4 rows: the kernels above with first_plane 1).
+// A K unit is one chunk (8 channels) of one head of one (block, layer) K plane:
+// u = ((b * L + l) * H + h) * C + c, C = head_dim / 8 (head_dim % 32 == 0: whole chunks), so
+// consecutive lanes read and write consecutive 16-byte runs of a head and 4-byte runs of a
+// code row. A lane owns its 8 channels alone: the reduction over the block's tokens stays in the
+// lane (no shuffles), in the reference's order (codec_reference.cc, EncodeKiviKPlaneReference).
+
+struct KiviKShape {
+  FastDivmod chunks, heads, layers;
+
+  static KiviKShape Make(uint32_t head_dim, uint32_t num_heads, uint32_t num_layers) {
+    return {FastDivmod::Make(head_dim / kChunkElems), FastDivmod::Make(num_heads),
+            FastDivmod::Make(num_layers)};
+  }
+  HIQ_HD void Decompose(uint32_t u, uint32_t* block, uint32_t* layer, uint32_t* head,
+                        uint32_t* chunk) const {
+    u = chunks.DivMod(u, chunk);
+    u = heads.DivMod(u, head);
+    *block = layers.DivMod(u, layer);
+  }
+};
+
+struct KiviKParams {
+  BlockLayout layout;
+  KiviKShape shape;
+  const LayerViews* layers;
+  const uint32_t* rows;    // this launch's first block
+  uint8_t* const* blocks;  // this launch's first block (const-cast for decode: only read there)
+  uint8_t* nonfinite;      // encode: this launch's first block, or null
+  uint32_t first_layer;    // decode: the shape's layer 0 is this layer
+  uint32_t total_units;
+};
+
+// Tokens whose loads a lane issues before using any of them.
+constexpr uint32_t kKiviTokenBatch = 4;
+
+// Loads token t's 8 channels of the unit's head (zeros past the block's tokens).
+__device__ __forceinline__ void LoadKiviChunk(const KiviKParams& p, const StridedView& view,
+                                              const uint32_t* rows, uint32_t t, uint32_t head,
+                                              uint32_t e0, Chunk* c) {
+  if (t >= p.layout.block_tokens) {
+    *c = Chunk{{0u, 0u, 0u, 0u}};
+    return;
+  }
+  const uint8_t* src = HeadPtr(view, rows[t], head);
+  LoadHalfChunk(src, e0, p.layout.row.head_dim, Aligned(src, 16), c);
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) KiviKEncodeKernel(const KiviKParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t code_bytes = p.layout.row.ElementsPerRow() / 2;
+  const uint64_t num_lanes = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t u = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < p.total_units;
+       u += num_lanes) {
+    uint32_t b, l, h, c;
+    p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &h, &c);
+    const uint32_t e0 = c * kChunkElems;
+    const StridedView view = p.layers[l].planes[0];  // in registers across the stores below
+    const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
+
+    // Pass 1: each channel's smallest and largest x (the reference's comparisons, token 0
+    // first), and the largest sign-cleared bit pattern (NaN/Inf flag the block).
+    float lo[kChunkElems] = {}, hi[kChunkElems] = {};
+    uint32_t acc = 0;
+    for (uint32_t t0 = 0; t0 < tokens; t0 += kKiviTokenBatch) {
+      Chunk x[kKiviTokenBatch];
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        LoadKiviChunk(p, view, rows, t0 + k, h, e0, &x[k]);
+      }
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        if (t0 + k >= tokens) break;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) acc = __vmaxu2(acc, x[k].w[w] & 0x7FFF7FFFu);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = HalfToFloat(ChunkElem(x[k], i), kDType);
+          if (t0 + k == 0 || v < lo[i]) lo[i] = v;
+          if (t0 + k == 0 || v > hi[i]) hi[i] = v;
+        }
+      }
+    }
+    if (max(acc & 0xFFFFu, acc >> 16) >= InfBits(kDType)) {
+      if (p.nonfinite != nullptr) p.nonfinite[b] = 1;
+      continue;
+    }
+
+    // The channels' zero points and scales, stored after the plane's code rows.
+    uint8_t* plane = p.blocks[b] + p.layout.PlaneOffset(l, 0);
+    const size_t channel0 = static_cast<size_t>(h) * d;
+    uint8_t* zeros = plane + static_cast<size_t>(tokens) * code_bytes + 2 * channel0;
+    uint8_t* scales = zeros + 2 * p.layout.row.ElementsPerRow();
+    float z[kChunkElems], s[kChunkElems];
+    Chunk z_bits, s_bits;
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const uint16_t z0 = KiviKZeroBits(lo[i], kDType), z1 = KiviKZeroBits(lo[i + 1], kDType);
+      const uint16_t s0 = KiviKScaleBf16(lo[i], hi[i]), s1 = KiviKScaleBf16(lo[i + 1], hi[i + 1]);
+      z[i] = HalfToFloat(z0, kDType);
+      z[i + 1] = HalfToFloat(z1, kDType);
+      s[i] = Bf16ToFloat(s0);
+      s[i + 1] = Bf16ToFloat(s1);
+      z_bits.w[i / 2] = static_cast<uint32_t>(z0) | (static_cast<uint32_t>(z1) << 16);
+      s_bits.w[i / 2] = static_cast<uint32_t>(s0) | (static_cast<uint32_t>(s1) << 16);
+    }
+    StoreHalfChunk(zeros, e0, d, z_bits);
+    StoreHalfChunk(scales, e0, d, s_bits);
+
+    // Pass 2: the codes, token by token (the head's 8 nibbles: 4 bytes of code row t).
+    uint8_t* codes = plane + (channel0 + e0) / 2;
+    for (uint32_t t0 = 0; t0 < tokens; t0 += kKiviTokenBatch) {
+      Chunk x[kKiviTokenBatch];
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        LoadKiviChunk(p, view, rows, t0 + k, h, e0, &x[k]);
+      }
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        if (t0 + k >= tokens) break;
+        uint32_t packed = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          packed |= QuantizeKiviKElement(HalfToFloat(ChunkElem(x[k], i), kDType), z[i], s[i])
+                    << (4 * i);
+        }
+        StoreBytes4(codes + static_cast<size_t>(t0 + k) * code_bytes, packed);
+      }
+    }
+  }
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) KiviKDecodeKernel(const KiviKParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t code_bytes = p.layout.row.ElementsPerRow() / 2;
+  const uint64_t num_lanes = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t u = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < p.total_units;
+       u += num_lanes) {
+    uint32_t b, l, h, c;
+    p.shape.Decompose(static_cast<uint32_t>(u), &b, &l, &h, &c);
+    l += p.first_layer;
+    const uint32_t e0 = c * kChunkElems;
+    const StridedView view = p.layers[l].planes[0];  // in registers across the stores below
+    const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
+    const uint8_t* plane = p.blocks[b] + p.layout.PlaneOffset(l, 0);
+    const size_t channel0 = static_cast<size_t>(h) * d;
+    const uint8_t* zeros = plane + static_cast<size_t>(tokens) * code_bytes + 2 * channel0;
+    const uint8_t* scales = zeros + 2 * p.layout.row.ElementsPerRow();
+    Chunk z_bits, s_bits;
+    LoadHalfChunk(zeros, e0, d, Aligned(zeros, 16), &z_bits);
+    LoadHalfChunk(scales, e0, d, Aligned(scales, 16), &s_bits);
+    float z[kChunkElems], s[kChunkElems];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      z[i] = HalfToFloat(ChunkElem(z_bits, i), kDType);
+      s[i] = Bf16ToFloat(ChunkElem(s_bits, i));
+    }
+    const uint8_t* codes = plane + (channel0 + e0) / 2;
+    for (uint32_t t0 = 0; t0 < tokens; t0 += kKiviTokenBatch) {
+      uint32_t q[kKiviTokenBatch];
+      uint8_t* dst[kKiviTokenBatch];
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        q[k] = 0;
+        dst[k] = nullptr;
+        if (t0 + k < tokens) {
+          q[k] = LoadBytes4(codes + static_cast<size_t>(t0 + k) * code_bytes);
+          dst[k] = HeadPtr(view, rows[t0 + k], h);
+        }
+      }
+#pragma unroll
+      for (uint32_t k = 0; k < kKiviTokenBatch; ++k) {
+        if (t0 + k >= tokens) break;
+        Chunk out;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t q0 = q[k] >> (8 * i);
+          out.w[i] =
+              static_cast<uint32_t>(DequantizeKiviKElement(q0 & 0xFu, z[2 * i], s[2 * i], kDType)) |
+              (static_cast<uint32_t>(
+                   DequantizeKiviKElement((q0 >> 4) & 0xFu, z[2 * i + 1], s[2 * i + 1], kDType))
+               << 16);
+        }
+        StoreHalfChunk(dst[k], e0, d, out);
       }
     }
   }
@@ -670,17 +873,17 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   if (lay.row.dtype != DType::kBF16 && lay.row.dtype != DType::kFP16) {
     return InvalidArgument(w + ": layout.row.dtype is not BF16 or FP16");
   }
-  if (lay.row.codec == CodecKind::kInt4Kivi) {
-    return Status(StatusCode::kUnimplemented,
-                  w + ": layout.row.codec CODEC_INT4_KIVI has no CUDA kernel (HOST pools only)");
-  }
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
-      lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead) {
+      lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead &&
+      lay.row.codec != CodecKind::kInt4Kivi) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
   }
-  if (lay.row.codec == CodecKind::kInt4G32PerHead && lay.row.head_dim % kInt4GroupElems != 0) {
-    return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
-                           " is not a multiple of 32 (CODEC_INT4_G32_PER_HEAD)");
+  if (lay.row.IsInt4Rows() && lay.row.head_dim % kInt4GroupElems != 0) {
+    return InvalidArgument(
+        w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
+        " is not a multiple of 32 (" +
+        (lay.row.codec == CodecKind::kInt4Kivi ? "CODEC_INT4_KIVI" : "CODEC_INT4_G32_PER_HEAD") +
+        ")");
   }
   if (lay.kv_planes != 1 && lay.kv_planes != 2) {
     return InvalidArgument(w + ": layout.kv_planes must be 1 or 2");
@@ -763,11 +966,11 @@ KernelFn<DecodeParams> PickDecodeKernel(uint32_t chunks_per_lane, uint32_t* unit
   }
 }
 
-// The kernel for a row format's codec (INT8, FP8 or INT4) and dtype.
+// The kernel for a row format's codec (INT8, FP8, or INT4 rows: INT4's and KIVI's V) and dtype.
 KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
                                            uint32_t* units) {
   const bool bf16 = row.dtype == DType::kBF16;
-  if (row.codec == CodecKind::kInt4G32PerHead) {
+  if (row.IsInt4Rows()) {
     return bf16
                ? PickEncodeKernel<CodecKind::kInt4G32PerHead, DType::kBF16>(chunks_per_lane, units)
                : PickEncodeKernel<CodecKind::kInt4G32PerHead, DType::kFP16>(chunks_per_lane, units);
@@ -784,7 +987,7 @@ KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks
 KernelFn<DecodeParams> PickDecodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
                                            uint32_t* units) {
   const bool bf16 = row.dtype == DType::kBF16;
-  if (row.codec == CodecKind::kInt4G32PerHead) {
+  if (row.IsInt4Rows()) {
     return bf16
                ? PickDecodeKernel<CodecKind::kInt4G32PerHead, DType::kBF16>(chunks_per_lane, units)
                : PickDecodeKernel<CodecKind::kInt4G32PerHead, DType::kFP16>(chunks_per_lane, units);
@@ -815,6 +1018,39 @@ Status ForEachLaunch(uint32_t num_blocks, uint64_t units_per_block, const char* 
         launch(static_cast<uint32_t>(b0), n, static_cast<uint32_t>(n * units_per_block)));
   }
   return Status::Ok();
+}
+
+// Launches CODEC_INT4_KIVI's K-plane kernel (encode or decode) over layers
+// [first_layer, first_layer + num_layers) of every block: one lane per KiviKShape unit.
+template <bool kEncode>
+Status LaunchKiviK(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                   uint8_t* const* blocks, uint8_t* nonfinite, uint32_t num_blocks,
+                   uint32_t first_layer, uint32_t num_layers, CUstream_st* stream,
+                   const CudaLaunchConfig& config, const char* what) {
+  const bool bf16 = lay.row.dtype == DType::kBF16;
+  KernelFn<KiviKParams> kernel;
+  if constexpr (kEncode) {
+    kernel = bf16 ? KiviKEncodeKernel<DType::kBF16> : KiviKEncodeKernel<DType::kFP16>;
+  } else {
+    kernel = bf16 ? KiviKDecodeKernel<DType::kBF16> : KiviKDecodeKernel<DType::kFP16>;
+  }
+  KiviKParams p{};
+  p.layout = lay;
+  p.shape = KiviKShape::Make(lay.row.head_dim, lay.row.num_heads, num_layers);
+  p.layers = layers;
+  p.first_layer = first_layer;
+  const uint64_t units_per_block =
+      static_cast<uint64_t>(num_layers) * lay.row.num_heads * (lay.row.head_dim / kChunkElems);
+  return ForEachLaunch(
+      num_blocks, units_per_block, what, [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+        p.rows = rows + static_cast<size_t>(b0) * lay.block_tokens;
+        p.blocks = blocks + b0;
+        p.nonfinite = nonfinite != nullptr ? nonfinite + b0 : nullptr;
+        p.total_units = units;
+        HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, config.threads_per_cta, config));
+        HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
+        return CheckLaunch(what);
+      });
 }
 
 size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
@@ -890,13 +1126,26 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
   }
   const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
   const uint32_t group_log2 = Log2(plan.group_lanes);
+  // The planes stored as rows: all of them, or KIVI's V plane after its K planes' launch.
+  uint32_t first_plane = 0;
+  uint32_t row_planes = lay.kv_planes;
+  if (lay.row.codec == CodecKind::kInt4Kivi) {
+    HIQ_RETURN_IF_ERROR(LaunchKiviK<true>(lay, job.layers, job.rows, job.blocks, job.nonfinite,
+                                          job.num_blocks, 0, lay.num_layers, stream, config,
+                                          "LaunchEncode (CODEC_INT4_KIVI K planes)"));
+    if (lay.kv_planes == 1) return Status::Ok();
+    first_plane = 1;
+    row_planes = lay.kv_planes - 1;
+  }
   const uint64_t units_per_block =
-      static_cast<uint64_t>(lay.num_layers) * lay.kv_planes * lay.block_tokens * lay.row.num_heads;
+      static_cast<uint64_t>(lay.num_layers) * row_planes * lay.block_tokens * lay.row.num_heads;
+  const UnitShape shape =
+      UnitShape::Make(lay.row.num_heads, lay.block_tokens, row_planes, lay.num_layers);
 
   if (lay.row.codec == CodecKind::kRaw) {
     RawParams p{};
     p.layout = lay;
-    p.shape = UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, lay.num_layers);
+    p.shape = shape;
     p.layers = job.layers;
     p.first_layer = 0;
     p.group_log2 = group_log2;
@@ -919,8 +1168,9 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
   if (kernel == nullptr) return Internal("LaunchEncode: no kernel for this head_dim");
   EncodeParams p{};
   p.layout = lay;
-  p.shape = UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, lay.num_layers);
+  p.shape = shape;
   p.layers = job.layers;
+  p.first_plane = first_plane;
   p.group_log2 = group_log2;
   const uint32_t units_per_cta =
       (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;
@@ -954,10 +1204,22 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
   }
   const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
   const uint32_t group_log2 = Log2(plan.group_lanes);
+  // The planes stored as rows: all of them, or KIVI's V plane after its K planes' launch.
+  uint32_t first_plane = 0;
+  uint32_t row_planes = lay.kv_planes;
+  if (lay.row.codec == CodecKind::kInt4Kivi) {
+    // The K kernel only reads through blocks.
+    HIQ_RETURN_IF_ERROR(LaunchKiviK<false>(
+        lay, job.layers, job.rows, const_cast<uint8_t* const*>(job.blocks), nullptr, job.num_blocks,
+        first_layer, num_layers, stream, config, "LaunchDecodeLayers (CODEC_INT4_KIVI K planes)"));
+    if (lay.kv_planes == 1) return Status::Ok();
+    first_plane = 1;
+    row_planes = lay.kv_planes - 1;
+  }
   const uint64_t units_per_block =
-      static_cast<uint64_t>(num_layers) * lay.kv_planes * lay.block_tokens * lay.row.num_heads;
+      static_cast<uint64_t>(num_layers) * row_planes * lay.block_tokens * lay.row.num_heads;
   const UnitShape shape =
-      UnitShape::Make(lay.row.num_heads, lay.block_tokens, lay.kv_planes, num_layers);
+      UnitShape::Make(lay.row.num_heads, lay.block_tokens, row_planes, num_layers);
 
   if (lay.row.codec == CodecKind::kRaw) {
     RawParams p{};
@@ -989,6 +1251,7 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
   p.shape = shape;
   p.layers = job.layers;
   p.first_layer = first_layer;
+  p.first_plane = first_plane;
   p.group_log2 = group_log2;
   const uint32_t units_per_cta =
       (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;

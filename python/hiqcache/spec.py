@@ -33,7 +33,7 @@ class Codec(enum.Enum):
     # int4 codes + a BF16 scale per 32 elements of a head (head_dim % 32 == 0): 0.55x INT8's size
     INT4_G32_PER_HEAD = "int4_g32_per_head"
     # int4, KIVI-style: K per channel (zero point + BF16 scale over a block's tokens), V as
-    # INT4_G32_PER_HEAD (head_dim % 32 == 0; HOST pools only)
+    # INT4_G32_PER_HEAD (head_dim % 32 == 0)
     INT4_KIVI = "int4_kivi"
 
     @classmethod

@@ -327,10 +327,6 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                            std::to_string(spec.device_kind));
   }
   out.cuda = spec.device_kind == kDeviceCuda;
-  if (out.cuda && out.layout.row.codec == kernels::CodecKind::kInt4Kivi) {
-    return Status(StatusCode::kUnimplemented,
-                  "codec: CODEC_INT4_KIVI has no CUDA kernel; register it with DEVICE_KIND_HOST");
-  }
   const bool mla = out.ns.mla;
 
   if (spec.buffers.empty() || spec.buffers.size() > limits.max_buffers) {

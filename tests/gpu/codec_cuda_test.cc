@@ -158,6 +158,13 @@ TEST(CodecCudaHost, LaunchersRejectMalformedShapes) {
   EXPECT_EQ(LaunchDecodeLayers(dec, 2, 3, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(LaunchDecodeLayers(dec, 0, 0, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(LaunchDecode(dec, nullptr).ok());
+
+  // CODEC_INT4_KIVI takes INT4's geometry rules.
+  bad = enc;
+  bad.layout.row.codec = CodecKind::kInt4Kivi;
+  EXPECT_TRUE(LaunchEncode(bad, nullptr).ok());
+  bad.layout.row.head_dim = 48;
+  EXPECT_EQ(LaunchEncode(bad, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(CodecCudaHost, JobArraysBytes) {
@@ -483,6 +490,7 @@ TEST_P(CodecCudaTest, PerLayerDecodeMatchesWholeDecode) {
 }
 
 constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
+constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 
 INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
                          ::testing::ValuesIn(testutil::CudaGeometryCases()),
@@ -494,31 +502,35 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
 // Every input class (zeros, subnormals, near-max, exact ties, ...) in both dtypes.
 
 TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (InputClass cls : testutil::AllInputClasses()) {
-      SCOPED_TRACE(std::string(testutil::DTypeName(dtype)) + " " + testutil::InputClassName(cls));
-      const BlockLayout lay = MakeLayout(dtype, kInt8, 8, 128, 2, 2, 16);
-      const uint32_t num_blocks = 4;
-      KvPool src(lay, 200, ViewKind::kContiguous, 1);
-      src.Fill(cls, 100 + static_cast<int>(cls));
-      Rng rng(static_cast<uint64_t>(cls) + 1);
-      std::vector<uint32_t> rows = testutil::RandomRows(200, num_blocks * 16, rng);
-      BlockSet ref(lay, num_blocks);
-      std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
-      EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
-      GpuEncodeResult gpu(lay, num_blocks);
-      HIQ_ASSERT_OK(RunGpuEncode(src, rows, num_blocks, stream(), {}, &gpu));
-      EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks), "");
-      EXPECT_EQ(gpu.flags, ref_flags);
+  for (const CodecKind codec : {kInt8, kKivi}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      for (InputClass cls :
+           codec == kKivi ? testutil::Int4InputClasses() : testutil::AllInputClasses()) {
+        SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype) +
+                     " " + testutil::InputClassName(cls));
+        const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 2, 2, 16);
+        const uint32_t num_blocks = 4;
+        KvPool src(lay, 200, ViewKind::kContiguous, 1);
+        src.Fill(cls, 100 + static_cast<int>(cls));
+        Rng rng(static_cast<uint64_t>(cls) + 1);
+        std::vector<uint32_t> rows = testutil::RandomRows(200, num_blocks * 16, rng);
+        BlockSet ref(lay, num_blocks);
+        std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
+        EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+        GpuEncodeResult gpu(lay, num_blocks);
+        HIQ_ASSERT_OK(RunGpuEncode(src, rows, num_blocks, stream(), {}, &gpu));
+        EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks), "");
+        EXPECT_EQ(gpu.flags, ref_flags);
 
-      KvPool want(lay, 200, ViewKind::kContiguous, 1);
-      want.FillBytes(0xA5);
-      DecodeBlocksReference(testutil::MakeDecodeJob(want, rows, ref));
-      KvPool dest(lay, 200, ViewKind::kContiguous, 1);
-      dest.FillBytes(0xA5);
-      std::vector<std::vector<uint8_t>> got;
-      HIQ_ASSERT_OK(RunGpuDecode(dest, rows, ref, 0, lay.num_layers, false, stream(), {}, &got));
-      EXPECT_EQ(FirstBufferDiff(want, got), "");
+        KvPool want(lay, 200, ViewKind::kContiguous, 1);
+        want.FillBytes(0xA5);
+        DecodeBlocksReference(testutil::MakeDecodeJob(want, rows, ref));
+        KvPool dest(lay, 200, ViewKind::kContiguous, 1);
+        dest.FillBytes(0xA5);
+        std::vector<std::vector<uint8_t>> got;
+        HIQ_ASSERT_OK(RunGpuDecode(dest, rows, ref, 0, lay.num_layers, false, stream(), {}, &got));
+        EXPECT_EQ(FirstBufferDiff(want, got), "");
+      }
     }
   }
 }
@@ -527,32 +539,34 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
 // NaN / Inf: the block is flagged, the others are encoded as the reference encodes them.
 
 TEST_F(CudaFixture, NonfiniteBlocksAreFlagged) {
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    SCOPED_TRACE(testutil::DTypeName(dtype));
-    const bool bf16 = dtype == DType::kBF16;
-    const BlockLayout lay = MakeLayout(dtype, kInt8, 8, 128, 3, 2, 16);
-    const uint32_t num_blocks = 6;
-    KvPool src(lay, 300, ViewKind::kPaged, 2);
-    src.Fill(InputClass::kGaussian, 4);
-    Rng rng(5);
-    std::vector<uint32_t> rows = testutil::RandomRows(300, num_blocks * 16, rng);
-    // Block 1: a NaN in the last layer's V; block 3: +Inf in layer 0's K; block 4: -Inf and a
-    // NaN in the last head of the last token.
-    src.Head(2, 1, rows[1 * 16 + 3], 5)[17] = bf16 ? 0x7FC1 : 0x7E01;
-    src.Head(0, 0, rows[3 * 16 + 0], 0)[0] = bf16 ? 0x7F80 : 0x7C00;
-    src.Head(1, 1, rows[4 * 16 + 15], 7)[127] = bf16 ? 0xFF80 : 0xFC00;
-    src.Head(1, 1, rows[4 * 16 + 15], 7)[3] = 0xFFFF;  // a negative NaN in either dtype
+  for (const CodecKind codec : {kInt8, kKivi}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype));
+      const bool bf16 = dtype == DType::kBF16;
+      const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 3, 2, 16);
+      const uint32_t num_blocks = 6;
+      KvPool src(lay, 300, ViewKind::kPaged, 2);
+      src.Fill(InputClass::kGaussian, 4);
+      Rng rng(5);
+      std::vector<uint32_t> rows = testutil::RandomRows(300, num_blocks * 16, rng);
+      // Block 1: a NaN in the last layer's V; block 3: +Inf in layer 0's K; block 4: -Inf and a
+      // NaN in the last head of the last token.
+      src.Head(2, 1, rows[1 * 16 + 3], 5)[17] = bf16 ? 0x7FC1 : 0x7E01;
+      src.Head(0, 0, rows[3 * 16 + 0], 0)[0] = bf16 ? 0x7F80 : 0x7C00;
+      src.Head(1, 1, rows[4 * 16 + 15], 7)[127] = bf16 ? 0xFF80 : 0xFC00;
+      src.Head(1, 1, rows[4 * 16 + 15], 7)[3] = 0xFFFF;  // a negative NaN in either dtype
 
-    BlockSet ref(lay, num_blocks);
-    std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
-    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
-    ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 1, 0, 1, 1, 0}));
+      BlockSet ref(lay, num_blocks);
+      std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
+      EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+      ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 1, 0, 1, 1, 0}));
 
-    GpuEncodeResult gpu(lay, num_blocks);
-    HIQ_ASSERT_OK(RunGpuEncode(src, rows, num_blocks, stream(), {}, &gpu));
-    EXPECT_EQ(gpu.flags, ref_flags);
-    EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks, &ref_flags), "");
-    EXPECT_TRUE(gpu.gaps_intact);
+      GpuEncodeResult gpu(lay, num_blocks);
+      HIQ_ASSERT_OK(RunGpuEncode(src, rows, num_blocks, stream(), {}, &gpu));
+      EXPECT_EQ(gpu.flags, ref_flags);
+      EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks, &ref_flags), "");
+      EXPECT_TRUE(gpu.gaps_intact);
+    }
   }
 }
 

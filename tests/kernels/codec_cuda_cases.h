@@ -50,12 +50,13 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8, FP8 E4M3, INT4 and RAW.
+// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI and RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
   constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
   constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
   constexpr CodecKind kRaw = CodecKind::kRaw;
+  constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
       {"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -97,6 +98,20 @@ inline std::vector<CudaCase> CudaGeometryCases() {
       {"int4_bf16_5x160_packed_kv", DType::kBF16, kInt4, 5, 160, 2, 2, 8, 3, ViewKind::kPackedKV},
       {"int4_bf16_2x512_paged", DType::kBF16, kInt4, 2, 512, 2, 2, 8, 3, ViewKind::kPaged},
       {"int4_fp16_1x2048_contiguous", DType::kFP16, kInt4, 1, 2048, 2, 1, 4, 3,
+       ViewKind::kContiguous},
+      // INT4 KIVI (head_dim % 32 == 0): K planes per (block, layer, head, 8 channels), V as INT4
+      // rows; block_tokens 16, 7 and 17 (partial batches of the K kernels' 4 tokens), 1 and 64,
+      // MLA (K planes only), the largest head.
+      {"kivi_bf16_8x128_paged", DType::kBF16, kKivi, 8, 128, 3, 2, 16, 4, ViewKind::kPaged},
+      {"kivi_fp16_8x128_contiguous", DType::kFP16, kKivi, 8, 128, 2, 2, 16, 3,
+       ViewKind::kContiguous},
+      {"kivi_bf16_8x128_packed_kv", DType::kBF16, kKivi, 8, 128, 2, 2, 16, 3, ViewKind::kPackedKV},
+      {"kivi_fp16_2x96_strided", DType::kFP16, kKivi, 2, 96, 2, 2, 7, 4, ViewKind::kStrided},
+      {"kivi_bf16_1x576_mla_strided", DType::kBF16, kKivi, 1, 576, 2, 1, 5, 3, ViewKind::kStrided},
+      {"kivi_fp16_3x32_paged", DType::kFP16, kKivi, 3, 32, 2, 2, 1, 5, ViewKind::kPaged},
+      {"kivi_bf16_5x160_packed_kv", DType::kBF16, kKivi, 5, 160, 2, 2, 17, 3, ViewKind::kPackedKV},
+      {"kivi_bf16_2x64_paged", DType::kBF16, kKivi, 2, 64, 2, 2, 64, 2, ViewKind::kPaged},
+      {"kivi_fp16_1x2048_contiguous", DType::kFP16, kKivi, 1, 2048, 2, 1, 4, 2,
        ViewKind::kContiguous},
   };
 }

@@ -1,12 +1,13 @@
 // The CUDA kernels of kernels/codec_cuda.cu, run on the CPU emulator (hiq_kernels_cuda_emulated,
 // cuda_emulation.h), against the scalar reference byte for byte: the geometries of the codec
 // tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries), BF16 and FP16,
-// INT8, FP8 E4M3, INT4 (groups of 32) and RAW, contiguous, strided (bases not 16-byte aligned),
-// paged, packed-K/V and odd-byte views, misaligned staging, NaN/Inf blocks, whole, per-layer and
-// partial decodes, several launch shapes (one warp walking everything through the grid-stride loop
-// up to the default grid). The same launchers a GPU runs (StageEncodeJob, LaunchEncode,
-// LaunchDecodeLayers) are called; only the execution underneath is emulated. A broken kernel shows:
-// with the emulator's wrong-lane shuffle fault the comparison must fail.
+// INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4 rows) and RAW,
+// contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte views,
+// misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch shapes
+// (one warp walking everything through the grid-stride loop up to the default grid). The same
+// launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are called; only the
+// execution underneath is emulated. A broken kernel shows: with the emulator's wrong-lane shuffle
+// fault the comparison must fail.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -46,6 +47,7 @@ constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
 constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
 constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
 constexpr CodecKind kRaw = CodecKind::kRaw;
+constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
@@ -306,7 +308,13 @@ std::vector<Case> EmulationCases() {
             ViewKind::kContiguous, true},
        Case{"int4_bf16_3x96_odd_bytes", DType::kBF16, kInt4, 3, 96, 2, 2, 8, 3,
             ViewKind::kContiguous, true},
-       Case{"int4_bf16_32x128_paged", DType::kBF16, kInt4, 32, 128, 2, 2, 8, 2, ViewKind::kPaged}});
+       Case{"int4_bf16_32x128_paged", DType::kBF16, kInt4, 32, 128, 2, 2, 8, 2, ViewKind::kPaged},
+       Case{"kivi_fp16_8x128_odd_bytes", DType::kFP16, kKivi, 8, 128, 2, 2, 8, 3,
+            ViewKind::kContiguous, true},
+       Case{"kivi_bf16_3x96_odd_bytes", DType::kBF16, kKivi, 3, 96, 2, 2, 5, 3,
+            ViewKind::kContiguous, true},
+       Case{"kivi_bf16_1x64_mla_odd_bytes", DType::kBF16, kKivi, 1, 64, 2, 1, 6, 3,
+            ViewKind::kContiguous, true}});
   return cases;
 }
 
@@ -385,9 +393,9 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8, kInt4}) {
+  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi}) {
     for (const NonfiniteCase& c : cases) {
-      if (codec == kInt4 && c.dim % 32 != 0) continue;  // INT4 needs whole groups of 32
+      if ((codec == kInt4 || codec == kKivi) && c.dim % 32 != 0) continue;  // groups of 32
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
                    testutil::CodecName(codec));
       const bool bf16 = c.dtype == DType::kBF16;
@@ -492,10 +500,13 @@ TEST(CodecCudaEmulation, LaunchersRejectBadConfigsBeforeLaunching) {
   EXPECT_EQ(cuda_emulation::GetStats().launches, 1u);
 }
 
-// CODEC_INT4_G32_PER_HEAD needs whole groups of 32: other head_dims are refused up front.
+// CODEC_INT4_G32_PER_HEAD and CODEC_INT4_KIVI need whole groups of 32: other head_dims are
+// refused up front, naming the codec.
 TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
-  for (uint32_t dim : {7u, 48u, 100u}) {
-    const BlockLayout lay = MakeLayout(DType::kBF16, kInt4, 2, dim, 1, 2, 4);
+  for (const auto& [codec, dim] :
+       {std::pair{kInt4, 7u}, std::pair{kInt4, 48u}, std::pair{kInt4, 100u}, std::pair{kKivi, 7u},
+        std::pair{kKivi, 48u}, std::pair{kKivi, 100u}}) {
+    const BlockLayout lay = MakeLayout(DType::kBF16, codec, 2, dim, 1, 2, 4);
     KvPool src(lay, 8, ViewKind::kContiguous, 1);
     const std::vector<uint32_t> rows = {0, 1, 2, 3};
     BlockSet blocks(lay, 1);
@@ -503,25 +514,99 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
     const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
     EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument) << dim;
     EXPECT_NE(enc.message().find("head_dim"), std::string::npos) << enc.ToString();
+    EXPECT_NE(enc.message().find(codec == kKivi ? "CODEC_INT4_KIVI" : "CODEC_INT4_G32_PER_HEAD"),
+              std::string::npos)
+        << enc.ToString();
     const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
     EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument) << dim;
     EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
   }
 }
 
-// CODEC_INT4_KIVI has no CUDA kernel: both launchers refuse it up front, naming it.
-TEST(CodecCudaEmulation, Int4KiviIsRefused) {
-  const BlockLayout lay = MakeLayout(DType::kBF16, CodecKind::kInt4Kivi, 2, 64, 2, 2, 4);
-  KvPool src(lay, 8, ViewKind::kContiguous, 1);
-  const std::vector<uint32_t> rows = {0, 1, 2, 3};
-  BlockSet blocks(lay, 1);
-  cuda_emulation::ResetStats();
-  const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
-  EXPECT_EQ(enc.code(), StatusCode::kUnimplemented) << enc.ToString();
-  EXPECT_NE(enc.message().find("CODEC_INT4_KIVI"), std::string::npos) << enc.ToString();
-  const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
-  EXPECT_EQ(dec.code(), StatusCode::kUnimplemented) << dec.ToString();
-  EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+// CODEC_INT4_KIVI runs as two launches per call, the K planes' kernel then the V rows' (one for
+// MLA, K planes only), each within the configured grid, with the reference's bytes.
+TEST(CodecCudaEmulation, Int4KiviLaunchesItsKPlaneAndVRowKernels) {
+  for (const uint32_t planes : {2u, 1u}) {
+    SCOPED_TRACE("planes " + std::to_string(planes));
+    const BlockLayout lay = MakeLayout(DType::kBF16, kKivi, 4, 64, 3, planes, 6);
+    KvPool src(lay, 20, ViewKind::kContiguous, 1);
+    src.Fill(InputClass::kGaussian, 1);
+    Rng rng(1);
+    const std::vector<uint32_t> rows = testutil::RandomRows(20, 12, rng);
+    BlockSet ref(lay, 2);
+    std::vector<uint8_t> ref_flags(2, 0xEE);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+    cuda_emulation::ResetStats();
+    EncodeResult got(lay, 2);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 3), 0, &got));
+    cuda_emulation::Stats st = cuda_emulation::GetStats();
+    EXPECT_EQ(st.launches, planes);
+    EXPECT_EQ(st.max_grid, 3u);  // K: 192 units at 64 per CTA; V: 144 heads, 9 CTAs capped
+    EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks), "");
+    EXPECT_EQ(got.flags, ref_flags);
+
+    KvPool want(lay, 20, ViewKind::kContiguous, 1);
+    want.FillBytes(kSentinel);
+    DecodeLayerReference(testutil::MakeDecodeJob(want, rows, ref), 1);
+    KvPool dest(lay, 20, ViewKind::kContiguous, 1);
+    dest.FillBytes(kSentinel);
+    cuda_emulation::ResetStats();
+    HIQ_ASSERT_OK(
+        LaunchDecodeLayer(testutil::MakeDecodeJob(dest, rows, ref), 1, nullptr, Config(32, 2)));
+    st = cuda_emulation::GetStats();
+    EXPECT_EQ(st.launches, planes);
+    EXPECT_EQ(st.max_grid, 2u);  // K: 64 units at 32 per CTA
+    EXPECT_EQ(FirstBufferDiff(want, dest), "");
+  }
+}
+
+// Every input class (zeros, subnormals, near-max ranges, the INT4 grid, ...) of the INT4
+// geometries in both dtypes, every view kind in turn, block_tokens 1, 4 and 7: the emulated
+// KIVI kernels against the scalar reference (which codec_cpu_kivi_test checks against the
+// float64 model and the bound), payload and decoded pool byte for byte.
+TEST(CodecCudaEmulation, Int4KiviEveryInputClassMatchesTheReference) {
+  std::vector<std::string> errors;
+  uint64_t seed = 7000;
+  size_t vk = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const testutil::Geometry& g : testutil::Int4TestGeometries()) {
+      for (InputClass cls : testutil::Int4InputClasses()) {
+        constexpr uint32_t kTokens[] = {1, 4, 7};
+        const uint32_t tokens = kTokens[seed % 3];
+        const BlockLayout lay = testutil::MakeLayout(g, dtype, kKivi, /*layers=*/1, tokens);
+        const ViewKind kind = testutil::AllViewKinds()[vk++ % testutil::AllViewKinds().size()];
+        const uint32_t num_rows = 2 * tokens + 3;
+        const std::string name = std::string(testutil::DTypeName(dtype)) + " " +
+                                 testutil::GeometryName(g) + " " + testutil::InputClassName(cls) +
+                                 " " + testutil::ViewKindName(kind) + " bt" +
+                                 std::to_string(tokens);
+        KvPool src(lay, num_rows, kind, seed);
+        src.Fill(cls, seed * 7919 + 1);
+        Rng rng(seed++);
+        const std::vector<uint32_t> rows = testutil::RandomRows(num_rows, 2 * tokens, rng);
+        BlockSet ref(lay, 2);
+        std::vector<uint8_t> ref_flags(2, 0xEE);
+        EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+        EncodeResult got(lay, 2);
+        HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 2), 0, &got));
+        const std::string diff = FirstPayloadDiff(lay, ref, got.blocks);
+        if (!diff.empty()) errors.push_back(name + ": " + diff);
+        if (got.flags != ref_flags) errors.push_back(name + ": nonfinite flags differ");
+
+        KvPool want(lay, num_rows, kind, seed);
+        want.FillBytes(kSentinel);
+        DecodeBlocksReference(testutil::MakeDecodeJob(want, rows, ref));
+        KvPool dest(lay, num_rows, kind, seed);
+        dest.FillBytes(kSentinel);
+        HIQ_ASSERT_OK(
+            LaunchDecode(testutil::MakeDecodeJob(dest, rows, ref), nullptr, Config(64, 2)));
+        const std::string dec = FirstBufferDiff(want, dest);
+        if (!dec.empty()) errors.push_back(name + ": decode: " + dec);
+      }
+    }
+  }
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
+  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
 }
 
 // Sets an emulator fault for one scope.
@@ -534,8 +619,9 @@ class ScopedFault {
 // A kernel whose amax reduction reads the wrong lane (the emulator's fault) must be caught by the
 // same comparison the tests above make: it is what proves they can fail.
 TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
+  // 16-lane and 32-lane groups; KIVI's V rows (its K planes use no shuffle).
   for (const auto& [codec, dim] : {std::pair{kInt8, 128u}, std::pair{kInt8, 576u},
-                                   std::pair{kInt4, 128u}}) {  // 16-lane and 32-lane groups
+                                   std::pair{kInt4, 128u}, std::pair{kKivi, 128u}}) {
     const BlockLayout lay = MakeLayout(DType::kBF16, codec, 1024 / dim + 1, dim, 1, 2, 4);
     KvPool src(lay, 16, ViewKind::kContiguous, 1);
     src.Fill(InputClass::kOutlier, 7);  // one large element per head: a missed lane changes s

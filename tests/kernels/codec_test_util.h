@@ -972,8 +972,43 @@ struct Executor {
   std::function<void(const DecodeJob&)> decode;
 };
 
+// Where byte `in_row` of an INT4 row (INT4's, KIVI's V) lies, for failure messages.
+inline std::string DescribeInt4RowByte(const RowFormat& row, size_t in_row) {
+  const size_t half_dim = row.head_dim / 2;
+  const size_t groups = row.head_dim / kModelInt4Group;
+  if (in_row < row.CodeBytes()) {
+    return " head " + std::to_string(in_row / half_dim) + " codes " +
+           std::to_string(2 * (in_row % half_dim)) + "," +
+           std::to_string(2 * (in_row % half_dim) + 1);
+  }
+  const size_t sc = (in_row - row.CodeBytes()) / 2;
+  return " scale of head " + std::to_string(sc / groups) + " group " + std::to_string(sc % groups);
+}
+
 // Where byte `off` of a block payload lies, for failure messages.
 inline std::string DescribePayloadOffset(const BlockLayout& lay, size_t off) {
+  if (lay.row.codec == CodecKind::kInt4Kivi) {
+    const size_t d = lay.row.head_dim;
+    const size_t channels = lay.row.ElementsPerRow();
+    const std::string where = "layer " + std::to_string(off / lay.LayerBytes());
+    const size_t in_layer = off % lay.LayerBytes();
+    if (in_layer >= lay.PlaneBytes(0)) {  // V: INT4 rows
+      const size_t in_plane = in_layer - lay.PlaneBytes(0);
+      return where + " plane 1 token " + std::to_string(in_plane / lay.row.RowBytes()) +
+             DescribeInt4RowByte(lay.row, in_plane % lay.row.RowBytes());
+    }
+    const size_t rows_bytes = size_t{lay.block_tokens} * channels / 2;
+    if (in_layer < rows_bytes) {
+      const size_t c = 2 * (in_layer % (channels / 2));
+      return where + " plane 0 token " + std::to_string(in_layer / (channels / 2)) + " head " +
+             std::to_string(c / d) + " codes " + std::to_string(c % d) + "," +
+             std::to_string(c % d + 1);
+    }
+    const size_t param = (in_layer - rows_bytes) / 2;
+    const size_t c = param % channels;
+    return where + " plane 0 " + (param < channels ? "zero point" : "scale") + " of head " +
+           std::to_string(c / d) + " dim " + std::to_string(c % d);
+  }
   const size_t row_bytes = lay.row.RowBytes();
   const size_t layer = off / lay.LayerBytes();
   const size_t plane = off % lay.LayerBytes() / lay.PlaneBytes(0);
@@ -983,16 +1018,7 @@ inline std::string DescribePayloadOffset(const BlockLayout& lay, size_t off) {
                       " token " + std::to_string(token);
   if (lay.row.codec == CodecKind::kRaw) return where + " byte " + std::to_string(in_row);
   if (lay.row.codec == CodecKind::kInt4G32PerHead) {
-    const size_t half_dim = lay.row.head_dim / 2;
-    const size_t groups = lay.row.head_dim / kModelInt4Group;
-    if (in_row < lay.row.CodeBytes()) {
-      return where + " head " + std::to_string(in_row / half_dim) + " codes " +
-             std::to_string(2 * (in_row % half_dim)) + "," +
-             std::to_string(2 * (in_row % half_dim) + 1);
-    }
-    const size_t sc = (in_row - lay.row.CodeBytes()) / 2;
-    return where + " scale of head " + std::to_string(sc / groups) + " group " +
-           std::to_string(sc % groups);
+    return where + DescribeInt4RowByte(lay.row, in_row);
   }
   if (in_row < lay.row.ElementsPerRow()) {
     return where + " head " + std::to_string(in_row / lay.row.head_dim) + " code " +

@@ -58,7 +58,7 @@ using testing::FakeDevice;
 using testing::KeyString;
 using Call = FakeDevice::Call;
 
-constexpr int kInt8 = 0, kRaw = 1, kCuda = 2;
+constexpr int kInt8 = 0, kRaw = 1, kKivi = 4, kCuda = 2;
 constexpr uint32_t kLayers = 3, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 64;
 constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
 constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
@@ -323,17 +323,20 @@ class CudaBackendTest : public ::testing::Test {
   }
 
   // Rows [dst, dst + n) of `e` hold what the reference codec makes of rows [src, src + n) of
-  // `original` (bit-exact: the fake runs the reference kernels).
+  // `original` in blocks of kBlockTokens (bit-exact: the fake runs the reference kernels).
+  // REQUIRES: n % kBlockTokens == 0.
   void ExpectRestored(const Engine& e, const std::vector<uint8_t>& original, uint32_t src,
                       uint32_t dst, uint32_t n, int codec) {
     std::vector<uint8_t> scratch(original);
     kernels::BlockLayout lay;
     lay.row.num_heads = kHeads;
     lay.row.head_dim = kDim;
-    lay.row.codec = codec == kRaw ? kernels::CodecKind::kRaw : kernels::CodecKind::kInt8PerHead;
+    lay.row.codec = codec == kRaw    ? kernels::CodecKind::kRaw
+                    : codec == kKivi ? kernels::CodecKind::kInt4Kivi
+                                     : kernels::CodecKind::kInt8PerHead;
     lay.num_layers = kLayers;
     lay.kv_planes = 2;
-    lay.block_tokens = n;
+    lay.block_tokens = kBlockTokens;
     std::vector<kernels::LayerViews> views(kLayers);
     for (uint32_t l = 0; l < kLayers; ++l) {
       for (uint32_t p = 0; p < 2; ++p) {
@@ -344,17 +347,19 @@ class CudaBackendTest : public ::testing::Test {
         v.num_rows = kRows;
       }
     }
-    std::vector<uint8_t> payload(lay.BlockBytes());
+    const uint32_t nb = n / kBlockTokens;
+    std::vector<uint8_t> payload(size_t{nb} * lay.BlockBytes());
     std::vector<uint32_t> src_rows, dst_rows;
     for (uint32_t i = 0; i < n; ++i) {
       src_rows.push_back(src + i);
       dst_rows.push_back(dst + i);
     }
-    uint8_t* blocks[1] = {payload.data()};
-    kernels::EncodeJob enc{lay, views.data(), src_rows.data(), blocks, 1, nullptr};
+    std::vector<uint8_t*> blocks;
+    for (uint32_t b = 0; b < nb; ++b) blocks.push_back(payload.data() + b * lay.BlockBytes());
+    kernels::EncodeJob enc{lay, views.data(), src_rows.data(), blocks.data(), nb, nullptr};
     kernels::EncodeBlocksReference(enc);
-    const uint8_t* cblocks[1] = {payload.data()};
-    kernels::DecodeJob dec{lay, views.data(), dst_rows.data(), cblocks, 1};
+    const std::vector<const uint8_t*> cblocks(blocks.begin(), blocks.end());
+    kernels::DecodeJob dec{lay, views.data(), dst_rows.data(), cblocks.data(), nb};
     kernels::DecodeBlocksReference(dec);
     const std::vector<uint8_t> now = e.Bytes();
     int bad = 0;
@@ -396,7 +401,7 @@ class CudaBackendTest : public ::testing::Test {
 // Data path and staging
 
 TEST_F(CudaBackendTest, RoundTripIsTheReferenceCodecsBytes) {
-  for (int codec : {kInt8, kRaw}) {
+  for (int codec : {kInt8, kRaw, kKivi}) {
     Engine& e = NewEngine();
     const uint64_t pool = Register(e, codec);
     const std::vector<uint8_t> original = e.Bytes();

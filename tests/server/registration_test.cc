@@ -215,7 +215,9 @@ TEST(ValidateRegistrationTest, Int4KiviPlanesOfTheirOwnSizes) {
   }
 }
 
-TEST(ValidateRegistrationTest, Int4KiviRefusedOnCuda) {
+// CUDA pools take CODEC_INT4_KIVI with HOST's geometry rules: the same layout, and a head_dim
+// that is not a multiple of 32 refused naming geometry.head_dim.
+TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
   RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
   s.device_kind = kCuda;
   for (auto& b : s.buffers) {
@@ -226,12 +228,22 @@ TEST(ValidateRegistrationTest, Int4KiviRefusedOnCuda) {
   }
   s.events.host_fd_id = 1;
   s.events.count = 8;
-  ASSERT_TRUE(ValidateRegistration(s, Limits{}, kBigPool).ok());
   s.codec = 4;
   auto r = ValidateRegistration(s, Limits{}, kBigPool);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(r.status().message().find("CODEC_INT4_KIVI"), std::string::npos);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->cuda);
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt4Kivi);
+  // K: 16 rows of 512 bytes + 4,096 bytes of channel parameters; V: 16 INT4 rows of 576.
+  EXPECT_EQ(r->layout.PlaneBytes(0), 16u * 512u + 4096u);
+  EXPECT_EQ(r->layout.PlaneBytes(1), 16u * 576u);
+  RegisterSpec host = SglangSpec(2, 8, 128, 64, 16);
+  host.codec = 4;
+  EXPECT_EQ(r->ns.CanonicalText(),
+            ValidateRegistration(host, Limits{}, kBigPool)->ns.CanonicalText())
+      << "a CUDA pool and a HOST pool of one model share the namespace";
+  RegisterSpec bad = s;
+  bad.head_dim = 48;
+  ExpectInvalid(bad, "geometry.head_dim");
 }
 
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {

@@ -20,7 +20,7 @@ enum class Codec : uint8_t {
   kRaw = 1,             // input dtype stored as-is (bit-exact control)
   kFp8E4m3PerHead = 2,  // FP8 E4M3 codes + one BF16 scale per (token, layer, K|V, head)
   kInt4G32PerHead = 3,  // int4 codes + one BF16 scale per 32 elements of a head (D % 32 == 0)
-  kInt4Kivi = 4,        // int4: K per channel over a block, V as kInt4G32PerHead; HOST pools only
+  kInt4Kivi = 4,        // int4: K per channel over a block, V as kInt4G32PerHead (D % 32 == 0)
 };
 enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
 
