@@ -1,8 +1,10 @@
 #include "backends/host_backend.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -101,14 +103,38 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
                                                       const std::string& field,
                                                       const std::string& what, bool sealed,
                                                       bool find_data_ranges) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // A hugetlbfs object (a memfd made with MFD_HUGETLB) is mapped and unmapped in whole huge pages
+  // (its st_blksize); its size is always a whole number of them.
+  uint64_t mapped = bytes;
+  struct statfs fs;
+  const bool hugetlb = ::fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+  if (hugetlb) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_blksize <= 0) {
+      return InvalidArgument(field + ": cannot stat " + what + ": " + Errno(errno));
+    }
+    const uint64_t page = static_cast<uint64_t>(st.st_blksize);
+    mapped = (bytes + page - 1) / page * page;
+    if (static_cast<uint64_t>(st.st_size) < mapped) {
+      return InvalidArgument(
+          field + ": " + what + " (hugetlbfs, pages of " + std::to_string(page) + " bytes) holds " +
+          std::to_string(st.st_size) + " bytes, less than the " + std::to_string(mapped) +
+          " whole pages that " + std::to_string(bytes) + " registered bytes span");
+    }
+  }
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
   }
+#ifdef MADV_HUGEPAGE
+  // Shmem: transparent huge pages for the pages this mapping faults in, where the kernel's
+  // shmem_enabled honours the advice (fewer TLB misses in the codec); ignored elsewhere.
+  if (!hugetlb) (void)::madvise(p, mapped, MADV_HUGEPAGE);
+#endif
   // Registered before anything reads it (TicketFloor reads event slots at once).
-  auto guard = GuardedRange::Register(p, bytes);
+  auto guard = GuardedRange::Register(p, mapped);
   if (!guard.ok()) {
-    ::munmap(p, bytes);
+    ::munmap(p, mapped);
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
   // Where the object holds data: SEEK_DATA/SEEK_HOLE (tmpfs and memfds answer them); on any
@@ -132,13 +158,14 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     ranges.emplace_back(static_cast<uint64_t>(data), end);
     at = static_cast<off_t>(end);
   }
-  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, sealed,
-                                                    std::move(guard).value(), std::move(ranges)));
+  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, mapped, sealed,
+                                                    hugetlb, std::move(guard).value(),
+                                                    std::move(ranges)));
 }
 
 ShmMapping::~ShmMapping() {
   guard_.Reset();  // before the range can be reused by another mapping
-  if (data_ != nullptr && ::munmap(data_, size_) != 0) {
+  if (data_ != nullptr && ::munmap(data_, mapped_) != 0) {
     HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
   }
 }
@@ -229,7 +256,15 @@ class HostBinding : public PoolBinding {
         event_count_(slots_->count()),
         views_(std::move(views)),
         num_rows_(num_rows),
-        budget_(std::move(budget)) {}
+        budget_(std::move(budget)) {
+    std::vector<std::pair<uintptr_t, uintptr_t>> hugetlb;
+    for (const auto& b : buffers_) {
+      if (!b->hugetlb()) continue;
+      const auto base = reinterpret_cast<uintptr_t>(b->data());
+      hugetlb.emplace_back(base, base + b->mapped_bytes());
+    }
+    probe_.SetAlwaysResident(std::move(hugetlb));
+  }
 
   // The pages this pool faulted in on the client's account go with the pool.
   ~HostBinding() override {
@@ -368,7 +403,8 @@ class HostBinding : public PoolBinding {
       return;
     // A slot in a page the client never touched (or punched out) has no engine waiting on it:
     // an engine that waits reads its slot, which brings the page in on the engine's account.
-    if (budget_ != nullptr && !ResidencyProbe::Resident(slots_->slot(event))) {
+    if (budget_ != nullptr && !slots_->hugetlb() &&
+        !ResidencyProbe::Resident(slots_->slot(event))) {
       const uint64_t page = ResidencyProbe::PageBytes();
       if (!budget_->TryCharge(page)) {
         Refused("events: slot " + std::to_string(event) + " lies in a page that is not in memory",

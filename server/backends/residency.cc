@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <utility>
 
 namespace hiqcache::server {
 
@@ -26,6 +29,11 @@ bool ResidencyProbe::Resident(const void* p) {
   // An address the daemon has not mapped cannot be faulted in either: treat it as resident.
   if (::mincore(start, page, &v) != 0) return true;
   return (v & 1) != 0;
+}
+
+void ResidencyProbe::SetAlwaysResident(std::vector<std::pair<uintptr_t, uintptr_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  resident_ = std::move(ranges);
 }
 
 void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
@@ -108,21 +116,36 @@ uint64_t ResidencyProbe::CountNotResident() {
     }
   }
   runs_.resize(out + 1);
-  const uintptr_t page = PageBytes();
   uint64_t missing = 0;
   for (const auto& [begin, end] : runs_) {
-    for (uintptr_t at = begin; at < end;) {
-      const size_t n = std::min<size_t>((end - at) / page, kPagesPerCall);
-      pages_.resize(n);
-      if (::mincore(reinterpret_cast<void*>(at), n * page, pages_.data()) != 0) {
-        // Not all of it is mapped (cannot happen for validated views): count none of it, as
-        // an access there would fault the daemon's own SIGBUS guard, not allocate.
-        at += n * page;
-        continue;
-      }
-      for (size_t i = 0; i < n; ++i) missing += (pages_[i] & 1) ? 0 : page;
-      at += n * page;
+    // The parts of the run outside the always-resident ranges.
+    uintptr_t at = begin;
+    auto r = std::upper_bound(resident_.begin(), resident_.end(), std::make_pair(at, UINTPTR_MAX));
+    if (r != resident_.begin() && std::prev(r)->second > at) at = std::prev(r)->second;
+    for (; at < end; ++r) {
+      const uintptr_t stop = r == resident_.end() ? end : std::min(end, r->first);
+      if (at < stop) missing += AskMincore(at, stop);
+      if (r == resident_.end()) break;
+      at = std::max(at, r->second);
     }
+  }
+  return missing;
+}
+
+uint64_t ResidencyProbe::AskMincore(uintptr_t begin, uintptr_t end) {
+  const uintptr_t page = PageBytes();
+  uint64_t missing = 0;
+  for (uintptr_t at = begin; at < end;) {
+    const size_t n = std::min<size_t>((end - at) / page, kPagesPerCall);
+    pages_.resize(n);
+    if (::mincore(reinterpret_cast<void*>(at), n * page, pages_.data()) != 0) {
+      // Not all of it is mapped (cannot happen for validated views): count none of it, as
+      // an access there would fault the daemon's own SIGBUS guard, not allocate.
+      at += n * page;
+      continue;
+    }
+    for (size_t i = 0; i < n; ++i) missing += (pages_[i] & 1) ? 0 : page;
+    at += n * page;
   }
   return missing;
 }

@@ -32,6 +32,11 @@ class ResidencyProbe {
   uint64_t RangeNotResident(const void* p, size_t bytes);
   // Whether the page holding `p` (in a mapping of the daemon's) is resident now.
   static bool Resident(const void* p);
+  // Page-aligned [begin, end) ranges whose pages count as resident, never asked of mincore:
+  // mappings of hugetlbfs objects, whose pages the object reserved in the hugetlb pool and which
+  // are never swapped out (mincore reports only this process's page tables for them, so a page
+  // the client wrote but the daemon never touched would read as missing).
+  void SetAlwaysResident(std::vector<std::pair<uintptr_t, uintptr_t>> ranges);
 
   static size_t PageBytes();
 
@@ -39,9 +44,12 @@ class ResidencyProbe {
   // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
   void Add(uintptr_t begin, uintptr_t end);
   uint64_t CountNotResident();
+  // Bytes of the pages of page-aligned [begin, end) that mincore reports not resident.
+  uint64_t AskMincore(uintptr_t begin, uintptr_t end);
 
   std::vector<std::pair<uintptr_t, uintptr_t>> runs_;  // page-aligned [begin, end)
   std::vector<unsigned char> pages_;                   // mincore's answer for one run
+  std::vector<std::pair<uintptr_t, uintptr_t>> resident_;  // sorted, disjoint
 };
 
 }  // namespace hiqcache::server

@@ -73,6 +73,8 @@ class TicketSlots {
 
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
   bool broken() const;
+  // The slots lie in a hugetlbfs object (ShmMapping::hugetlb): their pages are always resident.
+  bool hugetlb() const;
   void Close();
 
  private:
