@@ -117,6 +117,12 @@ int main(int argc, char** argv) {
     auto kv = hiqcache::bench::GaussianQwen3Kv(2 * tokens, tokens, kv_name, huge_pages);
     if (!kv.ok()) return std::fprintf(stderr, "kv: %s\n", kv.status().ToString().c_str()), 1;
     const hiqcache::Geometry& g = kv->geometry();
+    // The engine has written all of its KV (the restore's rows too): no run pays for faulting in
+    // pages the client never touched.
+    {
+      auto* bytes = static_cast<volatile uint8_t*>(kv->shm().data());
+      for (size_t i = 0; i < kv->shm().size(); i += 4096) bytes[i] = bytes[i];
+    }
     const std::string what =
         kv_name.empty() ? std::string("a named shm object in /dev/shm")
                         : "a memfd, huge_pages=" + std::string(HugePagesName(huge_pages)) + ": " +
@@ -205,6 +211,11 @@ int main(int argc, char** argv) {
     if (dpid > 0 && wall_backup > 0 && wall_restore > 0) {
       std::printf("  daemon cores (CPU time / wall, all runs): Backup %.2f  Restore %.2f\n",
                   cpu_backup / wall_backup, cpu_restore / wall_restore);
+      // Bytes per CPU-second of the daemon: what a busy machine's time slicing leaves alone.
+      if (cpu_backup > 0 && cpu_restore > 0) {
+        std::printf("  per daemon CPU-second (all runs): Backup %.2f GB  Restore %.2f GB\n",
+                    gb * reps / cpu_backup, gb * reps / cpu_restore);
+      }
     }
     std::printf("  Lookup (%u keys)          p50 %.1f us  p99 %.1f us\n", blocks,
                 Percentile(t_lookup, 0.5) * 1e6, Percentile(t_lookup, 0.99) * 1e6);
