@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <string>
 
@@ -54,6 +55,18 @@ Status CheckObject(int fd, uint64_t bytes, const std::string& field, const std::
                            " bytes, " + std::to_string(bytes) + " registered");
   }
   return Status::Ok();
+}
+
+// Whether shmem_enabled lets a shmem mapping advised MADV_HUGEPAGE fault in 2 MiB pages.
+bool ShmemThpHonoursAdvice() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string word;
+  while (in >> word) {
+    if (word == "[advise]" || word == "[within_size]" || word == "[always]" || word == "[force]") {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool SealedAgainstShrinking(int fd) {
@@ -126,11 +139,10 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
   if (p == MAP_FAILED) {
     return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
   }
-#ifdef MADV_HUGEPAGE
   // Shmem: transparent huge pages for the pages this mapping faults in, where the kernel's
   // shmem_enabled honours the advice (fewer TLB misses in the codec); ignored elsewhere.
-  if (!hugetlb) (void)::madvise(p, mapped, MADV_HUGEPAGE);
-#endif
+  const bool thp_faults =
+      !hugetlb && ::madvise(p, mapped, MADV_HUGEPAGE) == 0 && ShmemThpHonoursAdvice();
   // Registered before anything reads it (TicketFloor reads event slots at once).
   auto guard = GuardedRange::Register(p, mapped);
   if (!guard.ok()) {
@@ -159,7 +171,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     at = static_cast<off_t>(end);
   }
   return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, mapped, sealed,
-                                                    hugetlb, std::move(guard).value(),
+                                                    hugetlb, thp_faults, std::move(guard).value(),
                                                     std::move(ranges)));
 }
 
@@ -257,13 +269,17 @@ class HostBinding : public PoolBinding {
         views_(std::move(views)),
         num_rows_(num_rows),
         budget_(std::move(budget)) {
-    std::vector<std::pair<uintptr_t, uintptr_t>> hugetlb;
-    for (const auto& b : buffers_) {
-      if (!b->hugetlb()) continue;
-      const auto base = reinterpret_cast<uintptr_t>(b->data());
-      hugetlb.emplace_back(base, base + b->mapped_bytes());
-    }
-    probe_.SetAlwaysResident(std::move(hugetlb));
+    std::vector<ResidencyProbe::Mapping> mappings;
+    auto add = [&](const ShmMapping* m) {
+      if (m == nullptr || (!m->hugetlb() && !m->thp_faults())) return;
+      const auto base = reinterpret_cast<uintptr_t>(m->data());
+      mappings.push_back(
+          {base, base + m->mapped_bytes(),
+           m->hugetlb() ? ResidencyProbe::Faults::kNone : ResidencyProbe::Faults::kHugeExtent});
+    };
+    for (const auto& b : buffers_) add(b.get());
+    add(slots_->mapping());
+    probe_.SetMappings(std::move(mappings));
   }
 
   // The pages this pool faulted in on the client's account go with the pool.
@@ -403,15 +419,14 @@ class HostBinding : public PoolBinding {
       return;
     // A slot in a page the client never touched (or punched out) has no engine waiting on it:
     // an engine that waits reads its slot, which brings the page in on the engine's account.
-    if (budget_ != nullptr && !slots_->hugetlb() &&
-        !ResidencyProbe::Resident(slots_->slot(event))) {
-      const uint64_t page = ResidencyProbe::PageBytes();
-      if (!budget_->TryCharge(page)) {
+    if (budget_ != nullptr) {
+      const uint64_t missing = probe_.RangeNotResident(slots_->slot(event), sizeof(uint64_t));
+      if (missing > 0 && !budget_->TryCharge(missing)) {
         Refused("events: slot " + std::to_string(event) + " lies in a page that is not in memory",
-                page);
+                missing);
         return;
       }
-      charged_.fetch_add(page, std::memory_order_relaxed);
+      charged_.fetch_add(missing, std::memory_order_relaxed);
     }
     slots_->Store(event, ticket, failed);
   }

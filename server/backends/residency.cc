@@ -31,9 +31,10 @@ bool ResidencyProbe::Resident(const void* p) {
   return (v & 1) != 0;
 }
 
-void ResidencyProbe::SetAlwaysResident(std::vector<std::pair<uintptr_t, uintptr_t>> ranges) {
-  std::sort(ranges.begin(), ranges.end());
-  resident_ = std::move(ranges);
+void ResidencyProbe::SetMappings(std::vector<Mapping> mappings) {
+  std::sort(mappings.begin(), mappings.end(),
+            [](const Mapping& a, const Mapping& b) { return a.begin < b.begin; });
+  mappings_ = std::move(mappings);
 }
 
 void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
@@ -117,17 +118,52 @@ uint64_t ResidencyProbe::CountNotResident() {
   }
   runs_.resize(out + 1);
   uint64_t missing = 0;
+  ExtentSeen seen;
   for (const auto& [begin, end] : runs_) {
-    // The parts of the run outside the always-resident ranges.
+    // The run's parts outside the special mappings, and inside each.
     uintptr_t at = begin;
-    auto r = std::upper_bound(resident_.begin(), resident_.end(), std::make_pair(at, UINTPTR_MAX));
-    if (r != resident_.begin() && std::prev(r)->second > at) at = std::prev(r)->second;
-    for (; at < end; ++r) {
-      const uintptr_t stop = r == resident_.end() ? end : std::min(end, r->first);
-      if (at < stop) missing += AskMincore(at, stop);
-      if (r == resident_.end()) break;
-      at = std::max(at, r->second);
+    auto m = std::upper_bound(mappings_.begin(), mappings_.end(), at,
+                              [](uintptr_t a, const Mapping& x) { return a < x.begin; });
+    if (m != mappings_.begin() && std::prev(m)->end > at) --m;
+    while (at < end) {
+      if (m == mappings_.end() || end <= m->begin) {
+        missing += AskMincore(at, end);
+        break;
+      }
+      if (at < m->begin) {
+        missing += AskMincore(at, m->begin);
+        at = m->begin;
+      }
+      const uintptr_t stop = std::min(end, m->end);
+      if (m->faults == Faults::kHugeExtent) {
+        missing += AskHugeExtents(*m, at, stop, &seen);
+      }
+      at = stop;
+      ++m;
     }
+  }
+  return missing;
+}
+
+uint64_t ResidencyProbe::AskHugeExtents(const Mapping& m, uintptr_t begin, uintptr_t end,
+                                        ExtentSeen* seen) {
+  uint64_t missing = 0;
+  for (uintptr_t at = begin; at < end;) {
+    // The object's 2 MiB extent holding `at` (offsets from the mapping's start), inside it.
+    const uintptr_t extent = m.begin + (at - m.begin) / kHugeExtentBytes * kHugeExtentBytes;
+    const uintptr_t extent_end = std::min(m.end, extent + kHugeExtentBytes);
+    const uintptr_t stop = std::min(end, extent_end);
+    const bool fresh = seen->extent != extent;
+    if (fresh) {
+      seen->extent = extent;
+      seen->absent = AskMincore(extent, extent_end);
+    }
+    if (seen->absent == extent_end - extent) {
+      if (fresh) missing += seen->absent;  // wholly missing: a fault allocates all of it, once
+    } else if (seen->absent > 0) {
+      missing += AskMincore(at, stop);
+    }
+    at = stop;
   }
   return missing;
 }

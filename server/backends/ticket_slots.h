@@ -75,6 +75,8 @@ class TicketSlots {
   bool broken() const;
   // The slots lie in a hugetlbfs object (ShmMapping::hugetlb): their pages are always resident.
   bool hugetlb() const;
+  // The slots' mapping; null when there are no slots or once closed.
+  const ShmMapping* mapping() const { return mapping_.get(); }
   void Close();
 
  private:
