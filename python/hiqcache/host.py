@@ -133,7 +133,8 @@ class HostShm:
     `fd` is the object's fd for as long as this handle is open when it keeps one (a memfd, whose
     fd is the only way to name it; HostShm.from_fd), else -1 (a named object: hiqcache.Client
     opens it by name). `name` is the shm name of a named object, "memfd:<tag>" for a memfd.
-    `huge_pages` is what backs its pages (one of HUGE_PAGE_BACKINGS; create_memfd)."""
+    `huge_pages` is what create_memfd got for its pages (one of HUGE_PAGE_BACKINGS); "none" for
+    objects made or opened otherwise, whatever backs them."""
 
     def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False,
                  populate: bool = False):
