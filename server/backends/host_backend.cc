@@ -273,8 +273,9 @@ class HostBinding : public PoolBinding {
     auto add = [&](const ShmMapping* m) {
       if (m == nullptr || (!m->hugetlb() && !m->thp_faults())) return;
       const auto base = reinterpret_cast<uintptr_t>(m->data());
+      const uint64_t page = ResidencyProbe::PageBytes();  // the kernel maps whole pages
       mappings.push_back(
-          {base, base + m->mapped_bytes(),
+          {base, base + (m->mapped_bytes() + page - 1) / page * page,
            m->hugetlb() ? ResidencyProbe::Faults::kNone : ResidencyProbe::Faults::kHugeExtent});
     };
     for (const auto& b : buffers_) add(b.get());
