@@ -15,6 +15,10 @@
 // jobs on a copy of the pool whose buffers are collapsed into 2 MiB transparent huge pages
 // (MADV_HUGEPAGE + MADV_COLLAPSE on the anonymous memory): the gather's cost without one TLB
 // miss per 2,048-byte row. Their label says how much of the copy the kernel made huge.
+// The "hugetlb" rows (BM_MemcpyRowsHugetlb, BM_EncodeHugetlb, BM_DecodeHugetlb; one thread) run
+// them on a copy in a hugetlb memfd (MFD_HUGETLB), the pages a client's KV memfd gets with
+// huge_pages=auto where the hugetlb pool holds it; they report an error when it cannot (no
+// vm.nr_hugepages reserved).
 //
 // At the end the medians over repetitions are printed with the ratios the design targets:
 // encode and decode each >= 0.8x single-thread memcpy (docs/design.md "Targets").
@@ -22,6 +26,8 @@
 #include <benchmark/benchmark.h>
 #include <malloc.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -171,6 +177,52 @@ HugeData& Huge() {
   return *data;
 }
 
+// A copy of Data()'s pool in one hugetlb memfd (a region per layer, rows at the same 64-byte
+// alignment), with its own blocks; !ok() when the hugetlb pool cannot hold it.
+struct HugetlbData {
+  HugetlbData()
+      : encoded(Qwen3Layout(CodecKind::kInt8PerHead), kBlocks, 1),
+        raw(Qwen3Layout(CodecKind::kRaw), kBlocks, 1) {
+    BenchData& d = Data();
+    const uint32_t layers = d.pool.layout().num_layers;
+    const size_t region = (d.pool.buffer(0).size() + 64 + 4095) / 4096 * 4096;
+    const int fd = memfd_create("hiq-codec-bench", MFD_CLOEXEC | MFD_HUGETLB);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+      if (fd >= 0) close(fd);
+      return;
+    }
+    const size_t page = static_cast<size_t>(st.st_blksize);
+    bytes = (region * layers + page - 1) / page * page;
+    void* p = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+                  ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+    close(fd);  // the mapping keeps the object
+    if (p == MAP_FAILED) return;
+    base = static_cast<uint8_t*>(p);
+    // ViewsAt adds the shape's base_offset, chosen for a std::vector's start: shift the region's
+    // start so that rows land on 64-byte boundaries.
+    const size_t shift = (64 - d.pool.shape().base_offset % 64) % 64;
+    for (uint32_t l = 0; l < layers; ++l) {
+      uint8_t* at = base + l * region + shift;
+      std::memcpy(at, d.pool.buffer(l).data(), d.pool.buffer(l).size());
+      views.push_back(d.pool.ViewsAt(l, at));
+    }
+  }
+  bool ok() const { return base != nullptr; }
+  uint8_t* base = nullptr;
+  size_t bytes = 0;
+  std::vector<LayerViews> views;
+  BlockSet encoded;
+  BlockSet raw;
+  uint8_t nonfinite[kBlocks] = {};
+};
+
+HugetlbData& Hugetlb() {
+  static HugetlbData* data = new HugetlbData();
+  return *data;
+}
+
 // memcpy of the same rows the codec gathers, into the same [layer][plane][token] block order
 // (what CODEC_RAW does), one 2,048-byte row per call.
 void MemcpyRows(ThreadPool& tp, BenchData& d) {
@@ -246,6 +298,65 @@ void BM_DecodeHuge(benchmark::State& state) {
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
   state.SetLabel(h.label);
+}
+
+void BM_MemcpyRowsHugetlb(benchmark::State& state) {
+  BenchData& d = Data();
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  const BlockLayout& lay = d.pool.layout();
+  const size_t row_bytes = lay.row.InputRowBytes();
+  for (auto _ : state) {
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
+      uint8_t* dst = h.raw[b].data();
+      for (uint32_t l = 0; l < lay.num_layers; ++l) {
+        for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+          const StridedView& v = h.views[l].planes[p];
+          for (uint32_t t = 0; t < kBlockTokens; ++t) {
+            std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
+            dst += row_bytes;
+          }
+        }
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+}
+
+void BM_EncodeHugetlb(benchmark::State& state) {
+  BenchData& d = Data();
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  CpuCodec codec(1);
+  EncodeJob job = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
+  job.layers = h.views.data();
+  job.num_blocks = kBlocks;
+  for (auto _ : state) {
+    codec.Encode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+}
+
+void BM_DecodeHugetlb(benchmark::State& state) {
+  BenchData& d = Data();
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  CpuCodec codec(1);
+  EncodeJob enc = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
+  enc.layers = h.views.data();
+  enc.num_blocks = kBlocks;
+  codec.Encode(enc);
+  DecodeJob job = testutil::MakeDecodeJob(d.pool, d.rows, h.encoded);
+  job.layers = h.views.data();
+  job.num_blocks = kBlocks;
+  for (auto _ : state) {
+    codec.Decode(job);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
 }
 
 void BM_MemcpyRows(benchmark::State& state) {
@@ -491,6 +602,9 @@ BENCHMARK(BM_DecodeOneBlock)
 BENCHMARK(BM_MemcpyRowsHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeHuge)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MemcpyRowsHugetlb)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_EncodeHugetlb)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeHugetlb)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeReference)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeHot)->Unit(benchmark::kMicrosecond);
@@ -568,6 +682,11 @@ void PrintSummary(const CollectingReporter& rep) {
   std::printf("  2 MiB pages (%s): memcpy rows 1T %5.2f   encode 1T %5.2f   decode 1T %5.2f\n",
               Huge().label.c_str(), rep.Median("BM_MemcpyRowsHuge"), rep.Median("BM_EncodeHuge"),
               rep.Median("BM_DecodeHuge"));
+  if (Hugetlb().ok()) {
+    std::printf("  hugetlb memfd:   memcpy rows 1T %5.2f   encode 1T %5.2f   decode 1T %5.2f\n",
+                rep.Median("BM_MemcpyRowsHugetlb"), rep.Median("BM_EncodeHugetlb"),
+                rep.Median("BM_DecodeHugetlb"));
+  }
   std::printf("  reference encode 1T %5.2f   reference decode 1T %5.2f\n", encr, decr);
   std::printf("  L2-resident (compute only): encode 1T %5.2f   decode 1T %5.2f\n",
               rep.Median("BM_EncodeHot"), rep.Median("BM_DecodeHot"));
@@ -577,6 +696,17 @@ void PrintSummary(const CollectingReporter& rep) {
   std::printf("decode/memcpy_flat = %.2f\n", ratio(dec1, flat1));
   std::printf("encode_huge/memcpy_flat = %.2f\n", ratio(rep.Median("BM_EncodeHuge"), flat1));
   std::printf("decode_huge/memcpy_flat = %.2f\n", ratio(rep.Median("BM_DecodeHuge"), flat1));
+  if (Hugetlb().ok()) {
+    const double rows_hugetlb = rep.Median("BM_MemcpyRowsHugetlb");
+    std::printf("encode_hugetlb/memcpy_flat = %.2f   decode_hugetlb/memcpy_flat = %.2f\n",
+                ratio(rep.Median("BM_EncodeHugetlb"), flat1),
+                ratio(rep.Median("BM_DecodeHugetlb"), flat1));
+    std::printf(
+        "encode_hugetlb/memcpy_rows_hugetlb = %.2f   decode_hugetlb/memcpy_rows_hugetlb = "
+        "%.2f\n",
+        ratio(rep.Median("BM_EncodeHugetlb"), rows_hugetlb),
+        ratio(rep.Median("BM_DecodeHugetlb"), rows_hugetlb));
+  }
   std::printf("encode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(encn, memcpyn));
   std::printf("decode_%uT/memcpy_%uT = %.2f\n", AllThreads(), AllThreads(), ratio(decn, memcpyn));
   for (const char* c : {"Raw", "Fp8", "Int4"}) {

@@ -50,6 +50,9 @@ struct Flags {
   bool sync_restore = false;
   bool verbose = false;
   double timeout_s = 60;
+  // --huge-pages: the KV in a memfd on huge pages as asked; unset: a named shm object.
+  bool kv_memfd = false;
+  HugePages huge_pages = HugePages::kOff;
 };
 
 void PrintUsage() {
@@ -58,7 +61,7 @@ void PrintUsage() {
                "                [--prefix-tokens N] [--suffix-tokens N] [--slots N]\n"
                "                [--layout sglang|vllm_paged|vllm_packed_kv] [--zipf S]\n"
                "                [--seed N] [--model NAME] [--sync-restore] [--timeout SECONDS]\n"
-               "                [--verbose]\n"
+               "                [--huge-pages off|auto|require] [--verbose]\n"
                "default target: %s\n",
                DefaultTarget().c_str());
 }
@@ -102,6 +105,10 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       } else {
         ok = false;
       }
+    } else if (a == "--huge-pages") {
+      ok = value();
+      auto mode = ParseHugePages(v, "--huge-pages");
+      ok = ok && mode.ok() && (f->huge_pages = *mode, f->kv_memfd = true);
     } else if (a == "--sync-restore") {
       f->sync_restore = true;
     } else if (a == "--verbose" || a == "-v") {
@@ -263,7 +270,8 @@ int Run(const Flags& f) {
   }
   Client& client = **connected;
 
-  auto kv_or = HostKvPool::Create(g, f.layout, f.slots, 16);
+  auto kv_or =
+      HostKvPool::Create(g, f.layout, f.slots, 16, f.kv_memfd ? "memfd:demo-kv" : "", f.huge_pages);
   if (!kv_or.ok()) {
     std::fprintf(stderr, "hiq_demo: KV pool: %s\n", kv_or.status().ToString().c_str());
     return 1;
@@ -280,8 +288,11 @@ int Run(const Flags& f) {
 
   std::printf("hiq_demo: Qwen3-8B geometry (%u layers x %u KV heads x %u, BF16), %u-token blocks\n",
               g.num_layers, g.num_kv_heads, g.head_dim, f.block_tokens);
-  std::printf("  engine KV pool: %u slots, layout %s, %.0f MiB in %s\n", kv.num_rows(),
-              KvLayoutName(f.layout), kv.shm().size() / 1048576.0, kv.shm().name().c_str());
+  std::printf("  engine KV pool: %u slots, layout %s, %.0f MiB in %s (%s pages)\n", kv.num_rows(),
+              KvLayoutName(f.layout), kv.shm().size() / 1048576.0, kv.shm().name().c_str(),
+              kv.shm().huge_page_backing() == HugePageBacking::kNone
+                  ? "4 KiB"
+                  : HugePageBackingName(kv.shm().huge_page_backing()));
   std::printf("  target: %s\n", client.target().c_str());
 
   const PoolSpec spec = MakeHostPoolSpec(f.model, kv, f.block_tokens, &events);

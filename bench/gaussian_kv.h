@@ -1,22 +1,26 @@
 // GaussianQwen3Kv: the engine KV the end-to-end benchmarks (e2e_bench, l3_bench) back up: a HOST
 // pool in Qwen3-8B's geometry (36 layers x 8 KV heads x 128, BF16, SGLang layout) whose first
-// `filled` rows hold N(0, 1) values rounded to BF16 (seed 7), the rest zero. Header-only.
+// `filled` rows hold N(0, 1) values rounded to BF16 (seed 7), the rest zero. `name` and
+// `huge_pages` as HostKvPool::Create takes them (empty: a named shm object). Header-only.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string_view>
 
 #include "hiqcache/host_shm.h"
 
 namespace hiqcache::bench {
 
-inline StatusOr<HostKvPool> GaussianQwen3Kv(uint32_t rows, uint32_t filled) {
+inline StatusOr<HostKvPool> GaussianQwen3Kv(uint32_t rows, uint32_t filled,
+                                            std::string_view name = {},
+                                            HugePages huge_pages = HugePages::kAuto) {
   Geometry g;
   g.num_layers = 36;
   g.num_kv_heads = 8;
   g.head_dim = 128;
-  auto kv = HostKvPool::Create(g, KvLayout::kSglang, rows);
+  auto kv = HostKvPool::Create(g, KvLayout::kSglang, rows, 16, name, huge_pages);
   if (!kv.ok()) return kv.status();
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.f, 1.f);

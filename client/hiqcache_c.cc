@@ -266,26 +266,65 @@ int hiq_pool_info_get(hiq_client* client, hiq_pool pool, hiq_pool_info* info) {
 
 // --- HOST pools ----------------------------------------------------------------------------
 
+namespace {
+
+static_assert(HIQ_HUGE_PAGES_AUTO == static_cast<int>(hiqcache::HugePages::kAuto) &&
+              HIQ_HUGE_PAGES_REQUIRE == static_cast<int>(hiqcache::HugePages::kRequire));
+static_assert(HIQ_BACKING_TRANSPARENT ==
+                  static_cast<int>(hiqcache::HugePageBacking::kTransparent) &&
+              HIQ_BACKING_HUGETLB == static_cast<int>(hiqcache::HugePageBacking::kHugetlb));
+
+int CreateHostPool(const hiq_geometry* geometry, uint32_t layout, uint32_t num_rows,
+                   uint32_t page_rows, uint32_t event_count, bool memfd,
+                   hiqcache::HugePages huge_pages, hiq_host_pool** out) {
+  HIQ_C_REQUIRE(geometry != nullptr && out != nullptr, "hiq_host_pool_create: NULL argument");
+  *out = nullptr;
+  HIQ_C_REQUIRE(layout <= HIQ_LAYOUT_VLLM_PACKED_KV, "layout: unknown value");
+  if (Status s = CheckEnums(*geometry, HIQ_CODEC_INT8_PER_HEAD); !s.ok()) return Fail(s);
+  const std::string kv_name =
+      memfd ? std::string(hiqcache::HostShm::kMemfdPrefix) + "kv" : std::string();
+  auto kv =
+      hiqcache::HostKvPool::Create(ToGeometry(*geometry), static_cast<hiqcache::KvLayout>(layout),
+                                   num_rows, page_rows, kv_name, huge_pages);
+  if (!kv.ok()) return Fail(kv.status());
+  auto pool = std::make_unique<hiq_host_pool>();
+  pool->kv = std::move(kv).value();
+  if (event_count > 0) {
+    const std::string ev_name =
+        memfd ? std::string(hiqcache::HostShm::kMemfdPrefix) + "ev" : std::string();
+    auto events = hiqcache::HostEventPool::Create(event_count, ev_name);
+    if (!events.ok()) return Fail(events.status());
+    pool->events = std::move(events).value();
+  }
+  *out = pool.release();
+  return HIQ_OK;
+}
+
+}  // namespace
+
 int hiq_host_pool_create(const hiq_geometry* geometry, uint32_t layout, uint32_t num_rows,
                          uint32_t page_rows, uint32_t event_count, hiq_host_pool** out) {
   return Guarded([&]() -> int {
-    HIQ_C_REQUIRE(geometry != nullptr && out != nullptr, "hiq_host_pool_create: NULL argument");
-    *out = nullptr;
-    HIQ_C_REQUIRE(layout <= HIQ_LAYOUT_VLLM_PACKED_KV, "layout: unknown value");
-    if (Status s = CheckEnums(*geometry, HIQ_CODEC_INT8_PER_HEAD); !s.ok()) return Fail(s);
-    auto kv = hiqcache::HostKvPool::Create(
-        ToGeometry(*geometry), static_cast<hiqcache::KvLayout>(layout), num_rows, page_rows);
-    if (!kv.ok()) return Fail(kv.status());
-    auto pool = std::make_unique<hiq_host_pool>();
-    pool->kv = std::move(kv).value();
-    if (event_count > 0) {
-      auto events = hiqcache::HostEventPool::Create(event_count);
-      if (!events.ok()) return Fail(events.status());
-      pool->events = std::move(events).value();
-    }
-    *out = pool.release();
-    return HIQ_OK;
+    return CreateHostPool(geometry, layout, num_rows, page_rows, event_count, /*memfd=*/false,
+                          hiqcache::HugePages::kOff, out);
   });
+}
+
+int hiq_host_pool_create_memfd(const hiq_geometry* geometry, uint32_t layout, uint32_t num_rows,
+                               uint32_t page_rows, uint32_t event_count, uint32_t huge_pages,
+                               hiq_host_pool** out) {
+  return Guarded([&]() -> int {
+    if (out != nullptr) *out = nullptr;
+    HIQ_C_REQUIRE(huge_pages <= HIQ_HUGE_PAGES_REQUIRE,
+                  "huge_pages: unknown value (HIQ_HUGE_PAGES_OFF, _AUTO or _REQUIRE)");
+    return CreateHostPool(geometry, layout, num_rows, page_rows, event_count, /*memfd=*/true,
+                          static_cast<hiqcache::HugePages>(huge_pages), out);
+  });
+}
+
+uint32_t hiq_host_pool_huge_pages(const hiq_host_pool* pool) {
+  return pool == nullptr ? HIQ_BACKING_NONE
+                         : static_cast<uint32_t>(pool->kv.shm().huge_page_backing());
 }
 
 void hiq_host_pool_destroy(hiq_host_pool* pool) {

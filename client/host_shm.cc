@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <utility>
@@ -40,7 +41,58 @@ uint64_t* SlotPtr(void* base, uint32_t slot) {
                                      size_t{slot} * HostEventPool::kSlotBytes);
 }
 
+// The selected value of a sysfs switch written like "always within_size advise [never] deny force";
+// empty when the file cannot be read.
+std::string SelectedSysfsValue(const char* path) {
+  std::ifstream in(path);
+  std::string word;
+  while (in >> word) {
+    if (word.size() > 2 && word.front() == '[' && word.back() == ']') {
+      return word.substr(1, word.size() - 2);
+    }
+  }
+  return {};
+}
+
+// Whether the kernel backs a shmem mapping advised MADV_HUGEPAGE with transparent huge pages.
+bool ShmemThpHonoursAdvice() {
+  const std::string v = SelectedSysfsValue("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  return v == "advise" || v == "within_size" || v == "always" || v == "force";
+}
+
 }  // namespace
+
+const char* HugePagesName(HugePages mode) {
+  switch (mode) {
+    case HugePages::kOff:
+      return "off";
+    case HugePages::kAuto:
+      return "auto";
+    case HugePages::kRequire:
+      return "require";
+  }
+  return "unknown";
+}
+
+StatusOr<HugePages> ParseHugePages(std::string_view text, std::string_view field) {
+  for (HugePages mode : {HugePages::kOff, HugePages::kAuto, HugePages::kRequire}) {
+    if (text == HugePagesName(mode)) return mode;
+  }
+  return InvalidArgument(std::string(field) + ": '" + std::string(text) +
+                         "' is not one of off, auto, require");
+}
+
+const char* HugePageBackingName(HugePageBacking backing) {
+  switch (backing) {
+    case HugePageBacking::kNone:
+      return "none";
+    case HugePageBacking::kTransparent:
+      return "thp";
+    case HugePageBacking::kHugetlb:
+      return "hugetlb";
+  }
+  return "unknown";
+}
 
 // ---------------------------------------------------------------------------------------------
 // HostShm
@@ -122,14 +174,59 @@ StatusOr<HostShm> HostShm::Open(std::string_view name, size_t min_size) {
   return shm;
 }
 
-StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size, bool fixed_size) {
+StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size, bool fixed_size,
+                                       HugePages huge_pages) {
   if (size == 0) return InvalidArgument("HostShm::CreateMemfd: size must be > 0");
+  std::string hugetlb_error;
+  if (huge_pages != HugePages::kOff) {
+    StatusOr<HostShm> huge = MapMemfd(tag, size, fixed_size, /*hugetlb=*/true);
+    if (huge.ok()) return huge;
+    hugetlb_error = huge.status().message();
+  }
+  HIQ_ASSIGN_OR_RETURN(HostShm shm, MapMemfd(tag, size, fixed_size, /*hugetlb=*/false));
+  if (huge_pages == HugePages::kOff) return shm;
+  // Advice only: a kernel whose shmem_enabled is never or deny keeps 4 KiB pages.
+  const bool advised = ::madvise(shm.data_, shm.size_, MADV_HUGEPAGE) == 0;
+  const int advise_err = errno;
+  if (advised && ShmemThpHonoursAdvice()) {
+    shm.backing_ = HugePageBacking::kTransparent;
+  } else if (huge_pages == HugePages::kRequire) {
+    const std::string thp = SelectedSysfsValue("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+    return FailedPrecondition(
+        "huge_pages=require: memfd " + shm.name_ + " of " + std::to_string(size) +
+        " bytes got no huge pages: hugetlb: " + hugetlb_error + "; transparent huge pages: " +
+        (advised ? "/sys/kernel/mm/transparent_hugepage/shmem_enabled is '" +
+                       (thp.empty() ? std::string("unreadable") : thp) +
+                       "' (advise, within_size, always or force would honour MADV_HUGEPAGE)"
+                 : "madvise(MADV_HUGEPAGE): " + ErrnoText(advise_err)) +
+        " (reserve hugetlb pages with vm.nr_hugepages, or set shmem_enabled to advise, or ask "
+        "for huge_pages=auto)");
+  }
+  return shm;
+}
+
+StatusOr<HostShm> HostShm::MapMemfd(std::string_view tag, size_t size, bool fixed_size,
+                                    bool hugetlb) {
   HostShm shm;
   shm.name_ = std::string(kMemfdPrefix) + std::string(tag);
   const std::string label = "hiq-" + std::string(tag);
-  const int fd = ::memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return Internal("memfd_create(" + label + "): " + ErrnoText(errno));
+  const int fd =
+      ::memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | (hugetlb ? MFD_HUGETLB : 0));
+  if (fd < 0) {
+    return Internal(std::string(hugetlb ? "memfd_create(MFD_HUGETLB) " : "memfd_create(") + label +
+                    "): " + ErrnoText(errno));
+  }
   shm.fd_ = fd;  // from here on, Reset() closes it
+  if (hugetlb) {
+    // A hugetlbfs file holds whole huge pages (st_blksize): ftruncate and munmap take nothing else.
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_blksize <= 0) {
+      return Internal("fstat(" + shm.name_ + ", MFD_HUGETLB): " + ErrnoText(errno));
+    }
+    const size_t page = static_cast<size_t>(st.st_blksize);
+    if (size > SIZE_MAX - page) return InvalidArgument("HostShm::CreateMemfd: size too large");
+    size = (size + page - 1) / page * page;
+  }
   if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     return ResourceExhausted("ftruncate(" + shm.name_ + ", " + std::to_string(size) +
                              "): " + ErrnoText(errno));
@@ -140,10 +237,18 @@ StatusOr<HostShm> HostShm::CreateMemfd(std::string_view tag, size_t size, bool f
                     (fixed_size ? "F_SEAL_SHRINK|F_SEAL_GROW" : "F_SEAL_SHRINK") +
                     "): " + ErrnoText(errno));
   }
+  // For MFD_HUGETLB this reserves the object's pages in the hugetlb pool: ENOMEM when it cannot.
   void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (data == MAP_FAILED) return Internal("mmap(" + shm.name_ + "): " + ErrnoText(errno));
+  if (data == MAP_FAILED) {
+    const int err = errno;
+    return Status(hugetlb && err == ENOMEM ? StatusCode::kResourceExhausted : StatusCode::kInternal,
+                  "mmap(" + shm.name_ + ", " + std::to_string(size) + " bytes" +
+                      (hugetlb ? ", MFD_HUGETLB" : "") + "): " + ErrnoText(err) +
+                      (hugetlb && err == ENOMEM ? " (the hugetlb pool cannot reserve them)" : ""));
+  }
   shm.data_ = data;
   shm.size_ = size;
+  if (hugetlb) shm.backing_ = HugePageBacking::kHugetlb;
   return shm;
 }
 
@@ -152,7 +257,8 @@ HostShm::HostShm(HostShm&& other) noexcept
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
       owner_(std::exchange(other.owner_, false)),
-      fd_(std::exchange(other.fd_, -1)) {}
+      fd_(std::exchange(other.fd_, -1)),
+      backing_(std::exchange(other.backing_, HugePageBacking::kNone)) {}
 
 HostShm& HostShm::operator=(HostShm&& other) noexcept {
   if (this != &other) {
@@ -162,6 +268,7 @@ HostShm& HostShm::operator=(HostShm&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     owner_ = std::exchange(other.owner_, false);
     fd_ = std::exchange(other.fd_, -1);
+    backing_ = std::exchange(other.backing_, HugePageBacking::kNone);
   }
   return *this;
 }
@@ -176,6 +283,7 @@ void HostShm::Reset() {
   size_ = 0;
   owner_ = false;
   fd_ = -1;
+  backing_ = HugePageBacking::kNone;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -294,7 +402,8 @@ const char* KvLayoutName(KvLayout layout) {
 }
 
 StatusOr<HostKvPool> HostKvPool::Create(const Geometry& g, KvLayout layout, uint32_t num_rows,
-                                        uint32_t page_rows, std::string_view name) {
+                                        uint32_t page_rows, std::string_view name,
+                                        HugePages huge_pages) {
   if (g.num_layers == 0 || g.num_kv_heads == 0 || g.head_dim == 0 || num_rows == 0) {
     return InvalidArgument("HostKvPool: geometry and num_rows must be non-zero");
   }
@@ -343,9 +452,15 @@ StatusOr<HostKvPool> HostKvPool::Create(const Geometry& g, KvLayout layout, uint
   const uint64_t bytes = layer_bytes * g.num_layers;
   if (shm_name.starts_with(HostShm::kMemfdPrefix)) {
     HIQ_ASSIGN_OR_RETURN(
-        pool.shm_, HostShm::CreateMemfd(
-                       std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()), bytes));
+        pool.shm_,
+        HostShm::CreateMemfd(std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()), bytes,
+                             /*fixed_size=*/false, huge_pages));
   } else {
+    if (huge_pages == HugePages::kRequire) {
+      return InvalidArgument("huge_pages=require: shm " + shm_name +
+                             " is a named object in /dev/shm, whose mount decides its pages; "
+                             "name a memfd (\"memfd:<tag>\") to ask for huge pages");
+    }
     HIQ_ASSIGN_OR_RETURN(pool.shm_, HostShm::Create(shm_name, bytes));
   }
   return pool;

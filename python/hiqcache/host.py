@@ -1,8 +1,9 @@
 """HOST-backend helpers: shared memory an engine shares with hiqcached (docs/design.md "HOST").
 
   HostShm        shared memory, mapped: a memfd (HostShm.create_memfd, preferred: sealed against
-                 shrinking, no name, gone when its last fd and mapping are), a POSIX shm object
-                 created here (unlinked again by close()) or one opened by name.
+                 shrinking, no name, gone when its last fd and mapping are; on huge pages where
+                 asked and the machine offers them), a POSIX shm object created here (unlinked
+                 again by close()) or one opened by name.
   HostEventPool  ticket slots (docs/design.md "Completion: ticket slots"; slot i = little-endian
                  uint64 at byte 64*i): the daemon stores ticket T with release order when work
                  T completes, T | 2^63 when it failed. hiqcache.torch_kv.CudaTicketSlots is the
@@ -94,19 +95,53 @@ def reap_stale(tags: tuple[str, ...]) -> list[str]:
 
 MEMFD_PREFIX = "memfd:"
 
+# create_memfd's huge_pages (hiqcache::HugePages): "off" = a plain memfd; "auto" = MFD_HUGETLB
+# when the hugetlb pool holds the object, else a plain memfd advised MADV_HUGEPAGE (transparent
+# huge pages where the kernel's shmem_enabled honours it), else a plain memfd; "require" = as auto,
+# but ValueError when neither is there.
+HUGE_PAGES = ("off", "auto", "require")
+# HostShm.huge_pages, what backs the pages: 4 KiB pages, shmem THP, the hugetlb pool.
+HUGE_PAGE_BACKINGS = ("none", "thp", "hugetlb")
+SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_thp_setting() -> str:
+    """The selected value of /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never",
+    "advise", ...); "" when it cannot be read."""
+    try:
+        with open(SHMEM_THP) as f:
+            words = f.read().split()
+    except OSError:
+        return ""
+    return next((w[1:-1] for w in words if w.startswith("[") and w.endswith("]")), "")
+
+
+def _shmem_thp_honours_advice() -> bool:
+    return shmem_thp_setting() in ("advise", "within_size", "always", "force")
+
+
+def check_huge_pages(value: object, field: str = "huge_pages") -> str:
+    """`value` when it is one of HUGE_PAGES, else ValueError naming `field`."""
+    if not isinstance(value, str) or value not in HUGE_PAGES:
+        raise ValueError(f"{field}: must be one of {', '.join(HUGE_PAGES)}, got {value!r}")
+    return value
+
 
 class HostShm:
     """Mapped shared memory. `buf` is a writable memoryview of the whole object.
 
     `fd` is the object's fd for as long as this handle is open when it keeps one (a memfd, whose
     fd is the only way to name it; HostShm.from_fd), else -1 (a named object: hiqcache.Client
-    opens it by name). `name` is the shm name of a named object, "memfd:<tag>" for a memfd."""
+    opens it by name). `name` is the shm name of a named object, "memfd:<tag>" for a memfd.
+    `huge_pages` is what create_memfd got for its pages (one of HUGE_PAGE_BACKINGS); "none" for
+    objects made or opened otherwise, whatever backs them."""
 
     def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False,
                  populate: bool = False):
         self.name = name if keep_fd else normalize_name(name)
         self.size = size
         self.owner = owner  # created here: close() unlinks a named object
+        self.huge_pages = "none"
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags,
@@ -147,22 +182,73 @@ class HostShm:
         return cls(name, size, fd, owner=True, populate=populate)
 
     @classmethod
-    def create_memfd(cls, tag: str, size: int, populate: bool = True) -> HostShm:
+    def create_memfd(cls, tag: str, size: int, populate: bool = True,
+                     huge_pages: str = "off") -> HostShm:
         """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
         that no process can shrink it under the daemon's mapping. It has no name: nothing is
         left behind when this process dies, and only processes given its fd can map it.
-        `populate`: as for create."""
+        `populate`: as for create.
+
+        `huge_pages` (HUGE_PAGES): "auto" and "require" try MFD_HUGETLB first, its size rounded
+        up to whole huge pages (`size` reports the rounded size), and fall back to a plain memfd
+        when the hugetlb pool cannot reserve it; a plain memfd is then advised MADV_HUGEPAGE.
+        `huge_pages` of the result says what it got; "require" raises ValueError, naming both
+        reasons, when it got neither."""
+        check_huge_pages(huge_pages)
         if size <= 0:
             raise ValueError(f"size: must be > 0, got {size}")
         label = f"hiq-{tag}"
-        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        hugetlb_error = ""
+        if huge_pages != "off":
+            try:
+                return cls._memfd(label, size, populate, hugetlb=True)
+            except OSError as err:  # no hugetlb pool to reserve from, or no hugetlbfs
+                hugetlb_error = str(err)
+        shm = cls._memfd(label, size, populate, hugetlb=False)
+        if huge_pages == "off":
+            return shm
+        assert shm._mmap is not None
+        advised = ""
         try:
+            shm._mmap.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as err:
+            advised = str(err)
+        if not advised and _shmem_thp_honours_advice():
+            shm.huge_pages = "thp"
+        elif huge_pages == "require":
+            shm.close()
+            thp = shmem_thp_setting() or "unreadable"
+            raise ValueError(
+                f"huge_pages=require: memfd {label} of {size} bytes got no huge pages: hugetlb: "
+                f"{hugetlb_error}; transparent huge pages: "
+                + (f"madvise(MADV_HUGEPAGE): {advised}" if advised else
+                   f"{SHMEM_THP} is {thp!r} (advise, within_size, always or force would honour "
+                   "MADV_HUGEPAGE)")
+                + " (reserve hugetlb pages with vm.nr_hugepages, or set shmem_enabled to advise, "
+                "or ask for huge_pages=auto)")
+        return shm
+
+    @classmethod
+    def _memfd(cls, label: str, size: int, populate: bool, hugetlb: bool) -> HostShm:
+        """One create_memfd attempt; OSError when it fails (ENOMEM from mmap: the hugetlb pool
+        cannot reserve the object)."""
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugetlb else 0)
+        fd = os.memfd_create(label, flags)
+        try:
+            if hugetlb:
+                # A hugetlbfs file holds whole huge pages: ftruncate and munmap take nothing else.
+                page = os.fstat(fd).st_blksize
+                size = -(-size // page) * page
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         except BaseException:
             os.close(fd)
             raise
-        return cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True, populate=populate)
+        # For MFD_HUGETLB the mmap reserves the object's pages in the hugetlb pool (ENOMEM when
+        # it cannot); __init__ closes the fd when it fails.
+        shm = cls(MEMFD_PREFIX + label, size, fd, owner=True, keep_fd=True, populate=populate)
+        shm.huge_pages = "hugetlb" if hugetlb else "none"
+        return shm
 
     @classmethod
     def open(cls, name: str, min_size: int = 0) -> HostShm:

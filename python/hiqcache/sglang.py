@@ -10,8 +10,12 @@ kept across engine and daemon restarts. SGLang loads it without a fork:
 Names are a contract (docs/design.md "Engine adapters"). Optional keys beyond it: `tenant`,
 `identity` (anything else that changes the KV and is not in SGLang's model name, such as the
 weights' revision or quantization), `timeout_ms` (deadline of every daemon call, default 10000:
-a set waits until the daemon has read its pages) and `staging_pages` (pages of the copy area of
-the generic batch_get/batch_set path; 0 = as many as fit 64 MiB, at most 128). An unknown key or
+a set waits until the daemon has read its pages), `staging_pages` (pages of the copy area of
+the generic batch_get/batch_set path; 0 = as many as fit 64 MiB, at most 128) and `huge_pages`
+(the copy area's memfd: "auto", the default, on hugetlb pages where the hugetlb pool holds it,
+else advised for transparent huge pages; "off"; "require", under which every generic get or
+set is a miss, logged, when neither is there: hiqcache.host.HostShm.create_memfd; the zero-copy
+path uses SGLang's own memfd, whose pages SGLang chooses). An unknown key or
 a bad value fails start-up with a message that names it, as does a host pool this backend cannot
 serve exactly (an allocator other than "shm", a layout or KV dtype it cannot describe). After
 start-up nothing raises into SGLang's cache controller: any failure is a miss (batch_exists
@@ -63,7 +67,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hiqcache.client import BlockStatus, Client, normalize_target
-from hiqcache.host import HostShm
+from hiqcache.host import HUGE_PAGES, HostShm
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
 from hiqcache.session import session_path_for_target
@@ -85,7 +89,8 @@ log = logging.getLogger("hiqcache.sglang")
 WHERE = "hicache-storage-backend-extra-config"
 # SGLang's own keys (read by its StorageBackendFactory and cache controller), then ours.
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator")
-_OUR_KEYS = ("target", "codec", "tenant", "identity", "timeout_ms", "staging_pages")
+_OUR_KEYS = ("target", "codec", "tenant", "identity", "timeout_ms", "staging_pages",
+             "huge_pages")
 _TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 _STAGING_BYTES = 64 << 20
 _STORED = (BlockStatus.STORED, BlockStatus.ALREADY_PRESENT)
@@ -100,6 +105,7 @@ class BackendOptions:
     interface_v1: bool = True
     timeout_ms: int = 10_000
     staging_pages: int = 0
+    huge_pages: str = "auto"
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> BackendOptions:
@@ -119,7 +125,8 @@ class BackendOptions:
                    identity=opts.text("identity"),
                    interface_v1=opts.flag("interface_v1", False),
                    timeout_ms=opts.integer("timeout_ms", 10_000, 1, 600_000),
-                   staging_pages=opts.integer("staging_pages", 0, 0, STORAGE_BATCH_SIZE))
+                   staging_pages=opts.integer("staging_pages", 0, 0, STORAGE_BATCH_SIZE),
+                   huge_pages=opts.choice("huge_pages", "auto", HUGE_PAGES))
 
 
 def page_key(key: str) -> BlockKey:
@@ -455,7 +462,8 @@ class HiqCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's classes
         pages = self.opts.staging_pages or max(1, min(STORAGE_BATCH_SIZE,
                                                       _STAGING_BYTES // page_bytes))
         shape = lay.staging_shape(kv.shape, pages)
-        shm = HostShm.create_memfd("sglang-copy", pages * page_bytes)
+        shm = HostShm.create_memfd("sglang-copy", pages * page_bytes,
+                                   huge_pages=self.opts.huge_pages)
         area = torch.frombuffer(shm.buf, dtype=kv.dtype, count=pages * page_bytes //
                                 kv.element_size()).view(shape)
         spec = self._spec(shm.shared_buffer(), lay.views(area, area.data_ptr()))

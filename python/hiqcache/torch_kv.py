@@ -74,16 +74,17 @@ def shm_tensor(shm: HostShm, dtype: torch.dtype, shape: tuple[int, ...],
                             offset=offset_bytes).view(shape)
 
 
-def memfd_tensor(dtype: torch.dtype, shape: tuple[int, ...], tag: str = "torch-kv"
-                 ) -> tuple[HostShm, torch.Tensor]:
-    """A zeroed tensor of `shape` in a new memfd sealed against shrinking (HostShm.create_memfd),
-    and that HostShm: register it as shm.shared_buffer() (by fd, over the client's session), keep
-    it open while the pool is registered, close it after release_pool."""
+def memfd_tensor(dtype: torch.dtype, shape: tuple[int, ...], tag: str = "torch-kv",
+                 huge_pages: str = "off") -> tuple[HostShm, torch.Tensor]:
+    """A zeroed tensor of `shape` in a new memfd sealed against shrinking (HostShm.create_memfd,
+    on huge pages as `huge_pages` asks: its shm.huge_pages says what it got), and that HostShm:
+    register it as shm.shared_buffer() (by fd, over the client's session), keep it open while the
+    pool is registered, close it after release_pool."""
     count = 1
     for n in shape:
         count *= n
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    shm = HostShm.create_memfd(tag, max(nbytes, 1))
+    shm = HostShm.create_memfd(tag, max(nbytes, 1), huge_pages=huge_pages)
     try:
         return shm, shm_tensor(shm, dtype, shape)
     except BaseException:

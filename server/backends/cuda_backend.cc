@@ -855,9 +855,10 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
     // Whole pages: the registration pins the pages the slots lie in.
     const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     const uint64_t pinned = (res->slots->bytes() + page - 1) / page * page;
-    if (fault_budget != nullptr) {
+    if (fault_budget != nullptr && !res->slots->hugetlb()) {
       // Pinning faults in every page of the slots: the ones the client never touched are
-      // allocated on the daemon's account, so they are charged to the client's budget.
+      // allocated on the daemon's account, so they are charged to the client's budget (not
+      // those of a hugetlbfs object, reserved in the hugetlb pool by the object itself).
       ResidencyProbe probe;
       const uint64_t missing = probe.RangeNotResident(res->slots->data(), pinned);
       if (missing > 0 && !fault_budget->TryCharge(missing)) {

@@ -1,8 +1,10 @@
 #include "backends/host_backend.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -10,6 +12,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <string>
 
@@ -52,6 +55,18 @@ Status CheckObject(int fd, uint64_t bytes, const std::string& field, const std::
                            " bytes, " + std::to_string(bytes) + " registered");
   }
   return Status::Ok();
+}
+
+// Whether shmem_enabled lets a shmem mapping advised MADV_HUGEPAGE fault in 2 MiB pages.
+bool ShmemThpHonoursAdvice() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string word;
+  while (in >> word) {
+    if (word == "[advise]" || word == "[within_size]" || word == "[always]" || word == "[force]") {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool SealedAgainstShrinking(int fd) {
@@ -101,14 +116,37 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
                                                       const std::string& field,
                                                       const std::string& what, bool sealed,
                                                       bool find_data_ranges) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // A hugetlbfs object (a memfd made with MFD_HUGETLB) is mapped and unmapped in whole huge pages
+  // (its st_blksize); its size is always a whole number of them.
+  uint64_t mapped = bytes;
+  struct statfs fs;
+  const bool hugetlb = ::fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+  if (hugetlb) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_blksize <= 0) {
+      return InvalidArgument(field + ": cannot stat " + what + ": " + Errno(errno));
+    }
+    const uint64_t page = static_cast<uint64_t>(st.st_blksize);
+    mapped = (bytes + page - 1) / page * page;
+    if (static_cast<uint64_t>(st.st_size) < mapped) {
+      return InvalidArgument(
+          field + ": " + what + " (hugetlbfs, pages of " + std::to_string(page) + " bytes) holds " +
+          std::to_string(st.st_size) + " bytes, less than the " + std::to_string(mapped) +
+          " whole pages that " + std::to_string(bytes) + " registered bytes span");
+    }
+  }
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
   }
+  // Shmem: transparent huge pages for the pages this mapping faults in, where the kernel's
+  // shmem_enabled honours the advice (fewer TLB misses in the codec); ignored elsewhere.
+  const bool thp_faults =
+      !hugetlb && ::madvise(p, mapped, MADV_HUGEPAGE) == 0 && ShmemThpHonoursAdvice();
   // Registered before anything reads it (TicketFloor reads event slots at once).
-  auto guard = GuardedRange::Register(p, bytes);
+  auto guard = GuardedRange::Register(p, mapped);
   if (!guard.ok()) {
-    ::munmap(p, bytes);
+    ::munmap(p, mapped);
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
   // Where the object holds data: SEEK_DATA/SEEK_HOLE (tmpfs and memfds answer them); on any
@@ -132,13 +170,14 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     ranges.emplace_back(static_cast<uint64_t>(data), end);
     at = static_cast<off_t>(end);
   }
-  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, sealed,
-                                                    std::move(guard).value(), std::move(ranges)));
+  return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, mapped, sealed,
+                                                    hugetlb, thp_faults, std::move(guard).value(),
+                                                    std::move(ranges)));
 }
 
 ShmMapping::~ShmMapping() {
   guard_.Reset();  // before the range can be reused by another mapping
-  if (data_ != nullptr && ::munmap(data_, size_) != 0) {
+  if (data_ != nullptr && ::munmap(data_, mapped_) != 0) {
     HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
   }
 }
@@ -229,7 +268,20 @@ class HostBinding : public PoolBinding {
         event_count_(slots_->count()),
         views_(std::move(views)),
         num_rows_(num_rows),
-        budget_(std::move(budget)) {}
+        budget_(std::move(budget)) {
+    std::vector<ResidencyProbe::Mapping> mappings;
+    auto add = [&](const ShmMapping* m) {
+      if (m == nullptr || (!m->hugetlb() && !m->thp_faults())) return;
+      const auto base = reinterpret_cast<uintptr_t>(m->data());
+      const uint64_t page = ResidencyProbe::PageBytes();  // the kernel maps whole pages
+      mappings.push_back(
+          {base, base + (m->mapped_bytes() + page - 1) / page * page,
+           m->hugetlb() ? ResidencyProbe::Faults::kNone : ResidencyProbe::Faults::kHugeExtent});
+    };
+    for (const auto& b : buffers_) add(b.get());
+    add(slots_->mapping());
+    probe_.SetMappings(std::move(mappings));
+  }
 
   // The pages this pool faulted in on the client's account go with the pool.
   ~HostBinding() override {
@@ -368,14 +420,14 @@ class HostBinding : public PoolBinding {
       return;
     // A slot in a page the client never touched (or punched out) has no engine waiting on it:
     // an engine that waits reads its slot, which brings the page in on the engine's account.
-    if (budget_ != nullptr && !ResidencyProbe::Resident(slots_->slot(event))) {
-      const uint64_t page = ResidencyProbe::PageBytes();
-      if (!budget_->TryCharge(page)) {
+    if (budget_ != nullptr) {
+      const uint64_t missing = probe_.RangeNotResident(slots_->slot(event), sizeof(uint64_t));
+      if (missing > 0 && !budget_->TryCharge(missing)) {
         Refused("events: slot " + std::to_string(event) + " lies in a page that is not in memory",
-                page);
+                missing);
         return;
       }
-      charged_.fetch_add(page, std::memory_order_relaxed);
+      charged_.fetch_add(missing, std::memory_order_relaxed);
     }
     slots_->Store(event, ticket, failed);
   }

@@ -17,7 +17,14 @@
 //   - an fd (BufferSpec.has_host_fd, EventsSpec.host_fd_id != 0): open O_RDWR, a regular file
 //     (a memfd or a shm object), at least as large as registered. The fd is borrowed: it is
 //     mapped, never closed (the mapping keeps the object alive). Whether it is sealed against
-//     shrinking (F_SEAL_SHRINK) is recorded; sealed or not, the guard covers it.
+//     shrinking (F_SEAL_SHRINK) is recorded; sealed or not, the guard covers it. A hugetlbfs
+//     object (MFD_HUGETLB) is mapped in whole huge pages (the registered size rounded up; the
+//     object holds them, as hugetlbfs sizes are whole pages); other objects are advised
+//     MADV_HUGEPAGE (transparent huge pages where shmem_enabled honours it). Pages of a
+//     hugetlbfs object are never charged to the fault budget: they come from the hugetlb pool,
+//     reserved for the object when it was first mapped, and are never swapped out. Where
+//     shmem_enabled honours the advice, a wholly missing 2 MiB extent of another object is
+//     charged whole (the daemon's fault there may allocate a huge page).
 //   - a name (host_shm_name): opened O_RDWR | O_NOFOLLOW | O_CLOEXEC with the daemon's rights,
 //     a regular file, and, for an authenticated caller, owned by the caller's uid.
 //   - never the daemon's own pool object (SetPoolObject): same device and inode, by name or fd.
@@ -108,7 +115,18 @@ class ShmMapping {
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
   uint8_t* data() const { return data_; }
+  // The registered bytes; the mapping spans mapped_bytes() >= size() (whole huge pages of a
+  // hugetlbfs object).
   uint64_t size() const { return size_; }
+  uint64_t mapped_bytes() const { return mapped_; }
+  // The object is on hugetlbfs (a memfd made with MFD_HUGETLB): its pages are the hugetlb pool's,
+  // reserved by the object and never swapped, so none is faulted in on the daemon's account
+  // (and mincore, which reports only this process's page tables for them, is not asked).
+  bool hugetlb() const { return hugetlb_; }
+  // Not hugetlbfs, advised MADV_HUGEPAGE, and the kernel's shmem_enabled honours that: a fault
+  // of this mapping in a wholly missing 2 MiB extent of the object may allocate all of it
+  // (ResidencyProbe::Faults::kHugeExtent).
+  bool thp_faults() const { return thp_faults_; }
   // Sealed against shrinking (F_SEAL_SHRINK) when mapped: it cannot be truncated.
   bool sealed() const { return sealed_; }
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
@@ -121,11 +139,15 @@ class ShmMapping {
   const std::vector<std::pair<uint64_t, uint64_t>>& data_ranges() const { return data_ranges_; }
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size, bool sealed, GuardedRange guard,
+  ShmMapping(uint8_t* data, uint64_t size, uint64_t mapped, bool sealed, bool hugetlb,
+             bool thp_faults, GuardedRange guard,
              std::vector<std::pair<uint64_t, uint64_t>> data_ranges)
       : data_(data),
         size_(size),
+        mapped_(mapped),
         sealed_(sealed),
+        hugetlb_(hugetlb),
+        thp_faults_(thp_faults),
         guard_(std::move(guard)),
         data_ranges_(std::move(data_ranges)) {}
   static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes, const std::string& field,
@@ -133,7 +155,10 @@ class ShmMapping {
                                                    bool find_data_ranges);
   uint8_t* data_;
   uint64_t size_;
+  uint64_t mapped_;
   bool sealed_;
+  bool hugetlb_;
+  bool thp_faults_;
   GuardedRange guard_;
   std::vector<std::pair<uint64_t, uint64_t>> data_ranges_;
 };

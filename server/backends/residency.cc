@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <utility>
 
 namespace hiqcache::server {
 
@@ -26,6 +29,12 @@ bool ResidencyProbe::Resident(const void* p) {
   // An address the daemon has not mapped cannot be faulted in either: treat it as resident.
   if (::mincore(start, page, &v) != 0) return true;
   return (v & 1) != 0;
+}
+
+void ResidencyProbe::SetMappings(std::vector<Mapping> mappings) {
+  std::sort(mappings.begin(), mappings.end(),
+            [](const Mapping& a, const Mapping& b) { return a.begin < b.begin; });
+  mappings_ = std::move(mappings);
 }
 
 void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
@@ -108,21 +117,71 @@ uint64_t ResidencyProbe::CountNotResident() {
     }
   }
   runs_.resize(out + 1);
+  uint64_t missing = 0;
+  ExtentSeen seen;
+  for (const auto& [begin, end] : runs_) {
+    // The run's parts outside the special mappings, and inside each.
+    uintptr_t at = begin;
+    auto m = std::upper_bound(mappings_.begin(), mappings_.end(), at,
+                              [](uintptr_t a, const Mapping& x) { return a < x.begin; });
+    if (m != mappings_.begin() && std::prev(m)->end > at) --m;
+    while (at < end) {
+      if (m == mappings_.end() || end <= m->begin) {
+        missing += AskMincore(at, end);
+        break;
+      }
+      if (at < m->begin) {
+        missing += AskMincore(at, m->begin);
+        at = m->begin;
+      }
+      const uintptr_t stop = std::min(end, m->end);
+      if (m->faults == Faults::kHugeExtent) {
+        missing += AskHugeExtents(*m, at, stop, &seen);
+      }
+      at = stop;
+      ++m;
+    }
+  }
+  return missing;
+}
+
+uint64_t ResidencyProbe::AskHugeExtents(const Mapping& m, uintptr_t begin, uintptr_t end,
+                                        ExtentSeen* seen) {
+  uint64_t missing = 0;
+  for (uintptr_t at = begin; at < end;) {
+    // The object's 2 MiB extent holding `at` (offsets from the mapping's start), inside it.
+    const uintptr_t extent = m.begin + (at - m.begin) / kHugeExtentBytes * kHugeExtentBytes;
+    const uintptr_t extent_end = std::min(m.end, extent + kHugeExtentBytes);
+    const uintptr_t stop = std::min(end, extent_end);
+    const bool fresh = seen->extent != extent;
+    if (fresh) {
+      seen->extent = extent;
+      seen->absent = AskMincore(extent, extent_end);
+    }
+    if (seen->absent == extent_end - extent) {
+      if (fresh) missing += seen->absent;  // wholly missing: a fault allocates all of it, once
+    } else if (seen->absent > 0) {
+      missing += AskMincore(at, stop);
+    }
+    at = stop;
+  }
+  return missing;
+}
+
+uint64_t ResidencyProbe::AskMincore(uintptr_t begin, uintptr_t end) {
   const uintptr_t page = PageBytes();
   uint64_t missing = 0;
-  for (const auto& [begin, end] : runs_) {
-    for (uintptr_t at = begin; at < end;) {
-      const size_t n = std::min<size_t>((end - at) / page, kPagesPerCall);
-      pages_.resize(n);
-      if (::mincore(reinterpret_cast<void*>(at), n * page, pages_.data()) != 0) {
-        // Not all of it is mapped (cannot happen for validated views): count none of it, as
-        // an access there would fault the daemon's own SIGBUS guard, not allocate.
-        at += n * page;
-        continue;
-      }
-      for (size_t i = 0; i < n; ++i) missing += (pages_[i] & 1) ? 0 : page;
+  for (uintptr_t at = begin; at < end;) {
+    const size_t n = std::min<size_t>((end - at) / page, kPagesPerCall);
+    pages_.resize(n);
+    if (::mincore(reinterpret_cast<void*>(at), n * page, pages_.data()) != 0) {
+      // Not all of it is mapped (cannot happen for validated views): count none of it, as
+      // an access there would fault the daemon's own SIGBUS guard, not allocate.
       at += n * page;
+      continue;
     }
+    for (size_t i = 0; i < n; ++i) missing += (pages_[i] & 1) ? 0 : page;
+    at += n * page;
   }
   return missing;
 }

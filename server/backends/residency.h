@@ -32,6 +32,26 @@ class ResidencyProbe {
   uint64_t RangeNotResident(const void* p, size_t bytes);
   // Whether the page holding `p` (in a mapping of the daemon's) is resident now.
   static bool Resident(const void* p);
+  // What the daemon's access to a missing page of a mapping allocates.
+  enum class Faults : uint8_t {
+    kNone,        // nothing: a hugetlbfs object, whose pages it reserved in the hugetlb pool and
+                  // which are never swapped out (mincore reports only this process's page tables
+                  // there, so a page the client wrote but the daemon never touched reads as
+                  // missing); never asked of mincore, never counted
+    kHugeExtent,  // shmem that transparent huge pages may back (the daemon's mapping is advised
+                  // MADV_HUGEPAGE and shmem_enabled honours it): a fault in a wholly missing
+                  // 2 MiB extent of the object allocates all of it, so such an extent counts
+                  // whole; a missing page in a partly resident one counts one page
+  };
+  struct Mapping {
+    uintptr_t begin = 0;  // page-aligned, at object offset 0
+    uintptr_t end = 0;
+    Faults faults = Faults::kNone;
+  };
+  // Mappings whose faults are not one page per missing page (Faults); elsewhere each missing page
+  // counts one page. Replaces the earlier set.
+  void SetMappings(std::vector<Mapping> mappings);
+  static constexpr uintptr_t kHugeExtentBytes = uintptr_t{2} << 20;
 
   static size_t PageBytes();
 
@@ -39,9 +59,21 @@ class ResidencyProbe {
   // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
   void Add(uintptr_t begin, uintptr_t end);
   uint64_t CountNotResident();
+  // Bytes of the pages of page-aligned [begin, end) that mincore reports not resident.
+  uint64_t AskMincore(uintptr_t begin, uintptr_t end);
+  // The extent a count asked mincore about last, and how many of its bytes were absent (runs
+  // arrive in address order, so each extent is asked about once per count).
+  struct ExtentSeen {
+    uintptr_t extent = UINTPTR_MAX;
+    uint64_t absent = 0;
+  };
+  // The same for [begin, end) inside `m` (kHugeExtent): a wholly missing extent counts whole,
+  // once; in a partly resident one each missing page counts.
+  uint64_t AskHugeExtents(const Mapping& m, uintptr_t begin, uintptr_t end, ExtentSeen* seen);
 
   std::vector<std::pair<uintptr_t, uintptr_t>> runs_;  // page-aligned [begin, end)
   std::vector<unsigned char> pages_;                   // mincore's answer for one run
+  std::vector<Mapping> mappings_;                      // sorted by begin, disjoint
 };
 
 }  // namespace hiqcache::server

@@ -103,6 +103,8 @@ std::optional<Status> TicketSlots::CheckWait(int32_t event, uint64_t value,
 
 bool TicketSlots::broken() const { return mapping_ != nullptr && mapping_->broken(); }
 
+bool TicketSlots::hugetlb() const { return mapping_ != nullptr && mapping_->hugetlb(); }
+
 void TicketSlots::Close() { mapping_.reset(); }
 
 Status CheckCallerDeadline(CallerDeadline deadline, uint64_t ticket) {

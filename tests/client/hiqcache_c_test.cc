@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "hiqcache/block_keys.h"
+#include "huge_pages.h"
 #include "integration/daemon_process.h"
 #include "time_margin.h"
 
@@ -40,6 +41,8 @@ namespace {
   X(hiq_release_pool)            \
   X(hiq_pool_info_get)           \
   X(hiq_host_pool_create)        \
+  X(hiq_host_pool_create_memfd)  \
+  X(hiq_host_pool_huge_pages)    \
   X(hiq_host_pool_destroy)       \
   X(hiq_host_pool_data)          \
   X(hiq_host_pool_num_rows)      \
@@ -357,6 +360,72 @@ TEST_F(HiqcacheCDaemonTest, HostPoolRoundTrip) {
 
   ASSERT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
   EXPECT_EQ(c.hiq_lookup(client_, handle, keys.data(), 1, &prefix), HIQ_INVALID_ARGUMENT);
+  c.hiq_host_pool_destroy(pool);
+}
+
+// A host pool in memfds through the C ABI: huge_pages checked; HIQ_HUGE_PAGES_AUTO gets what the
+// machine offers (CI: 4 KiB pages), hiq_host_pool_huge_pages says so, and the pool, registered
+// by fd, restores CODEC_RAW rows bit-exact.
+TEST_F(HiqcacheCDaemonTest, MemfdHostPoolOnHugePagesRoundTrips) {
+  const Api& c = C();
+  hiq_geometry g{};
+  g.num_layers = 2;
+  g.num_kv_heads = 2;
+  g.head_dim = 64;
+  const uint32_t kRows = 32, kBlockTokens = 4;
+  hiq_host_pool* pool = nullptr;
+  EXPECT_EQ(c.hiq_host_pool_create_memfd(&g, HIQ_LAYOUT_SGLANG, kRows, 0, 2, 3, &pool),
+            HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("huge_pages"), std::string::npos);
+  EXPECT_EQ(pool, nullptr);
+  ASSERT_EQ(
+      c.hiq_host_pool_create_memfd(&g, HIQ_LAYOUT_SGLANG, kRows, 0, 2, HIQ_HUGE_PAGES_AUTO, &pool),
+      HIQ_OK)
+      << c.hiq_last_error();
+  uint64_t size = 0;
+  auto* data = static_cast<uint8_t*>(c.hiq_host_pool_data(pool, &size));
+  const uint64_t page = machine::HugePageBytes();
+  const uint32_t want =
+      page != 0 && machine::HugetlbAvailableBytes() >= page
+          ? HIQ_BACKING_HUGETLB
+          : (machine::ShmemThpHonoursAdvice() ? HIQ_BACKING_TRANSPARENT : HIQ_BACKING_NONE);
+  EXPECT_EQ(c.hiq_host_pool_huge_pages(pool), want);
+  if (c.hiq_host_pool_huge_pages(pool) == HIQ_BACKING_HUGETLB) EXPECT_EQ(size % page, 0u);
+  EXPECT_EQ(c.hiq_host_pool_huge_pages(nullptr), static_cast<uint32_t>(HIQ_BACKING_NONE));
+  for (uint64_t i = 0; i < size; ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  hiq_pool handle = 0;
+  ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-huge", nullptr, kBlockTokens, HIQ_CODEC_RAW,
+                                     pool, &handle, nullptr),
+            HIQ_OK)
+      << c.hiq_last_error();
+  std::vector<uint32_t> tokens = {5, 6, 7, 8};
+  uint8_t key[16];
+  uint64_t nkeys = 0;
+  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBlockTokens, nullptr, 0, key, 1,
+                                     &nkeys),
+            HIQ_OK);
+  const std::vector<uint32_t> src = {0, 1, 2, 3}, dst = {20, 21, 22, 23};
+  ASSERT_EQ(
+      c.hiq_backup(client_, handle, key, 1, src.data(), src.size(), -1, 0, -1, 1, nullptr, nullptr),
+      HIQ_OK)
+      << c.hiq_last_error();
+  uint32_t restored = 0;
+  ASSERT_EQ(c.hiq_restore(client_, handle, key, 1, dst.data(), dst.size(), -1, 0, -1, -1, 1,
+                          &restored, nullptr),
+            HIQ_OK)
+      << c.hiq_last_error();
+  ASSERT_EQ(restored, 1u);
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (uint32_t i = 0; i < src.size(); ++i)
+        for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+          ASSERT_EQ(std::memcmp(data + c.hiq_host_pool_head_offset(pool, l, p, dst[i], h),
+                                data + c.hiq_host_pool_head_offset(pool, l, p, src[i], h),
+                                g.head_dim * 2),
+                    0)
+              << "layer " << l << " plane " << p << " row " << dst[i] << " head " << h;
+        }
+  EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
   c.hiq_host_pool_destroy(pool);
 }
 

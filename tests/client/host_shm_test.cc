@@ -2,12 +2,16 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <thread>
 
+#include "huge_pages.h"
 #include "time_margin.h"
 namespace hiqcache {
 namespace {
@@ -84,6 +88,124 @@ TEST(HostShmTest, MemfdIsSealedAgainstShrinkingAndOwnsItsFd) {
   b = HostShm();
   EXPECT_EQ(::fcntl(fd, F_GETFD), -1) << "the handle did not close its memfd";
   EXPECT_EQ(HostShm::CreateMemfd("zero", 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+bool OnHugetlbfs(int fd) {
+  struct statfs fs;
+  return ::fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+}
+
+// What a memfd of `size` bytes asking kAuto gets on this machine, judged from the kernel's
+// counters rather than the library's.
+HugePageBacking ExpectedAutoBacking(size_t size) {
+  const uint64_t page = machine::HugePageBytes();
+  const uint64_t rounded = page == 0 ? 0 : (size + page - 1) / page * page;
+  if (page != 0 && machine::HugetlbAvailableBytes() >= rounded) return HugePageBacking::kHugetlb;
+  return machine::ShmemThpHonoursAdvice() ? HugePageBacking::kTransparent : HugePageBacking::kNone;
+}
+
+TEST(HostShmTest, HugePagesNamesParse) {
+  for (HugePages mode : {HugePages::kOff, HugePages::kAuto, HugePages::kRequire}) {
+    auto parsed = ParseHugePages(HugePagesName(mode));
+    ASSERT_TRUE(parsed.ok()) << HugePagesName(mode);
+    EXPECT_EQ(*parsed, mode);
+  }
+  auto bad = ParseHugePages("yes", "opts.huge_pages");
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("opts.huge_pages"), std::string::npos);
+  EXPECT_STREQ(HugePageBackingName(HugePageBacking::kHugetlb), "hugetlb");
+}
+
+// kOff: a plain memfd of exactly the size asked, whatever the machine offers.
+TEST(HostShmTest, MemfdWithoutHugePagesIsPlain) {
+  auto shm = HostShm::CreateMemfd("plain", 3 << 20, false, HugePages::kOff);
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  EXPECT_EQ(shm->huge_page_backing(), HugePageBacking::kNone);
+  EXPECT_EQ(shm->size(), size_t{3} << 20);
+  EXPECT_FALSE(OnHugetlbfs(shm->fd()));
+}
+
+// kAuto takes what the machine offers (CI: neither hugetlb pages nor shmem THP, so a plain
+// memfd), and the memfd is what CreateMemfd promises either way: zeroed, writable, sealed.
+TEST(HostShmTest, MemfdAskingForHugePagesGetsWhatTheMachineOffers) {
+  const size_t size = (size_t{3} << 20) + 100;
+  const HugePageBacking expected = ExpectedAutoBacking(size);
+  auto shm = HostShm::CreateMemfd("auto", size, false, HugePages::kAuto);
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  EXPECT_EQ(shm->huge_page_backing(), expected)
+      << "got " << HugePageBackingName(shm->huge_page_backing()) << ", expected "
+      << HugePageBackingName(expected) << " (shmem_enabled " << machine::ShmemThpSetting() << ", "
+      << machine::HugetlbAvailableBytes() << " hugetlb bytes available)";
+  EXPECT_EQ(OnHugetlbfs(shm->fd()), shm->huge_page_backing() == HugePageBacking::kHugetlb);
+  EXPECT_GE(shm->size(), size);
+  auto* bytes = static_cast<uint8_t*>(shm->data());
+  for (size_t i = 0; i < size; i += 4096) ASSERT_EQ(bytes[i], 0) << i;
+  bytes[size - 1] = 7;
+  EXPECT_TRUE(::fcntl(shm->fd(), F_GET_SEALS) & F_SEAL_SHRINK);
+  EXPECT_NE(::ftruncate(shm->fd(), 0), 0) << "a sealed memfd was shrunk";
+}
+
+// Asked for more than the hugetlb pool holds (CI: it holds nothing), kAuto falls back to a plain
+// memfd, and kRequire fails, naming both reasons, unless shmem THP is there.
+TEST(HostShmTest, MemfdFallsBackWhenTheHugetlbPoolCannotHoldIt) {
+  const size_t size =
+      machine::HugetlbAvailableBytes() + 2 * std::max<uint64_t>(machine::HugePageBytes(), 4096);
+  auto shm = HostShm::CreateMemfd("fallback", size, false, HugePages::kAuto);
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  EXPECT_NE(shm->huge_page_backing(), HugePageBacking::kHugetlb);
+  EXPECT_EQ(shm->huge_page_backing(), machine::ShmemThpHonoursAdvice()
+                                          ? HugePageBacking::kTransparent
+                                          : HugePageBacking::kNone);
+  EXPECT_EQ(shm->size(), size);
+  EXPECT_FALSE(OnHugetlbfs(shm->fd()));
+  static_cast<uint8_t*>(shm->data())[0] = 1;
+
+  auto required = HostShm::CreateMemfd("required", size, false, HugePages::kRequire);
+  if (machine::ShmemThpHonoursAdvice()) {
+    ASSERT_TRUE(required.ok()) << required.status().ToString();
+    EXPECT_EQ(required->huge_page_backing(), HugePageBacking::kTransparent);
+  } else {
+    EXPECT_EQ(required.status().code(), StatusCode::kFailedPrecondition);
+    const std::string& m = required.status().message();
+    EXPECT_NE(m.find("huge_pages=require"), std::string::npos) << m;
+    EXPECT_NE(m.find("hugetlb: "), std::string::npos) << m;
+    EXPECT_NE(m.find("shmem_enabled is '" + machine::ShmemThpSetting() + "'"), std::string::npos)
+        << m;
+  }
+  // A named KV pool cannot promise huge pages: its mount decides.
+  Geometry g;
+  g.num_layers = 1;
+  g.num_kv_heads = 1;
+  g.head_dim = 64;
+  EXPECT_EQ(
+      HostKvPool::Create(g, KvLayout::kSglang, 16, 16, {}, HugePages::kRequire).status().code(),
+      StatusCode::kInvalidArgument);
+}
+
+// Needs free hugetlb pages (skipped on CI): the size rounded up to whole huge pages, on
+// hugetlbfs, sealed against shrinking, zeroed and writable through the whole rounded size.
+TEST(HostShmTest, HugetlbMemfdIsRoundedAndSealed) {
+  const uint64_t page = machine::HugePageBytes();
+  if (page == 0 || machine::HugetlbAvailableBytes() < 2 * page) {
+    GTEST_SKIP() << "no free hugetlb pages (vm.nr_hugepages is "
+                 << machine::MeminfoField("HugePages_Total") << "): reserve some to run this";
+  }
+  const size_t size = page + 4096;
+  auto shm = HostShm::CreateMemfd("hugetlb", size, false, HugePages::kRequire);
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  EXPECT_EQ(shm->huge_page_backing(), HugePageBacking::kHugetlb);
+  EXPECT_EQ(shm->size(), 2 * page);
+  EXPECT_TRUE(OnHugetlbfs(shm->fd()));
+  struct stat st;
+  ASSERT_EQ(::fstat(shm->fd(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 2 * page);
+  auto* bytes = static_cast<uint8_t*>(shm->data());
+  EXPECT_EQ(bytes[0], 0);
+  bytes[2 * page - 1] = 9;
+  EXPECT_TRUE(::fcntl(shm->fd(), F_GET_SEALS) & F_SEAL_SHRINK);
+  EXPECT_NE(::ftruncate(shm->fd(), 0), 0) << "a sealed hugetlb memfd was shrunk";
+  HostShm moved = std::move(shm).value();
+  EXPECT_EQ(moved.huge_page_backing(), HugePageBacking::kHugetlb);
 }
 
 TEST(HostShmTest, BadArguments) {

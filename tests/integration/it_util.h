@@ -436,11 +436,14 @@ struct PoolOptions {
   uint32_t block_tokens = 16;
   Codec codec = Codec::kInt8PerHead;
   uint32_t event_slots = 0;
+  std::string kv_name;  // HostKvPool::Create's name: "" = a named shm object, "memfd:<tag>"
+  HugePages huge_pages = HugePages::kAuto;
 };
 
 inline StatusOr<TestPool> MakePool(Client& client, const PoolOptions& o) {
   TestPool p;
-  HIQ_ASSIGN_OR_RETURN(p.kv, HostKvPool::Create(o.geometry, o.layout, o.num_rows, o.page_rows));
+  HIQ_ASSIGN_OR_RETURN(p.kv, HostKvPool::Create(o.geometry, o.layout, o.num_rows, o.page_rows,
+                                                o.kv_name, o.huge_pages));
   if (o.event_slots > 0) {
     HIQ_ASSIGN_OR_RETURN(p.events, HostEventPool::Create(o.event_slots));
   }

@@ -1,7 +1,8 @@
 // Backup then restore through the real daemon: every element within its codec's bound (INT8:
 // docs/design.md, FP8 E4M3 and INT4 per group of 32: kernels/README.md; CODEC_RAW bit-exact), for
 // each KV layout, across layouts sharing one namespace, writing only the requested rows. Also:
-// partial restores, NaN rejection, released pools, TP/MLA namespaces, INT4's head_dim requirement.
+// partial restores, NaN rejection, released pools, TP/MLA namespaces, INT4's head_dim requirement,
+// KV in memfds on hugetlb pages and the fallback when the machine has none.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -9,6 +10,7 @@
 #include <tuple>
 
 #include "daemon_process.h"
+#include "huge_pages.h"
 #include "it_util.h"
 
 namespace hiqcache::it {
@@ -209,6 +211,67 @@ TEST_F(RoundTripBase, RestoreStopsAtFirstMissingBlockAndWritesOnlyItsRows) {
   CheckResult c = CheckRows(p->kv, seed, written, kBlockTokens, false);
   EXPECT_TRUE(c.ok()) << c.first;
   EXPECT_EQ(ChangedOutside(p->kv, written), 0u) << "rows of blocks after the hole were written";
+}
+
+// Backs up rows [0, 64) of `p` (data set `seed`), fills the KV with sentinels, restores into rows
+// [64, 128) and checks them as `codec` restores (bit-exact for CODEC_RAW).
+void RoundTripThroughTheDaemon(Client& client, TestPool& p, Codec codec, uint64_t seed) {
+  const std::vector<BlockKey> keys = Keys(seed, kBlocks, kBlockTokens);
+  const std::vector<uint32_t> rows1 = RowRange(0, kBlocks * kBlockTokens);
+  const std::vector<uint32_t> rows2 = RowRange(kBlocks * kBlockTokens, kBlocks * kBlockTokens);
+  FillRows(p.kv, seed, rows1, kBlockTokens);
+  BackupResult b = client.Backup(p.handle, keys, rows1);
+  ASSERT_TRUE(b.status.ok()) << b.status.ToString();
+  ASSERT_EQ(b.held(), kBlocks);
+  FillSentinel(p.kv);
+  RestoreResult r = client.Restore(p.handle, keys, rows2);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  ASSERT_EQ(r.restored_blocks, kBlocks);
+  CheckResult c = CheckRowsOf(codec, p.kv, seed, rows2, kBlockTokens);
+  EXPECT_TRUE(c.ok()) << c.first;
+  EXPECT_EQ(ChangedOutside(p.kv, rows2), 0u);
+}
+
+// The engine's KV in a memfd on hugetlb pages (needs free ones; skipped on CI): the daemon maps
+// the hugetlbfs fd (its registered size, the pool's, is no whole number of huge pages) and
+// CODEC_RAW restores every row bit-exact, INT8 within its bound.
+TEST_F(RoundTripBase, HugetlbMemfdRoundTrips) {
+  if (machine::HugetlbAvailableBytes() < 2 * machine::HugePageBytes()) {
+    GTEST_SKIP() << "no free hugetlb pages (vm.nr_hugepages is "
+                 << machine::MeminfoField("HugePages_Total") << "): reserve some to run this";
+  }
+  for (Codec codec : {Codec::kRaw, Codec::kInt8PerHead}) {
+    PoolOptions o = Options(std::string("rt-hugetlb-") + CodecName(codec), DType::kBF16, codec);
+    o.kv_name = "memfd:rt-hugetlb";
+    o.huge_pages = HugePages::kRequire;
+    auto p = MakePool(*client_, o);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    ASSERT_EQ(p->kv.shm().huge_page_backing(), HugePageBacking::kHugetlb);
+    EXPECT_EQ(p->kv.shm().size() % machine::HugePageBytes(), 0u);
+    RoundTripThroughTheDaemon(*client_, *p, codec, 77 + static_cast<uint64_t>(codec));
+  }
+}
+
+// With no hugetlb pages to be had (CI has none; elsewhere this test holds every free one in a
+// memfd of its own), huge_pages=auto falls back to a plain memfd (advised for THP, which
+// shmem_enabled may honour), says so, and round-trips bit-exact through the daemon.
+TEST_F(RoundTripBase, HugePagesFallBackWhenTheHugetlbPoolIsEmpty) {
+  HostShm hold;
+  if (const uint64_t free = machine::HugetlbAvailableBytes(); free > 0) {
+    auto held = HostShm::CreateMemfd("rt-hold", free, false, HugePages::kRequire);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    ASSERT_EQ(held->huge_page_backing(), HugePageBacking::kHugetlb);
+    hold = std::move(held).value();
+  }
+  PoolOptions o = Options("rt-huge-fallback", DType::kBF16, Codec::kRaw);
+  o.kv_name = "memfd:rt-huge-fallback";
+  o.huge_pages = HugePages::kAuto;
+  auto p = MakePool(*client_, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->kv.shm().huge_page_backing(), machine::ShmemThpHonoursAdvice()
+                                                 ? HugePageBacking::kTransparent
+                                                 : HugePageBacking::kNone);
+  RoundTripThroughTheDaemon(*client_, *p, Codec::kRaw, 78);
 }
 
 TEST_F(RoundTripBase, BlockWithNaNIsRejectedAndCounted) {

@@ -19,17 +19,19 @@ def from_bf16_bits(b: np.ndarray) -> np.ndarray:
 
 
 class HostKv:
-    """memfd=True: the buffer is a sealed memfd, registered by fd; else a named shm object (which
-    the client still passes by fd when it has a session)."""
+    """memfd=True: the buffer is a sealed memfd, registered by fd, on huge pages as `huge_pages`
+    asks (HostShm.create_memfd); else a named shm object (which the client still passes by fd
+    when it has a session)."""
 
-    def __init__(self, geometry: hq.Geometry, rows: int, memfd: bool = False):
+    def __init__(self, geometry: hq.Geometry, rows: int, memfd: bool = False,
+                 huge_pages: str = "off"):
         self.g = geometry
         self.rows = rows
         plane = hq.slot_major_bytes(geometry, rows)
         size = geometry.num_layers * 2 * plane
-        self.shm = (hq.HostShm.create_memfd("test-kv", size) if memfd
+        self.shm = (hq.HostShm.create_memfd("test-kv", size, huge_pages=huge_pages) if memfd
                     else hq.HostShm.create(hq.host.unique_name("test-kv"), size))
-        self.data = self.shm.array(np.uint16).reshape(geometry.num_layers, 2, rows,
+        self.data = self.shm.array(np.uint16)[:size // 2].reshape(geometry.num_layers, 2, rows,
                                                       geometry.num_kv_heads, geometry.head_dim)
         self.layers = tuple(
             hq.LayerView(k=hq.slot_major_view(geometry, rows, 0, 2 * l * plane),

@@ -93,6 +93,7 @@ def open_daemon():
     ({"target": "http://x"}, "'target'"),
     ({"tenant": "a\nb"}, "'tenant'"),
     ({"staging_pages": 129}, "'staging_pages'"),
+    ({"huge_pages": "yes"}, "'huge_pages'"),
 ])
 def test_bad_extra_config_fails_start_up_naming_the_key(daemon, change, named):
     engine = Engine(SMALL, "layer_first")

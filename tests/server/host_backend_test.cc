@@ -14,12 +14,15 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "codec_cpu.h"
 #include "core/registration.h"
+#include "huge_pages.h"
 #include "register_spec_util.h"
 
 namespace hiqcache::server {
@@ -40,6 +43,16 @@ class ClientObject {
                "-" + tag;
     ::shm_unlink(o->name_.c_str());
     o->fd_ = ::shm_open(o->name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    o->Init();
+    return o;
+  }
+  // A hugetlbfs memfd of `bytes` rounded up to whole huge pages; !ok() when the hugetlb pool
+  // cannot reserve them.
+  static std::unique_ptr<ClientObject> Hugetlb(size_t bytes) {
+    const size_t page = machine::HugePageBytes();
+    if (page == 0) return std::unique_ptr<ClientObject>(new ClientObject(0));
+    auto o = std::unique_ptr<ClientObject>(new ClientObject((bytes + page - 1) / page * page));
+    o->fd_ = ::memfd_create("hiq-host-backend-test-hugetlb", MFD_CLOEXEC | MFD_HUGETLB);
     o->Init();
     return o;
   }
@@ -527,6 +540,92 @@ TEST_F(HostBackendTest, TruncatedEventObjectFailsTheBinding) {
   t->wait_event = 3;
   EXPECT_EQ((*b)->StartBackup(t), StartResult::kCompleted);
   EXPECT_EQ(outcome.code(), StatusCode::kFailedPrecondition);
+}
+
+// Mappings of this process (/proc/self/maps) of the object behind `fd` (by inode).
+int MappingsOf(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return -1;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) {
+    std::istringstream fields(line);
+    std::string range, perms, offset, dev;
+    uint64_t inode = 0;
+    if (fields >> range >> perms >> offset >> dev >> inode && inode == st.st_ino &&
+        line.find("hugetlb") != std::string::npos) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+#define SKIP_WITHOUT_HUGETLB(object)                                                           \
+  if (!(object)->ok()) {                                                                       \
+    GTEST_SKIP() << "no free hugetlb pages (vm.nr_hugepages is "                               \
+                 << machine::MeminfoField("HugePages_Total") << "): reserve some to run this"; \
+  }
+
+// A hugetlbfs buffer registered with a size that is no whole number of huge pages: the daemon
+// maps (and unmaps) it in whole huge pages, backs up from it, and charges none of its pages to
+// the fault budget although its own page tables have none of them yet (mincore would say "not
+// resident"); an object smaller than registered is refused.
+TEST_F(HostBackendTest, HugetlbBufferIsMappedInWholePagesAndChargesNothing) {
+  auto k = ClientObject::Hugetlb(kPlaneBytes);
+  SKIP_WITHOUT_HUGETLB(k);
+  std::memcpy(k->data(), k_->data(), kPlaneBytes);  // the client writes its KV
+  events_->Slot(0).store(0);                        // and its slots
+  RegisterSpec s = Spec();
+  s.buffers[0] = ByFd(k->fd(), kPlaneBytes, 1);
+  ASSERT_NE(kPlaneBytes % machine::HugePageBytes(), 0u);
+  auto budget = std::make_shared<FaultBudget>(1 << 20);
+  EXPECT_EQ(MappingsOf(k->fd()), 1);  // the client's
+  {
+    auto b = Bind(s, budget);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ(MappingsOf(k->fd()), 2);
+    Status outcome, written;
+    ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+    ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+    EXPECT_EQ(budget->charged(), 0u) << "hugetlb pages the client wrote were charged";
+    const std::vector<uint8_t> from_hugetlb = payload_;
+
+    // The same rows from a plain memfd encode to the same bytes.
+    auto plain = Bind(Spec());
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    ASSERT_EQ((*plain)->StartBackup(BackupTask_(2, 2, -1, &outcome, &written)),
+              StartResult::kCompleted);
+    ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+    EXPECT_TRUE(from_hugetlb == payload_);
+  }
+  EXPECT_EQ(MappingsOf(k->fd()), 1) << "the daemon's mapping outlived its binding";
+
+  s.buffers[0] = ByFd(k->fd(), k->size() + 4096, 1);
+  auto larger = Bind(s);
+  EXPECT_EQ(larger.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(larger.status(), "buffers[0].host_fd_id")) << larger.status().ToString();
+}
+
+// A client that shrinks an unsealed hugetlbfs buffer under the daemon: the task fails, the
+// binding fails for good, the process lives (the SIGBUS guard replaces whole huge pages).
+TEST_F(HostBackendTest, TruncatedHugetlbBufferFailsTheBinding) {
+  auto k = ClientObject::Hugetlb(kPlaneBytes);
+  SKIP_WITHOUT_HUGETLB(k);
+  std::memcpy(k->data(), k_->data(), kPlaneBytes);
+  RegisterSpec s = Spec();
+  s.buffers[0] = ByFd(k->fd(), kPlaneBytes, 1);
+  auto b = Bind(s);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_TRUE(k->Truncate(0));
+  Status outcome, written;
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+  EXPECT_EQ(outcome.code(), StatusCode::kFailedPrecondition) << outcome.ToString();
+  EXPECT_TRUE(Has(outcome, "buffers[0]: the client's shared memory shrank")) << outcome.ToString();
+  EXPECT_EQ(written.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(events_->Slot(0).load(), 1u | kHostEventFailedBit);
+  b->reset();
+  EXPECT_EQ(MappingsOf(k->fd()), 1);
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // ResidencyProbe::RowsNotResident against a page-by-page count: for the host layouts engines use
 // (layers inside a slot as in SGLang's page_first, layer-major as in layer_first, heads apart as
 // in page_head), rows in order, in reverse and shuffled, K and V apart or aliased, over a memfd
-// whose pages are partly written (resident) and partly holes.
+// whose pages are partly written (resident) and partly holes. Also the mappings whose faults are
+// not one page per missing page: hugetlbfs (never counted) and shmem that transparent huge pages
+// may back (a wholly missing 2 MiB extent counted whole).
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -168,6 +170,53 @@ TEST_F(ResidencyProbeTest, RowsSpanHolesAndWrittenPages) {
   const uint64_t missing = probe_.RowsNotResident(layout_, views.data(), rows.data(), rows.size());
   EXPECT_GT(missing, 0u);
   EXPECT_LT(missing, 2 * rows.size() * kLayers * kRowBytes);
+}
+
+// A kHugeExtent mapping: a range in a wholly missing 2 MiB extent counts the extent, once however
+// many runs touch it; in a partly resident extent only the missing pages count; a kNone mapping
+// counts nothing; outside both, pages count as before.
+TEST(ResidencyProbeMappingsTest, HugeExtentsCountWholeAndHugetlbNotAtAll) {
+  const size_t page = ResidencyProbe::PageBytes();
+  constexpr size_t kExtent = ResidencyProbe::kHugeExtentBytes;
+  const size_t bytes = 3 * kExtent;
+  const int fd = ::memfd_create("hiq-residency-extents", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* data = static_cast<uint8_t*>(p);
+  // Extent 0: a hole. Extent 1: its first page written. Extent 2: a hole.
+  data[kExtent] = 1;
+  const auto base = reinterpret_cast<uintptr_t>(data);
+  ResidencyProbe probe;
+  EXPECT_EQ(probe.RangeNotResident(data + 10 * page, page), page);  // no mappings set
+  probe.SetMappings({{base, base + bytes, ResidencyProbe::Faults::kHugeExtent}});
+  EXPECT_EQ(probe.RangeNotResident(data + 10 * page, page), kExtent);
+  EXPECT_EQ(probe.RangeNotResident(data + kExtent + 5 * page, 2 * page), 2 * page);
+  EXPECT_EQ(probe.RangeNotResident(data + kExtent, page), 0u);
+  // Runs in two holes and a partly resident extent, several in one hole: each hole once.
+  {
+    kernels::BlockLayout layout;
+    layout.row.num_heads = 1;
+    layout.row.head_dim = 64;
+    layout.num_layers = 1;
+    layout.kv_planes = 1;
+    kernels::LayerViews views;
+    views.planes[0].base = data;
+    views.planes[0].row_stride = page;
+    views.planes[0].head_stride = 128;
+    views.planes[0].num_rows = static_cast<uint32_t>(bytes / page);
+    const uint32_t per_extent = static_cast<uint32_t>(kExtent / page);
+    const std::vector<uint32_t> rows = {1, 7, 200, per_extent + 3, 2 * per_extent + 9};
+    EXPECT_EQ(probe.RowsNotResident(layout, &views, rows.data(), rows.size()), 2 * kExtent + page);
+  }
+  probe.SetMappings({{base, base + bytes, ResidencyProbe::Faults::kNone}});
+  EXPECT_EQ(probe.RangeNotResident(data, bytes), 0u);
+  // A mapping covering only extent 1: the hole before it counts page by page.
+  probe.SetMappings({{base + kExtent, base + 2 * kExtent, ResidencyProbe::Faults::kNone}});
+  EXPECT_EQ(probe.RangeNotResident(data + kExtent - page, 3 * page), page);
+  ::munmap(p, bytes);
+  ::close(fd);
 }
 
 }  // namespace

@@ -82,6 +82,18 @@ enum hiq_kv_layout {
   HIQ_LAYOUT_VLLM_PAGED = 1,
   HIQ_LAYOUT_VLLM_PACKED_KV = 2
 };
+/* hiq_host_pool_create_memfd: whether the KV memfd asks for huge pages (hiqcache::HugePages). */
+enum hiq_huge_pages {
+  HIQ_HUGE_PAGES_OFF = 0,
+  HIQ_HUGE_PAGES_AUTO = 1,   /* hugetlb, else transparent huge pages, else 4 KiB pages */
+  HIQ_HUGE_PAGES_REQUIRE = 2 /* as AUTO, but HIQ_FAILED_PRECONDITION when neither is there */
+};
+/* What backs a host pool's KV pages (hiqcache::HugePageBacking). */
+enum hiq_huge_page_backing {
+  HIQ_BACKING_NONE = 0,        /* 4 KiB pages */
+  HIQ_BACKING_TRANSPARENT = 1, /* MADV_HUGEPAGE, honoured by the kernel's shmem_enabled */
+  HIQ_BACKING_HUGETLB = 2      /* MFD_HUGETLB: the hugetlb pool's pages */
+};
 enum hiq_block_status {
   HIQ_BLOCK_STORED = 0,
   HIQ_BLOCK_ALREADY_PRESENT = 1,
@@ -242,6 +254,15 @@ HIQ_C_API int hiq_pool_info_get(hiq_client* client, hiq_pool pool, hiq_pool_info
  * (0 = none). Paged layouts round num_rows up to whole pages of page_rows. */
 HIQ_C_API int hiq_host_pool_create(const hiq_geometry* geometry, uint32_t layout, uint32_t num_rows,
                                    uint32_t page_rows, uint32_t event_count, hiq_host_pool** out);
+/* The same in sealed memfds (passed to the daemon by fd when registered), the KV memfd on huge
+ * pages as huge_pages (enum hiq_huge_pages) asks: hugetlb rounds its size up to whole huge pages.
+ * hiq_host_pool_huge_pages says what it got. */
+HIQ_C_API int hiq_host_pool_create_memfd(const hiq_geometry* geometry, uint32_t layout,
+                                         uint32_t num_rows, uint32_t page_rows,
+                                         uint32_t event_count, uint32_t huge_pages,
+                                         hiq_host_pool** out);
+/* enum hiq_huge_page_backing of the pool's KV pages (HIQ_BACKING_NONE for NULL). */
+HIQ_C_API uint32_t hiq_host_pool_huge_pages(const hiq_host_pool* pool);
 HIQ_C_API void hiq_host_pool_destroy(hiq_host_pool* pool);
 /* The mapped KV bytes (writable) and their size. */
 HIQ_C_API void* hiq_host_pool_data(const hiq_host_pool* pool, uint64_t* size_bytes);

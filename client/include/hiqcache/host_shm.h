@@ -2,8 +2,8 @@
 // hiqcached when KV lives in CPU memory (docs/design.md "HOST").
 //
 //   HostShm        RAII shm object: create (unlinked again on destruction), open, or a memfd
-//                  (sealed against shrinking; reaches the daemon only by fd over a session),
-//                  mapped.
+//                  (sealed against shrinking; reaches the daemon only by fd over a session;
+//                  on huge pages where asked and the machine offers them), mapped.
 //   HostEventPool  event slots (slot i = little-endian uint64 at byte 64*i); the daemon stores
 //                  ticket T with release order when work T completes; Wait() blocks until a
 //                  slot holds a value >= T.
@@ -27,6 +27,29 @@
 
 namespace hiqcache {
 
+// Whether a memfd asks for huge pages. The daemon's codec walks client rows of a few KiB each, so
+// on 4 KiB pages it spends much of its time in TLB walks; 2 MiB pages remove most of them.
+enum class HugePages : uint8_t {
+  kOff = 0,      // a plain memfd
+  kAuto = 1,     // MFD_HUGETLB when the hugetlb pool holds the object, else a plain memfd advised
+                 // MADV_HUGEPAGE (shmem THP), else a plain memfd
+  kRequire = 2,  // as kAuto, but FAILED_PRECONDITION when neither hugetlb nor shmem THP is there
+};
+// "off", "auto", "require".
+const char* HugePagesName(HugePages mode);
+// The inverse of HugePagesName; INVALID_ARGUMENT naming `field` for anything else.
+StatusOr<HugePages> ParseHugePages(std::string_view text, std::string_view field = "huge_pages");
+
+// What backs a memfd's pages.
+enum class HugePageBacking : uint8_t {
+  kNone = 0,         // 4 KiB pages
+  kTransparent = 1,  // advised MADV_HUGEPAGE, and the kernel's shmem_enabled honours it (advise,
+                     // within_size, always, force): 2 MiB pages where the kernel can find them
+  kHugetlb = 2,      // MFD_HUGETLB: reserved pages of the hugetlb pool, size rounded up to them
+};
+// "none", "thp", "hugetlb".
+const char* HugePageBackingName(HugePageBacking backing);
+
 class HostShm {
  public:
   // Creates a new shm object of `size` bytes (shm_open O_CREAT|O_EXCL, mode 0600, ftruncate,
@@ -41,7 +64,14 @@ class HostShm {
   // `fixed_size`. It has no shm name: name() is "memfd:<tag>" (kMemfdPrefix), for logs; the daemon
   // gets it by fd over the client's session (SharedBuffer::host_fd, which AddTo and Spec fill
   // in). The fd stays open while this handle lives.
-  static StatusOr<HostShm> CreateMemfd(std::string_view tag, size_t size, bool fixed_size = false);
+  //
+  // `huge_pages` (HugePages): kAuto and kRequire try MFD_HUGETLB first, its size rounded up to a
+  // whole number of huge pages (size() reports the rounded size), and fall back to a plain memfd
+  // when the hugetlb pool cannot reserve it (mmap ENOMEM) or the kernel has none (EINVAL); a plain
+  // memfd is then advised MADV_HUGEPAGE. huge_page_backing() says what it got. kRequire fails
+  // with FAILED_PRECONDITION (both reasons in the message) when it got neither.
+  static StatusOr<HostShm> CreateMemfd(std::string_view tag, size_t size, bool fixed_size = false,
+                                       HugePages huge_pages = HugePages::kOff);
   static constexpr std::string_view kMemfdPrefix = "memfd:";
   // "/hiq-<pid>-<n>-<tag>": unique within this process and unlikely to collide across processes.
   static std::string UniqueName(std::string_view tag);
@@ -64,8 +94,13 @@ class HostShm {
   // name when they are passed.
   int fd() const { return fd_; }
   bool is_memfd() const { return fd_ >= 0; }
+  // What backs the pages (CreateMemfd's huge_pages); kNone for named objects.
+  HugePageBacking huge_page_backing() const { return backing_; }
 
  private:
+  // One CreateMemfd attempt: MFD_HUGETLB when `hugetlb`, else a plain memfd.
+  static StatusOr<HostShm> MapMemfd(std::string_view tag, size_t size, bool fixed_size,
+                                    bool hugetlb);
   void Reset();
 
   std::string name_;
@@ -73,6 +108,7 @@ class HostShm {
   size_t size_ = 0;
   bool owner_ = false;
   int fd_ = -1;  // memfd only
+  HugePageBacking backing_ = HugePageBacking::kNone;
 };
 
 class HostEventPool {
@@ -129,9 +165,12 @@ class HostKvPool {
  public:
   // `num_rows` token slots; paged layouts use pages of `page_rows` rows and round num_rows up to
   // a whole number of pages. MLA geometry is supported by kSglang only. `name` empty = a unique
-  // shm name; "memfd:<tag>" = a sealed memfd (HostShm::CreateMemfd).
+  // shm name; "memfd:<tag>" = a sealed memfd (HostShm::CreateMemfd) on huge pages as
+  // `huge_pages` asks. Named objects live in /dev/shm, whose mount decides their pages (huge=):
+  // kRequire with a name is INVALID_ARGUMENT, kAuto is kOff there.
   static StatusOr<HostKvPool> Create(const Geometry& geometry, KvLayout layout, uint32_t num_rows,
-                                     uint32_t page_rows = 16, std::string_view name = {});
+                                     uint32_t page_rows = 16, std::string_view name = {},
+                                     HugePages huge_pages = HugePages::kAuto);
 
   const Geometry& geometry() const { return geometry_; }
   KvLayout layout() const { return layout_; }
