@@ -16,7 +16,7 @@ set style data histograms
 set style fill solid 0.85 border -1
 set boxwidth 0.85
 set grid ytics
-set xtics rotate by -30 scale 0
+set xtics rotate by -30 scale 0 noenhanced
 set key top right
 set tmargin 3
 set bmargin 5
