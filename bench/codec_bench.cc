@@ -615,22 +615,28 @@ class CollectingReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
+      // Every repetition, or only the median where --benchmark_report_aggregates_only hides them.
+      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      if ((run.run_type != Run::RT_Iteration && !median) || run.error_occurred) continue;
       // SetBytesProcessed's counter, already divided by the (real, with UseRealTime) time.
       auto it = run.counters.find("bytes_per_second");
       if (it == run.counters.end()) continue;
-      rates_[run.run_name.function_name + (run.run_name.args.empty() ? "" : "/") +
-             run.run_name.args]
-          .push_back(it->second.value / 1e9);
+      const std::string name = run.run_name.function_name +
+                               (run.run_name.args.empty() ? "" : "/") + run.run_name.args;
+      (median ? medians_ : rates_)[name].push_back(it->second.value / 1e9);
     }
     ConsoleReporter::ReportRuns(runs);
   }
 
   // Median GB/s of benchmark `name` ("BM_Encode/threads:1"), or 0 when it did not run.
   double Median(const std::string& name) const {
-    auto it = rates_.find(name);
-    if (it == rates_.end() || it->second.empty()) return 0.0;
-    std::vector<double> v = it->second;
+    auto find = [&name](const std::map<std::string, std::vector<double>>& m) {
+      auto it = m.find(name);
+      return it == m.end() ? std::vector<double>{} : it->second;
+    };
+    std::vector<double> v = find(rates_);
+    if (v.empty()) v = find(medians_);
+    if (v.empty()) return 0.0;
     std::sort(v.begin(), v.end());
     const size_t n = v.size();
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
@@ -638,6 +644,7 @@ class CollectingReporter : public benchmark::ConsoleReporter {
 
  private:
   std::map<std::string, std::vector<double>> rates_;
+  std::map<std::string, std::vector<double>> medians_;  // the aggregates' medians
 };
 
 void PrintSummary(const CollectingReporter& rep) {
