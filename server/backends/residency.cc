@@ -42,6 +42,26 @@ void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
   runs_.emplace_back(begin, end);
 }
 
+void ResidencyProbe::AddToSlot(size_t slot, uintptr_t begin, uintptr_t end) {
+  const uintptr_t page = PageBytes();
+  begin &= ~(page - 1);
+  end = (end + page - 1) & ~(page - 1);
+  auto& open = open_[slot];
+  if (open.second != 0 && begin >= open.first && begin <= open.second) {
+    open.second = std::max(open.second, end);
+    return;
+  }
+  if (open.second != 0) runs_.push_back(open);
+  open = {begin, end};
+}
+
+void ResidencyProbe::CloseSlots() {
+  for (auto& open : open_) {
+    if (open.second != 0) runs_.push_back(open);
+    open = {0, 0};
+  }
+}
+
 uint64_t ResidencyProbe::RangeNotResident(const void* p, size_t bytes) {
   runs_.clear();
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
@@ -56,7 +76,10 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
   if (num_rows == 0 || layout.num_layers == 0) return 0;
   const uint64_t head_bytes = uint64_t{layout.row.head_dim} * 2;
   const uint32_t heads = layout.row.num_heads;
-  auto add_row = [&](const kernels::StridedView& v, uint32_t row) {
+  // Heads that lie apart (a tile per head) go to a run per layer and head: the rows of a page
+  // then make one run per head instead of one per row and head, which would need sorting.
+  open_.assign(size_t{layout.num_layers} * heads, {0, 0});
+  auto add_row = [&](const kernels::StridedView& v, uint32_t layer, uint32_t row) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(v.Head(row, 0));
     if (v.head_stride == head_bytes && v.dim_run == 0) {
       Add(start, start + heads * head_bytes);
@@ -65,7 +88,7 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
     const uint64_t head_span = v.HeadSpan(layout.row.head_dim);  // a split head's whole extent
     for (uint32_t h = 0; h < heads; ++h) {
       const uintptr_t head = start + uint64_t{h} * v.head_stride;
-      Add(head, head + head_span);
+      AddToSlot(size_t{layer} * heads + h, head, head + head_span);
     }
   };
   for (uint32_t p = 0; p < layout.kv_planes; ++p) {
@@ -82,13 +105,14 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
     }
     if (layers_inner) {
       for (size_t i = 0; i < num_rows; ++i) {
-        for (uint32_t l = 0; l < layout.num_layers; ++l) add_row(layers[l].planes[p], rows[i]);
+        for (uint32_t l = 0; l < layout.num_layers; ++l) add_row(layers[l].planes[p], l, rows[i]);
       }
     } else {
       for (uint32_t l = 0; l < layout.num_layers; ++l) {
-        for (size_t i = 0; i < num_rows; ++i) add_row(layers[l].planes[p], rows[i]);
+        for (size_t i = 0; i < num_rows; ++i) add_row(layers[l].planes[p], l, rows[i]);
       }
     }
+    CloseSlots();
   }
   return CountNotResident();
 }

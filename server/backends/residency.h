@@ -3,7 +3,9 @@
 //
 // For the rows of a task it collects the pages their heads span in every layer and plane,
 // merged into runs (rows that follow each other in memory make one run, so a vLLM page of 16
-// rows costs one entry), and asks mincore about each run. A page counts as not resident when it
+// rows costs one entry; a view whose heads lie apart, or are split, merges each head of a layer
+// with the same head of the rows before it, so a tile of a page costs one entry per head), and
+// asks mincore about each run. A page counts as not resident when it
 // is not in the object's page cache: never written, hole-punched or swapped out. The answer is a
 // snapshot: a page the client punches after the probe is faulted without a charge, one page per
 // race the client wins.
@@ -38,9 +40,15 @@ class ResidencyProbe {
  private:
   // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
   void Add(uintptr_t begin, uintptr_t end);
+  // Adds [begin, end) to the open run of `slot` (one per layer and head), extending it when it
+  // overlaps or touches it, else moving it to runs_ and opening a new one.
+  void AddToSlot(size_t slot, uintptr_t begin, uintptr_t end);
+  // Moves every open run to runs_.
+  void CloseSlots();
   uint64_t CountNotResident();
 
   std::vector<std::pair<uintptr_t, uintptr_t>> runs_;  // page-aligned [begin, end)
+  std::vector<std::pair<uintptr_t, uintptr_t>> open_;  // per slot; {0, 0} = none
   std::vector<unsigned char> pages_;                   // mincore's answer for one run
 };
 

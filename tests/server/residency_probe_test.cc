@@ -1,7 +1,8 @@
 // ResidencyProbe::RowsNotResident against a page-by-page count: for the host layouts engines use
 // (layers inside a slot as in SGLang's page_first, layer-major as in layer_first, heads apart as
-// in page_head), rows in order, in reverse and shuffled, K and V apart or aliased, over a memfd
-// whose pages are partly written (resident) and partly holes.
+// in page_head, tiles of split heads as in vLLM's CPU attention), rows in order, in reverse and
+// shuffled, K and V apart or aliased, over a memfd whose pages are partly written (resident) and
+// partly holes.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -57,8 +58,10 @@ class ResidencyProbeTest : public ::testing::Test {
       for (uint32_t p = 0; p < 2; ++p) {
         for (uint32_t r : rows) {
           for (uint32_t h = 0; h < kHeads; ++h) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(views[l].planes[p].Head(r, h));
-            for (uintptr_t x = a & ~(page_ - 1); x < a + kHeadBytes; x += page_) pages.insert(x);
+            const kernels::StridedView& v = views[l].planes[p];
+            const uintptr_t a = reinterpret_cast<uintptr_t>(v.Head(r, h));
+            const uint64_t span = v.HeadSpan(kDim);
+            for (uintptr_t x = a & ~(page_ - 1); x < a + span; x += page_) pages.insert(x);
           }
         }
       }
@@ -118,6 +121,28 @@ class ResidencyProbeTest : public ::testing::Test {
     return v;
   }
 
+  // vLLM's CPU tiles: [plane][layer][page][head][dim][page row], 16-row pages, each head's
+  // elements a run of one (dim_run 1) 16 elements apart.
+  std::vector<kernels::LayerViews> SplitTiles() const {
+    constexpr uint64_t kPageRows = 16;
+    constexpr uint64_t kTileBytes = kPageRows * kHeadBytes;
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data_ + p * kPlaneBytes + l * kSlots * kRowBytes;
+        s.row_stride = 2;
+        s.head_stride = kTileBytes;
+        s.page_rows = kPageRows;
+        s.page_stride = kHeads * kTileBytes;
+        s.num_rows = kSlots;
+        s.dim_run = 1;
+        s.dim_run_stride = kPageRows * 2;
+      }
+    }
+    return v;
+  }
+
   void Check(const std::string& what, const std::vector<kernels::LayerViews>& views) {
     std::vector<std::vector<uint32_t>> row_sets;
     std::vector<uint32_t> rows(64);
@@ -155,6 +180,10 @@ TEST_F(ResidencyProbeTest, LayerFirstCountsEachMissingPageOnce) {
 }
 
 TEST_F(ResidencyProbeTest, HeadsApartCountEachMissingPageOnce) { Check("page_head", PageHead()); }
+
+TEST_F(ResidencyProbeTest, SplitTilesCountEachMissingPageOnce) {
+  Check("split tiles", SplitTiles());
+}
 
 TEST_F(ResidencyProbeTest, AliasedPlanesCountEachMissingPageOnce) {
   Check("page_first, V aliasing K", PageFirst(/*alias_v=*/true));
