@@ -530,6 +530,10 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
                              ": a HOST pool needs host_fd_id or host_shm_name, not "
                              "cuda_ipc_handle");
     }
+    // The engine's KV pages a restore writes are in memory already (the client libraries write
+    // what they lend); mapping them now spares the first restore into them a page fault per
+    // page. Pages not in memory stay unmapped, for the fault budget to charge when touched.
+    ResidencyProbe::MapResident(m->data(), m->size());
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
   }

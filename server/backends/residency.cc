@@ -28,6 +28,41 @@ bool ResidencyProbe::Resident(const void* p) {
   return (v & 1) != 0;
 }
 
+uint64_t ResidencyProbe::MapResident(void* p, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr size_t kPagesPerPart = 128;
+  const uintptr_t page = PageBytes();
+  uintptr_t at = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  unsigned char v[kPagesPerPart];
+  uint64_t mapped = 0;
+  for (; at < end;) {
+    const size_t n = std::min<size_t>((end - at) / page, kPagesPerPart);
+    if (::mincore(reinterpret_cast<void*>(at), n * page, v) != 0) return mapped;
+    for (size_t i = 0; i < n;) {
+      if ((v[i] & 1) == 0) {
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j < n && (v[j] & 1) != 0) ++j;
+      if (::madvise(reinterpret_cast<void*>(at + i * page), (j - i) * page, MADV_POPULATE_WRITE) !=
+          0) {
+        return mapped;  // EINVAL: not supported; EFAULT: the object shrank
+      }
+      mapped += (j - i) * page;
+      i = j;
+    }
+    at += n * page;
+  }
+  return mapped;
+#else
+  (void)p;
+  (void)bytes;
+  return 0;
+#endif
+}
+
 void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
   const uintptr_t page = PageBytes();
   begin &= ~(page - 1);

@@ -5,6 +5,7 @@
 // partly holes.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -197,6 +198,43 @@ TEST_F(ResidencyProbeTest, RowsSpanHolesAndWrittenPages) {
   const uint64_t missing = probe_.RowsNotResident(layout_, views.data(), rows.data(), rows.size());
   EXPECT_GT(missing, 0u);
   EXPECT_LT(missing, 2 * rows.size() * kLayers * kRowBytes);
+}
+
+long MinorFaults() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// MapResident maps the written pages of a second mapping of the memfd (a write to them then
+// takes no fault, where one to an unmapped mapping takes one per page) and allocates none of the
+// holes.
+TEST_F(ResidencyProbeTest, MapResidentMapsWrittenPagesAndNoHoles) {
+  const uint64_t written = (bytes_ / page_ + 2) / 3 * page_;
+  ASSERT_EQ(probe_.RangeNotResident(data_, bytes_), bytes_ - written);
+  auto map = [&]() {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    return static_cast<uint8_t*>(p);
+  };
+  // Writes a byte to every written page; the minor faults that took.
+  auto touch = [&](uint8_t* m) {
+    const long before = MinorFaults();
+    for (uint64_t at = 0; at < bytes_; at += 3 * page_) m[at] = 2;
+    return MinorFaults() - before;
+  };
+  uint8_t* cold = map();
+  const long cold_faults = touch(cold);
+  uint8_t* warm = map();
+  const uint64_t mapped = ResidencyProbe::MapResident(warm, bytes_);
+  if (mapped == 0) GTEST_SKIP() << "no MADV_POPULATE_WRITE in this kernel";
+  EXPECT_EQ(mapped, written);
+  EXPECT_EQ(probe_.RangeNotResident(data_, bytes_), bytes_ - written) << "a hole was allocated";
+  const long warm_faults = touch(warm);
+  EXPECT_GE(cold_faults, static_cast<long>(written / page_) / 2);
+  EXPECT_LT(warm_faults, cold_faults / 4) << "cold " << cold_faults;
+  ::munmap(cold, bytes_);
+  ::munmap(warm, bytes_);
 }
 
 }  // namespace
