@@ -42,6 +42,10 @@ void ToProto(const TensorView& in, v1::TensorView* out) {
   out->set_head_stride_bytes(in.head_stride_bytes);
   out->set_page_rows(in.page_rows);
   out->set_page_stride_bytes(in.page_stride_bytes);
+  out->set_row_group(in.row_group);
+  out->set_row_group_stride_bytes(in.row_group_stride_bytes);
+  out->set_dim_run(in.dim_run);
+  out->set_dim_run_stride_bytes(in.dim_run_stride_bytes);
 }
 
 void ToProto(const Geometry& in, v1::Geometry* g) {

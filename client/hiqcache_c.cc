@@ -130,6 +130,10 @@ hiqcache::TensorView ToView(const hiq_tensor_view& v) {
   out.head_stride_bytes = v.head_stride_bytes;
   out.page_rows = v.page_rows;
   out.page_stride_bytes = v.page_stride_bytes;
+  out.row_group = v.row_group;
+  out.row_group_stride_bytes = v.row_group_stride_bytes;
+  out.dim_run = v.dim_run;
+  out.dim_run_stride_bytes = v.dim_run_stride_bytes;
   return out;
 }
 

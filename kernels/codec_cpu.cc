@@ -297,9 +297,9 @@ bool EncodeRowsT(const RowFormat& fmt, const StridedView& view, const uint32_t* 
 
 template <DType kDType>
 void DecodeRowsT(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
-                 const uint32_t* rows, uint32_t num_rows) {
+                 const uint32_t* rows, uint32_t num_rows, bool may_stream) {
   const size_t row_bytes = fmt.RowBytes();
-  const bool stream = StreamsHeads(fmt, view);
+  const bool stream = may_stream && StreamsHeads(fmt, view);
   for (uint32_t t = 0; t < num_rows; ++t) {
     // Streaming stores need no write prefetch: it would fetch the lines they avoid reading.
     if (t + kPrefetchRows < num_rows &&
@@ -363,9 +363,11 @@ bool EncodeRows(const RowFormat& fmt, const StridedView& view, const uint32_t* r
                                    : EncodeRowsT<DType::kFP16>(fmt, view, rows, num_rows, dst);
 }
 
-// Decodes consecutive stored rows at `src` into rows[0..num_rows) of `view`.
+// Decodes consecutive stored rows at `src` into rows[0..num_rows) of `view`. may_stream false
+// keeps INT8 and RAW rows to ordinary stores: for a destination this thread reads next (the
+// scratch copy of split heads), which streaming stores would send to DRAM.
 void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& view,
-                const uint32_t* rows, uint32_t num_rows) {
+                const uint32_t* rows, uint32_t num_rows, bool may_stream) {
   if (fmt.codec == CodecKind::kFp8E4m3PerHead) {
     return DecodeRowsFp8Simd(fmt, src, view, rows, num_rows);
   }
@@ -376,7 +378,7 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
     if (RawRowContiguous(fmt, view)) {
       const size_t bytes = fmt.RowBytes();
       for (uint32_t t = 0; t < num_rows; ++t) {
-        if (kStreamDecode) {
+        if (kStreamDecode && may_stream) {
           StreamCopy(view.Head(rows[t], 0), src + t * bytes, bytes);
         } else {
           std::memcpy(view.Head(rows[t], 0), src + t * bytes, bytes);
@@ -389,9 +391,9 @@ void DecodeRows(const RowFormat& fmt, const uint8_t* src, const StridedView& vie
       DecodeRowReference(fmt, src + t * fmt.RowBytes(), view, rows[t]);
     }
   } else if (fmt.dtype == DType::kBF16) {
-    DecodeRowsT<DType::kBF16>(fmt, src, view, rows, num_rows);
+    DecodeRowsT<DType::kBF16>(fmt, src, view, rows, num_rows, may_stream);
   } else {
-    DecodeRowsT<DType::kFP16>(fmt, src, view, rows, num_rows);
+    DecodeRowsT<DType::kFP16>(fmt, src, view, rows, num_rows, may_stream);
   }
 }
 
@@ -447,8 +449,9 @@ uint32_t DecodeRowsPerItem(const BlockLayout& lay, uint32_t blocks, unsigned thr
 
 // The row executors read and write a head as one run of elements. A view with split heads
 // (StridedView::dim_run) is encoded from a contiguous copy of the work item's rows (GatherHeads)
-// and decoded into one that is then scattered (ScatterHeads); the copy stays in the thread's
-// cache. Returns the copy's view; rows `*index` (0, 1, ... n - 1) address it.
+// and decoded into one (with ordinary stores) that is then scattered (ScatterHeads); the copy
+// stays in the thread's cache. RAW rows are scattered straight from the stored rows, which are
+// laid out as the copy is. Returns the copy's view; rows `*index` (0, 1, ... n - 1) address it.
 StridedView SplitScratch(const RowFormat& fmt, uint32_t n, const uint32_t** index) {
   thread_local std::vector<uint8_t> bytes;
   thread_local std::vector<uint32_t> rows;
@@ -497,18 +500,21 @@ void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, u
   const StridedView& view = job.layers[layer].planes[p];
   const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens + begin;
   const bool kivi_k = lay.row.codec == CodecKind::kInt4Kivi && p == 0;
-  auto decode = [&](const StridedView& to, const uint32_t* to_rows) {
+  auto decode = [&](const StridedView& to, const uint32_t* to_rows, bool may_stream) {
     if (kivi_k) {
       DecodeKiviKRowsSimd(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0), lay.block_tokens,
                           begin, end, to, to_rows);
     } else {
-      HWY_DYNAMIC_DISPATCH(DecodeRows)(lay.row, src, to, to_rows, end - begin);
+      HWY_DYNAMIC_DISPATCH(DecodeRows)(lay.row, src, to, to_rows, end - begin, may_stream);
     }
   };
-  if (view.dim_run == 0) return decode(view, rows);
+  if (view.dim_run == 0) return decode(view, rows, /*may_stream=*/true);
+  if (!kivi_k && lay.row.codec == CodecKind::kRaw) {
+    return ScatterHeads(src, lay.row.num_heads, lay.row.head_dim, view, rows, end - begin);
+  }
   const uint32_t* index = nullptr;
   const StridedView copy = SplitScratch(lay.row, end - begin, &index);
-  decode(copy, index);
+  decode(copy, index, /*may_stream=*/false);
   ScatterHeads(copy.base, lay.row.num_heads, lay.row.head_dim, view, rows, end - begin);
 }
 }  // namespace

@@ -17,6 +17,13 @@
 
 #include "codec_math.h"
 
+#if defined(__SSE2__) && !defined(__CUDACC__)
+#include <emmintrin.h>
+#define HIQ_TRANSPOSE_SSE2 1
+#else
+#define HIQ_TRANSPOSE_SSE2 0
+#endif
+
 namespace hiqcache::kernels {
 
 struct StridedView {
@@ -49,14 +56,83 @@ struct StridedView {
   }
 };
 
+// Transposes a rows x cols matrix of 2-byte elements: dst[c][r] = src[r][c], the rows of src
+// src_pitch bytes apart and those of dst dst_pitch bytes apart. The bytes move unchanged.
+inline void TransposeU16(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
+                         uint32_t rows, uint32_t cols) {
+  uint32_t r0 = 0;
+#if HIQ_TRANSPOSE_SSE2
+  // 8 x 8 blocks in registers: three rounds of interleaving 16-, 32- and 64-bit lanes.
+  for (; r0 + 8 <= rows; r0 += 8) {
+    uint32_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      const uint8_t* s = src + r0 * src_pitch + size_t{c0} * 2;
+      __m128i a[8];
+      for (int i = 0; i < 8; ++i) {
+        a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
+      }
+      const __m128i t0 = _mm_unpacklo_epi16(a[0], a[1]), t1 = _mm_unpackhi_epi16(a[0], a[1]);
+      const __m128i t2 = _mm_unpacklo_epi16(a[2], a[3]), t3 = _mm_unpackhi_epi16(a[2], a[3]);
+      const __m128i t4 = _mm_unpacklo_epi16(a[4], a[5]), t5 = _mm_unpackhi_epi16(a[4], a[5]);
+      const __m128i t6 = _mm_unpacklo_epi16(a[6], a[7]), t7 = _mm_unpackhi_epi16(a[6], a[7]);
+      const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+      const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+      const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+      const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+      const __m128i out[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4),
+                              _mm_unpacklo_epi64(u1, u5), _mm_unpackhi_epi64(u1, u5),
+                              _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+                              _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
+      uint8_t* d = dst + c0 * dst_pitch + size_t{r0} * 2;
+      for (int i = 0; i < 8; ++i) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
+      }
+    }
+    for (; c0 < cols; ++c0) {
+      for (uint32_t r = r0; r < r0 + 8; ++r) {
+        std::memcpy(dst + c0 * dst_pitch + size_t{r} * 2, src + r * src_pitch + size_t{c0} * 2, 2);
+      }
+    }
+  }
+#endif
+  for (uint32_t c = 0; c < cols; ++c) {
+    for (uint32_t r = r0; r < rows; ++r) {
+      std::memcpy(dst + c * dst_pitch + size_t{r} * 2, src + r * src_pitch + size_t{c} * 2, 2);
+    }
+  }
+}
+
+// How many of rows[i, n) from rows[i] on are slots one element (2 bytes) after the one before
+// in every run of a head (a tile of tokens x dims stored dims-major, as vLLM's CPU K tiles):
+// with dim_run 1, such rows' heads move as one transpose.
+inline uint32_t AdjacentRows(const StridedView& v, const uint32_t* rows, uint32_t i, uint32_t n) {
+  if (v.dim_run != 1) return 1;
+  const uint8_t* first = v.Head(rows[i], 0);
+  uint32_t len = 1;
+  while (i + len < n && v.Head(rows[i + len], 0) == first + size_t{len} * 2) ++len;
+  return len;
+}
+
 // Copies heads [0, heads) of rows[0, n) of a view with split heads (dim_run > 0) into
 // out = [n][heads][head_dim], contiguous.
 inline void GatherHeads(const StridedView& v, uint32_t heads, uint32_t head_dim,
                         const uint32_t* rows, uint32_t n, uint8_t* out) {
   const uint32_t runs = head_dim / v.dim_run;
   const size_t run_bytes = size_t{v.dim_run} * 2;
-  for (uint32_t r = 0; r < n; ++r) {
-    const uint8_t* row = v.Head(rows[r], 0);
+  const size_t out_row = size_t{heads} * head_dim * 2;
+  for (uint32_t r = 0; r < n;) {
+    const uint32_t len = AdjacentRows(v, rows, r, n);
+    if (len > 1) {
+      const uint8_t* first = v.Head(rows[r], 0);
+      for (uint32_t h = 0; h < heads; ++h) {
+        TransposeU16(first + h * v.head_stride, v.dim_run_stride, out + size_t{h} * head_dim * 2,
+                     out_row, head_dim, len);
+      }
+      out += len * out_row;
+      r += len;
+      continue;
+    }
+    const uint8_t* row = v.Head(rows[r++], 0);
     for (uint32_t h = 0; h < heads; ++h, out += size_t{head_dim} * 2) {
       const uint8_t* head = row + h * v.head_stride;
       if (v.dim_run == 1) {
@@ -76,8 +152,20 @@ inline void ScatterHeads(const uint8_t* in, uint32_t heads, uint32_t head_dim, c
                          const uint32_t* rows, uint32_t n) {
   const uint32_t runs = head_dim / v.dim_run;
   const size_t run_bytes = size_t{v.dim_run} * 2;
-  for (uint32_t r = 0; r < n; ++r) {
-    uint8_t* row = v.Head(rows[r], 0);
+  const size_t in_row = size_t{heads} * head_dim * 2;
+  for (uint32_t r = 0; r < n;) {
+    const uint32_t len = AdjacentRows(v, rows, r, n);
+    if (len > 1) {
+      uint8_t* first = v.Head(rows[r], 0);
+      for (uint32_t h = 0; h < heads; ++h) {
+        TransposeU16(in + size_t{h} * head_dim * 2, in_row, first + h * v.head_stride,
+                     v.dim_run_stride, len, head_dim);
+      }
+      in += len * in_row;
+      r += len;
+      continue;
+    }
+    uint8_t* row = v.Head(rows[r++], 0);
     for (uint32_t h = 0; h < heads; ++h, in += size_t{head_dim} * 2) {
       uint8_t* head = row + h * v.head_stride;
       if (v.dim_run == 1) {

@@ -562,6 +562,13 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
                                                          const kernels::BlockLayout& layout,
                                                          std::shared_ptr<FaultBudget> budget) {
   const ClientObjectRules rules = RulesFor(&spec.caller);
+  // The engine's KV pages a restore writes are in memory already (the client libraries write
+  // what they lend); mapping them now spares the first restore into them a page fault per
+  // page. Pages not in memory stay unmapped, for the fault budget to charge when touched. At
+  // most kMapResidentBytesPerPool of a pool's buffers are looked at (mincore walks every page,
+  // and a client may lend terabytes of holes); beyond, pages fault in as tasks touch them.
+  constexpr uint64_t kMapResidentBytesPerPool = uint64_t{8} << 30;
+  uint64_t map_left = kMapResidentBytesPerPool;
   std::vector<std::unique_ptr<ShmMapping>> buffers;
   std::vector<uint8_t*> bases;
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
@@ -582,6 +589,9 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
                              ": a HOST pool needs host_fd_id or host_shm_name, not "
                              "cuda_ipc_handle");
     }
+    const uint64_t look = std::min(map_left, m->size());
+    ResidencyProbe::MapResident(m->data(), look);
+    map_left -= look;
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
   }

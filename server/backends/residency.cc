@@ -37,6 +37,41 @@ void ResidencyProbe::SetMappings(std::vector<Mapping> mappings) {
   mappings_ = std::move(mappings);
 }
 
+uint64_t ResidencyProbe::MapResident(void* p, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr size_t kPagesPerPart = 128;
+  const uintptr_t page = PageBytes();
+  uintptr_t at = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  unsigned char v[kPagesPerPart];
+  uint64_t mapped = 0;
+  for (; at < end;) {
+    const size_t n = std::min<size_t>((end - at) / page, kPagesPerPart);
+    if (::mincore(reinterpret_cast<void*>(at), n * page, v) != 0) return mapped;
+    for (size_t i = 0; i < n;) {
+      if ((v[i] & 1) == 0) {
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j < n && (v[j] & 1) != 0) ++j;
+      if (::madvise(reinterpret_cast<void*>(at + i * page), (j - i) * page, MADV_POPULATE_WRITE) !=
+          0) {
+        return mapped;  // EINVAL: not supported; EFAULT: the object shrank
+      }
+      mapped += (j - i) * page;
+      i = j;
+    }
+    at += n * page;
+  }
+  return mapped;
+#else
+  (void)p;
+  (void)bytes;
+  return 0;
+#endif
+}
+
 void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
   const uintptr_t page = PageBytes();
   begin &= ~(page - 1);
@@ -49,6 +84,26 @@ void ResidencyProbe::Add(uintptr_t begin, uintptr_t end) {
     }
   }
   runs_.emplace_back(begin, end);
+}
+
+void ResidencyProbe::AddToSlot(size_t slot, uintptr_t begin, uintptr_t end) {
+  const uintptr_t page = PageBytes();
+  begin &= ~(page - 1);
+  end = (end + page - 1) & ~(page - 1);
+  auto& open = open_[slot];
+  if (open.second != 0 && begin >= open.first && begin <= open.second) {
+    open.second = std::max(open.second, end);
+    return;
+  }
+  if (open.second != 0) runs_.push_back(open);
+  open = {begin, end};
+}
+
+void ResidencyProbe::CloseSlots() {
+  for (auto& open : open_) {
+    if (open.second != 0) runs_.push_back(open);
+    open = {0, 0};
+  }
 }
 
 uint64_t ResidencyProbe::RangeNotResident(const void* p, size_t bytes) {
@@ -65,7 +120,10 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
   if (num_rows == 0 || layout.num_layers == 0) return 0;
   const uint64_t head_bytes = uint64_t{layout.row.head_dim} * 2;
   const uint32_t heads = layout.row.num_heads;
-  auto add_row = [&](const kernels::StridedView& v, uint32_t row) {
+  // Heads that lie apart (a tile per head) go to a run per layer and head: the rows of a page
+  // then make one run per head instead of one per row and head, which would need sorting.
+  open_.assign(size_t{layout.num_layers} * heads, {0, 0});
+  auto add_row = [&](const kernels::StridedView& v, uint32_t layer, uint32_t row) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(v.Head(row, 0));
     if (v.head_stride == head_bytes && v.dim_run == 0) {
       Add(start, start + heads * head_bytes);
@@ -74,7 +132,7 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
     const uint64_t head_span = v.HeadSpan(layout.row.head_dim);  // a split head's whole extent
     for (uint32_t h = 0; h < heads; ++h) {
       const uintptr_t head = start + uint64_t{h} * v.head_stride;
-      Add(head, head + head_span);
+      AddToSlot(size_t{layer} * heads + h, head, head + head_span);
     }
   };
   for (uint32_t p = 0; p < layout.kv_planes; ++p) {
@@ -91,13 +149,14 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
     }
     if (layers_inner) {
       for (size_t i = 0; i < num_rows; ++i) {
-        for (uint32_t l = 0; l < layout.num_layers; ++l) add_row(layers[l].planes[p], rows[i]);
+        for (uint32_t l = 0; l < layout.num_layers; ++l) add_row(layers[l].planes[p], l, rows[i]);
       }
     } else {
       for (uint32_t l = 0; l < layout.num_layers; ++l) {
-        for (size_t i = 0; i < num_rows; ++i) add_row(layers[l].planes[p], rows[i]);
+        for (size_t i = 0; i < num_rows; ++i) add_row(layers[l].planes[p], l, rows[i]);
       }
     }
+    CloseSlots();
   }
   return CountNotResident();
 }

@@ -3,7 +3,9 @@
 //
 // For the rows of a task it collects the pages their heads span in every layer and plane,
 // merged into runs (rows that follow each other in memory make one run, so a vLLM page of 16
-// rows costs one entry), and asks mincore about each run. A page counts as not resident when it
+// rows costs one entry; a view whose heads lie apart, or are split, merges each head of a layer
+// with the same head of the rows before it, so a tile of a page costs one entry per head), and
+// asks mincore about each run. A page counts as not resident when it
 // is not in the object's page cache: never written, hole-punched or swapped out. The answer is a
 // snapshot: a page the client punches after the probe is faulted without a charge, one page per
 // race the client wins.
@@ -52,12 +54,25 @@ class ResidencyProbe {
   // counts one page. Replaces the earlier set.
   void SetMappings(std::vector<Mapping> mappings);
   static constexpr uintptr_t kHugeExtentBytes = uintptr_t{2} << 20;
+  // Maps the pages of [p, p + bytes) (a shared mapping of the daemon's) that are resident into
+  // the daemon's page tables now (MADV_POPULATE_WRITE), so that a task's first write to them
+  // takes no page fault. Pages that are not resident are left alone: mapping them would
+  // allocate them on the daemon's account. It asks mincore about 512 KiB at a time and maps that
+  // part's resident runs right after, so a page the client punches in between is faulted without
+  // a charge, at most 512 KiB per race the client wins. Returns the bytes mapped (0 where the
+  // kernel lacks MADV_POPULATE_WRITE).
+  static uint64_t MapResident(void* p, size_t bytes);
 
   static size_t PageBytes();
 
  private:
   // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
   void Add(uintptr_t begin, uintptr_t end);
+  // Adds [begin, end) to the open run of `slot` (one per layer and head), extending it when it
+  // overlaps or touches it, else moving it to runs_ and opening a new one.
+  void AddToSlot(size_t slot, uintptr_t begin, uintptr_t end);
+  // Moves every open run to runs_.
+  void CloseSlots();
   uint64_t CountNotResident();
   // Bytes of the pages of page-aligned [begin, end) that mincore reports not resident.
   uint64_t AskMincore(uintptr_t begin, uintptr_t end);
@@ -72,6 +87,7 @@ class ResidencyProbe {
   uint64_t AskHugeExtents(const Mapping& m, uintptr_t begin, uintptr_t end, ExtentSeen* seen);
 
   std::vector<std::pair<uintptr_t, uintptr_t>> runs_;  // page-aligned [begin, end)
+  std::vector<std::pair<uintptr_t, uintptr_t>> open_;  // per slot; {0, 0} = none
   std::vector<unsigned char> pages_;                   // mincore's answer for one run
   std::vector<Mapping> mappings_;                      // sorted by begin, disjoint
 };

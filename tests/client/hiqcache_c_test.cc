@@ -7,7 +7,10 @@
 #include "hiqcache/hiqcache_c.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "hiqcache/block_keys.h"
+#include "hiqcache/pool_spec.h"
 #include "huge_pages.h"
 #include "integration/daemon_process.h"
 #include "time_margin.h"
@@ -540,6 +544,148 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
     }
     c.hiq_host_pool_destroy(pool);
   }
+}
+
+// Split views (row_group, dim_run) through hiq_register_pool: a HOST buffer laid out as vLLM's
+// CPU attention tiles ([layer][K|V][page][head][tile]: K as [dim][token], runs of one element;
+// V as [token / 8][dim / 2][token % 8][dim % 2]), a RAW backup of two pages and a restore into
+// two others give back every element at the address the C++ TensorView computes; a dim_run that
+// does not divide head_dim and a row_group_stride_bytes that makes elements overlap get
+// INVALID_ARGUMENT naming the field.
+TEST_F(HiqcacheCDaemonTest, SplitViewsRoundTrip) {
+  const Api& c = C();
+  constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kBs = 16, kPages = 4;
+  constexpr uint64_t kTile = uint64_t{kBs} * kDim * 2, kPage = kHeads * kTile;
+  constexpr uint64_t kPlane = kPages * kPage, kBytes = kLayers * 2 * kPlane;
+  const std::string name = "/hiq-c-split-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, kBytes), 0);
+  void* m = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* data = static_cast<uint8_t*>(m);
+  std::memset(data, 0, kBytes);
+
+  std::vector<hiq_layer_view> layers(kLayers);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      hiq_tensor_view& v = p == 0 ? layers[l].k : layers[l].v;
+      v.buffer = 0;
+      v.num_rows = kPages * kBs;
+      v.offset_bytes = (2 * l + p) * kPlane;
+      v.head_stride_bytes = kTile;
+      v.page_rows = kBs;
+      v.page_stride_bytes = kPage;
+      if (p == 0) {
+        v.row_stride_bytes = 2;
+        v.dim_run = 1;
+        v.dim_run_stride_bytes = kBs * 2;
+      } else {
+        v.row_stride_bytes = 4;
+        v.row_group = 8;
+        v.row_group_stride_bytes = 8 * kDim * 2;
+        v.dim_run = 2;
+        v.dim_run_stride_bytes = 8 * 2 * 2;
+      }
+    }
+    layers[l].has_v = 1;
+  }
+  // The C++ client's view of the same layer: where element (row, head, d) lies.
+  auto element = [&](uint32_t l, uint32_t p, uint32_t r, uint32_t h, uint32_t d) {
+    const hiq_tensor_view& cv = p == 0 ? layers[l].k : layers[l].v;
+    TensorView v;
+    v.offset_bytes = cv.offset_bytes;
+    v.row_stride_bytes = cv.row_stride_bytes;
+    v.num_rows = cv.num_rows;
+    v.head_stride_bytes = cv.head_stride_bytes;
+    v.page_rows = cv.page_rows;
+    v.page_stride_bytes = cv.page_stride_bytes;
+    v.row_group = cv.row_group;
+    v.row_group_stride_bytes = cv.row_group_stride_bytes;
+    v.dim_run = cv.dim_run;
+    v.dim_run_stride_bytes = cv.dim_run_stride_bytes;
+    EXPECT_LE(v.EndOffset(kHeads, kDim * 2), kPlane * (2 * l + p + 1));
+    return reinterpret_cast<uint16_t*>(data + v.ElementOffset(r, h, d, kDim * 2));
+  };
+  std::vector<uint32_t> src_rows, dst_rows;
+  for (uint32_t t = 0; t < 2 * kBs; ++t) {
+    src_rows.push_back(t);                            // pages 0, 1
+    dst_rows.push_back((t < kBs ? 3 : 1) * kBs + t);  // pages 3, 2
+  }
+  std::mt19937 rng(5);
+  for (uint32_t l = 0; l < kLayers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (uint32_t r : src_rows)
+        for (uint32_t h = 0; h < kHeads; ++h)
+          for (uint32_t d = 0; d < kDim; ++d) *element(l, p, r, h, d) = rng() & 0x7F7F;
+
+  hiq_buffer buffer{};
+  buffer.host_shm_name = name.c_str();
+  buffer.size_bytes = kBytes;
+  hiq_pool_desc desc{};
+  desc.model = "c-abi-split";
+  desc.geometry = {kLayers, kHeads, kDim, HIQ_DTYPE_BF16, HIQ_ATTENTION_MHA, 0, 1};
+  desc.block_tokens = kBs;
+  desc.codec = HIQ_CODEC_RAW;
+  desc.device_kind = HIQ_DEVICE_HOST;
+  desc.num_buffers = 1;
+  desc.buffers = &buffer;
+  desc.layers = layers.data();
+
+  // Bad split views first: refused, nothing registered.
+  hiq_pool handle = 0;
+  layers[1].k.dim_run = 3;
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &handle, nullptr), HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("layers[1].k.dim_run"), std::string::npos)
+      << c.hiq_last_error();
+  layers[1].k.dim_run = 1;
+  layers[0].v.row_group_stride_bytes = 64;  // inside the 8 slots x 4 bytes x 32 runs of a group
+  EXPECT_EQ(c.hiq_register_pool(client_, &desc, 0, &handle, nullptr), HIQ_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(c.hiq_last_error()).find("layers[0].v.row_group_stride_bytes"),
+            std::string::npos)
+      << c.hiq_last_error();
+  layers[0].v.row_group_stride_bytes = 8 * kDim * 2;
+  EXPECT_EQ(handle, 0u);
+
+  ASSERT_EQ(c.hiq_register_pool(client_, &desc, 0, &handle, nullptr), HIQ_OK) << c.hiq_last_error();
+  std::vector<uint32_t> tokens(2 * kBs);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i + 7);
+  std::vector<uint8_t> keys(16 * 2);
+  uint64_t nkeys = 0;
+  ASSERT_EQ(c.hiq_compute_block_keys(tokens.data(), tokens.size(), kBs, nullptr, 0, keys.data(), 2,
+                                     &nkeys),
+            HIQ_OK);
+  uint8_t status[2];
+  ASSERT_EQ(c.hiq_backup(client_, handle, keys.data(), 2, src_rows.data(), src_rows.size(), -1, 0,
+                         -1, 1, status, nullptr),
+            HIQ_OK)
+      << c.hiq_last_error();
+  EXPECT_EQ(status[0], HIQ_BLOCK_STORED);
+  EXPECT_EQ(status[1], HIQ_BLOCK_STORED);
+  uint32_t restored = 0;
+  ASSERT_EQ(c.hiq_restore(client_, handle, keys.data(), 2, dst_rows.data(), dst_rows.size(), -1, 0,
+                          -1, -1, 1, &restored, nullptr),
+            HIQ_OK)
+      << c.hiq_last_error();
+  EXPECT_EQ(restored, 2u);
+  uint64_t checked = 0, differ = 0, nonzero = 0;
+  for (uint32_t l = 0; l < kLayers; ++l)
+    for (uint32_t p = 0; p < 2; ++p)
+      for (size_t i = 0; i < src_rows.size(); ++i)
+        for (uint32_t h = 0; h < kHeads; ++h)
+          for (uint32_t d = 0; d < kDim; ++d) {
+            const uint16_t x = *element(l, p, src_rows[i], h, d);
+            differ += x != *element(l, p, dst_rows[i], h, d);
+            nonzero += x != 0;
+            ++checked;
+          }
+  EXPECT_EQ(differ, 0u) << "of " << checked;
+  EXPECT_GT(nonzero, checked / 2);
+  EXPECT_EQ(checked, uint64_t{kLayers} * 2 * 2 * kBs * kHeads * kDim);
+  EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+  ::munmap(m, kBytes);
+  ::shm_unlink(name.c_str());
 }
 
 // The flat description path, for CUDA pools on a daemon without a CUDA backend: the slot fields

@@ -307,6 +307,26 @@ TEST(CodecCpu, DecodeAtEveryDestinationAlignment) {
   ExpectNoErrors(errors);
 }
 
+// TransposeU16 (the split-head scatter's transpose) against an element-wise transpose, for sizes
+// around its 8 x 8 blocks, with padded pitches.
+TEST(CodecCpu, TransposeU16MovesEveryElement) {
+  for (uint32_t rows = 1; rows <= 19; ++rows) {
+    for (uint32_t cols = 1; cols <= 19; ++cols) {
+      const size_t src_pitch = size_t{cols} * 2 + 6, dst_pitch = size_t{rows} * 2 + 10;
+      std::vector<uint8_t> src(rows * src_pitch), dst(cols * dst_pitch, 0xEE);
+      for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + rows);
+      TransposeU16(src.data(), src_pitch, dst.data(), dst_pitch, rows, cols);
+      std::vector<uint8_t> want(cols * dst_pitch, 0xEE);
+      for (uint32_t r = 0; r < rows; ++r) {
+        for (uint32_t c = 0; c < cols; ++c) {
+          std::memcpy(&want[c * dst_pitch + r * 2], &src[r * src_pitch + c * 2], 2);
+        }
+      }
+      ASSERT_EQ(dst, want) << rows << " x " << cols;
+    }
+  }
+}
+
 // Views with split addressing (StridedView::row_group, dim_run): vLLM CPU attention's tiles,
 // [pages][heads][K|V][...], K as [dim][token] (runs of one element) and as token groups of 8
 // with dims in pairs ([t / 8][d / 2][t % 8][d % 2]), V as [token][dim]. Each codec encodes the
@@ -383,9 +403,14 @@ TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
         pv.head_stride = kDim * 2;
         pv.num_rows = rows_total;
       }
+      // Every other block's slots kinked (0..10, then 15 down to 11): a run of adjacent slots
+      // that is not a multiple of 8, then single ones.
       std::vector<uint32_t> rows;
-      for (uint32_t b : order) {
-        for (uint32_t t = 0; t < kBs; ++t) rows.push_back(b * kBs + t);
+      for (uint32_t i = 0; i < 4; ++i) {
+        for (uint32_t t = 0; t < kBs; ++t) {
+          const uint32_t slot = (i % 2 == 1 && t > 10) ? kBs - 1 - (t - 11) : t;
+          rows.push_back(order[i] * kBs + slot);
+        }
       }
       const uint32_t blocks = 4;
       auto encode = [&](const LayerViews& views, auto&& run) {

@@ -85,17 +85,15 @@ class CClient:
 
     def register_host(self, shm_name: str, size_bytes: int, geometry, layers, model: str,
                       block_tokens: int, codec: int, pending: bool = False) -> int:
-        """layers: hiqcache.LayerView-like objects (k, v with buffer, num_rows, offset_bytes,
-        row_stride_bytes, head_stride_bytes)."""
+        """layers: hiqcache.LayerView objects (every TensorView field is passed on)."""
         g = Geometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
                      int(geometry.dtype.value == "fp16"), 0, geometry.tp_rank, geometry.tp_size)
         bufs = (Buffer * 1)(Buffer(shm_name.encode(), None, 0, 0, size_bytes))
         lv = (LayerView * max(1, len(layers)))()
         for i, layer in enumerate(layers):
             for dst, src in ((lv[i].k, layer.k), (lv[i].v, layer.v)):
-                dst.buffer, dst.num_rows = src.buffer, src.num_rows
-                dst.offset_bytes, dst.row_stride_bytes = src.offset_bytes, src.row_stride_bytes
-                dst.head_stride_bytes = src.head_stride_bytes
+                for field, _ in dst._fields_:
+                    setattr(dst, field, getattr(src, field))
             lv[i].has_v = 1
         desc = PoolDesc(model=model.encode(), geometry=g, block_tokens=block_tokens, codec=codec,
                         device_kind=HIQ_DEVICE_HOST, num_buffers=1, buffers=bufs, layers=lv)

@@ -234,8 +234,46 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(make_client, 
     assert c.blocks() == 0
 
 
+def tile_views(kv: HostKv) -> tuple[hq.LayerView, ...]:
+    """kv's buffer read as vLLM's CPU attention tiles (split views): each (layer, K|V) region is
+    [page of BT rows][head][tile]; K's tile [dim][token] (runs of one element), V's
+    [token / 8][dim / 2][token % 8][dim % 2]."""
+    g, e = kv.g, 2
+    tile = BT * g.head_dim * e
+    plane = kv.rows * g.num_kv_heads * g.head_dim * e
+
+    def view(l: int, p: int) -> hq.TensorView:
+        common = dict(buffer=0, offset_bytes=(2 * l + p) * plane, num_rows=kv.rows,
+                      head_stride_bytes=tile, page_rows=BT,
+                      page_stride_bytes=g.num_kv_heads * tile)
+        if p == 0:
+            return hq.TensorView(**common, row_stride_bytes=e, dim_run=1,
+                                 dim_run_stride_bytes=BT * e)
+        return hq.TensorView(**common, row_stride_bytes=2 * e, row_group=8,
+                             row_group_stride_bytes=8 * g.head_dim * e, dim_run=2,
+                             dim_run_stride_bytes=8 * 2 * e)
+    return tuple(hq.LayerView(k=view(l, 0), v=view(l, 1)) for l in range(g.num_layers))
+
+
+def test_split_views_round_trip(make_client, daemon, kv):
+    """RAW through split views: a backup of pages 0-3 restored into pages 7-4 writes each page's
+    tiles byte for byte (the tiles fill their pages, so page bytes compare whole)."""
+    c = make_client(daemon.target)
+    pool = c.register(kv, "conf-split", hq.Codec.RAW, layers=tile_views(kv))
+    kv.fill(range(4 * BT), seed=9)
+    keys = keys_for(4, salt="split")
+    assert c.backup(pool, keys, range(4 * BT)) == ([0] * 4, 0, "")
+    into = [r for b in (7, 6, 5, 4) for r in range(b * BT, (b + 1) * BT)]
+    n, code, msg = c.restore(pool, keys, into)
+    assert (n, code) == (4, 0), msg
+    pages = kv.data.reshape(G.num_layers, 2, kv.rows // BT, -1)
+    assert pages[:, :, :4].any()
+    assert np.array_equal(pages[:, :, 4:][:, :, ::-1], pages[:, :, :4])
+
+
 @pytest.mark.parametrize("bad, field", [
-    ("head_dim", "geometry.head_dim"), ("small_buffer", "layers[0].v"), ("model", "model")])
+    ("head_dim", "geometry.head_dim"), ("small_buffer", "layers[0].v"), ("model", "model"),
+    ("dim_run", "layers[1].k.dim_run"), ("row_group", "layers[0].v.row_group_stride_bytes")])
 def test_bad_registration_is_refused_naming_the_field(make_client, daemon, kv, bad, field):
     c = make_client(daemon.target)
     small = HostKv(G, 2 * BT)
@@ -245,6 +283,15 @@ def test_bad_registration_is_refused_naming_the_field(make_client, daemon, kv, b
                 c.register(kv, "conf-badreg", geometry=dataclasses.replace(G, head_dim=0))
             elif bad == "small_buffer":  # kv's views over a buffer of a quarter of their size
                 c.register(small, "conf-badreg", layers=kv.layers)
+            elif bad in ("dim_run", "row_group"):  # 3 does not divide 64; elements overlap
+                views = list(tile_views(kv))
+                if bad == "dim_run":
+                    views[1] = dataclasses.replace(
+                        views[1], k=dataclasses.replace(views[1].k, dim_run=3))
+                else:
+                    views[0] = dataclasses.replace(
+                        views[0], v=dataclasses.replace(views[0].v, row_group_stride_bytes=64))
+                c.register(kv, "conf-badreg", layers=views)
             else:
                 c.register(kv, "")
         assert err.value.code == INVALID_ARGUMENT and err.value.message.startswith(field), \

@@ -4,8 +4,12 @@
 // whose pages are partly written (resident) and partly holes. Also the mappings whose faults are
 // not one page per missing page: hugetlbfs (never counted) and shmem that transparent huge pages
 // may back (a wholly missing 2 MiB extent counted whole).
+// in page_head, tiles of split heads as in vLLM's CPU attention), rows in order, in reverse and
+// shuffled, K and V apart or aliased, over a memfd whose pages are partly written (resident) and
+// partly holes.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,8 +63,10 @@ class ResidencyProbeTest : public ::testing::Test {
       for (uint32_t p = 0; p < 2; ++p) {
         for (uint32_t r : rows) {
           for (uint32_t h = 0; h < kHeads; ++h) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(views[l].planes[p].Head(r, h));
-            for (uintptr_t x = a & ~(page_ - 1); x < a + kHeadBytes; x += page_) pages.insert(x);
+            const kernels::StridedView& v = views[l].planes[p];
+            const uintptr_t a = reinterpret_cast<uintptr_t>(v.Head(r, h));
+            const uint64_t span = v.HeadSpan(kDim);
+            for (uintptr_t x = a & ~(page_ - 1); x < a + span; x += page_) pages.insert(x);
           }
         }
       }
@@ -120,6 +126,28 @@ class ResidencyProbeTest : public ::testing::Test {
     return v;
   }
 
+  // vLLM's CPU tiles: [plane][layer][page][head][dim][page row], 16-row pages, each head's
+  // elements a run of one (dim_run 1) 16 elements apart.
+  std::vector<kernels::LayerViews> SplitTiles() const {
+    constexpr uint64_t kPageRows = 16;
+    constexpr uint64_t kTileBytes = kPageRows * kHeadBytes;
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data_ + p * kPlaneBytes + l * kSlots * kRowBytes;
+        s.row_stride = 2;
+        s.head_stride = kTileBytes;
+        s.page_rows = kPageRows;
+        s.page_stride = kHeads * kTileBytes;
+        s.num_rows = kSlots;
+        s.dim_run = 1;
+        s.dim_run_stride = kPageRows * 2;
+      }
+    }
+    return v;
+  }
+
   void Check(const std::string& what, const std::vector<kernels::LayerViews>& views) {
     std::vector<std::vector<uint32_t>> row_sets;
     std::vector<uint32_t> rows(64);
@@ -157,6 +185,10 @@ TEST_F(ResidencyProbeTest, LayerFirstCountsEachMissingPageOnce) {
 }
 
 TEST_F(ResidencyProbeTest, HeadsApartCountEachMissingPageOnce) { Check("page_head", PageHead()); }
+
+TEST_F(ResidencyProbeTest, SplitTilesCountEachMissingPageOnce) {
+  Check("split tiles", SplitTiles());
+}
 
 TEST_F(ResidencyProbeTest, AliasedPlanesCountEachMissingPageOnce) {
   Check("page_first, V aliasing K", PageFirst(/*alias_v=*/true));
@@ -217,6 +249,43 @@ TEST(ResidencyProbeMappingsTest, HugeExtentsCountWholeAndHugetlbNotAtAll) {
   EXPECT_EQ(probe.RangeNotResident(data + kExtent - page, 3 * page), page);
   ::munmap(p, bytes);
   ::close(fd);
+}
+
+long MinorFaults() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// MapResident maps the written pages of a second mapping of the memfd (a write to them then
+// takes no fault, where one to an unmapped mapping takes one per page) and allocates none of the
+// holes.
+TEST_F(ResidencyProbeTest, MapResidentMapsWrittenPagesAndNoHoles) {
+  const uint64_t written = (bytes_ / page_ + 2) / 3 * page_;
+  ASSERT_EQ(probe_.RangeNotResident(data_, bytes_), bytes_ - written);
+  auto map = [&]() {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    return static_cast<uint8_t*>(p);
+  };
+  // Writes a byte to every written page; the minor faults that took.
+  auto touch = [&](uint8_t* m) {
+    const long before = MinorFaults();
+    for (uint64_t at = 0; at < bytes_; at += 3 * page_) m[at] = 2;
+    return MinorFaults() - before;
+  };
+  uint8_t* cold = map();
+  const long cold_faults = touch(cold);
+  uint8_t* warm = map();
+  const uint64_t mapped = ResidencyProbe::MapResident(warm, bytes_);
+  if (mapped == 0) GTEST_SKIP() << "no MADV_POPULATE_WRITE in this kernel";
+  EXPECT_EQ(mapped, written);
+  EXPECT_EQ(probe_.RangeNotResident(data_, bytes_), bytes_ - written) << "a hole was allocated";
+  const long warm_faults = touch(warm);
+  EXPECT_GE(cold_faults, static_cast<long>(written / page_) / 2);
+  EXPECT_LT(warm_faults, cold_faults / 4) << "cold " << cold_faults;
+  ::munmap(cold, bytes_);
+  ::munmap(warm, bytes_);
 }
 
 }  // namespace

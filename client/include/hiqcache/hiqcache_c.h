@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below changes layout or a function changes meaning. */
-#define HIQ_C_ABI_VERSION 2
+#define HIQ_C_ABI_VERSION 3
 
 enum hiq_status_code {
   HIQ_OK = 0,
@@ -132,7 +132,13 @@ typedef struct hiq_buffer {
 } hiq_buffer;
 
 /* docs/design.md TensorView: head h of row r at base(buffer) + offset_bytes + p * page_stride_bytes
- * + t * row_stride_bytes + h * head_stride_bytes (p, t = r / page_rows, r % page_rows). */
+ * + slot(t) + h * head_stride_bytes (p, t = r / page_rows, r % page_rows), slot(t) =
+ * t * row_stride_bytes, or with row_group > 0 (t / row_group) * row_group_stride_bytes +
+ * (t % row_group) * row_stride_bytes. A head is head_dim contiguous elements, or with dim_run > 0
+ * (a divisor of head_dim) head_dim / dim_run runs of dim_run elements, run j at
+ * j * dim_run_stride_bytes from the head's start. row_group and dim_run (split views, for an
+ * engine's tiles) are for HOST pools; 0 = not split. The daemon checks every field and names the
+ * bad one. */
 typedef struct hiq_tensor_view {
   uint32_t buffer;
   uint32_t num_rows;
@@ -141,6 +147,10 @@ typedef struct hiq_tensor_view {
   uint64_t head_stride_bytes; /* 0 = head_dim elements */
   uint64_t page_rows;         /* 0 = not paged */
   uint64_t page_stride_bytes;
+  uint32_t row_group; /* 0 = slots not grouped */
+  uint32_t dim_run;   /* 0 = a head's elements contiguous */
+  uint64_t row_group_stride_bytes;
+  uint64_t dim_run_stride_bytes;
 } hiq_tensor_view;
 
 typedef struct hiq_layer_view {

@@ -47,9 +47,15 @@ struct Geometry {
 };
 
 // A strided view of one K, V or latent tensor (docs/design.md TensorView). Row r is page
-// p = r / page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0, t = r; head h of
-// row r starts at base(buffer) + offset_bytes + p * page_stride_bytes + t * row_stride_bytes +
-// h * head_stride_bytes (head_stride_bytes 0 = head_dim elements) and holds head_dim elements.
+// p = r / page_rows, t = r % page_rows when paged (page_rows > 0), else p = 0, t = r. Slot t is
+// at t * row_stride_bytes, or, with slots grouped (row_group > 0), at
+// (t / row_group) * row_group_stride_bytes + (t % row_group) * row_stride_bytes. Head h of row r
+// starts at base(buffer) + offset_bytes + p * page_stride_bytes + (slot t's offset) +
+// h * head_stride_bytes (head_stride_bytes 0 = head_dim elements) and holds head_dim contiguous
+// elements, or, with the head split (dim_run > 0, a divisor of head_dim), head_dim / dim_run
+// runs of dim_run contiguous elements, run j at j * dim_run_stride_bytes from the head's start.
+// Split views (row_group, dim_run: an engine's tiles) are for HOST pools; the daemon validates
+// every field at registration (INVALID_ARGUMENT naming the field).
 struct TensorView {
   uint32_t buffer = 0;  // index into PoolSpec::buffers
   uint64_t offset_bytes = 0;
@@ -58,10 +64,16 @@ struct TensorView {
   uint64_t head_stride_bytes = 0;
   uint64_t page_rows = 0;
   uint64_t page_stride_bytes = 0;
+  uint32_t row_group = 0;  // 0 = slots not grouped
+  uint64_t row_group_stride_bytes = 0;
+  uint32_t dim_run = 0;  // 0 = a head's elements contiguous
+  uint64_t dim_run_stride_bytes = 0;
 
-  // Byte offset from the buffer base of head `head` of row `row`. `head_bytes` (head_dim *
-  // element size) is the head stride used when head_stride_bytes is 0.
+  // Byte offset from the buffer base of head `head` of row `row` (its first element).
+  // `head_bytes` (head_dim * element size) is the head stride used when head_stride_bytes is 0.
   uint64_t HeadOffset(uint32_t row, uint32_t head, uint64_t head_bytes) const;
+  // Byte offset from the buffer base of element `d` of head `head` of row `row`.
+  uint64_t ElementOffset(uint32_t row, uint32_t head, uint32_t d, uint64_t head_bytes) const;
   // One past the last byte the view addresses for `num_heads` heads (0 when num_rows is 0):
   // the buffer must be at least this large.
   uint64_t EndOffset(uint32_t num_heads, uint64_t head_bytes) const;
