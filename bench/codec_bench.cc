@@ -621,8 +621,8 @@ class CollectingReporter : public benchmark::ConsoleReporter {
       // SetBytesProcessed's counter, already divided by the (real, with UseRealTime) time.
       auto it = run.counters.find("bytes_per_second");
       if (it == run.counters.end()) continue;
-      const std::string name = run.run_name.function_name +
-                               (run.run_name.args.empty() ? "" : "/") + run.run_name.args;
+      const std::string name =
+          run.run_name.function_name + (run.run_name.args.empty() ? "" : "/") + run.run_name.args;
       (median ? medians_ : rates_)[name].push_back(it->second.value / 1e9);
     }
     ConsoleReporter::ReportRuns(runs);
