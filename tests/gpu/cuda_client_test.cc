@@ -506,12 +506,15 @@ class GpuClient {
   const ChildEnv env = GetChildEnv(); \
   if (!env.ok) GTEST_SKIP() << "runs only as a client process of CudaClientGpu.*";
 
-TEST(CudaClientChild, RoundTrip) {
-  HIQ_CHILD_PRELUDE(env);
-  Reference ref;
+// Backup, Lookup, then a sync and an asynchronous (per-layer ticket) restore of `codec`, each
+// compared with the reference on the device and on the host; touches `ok_file` when all held.
+// `layer_ms`, when given, gets each layer's ready time of the asynchronous restore.
+void RoundTripAs(const ChildEnv& env, Codec codec, kernels::CodecKind kind,
+                 std::vector<double>* layer_ms, const std::string& ok_file) {
+  Reference ref(kind);
   ASSERT_NO_FATAL_FAILURE(MakeReference(env.seed, &ref));
   GpuClient c;
-  ASSERT_NO_FATAL_FAILURE(c.Init(env, /*one_allocation=*/false));
+  ASSERT_NO_FATAL_FAILURE(c.Init(env, /*one_allocation=*/false, codec));
   ASSERT_NO_FATAL_FAILURE(c.Fill());
   ASSERT_NO_FATAL_FAILURE(c.Backup());
   LookupResult lookup = c.client().Lookup(c.pool(), c.keys());
@@ -522,35 +525,24 @@ TEST(CudaClientChild, RoundTrip) {
   ASSERT_NO_FATAL_FAILURE(c.RestoreSyncAndCompare(ref));
   ASSERT_NO_FATAL_FAILURE(c.CheckOnHost(ref));
   ASSERT_NO_FATAL_FAILURE(c.Overwrite());
-  std::vector<double> layer_ms;
-  ASSERT_NO_FATAL_FAILURE(c.RestoreAsyncAndCompare(ref, &layer_ms));
+  ASSERT_NO_FATAL_FAILURE(c.RestoreAsyncAndCompare(ref, layer_ms));
   ASSERT_NO_FATAL_FAILURE(c.CheckOnHost(ref));
+  c.Release();
+  if (!::testing::Test::HasFailure()) Touch(env.dir + "/" + ok_file);
+}
+
+TEST(CudaClientChild, RoundTrip) {
+  HIQ_CHILD_PRELUDE(env);
+  std::vector<double> layer_ms;
+  ASSERT_NO_FATAL_FAILURE(RoundTripAs(env, Codec::kInt8PerHead, kernels::CodecKind::kInt8PerHead,
+                                      &layer_ms, "ok-roundtrip"));
   std::printf("async restore of %u tokens: layer 0 ready after %.2f ms, layer %u after %.2f ms\n",
               kTokens, layer_ms.front(), kLayers - 1, layer_ms.back());
-  c.Release();
-  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-roundtrip");
 }
 
 TEST(CudaClientChild, Int4KiviRoundTrip) {
   HIQ_CHILD_PRELUDE(env);
-  Reference ref(kernels::CodecKind::kInt4Kivi);
-  ASSERT_NO_FATAL_FAILURE(MakeReference(env.seed, &ref));
-  GpuClient c;
-  ASSERT_NO_FATAL_FAILURE(c.Init(env, /*one_allocation=*/false, Codec::kInt4Kivi));
-  ASSERT_NO_FATAL_FAILURE(c.Fill());
-  ASSERT_NO_FATAL_FAILURE(c.Backup());
-  LookupResult lookup = c.client().Lookup(c.pool(), c.keys());
-  HIQ_ASSERT_OK(lookup.status);
-  EXPECT_EQ(lookup.prefix_blocks, kBlocks);
-  ASSERT_NO_FATAL_FAILURE(c.UploadExpected(ref));
-  ASSERT_NO_FATAL_FAILURE(c.Overwrite());
-  ASSERT_NO_FATAL_FAILURE(c.RestoreSyncAndCompare(ref));
-  ASSERT_NO_FATAL_FAILURE(c.CheckOnHost(ref));
-  ASSERT_NO_FATAL_FAILURE(c.Overwrite());
-  ASSERT_NO_FATAL_FAILURE(c.RestoreAsyncAndCompare(ref, nullptr));
-  ASSERT_NO_FATAL_FAILURE(c.CheckOnHost(ref));
-  c.Release();
-  if (!::testing::Test::HasFailure()) Touch(env.dir + "/ok-kivi");
+  RoundTripAs(env, Codec::kInt4Kivi, kernels::CodecKind::kInt4Kivi, nullptr, "ok-kivi");
 }
 
 TEST(CudaClientChild, BackupOnly) {
