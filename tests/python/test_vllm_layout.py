@@ -122,11 +122,14 @@ def test_extra_config_is_validated():
     o = ConnectorOptions.parse({"target": "/run/hiq.sock", "codec": "raw", "tenant": "t",
                                 "timeout_ms": 250, "staging_tokens": 4096})
     assert o.codec is Codec.RAW and o.timeout_ms == 250 and o.staging_tokens == 4096
+    assert o.huge_pages == "auto"
+    assert ConnectorOptions.parse({"huge_pages": "off"}).huge_pages == "off"
     bad = [({"codecs": "raw"}, "'codecs'"), ({"codec": "int4"}, "unknown codec 'int4'"),
            ({"codec": 1}, "'codec'"), ({"target": "nonsense"}, "'target'"),
            ({"timeout_ms": 0}, "'timeout_ms'"), ({"timeout_ms": True}, "'timeout_ms'"),
            ({"staging_tokens": -1}, "'staging_tokens'"), ({"tenant": "a\nb"}, "'tenant'"),
-           ({"cpu_transport": "ipc"}, "'cpu_transport'")]
+           ({"cpu_transport": "ipc"}, "'cpu_transport'"), ({"huge_pages": "yes"}, "'huge_pages'"),
+           ({"huge_pages": True}, "'huge_pages'")]
     for extra, needle in bad:
         with pytest.raises(ValueError) as err:
             ConnectorOptions.parse(extra)

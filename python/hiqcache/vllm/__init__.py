@@ -11,7 +11,9 @@
 Names are a contract (docs/design.md "Engine adapters"). Optional extra-config keys beyond the
 contract: `timeout_ms` (deadline of every daemon call, default 1000), `staging_tokens` (token
 rows of each staging area), `cuda_transport` (vLLM on CUDA: auto, ipc or host; see
-cuda_worker.py) and `cpu_transport` (vLLM on CPU: auto, tiles or staging; see cpu_worker.py). An
+cuda_worker.py), `cpu_transport` (vLLM on CPU: auto, tiles or staging; see cpu_worker.py) and
+`huge_pages` (vLLM on CPU: auto, off or require, the pages of the memfd shared with the daemon,
+which holds vLLM's KV itself under tiles; hiqcache.host.HostShm.create_memfd). An
 unknown key or a bad value fails engine start-up with a
 message that names it; after start-up the connector never raises into vLLM: any failure is a miss
 (the scheduler's lookup answers 0, a failed restore reports its blocks through

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hiqcache.host import HostEventPool
+from hiqcache.host import HUGE_PAGES, HostEventPool
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
 from hiqcache.spec import Codec, DType, Geometry
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hiqcache.vllm")
 
 _EXTRA_KEYS = ("target", "codec", "tenant", "timeout_ms", "staging_tokens", "cuda_transport",
-               "cpu_transport")
+               "cpu_transport", "huge_pages")
 CUDA_TRANSPORTS = ("auto", "ipc", "host")
 CPU_TRANSPORTS = ("auto", "tiles", "staging")
 # Keyed by vLLM's model_config.dtype: a torch.dtype once vLLM resolved it (typed with its
@@ -42,6 +42,7 @@ class ConnectorOptions:
     staging_tokens: int = 0  # 0 = derived from the scheduler limits
     cuda_transport: str = "auto"  # vLLM on CUDA: one of CUDA_TRANSPORTS (cuda_worker.py)
     cpu_transport: str = "auto"  # vLLM on CPU: one of CPU_TRANSPORTS (cpu_worker.py)
+    huge_pages: str = "auto"  # vLLM on CPU: the shared memfd's pages, one of host.HUGE_PAGES
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -51,7 +52,8 @@ class ConnectorOptions:
                    timeout_ms=opts.integer("timeout_ms", 1000, 1, 600_000),
                    staging_tokens=opts.integer("staging_tokens", 0, 0, 1 << 24),
                    cuda_transport=opts.choice("cuda_transport", "auto", CUDA_TRANSPORTS),
-                   cpu_transport=opts.choice("cpu_transport", "auto", CPU_TRANSPORTS))
+                   cpu_transport=opts.choice("cpu_transport", "auto", CPU_TRANSPORTS),
+                   huge_pages=opts.choice("huge_pages", "auto", HUGE_PAGES))
 
 
 def model_identity(vllm_config: VllmConfig) -> str:

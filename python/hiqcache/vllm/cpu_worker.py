@@ -356,9 +356,10 @@ class CpuWorker(_LoadSteps):
             self.pool = 0
         info = self.client.pool_info(self.pool) if self.pool else None
         log.info("hiqcache: %d layers, tile order %s, %s, %d load + %d save rows (%.1f MiB) in "
-                 "%s; daemon %s: %s", g.num_layers, self.tiles.describe(),
+                 "%s (huge pages: %s); daemon %s: %s", g.num_layers, self.tiles.describe(),
                  "in place" if self.in_place else f"staging ({why})", self.load_rows,
-                 self.save_rows, self.shm.size / 2**20, self.shm.name, self.client.target,
+                 self.save_rows, self.shm.size / 2**20, self.shm.name, self.shm.huge_pages,
+                 self.client.target,
                  f"pool {info.pool_id}, {info.encoded_bytes_per_token} B/token" if info
                  else "not registered yet")
 
@@ -375,16 +376,31 @@ class CpuWorker(_LoadSteps):
             return "KV cache tensors are not contiguous tensors of equal size"
         return ""
 
+    def _shared_memory(self, size: int, by_fd: bool) -> HostShm:
+        """The memory the daemon shares: a memfd on the pages `huge_pages` asks for (hugetlb or
+        transparent huge pages: one TLB entry per 2 MiB where the codec and vLLM's attention
+        touch a 2 KB tile at a time), or, for a daemon without sessions, a named shm object,
+        whose pages its filesystem decides. huge_pages=require without huge pages raises
+        ValueError naming why: a start-up error, as a layout not understood is."""
+        if not by_fd:
+            if self.opts.huge_pages == "require":
+                raise ValueError("hiqcache: huge_pages=require needs a session with hiqcached "
+                                 "(a memfd); a named shm object's pages are its filesystem's")
+            return HostShm.create(unique_name(_STAGING_TAG), size)
+        return HostShm.create_memfd(_STAGING_TAG, size, huge_pages=self.opts.huge_pages)
+
     def _make_staging(self, by_fd: bool) -> tuple[LayerView, ...]:
         """The staging area: [layer][K|V][load rows + save rows][head][dim]."""
         g = self.geometry
         total = self.load_rows + self.save_rows
         plane_bytes = slot_major_bytes(g, total)
         size = g.num_layers * 2 * plane_bytes
-        self.shm = (HostShm.create_memfd(_STAGING_TAG, size) if by_fd
-                    else HostShm.create(unique_name(_STAGING_TAG), size))
-        self.staging = torch.frombuffer(self.shm.buf, dtype=self.layers_dtype).view(
-            g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
+        self.shm = self._shared_memory(size, by_fd)
+        # count: a memfd on hugetlb pages is rounded up to whole pages
+        self.staging = torch.frombuffer(
+            self.shm.buf, dtype=self.layers_dtype,
+            count=size // self.layers_dtype.itemsize).view(
+                g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
         return tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
                                v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
                      for l in range(g.num_layers))
@@ -402,9 +418,8 @@ class CpuWorker(_LoadSteps):
         per_layer = self.blocks + self.save_blocks
         es = tensors[0].element_size()
         size = g.num_layers * per_layer * g.num_kv_heads * tile * es
-        self.shm = (HostShm.create_memfd(_STAGING_TAG, size) if by_fd
-                    else HostShm.create(unique_name(_STAGING_TAG), size))
-        self.area = torch.frombuffer(self.shm.buf, dtype=tensors[0].dtype).view(
+        self.shm = self._shared_memory(size, by_fd)
+        self.area = torch.frombuffer(self.shm.buf, dtype=tensors[0].dtype, count=size // es).view(
             g.num_layers, per_layer, g.num_kv_heads, tile)
         for l, kv in enumerate(tensors):
             dst = self.area[l, :self.blocks].view(kv.shape)
