@@ -45,6 +45,12 @@ class Daemon:
     def start(self, timeout: float = 30.0) -> Daemon:
         args = [self.binary or daemon_path(), "--listen", self.target, "--pool-bytes",
                 self.pool_bytes, "--shm-name", self.shm_name, "--log-level", "warn", *self.extra]
+        # The daemon gets SIGTERM when the process that started it dies (a test or benchmark
+        # killed before its cleanup ran), instead of living on with its pool: setpriv sets the
+        # death signal and execs it, so the pid is the daemon's.
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            args = [setpriv, "--pdeathsig", "TERM", *args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
