@@ -325,14 +325,20 @@ void BM_MemcpyRowsHugetlb(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
 }
 
+// The encode of every block from the hugetlb copy of the pool's rows into h.encoded.
+EncodeJob HugetlbEncodeJob(BenchData& d, HugetlbData& h) {
+  EncodeJob job = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
+  job.layers = h.views.data();
+  job.num_blocks = kBlocks;
+  return job;
+}
+
 void BM_EncodeHugetlb(benchmark::State& state) {
   BenchData& d = Data();
   HugetlbData& h = Hugetlb();
   if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
   CpuCodec codec(1);
-  EncodeJob job = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
-  job.layers = h.views.data();
-  job.num_blocks = kBlocks;
+  const EncodeJob job = HugetlbEncodeJob(d, h);
   for (auto _ : state) {
     codec.Encode(job);
     benchmark::ClobberMemory();
@@ -345,10 +351,7 @@ void BM_DecodeHugetlb(benchmark::State& state) {
   HugetlbData& h = Hugetlb();
   if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
   CpuCodec codec(1);
-  EncodeJob enc = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
-  enc.layers = h.views.data();
-  enc.num_blocks = kBlocks;
-  codec.Encode(enc);
+  codec.Encode(HugetlbEncodeJob(d, h));
   DecodeJob job = testutil::MakeDecodeJob(d.pool, d.rows, h.encoded);
   job.layers = h.views.data();
   job.num_blocks = kBlocks;
