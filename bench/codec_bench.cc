@@ -223,9 +223,10 @@ HugetlbData& Hugetlb() {
   return *data;
 }
 
-// memcpy of the same rows the codec gathers, into the same [layer][plane][token] block order
-// (what CODEC_RAW does), one 2,048-byte row per call.
-void MemcpyRows(ThreadPool& tp, BenchData& d) {
+// memcpy of the same rows the codec gathers (d.rows of the buffers `views` describe, d.pool's
+// layout), into the same [layer][plane][token] block order of `raw` (what CODEC_RAW does), one
+// 2,048-byte row per call.
+void MemcpyRows(ThreadPool& tp, BenchData& d, const LayerViews* views, BlockSet& raw) {
   const BlockLayout& lay = d.pool.layout();
   const size_t row_bytes = lay.row.InputRowBytes();
   tp.ParallelFor(static_cast<size_t>(kBlocks) * lay.num_layers, [&](size_t item) {
@@ -233,9 +234,9 @@ void MemcpyRows(ThreadPool& tp, BenchData& d) {
     const uint32_t l = static_cast<uint32_t>(item % lay.num_layers);
     const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
     uint8_t* dst =
-        d.raw[b].data() + static_cast<size_t>(l) * lay.kv_planes * kBlockTokens * row_bytes;
+        raw[b].data() + static_cast<size_t>(l) * lay.kv_planes * kBlockTokens * row_bytes;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
-      const StridedView& v = d.pool.view(l, p);
+      const StridedView& v = views[l].planes[p];
       for (uint32_t t = 0; t < kBlockTokens; ++t) {
         std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
         dst += row_bytes;
@@ -244,129 +245,93 @@ void MemcpyRows(ThreadPool& tp, BenchData& d) {
   });
 }
 
-void BM_MemcpyRowsHuge(benchmark::State& state) {
+// The 1-thread gather, encode and decode of d.rows on a copy of the pool's buffers (`views`: on
+// transparent or hugetlb huge pages), into that copy's own blocks.
+void MemcpyRowsOn(benchmark::State& state, const LayerViews* views, BlockSet& raw) {
   BenchData& d = Data();
-  HugeData& h = Huge();
-  const BlockLayout& lay = h.pool.layout();
-  const size_t row_bytes = lay.row.InputRowBytes();
+  ThreadPool tp(1);
   for (auto _ : state) {
-    for (uint32_t b = 0; b < kBlocks; ++b) {
-      const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
-      uint8_t* dst = h.raw[b].data();
-      for (uint32_t l = 0; l < lay.num_layers; ++l) {
-        for (uint32_t p = 0; p < lay.kv_planes; ++p) {
-          const StridedView& v = h.pool.view(l, p);
-          for (uint32_t t = 0; t < kBlockTokens; ++t) {
-            std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
-            dst += row_bytes;
-          }
-        }
-      }
-    }
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
-  state.SetLabel(h.label);
-}
-
-void BM_EncodeHuge(benchmark::State& state) {
-  BenchData& d = Data();
-  HugeData& h = Huge();
-  CpuCodec codec(1);
-  EncodeJob job = testutil::MakeEncodeJob(h.pool, d.rows, h.encoded, h.nonfinite);
-  job.num_blocks = kBlocks;
-  for (auto _ : state) {
-    codec.Encode(job);
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
-  state.SetLabel(h.label);
-}
-
-void BM_DecodeHuge(benchmark::State& state) {
-  BenchData& d = Data();
-  HugeData& h = Huge();
-  CpuCodec codec(1);
-  EncodeJob enc = testutil::MakeEncodeJob(h.pool, d.rows, h.encoded, h.nonfinite);
-  enc.num_blocks = kBlocks;
-  codec.Encode(enc);
-  DecodeJob job = testutil::MakeDecodeJob(h.pool, d.rows, h.encoded);
-  job.num_blocks = kBlocks;
-  for (auto _ : state) {
-    codec.Decode(job);
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
-  state.SetLabel(h.label);
-}
-
-void BM_MemcpyRowsHugetlb(benchmark::State& state) {
-  BenchData& d = Data();
-  HugetlbData& h = Hugetlb();
-  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
-  const BlockLayout& lay = d.pool.layout();
-  const size_t row_bytes = lay.row.InputRowBytes();
-  for (auto _ : state) {
-    for (uint32_t b = 0; b < kBlocks; ++b) {
-      const uint32_t* rows = d.rows.data() + static_cast<size_t>(b) * kBlockTokens;
-      uint8_t* dst = h.raw[b].data();
-      for (uint32_t l = 0; l < lay.num_layers; ++l) {
-        for (uint32_t p = 0; p < lay.kv_planes; ++p) {
-          const StridedView& v = h.views[l].planes[p];
-          for (uint32_t t = 0; t < kBlockTokens; ++t) {
-            std::memcpy(dst, v.Head(rows[t], 0), row_bytes);
-            dst += row_bytes;
-          }
-        }
-      }
-    }
+    MemcpyRows(tp, d, views, raw);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
 }
 
-// The encode of every block from the hugetlb copy of the pool's rows into h.encoded.
-EncodeJob HugetlbEncodeJob(BenchData& d, HugetlbData& h) {
-  EncodeJob job = testutil::MakeEncodeJob(d.pool, d.rows, h.encoded, h.nonfinite);
-  job.layers = h.views.data();
+EncodeJob EncodeJobOn(const LayerViews* views, BlockSet& encoded, uint8_t* nonfinite) {
+  BenchData& d = Data();
+  EncodeJob job = testutil::MakeEncodeJob(d.pool, d.rows, encoded, nonfinite);
+  job.layers = views;
   job.num_blocks = kBlocks;
   return job;
 }
 
-void BM_EncodeHugetlb(benchmark::State& state) {
-  BenchData& d = Data();
-  HugetlbData& h = Hugetlb();
-  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+void EncodeOn(benchmark::State& state, const LayerViews* views, BlockSet& encoded,
+              uint8_t* nonfinite) {
   CpuCodec codec(1);
-  const EncodeJob job = HugetlbEncodeJob(d, h);
+  const EncodeJob job = EncodeJobOn(views, encoded, nonfinite);
   for (auto _ : state) {
     codec.Encode(job);
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * Data().BF16Bytes(kBlocks)));
 }
 
-void BM_DecodeHugetlb(benchmark::State& state) {
+void DecodeOn(benchmark::State& state, const LayerViews* views, BlockSet& encoded,
+              uint8_t* nonfinite) {
   BenchData& d = Data();
-  HugetlbData& h = Hugetlb();
-  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
   CpuCodec codec(1);
-  codec.Encode(HugetlbEncodeJob(d, h));
-  DecodeJob job = testutil::MakeDecodeJob(d.pool, d.rows, h.encoded);
-  job.layers = h.views.data();
+  codec.Encode(EncodeJobOn(views, encoded, nonfinite));
+  DecodeJob job = testutil::MakeDecodeJob(d.pool, d.rows, encoded);
+  job.layers = views;
   job.num_blocks = kBlocks;
   for (auto _ : state) {
     codec.Decode(job);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
+}
+
+void BM_MemcpyRowsHuge(benchmark::State& state) {
+  HugeData& h = Huge();
+  MemcpyRowsOn(state, h.pool.views(), h.raw);
+  state.SetLabel(h.label);
+}
+
+void BM_EncodeHuge(benchmark::State& state) {
+  HugeData& h = Huge();
+  EncodeOn(state, h.pool.views(), h.encoded, h.nonfinite);
+  state.SetLabel(h.label);
+}
+
+void BM_DecodeHuge(benchmark::State& state) {
+  HugeData& h = Huge();
+  DecodeOn(state, h.pool.views(), h.encoded, h.nonfinite);
+  state.SetLabel(h.label);
+}
+
+void BM_MemcpyRowsHugetlb(benchmark::State& state) {
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  MemcpyRowsOn(state, h.views.data(), h.raw);
+}
+
+void BM_EncodeHugetlb(benchmark::State& state) {
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  EncodeOn(state, h.views.data(), h.encoded, h.nonfinite);
+}
+
+void BM_DecodeHugetlb(benchmark::State& state) {
+  HugetlbData& h = Hugetlb();
+  if (!h.ok()) return state.SkipWithError("no hugetlb pages (vm.nr_hugepages)");
+  DecodeOn(state, h.views.data(), h.encoded, h.nonfinite);
 }
 
 void BM_MemcpyRows(benchmark::State& state) {
   BenchData& d = Data();
   ThreadPool tp(static_cast<unsigned>(state.range(0)));
   for (auto _ : state) {
-    MemcpyRows(tp, d);
+    MemcpyRows(tp, d, d.pool.views(), d.raw);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * d.BF16Bytes(kBlocks)));
