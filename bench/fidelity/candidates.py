@@ -41,6 +41,11 @@ class Candidate:
     k_rot: bool = False  # keys rotated by the head_dim Hadamard transform before quantizing
     v_rot: bool = False  # values likewise
     k_group: int = 0  # keys per token in groups of k_group (sym) instead of per channel
+    int8_blocks: int = 0  # the prefix's first int8_blocks blocks stored as INT8 per head instead
+    int8_layers: tuple[int, ...] = ()  # layers stored as INT8 per head instead
+    v_nf4: bool = False  # values: 16 normal-quantile levels times the group's amax (sym only)
+    k_bits: int = 4  # code bits of keys and of values
+    v_bits: int = 4
 
 
 CANDIDATES = {
@@ -61,6 +66,20 @@ CANDIDATES = {
     "S": Candidate("hadamard_k_g32_sym_v_g32_sym", True, 32, True, 0, True, True, 32),
     "T": Candidate("k_asym_chan_hadamard_v_g32_sym", False, 32, True, 0, False, True),
     "U": Candidate("hadamard_k_g32_asym_v_g32_asym", False, 32, False, 0, True, True, 32),
+    # Mixed: B with the prefix's first block (its attention-sink tokens) as INT8, or with some
+    # layers as INT8.
+    "X": Candidate("b_first_block_int8", False, 32, int8_blocks=1),
+    "Y": Candidate("r_first_block_int8", False, 32, True, 0, True, True, int8_blocks=1),
+    "L": Candidate("b_layers_0_1_int8", False, 32, int8_layers=(0, 1)),
+    "M": Candidate("b_last_2_layers_int8", False, 32, int8_layers=(-2, -1)),
+    "N": Candidate("r_first_block_int8_v_nf4", False, 32, True, 0, True, True, int8_blocks=1,
+                   v_nf4=True),
+    # Bits moved from keys to values: 3-bit per-channel keys, 5-bit per-token values.
+    "F": Candidate("k3_asym_chan_v5_g64_sym", False, 64, k_bits=3, v_bits=5),
+    "J": Candidate("k3_asym_chan_v5_g32_sym", False, 32, k_bits=3, v_bits=5),
+    "P": Candidate("r_first_block_int8_k3_v5_g64", False, 64, True, 0, True, True, int8_blocks=1,
+                   k_bits=3, v_bits=5),
+    "Z": Candidate("b_first_block_int8_v_nf4", False, 32, int8_blocks=1, v_nf4=True),
 }
 
 
@@ -76,19 +95,57 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-def q_sym(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    s = bf16(torch.clamp(amax, min=2.0 ** -112) / 7)
-    return bf16(torch.clamp(torch.round(x / s), -7, 7) * s)
+def q_sym(x: torch.Tensor, amax: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    top = 2 ** (bits - 1) - 1
+    s = bf16(torch.clamp(amax, min=2.0 ** -112) / top)
+    return bf16(torch.clamp(torch.round(x / s), -top, top) * s)
 
 
-def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    s = bf16(torch.clamp(hi - lo, min=2.0 ** -112) / 15)
-    return bf16(torch.clamp(torch.round((x - lo) / s), 0, 15) * s + lo)
+def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    top = 2 ** bits - 1
+    s = bf16(torch.clamp(hi - lo, min=2.0 ** -112) / top)
+    return bf16(torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo)
 
 
-def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int) -> torch.Tensor:
+def nf4_levels() -> torch.Tensor:
+    """16 levels in [-1, 1] with an exact 0: 8 positive and 7 negative normal quantiles,
+    each side scaled to reach 1 (the NF4 construction of QLoRA, Dettmers et al., 2023)."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    offset = 0.5 * (1 / 32 + 1 / 30)
+    pos = normal.icdf(torch.linspace(offset, 0.5, 9, dtype=torch.float64))[:-1]
+    neg = normal.icdf(torch.linspace(offset, 0.5, 8, dtype=torch.float64))[:-1]
+    pos = -pos.flip(0) / -pos[0]
+    neg = neg / -neg[0]
+    return torch.cat([neg, torch.zeros(1, dtype=torch.float64), pos]).float()
+
+
+def q_nf4(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    s = bf16(torch.clamp(amax, min=2.0 ** -112))
+    lv = nf4_levels()
+    idx = ((x / s).unsqueeze(-1) - lv).abs().argmin(dim=-1)
+    return bf16(lv[idx] * s)
+
+
+def q_int8(x: torch.Tensor) -> torch.Tensor:
+    """INT8 per head (docs/design.md's CODEC_INT8_PER_HEAD): x [..., dim], one scale per row."""
+    s = bf16(torch.clamp(x.float().abs().amax(dim=-1, keepdim=True), min=2.0 ** -112) / 127)
+    return bf16(torch.clamp(torch.round(x.float() / s), -127, 127) * s).to(x.dtype)
+
+
+def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
+             layers: int = 1) -> torch.Tensor:
     """x: [1, heads, P, dim] bf16 -> the candidate's restored KV, same shape."""
+    if layer in c.int8_layers or layer - layers in c.int8_layers:
+        return q_int8(x).contiguous()
+    if c.int8_blocks:
+        n = min(x.shape[2], c.int8_blocks * bt)
+        rest = dataclasses.replace(c, int8_blocks=0)
+        head = q_int8(x[:, :, :n])
+        if n == x.shape[2]:
+            return head.contiguous()
+        return torch.cat([head, quantize(x[:, :, n:], rest, keys, bt)], dim=2).contiguous()
     sym = c.k_sym if keys else c.v_sym
+    bits = c.k_bits if keys else c.v_bits
     if keys and c.k_sym is None or not keys and c.v_group is None:
         return x.contiguous()
     f = x.float()[0]
@@ -107,21 +164,28 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int) -> torch.Tensor
         gs = min(c.v_group or d, d)
         g = f.reshape(h, p, d // gs, gs)
         axis = 3
-    if sym:
-        out = q_sym(g, g.abs().amax(dim=axis, keepdim=True))
+    if not keys and c.v_nf4:
+        out = q_nf4(g, g.abs().amax(dim=axis, keepdim=True))
+    elif sym:
+        out = q_sym(g, g.abs().amax(dim=axis, keepdim=True), bits)
     else:
-        out = q_asym(g, g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True))
+        out = q_asym(g, g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True), bits)
     if rot is not None:
         out = out.reshape(h, p, d) @ rot
     return out.reshape(h, p, d).to(torch.bfloat16).unsqueeze(0).contiguous()
 
 
-def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int) -> int:
-    """Stored bytes per token: 4-bit codes plus BF16 parameters (2 per asymmetric group)."""
+def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> int:
+    """Stored bytes per token: codes plus BF16 parameters (2 per asymmetric group); INT8 layers
+    at INT8's row (codes and a BF16 scale per head). A prefix's first blocks at INT8
+    (int8_blocks) are left out: they add (INT8 - this) x block_tokens bytes per prefix."""
     k_groups = hd / c.k_group if c.k_group else hd / (c.k_tokens or bt)
-    k = 2 * hd if c.k_sym is None else hd / 2 + 2 * k_groups * (1 if c.k_sym else 2)
-    v = 2 * hd if c.v_group is None else hd / 2 + 2 * hd / c.v_group * (1 if c.v_sym else 2)
-    return round(layers * (k + v))
+    k = 2 * hd if c.k_sym is None else hd * c.k_bits / 8 + 2 * k_groups * (1 if c.k_sym else 2)
+    v = (2 * hd if c.v_group is None else
+         hd * c.v_bits / 8 + 2 * hd / c.v_group * (1 if c.v_sym else 2))
+    int8 = 2 * (hd + 2 * hd / head_dim)
+    n8 = len(c.int8_layers)
+    return round((layers - n8) * (k + v) + n8 * int8)
 
 
 def main() -> int:
@@ -135,7 +199,8 @@ def main() -> int:
                 return super().register(codec)
             hd = self.g.num_kv_heads * self.g.head_dim
             acc = kv_roundtrip.Accepted(codec, -1,  # type: ignore[arg-type]
-                                        bytes_per_token(codec, hd, self.g.num_layers, self.bt))
+                                        bytes_per_token(codec, hd, self.g.num_layers, self.bt,
+                                                        self.g.head_dim))
             self.encoded_bytes[codec] = acc.encoded_bytes_per_token
             return acc, ""
 
@@ -147,8 +212,10 @@ def main() -> int:
             if not isinstance(codec, Candidate):
                 return super().round_trip(codec, tokens, window)
             p = len(tokens)
-            out = [(quantize(k[:, :, :p], codec, True, self.bt),
-                    quantize(v[:, :, :p], codec, False, self.bt)) for k, v in exact[id(self)]]
+            n = len(exact[id(self)])
+            out = [(quantize(k[:, :, :p], codec, True, self.bt, i, n),
+                    quantize(v[:, :, :p], codec, False, self.bt, i, n))
+                   for i, (k, v) in enumerate(exact[id(self)])]
             lo = self.max_tokens  # where restored_bits reads
             for layer, (k, v) in enumerate(out):
                 for plane, x in ((0, k), (1, v)):
@@ -159,8 +226,10 @@ def main() -> int:
     fid.DaemonKv = CandidateKv
     fid.pick_codecs = lambda spec: [hq.Codec.INT8_PER_HEAD, hq.Codec.INT4_G32_PER_HEAD, *chosen]
     for c in chosen:
-        print(f"{c.value}: Qwen3-8B B/token {bytes_per_token(c, 1024, 36, 16)} at 16-token blocks, "
-              f"{bytes_per_token(c, 1024, 36, 64)} at 64")
+        print(f"{c.value}: Qwen3-8B B/token {bytes_per_token(c, 1024, 36, 16, 128)} at 16-token "
+              f"blocks, {bytes_per_token(c, 1024, 36, 64, 128)} at 64"
+              + (f" (+ the first {c.int8_blocks} block(s) of a prefix at INT8)"
+                 if c.int8_blocks else ""))
     return int(fid.main())
 
 

@@ -10,7 +10,6 @@ Exit 0 on success; prints the first failure otherwise. Runs in well under 10 s.
 """
 import array
 import ctypes as C
-import math
 import os
 import random
 import socket
@@ -24,8 +23,7 @@ HIQ_OK, HIQ_INVALID_ARGUMENT = 0, 3
 HIQ_LAYOUT_SGLANG = 0
 
 
-from hiqcache_c_abi import (Buffer, Geometry, LayerView, PoolDesc, PoolInfo,  # noqa: E402
-                            Stats, TensorView)
+from hiqcache_c_abi import Buffer, Geometry, LayerView, PoolDesc, PoolInfo, Stats
 
 
 def load(path):
@@ -77,7 +75,7 @@ def wait_for_socket(path, proc, timeout=20.0, kind=socket.SOCK_STREAM):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("hiqcached exited with %s" % proc.returncode)
+            raise RuntimeError(f"hiqcached exited with {proc.returncode}")
         s = socket.socket(socket.AF_UNIX, kind)
         try:
             s.connect(path)
@@ -86,7 +84,7 @@ def wait_for_socket(path, proc, timeout=20.0, kind=socket.SOCK_STREAM):
             time.sleep(0.02)
         finally:
             s.close()
-    raise RuntimeError("hiqcached did not listen on %s" % path)
+    raise RuntimeError(f"hiqcached did not listen on {path}")
 
 
 def main():
@@ -96,7 +94,7 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="hiq-py-")
     sock = os.path.join(tmp, "hiqcached.sock")
-    pool_shm = "/hiq-py-pool-%d" % os.getpid()
+    pool_shm = f"/hiq-py-pool-{os.getpid()}"
     proc = subprocess.Popen([daemon, "--listen", "unix://" + sock, "--pool-bytes", "64MiB",
                              "--shm-name", pool_shm, "--device", "host", "--log-level", "warn"])
     own_shm = None
@@ -182,7 +180,7 @@ def main():
                     if not abs(yf - xf) <= (0.5 + 2 ** -8) * s + 2 ** -8 * abs(yf):
                         bad += 1
             assert checked == L * 2 * len(src) * H * D
-            assert bad == 0, "%d of %d elements break the bound" % (bad, checked)
+            assert bad == 0, f"{bad} of {checked} elements break the bound"
             return checked
 
         n = check(lambda l, p, r, h: list(head(l, p, r, h)))
@@ -208,14 +206,11 @@ def main():
         rc = lib.hiq_restore(client, handle2, keys, nblocks, dst_rows, len(dst), -1, 0, -1, -1, 1,
                              C.byref(restored), None)
         assert rc == HIQ_OK and restored.value == nblocks, (rc, lib.hiq_last_error())
-        mem = own_shm.buf
-
         def own_head(l, p, r, h):
             off = (2 * l + p) * plane + (r * H + h) * D * 2
-            return struct.unpack_from("<%dH" % D, mem, off)
+            return struct.unpack_from(f"<{D}H", own_shm.buf, off)
 
         n += check(own_head)
-        del mem
 
         stats = Stats()
         assert lib.hiq_get_stats(client, C.byref(stats)) == HIQ_OK
@@ -224,7 +219,7 @@ def main():
         assert lib.hiq_release_pool(client, handle) == HIQ_OK
         lib.hiq_host_pool_destroy(pool)
         lib.hiq_close(client)
-        print("hiqcache C ABI from Python: %d elements restored within the bound" % n)
+        print(f"hiqcache C ABI from Python: {n} elements restored within the bound")
     finally:
         if own_shm is not None:
             own_shm.close()
