@@ -237,8 +237,12 @@ StatusOr<HostShm> HostShm::MapMemfd(std::string_view tag, size_t size, bool fixe
                     (fixed_size ? "F_SEAL_SHRINK|F_SEAL_GROW" : "F_SEAL_SHRINK") +
                     "): " + ErrnoText(errno));
   }
-  // For MFD_HUGETLB this reserves the object's pages in the hugetlb pool: ENOMEM when it cannot.
-  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // For MFD_HUGETLB this reserves the object's pages in the hugetlb pool (ENOMEM when it
+  // cannot), and MAP_POPULATE allocates them now, from that reservation, on this process's
+  // account: hiqcached maps a hugetlbfs object only while every page of it is allocated (it
+  // never allocates hugetlb pages on a client's behalf).
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | (hugetlb ? MAP_POPULATE : 0), fd, 0);
   if (data == MAP_FAILED) {
     const int err = errno;
     return Status(hugetlb && err == ENOMEM ? StatusCode::kResourceExhausted : StatusCode::kInternal,

@@ -193,7 +193,9 @@ class HostShm:
         up to whole huge pages (`size` reports the rounded size), and fall back to a plain memfd
         when the hugetlb pool cannot reserve it; a plain memfd is then advised MADV_HUGEPAGE.
         `huge_pages` of the result says what it got; "require" raises ValueError, naming both
-        reasons, when it got neither."""
+        reasons, when it got neither. hiqcached maps a hugetlb memfd only while every page of it
+        is allocated (it never allocates hugetlb pages for a client): lend one made with
+        `populate=False` only once every page was written."""
         check_huge_pages(huge_pages)
         if size <= 0:
             raise ValueError(f"size: must be > 0, got {size}")

@@ -858,7 +858,7 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
     if (fault_budget != nullptr && !res->slots->hugetlb()) {
       // Pinning faults in every page of the slots: the ones the client never touched are
       // allocated on the daemon's account, so they are charged to the client's budget (not
-      // those of a hugetlbfs object, reserved in the hugetlb pool by the object itself).
+      // those of a hugetlbfs object, which TicketSlots::Open maps only when all are allocated).
       ResidencyProbe probe;
       const uint64_t missing = probe.RangeNotResident(res->slots->data(), pinned);
       if (missing > 0 && !fault_budget->TryCharge(missing)) {

@@ -69,6 +69,27 @@ bool ShmemThpHonoursAdvice() {
   return false;
 }
 
+// Bytes of a hugetlbfs object's size whose pages are not allocated (hugetlbfs counts a page's
+// blocks in st_blocks from the fault that allocates it to the truncate or hole punch that frees
+// it).
+uint64_t UnallocatedHugetlbBytes(const struct stat& st) {
+  const uint64_t size = static_cast<uint64_t>(std::max<off_t>(st.st_size, 0));
+  const uint64_t allocated = static_cast<uint64_t>(std::max<blkcnt_t>(st.st_blocks, 0)) * 512;
+  return allocated >= size ? 0 : size - allocated;
+}
+
+// FAILED_PRECONDITION for a hugetlbfs object with `holes` bytes of pages not allocated:
+// touching them would make the daemon allocate hugetlb pages (a node-wide pool, charged to the
+// daemon's cgroup) on the client's behalf, which it never does.
+Status HugetlbHolesError(const std::string& what, uint64_t holes, const struct stat& st,
+                         const std::string& before) {
+  return FailedPrecondition(
+      what + " has " + std::to_string(holes) + " of its " + std::to_string(st.st_size) +
+      " bytes in pages that are not allocated; the daemon does not allocate hugetlb pages on a "
+      "client's behalf: write every page of the object (or map it with MAP_POPULATE) before " +
+      before);
+}
+
 bool SealedAgainstShrinking(int fd) {
   const int seals = ::fcntl(fd, F_GET_SEALS);
   return seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
@@ -134,10 +155,26 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
           std::to_string(st.st_size) + " bytes, less than the " + std::to_string(mapped) +
           " whole pages that " + std::to_string(bytes) + " registered bytes span");
     }
+    const uint64_t holes = UnallocatedHugetlbBytes(st);
+    if (holes > 0) {
+      return HugetlbHolesError(field + ": " + what + " (hugetlbfs)", holes, st, "registering it");
+    }
   }
-  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_NORESERVE on hugetlbfs: the daemon's mapping reserves nothing in the hugetlb pool (every
+  // page is allocated already, checked above and before each task: CheckHugetlbPages).
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (hugetlb ? MAP_NORESERVE : 0), fd, 0);
   if (p == MAP_FAILED) {
     return InvalidArgument(field + ": cannot map " + what + ": " + Errno(errno));
+  }
+  int hugetlb_fd = -1;
+  if (hugetlb) {
+    hugetlb_fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (hugetlb_fd < 0) {
+      const int err = errno;
+      ::munmap(p, mapped);
+      return ResourceExhausted(field + ": cannot keep " + what + " open: " + Errno(err));
+    }
   }
   // Shmem: transparent huge pages for the pages this mapping faults in, where the kernel's
   // shmem_enabled honours the advice (fewer TLB misses in the codec); ignored elsewhere.
@@ -147,6 +184,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
   auto guard = GuardedRange::Register(p, mapped);
   if (!guard.ok()) {
     ::munmap(p, mapped);
+    if (hugetlb_fd >= 0) ::close(hugetlb_fd);
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
   // Where the object holds data: SEEK_DATA/SEEK_HOLE (tmpfs and memfds answer them); on any
@@ -171,8 +209,8 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     at = static_cast<off_t>(end);
   }
   return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, mapped, sealed,
-                                                    hugetlb, thp_faults, std::move(guard).value(),
-                                                    std::move(ranges)));
+                                                    hugetlb_fd, thp_faults,
+                                                    std::move(guard).value(), std::move(ranges)));
 }
 
 ShmMapping::~ShmMapping() {
@@ -180,6 +218,20 @@ ShmMapping::~ShmMapping() {
   if (data_ != nullptr && ::munmap(data_, mapped_) != 0) {
     HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
   }
+  if (hugetlb_fd_ >= 0) ::close(hugetlb_fd_);
+}
+
+Status ShmMapping::CheckHugetlbPages(const std::string& field) const {
+  if (hugetlb_fd_ < 0) return Status::Ok();
+  struct stat st;
+  if (::fstat(hugetlb_fd_, &st) != 0) {
+    return FailedPrecondition(field +
+                              ": cannot stat the client's hugetlbfs object: " + Errno(errno));
+  }
+  const uint64_t holes = UnallocatedHugetlbBytes(st);
+  if (holes == 0) return Status::Ok();
+  return HugetlbHolesError(field + ": the client's hugetlbfs object", holes, st,
+                           "lending it again (hole-punched since RegisterPool?)");
 }
 
 namespace {
@@ -332,6 +384,8 @@ class HostBinding : public PoolBinding {
     HIQ_RETURN_IF_ERROR(CheckMemory());
     HIQ_RETURN_IF_ERROR(CheckCallerDeadline(task.caller_deadline, task.ticket));
     if (task.first_try == std::chrono::steady_clock::time_point{}) {
+      // Before the wait reads an event slot: a hugetlb page is never faulted in for a client.
+      HIQ_RETURN_IF_ERROR(CheckHugetlbPages());
       task.first_try = std::chrono::steady_clock::now();
     }
     std::optional<Status> wait =
@@ -436,6 +490,7 @@ class HostBinding : public PoolBinding {
   // would fault them in on its own account) to the client's budget; RESOURCE_EXHAUSTED, with
   // nothing charged, when they do not fit.
   Status ChargeRows(const std::vector<uint32_t>& rows, const char* what) {
+    HIQ_RETURN_IF_ERROR(CheckHugetlbPages());
     if (budget_ == nullptr || rows.empty()) return Status::Ok();
     const uint64_t missing =
         probe_.RowsNotResident(layout_, views_.data(), rows.data(), rows.size());
@@ -455,6 +510,20 @@ class HostBinding : public PoolBinding {
         std::to_string(budget_->charged()) + " of " + std::to_string(budget_->limit()) +
         " bytes faulted on its behalf (quota max_faulted_bytes_per_client): write the memory "
         "before lending it");
+  }
+
+  // FAILED_PRECONDITION naming the buffer (or "events") when a hugetlbfs object of the pool has
+  // pages that are not allocated now (hole-punched since Bind, which refused any): touching them
+  // would allocate hugetlb pages on the daemon's account. The task then touches nothing; a page
+  // the client punches after this check is faulted in, one page per race it wins. An fstat per
+  // hugetlbfs object of the pool.
+  Status CheckHugetlbPages() const {
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      if (!buffers_[i]->hugetlb()) continue;
+      HIQ_RETURN_IF_ERROR(buffers_[i]->CheckHugetlbPages("buffers[" + std::to_string(i) + "]"));
+    }
+    const ShmMapping* events = slots_->mapping();
+    return events == nullptr ? Status::Ok() : events->CheckHugetlbPages("events");
   }
 
   // Logs a refusal of the fault budget, once per binding (a client that keeps trying would

@@ -19,10 +19,13 @@
 //     mapped, never closed (the mapping keeps the object alive). Whether it is sealed against
 //     shrinking (F_SEAL_SHRINK) is recorded; sealed or not, the guard covers it. A hugetlbfs
 //     object (MFD_HUGETLB) is mapped in whole huge pages (the registered size rounded up; the
-//     object holds them, as hugetlbfs sizes are whole pages); other objects are advised
+//     object holds them, as hugetlbfs sizes are whole pages), with MAP_NORESERVE, and only
+//     while every page of the object is allocated (FAILED_PRECONDITION at Bind, and for a task,
+//     when one is not: the daemon never reserves or allocates hugetlb pages, a node-wide pool
+//     charged to the cgroup that faults them, on a client's behalf); other objects are advised
 //     MADV_HUGEPAGE (transparent huge pages where shmem_enabled honours it). Pages of a
-//     hugetlbfs object are never charged to the fault budget: they come from the hugetlb pool,
-//     reserved for the object when it was first mapped, and are never swapped out. Where
+//     hugetlbfs object are never charged to the fault budget: they are all allocated when
+//     touched, and are never swapped out. Where
 //     shmem_enabled honours the advice, a wholly missing 2 MiB extent of another object is
 //     charged whole (the daemon's fault there may allocate a huge page).
 //   - a name (host_shm_name): opened O_RDWR | O_NOFOLLOW | O_CLOEXEC with the daemon's rights,
@@ -119,10 +122,14 @@ class ShmMapping {
   // hugetlbfs object).
   uint64_t size() const { return size_; }
   uint64_t mapped_bytes() const { return mapped_; }
-  // The object is on hugetlbfs (a memfd made with MFD_HUGETLB): its pages are the hugetlb pool's,
-  // reserved by the object and never swapped, so none is faulted in on the daemon's account
-  // (and mincore, which reports only this process's page tables for them, is not asked).
-  bool hugetlb() const { return hugetlb_; }
+  // The object is on hugetlbfs (a memfd made with MFD_HUGETLB): its pages are the hugetlb pool's
+  // and never swapped; it is mapped only while every page of it is allocated (Map, and
+  // CheckHugetlbPages before each task), so none is faulted in on the daemon's account (and
+  // mincore, which reports only this process's page tables for them, is not asked).
+  bool hugetlb() const { return hugetlb_fd_ >= 0; }
+  // OK unless the object is on hugetlbfs with pages not allocated now: FAILED_PRECONDITION
+  // naming `field` (touching such a page would allocate a hugetlb page on the daemon's account).
+  Status CheckHugetlbPages(const std::string& field) const;
   // Not hugetlbfs, advised MADV_HUGEPAGE, and the kernel's shmem_enabled honours that: a fault
   // of this mapping in a wholly missing 2 MiB extent of the object may allocate all of it
   // (ResidencyProbe::Faults::kHugeExtent).
@@ -139,14 +146,14 @@ class ShmMapping {
   const std::vector<std::pair<uint64_t, uint64_t>>& data_ranges() const { return data_ranges_; }
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size, uint64_t mapped, bool sealed, bool hugetlb,
+  ShmMapping(uint8_t* data, uint64_t size, uint64_t mapped, bool sealed, int hugetlb_fd,
              bool thp_faults, GuardedRange guard,
              std::vector<std::pair<uint64_t, uint64_t>> data_ranges)
       : data_(data),
         size_(size),
         mapped_(mapped),
         sealed_(sealed),
-        hugetlb_(hugetlb),
+        hugetlb_fd_(hugetlb_fd),
         thp_faults_(thp_faults),
         guard_(std::move(guard)),
         data_ranges_(std::move(data_ranges)) {}
@@ -157,7 +164,7 @@ class ShmMapping {
   uint64_t size_;
   uint64_t mapped_;
   bool sealed_;
-  bool hugetlb_;
+  int hugetlb_fd_;  // a hugetlbfs object: the daemon's own fd of it (fstat), closed here; else -1
   bool thp_faults_;
   GuardedRange guard_;
   std::vector<std::pair<uint64_t, uint64_t>> data_ranges_;

@@ -2,12 +2,13 @@
 what a memfd gets is what the machine offers, judged here from the kernel's own counters; the
 fallback when the hugetlb pool cannot hold it; "require" refused clearly without huge pages;
 hugetlb memfds registered, restored bit-exact, unmapped again on release; hostile hugetlb
-clients (a registered size beyond the object, a shrink under the daemon) get a clear error and
-leave the daemon serving. The hugetlb tests skip when no hugetlb pages are free (CI: its
-vm.nr_hugepages is 0); no test changes a kernel setting."""
+clients (a registered size beyond the object, pages reserved but never written, a shrink under
+the daemon) get a clear error and leave the daemon serving. The hugetlb tests skip when no
+hugetlb pages are free (CI: its vm.nr_hugepages is 0); no test changes a kernel setting."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 
@@ -173,6 +174,27 @@ def test_hostile_hugetlb_clients_get_clear_errors_and_the_daemon_serves_on(daemo
                 c.register_pool(spec("hostile-lie", page + 4096))
             assert err.value.status.code == hq.StatusCode.INVALID_ARGUMENT
             assert "buffers[0]" in err.value.status.message
+
+            # An object with a page it reserved but never wrote: the daemon would allocate that
+            # hugetlb page on its own account; refused, and nothing allocated.
+            fd2 = os.memfd_create("hiq-hostile-unwritten", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+            try:
+                os.ftruncate(fd2, 2 * page)
+                m2 = mmap.mmap(fd2, 2 * page)  # reserves both pages
+                m2[:size] = b"\x22" * size  # allocates the first
+                assert os.fstat(fd2).st_blocks * 512 == page
+                spec2 = dataclasses.replace(
+                    spec("hostile-unwritten", 2 * page),
+                    buffers=(hq.SharedBuffer(size_bytes=2 * page, host_fd=fd2),))
+                with pytest.raises(hq.HiqError) as err:
+                    c.register_pool(spec2)
+                assert err.value.status.code == hq.StatusCode.FAILED_PRECONDITION
+                assert (f"buffers[0].host_fd_id: the fd (hugetlbfs) has {page} of its {2 * page}"
+                        " bytes in pages that are not allocated") in err.value.status.message
+                assert os.fstat(fd2).st_blocks * 512 == page
+                m2.close()
+            finally:
+                os.close(fd2)
 
             # A shrink under the daemon: the pool fails, naming the buffer.
             pool = c.register_pool(spec("hostile-shrink", size))

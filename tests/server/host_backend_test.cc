@@ -607,6 +607,66 @@ TEST_F(HostBackendTest, HugetlbBufferIsMappedInWholePagesAndChargesNothing) {
   EXPECT_TRUE(Has(larger.status(), "buffers[0].host_fd_id")) << larger.status().ToString();
 }
 
+// A client lends a hugetlbfs buffer whose pages it reserved (mapped) but never wrote: the daemon
+// refuses it at Bind without allocating a page; written, it is served. A page hole-punched after
+// Bind fails each task that finds it (FAILED_PRECONDITION naming the buffer, nothing allocated,
+// the done event failed), and the pool serves again once the client writes the page back.
+TEST_F(HostBackendTest, HugetlbPagesAreNeverAllocatedForTheClient) {
+  const uint64_t page = machine::HugePageBytes();
+  auto k = ClientObject::Hugetlb(page + kPlaneBytes);  // two huge pages, the rows in the first
+  SKIP_WITHOUT_HUGETLB(k);
+  ASSERT_EQ(k->size(), 2 * page);
+  ASSERT_EQ(AllocatedBytes(k->fd()), 0u);
+  events_->Slot(0).store(0);
+  RegisterSpec s = Spec();
+  s.buffers[0] = ByFd(k->fd(), k->size(), 1);
+
+  auto refused = Bind(s);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition)
+      << refused.status().ToString();
+  EXPECT_TRUE(Has(refused.status(), "buffers[0].host_fd_id")) << refused.status().ToString();
+  EXPECT_TRUE(Has(refused.status(), std::to_string(2 * page) + " of its"))
+      << refused.status().ToString();
+  EXPECT_TRUE(Has(refused.status(), "not allocated")) << refused.status().ToString();
+  EXPECT_EQ(AllocatedBytes(k->fd()), 0u) << "the refused Bind allocated hugetlb pages";
+  EXPECT_EQ(MappingsOf(k->fd()), 1);  // the client's only
+
+  std::memcpy(k->data(), k_->data(), kPlaneBytes);  // the client writes its KV
+  std::memset(k->data() + page, 0, page);           // and the rest of its object
+  ASSERT_EQ(AllocatedBytes(k->fd()), 2 * page);
+  auto b = Bind(s);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  Status outcome, written;
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  const std::vector<uint8_t> stored = payload_;
+
+  // The client punches its second page out (the rows stay in the first).
+  ASSERT_EQ(::fallocate(k->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(page), static_cast<off_t>(page)),
+            0)
+      << std::strerror(errno);
+  ASSERT_EQ(AllocatedBytes(k->fd()), page);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 2, 0, &outcome, &written)), StartResult::kCompleted);
+  EXPECT_EQ(outcome.code(), StatusCode::kFailedPrecondition) << outcome.ToString();
+  EXPECT_TRUE(Has(
+      outcome, "buffers[0]: the client's hugetlbfs object has " + std::to_string(page) + " of its"))
+      << outcome.ToString();
+  EXPECT_EQ(written.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(events_->Slot(0).load(), 2u | kHostEventFailedBit);
+  Status restored;
+  ASSERT_EQ((*b)->StartRestore(RestoreTask_(2, 3, -1, 0, &restored)), StartResult::kCompleted);
+  EXPECT_EQ(restored.code(), StatusCode::kFailedPrecondition) << restored.ToString();
+  EXPECT_EQ(AllocatedBytes(k->fd()), page) << "a task allocated a hugetlb page for the client";
+
+  // Written back, the page is the client's again and the pool serves.
+  std::memset(k->data() + page, 0, page);
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 4, 0, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_TRUE(payload_ == stored);
+  EXPECT_EQ(events_->Slot(0).load(), 4u);
+}
+
 // A client that shrinks an unsealed hugetlbfs buffer under the daemon: the task fails, the
 // binding fails for good, the process lives (the SIGBUS guard replaces whole huge pages).
 TEST_F(HostBackendTest, TruncatedHugetlbBufferFailsTheBinding) {
