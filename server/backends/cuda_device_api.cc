@@ -21,7 +21,7 @@ static_assert(sizeof(cudaIpcMemHandle_t) == 64, "the wire format carries 64-byte
 cudaStream_t S(DeviceStream s) { return static_cast<cudaStream_t>(s.ptr); }
 cudaEvent_t E(DeviceEvent e) { return static_cast<cudaEvent_t>(e.ptr); }
 
-// A launcher's Status (kernels/codec_cuda.h) with a sticky launch error reclassified.
+// A launcher's Status (kernels/cuda/codec_cuda.h) with a sticky launch error reclassified.
 Status FromLauncher(const Status& st) {
   if (st.ok()) return st;
   const cudaError_t last = cudaPeekAtLastError();

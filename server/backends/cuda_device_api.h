@@ -1,5 +1,5 @@
 // CudaDeviceApi: DeviceApi over the real CUDA runtime (and the codec launchers of
-// kernels/codec_cuda.h). Built only with CUDA (HIQ_HAVE_CUDA); this header includes no CUDA
+// kernels/cuda/codec_cuda.h). Built only with CUDA (HIQ_HAVE_CUDA); this header includes no CUDA
 // header, so hiqcached_main.cc stays CUDA-free.
 //
 // Create() switches every visible device to cudaDeviceScheduleBlockingSync, so that anything in

@@ -122,7 +122,7 @@ class DeviceApi {
   };
   // Enqueues the copies on `stream` (copy engines; the direction follows from the addresses).
   virtual Status CopyAsync(int device, std::span<const Copy> copies, DeviceStream stream) = 0;
-  // The codec kernels (kernels/codec_cuda.h): every array of `job` must be device-accessible.
+  // The codec kernels (kernels/cuda/codec_cuda.h): every array of `job` must be device-accessible.
   virtual Status LaunchEncode(int device, const kernels::EncodeJob& job, DeviceStream stream) = 0;
   virtual Status LaunchDecode(int device, const kernels::DecodeJob& job, uint32_t first_layer,
                               uint32_t num_layers, DeviceStream stream) = 0;

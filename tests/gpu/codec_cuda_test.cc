@@ -1,5 +1,5 @@
-// Tests of the CUDA executor (kernels/codec_cuda.h) and the CUDA handle owners
-// (kernels/cuda_handles.h).
+// Tests of the CUDA executor (kernels/cuda/codec_cuda.h) and the CUDA handle owners
+// (kernels/cuda/cuda_handles.h).
 //
 // The kernels must produce exactly the bytes of the scalar reference and the SIMD CPU executor
 // on the same input, write nothing but the requested rows (decode) or block payloads (encode),

@@ -1,11 +1,11 @@
-// The CUDA kernels of kernels/codec_cuda.cu, run on the CPU emulator (hiq_kernels_cuda_emulated,
-// cuda_emulation.h), against the scalar reference byte for byte: the geometries of the codec
-// tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries), BF16 and FP16,
-// INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4 rows) and RAW,
-// contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte views,
-// misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch shapes
-// (one warp walking everything through the grid-stride loop up to the default grid). The same
-// launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are called; only the
+// The CUDA kernels of kernels/cuda/codec_cuda.cu, run on the CPU emulator
+// (hiq_kernels_cuda_emulated, cuda_emulation.h), against the scalar reference byte for byte: the
+// geometries of the codec tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries),
+// BF16 and FP16, INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4
+// rows) and RAW, contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte
+// views, misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch
+// shapes (one warp walking everything through the grid-stride loop up to the default grid). The
+// same launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are called; only the
 // execution underneath is emulated. A broken kernel shows: with the emulator's wrong-lane shuffle
 // fault the comparison must fail.
 #include <gtest/gtest.h>

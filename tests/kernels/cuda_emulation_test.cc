@@ -1,4 +1,4 @@
-// The CUDA emulator itself (kernels/cuda_emulation.h): every thread of a launch runs once with
+// The CUDA emulator itself (kernels/cuda/cuda_emulation.h): every thread of a launch runs once with
 // the right built-in variables, warp shuffles have CUDA's semantics (sources, widths, masks, all
 // values posted before any is read), and the cases CUDA leaves undefined (a shuffle naming an
 // exited or diverged lane, a misaligned vector load) are reported as launch errors instead of

@@ -1,6 +1,7 @@
-// Stand-in for <cuda_runtime.h> in the host build of kernels/codec_cuda.cu (HIQ_CUDA_EMULATION,
-// see cuda_emulation.h for the execution model): the CUDA subset that file uses (and the other
-// three warp shuffles), with CUDA's semantics, compiled by the host C++ compiler.
+// Stand-in for <cuda_runtime.h> in the host build of kernels/cuda/codec_cuda.cu
+// (HIQ_CUDA_EMULATION, see cuda_emulation.h for the execution model): the CUDA subset that file
+// uses (and the other three warp shuffles), with CUDA's semantics, compiled by the host C++
+// compiler.
 //
 //   device side: __global__/__device__/__forceinline__/__launch_bounds__, threadIdx, blockIdx,
 //                blockDim, gridDim, warpSize, uint2/uint4 (8/16-byte aligned) and make_*,

@@ -1,8 +1,8 @@
-// CPU emulation of CUDA kernel execution, for running kernels/codec_cuda.cu where there is no
+// CPU emulation of CUDA kernel execution, for running kernels/cuda/codec_cuda.cu where there is no
 // GPU (CI). This header is the control side, free of CUDA names: how a launch runs, what the
 // tests can observe and inject. cuda_runtime_emulation.h is the CUDA-named side (threadIdx,
 // __shfl_xor_sync, uint4, cudaMemcpyAsync, ...) that codec_cuda.cu compiles against when
-// HIQ_CUDA_EMULATION is defined (kernels/codec_cuda_emulated.cc).
+// HIQ_CUDA_EMULATION is defined (kernels/cuda/codec_cuda_emulated.cc).
 //
 // Execution model. A launch runs synchronously on the calling thread, CTA by CTA in blockIdx
 // order, and inside a CTA warp by warp. The 32 lanes of a warp are fibers (ucontext) on the
