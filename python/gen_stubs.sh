@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the committed gRPC stubs (hiqcache/v1/*) from proto/ with the project venv's
-# pinned grpcio-tools; tests/python/test_stubs.py fails when they drift from the proto.
+# pinned grpcio-tools; tests/python/package/test_stubs.py fails when they drift from the proto.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${HIQ_VENV:-$root/.venv}/bin/python

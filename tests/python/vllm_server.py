@@ -8,7 +8,7 @@ hiqcache's KV connector, listening on a unix socket of its own (no TCP port to p
 
 `command()` is the exact command line; `serve_env()` the environment (engine_env, as the
 offline engines of vllm_engine.py, with vLLM's own KV cache sized by --kv-cache-memory-bytes).
-Used by tests/python/test_vllm_serve.py and the demo (bench/vllm/demo_vllm.py).
+Used by tests/python/engines/test_vllm_serve.py and the demo (bench/vllm/demo_vllm.py).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ those blocks: vLLM recomputes them. A restore still running after its deadline k
 of the next step waiting for its done slot (ipc: it writes vLLM's blocks) or its staging rows
 reserved (host), so no recompute races a late write.
 
-The CUDA calls go through DeviceOps; tests/python/test_vllm_cuda_worker.py runs the step logic
-on CPU tensors in vLLM's layouts against the real daemon with a host stand-in.
+The CUDA calls go through DeviceOps; tests/python/engines/test_vllm_cuda_worker.py runs the step
+logic on CPU tensors in vLLM's layouts against the real daemon with a host stand-in.
 """
 
 from __future__ import annotations

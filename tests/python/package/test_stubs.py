@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 FILES = ("cache_pb2.py", "cache_pb2.pyi", "cache_pb2_grpc.py")
 
 

@@ -32,7 +32,7 @@ from margins import margin
 G = hq.Geometry(num_layers=3, num_kv_heads=2, head_dim=64)
 BT = 16
 OTHER_UID = 61001  # no such user needs to exist: the kernel only needs the number
-PEER = os.path.join(os.path.dirname(__file__), "peer.py")
+PEER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peer.py")
 
 
 @pytest.fixture

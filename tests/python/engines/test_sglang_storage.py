@@ -34,7 +34,7 @@ from sglang_kv import (  # noqa: E402
     page_hashes,
 )
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python: the helpers
 OTHER_UID = 61001  # the reading engine runs as another user when the tests run as root
 
 

@@ -23,7 +23,7 @@ import pytest
 from daemon import Daemon
 from margins import margin
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/python: the helpers
 VICTIM_UID = 61001
 ATTACKER_UID = 61002
 

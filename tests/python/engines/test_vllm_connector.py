@@ -33,7 +33,7 @@ from vllm_engine import engine_env
 
 pytest.importorskip("vllm")
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).resolve().parent.parent  # tests/python: the helpers
 BS = 32
 GROUPS = 8
 RESULTS = pathlib.Path(os.environ.get("HIQ_RESULTS_DIR", ROOT / "build" / "python-results"))

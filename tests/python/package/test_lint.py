@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 PYTHON = ROOT / "python"
 RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--config", "pyproject.toml",
         "hiqcache", "../tests/python", "../bench"]
@@ -27,7 +27,7 @@ def test_ruff_finds_nothing():
     files = [pathlib.Path(line).resolve() for line in listed.stdout.splitlines()]
     assert len(files) > 20
     assert PYTHON / "hiqcache" / "vllm" / "__init__.py" in files
-    assert ROOT / "tests" / "python" / "test_lint.py" in files
+    assert ROOT / "tests" / "python" / "package" / "test_lint.py" in files
     assert ROOT / "bench" / "vllm" / "bench_vllm.py" in files
     assert not [f for f in files if "hiqcache/v1" in f.as_posix()]
     r = run(RUFF, 120)

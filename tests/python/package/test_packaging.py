@@ -20,7 +20,7 @@ import pytest
 
 import hiqcache
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _daemon_path() -> pathlib.Path:
