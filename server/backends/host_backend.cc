@@ -15,6 +15,7 @@
 #include <fstream>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "backends/residency.h"
 #include "codec_job.h"
@@ -305,13 +306,36 @@ class LayerHasher {
   std::unique_ptr<std::atomic<uint8_t>[]> done_;  // [block][layer]: encoded
 };
 
+// Bytes of a client's map-ahead allowance (FaultBudget::TakeMapAhead) taken for one Bind, given
+// back when it goes out of scope unless Release()d to the binding. No budget: the bytes asked.
+class MapAheadHold {
+ public:
+  MapAheadHold(const std::shared_ptr<FaultBudget>& budget, uint64_t want)
+      : budget_(budget.get()), bytes_(budget_ != nullptr ? budget_->TakeMapAhead(want) : want) {}
+  ~MapAheadHold() { GiveBack(bytes_); }
+  MapAheadHold(const MapAheadHold&) = delete;
+  MapAheadHold& operator=(const MapAheadHold&) = delete;
+  uint64_t bytes() const { return bytes_; }
+  // Gives back `n` of the bytes held (REQUIRES: n <= bytes()).
+  void GiveBack(uint64_t n) {
+    if (budget_ != nullptr && n > 0) budget_->GiveBackMapAhead(n);
+    bytes_ -= n;
+  }
+  // The bytes still held, for the binding to give back; this hold gives back nothing more.
+  uint64_t Release() { return std::exchange(bytes_, 0); }
+
+ private:
+  FaultBudget* budget_;
+  uint64_t bytes_;
+};
+
 class HostBinding : public PoolBinding {
  public:
   // `names[i]` names buffers[i] in errors ("buffers[3]").
   HostBinding(kernels::CpuCodec* codec, std::chrono::milliseconds wait_timeout,
               kernels::BlockLayout layout, std::vector<std::unique_ptr<ShmMapping>> buffers,
               std::unique_ptr<TicketSlots> slots, std::vector<kernels::LayerViews> views,
-              uint32_t num_rows, std::shared_ptr<FaultBudget> budget)
+              uint32_t num_rows, std::shared_ptr<FaultBudget> budget, uint64_t map_ahead)
       : codec_(codec),
         wait_timeout_(wait_timeout),
         layout_(layout),
@@ -320,7 +344,8 @@ class HostBinding : public PoolBinding {
         event_count_(slots_->count()),
         views_(std::move(views)),
         num_rows_(num_rows),
-        budget_(std::move(budget)) {
+        budget_(std::move(budget)),
+        map_ahead_(map_ahead) {
     std::vector<ResidencyProbe::Mapping> mappings;
     auto add = [&](const ShmMapping* m) {
       if (m == nullptr || (!m->hugetlb() && !m->thp_faults())) return;
@@ -335,9 +360,12 @@ class HostBinding : public PoolBinding {
     probe_.SetMappings(std::move(mappings));
   }
 
-  // The pages this pool faulted in on the client's account go with the pool.
+  // The pages this pool faulted in on the client's account, and its map-ahead allowance, go
+  // with the pool.
   ~HostBinding() override {
-    if (budget_ != nullptr) budget_->Refund(charged_.load(std::memory_order_relaxed));
+    if (budget_ == nullptr) return;
+    budget_->Refund(charged_.load(std::memory_order_relaxed));
+    budget_->GiveBackMapAhead(map_ahead_);
   }
 
   uint32_t event_count() const override { return event_count_; }
@@ -575,6 +603,7 @@ class HostBinding : public PoolBinding {
   std::shared_ptr<FaultBudget> budget_;  // null: nothing is counted (no quota)
   ResidencyProbe probe_;                 // used by Start* only (serialized)
   std::atomic<uint64_t> charged_{0};     // bytes this pool charged to budget_
+  const uint64_t map_ahead_;             // bytes of budget_'s map-ahead allowance Bind used
   std::atomic<bool> refusal_logged_{false};
   std::atomic<bool> cancelled_{false};
   uint64_t checked_faults_ = 0;  // RecoveredFaults() when CheckMemory last found nothing broken
@@ -634,10 +663,17 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
   // The engine's KV pages a restore writes are in memory already (the client libraries write
   // what they lend); mapping them now spares the first restore into them a page fault per
   // page. Pages not in memory stay unmapped, for the fault budget to charge when touched. At
-  // most kMapResidentBytesPerPool of a pool's buffers are looked at (mincore walks every page,
-  // and a client may lend terabytes of holes); beyond, pages fault in as tasks touch them.
-  constexpr uint64_t kMapResidentBytesPerPool = uint64_t{8} << 30;
-  uint64_t map_left = kMapResidentBytesPerPool;
+  // most FaultBudget::kDefaultMapAheadBytes of a pool's buffers are looked at (mincore walks
+  // every page, and a client may lend terabytes of holes), and at most the client's map-ahead
+  // allowance across its pools (FaultBudget::TakeMapAhead; given back with the pool); beyond,
+  // pages fault in as tasks touch them.
+  uint64_t want = 0;
+  for (const BufferSpec& b : spec.buffers) {
+    want = std::min(FaultBudget::kDefaultMapAheadBytes,
+                    want + std::min(b.size_bytes, FaultBudget::kDefaultMapAheadBytes));
+  }
+  MapAheadHold map_ahead(budget, want);
+  uint64_t map_left = map_ahead.bytes();
   std::vector<std::unique_ptr<ShmMapping>> buffers;
   std::vector<uint8_t*> bases;
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
@@ -671,9 +707,10 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
   }
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   uint32_t rows = MinRows(spec);
-  return std::unique_ptr<PoolBinding>(new HostBinding(codec_, wait_timeout_, layout,
-                                                      std::move(buffers), std::move(slots),
-                                                      std::move(views), rows, std::move(budget)));
+  map_ahead.GiveBack(map_left);  // what no buffer used
+  return std::unique_ptr<PoolBinding>(
+      new HostBinding(codec_, wait_timeout_, layout, std::move(buffers), std::move(slots),
+                      std::move(views), rows, std::move(budget), map_ahead.Release()));
 }
 
 }  // namespace hiqcache::server

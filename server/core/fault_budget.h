@@ -10,9 +10,16 @@
 // that no client can grow the daemon's memory by lending it memory it never touched. Charges are
 // given back when the pool that made them is released (its pages go with the client's object).
 //
+// The same object bounds the daemon's registration-time mapping of a client's resident pages
+// (HostBackend::Bind, ResidencyProbe::MapResident: mincore walks every page looked at, so the
+// walk's time grows with the bytes): the bytes looked at by the client's registered pools
+// together stay within map_ahead_limit, so that many pools, or many registrations at once, of
+// one client hold no more registration time than one pool of that size.
+//
 // One budget per client (uid), shared by the client's pools. Thread-safe (lock-free).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -20,7 +27,10 @@ namespace hiqcache::server {
 
 class FaultBudget {
  public:
-  explicit FaultBudget(uint64_t limit) : limit_(limit) {}
+  static constexpr uint64_t kDefaultMapAheadBytes = uint64_t{8} << 30;
+
+  explicit FaultBudget(uint64_t limit, uint64_t map_ahead_limit = kDefaultMapAheadBytes)
+      : limit_(limit), map_ahead_limit_(map_ahead_limit) {}
 
   // Takes `bytes` if the charges stay within the limit; else takes nothing and returns false.
   bool TryCharge(uint64_t bytes) {
@@ -36,9 +46,26 @@ class FaultBudget {
   uint64_t limit() const { return limit_; }
   uint64_t charged() const { return charged_.load(std::memory_order_relaxed); }
 
+  // Takes up to `want` bytes of the map-ahead allowance and returns how many it took (0 once
+  // the client's pools hold it all).
+  uint64_t TakeMapAhead(uint64_t want) {
+    uint64_t cur = map_ahead_.load(std::memory_order_relaxed);
+    uint64_t take = 0;
+    do {
+      take = std::min(want, map_ahead_limit_ - std::min(cur, map_ahead_limit_));
+      if (take == 0) return 0;
+    } while (!map_ahead_.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed));
+    return take;
+  }
+  // Gives back `bytes` taken by TakeMapAhead.
+  void GiveBackMapAhead(uint64_t bytes) { map_ahead_.fetch_sub(bytes, std::memory_order_relaxed); }
+  uint64_t map_ahead() const { return map_ahead_.load(std::memory_order_relaxed); }
+
  private:
   const uint64_t limit_;
+  const uint64_t map_ahead_limit_;
   std::atomic<uint64_t> charged_{0};
+  std::atomic<uint64_t> map_ahead_{0};
 };
 
 }  // namespace hiqcache::server

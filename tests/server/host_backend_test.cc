@@ -561,6 +561,63 @@ int MappingsOf(int fd) {
   return n;
 }
 
+// Resident bytes (smaps' Rss) of this process's mappings of the object behind `fd`: the test's
+// own (the client's) and the daemon's (the bindings').
+uint64_t RssOf(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return 0;
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool ours = false;
+  uint64_t kib = 0;
+  while (std::getline(smaps, line)) {
+    std::istringstream fields(line);
+    std::string first;
+    fields >> first;
+    if (first.find('-') != std::string::npos) {  // a mapping's header: range perms off dev inode
+      std::string perms, offset, dev;
+      uint64_t inode = 0;
+      ours = fields >> perms >> offset >> dev >> inode && inode == st.st_ino;
+    } else if (ours && first == "Rss:") {
+      uint64_t n = 0;
+      fields >> n;
+      kib += n;
+    }
+  }
+  return kib * 1024;
+}
+
+// The registration-time mapping of a client's resident pages is bounded per client, across its
+// pools: the first binding maps all of its buffers, the second what is left of the allowance,
+// the third nothing; each gives its part back when it goes.
+TEST_F(HostBackendTest, MapAheadIsBoundedPerClientAcrossPools) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t allowance = 2 * kPlaneBytes + 2 * page;  // one pool's buffers and 2 pages
+  auto budget = std::make_shared<FaultBudget>(uint64_t{1} << 30, allowance);
+  const uint64_t client = RssOf(k_->fd()) + RssOf(v_->fd());
+  ASSERT_EQ(client, 2 * kPlaneBytes);  // the client wrote its buffers
+  auto first = Bind(Spec(), budget);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(budget->map_ahead(), 2 * kPlaneBytes);
+  EXPECT_EQ(RssOf(k_->fd()) + RssOf(v_->fd()) - client, 2 * kPlaneBytes);
+  auto second = Bind(Spec(), budget);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  auto third = Bind(Spec(), budget);
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  EXPECT_EQ(budget->map_ahead(), allowance);
+  // The daemon's mappings hold exactly the allowance of the client's pages, mapped ahead.
+  EXPECT_EQ(RssOf(k_->fd()) + RssOf(v_->fd()) - client, allowance);
+  first->reset();
+  EXPECT_EQ(budget->map_ahead(), 2 * page);
+  second->reset();
+  third->reset();
+  EXPECT_EQ(budget->map_ahead(), 0u);
+  // Without a budget (no quotas) a binding maps its buffers whole.
+  auto unbudgeted = Bind(Spec());
+  ASSERT_TRUE(unbudgeted.ok()) << unbudgeted.status().ToString();
+  EXPECT_EQ(RssOf(k_->fd()) + RssOf(v_->fd()) - client, 2 * kPlaneBytes);
+}
+
 #define SKIP_WITHOUT_HUGETLB(object)                                                           \
   if (!(object)->ok()) {                                                                       \
     GTEST_SKIP() << "no free hugetlb pages (vm.nr_hugepages is "                               \
