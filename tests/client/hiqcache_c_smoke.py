@@ -23,7 +23,7 @@ HIQ_OK, HIQ_INVALID_ARGUMENT = 0, 3
 HIQ_LAYOUT_SGLANG = 0
 
 
-from hiqcache_c_abi import Buffer, Geometry, LayerView, PoolDesc, PoolInfo, Stats
+from hiqcache_c_abi import Buffer, Geometry, LayerView, PoolDesc, PoolInfo, Stats  # noqa: E402
 
 
 def load(path):

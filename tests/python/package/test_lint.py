@@ -1,9 +1,9 @@
-"""The Python package, its tests and the benchmarks' Python pass ruff, and the package passes
-mypy --strict: both pinned in python/requirements.lock and configured in python/pyproject.toml
-([tool.ruff], [tool.mypy]), both run from python/ as a developer runs them there. The generated
-gRPC stubs (python/hiqcache/v1) are not linted; mypy reads their .pyi. mypy keeps its cache in
-.cache/mypy at the repository root: a first run reads torch and vLLM (about 25 s of CPU), a later
-one a few seconds."""
+"""The Python package, every Python file under tests/ and the benchmarks' Python pass ruff, and
+the package passes mypy --strict: both pinned in python/requirements.lock and configured in
+python/pyproject.toml ([tool.ruff], [tool.mypy]), both run from python/ as a developer runs them
+there. The generated gRPC stubs (python/hiqcache/v1) are not linted; mypy reads their .pyi. mypy
+keeps its cache in .cache/mypy at the repository root: a first run reads torch and vLLM (about
+25 s of CPU), a later one a few seconds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PYTHON = ROOT / "python"
 RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--config", "pyproject.toml",
-        "hiqcache", "../tests/python", "../bench"]
+        "hiqcache", "../tests", "../bench"]
 
 
 def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -28,6 +28,7 @@ def test_ruff_finds_nothing():
     assert len(files) > 20
     assert PYTHON / "hiqcache" / "vllm" / "__init__.py" in files
     assert ROOT / "tests" / "python" / "package" / "test_lint.py" in files
+    assert ROOT / "tests" / "client" / "hiqcache_c_smoke.py" in files
     assert ROOT / "bench" / "vllm" / "bench_vllm.py" in files
     assert not [f for f in files if "hiqcache/v1" in f.as_posix()]
     r = run(RUFF, 120)
