@@ -113,6 +113,28 @@ uint64_t ResidencyProbe::RangeNotResident(const void* p, size_t bytes) {
   return CountNotResident();
 }
 
+uint64_t ResidencyProbe::LayersAsOneExtent(const kernels::BlockLayout& layout,
+                                           const kernels::LayerViews* layers, uint32_t plane) {
+  const uint32_t n = layout.num_layers;
+  const kernels::StridedView& v0 = layers[0].planes[plane];
+  const uint64_t row_bytes = uint64_t{layout.row.num_heads} * layout.row.head_dim * 2;
+  if (n < 2 || v0.head_stride != uint64_t{layout.row.head_dim} * 2 || v0.dim_run != 0) return 0;
+  const kernels::StridedView& v1 = layers[1].planes[plane];
+  if (v1.base <= v0.base) return 0;
+  const uint64_t delta = static_cast<uint64_t>(v1.base - v0.base);
+  if (delta < row_bytes || delta - row_bytes >= PageBytes()) return 0;
+  for (uint32_t l = 1; l < n; ++l) {
+    const kernels::StridedView& v = layers[l].planes[plane];
+    if (v.base != v0.base + l * delta || v.row_stride != v0.row_stride ||
+        v.head_stride != v0.head_stride || v.page_rows != v0.page_rows ||
+        v.page_stride != v0.page_stride || v.row_group != v0.row_group ||
+        v.row_group_stride != v0.row_group_stride || v.dim_run != 0) {
+      return 0;
+    }
+  }
+  return (n - 1) * delta + row_bytes;
+}
+
 uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
                                          const kernels::LayerViews* layers, const uint32_t* rows,
                                          size_t num_rows) {
@@ -141,6 +163,17 @@ uint64_t ResidencyProbe::RowsNotResident(const kernels::BlockLayout& layout,
     // another where layers interleave within a row (page_first: a slot holds every layer),
     // else each layer's rows in turn (layer_first).
     const kernels::StridedView& first = layers[0].planes[p];
+    // Where a row's layers lie back to back (page_first: the same view shifted by `delta` per
+    // layer, gaps between them shorter than a page), the pages a row touches are those of one
+    // range from its first layer's first byte to its last layer's last: one Add per row
+    // instead of one per row and layer (a gap shorter than a page holds no page of its own).
+    if (const uint64_t extent = LayersAsOneExtent(layout, layers, p); extent != 0) {
+      for (size_t i = 0; i < num_rows; ++i) {
+        const uintptr_t start = reinterpret_cast<uintptr_t>(first.Head(rows[i], 0));
+        Add(start, start + extent);
+      }
+      continue;
+    }
     bool layers_inner = false;
     if (layout.num_layers > 1) {
       const uintptr_t a = reinterpret_cast<uintptr_t>(first.Head(rows[0], 0));

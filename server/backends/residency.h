@@ -66,6 +66,12 @@ class ResidencyProbe {
   static size_t PageBytes();
 
  private:
+  // The bytes from a row's first layer's first byte to its last layer's last, where the layers
+  // of `plane` are one view (contiguous heads) shifted by the same step per layer with gaps
+  // shorter than a page between them, so that the pages a row touches in all of them are those
+  // of that one range (page_first); 0 otherwise.
+  static uint64_t LayersAsOneExtent(const kernels::BlockLayout& layout,
+                                    const kernels::LayerViews* layers, uint32_t plane);
   // Adds [begin, end) to the runs, extending the last run when it overlaps or touches it.
   void Add(uintptr_t begin, uintptr_t end);
   // Adds [begin, end) to the open run of `slot` (one per layer and head), extending it when it

@@ -194,6 +194,37 @@ TEST_F(ResidencyProbeTest, AliasedPlanesCountEachMissingPageOnce) {
   Check("page_first, V aliasing K", PageFirst(/*alias_v=*/true));
 }
 
+// Layers within a slot with gaps between them (page_first with padding): shorter than a page, a
+// row's layers count as one range (the fast path); a page or longer, each layer apart (a page
+// inside a gap is not touched and must not count). Both against the page-by-page count.
+TEST_F(ResidencyProbeTest, PageFirstWithGapsBetweenLayersCountsOnlyTouchedPages) {
+  for (const uint64_t gap : {uint64_t{64}, uint64_t{page_ - 2}, uint64_t{page_}, 2 * page_}) {
+    const uint64_t step = kRowBytes + gap;  // from one layer's row to the next one's
+    const uint64_t plane = uint64_t{kSlots} * kLayers * step;
+    const uint64_t bytes = 2 * plane;
+    const int fd = ::memfd_create("hiq-residency-probe-gaps", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT_NE(m, MAP_FAILED);
+    auto* data = static_cast<uint8_t*>(m);
+    for (uint64_t at = 0; at < bytes; at += 3 * page_) std::memset(data + at, 1, page_);
+    std::vector<kernels::LayerViews> v(kLayers);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        kernels::StridedView& s = v[l].planes[p];
+        s.base = data + p * plane + l * step;
+        s.row_stride = kLayers * step;
+        s.head_stride = kHeadBytes;
+        s.num_rows = kSlots;
+      }
+    }
+    Check("page_first, gap " + std::to_string(gap), v);
+    ::munmap(m, bytes);
+    ::close(fd);
+  }
+}
+
 // The expectation is not vacuous: the rows span both written pages and holes.
 TEST_F(ResidencyProbeTest, RowsSpanHolesAndWrittenPages) {
   std::vector<uint32_t> rows(64);
