@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -30,28 +31,50 @@ constexpr uint64_t kHeadBytes = uint64_t{kDim} * 2;
 constexpr uint64_t kRowBytes = kHeads * kHeadBytes;
 constexpr uint64_t kPlaneBytes = uint64_t{kSlots} * kLayers * kRowBytes;
 
+// A memfd of `bytes` holes, mapped shared here; with `every_third_page`, every third page
+// written (resident), the others left holes. data() is null when it could not be made.
+class TestMemfd {
+ public:
+  TestMemfd(const char* name, uint64_t bytes, bool every_third_page) : bytes_(bytes) {
+    fd_ = ::memfd_create(name, MFD_CLOEXEC);
+    if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return;
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) return;
+    data_ = static_cast<uint8_t*>(p);
+    const uint64_t page = ResidencyProbe::PageBytes();
+    for (uint64_t at = 0; every_third_page && at < bytes; at += 3 * page) {
+      std::memset(data_ + at, 1, page);
+    }
+  }
+  ~TestMemfd() {
+    if (data_ != nullptr) ::munmap(data_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  TestMemfd(const TestMemfd&) = delete;
+  TestMemfd& operator=(const TestMemfd&) = delete;
+  uint8_t* data() const { return data_; }
+  int fd() const { return fd_; }
+
+ private:
+  uint64_t bytes_;
+  int fd_ = -1;
+  uint8_t* data_ = nullptr;
+};
+
 class ResidencyProbeTest : public ::testing::Test {
  protected:
   void SetUp() override {
     page_ = ResidencyProbe::PageBytes();
     bytes_ = 2 * kPlaneBytes;
-    fd_ = ::memfd_create("hiq-residency-probe-test", MFD_CLOEXEC);
-    ASSERT_GE(fd_, 0);
-    ASSERT_EQ(::ftruncate(fd_, static_cast<off_t>(bytes_)), 0);
-    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    ASSERT_NE(p, MAP_FAILED);
-    data_ = static_cast<uint8_t*>(p);
-    // Every third page written (resident), the others holes.
-    for (uint64_t at = 0; at < bytes_; at += 3 * page_) std::memset(data_ + at, 1, page_);
+    memfd_ = std::make_unique<TestMemfd>("hiq-residency-probe-test", bytes_, true);
+    ASSERT_NE(memfd_->data(), nullptr);
+    fd_ = memfd_->fd();
+    data_ = memfd_->data();
     layout_.row.num_heads = kHeads;
     layout_.row.head_dim = kDim;
     layout_.num_layers = kLayers;
     layout_.kv_planes = 2;
     layout_.block_tokens = 4;
-  }
-  void TearDown() override {
-    if (data_ != nullptr) ::munmap(data_, bytes_);
-    if (fd_ >= 0) ::close(fd_);
   }
 
   // Bytes in the distinct pages the rows' heads touch that mincore reports not resident, page by
@@ -80,19 +103,26 @@ class ResidencyProbeTest : public ::testing::Test {
     return missing;
   }
 
-  // page_first: [plane][slot][layer][head][dim].
-  std::vector<kernels::LayerViews> PageFirst(bool alias_v = false) const {
+  // page_first: [plane][slot][layer][head][dim], in data_; or in `data` with `gap` bytes after
+  // each layer's row (padding).
+  std::vector<kernels::LayerViews> PageFirst(bool alias_v = false, uint8_t* data = nullptr,
+                                             uint64_t gap = 0) const {
+    const uint64_t step = kRowBytes + gap;  // from one layer's row to the next one's
+    const uint64_t plane = PageFirstPlaneBytes(gap);
     std::vector<kernels::LayerViews> v(kLayers);
     for (uint32_t l = 0; l < kLayers; ++l) {
       for (uint32_t p = 0; p < 2; ++p) {
         kernels::StridedView& s = v[l].planes[p];
-        s.base = data_ + (alias_v ? 0 : p * kPlaneBytes) + l * kRowBytes;
-        s.row_stride = kLayers * kRowBytes;
+        s.base = (data != nullptr ? data : data_) + (alias_v ? 0 : p * plane) + l * step;
+        s.row_stride = kLayers * step;
         s.head_stride = kHeadBytes;
         s.num_rows = kSlots;
       }
     }
     return v;
+  }
+  static uint64_t PageFirstPlaneBytes(uint64_t gap) {
+    return uint64_t{kSlots} * kLayers * (kRowBytes + gap);
   }
   // layer_first: [plane][layer][slot][head][dim].
   std::vector<kernels::LayerViews> LayerFirst() const {
@@ -172,6 +202,7 @@ class ResidencyProbeTest : public ::testing::Test {
 
   size_t page_ = 0;
   uint64_t bytes_ = 0;
+  std::unique_ptr<TestMemfd> memfd_;
   int fd_ = -1;
   uint8_t* data_ = nullptr;
   kernels::BlockLayout layout_;
@@ -199,29 +230,9 @@ TEST_F(ResidencyProbeTest, AliasedPlanesCountEachMissingPageOnce) {
 // inside a gap is not touched and must not count). Both against the page-by-page count.
 TEST_F(ResidencyProbeTest, PageFirstWithGapsBetweenLayersCountsOnlyTouchedPages) {
   for (const uint64_t gap : {uint64_t{64}, uint64_t{page_ - 2}, uint64_t{page_}, 2 * page_}) {
-    const uint64_t step = kRowBytes + gap;  // from one layer's row to the next one's
-    const uint64_t plane = uint64_t{kSlots} * kLayers * step;
-    const uint64_t bytes = 2 * plane;
-    const int fd = ::memfd_create("hiq-residency-probe-gaps", MFD_CLOEXEC);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
-    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ASSERT_NE(m, MAP_FAILED);
-    auto* data = static_cast<uint8_t*>(m);
-    for (uint64_t at = 0; at < bytes; at += 3 * page_) std::memset(data + at, 1, page_);
-    std::vector<kernels::LayerViews> v(kLayers);
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      for (uint32_t p = 0; p < 2; ++p) {
-        kernels::StridedView& s = v[l].planes[p];
-        s.base = data + p * plane + l * step;
-        s.row_stride = kLayers * step;
-        s.head_stride = kHeadBytes;
-        s.num_rows = kSlots;
-      }
-    }
-    Check("page_first, gap " + std::to_string(gap), v);
-    ::munmap(m, bytes);
-    ::close(fd);
+    const TestMemfd memfd("hiq-residency-probe-gaps", 2 * PageFirstPlaneBytes(gap), true);
+    ASSERT_NE(memfd.data(), nullptr);
+    Check("page_first, gap " + std::to_string(gap), PageFirst(false, memfd.data(), gap));
   }
 }
 
@@ -242,12 +253,9 @@ TEST(ResidencyProbeMappingsTest, HugeExtentsCountWholeAndHugetlbNotAtAll) {
   const size_t page = ResidencyProbe::PageBytes();
   constexpr size_t kExtent = ResidencyProbe::kHugeExtentBytes;
   const size_t bytes = 3 * kExtent;
-  const int fd = ::memfd_create("hiq-residency-extents", MFD_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ASSERT_NE(p, MAP_FAILED);
-  auto* data = static_cast<uint8_t*>(p);
+  const TestMemfd memfd("hiq-residency-extents", bytes, false);
+  uint8_t* data = memfd.data();
+  ASSERT_NE(data, nullptr);
   // Extent 0: a hole. Extent 1: its first page written. Extent 2: a hole.
   data[kExtent] = 1;
   const auto base = reinterpret_cast<uintptr_t>(data);
@@ -278,8 +286,6 @@ TEST(ResidencyProbeMappingsTest, HugeExtentsCountWholeAndHugetlbNotAtAll) {
   // A mapping covering only extent 1: the hole before it counts page by page.
   probe.SetMappings({{base + kExtent, base + 2 * kExtent, ResidencyProbe::Faults::kNone}});
   EXPECT_EQ(probe.RangeNotResident(data + kExtent - page, 3 * page), page);
-  ::munmap(p, bytes);
-  ::close(fd);
 }
 
 long MinorFaults() {
@@ -289,9 +295,11 @@ long MinorFaults() {
 }
 
 // Writes a byte every `stride` bytes of [m, m + bytes); the minor faults that took. Not
-// instrumented by ASan: its checks would fault in shadow pages of the fresh mapping and count.
-__attribute__((no_sanitize_address)) long WriteEveryAndCountFaults(uint8_t* m, uint64_t bytes,
-                                                                   uint64_t stride) {
+// instrumented by ASan or TSan: their checks would fault in shadow pages of the fresh mapping and
+// count.
+__attribute__((no_sanitize("address", "thread"))) long WriteEveryAndCountFaults(uint8_t* m,
+                                                                                uint64_t bytes,
+                                                                                uint64_t stride) {
   const long before = MinorFaults();
   for (uint64_t at = 0; at < bytes; at += stride) static_cast<volatile uint8_t*>(m)[at] = 2;
   return MinorFaults() - before;
