@@ -694,9 +694,11 @@ StatusOr<std::unique_ptr<PoolBinding>> HostBackend::Bind(const RegisterSpec& spe
                              ": a HOST pool needs host_fd_id or host_shm_name, not "
                              "cuda_ipc_handle");
     }
-    const uint64_t look = std::min(map_left, m->size());
-    ResidencyProbe::MapResident(m->data(), look);
-    map_left -= look;
+    if (!m->hugetlb()) {  // mincore sees only the daemon's own page tables there: nothing to map
+      const uint64_t look = std::min(map_left, m->size());
+      ResidencyProbe::MapResident(m->data(), look);
+      map_left -= look;
+    }
     bases.push_back(m->data());
     buffers.push_back(std::move(m));
   }

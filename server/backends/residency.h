@@ -36,10 +36,10 @@ class ResidencyProbe {
   static bool Resident(const void* p);
   // What the daemon's access to a missing page of a mapping allocates.
   enum class Faults : uint8_t {
-    kNone,        // nothing: a hugetlbfs object, whose pages it reserved in the hugetlb pool and
-                  // which are never swapped out (mincore reports only this process's page tables
-                  // there, so a page the client wrote but the daemon never touched reads as
-                  // missing); never asked of mincore, never counted
+    kNone,        // nothing: a hugetlbfs object, mapped only while every page of it is
+                  // allocated (ShmMapping::CheckHugetlbPages) and never swapped out (mincore
+                  // reports only this process's page tables there, so a page the client wrote
+                  // but the daemon never touched reads as missing); never asked, never counted
     kHugeExtent,  // shmem that transparent huge pages may back (the daemon's mapping is advised
                   // MADV_HUGEPAGE and shmem_enabled honours it): a fault in a wholly missing
                   // 2 MiB extent of the object allocates all of it, so such an extent counts

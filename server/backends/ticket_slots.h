@@ -73,7 +73,7 @@ class TicketSlots {
 
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
   bool broken() const;
-  // The slots lie in a hugetlbfs object (ShmMapping::hugetlb): their pages are always resident.
+  // The slots lie in a hugetlbfs object (ShmMapping::hugetlb): every page of it is allocated.
   bool hugetlb() const;
   // The slots' mapping; null when there are no slots or once closed.
   const ShmMapping* mapping() const { return mapping_.get(); }
