@@ -475,6 +475,10 @@ StridedView SplitScratch(const RowFormat& fmt, uint32_t n, const uint32_t** inde
 bool EncodeViewRows(const RowFormat& fmt, const StridedView& view, const uint32_t* rows, uint32_t n,
                     uint8_t* dst) {
   if (view.dim_run == 0) return HWY_DYNAMIC_DISPATCH(EncodeRows)(fmt, view, rows, n, dst);
+  if (fmt.codec == CodecKind::kRaw) {  // stored RAW rows are GatherHeads' layout: no copy between
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, n, dst);
+    return true;
+  }
   const uint32_t* index = nullptr;
   const StridedView copy = SplitScratch(fmt, n, &index);
   GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, n, copy.base);
