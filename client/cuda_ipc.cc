@@ -175,6 +175,12 @@ Status ResolveCudaTensors(std::span<const CudaTensor> tensors, const CudaMemoryI
         return InvalidArgument(field + ".buffer: tensor index " + std::to_string(v.buffer) +
                                " out of range (" + std::to_string(tensors.size()) + " tensors)");
       }
+      // Split views are HOST-only (the daemon refuses them for CUDA pools too); refused here
+      // before EndOffset, which assumes a dim_run that divides head_dim.
+      if (v.row_group != 0 || v.dim_run != 0) {
+        return InvalidArgument(field + (v.dim_run != 0 ? ".dim_run" : ".row_group") +
+                               ": split views are for HOST pools only");
+      }
       const uint64_t end = v.EndOffset(spec->geometry.num_kv_heads, head_bytes);
       if (end > tensors[v.buffer].bytes) {
         return InvalidArgument(field + ": addresses up to byte " + std::to_string(end) +

@@ -83,6 +83,7 @@ from hiqcache.spec import (
     TensorView,
 )
 from hiqcache.status import HiqError, Status
+from hiqcache.torch_kv import shm_tensor
 
 log = logging.getLogger("hiqcache.sglang")
 
@@ -464,8 +465,7 @@ class HiqCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's classes
         shape = lay.staging_shape(kv.shape, pages)
         shm = HostShm.create_memfd("sglang-copy", pages * page_bytes,
                                    huge_pages=self.opts.huge_pages)
-        area = torch.frombuffer(shm.buf, dtype=kv.dtype, count=pages * page_bytes //
-                                kv.element_size()).view(shape)
+        area = shm_tensor(shm, kv.dtype, tuple(shape))
         spec = self._spec(shm.shared_buffer(), lay.views(area, area.data_ptr()))
         self._staging = (_Pool(self.client, spec, f"copy area of {pages} pages"), shm, area)
         return self._staging

@@ -355,6 +355,19 @@ TEST(ResolveCudaTensorsTest, ErrorsNameTheTensorOrViewAndChangeNothing) {
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("tensors[1]"), std::string::npos) << s.message();
   EXPECT_EQ(spec.device, DeviceKind::kHost);
+  // Split views are HOST-only: a dim_run larger than head_dim is refused by name, not wrapped.
+  std::vector<CudaTensor> two = {{Ptr(0x1000000), 1 << 16}, {Ptr(0x1000000 + (1 << 16)), 1 << 16}};
+  PoolSpec split = before;
+  split.layers[1].v->dim_run = g.head_dim + 1;
+  s = ResolveCudaTensors(two, mem, &split);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("layers[1].v.dim_run"), std::string::npos) << s.message();
+  EXPECT_TRUE(split.buffers.empty());
+  split = before;
+  split.layers[0].k.row_group = 4;
+  s = ResolveCudaTensors(two, mem, &split);
+  EXPECT_NE(s.message().find("layers[0].k.row_group"), std::string::npos) << s.message();
+  EXPECT_TRUE(ResolveCudaTensors(two, mem, &spec).ok());  // the same views, not split
 }
 
 // --- the real CUDA entry points without a usable GPU ------------------------------------------

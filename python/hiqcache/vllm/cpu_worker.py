@@ -54,6 +54,7 @@ from hiqcache.spec import (
     slot_major_view,
 )
 from hiqcache.status import HiqError
+from hiqcache.torch_kv import shm_tensor
 from hiqcache.vllm.common import (
     ConnectorOptions,
     HiqCacheConnectorMetadata,
@@ -384,8 +385,11 @@ class CpuWorker(_LoadSteps):
         ValueError naming why: a start-up error, as a layout not understood is."""
         if not by_fd:
             if self.opts.huge_pages == "require":
-                raise ValueError("hiqcache: huge_pages=require needs a session with hiqcached "
-                                 "(a memfd); a named shm object's pages are its filesystem's")
+                if self.client is not None and self.client.passes_fds:
+                    # A unix target whose daemon is down now: the pool waits for it by fd.
+                    return HostShm.create_memfd(_STAGING_TAG, size, huge_pages="require")
+                raise ValueError(f"hiqcache: huge_pages=require needs a unix-socket target (a "
+                                 f"session passes the memfd); {self.opts.target} has none")
             return HostShm.create(unique_name(_STAGING_TAG), size)
         return HostShm.create_memfd(_STAGING_TAG, size, huge_pages=self.opts.huge_pages)
 
@@ -396,11 +400,9 @@ class CpuWorker(_LoadSteps):
         plane_bytes = slot_major_bytes(g, total)
         size = g.num_layers * 2 * plane_bytes
         self.shm = self._shared_memory(size, by_fd)
-        # count: a memfd on hugetlb pages is rounded up to whole pages
-        self.staging = torch.frombuffer(
-            self.shm.buf, dtype=self.layers_dtype,
-            count=size // self.layers_dtype.itemsize).view(
-                g.num_layers, 2, total, g.num_kv_heads, g.head_dim)
+        # shm_tensor counts the shape's elements: a hugetlb memfd is rounded up to whole pages
+        self.staging = shm_tensor(self.shm, self.layers_dtype,
+                                  (g.num_layers, 2, total, g.num_kv_heads, g.head_dim))
         return tuple(LayerView(k=slot_major_view(g, total, 0, (2 * l) * plane_bytes),
                                v=slot_major_view(g, total, 0, (2 * l + 1) * plane_bytes))
                      for l in range(g.num_layers))
@@ -419,8 +421,8 @@ class CpuWorker(_LoadSteps):
         es = tensors[0].element_size()
         size = g.num_layers * per_layer * g.num_kv_heads * tile * es
         self.shm = self._shared_memory(size, by_fd)
-        self.area = torch.frombuffer(self.shm.buf, dtype=tensors[0].dtype, count=size // es).view(
-            g.num_layers, per_layer, g.num_kv_heads, tile)
+        self.area = shm_tensor(self.shm, tensors[0].dtype,
+                               (g.num_layers, per_layer, g.num_kv_heads, tile))
         for l, kv in enumerate(tensors):
             dst = self.area[l, :self.blocks].view(kv.shape)
             dst.copy_(kv)

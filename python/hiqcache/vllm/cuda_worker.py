@@ -354,8 +354,10 @@ class CudaWorker(_LoadSteps):
         for side, tag in ((self.load, "vllm-load"), (self.save_side, "vllm-save")):
             shm = HostShm.create_memfd(tag, g.num_layers * 2 * slot_major_bytes(g, self.rows))
             self.shms.append(shm)
-            stage = torch.frombuffer(shm.buf, dtype=self.dtype).view(
-                g.num_layers, 2, self.rows, g.num_kv_heads, g.head_dim)
+            from hiqcache.torch_kv import shm_tensor
+
+            stage = shm_tensor(shm, self.dtype,
+                               (g.num_layers, 2, self.rows, g.num_kv_heads, g.head_dim))
             self.ops.pin(stage)
             self.pinned.append(stage)
             views, buffers = self._stage_views(stage)
