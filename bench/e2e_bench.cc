@@ -117,12 +117,6 @@ int main(int argc, char** argv) {
     auto kv = hiqcache::bench::GaussianQwen3Kv(2 * tokens, tokens, kv_name, huge_pages);
     if (!kv.ok()) return std::fprintf(stderr, "kv: %s\n", kv.status().ToString().c_str()), 1;
     const hiqcache::Geometry& g = kv->geometry();
-    // The engine has written all of its KV (the restore's rows too): no run pays for faulting in
-    // pages the client never touched.
-    {
-      auto* bytes = static_cast<volatile uint8_t*>(kv->shm().data());
-      for (size_t i = 0; i < kv->shm().size(); i += 4096) bytes[i] = bytes[i];
-    }
     const std::string what =
         kv_name.empty() ? std::string("a named shm object in /dev/shm")
                         : "a memfd, huge_pages=" + std::string(HugePagesName(huge_pages)) + ": " +

@@ -1,7 +1,9 @@
 // GaussianQwen3Kv: the engine KV the end-to-end benchmarks (e2e_bench, l3_bench) back up: a HOST
 // pool in Qwen3-8B's geometry (36 layers x 8 KV heads x 128, BF16, SGLang layout) whose first
-// `filled` rows hold N(0, 1) values rounded to BF16 (seed 7), the rest zero. `name` and
-// `huge_pages` as HostKvPool::Create takes them (empty: a named shm object). Header-only.
+// `filled` rows hold N(0, 1) values rounded to BF16 (seed 7), the rest zero, written as an engine
+// writes all of its KV (so that no restore pays for faulting in pages the client never touched).
+// `name` and `huge_pages` as HostKvPool::Create takes them (empty: a named shm object).
+// Header-only.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,8 @@ inline StatusOr<HostKvPool> GaussianQwen3Kv(uint32_t rows, uint32_t filled,
           uint16_t* head = kv->Head(l, p, r, h);
           for (uint32_t d = 0; d < g.head_dim; ++d) head[d] = bf16(normal(rng));
         }
+  auto* bytes = static_cast<volatile uint8_t*>(kv->shm().data());
+  for (size_t i = 0; i < kv->shm().size(); i += 4096) bytes[i] = bytes[i];
   return kv;
 }
 

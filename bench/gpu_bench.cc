@@ -921,18 +921,18 @@ int main(int argc, char** argv) {
       o.duration = std::stod(v);
     else if (a == "--codec") {
       bool known = false;
+      std::string names;  // for the error
       for (const hiqcache::Codec c :
            {hiqcache::Codec::kInt8PerHead, hiqcache::Codec::kRaw, hiqcache::Codec::kFp8E4m3PerHead,
             hiqcache::Codec::kInt4G32PerHead, hiqcache::Codec::kInt4Kivi}) {
+        names += std::string(names.empty() ? "" : ", ") + hiqcache::CodecName(c);
         if (v == hiqcache::CodecName(c)) {
           o.codec = c;
           known = true;
         }
       }
       if (!known) {
-        std::fprintf(stderr,
-                     "gpu_bench: --codec wants int8_per_head, raw, fp8_e4m3_per_head, "
-                     "int4_g32_per_head or int4_kivi, got %s\n",
+        std::fprintf(stderr, "gpu_bench: --codec wants one of %s, got %s\n", names.c_str(),
                      v.c_str());
         return 2;
       }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "hiqcache/block_keys.h"
+#include "hiqcache/host_shm.h"
 #include "hiqcache/pool_spec.h"
 #include "huge_pages.h"
 #include "integration/daemon_process.h"
@@ -557,15 +558,11 @@ TEST_F(HiqcacheCDaemonTest, SplitViewsRoundTrip) {
   constexpr uint32_t kLayers = 2, kHeads = 2, kDim = 64, kBs = 16, kPages = 4;
   constexpr uint64_t kTile = uint64_t{kBs} * kDim * 2, kPage = kHeads * kTile;
   constexpr uint64_t kPlane = kPages * kPage, kBytes = kLayers * 2 * kPlane;
-  const std::string name = "/hiq-c-split-" + std::to_string(::getpid());
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(::ftruncate(fd, kBytes), 0);
-  void* m = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  ASSERT_NE(m, MAP_FAILED);
-  auto* data = static_cast<uint8_t*>(m);
-  std::memset(data, 0, kBytes);
+  // Zero-filled; unlinked when `shm` goes, whatever the test's outcome.
+  StatusOr<HostShm> shm = HostShm::Create("/hiq-c-split-" + std::to_string(::getpid()), kBytes);
+  ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+  auto* data = static_cast<uint8_t*>(shm->data());
+  const std::string& name = shm->name();
 
   std::vector<hiq_layer_view> layers(kLayers);
   for (uint32_t l = 0; l < kLayers; ++l) {
@@ -684,8 +681,6 @@ TEST_F(HiqcacheCDaemonTest, SplitViewsRoundTrip) {
   EXPECT_GT(nonzero, checked / 2);
   EXPECT_EQ(checked, uint64_t{kLayers} * 2 * 2 * kBs * kHeads * kDim);
   EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
-  ::munmap(m, kBytes);
-  ::shm_unlink(name.c_str());
 }
 
 // The flat description path, for CUDA pools on a daemon without a CUDA backend: the slot fields

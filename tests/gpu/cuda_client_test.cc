@@ -509,9 +509,9 @@ class GpuClient {
 // Backup, Lookup, then a sync and an asynchronous (per-layer ticket) restore of `codec`, each
 // compared with the reference on the device and on the host; touches `ok_file` when all held.
 // `layer_ms`, when given, gets each layer's ready time of the asynchronous restore.
-void RoundTripAs(const ChildEnv& env, Codec codec, kernels::CodecKind kind,
-                 std::vector<double>* layer_ms, const std::string& ok_file) {
-  Reference ref(kind);
+void RoundTripAs(const ChildEnv& env, Codec codec, std::vector<double>* layer_ms,
+                 const std::string& ok_file) {
+  Reference ref(static_cast<kernels::CodecKind>(codec));  // numbered as the wire codec
   ASSERT_NO_FATAL_FAILURE(MakeReference(env.seed, &ref));
   GpuClient c;
   ASSERT_NO_FATAL_FAILURE(c.Init(env, /*one_allocation=*/false, codec));
@@ -534,15 +534,14 @@ void RoundTripAs(const ChildEnv& env, Codec codec, kernels::CodecKind kind,
 TEST(CudaClientChild, RoundTrip) {
   HIQ_CHILD_PRELUDE(env);
   std::vector<double> layer_ms;
-  ASSERT_NO_FATAL_FAILURE(RoundTripAs(env, Codec::kInt8PerHead, kernels::CodecKind::kInt8PerHead,
-                                      &layer_ms, "ok-roundtrip"));
+  ASSERT_NO_FATAL_FAILURE(RoundTripAs(env, Codec::kInt8PerHead, &layer_ms, "ok-roundtrip"));
   std::printf("async restore of %u tokens: layer 0 ready after %.2f ms, layer %u after %.2f ms\n",
               kTokens, layer_ms.front(), kLayers - 1, layer_ms.back());
 }
 
 TEST(CudaClientChild, Int4KiviRoundTrip) {
   HIQ_CHILD_PRELUDE(env);
-  RoundTripAs(env, Codec::kInt4Kivi, kernels::CodecKind::kInt4Kivi, nullptr, "ok-kivi");
+  RoundTripAs(env, Codec::kInt4Kivi, nullptr, "ok-kivi");
 }
 
 TEST(CudaClientChild, BackupOnly) {

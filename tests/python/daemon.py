@@ -47,7 +47,8 @@ class Daemon:
                 self.pool_bytes, "--shm-name", self.shm_name, "--log-level", "warn", *self.extra]
         # The daemon gets SIGTERM when the process that started it dies (a test or benchmark
         # killed before its cleanup ran), instead of living on with its pool: setpriv sets the
-        # death signal and execs it, so the pid is the daemon's.
+        # death signal and execs it, so the pid is the daemon's. The signal comes when the
+        # *thread* that started it ends: start daemons from a thread that outlives them.
         setpriv = shutil.which("setpriv")
         if setpriv:
             args = [setpriv, "--pdeathsig", "TERM", *args]

@@ -331,9 +331,7 @@ class CudaBackendTest : public ::testing::Test {
     kernels::BlockLayout lay;
     lay.row.num_heads = kHeads;
     lay.row.head_dim = kDim;
-    lay.row.codec = codec == kRaw    ? kernels::CodecKind::kRaw
-                    : codec == kKivi ? kernels::CodecKind::kInt4Kivi
-                                     : kernels::CodecKind::kInt8PerHead;
+    lay.row.codec = static_cast<kernels::CodecKind>(codec);  // numbered as the wire codec
     lay.num_layers = kLayers;
     lay.kv_planes = 2;
     lay.block_tokens = kBlockTokens;

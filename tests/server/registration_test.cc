@@ -238,8 +238,9 @@ TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
   EXPECT_EQ(r->layout.PlaneBytes(1), 16u * 576u);
   RegisterSpec host = SglangSpec(2, 8, 128, 64, 16);
   host.codec = 4;
-  EXPECT_EQ(r->ns.CanonicalText(),
-            ValidateRegistration(host, Limits{}, kBigPool)->ns.CanonicalText())
+  auto host_r = ValidateRegistration(host, Limits{}, kBigPool);
+  ASSERT_TRUE(host_r.ok()) << host_r.status().ToString();
+  EXPECT_EQ(r->ns.CanonicalText(), host_r->ns.CanonicalText())
       << "a CUDA pool and a HOST pool of one model share the namespace";
   RegisterSpec bad = s;
   bad.head_dim = 48;

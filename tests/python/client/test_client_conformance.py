@@ -343,7 +343,7 @@ def test_absent_or_stopped_daemon_gives_misses_then_the_pool_reregisters(make_cl
         assert c.restore(pool, keys, range(2 * BT))[0] == 0
         d.start()  # the pending pool registers on first use
         kv.fill(range(2 * BT), seed=7)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + margin(10)
         while c.backup(pool, keys, range(2 * BT))[1] != 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -353,7 +353,7 @@ def test_absent_or_stopped_daemon_gives_misses_then_the_pool_reregisters(make_cl
         n, code, _ = c.lookup(pool, keys)
         assert n == 0 and code != 0
         d.start()  # same pool shm: warm
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + margin(10)
         while c.lookup(pool, keys)[0] != 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
