@@ -225,11 +225,9 @@ def bench_restore(reps: int) -> dict:
                 for l in range(layers):
                     tc.to_tiles_into(staging[l, 0], staging[l, 1], area[l, :nb])
 
-            # The first restore through a fresh pool's mapping, and the page faults the daemon
-            # took for it. Not the same measurement for both codecs: RAW's pass (the first)
-            # restores into pages nobody wrote yet, which the daemon faults in; INT8's into
-            # pages RAW's pass wrote, which registration mapped ahead (a page fault each
-            # without that).
+            # The first restore through a fresh pool's mapping of the tiles, and the page faults
+            # the daemon took for it: the tiles' pages are resident for both codecs (create_memfd
+            # populates them), so this measures registration's mapping ahead, not allocation.
             faults = minor_faults(d)
             t0 = time.perf_counter()
             restore(tp, consecutive)
