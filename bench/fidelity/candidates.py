@@ -13,7 +13,10 @@ own token group), symmetric (one BF16 scale, levels -7..7) or asymmetric (zero p
 scale (max - min) / 15, levels 0..15), and values per token in groups of g elements, likewise;
 None keeps that side exact (bf16). Rotated candidates (k_rot / v_rot) apply the orthonormal
 Hadamard transform over head_dim before quantizing and again after (it is its own inverse); keys
-may then be grouped per token (k_group) instead of per channel.
+may then be grouped per token (k_group) instead of per channel. Mixed candidates store some of
+the KV at INT8 per head: a prefix's first blocks or tokens (int8_blocks, int8_tokens), whole
+layers (int8_layers), or per block the tokens of largest amax (outlier_tokens); a token stored
+so is left out of its block's key groups.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class Candidate:
     v_nf4: bool = False  # values: 16 normal-quantile levels times the group's amax (sym only)
     k_bits: int = 4  # code bits of keys and of values
     v_bits: int = 4
+    int8_tokens: int = 0  # the prefix's first int8_tokens tokens stored as INT8 per head
+    outlier_tokens: int = 0  # per block and plane, the tokens of largest amax as INT8 per head
+    int8_token_planes: str = "kv"  # the planes int8_tokens / outlier_tokens apply to
 
 
 CANDIDATES = {
@@ -80,6 +86,24 @@ CANDIDATES = {
     "P": Candidate("r_first_block_int8_k3_v5_g64", False, 64, True, 0, True, True, int8_blocks=1,
                    k_bits=3, v_bits=5),
     "Z": Candidate("b_first_block_int8_v_nf4", False, 32, int8_blocks=1, v_nf4=True),
+    "Q": Candidate("r_first_2_blocks_int8", False, 32, True, 0, True, True, int8_blocks=2),
+    "O": Candidate("r_first_block_int8_v_asym", False, 32, False, 0, True, True, int8_blocks=1),
+    "a": Candidate("r_first_block_int8_v_g16", False, 16, True, 0, True, True, int8_blocks=1),
+    "b": Candidate("r_first_block_int8_k8tok", False, 32, True, 8, True, True, int8_blocks=1),
+    # Data-chosen: per block and plane, the token of largest amax stored as INT8 (an index byte
+    # and an INT8 row), left out of the block's key groups; or the prefix's first token so.
+    "c": Candidate("b_outlier_token_int8", False, 32, outlier_tokens=1),
+    "d": Candidate("r_outlier_token_int8", False, 32, True, 0, True, True, outlier_tokens=1),
+    "e": Candidate("b_first_token_int8", False, 32, int8_tokens=1),
+    "f": Candidate("r_first_token_int8", False, 32, True, 0, True, True, int8_tokens=1),
+    "g": Candidate("r_outlier_2_tokens_int8", False, 32, True, 0, True, True, outlier_tokens=2),
+    "h": Candidate("r_first_token_int8_v_asym", False, 32, False, 0, True, True, int8_tokens=1),
+    "i": Candidate("r_first_token_int8_k_only_v_asym", False, 32, False, 0, True, True,
+                   int8_tokens=1, int8_token_planes="k"),
+    "j": Candidate("r_first_token_int8_v_only_v_asym", False, 32, False, 0, True, True,
+                   int8_tokens=1, int8_token_planes="v"),
+    "k": Candidate("r_outlier_token_int8_v_asym", False, 32, False, 0, True, True,
+                   outlier_tokens=1),
 }
 
 
@@ -144,6 +168,8 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         if n == x.shape[2]:
             return head.contiguous()
         return torch.cat([head, quantize(x[:, :, n:], rest, keys, bt)], dim=2).contiguous()
+    if (c.int8_tokens or c.outlier_tokens) and ("k" if keys else "v") in c.int8_token_planes:
+        return quantize_with_int8_tokens(x, c, keys, bt)
     sym = c.k_sym if keys else c.v_sym
     bits = c.k_bits if keys else c.v_bits
     if keys and c.k_sym is None or not keys and c.v_group is None:
@@ -173,6 +199,33 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
     if rot is not None:
         out = out.reshape(h, p, d) @ rot
     return out.reshape(h, p, d).to(torch.bfloat16).unsqueeze(0).contiguous()
+
+
+def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
+                              ) -> torch.Tensor:
+    """c's int8_tokens / outlier_tokens: those tokens at INT8 per head, the rest as c without
+    them. A token left out of a key group is replaced there by its block's first other token
+    (so that it moves no group's range), and its own result is the INT8 one."""
+    rest = dataclasses.replace(c, int8_tokens=0, outlier_tokens=0)
+    p = x.shape[2]
+    chosen = torch.zeros(p, dtype=torch.bool)
+    chosen[:min(c.int8_tokens, p)] = True
+    if c.outlier_tokens:
+        score = x.float()[0].abs().amax(dim=(0, 2))  # [P]: the token's amax over heads, dims
+        for b0 in range(0, p, bt):
+            top = score[b0:b0 + bt].topk(min(c.outlier_tokens, min(bt, p - b0))).indices
+            chosen[b0 + top] = True
+    filled = x.clone()
+    for b0 in range(0, p, bt):
+        blk = chosen[b0:b0 + bt]
+        if blk.all() or not blk.any():
+            continue
+        other = b0 + int((~blk).nonzero()[0])
+        idx = b0 + blk.nonzero()[:, 0]
+        filled[:, :, idx] = x[:, :, other:other + 1]
+    out = quantize(filled, rest, keys, bt)
+    out[:, :, chosen] = q_int8(x[:, :, chosen])
+    return out.contiguous()
 
 
 def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> int:
