@@ -338,6 +338,15 @@ def test_bad_input_is_refused_and_changes_nothing(daemon, kv):
         res = c.backup(pool, keys, [*range(BT), *range(8 * BT, 9 * BT)])  # row out of range
         assert res.status.code == hq.StatusCode.INVALID_ARGUMENT and "rows" in res.status.message
         assert c.lookup(pool, keys).prefix_blocks == 0  # the rejected request stored nothing
+        # Rows no uint32 holds, and keys of the wrong type, are a status, never an exception.
+        for bad in (-1, 2**32, 1.5, "7"):
+            rows = [*range(BT), *range(BT, 2 * BT - 1), bad]
+            for res in (c.backup(pool, keys, rows), c.restore(pool, keys, rows)):
+                assert res.status.code == hq.StatusCode.INVALID_ARGUMENT, bad
+                assert "blocks[1]" in res.status.message, res.status.message
+        res = c.backup(pool, ["x" * 16, keys[1]], range(2 * BT))
+        assert res.status.code == hq.StatusCode.INVALID_ARGUMENT
+        assert "blocks[0]" in res.status.message
         assert c.lookup(pool, [b"short"]).status.code == hq.StatusCode.INVALID_ARGUMENT
         assert c.get_stats().blocks == 0
     with pytest.raises(ValueError):
