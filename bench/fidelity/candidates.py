@@ -52,6 +52,8 @@ class Candidate:
     int8_tokens: int = 0  # the prefix's first int8_tokens tokens stored as INT8 per head
     outlier_tokens: int = 0  # per block and plane, the tokens of largest amax as INT8 per head
     int8_token_planes: str = "kv"  # the planes int8_tokens / outlier_tokens apply to
+    token_g32: bool = False  # those tokens at 4 bits per token in sym groups of 32, not INT8
+    block_first_tokens: bool = False  # int8_tokens counts from every block's start
 
 
 CANDIDATES = {
@@ -104,6 +106,16 @@ CANDIDATES = {
                    int8_tokens=1, int8_token_planes="v"),
     "k": Candidate("r_outlier_token_int8_v_asym", False, 32, False, 0, True, True,
                    outlier_tokens=1),
+    # Token 0's keys out of block 0's key groups but still 4-bit (per token, sym g32): the
+    # record then needs no INT8 row, only the flag and a few scales.
+    "l": Candidate("r_first_token_k_g32_v_asym", False, 32, False, 0, True, True,
+                   int8_tokens=1, int8_token_planes="k", token_g32=True),
+    # Every block's first token's keys at INT8, out of the block's key groups: a fixed record
+    # (no position needed from the engine) that covers the prefix's token 0 as block 0's.
+    "m": Candidate("r_block_first_token_k_int8_v_asym", False, 32, False, 0, True, True,
+                   int8_tokens=1, int8_token_planes="k", block_first_tokens=True),
+    "n": Candidate("r_block_first_token_int8_v_asym", False, 32, False, 0, True, True,
+                   int8_tokens=1, block_first_tokens=True),
 }
 
 
@@ -210,6 +222,9 @@ def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
     p = x.shape[2]
     chosen = torch.zeros(p, dtype=torch.bool)
     chosen[:min(c.int8_tokens, p)] = True
+    if c.block_first_tokens:
+        for b0 in range(0, p, bt):
+            chosen[b0:min(p, b0 + c.int8_tokens)] = True
     if c.outlier_tokens:
         score = x.float()[0].abs().amax(dim=(0, 2))  # [P]: the token's amax over heads, dims
         for b0 in range(0, p, bt):
@@ -224,7 +239,16 @@ def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
         idx = b0 + blk.nonzero()[:, 0]
         filled[:, :, idx] = x[:, :, other:other + 1]
     out = quantize(filled, rest, keys, bt)
-    out[:, :, chosen] = q_int8(x[:, :, chosen])
+    if c.token_g32:
+        alone = x[:, :, chosen].float()
+        rot = hadamard(x.shape[3]) if (c.k_rot if keys else c.v_rot) else None
+        if rot is not None:
+            alone = bf16(alone @ rot)
+        g = alone.reshape(*alone.shape[:3], -1, 32)
+        q = q_sym(g, g.abs().amax(dim=-1, keepdim=True)).reshape(alone.shape)
+        out[:, :, chosen] = (q @ rot if rot is not None else q).to(x.dtype)
+    else:
+        out[:, :, chosen] = q_int8(x[:, :, chosen])
     return out.contiguous()
 
 
