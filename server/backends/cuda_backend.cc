@@ -1,7 +1,6 @@
 #include "backends/cuda_backend.h"
 
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
@@ -13,6 +12,7 @@
 #include "backends/residency.h"
 #include "core/registration.h"
 #include "hiqcache/log.h"
+#include "hiqcache/xxh3.h"
 
 namespace hiqcache::server {
 namespace {

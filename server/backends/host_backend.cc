@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +22,7 @@
 #include "core/registration.h"
 #include "hiqcache/log.h"
 #include "hiqcache/mutex.h"
+#include "hiqcache/xxh3.h"
 
 namespace hiqcache::server {
 

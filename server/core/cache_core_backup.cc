@@ -1,6 +1,5 @@
 // CacheCore's backup requests: validation against the pool, the quota charge, the split into
 // sub-tasks on the pool's strand, each sub-task's step, and the reply (cache_core.h).
-#include <xxhash.h>
 
 #include <algorithm>
 #include <memory>
@@ -11,6 +10,7 @@
 #include "core/cache_core.h"
 #include "core/cache_core_internal.h"
 #include "hiqcache/log.h"
+#include "hiqcache/xxh3.h"
 
 namespace hiqcache::server {
 

@@ -1,8 +1,8 @@
 #include "core/namespace_table.h"
 
-#include <xxhash.h>
-
 #include <cstdio>
+
+#include "hiqcache/xxh3.h"
 
 namespace hiqcache::server {
 namespace {

@@ -4,10 +4,11 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
-#include <xxhash.h>
 
 #include <cstddef>
 #include <cstring>
+
+#include "hiqcache/xxh3.h"
 
 namespace hiqcache::server::l3 {
 namespace {

@@ -1,7 +1,5 @@
 #include "pool/block_store.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -9,6 +7,7 @@
 #include <string_view>
 
 #include "hiqcache/log.h"
+#include "hiqcache/xxh3.h"
 #include "pool/block_store_internal.h"
 
 namespace hiqcache::server {

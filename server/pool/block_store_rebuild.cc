@@ -1,6 +1,5 @@
 // BlockStore::Rebuild: the index rebuilt from a pool a previous daemon left (pool_format.h), with
 // every directory entry and extent header checked against the pool geometry first.
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "hiqcache/log.h"
+#include "hiqcache/xxh3.h"
 #include "pool/block_store.h"
 #include "pool/block_store_internal.h"
 
