@@ -838,8 +838,9 @@ class Client:
     def _fill_blocks(self, req: pb.BackupRequest | pb.RestoreRequest, handle: int,
                      keys: Sequence[BlockKey], rows: Sequence[int]) -> Status:
         """Adds the blocks to req (in place: building them as messages and copying them in cost
-        twice as much per call). INVALID_ARGUMENT, with req left without blocks, for a key that
-        is not 16 bytes or a row a uint32 cannot hold."""
+        twice as much per call). Rows are ints or have __index__ (numpy, torch scalars).
+        INVALID_ARGUMENT, with req left without blocks, for a key that is not 16 bytes or a row
+        a uint32 cannot hold."""
         s = _check_keys(keys)
         if not s.ok:
             return s
@@ -849,10 +850,10 @@ class Client:
         if len(rows) != len(keys) * bt:
             return Status(StatusCode.INVALID_ARGUMENT,
                           f"rows: {len(rows)} entries, need {len(keys)} keys x {bt}")
-        if not isinstance(rows, list):
-            rows = [int(r) for r in rows]
         i = 0
         try:
+            if not isinstance(rows, list):
+                rows = list(rows)  # slices of a list; its items are checked by the field
             for i, k in enumerate(keys):
                 req.blocks.add(key=k).rows.extend(rows[i * bt:(i + 1) * bt])
         except (TypeError, ValueError) as err:

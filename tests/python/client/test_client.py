@@ -344,6 +344,10 @@ def test_bad_input_is_refused_and_changes_nothing(daemon, kv):
             for res in (c.backup(pool, keys, rows), c.restore(pool, keys, rows)):
                 assert res.status.code == hq.StatusCode.INVALID_ARGUMENT, bad
                 assert "blocks[1]" in res.status.message, res.status.message
+        for rows in (np.arange(2 * BT, dtype=np.float32), np.arange(2 * BT) - 1):
+            res = c.restore(pool, keys, rows)  # not ints, or a negative row, in an array
+            assert res.status.code == hq.StatusCode.INVALID_ARGUMENT
+            assert "blocks[0]" in res.status.message
         res = c.backup(pool, ["x" * 16, keys[1]], range(2 * BT))
         assert res.status.code == hq.StatusCode.INVALID_ARGUMENT
         assert "blocks[0]" in res.status.message
