@@ -382,7 +382,8 @@ void BM_Decode(benchmark::State& state) {
 
 // The other codecs through the same executor: RAW (the bit-exact control: a copy of the gathered
 // rows into the block layout), FP8 E4M3 (INT8's row format, other arithmetic) and INT4 (groups
-// of 32, 576-byte rows for 8x128).
+// of 32, 576-byte rows for 8x128); the two 4-bit formats stored per plane, INT4 KIVI and INT4
+// Hadamard.
 void BM_EncodeCodec(benchmark::State& state, CodecKind codec) {
   BenchData& d = Data();
   CpuCodec codec_threads(static_cast<unsigned>(state.range(0)));
@@ -559,6 +560,14 @@ BENCHMARK_CAPTURE(BM_EncodeCodec, Int4Kivi, CodecKind::kInt4Kivi)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_DecodeCodec, Int4Kivi, CodecKind::kInt4Kivi)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int4Hadamard, CodecKind::kInt4Hadamard)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int4Hadamard, CodecKind::kInt4Hadamard)
     ->Apply(ThreadArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);

@@ -1,5 +1,5 @@
-// The per-element arithmetic of CODEC_INT8_PER_HEAD, CODEC_FP8_E4M3_PER_HEAD and
-// CODEC_INT4_G32_PER_HEAD, written once.
+// The per-element arithmetic of every codec that quantizes (INT8, FP8, INT4 grouped, INT4 KIVI,
+// INT4 Hadamard), written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
@@ -71,6 +71,40 @@
 //     fp16 subnormal). Together:
 //   |x^ - x| <= (0.5 + 2^-8) * s + (u + 2^-22) * |x^|   (+ 2^-25 for FP16 subnormal x^)
 //   (s is about (hi - lo) / 15 of the channel: an outlier channel keeps its step to itself.)
+//
+// INT4 Hadamard (CODEC_INT4_HADAMARD). Token 0 of every block, in every plane, is an INT8 row of
+// the input as above. Every other token is rotated and stored at 4 bits. Each head splits into
+// runs of r = HadamardRun(head_dim) elements, the largest power of two dividing head_dim, 2^k
+// (head_dim % 32 == 0, so r >= 32); per run:
+//   v  = H_r x, the unnormalized Walsh-Hadamard transform in fp32, as k stages of stride
+//        1, 2, 4, ..., r/2: each stage replaces every pair (v_i, v_{i+s}) with bit s of i clear by
+//        (v_i + v_{i+s}, v_i - v_{i+s}). A fixed order of fp32 sums: every executor gets its bits.
+//   y  = bf16_rne(v * 2^-floor(k/2))   (the product by a power of two is exact). A run with a
+//        |v| >= 2^(126 - ceil(k/2)) (HadamardLimitBits), or not finite (NaN or Inf inputs), is
+//        refused as NaN is: only BF16 inputs of magnitude near 2^120 reach it, and below it the
+//        decode's transform cannot overflow (its partial sums are at most sum_j |y^_j| <=
+//        2^ceil(k/2) max |y^| <= 1.02 * 2^-floor(k/2) * 2^ceil(k/2) * max |v| < 2^127), so every
+//        executor decodes the same finite values.
+//   The y are then quantized with KIVI's K arithmetic above, in bf16 (z = lo as bf16 bits,
+//   s = KiviKScaleBf16(lo, hi), q = QuantizeKiviKElement): plane 0 (K, MLA's latent plane) per
+//   channel over the block's tokens 1..block_tokens-1, plane 1 (V) per group of 32 consecutive y
+//   of one token.
+//   Decode: y^ = DequantizeKiviKElement(q, z, s, bf16), w = H_r y^ (the same stages in fp32),
+//   x^ = rne(w * 2^-ceil(k/2)) in the output dtype, saturated. H_r H_r = r = 2^k, so with exact
+//   arithmetic x^ = x.
+//
+// INT4 Hadamard error bound, elementwise, for element i of a 4-bit token (c = 2^-ceil(k/2); the
+// sums run over the r elements j of i's run in that token; s_j the scale of y_j's group; u and a
+// as for FP8 above):
+//   |x^_i - x_i| <= c * sum_j [(0.5 + 2^-6) s_j + 2^-6 |y^_j|] + 2^-20 sum_j |x_j|
+//                   + u |x^_i| + a + 2^-120
+//   Derivation: with y*_j = 2^-floor(k/2) (H x)_j exactly, c H y* = x. Each fp32 transform of k
+//   stages errs by at most k 2^-24 < 2^-20 (k <= 12) times the sum of its inputs' magnitudes;
+//   y rounds to 8 significant bits (2^-8 |y_j|, plus 2^-134 below bf16's normals); KIVI's bound
+//   gives |y^_j - y_j| <= (0.5 + 2^-8) s_j + (2^-8 + 2^-22) |y^_j|, and |y_j| <= |y^_j| +
+//   0.51 s_j; |c (H e)_i| <= c sum_j |e_j|; the output rounding adds u |x^_i| + a.
+//   (The step of one element is shared by its run: a channel's outlier spreads over r elements
+//   at 1/sqrt(r) of its size instead of setting its group's scale.)
 #pragma once
 
 #include <cstdint>
@@ -325,6 +359,52 @@ HIQ_HD uint32_t QuantizeKiviKElement(float x, float z, float s) {
 // range is near the dtype's largest values.
 HIQ_HD uint16_t DequantizeKiviKElement(uint32_t nibble, float z, float s, DType dtype) {
   return FloatToHalfSat(2.0f * (static_cast<float>(nibble & 0xFu) * (0.5f * s) + 0.5f * z), dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT4 Hadamard: the rotation (its 4-bit codes are KIVI's K arithmetic on bf16 y).
+
+// The rotation's run for `head_dim`: its largest power-of-two divisor.
+HIQ_HD uint32_t HadamardRun(uint32_t head_dim) { return head_dim & (~head_dim + 1u); }
+
+// log2 of a power of two.
+HIQ_HD uint32_t HadamardLog2(uint32_t r) {
+  uint32_t k = 0;
+  while ((1u << k) < r) ++k;
+  return k;
+}
+
+// 2^-floor(k/2) (encode) and 2^-ceil(k/2) (decode) for a run of r = 2^k: their product is 1/r.
+HIQ_HD float HadamardEncodeFactor(uint32_t r) {
+  return BitsToFloat((127u - HadamardLog2(r) / 2u) << 23);
+}
+HIQ_HD float HadamardDecodeFactor(uint32_t r) {
+  return BitsToFloat((127u - (HadamardLog2(r) + 1u) / 2u) << 23);
+}
+
+// v[0..r) = H_r v, unnormalized, in fp32: stages of stride 1, 2, ..., r / 2, in that order.
+// REQUIRES: r a power of two.
+HIQ_HD void HadamardTransform(float* v, uint32_t r) {
+  for (uint32_t s = 1; s < r; s <<= 1) {
+    for (uint32_t i = 0; i < r; ++i) {
+      if ((i & s) != 0) continue;
+      const float a = v[i];
+      const float b = v[i + s];
+      v[i] = a + b;
+      v[i + s] = a - b;
+    }
+  }
+}
+
+// The bound on |v| that encode accepts for a run of r = 2^k: 2^(126 - ceil(k/2)), as fp32 bits.
+// Below it every partial sum of the decode's transform stays under 2^127 (finite).
+HIQ_HD uint32_t HadamardLimitBits(uint32_t r) {
+  return (127u + 126u - (HadamardLog2(r) + 1u) / 2u) << 23;
+}
+
+// Whether |v| < the limit whose bits are `limit_bits` (false for NaN and Inf).
+HIQ_HD bool HadamardInRange(float v, uint32_t limit_bits) {
+  return (FloatToBits(v) & 0x7FFFFFFFu) < limit_bits;
 }
 
 }  // namespace hiqcache::kernels

@@ -159,6 +159,157 @@ void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32
   }
 }
 
+namespace {
+
+// The INT8 rows of CODEC_INT4_HADAMARD's first tokens.
+RowFormat Int8Rows(const RowFormat& fmt) {
+  RowFormat f = fmt;
+  f.codec = CodecKind::kInt8PerHead;
+  return f;
+}
+
+// Rotates one head (head_dim elements of the input dtype at `src`) into y[0..head_dim): bf16
+// values as fp32. False when a run's transform leaves HadamardLimitBits (NaN or Inf included).
+bool RotateHeadReference(const RowFormat& fmt, const uint8_t* src, float* y) {
+  const uint32_t d = fmt.head_dim;
+  const uint32_t r = HadamardRun(d);
+  const float e = HadamardEncodeFactor(r);
+  const uint32_t limit = HadamardLimitBits(r);
+  for (uint32_t i = 0; i < d; ++i) y[i] = HalfToFloat(LoadU16(src + 2 * i), fmt.dtype);
+  for (uint32_t j = 0; j < d; j += r) HadamardTransform(y + j, r);
+  for (uint32_t i = 0; i < d; ++i) {
+    if (!HadamardInRange(y[i], limit)) return false;
+    y[i] = Bf16ToFloat(FloatToBf16Sat(y[i] * e));
+  }
+  return true;
+}
+
+// The nibble pair of rotated elements y[0], y[1] with parameters (z0, s0), (z1, s1).
+uint8_t KiviNibblePair(const float* y, float z0, float s0, float z1, float s1) {
+  return static_cast<uint8_t>(QuantizeKiviKElement(y[0], z0, s0) |
+                              (QuantizeKiviKElement(y[1], z1, s1) << 4));
+}
+
+}  // namespace
+
+bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                                  const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  if (view.dim_run != 0) {  // split heads: from a contiguous copy of the rows
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes, num_rows);
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, num_rows, copy.base);
+    return EncodeHadamardPlaneReference(fmt, plane, copy, Iota(num_rows).data(), num_rows, dst);
+  }
+  if (!EncodeRowReference(Int8Rows(fmt), view, rows[0], dst)) return false;
+  if (num_rows <= 1) return true;
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const uint32_t n = num_rows - 1;  // the rotated tokens 1..num_rows-1
+  std::vector<float> y(n * channels);
+  for (uint32_t t = 0; t < n; ++t) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      if (!RotateHeadReference(fmt, view.Head(rows[t + 1], h), &y[t * channels + h * d])) {
+        return false;
+      }
+    }
+  }
+  if (plane == 0) {  // per channel over the tokens
+    uint8_t* zeros = dst + fmt.PlaneRowOffset(0, num_rows);
+    uint8_t* scales = zeros + 2 * channels;
+    std::vector<float> z(channels);
+    std::vector<float> s(channels);
+    for (size_t c = 0; c < channels; ++c) {
+      float lo = y[c];
+      float hi = y[c];
+      for (uint32_t t = 1; t < n; ++t) {
+        lo = y[t * channels + c] < lo ? y[t * channels + c] : lo;
+        hi = y[t * channels + c] > hi ? y[t * channels + c] : hi;
+      }
+      const uint16_t z_bits = KiviKZeroBits(lo, DType::kBF16);
+      const uint16_t s_bits = KiviKScaleBf16(lo, hi);
+      StoreU16(zeros + 2 * c, z_bits);
+      StoreU16(scales + 2 * c, s_bits);
+      z[c] = Bf16ToFloat(z_bits);
+      s[c] = Bf16ToFloat(s_bits);
+    }
+    for (uint32_t t = 0; t < n; ++t) {
+      uint8_t* codes = dst + fmt.PlaneRowOffset(0, t + 1);
+      for (size_t c = 0; c < channels; c += 2) {
+        codes[c / 2] = KiviNibblePair(&y[t * channels + c], z[c], s[c], z[c + 1], s[c + 1]);
+      }
+    }
+    return true;
+  }
+  const size_t groups = channels / kInt4GroupElems;  // per group of 32 of one token
+  for (uint32_t t = 0; t < n; ++t) {
+    uint8_t* codes = dst + fmt.PlaneRowOffset(1, t + 1);
+    uint8_t* zeros = codes + channels / 2;
+    uint8_t* scales = zeros + 2 * groups;
+    for (size_t g = 0; g < groups; ++g) {
+      const float* yg = &y[t * channels + g * kInt4GroupElems];
+      float lo = yg[0];
+      float hi = yg[0];
+      for (uint32_t i = 1; i < kInt4GroupElems; ++i) {
+        lo = yg[i] < lo ? yg[i] : lo;
+        hi = yg[i] > hi ? yg[i] : hi;
+      }
+      const uint16_t z_bits = KiviKZeroBits(lo, DType::kBF16);
+      const uint16_t s_bits = KiviKScaleBf16(lo, hi);
+      StoreU16(zeros + 2 * g, z_bits);
+      StoreU16(scales + 2 * g, s_bits);
+      const float z = Bf16ToFloat(z_bits);
+      const float sc = Bf16ToFloat(s_bits);
+      for (uint32_t i = 0; i < kInt4GroupElems; i += 2) {
+        codes[(g * kInt4GroupElems + i) / 2] = KiviNibblePair(yg + i, z, sc, z, sc);
+      }
+    }
+  }
+  return true;
+}
+
+void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                                 uint32_t block_tokens, uint32_t begin, uint32_t end,
+                                 const StridedView& view, const uint32_t* rows) {
+  if (view.dim_run != 0) {  // split heads: into a contiguous copy, then scattered
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes, end - begin);
+    DecodeHadamardRowsReference(fmt, plane, src, block_tokens, begin, end, copy,
+                                Iota(end - begin).data());
+    ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, rows, end - begin);
+    return;
+  }
+  const uint32_t d = fmt.head_dim;
+  const uint32_t r = HadamardRun(d);
+  const float c_d = HadamardDecodeFactor(r);
+  const size_t channels = fmt.ElementsPerRow();
+  std::vector<float> w(d);
+  for (uint32_t t = begin; t < end; ++t) {
+    const uint32_t row = rows[t - begin];
+    if (t == 0) {
+      DecodeRowReference(Int8Rows(fmt), src, view, row);
+      continue;
+    }
+    const uint8_t* codes = src + fmt.PlaneRowOffset(plane, t);
+    // Plane 0: a pair per channel after the plane's rows; plane 1: a pair per group in the row.
+    const uint8_t* zeros =
+        plane == 0 ? src + fmt.PlaneRowOffset(0, block_tokens) : codes + channels / 2;
+    const uint8_t* scales = zeros + 2 * (plane == 0 ? channels : channels / kInt4GroupElems);
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      for (uint32_t i = 0; i < d; ++i) {
+        const size_t c = static_cast<size_t>(h) * d + i;
+        const size_t k = plane == 0 ? c : c / kInt4GroupElems;
+        const uint32_t q = (c % 2 == 0) ? (codes[c / 2] & 0xFu) : (codes[c / 2] >> 4);
+        w[i] =
+            Bf16ToFloat(DequantizeKiviKElement(q, Bf16ToFloat(LoadU16(zeros + 2 * k)),
+                                               Bf16ToFloat(LoadU16(scales + 2 * k)), DType::kBF16));
+      }
+      for (uint32_t j = 0; j < d; j += r) HadamardTransform(w.data() + j, r);
+      uint8_t* out = view.Head(row, h);
+      for (uint32_t i = 0; i < d; ++i) StoreU16(out + 2 * i, FloatToHalfSat(w[i] * c_d, fmt.dtype));
+    }
+  }
+}
+
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
   if (view.dim_run != 0) {
     std::vector<uint8_t> bytes;
@@ -236,6 +387,12 @@ void EncodeBlocksReference(const EncodeJob& job) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     for (uint32_t l = 0; l < lay.num_layers; ++l) {
       for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+        if (lay.row.codec == CodecKind::kInt4Hadamard) {
+          finite &=
+              EncodeHadamardPlaneReference(lay.row, p, job.layers[l].planes[p], rows,
+                                           lay.block_tokens, job.blocks[b] + lay.PlaneOffset(l, p));
+          continue;
+        }
         if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
           finite &=
               EncodeKiviKPlaneReference(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
@@ -257,6 +414,12 @@ void DecodeLayerReference(const DecodeJob& job, uint32_t layer) {
   for (uint32_t b = 0; b < job.num_blocks; ++b) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
+      if (lay.row.codec == CodecKind::kInt4Hadamard) {
+        DecodeHadamardRowsReference(lay.row, p, job.blocks[b] + lay.PlaneOffset(layer, p),
+                                    lay.block_tokens, 0, lay.block_tokens,
+                                    job.layers[layer].planes[p], rows);
+        continue;
+      }
       if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
         DecodeKiviKRowsReference(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0),
                                  lay.block_tokens, 0, lay.block_tokens, job.layers[layer].planes[0],

@@ -29,6 +29,18 @@ void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32
                               uint32_t begin, uint32_t end, const StridedView& view,
                               const uint32_t* rows);
 
+// CODEC_INT4_HADAMARD's plane `plane` of one (block, layer): encodes rows[0..num_rows) of `view`
+// into `dst` (BlockLayout::PlaneBytes bytes: row 0 as INT8, the others rotated at 4 bits, plane
+// 0's channel parameters last). Returns false, leaving `dst` unspecified, when an element is NaN
+// or Inf or a rotated run reaches HadamardLimitBits. REQUIRES: fmt.head_dim % kInt4GroupElems == 0.
+bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                                  const uint32_t* rows, uint32_t num_rows, uint8_t* dst);
+// Decodes rows [begin, end) of a Hadamard plane of `block_tokens` rows at `src` into
+// rows[0..end - begin) of `view`.
+void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                                 uint32_t block_tokens, uint32_t begin, uint32_t end,
+                                 const StridedView& view, const uint32_t* rows);
+
 void EncodeBlocksReference(const EncodeJob& job);
 // Decodes layer `layer` of every block of the job.
 void DecodeLayerReference(const DecodeJob& job, uint32_t layer);

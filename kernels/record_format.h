@@ -25,6 +25,14 @@ enum class CodecKind : uint8_t {
   // (head, dim) over the block's tokens; plane 1 (V) holds block_tokens kInt4G32PerHead rows.
   // D % 32 == 0.
   kInt4Kivi = 4,
+  // INT4 in a Hadamard-rotated basis, stored per plane of a block (codec_math.h "INT4
+  // Hadamard"): row 0 of every plane (each block's first token) is a kInt8PerHead row of the
+  // unrotated input; rows 1..block_tokens-1 hold the rotated elements as unsigned nibbles
+  // (element 2i low): plane 0 (K, or MLA's latent plane) H*D/2 bytes of codes per row, then H*D
+  // bf16 zero points and H*D bf16 scales, one pair per channel over those rows (absent when
+  // block_tokens == 1); plane 1 (V) rows of H*D/2 bytes of codes, then H*D/32 bf16 zero points
+  // and H*D/32 bf16 scales, one pair per group of 32 rotated elements. D % 32 == 0.
+  kInt4Hadamard = 5,
 };
 
 struct RowFormat {
@@ -43,14 +51,31 @@ struct RowFormat {
     if (IsInt4Rows()) return CodeBytes() + 2u * ScaleCount();
     return ElementsPerRow() + 2u * num_heads;
   }
-  // Bytes of one stored row of `plane`: RowBytes(), except KIVI's K rows (codes only, H*D/2).
+  // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
+  // Hadamard's plane-0 rows (codes only, H*D/2) and Hadamard's plane-1 rows (H*D/2 + H*D/8).
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
+    if (codec == CodecKind::kInt4Hadamard) {
+      return plane == 0 ? ElementsPerRow() / 2
+                        : ElementsPerRow() / 2 + 4 * (ElementsPerRow() / kInt4GroupElems);
+    }
     return codec == CodecKind::kInt4Kivi && plane == 0 ? ElementsPerRow() / 2 : RowBytes();
   }
-  // Bytes after the rows of a plane: KIVI's K channel parameters (H*D zero points and H*D bf16
-  // scales, 4*H*D), else 0.
+  // Bytes of a plane's first stored row (token 0 of the block): Hadamard's INT8 row (H*D + 2H),
+  // else PlaneRowBytes(plane).
+  HIQ_HD size_t FirstRowBytes(uint32_t plane) const {
+    return codec == CodecKind::kInt4Hadamard ? ElementsPerRow() + 2u * num_heads
+                                             : PlaneRowBytes(plane);
+  }
+  // Offset of token t's row inside a plane (t == block_tokens: its parameters, where it has any).
+  HIQ_HD size_t PlaneRowOffset(uint32_t plane, uint32_t t) const {
+    return t == 0 ? 0 : FirstRowBytes(plane) + static_cast<size_t>(t - 1) * PlaneRowBytes(plane);
+  }
+  // Bytes after the rows of a plane: the K channel parameters of KIVI and Hadamard (H*D zero
+  // points and H*D bf16 scales, 4*H*D), else 0. Hadamard's are absent from a one-token block.
   HIQ_HD size_t PlaneParamBytes(uint32_t plane) const {
-    return codec == CodecKind::kInt4Kivi && plane == 0 ? ElementsPerRow() * 4 : 0;
+    return (codec == CodecKind::kInt4Kivi || codec == CodecKind::kInt4Hadamard) && plane == 0
+               ? ElementsPerRow() * 4
+               : 0;
   }
   // Bytes of the codes at the start of a stored row (the scales follow). Not for RAW.
   HIQ_HD size_t CodeBytes() const { return IsInt4Rows() ? ElementsPerRow() / 2 : ElementsPerRow(); }
@@ -70,10 +95,14 @@ struct BlockLayout {
   uint32_t kv_planes = 2;  // 2 = K and V (MHA), 1 = one latent row (MLA)
   uint32_t block_tokens = 0;
 
-  // Bytes of one plane of one layer: its rows, then its parameters (KIVI's K only).
+  // Bytes of one plane of one layer: its rows, then its parameters (K planes of KIVI and
+  // Hadamard only).
   HIQ_HD size_t PlaneBytes(uint32_t plane) const {
-    return static_cast<size_t>(block_tokens) * row.PlaneRowBytes(plane) +
-           row.PlaneParamBytes(plane);
+    if (block_tokens == 0) return 0;
+    const bool params = !(row.codec == CodecKind::kInt4Hadamard && block_tokens == 1);
+    return row.FirstRowBytes(plane) +
+           static_cast<size_t>(block_tokens - 1) * row.PlaneRowBytes(plane) +
+           (params ? row.PlaneParamBytes(plane) : 0);
   }
   HIQ_HD size_t LayerBytes() const {
     size_t bytes = 0;
@@ -91,9 +120,10 @@ struct BlockLayout {
   HIQ_HD size_t PlaneOffset(uint32_t layer, uint32_t plane) const {
     return static_cast<size_t>(layer) * LayerBytes() + (plane == 0 ? 0 : PlaneBytes(0));
   }
-  // Offset of (layer, plane, token)'s row inside a block payload.
+  // Offset of (layer, plane, token)'s row inside a block payload (token == block_tokens: the
+  // plane's parameters, where it has any).
   HIQ_HD size_t RowOffset(uint32_t layer, uint32_t plane, uint32_t token) const {
-    return PlaneOffset(layer, plane) + static_cast<size_t>(token) * row.PlaneRowBytes(plane);
+    return PlaneOffset(layer, plane) + row.PlaneRowOffset(plane, token);
   }
 };
 

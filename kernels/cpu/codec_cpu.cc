@@ -11,6 +11,7 @@
 #include <hwy/highway.h>
 
 #include "codec_cpu_fp8.h"
+#include "codec_cpu_hadamard.h"
 #include "codec_cpu_int4.h"
 #include "codec_cpu_kivi.h"
 #include "codec_math.h"
@@ -487,15 +488,27 @@ bool EncodeViewRows(const RowFormat& fmt, const StridedView& view, const uint32_
   return HWY_DYNAMIC_DISPATCH(EncodeRows)(fmt, copy, index, n, dst);
 }
 
-// Encodes the KIVI K plane of one (block, layer) from `view` (EncodeKiviKPlaneSimd), split heads
+// Encodes plane p of one (block, layer) of a codec stored per plane (KIVI's K plane:
+// EncodeKiviKPlaneSimd; Hadamard's planes: EncodeHadamardPlaneSimd) from `view`, split heads
 // from a contiguous copy.
-bool EncodeKiviKViewPlane(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
-                          uint32_t n, uint8_t* dst) {
-  if (view.dim_run == 0) return EncodeKiviKPlaneSimd(fmt, view, rows, n, dst);
+bool EncodeViewPlane(const RowFormat& fmt, uint32_t p, const StridedView& view,
+                     const uint32_t* rows, uint32_t n, uint8_t* dst) {
+  auto encode = [&](const StridedView& from, const uint32_t* from_rows) {
+    return fmt.codec == CodecKind::kInt4Hadamard
+               ? EncodeHadamardPlaneSimd(fmt, p, from, from_rows, n, dst)
+               : EncodeKiviKPlaneSimd(fmt, from, from_rows, n, dst);
+  };
+  if (view.dim_run == 0) return encode(view, rows);
   const uint32_t* index = nullptr;
   const StridedView copy = SplitScratch(fmt, n, &index);
   GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, n, copy.base);
-  return EncodeKiviKPlaneSimd(fmt, copy, index, n, dst);
+  return encode(copy, index);
+}
+
+// Whether plane p of the layout is stored per plane (EncodeViewPlane) rather than as rows.
+inline bool StoredPerPlane(const BlockLayout& lay, uint32_t p) {
+  return lay.row.codec == CodecKind::kInt4Hadamard ||
+         (lay.row.codec == CodecKind::kInt4Kivi && p == 0);
 }
 
 // Decodes rows [begin, end) of plane p of block b of `layer`.
@@ -505,17 +518,19 @@ void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, u
   const uint8_t* src = job.blocks[b] + lay.RowOffset(layer, p, begin);
   const StridedView& view = job.layers[layer].planes[p];
   const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens + begin;
-  const bool kivi_k = lay.row.codec == CodecKind::kInt4Kivi && p == 0;
+  const bool per_plane = StoredPerPlane(lay, p);
   auto decode = [&](const StridedView& to, const uint32_t* to_rows, bool may_stream) {
-    if (kivi_k) {
-      DecodeKiviKRowsSimd(lay.row, job.blocks[b] + lay.PlaneOffset(layer, 0), lay.block_tokens,
-                          begin, end, to, to_rows);
+    const uint8_t* plane = job.blocks[b] + lay.PlaneOffset(layer, p);
+    if (lay.row.codec == CodecKind::kInt4Hadamard) {
+      DecodeHadamardRowsSimd(lay.row, p, plane, lay.block_tokens, begin, end, to, to_rows);
+    } else if (per_plane) {
+      DecodeKiviKRowsSimd(lay.row, plane, lay.block_tokens, begin, end, to, to_rows);
     } else {
       HWY_DYNAMIC_DISPATCH(DecodeRows)(lay.row, src, to, to_rows, end - begin, may_stream);
     }
   };
   if (view.dim_run == 0) return decode(view, rows, /*may_stream=*/true);
-  if (!kivi_k && lay.row.codec == CodecKind::kRaw) {
+  if (!per_plane && lay.row.codec == CodecKind::kRaw) {
     return ScatterHeads(src, lay.row.num_heads, lay.row.head_dim, view, rows, end - begin);
   }
   const uint32_t* index = nullptr;
@@ -545,9 +560,9 @@ void CpuCodec::Encode(const EncodeJob& job) {
     const uint32_t* rows = job.rows + static_cast<size_t>(b) * lay.block_tokens;
     bool finite = true;
     for (uint32_t p = 0; p < lay.kv_planes; ++p) {
-      if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
-        finite &= EncodeKiviKViewPlane(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
-                                       job.blocks[b] + lay.PlaneOffset(l, 0));
+      if (StoredPerPlane(lay, p)) {
+        finite &= EncodeViewPlane(lay.row, p, job.layers[l].planes[p], rows, lay.block_tokens,
+                                  job.blocks[b] + lay.PlaneOffset(l, p));
         continue;
       }
       finite &= EncodeViewRows(lay.row, job.layers[l].planes[p], rows, lay.block_tokens,

@@ -34,30 +34,6 @@ constexpr uint32_t kG = kInt4GroupElems;  // channels handled together
 using DF = hn::CappedTag<float, kG>;
 using DI32 = hn::RebindToSigned<DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;  // one code per f32 lane
-using DP16 = hn::CappedTag<uint16_t, kG / 2>;
-using DP8 = hn::Rebind<uint8_t, DP16>;
-using DPU8 = hn::Repartition<uint8_t, DP16>;  // the bytes of the DP16 lanes
-
-// Unpacks 16 bytes into 32 codes (0..15).
-HWY_INLINE void UnpackCodes(const uint8_t* codes, uint8_t* q8) {
-#if HWY_TARGET == HWY_SCALAR
-  for (size_t j = 0; j < kG / 2; ++j) {
-    q8[2 * j] = codes[j] & 0xFu;
-    q8[2 * j + 1] = codes[j] >> 4;
-  }
-#else
-  const DP16 dp16;
-  const DP8 dp8;
-  const DPU8 dpu8;
-  const size_t m = hn::Lanes(dp16);
-  for (size_t j = 0; j < kG / 2; j += m) {
-    const auto b = hn::PromoteTo(dp16, hn::LoadU(dp8, codes + j));
-    const auto w = hn::Or(hn::And(b, hn::Set(dp16, 0x000Fu)),
-                          hn::ShiftLeft<4>(hn::And(b, hn::Set(dp16, 0x00F0u))));
-    hn::StoreU(hn::BitCast(dpu8, w), dpu8, q8 + 2 * j);
-  }
-#endif
-}
 
 template <DType kDType>
 bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
@@ -145,7 +121,7 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* plane, uint32_t block_toke
       uint8_t* out = view.Head(row, h);
       for (uint32_t g = 0; g < d; g += kG) {
         const size_t c0 = static_cast<size_t>(h) * d + g;
-        UnpackCodes(codes + c0 / 2, q8);
+        UnpackNibbles32(codes + c0 / 2, q8);
         for (size_t i = 0; i < kG; i += n) {
           const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(du8, q8 + i)));
           const auto hs = hn::Mul(half, LoadHalf<DType::kBF16>(df, scales + 2 * (c0 + i)));

@@ -1,6 +1,7 @@
 // Per-target SIMD helpers shared by the CPU codec executors (codec_cpu.cc for INT8,
-// codec_cpu_fp8.cc, codec_cpu_int4.cc): BF16/FP16 loads and stores in f32 lanes, the amax of a
-// head, the row prefetch, and the target macros. Every operation is the vector form of
+// codec_cpu_fp8.cc, codec_cpu_int4.cc, codec_cpu_kivi.cc, codec_cpu_hadamard.cc): BF16/FP16
+// loads and stores in f32 lanes, the amax of a head, the row prefetch, nibble packing, and the
+// target macros. Every operation is the vector form of
 // codec_math.h's, so every Highway target produces the scalar reference's bytes.
 //
 // A Highway "-inl.h" header: each executor includes it after <hwy/highway.h>, and
@@ -242,6 +243,39 @@ HWY_INLINE void PackNibbles32(const uint8_t* q8, uint8_t* packed) {
     hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di16, p)), d8, packed + j);
   }
 #endif
+}
+
+// Unpacks 16 bytes into 32 codes (0..15), one per byte: PackNibbles32's inverse.
+HWY_INLINE void UnpackNibbles32(const uint8_t* packed, uint8_t* q8) {
+#if HWY_TARGET == HWY_SCALAR
+  for (size_t j = 0; j < 16; ++j) {
+    q8[2 * j] = packed[j] & 0xFu;
+    q8[2 * j + 1] = packed[j] >> 4;
+  }
+#else
+  const hn::CappedTag<uint16_t, 16> d16;
+  const hn::Rebind<uint8_t, decltype(d16)> d8;
+  const hn::Repartition<uint8_t, decltype(d16)> dbytes;
+  const size_t m = hn::Lanes(d16);
+  for (size_t j = 0; j < 16; j += m) {
+    const auto b = hn::PromoteTo(d16, hn::LoadU(d8, packed + j));
+    const auto w = hn::Or(hn::And(b, hn::Set(d16, 0x000Fu)),
+                          hn::ShiftLeft<4>(hn::And(b, hn::Set(d16, 0x00F0u))));
+    hn::StoreU(hn::BitCast(dbytes, w), dbytes, q8 + 2 * j);
+  }
+#endif
+}
+
+// The f32 lanes of y rounded to BF16 values (nearest even, saturated to the largest finite
+// value), kept in f32 lanes: HalfBits<kBF16> without the narrowing.
+template <class DF>
+HWY_INLINE hn::Vec<DF> RoundToBf16(DF df, hn::Vec<DF> y) {
+  const hn::RebindToUnsigned<DF> du32;
+  const auto lim = hn::Set(df, Bf16ToFloat(kBf16MaxFiniteBits));
+  const auto bits = hn::BitCast(du32, hn::Min(hn::Max(y, hn::Neg(lim)), lim));
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
+  return hn::BitCast(
+      df, hn::And(hn::Add(bits, hn::Add(hn::Set(du32, 0x7FFFu), lsb)), hn::Set(du32, 0xFFFF0000u)));
 }
 
 }  // namespace HWY_NAMESPACE

@@ -19,6 +19,10 @@
 // reduce over the block's tokens per channel, so their unit is a chunk of 8 channels of one
 // head of one (block, layer) K plane, owned by one lane (KiviKEncodeKernel: min/max pass, then
 // zero points, scales and a code pass; KiviKDecodeKernel), launched before the V rows.
+// CODEC_INT4_HADAMARD: every plane's first token is an INT8 row (the INT8 kernels over one token
+// per plane); its other tokens are rotated runs, each split over a group of lanes and transformed
+// through xor shuffles (HadamardEncodeKKernel, HadamardEncodeVKernel, HadamardDecodeKernel, see
+// their section), launched before the INT8 rows.
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
 // warp-uniform grid-stride loop, so the daemon never floods the GPU it shares with the engine.
@@ -777,6 +781,386 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) KiviKDecodeKernel(const Kiv
 }
 
 // ---------------------------------------------------------------------------------------------
+// CODEC_INT4_HADAMARD. Row 0 of every plane (each block's first token) is an INT8 row: the INT8
+// kernels above over a shape of one token per plane. Rows 1.. are rotated (codec_math.h "INT4
+// Hadamard"): a unit is one run of r = HadamardRun(head_dim) elements of one head, owned by a
+// group of G = r / kE lanes (a power of two <= 32; kE = 8 for r <= 256, else r / 32), lane gl
+// holding elements [gl * kE, gl * kE + kE) of the run in registers. The transform's stages of
+// stride 1 .. kE/2 pair elements inside a lane; the stages of stride kE .. r/2 pair lane gl with
+// lane gl ^ (stride / kE) (xor shuffles inside the group), the lower element of a pair taking
+// mine + partner (a + b), the upper one partner - mine (a - b): every stage in codec_math.h's
+// order with the reference's fp32 additions, so the bits are HadamardTransform's.
+//   Encode K (plane 0): unit (block, layer, head, run); pass 1 rotates tokens 1.. one by one
+//     and keeps each channel's lo/hi in the lane, the channels' zero points and scales follow,
+//     pass 2 rotates the tokens again (the same bits) and stores their codes.
+//   Encode V (plane 1): unit (block, layer, token >= 1, head, run); lo/hi per group of 32
+//     rotated elements: in the lane, then across the group's 32 / kE lanes (kE < 32).
+//   Decode (both planes): unit (block, layer, plane, token >= 1, head, run).
+// A run whose transform reaches HadamardLimitBits (NaN and Inf included) flags its block (any
+// lane's element: reduced over the group); the unit then stores nothing more. Groups share a warp
+// (G < 32), so every lane runs the same shuffles whatever its unit: invalid units (past the last)
+// carry zeros and store nothing. Units are numbered with UnitShape, a "head" there being one run of
+// one head (H * d / r).
+
+struct HadamardParams {
+  BlockLayout layout;
+  UnitShape shape;  // heads = num_heads * runs: unit head index hr = h * runs + run
+  FastDivmod runs;  // runs per head (head_dim / r)
+  const LayerViews* layers;
+  const uint32_t* rows;    // this launch's first block
+  uint8_t* const* blocks;  // this launch's first block (const-cast for decode: only read there)
+  uint8_t* nonfinite;      // encode: this launch's first block, or null
+  uint32_t first_layer;    // decode: the shape's layer 0 is this layer
+  uint32_t run;            // r
+  uint32_t group_log2;     // lanes per run = 1 << group_log2
+  uint32_t total_units;
+};
+
+// Elements per lane for a run of r (a power of two, 32 <= r <= kMaxHeadDim).
+HIQ_HD uint32_t HadamardLaneElems(uint32_t r) { return r <= 256 ? 8u : r / 32u; }
+
+__device__ __forceinline__ float MinF(float a, float b) { return b < a ? b : a; }
+__device__ __forceinline__ float MaxF(float a, float b) { return b > a ? b : a; }
+
+// v = the lane's kE elements of H_r (run), group_lanes lanes holding the run (see above).
+template <int kE>
+__device__ __forceinline__ void HadamardLaneTransform(float (&v)[kE], uint32_t gl,
+                                                      uint32_t group_lanes) {
+#pragma unroll
+  for (int s = 1; s < kE; s <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      if ((i & s) != 0) continue;
+      const float a = v[i];
+      const float b = v[i + s];
+      v[i] = a + b;
+      v[i + s] = a - b;
+    }
+  }
+  // Two elements per shuffle (a 64-bit shuffle is two 32-bit ones on a GPU; the emulator runs
+  // half as many warp exchanges).
+  for (uint32_t off = 1; off < group_lanes; off <<= 1) {
+    const bool upper = (gl & off) != 0;
+#pragma unroll
+    for (int i = 0; i < kE; i += 2) {
+      const unsigned long long mine =
+          FloatToBits(v[i]) | (static_cast<unsigned long long>(FloatToBits(v[i + 1])) << 32);
+      const unsigned long long other = __shfl_xor_sync(kFullMask, mine, static_cast<int>(off));
+      const float o0 = BitsToFloat(static_cast<uint32_t>(other));
+      const float o1 = BitsToFloat(static_cast<uint32_t>(other >> 32));
+      v[i] = upper ? o0 - v[i] : v[i] + o0;
+      v[i + 1] = upper ? o1 - v[i + 1] : v[i + 1] + o1;
+    }
+  }
+}
+
+// Loads kE elements of the input dtype at src as fp32 (kE % 8 == 0).
+template <DType kDType, int kE>
+__device__ __forceinline__ void LoadLaneElems(const uint8_t* src, float (&v)[kE]) {
+#pragma unroll
+  for (int k = 0; k < kE / 8; ++k) {
+    const uint8_t* p = src + 16 * k;
+    Chunk c;
+    LoadHalfChunk(p, 0, kChunkElems, Aligned(p, 16), &c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[8 * k + i] = HalfToFloat(ChunkElem(c, i), kDType);
+  }
+}
+
+// Whether `mine` holds on all of the group's lanes (every lane of the warp calls this).
+__device__ __forceinline__ bool GroupAllTrue(bool mine, uint32_t group_lanes) {
+  uint32_t ok = mine ? 1u : 0u;
+  for (uint32_t off = 1; off < group_lanes; off <<= 1) {
+    ok &= __shfl_xor_sync(kFullMask, ok, static_cast<int>(off));
+  }
+  return ok != 0;
+}
+
+// Loads and rotates the lane's elements of one run of one token: y = bf16(H_r x * e) as fp32.
+// Returns whether the lane's transformed values lie under `limit` (HadamardLimitBits: NaN and Inf
+// do not). `src` null: zeros (invalid unit).
+template <DType kDType, int kE>
+__device__ __forceinline__ bool RotateLane(const uint8_t* src, uint32_t gl, uint32_t group_lanes,
+                                           float e, uint32_t limit, float (&y)[kE]) {
+  if (src != nullptr) {
+    LoadLaneElems<kDType, kE>(src, y);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kE; ++i) y[i] = 0.0f;
+  }
+  HadamardLaneTransform<kE>(y, gl, group_lanes);
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < kE; ++i) {
+    finite = finite && HadamardInRange(y[i], limit);
+    y[i] = Bf16ToFloat(FloatToBf16Sat(y[i] * e));
+  }
+  return finite;
+}
+
+// Stores the kE codes of y with per-element zero points and scales, nibbles (element 2i low).
+template <int kE>
+__device__ __forceinline__ void StoreLaneCodes(uint8_t* dst, const float (&y)[kE],
+                                               const float (&z)[kE], const float (&s)[kE]) {
+#pragma unroll
+  for (int k = 0; k < kE / 8; ++k) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      packed |= QuantizeKiviKElement(y[8 * k + i], z[8 * k + i], s[8 * k + i]) << (4 * i);
+    }
+    StoreBytes4(dst + 4 * k, packed);
+  }
+}
+
+// The unit of a lane: its position and whether it exists.
+struct HadamardUnit {
+  bool valid;
+  uint32_t block, layer, plane, token, head, run;
+};
+
+__device__ __forceinline__ HadamardUnit HadamardUnitOf(const HadamardParams& p, uint64_t u) {
+  HadamardUnit x{};
+  x.valid = u < p.total_units;
+  if (x.valid) {
+    uint32_t hr;
+    p.shape.Decompose(static_cast<uint32_t>(u), &x.block, &x.layer, &x.plane, &x.token, &hr);
+    x.head = p.runs.DivMod(hr, &x.run);
+  }
+  return x;
+}
+
+// The warp-uniform grid-stride walk of the units: body(unit, gl, group_lanes) once per iteration
+// on every lane (the loop bound depends on the warp only, so every lane reaches every shuffle).
+template <typename Body>
+__device__ __forceinline__ void ForEachHadamardUnit(const HadamardParams& p, Body body) {
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t group_lanes = 1u << p.group_log2;
+  const uint32_t gl = lane & (group_lanes - 1u);
+  const uint32_t group = lane >> p.group_log2;
+  const uint32_t units_per_warp = 32u >> p.group_log2;
+  const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const uint64_t num_warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (uint64_t base = warp * units_per_warp; base < p.total_units;
+       base += num_warps * units_per_warp) {
+    body(HadamardUnitOf(p, base + group), gl, group_lanes);
+  }
+}
+
+// Plane 0 (K, MLA's latent plane), rows 1..block_tokens-1: per channel over the tokens.
+template <DType kDType, int kE>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardEncodeKKernel(const HadamardParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t channels = p.layout.row.ElementsPerRow();
+  const float e = HadamardEncodeFactor(p.run);
+  const uint32_t limit = HadamardLimitBits(p.run);
+  ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t group_lanes) {
+    const uint32_t* rows = p.rows + static_cast<size_t>(x.block) * tokens;
+    const StridedView* view = x.valid ? &p.layers[x.layer].planes[0] : nullptr;
+    // The lane's first element in its head, and its channel.
+    const uint32_t e0 = x.run * p.run + gl * kE;
+    const size_t c0 = static_cast<size_t>(x.head) * d + e0;
+
+    // Pass 1: the channels' smallest and largest y over tokens 1.. (the reference's order).
+    float lo[kE], hi[kE], y[kE];
+    bool finite = true;
+    for (uint32_t t = 1; t < tokens; ++t) {
+      const uint8_t* src = x.valid ? HeadPtr(*view, rows[t], x.head) + 2 * e0 : nullptr;
+      finite = RotateLane<kDType, kE>(src, gl, group_lanes, e, limit, y) && finite;
+#pragma unroll
+      for (int i = 0; i < kE; ++i) {
+        lo[i] = t == 1 ? y[i] : MinF(lo[i], y[i]);
+        hi[i] = t == 1 ? y[i] : MaxF(hi[i], y[i]);
+      }
+    }
+    const bool store = GroupAllTrue(finite, group_lanes) && x.valid;
+    if (x.valid && !store && gl == 0 && p.nonfinite != nullptr) p.nonfinite[x.block] = 1;
+
+    // The channels' zero points and scales, after the plane's rows.
+    uint8_t* plane = x.valid ? p.blocks[x.block] + p.layout.PlaneOffset(x.layer, 0) : nullptr;
+    float z[kE], s[kE];
+#pragma unroll
+    for (int k = 0; k < kE / 8; ++k) {
+      Chunk z_bits, s_bits;
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const int j = 8 * k + i;
+        uint16_t zb0 = 0, zb1 = 0, sb0 = 0, sb1 = 0;
+        if (store) {
+          zb0 = KiviKZeroBits(lo[j], DType::kBF16);
+          zb1 = KiviKZeroBits(lo[j + 1], DType::kBF16);
+          sb0 = KiviKScaleBf16(lo[j], hi[j]);
+          sb1 = KiviKScaleBf16(lo[j + 1], hi[j + 1]);
+        }
+        z[j] = Bf16ToFloat(zb0);
+        z[j + 1] = Bf16ToFloat(zb1);
+        s[j] = Bf16ToFloat(sb0);
+        s[j + 1] = Bf16ToFloat(sb1);
+        z_bits.w[i / 2] = static_cast<uint32_t>(zb0) | (static_cast<uint32_t>(zb1) << 16);
+        s_bits.w[i / 2] = static_cast<uint32_t>(sb0) | (static_cast<uint32_t>(sb1) << 16);
+      }
+      if (store) {
+        uint8_t* zeros = plane + p.layout.row.PlaneRowOffset(0, tokens) + 2 * (c0 + 8 * k);
+        StoreHalfChunk(zeros, 0, kChunkElems, z_bits);
+        StoreHalfChunk(zeros + 2 * channels, 0, kChunkElems, s_bits);
+      }
+    }
+
+    // Pass 2: the codes, token by token (the same rotation, so the same y).
+    for (uint32_t t = 1; t < tokens; ++t) {
+      const uint8_t* src = store ? HeadPtr(*view, rows[t], x.head) + 2 * e0 : nullptr;
+      RotateLane<kDType, kE>(src, gl, group_lanes, e, limit, y);
+      if (store) {
+        StoreLaneCodes<kE>(plane + p.layout.row.PlaneRowOffset(0, t) + c0 / 2, y, z, s);
+      }
+    }
+  });
+}
+
+// Plane 1 (V), one rotated row: per group of 32 rotated elements of the token.
+template <DType kDType, int kE>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardEncodeVKernel(const HadamardParams p) {
+  // A group of 32 spans kGroupLanes lanes (kE < 32) or a lane holds kLaneGroups groups.
+  constexpr int kGroupLanes = kE < 32 ? 32 / kE : 1;
+  constexpr int kLaneGroups = kE < 32 ? 1 : kE / 32;
+  constexpr int kInLane = kE < 32 ? kE : 32;  // a group's elements in one lane
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t channels = p.layout.row.ElementsPerRow();
+  const size_t groups = channels / kInt4GroupElems;
+  const float e = HadamardEncodeFactor(p.run);
+  const uint32_t limit = HadamardLimitBits(p.run);
+  ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t group_lanes) {
+    const uint32_t t = x.token + 1;
+    const uint32_t e0 = x.run * p.run + gl * kE;
+    const size_t c0 = static_cast<size_t>(x.head) * d + e0;
+    const uint8_t* src = nullptr;
+    if (x.valid) {
+      const uint32_t row = p.rows[static_cast<size_t>(x.block) * tokens + t];
+      src = HeadPtr(p.layers[x.layer].planes[1], row, x.head) + 2 * e0;
+    }
+    float y[kE];
+    const bool finite = RotateLane<kDType, kE>(src, gl, group_lanes, e, limit, y);
+    const bool store = GroupAllTrue(finite, group_lanes) && x.valid;
+    if (x.valid && !store && gl == 0 && p.nonfinite != nullptr) p.nonfinite[x.block] = 1;
+
+    float lo[kLaneGroups], hi[kLaneGroups];
+#pragma unroll
+    for (int g = 0; g < kLaneGroups; ++g) {
+      lo[g] = y[g * kInLane];
+      hi[g] = y[g * kInLane];
+#pragma unroll
+      for (int i = 1; i < kInLane; ++i) {
+        lo[g] = MinF(lo[g], y[g * kInLane + i]);
+        hi[g] = MaxF(hi[g], y[g * kInLane + i]);
+      }
+#pragma unroll
+      for (int off = 1; off < kGroupLanes; off <<= 1) {  // lo and hi in one 64-bit shuffle
+        const unsigned long long other = __shfl_xor_sync(
+            kFullMask,
+            FloatToBits(lo[g]) | (static_cast<unsigned long long>(FloatToBits(hi[g])) << 32), off);
+        lo[g] = MinF(lo[g], BitsToFloat(static_cast<uint32_t>(other)));
+        hi[g] = MaxF(hi[g], BitsToFloat(static_cast<uint32_t>(other >> 32)));
+      }
+    }
+    if (!store) return;
+    uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(x.layer, 1, t);
+    uint8_t* zeros = row + channels / 2;
+    uint8_t* scales = zeros + 2 * groups;
+    float z[kE], s[kE];
+#pragma unroll
+    for (int g = 0; g < kLaneGroups; ++g) {
+      const uint16_t zb = KiviKZeroBits(lo[g], DType::kBF16);
+      const uint16_t sb = KiviKScaleBf16(lo[g], hi[g]);
+      const size_t group = (c0 + g * kInLane) / kInt4GroupElems;
+      if ((gl & (kGroupLanes - 1)) == 0) {
+        StoreU16Unaligned(zeros + 2 * group, zb);
+        StoreU16Unaligned(scales + 2 * group, sb);
+      }
+#pragma unroll
+      for (int i = 0; i < kInLane; ++i) {
+        z[g * kInLane + i] = Bf16ToFloat(zb);
+        s[g * kInLane + i] = Bf16ToFloat(sb);
+      }
+    }
+    StoreLaneCodes<kE>(row + c0 / 2, y, z, s);
+  });
+}
+
+// Rows 1..block_tokens-1 of both planes: y^ = bf16(dequantized), w = H_r y^, x^ = w * c.
+template <DType kDType, int kE>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const HadamardParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t channels = p.layout.row.ElementsPerRow();
+  const size_t groups = channels / kInt4GroupElems;
+  const float c_d = HadamardDecodeFactor(p.run);
+  ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t group_lanes) {
+    const uint32_t t = x.token + 1;
+    const uint32_t l = x.layer + p.first_layer;
+    const uint32_t e0 = x.run * p.run + gl * kE;
+    const size_t c0 = static_cast<size_t>(x.head) * d + e0;
+    float w[kE];
+    uint8_t* dst = nullptr;
+    if (x.valid) {
+      const uint8_t* plane = p.blocks[x.block] + p.layout.PlaneOffset(l, x.plane);
+      const uint8_t* codes = plane + p.layout.row.PlaneRowOffset(x.plane, t);
+#pragma unroll
+      for (int k = 0; k < kE / 8; ++k) {
+        const uint32_t q = LoadBytes4(codes + c0 / 2 + 4 * k);
+        float z[8], s[8];
+        if (x.plane == 0) {  // a pair per channel, after the plane's rows
+          const uint8_t* zeros = plane + p.layout.row.PlaneRowOffset(0, tokens) + 2 * (c0 + 8 * k);
+          Chunk z_bits, s_bits;
+          LoadHalfChunk(zeros, 0, kChunkElems, Aligned(zeros, 16), &z_bits);
+          LoadHalfChunk(zeros + 2 * channels, 0, kChunkElems, Aligned(zeros + 2 * channels, 16),
+                        &s_bits);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            z[i] = Bf16ToFloat(ChunkElem(z_bits, i));
+            s[i] = Bf16ToFloat(ChunkElem(s_bits, i));
+          }
+        } else {  // a pair per group of 32, after the row's codes (8 elements: one group)
+          const size_t group = (c0 + 8 * k) / kInt4GroupElems;
+          const float zg = Bf16ToFloat(LoadU16Unaligned(codes + channels / 2 + 2 * group));
+          const float sg =
+              Bf16ToFloat(LoadU16Unaligned(codes + channels / 2 + 2 * (groups + group)));
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            z[i] = zg;
+            s[i] = sg;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          w[8 * k + i] =
+              Bf16ToFloat(DequantizeKiviKElement((q >> (4 * i)) & 0xFu, z[i], s[i], DType::kBF16));
+        }
+      }
+      const uint32_t row = p.rows[static_cast<size_t>(x.block) * tokens + t];
+      dst = HeadPtr(p.layers[l].planes[x.plane], row, x.head) + 2 * e0;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kE; ++i) w[i] = 0.0f;
+    }
+    HadamardLaneTransform<kE>(w, gl, group_lanes);
+    if (dst == nullptr) return;
+#pragma unroll
+    for (int k = 0; k < kE / 8; ++k) {
+      Chunk out;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out.w[i] =
+            static_cast<uint32_t>(FloatToHalfSat(w[8 * k + 2 * i] * c_d, kDType)) |
+            (static_cast<uint32_t>(FloatToHalfSat(w[8 * k + 2 * i + 1] * c_d, kDType)) << 16);
+      }
+      StoreHalfChunk(dst + 16 * k, 0, kChunkElems, out);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // RAW: the input dtype's bytes as-is, in both directions. Same unit order; no reductions.
 
 struct RawParams {
@@ -875,15 +1259,17 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   }
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
       lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead &&
-      lay.row.codec != CodecKind::kInt4Kivi) {
+      lay.row.codec != CodecKind::kInt4Kivi && lay.row.codec != CodecKind::kInt4Hadamard) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
   }
-  if (lay.row.IsInt4Rows() && lay.row.head_dim % kInt4GroupElems != 0) {
-    return InvalidArgument(
-        w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
-        " is not a multiple of 32 (" +
-        (lay.row.codec == CodecKind::kInt4Kivi ? "CODEC_INT4_KIVI" : "CODEC_INT4_G32_PER_HEAD") +
-        ")");
+  const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
+  if ((lay.row.IsInt4Rows() || hadamard) && lay.row.head_dim % kInt4GroupElems != 0) {
+    return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
+                           " is not a multiple of 32 (" +
+                           (hadamard                                ? "CODEC_INT4_HADAMARD"
+                            : lay.row.codec == CodecKind::kInt4Kivi ? "CODEC_INT4_KIVI"
+                                                                    : "CODEC_INT4_G32_PER_HEAD") +
+                           ")");
   }
   if (lay.kv_planes != 1 && lay.kv_planes != 2) {
     return InvalidArgument(w + ": layout.kv_planes must be 1 or 2");
@@ -966,7 +1352,8 @@ KernelFn<DecodeParams> PickDecodeKernel(uint32_t chunks_per_lane, uint32_t* unit
   }
 }
 
-// The kernel for a row format's codec (INT8, FP8, or INT4 rows: INT4's and KIVI's V) and dtype.
+// The kernel for a row format's codec (INT8, FP8, or INT4 rows: INT4's and KIVI's V; INT8 for
+// CODEC_INT4_HADAMARD's first rows) and dtype.
 KernelFn<EncodeParams> PickEncodeKernelFor(const RowFormat& row, uint32_t chunks_per_lane,
                                            uint32_t* units) {
   const bool bf16 = row.dtype == DType::kBF16;
@@ -1053,6 +1440,84 @@ Status LaunchKiviK(const BlockLayout& lay, const LayerViews* layers, const uint3
       });
 }
 
+// Launches CODEC_INT4_HADAMARD's rotated rows (tokens 1..block_tokens-1; nothing for one-token
+// blocks) over layers [first_layer, first_layer + num_layers) of every block: encode, plane 0's
+// kernel and (kv_planes == 2) plane 1's; decode, one kernel for both planes. Row 0 of every plane
+// is the caller's (the INT8 row kernels).
+template <DType kDType, int kE>
+Status LaunchHadamardE(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                       uint8_t* const* blocks, uint8_t* nonfinite, uint32_t num_blocks,
+                       uint32_t first_layer, uint32_t num_layers, bool encode, CUstream_st* stream,
+                       const CudaLaunchConfig& config, const char* what) {
+  const uint32_t r = HadamardRun(lay.row.head_dim);
+  const uint32_t runs = lay.row.head_dim / r;
+  const uint32_t rotated = lay.block_tokens - 1;
+  HadamardParams p{};
+  p.layout = lay;
+  p.runs = FastDivmod::Make(runs);
+  p.layers = layers;
+  p.first_layer = first_layer;
+  p.run = r;
+  p.group_log2 = Log2(r / kE);
+  const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32u >> p.group_log2);
+  // One launch: plane `plane`'s kernel over `tokens` tokens per unit shape and `planes` planes.
+  auto launch = [&](KernelFn<HadamardParams> kernel, uint32_t tokens, uint32_t planes) -> Status {
+    p.shape = UnitShape::Make(lay.row.num_heads * runs, tokens, planes, num_layers);
+    const uint64_t units_per_block =
+        static_cast<uint64_t>(num_layers) * planes * tokens * lay.row.num_heads * runs;
+    return ForEachLaunch(
+        num_blocks, units_per_block, what, [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+          p.rows = rows + static_cast<size_t>(b0) * lay.block_tokens;
+          p.blocks = blocks + b0;
+          p.nonfinite = nonfinite != nullptr ? nonfinite + b0 : nullptr;
+          p.total_units = units;
+          HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
+          HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
+          return CheckLaunch(what);
+        });
+  };
+  if (!encode) return launch(HadamardDecodeKernel<kDType, kE>, rotated, lay.kv_planes);
+  HIQ_RETURN_IF_ERROR(launch(HadamardEncodeKKernel<kDType, kE>, 1, 1));
+  if (lay.kv_planes == 1) return Status::Ok();
+  return launch(HadamardEncodeVKernel<kDType, kE>, rotated, 1);
+}
+
+template <DType kDType>
+Status LaunchHadamardT(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                       uint8_t* const* blocks, uint8_t* nonfinite, uint32_t num_blocks,
+                       uint32_t first_layer, uint32_t num_layers, bool encode, CUstream_st* stream,
+                       const CudaLaunchConfig& config, const char* what) {
+  switch (HadamardLaneElems(HadamardRun(lay.row.head_dim))) {
+    case 8:
+      return LaunchHadamardE<kDType, 8>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                        first_layer, num_layers, encode, stream, config, what);
+    case 16:
+      return LaunchHadamardE<kDType, 16>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                         first_layer, num_layers, encode, stream, config, what);
+    case 32:
+      return LaunchHadamardE<kDType, 32>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                         first_layer, num_layers, encode, stream, config, what);
+    case 64:
+      return LaunchHadamardE<kDType, 64>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                         first_layer, num_layers, encode, stream, config, what);
+    default:
+      return Internal(std::string(what) + ": no kernel for head_dim " +
+                      std::to_string(lay.row.head_dim));
+  }
+}
+
+Status LaunchHadamard(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                      uint8_t* const* blocks, uint8_t* nonfinite, uint32_t num_blocks,
+                      uint32_t first_layer, uint32_t num_layers, bool encode, CUstream_st* stream,
+                      const CudaLaunchConfig& config, const char* what) {
+  if (lay.block_tokens < 2) return Status::Ok();  // INT8 rows only
+  return lay.row.dtype == DType::kBF16
+             ? LaunchHadamardT<DType::kBF16>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                             first_layer, num_layers, encode, stream, config, what)
+             : LaunchHadamardT<DType::kFP16>(lay, layers, rows, blocks, nonfinite, num_blocks,
+                                             first_layer, num_layers, encode, stream, config, what);
+}
+
 size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
 struct ArraysLayout {
@@ -1137,10 +1602,19 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
     first_plane = 1;
     row_planes = lay.kv_planes - 1;
   }
+  // The tokens stored as rows: all, or CODEC_INT4_HADAMARD's first (INT8 rows, the kernels below
+  // over one token per plane) after its rotated rows' launches.
+  uint32_t row_tokens = lay.block_tokens;
+  if (lay.row.codec == CodecKind::kInt4Hadamard) {
+    HIQ_RETURN_IF_ERROR(LaunchHadamard(lay, job.layers, job.rows, job.blocks, job.nonfinite,
+                                       job.num_blocks, 0, lay.num_layers, /*encode=*/true, stream,
+                                       config, "LaunchEncode (CODEC_INT4_HADAMARD rotated rows)"));
+    row_tokens = 1;
+  }
   const uint64_t units_per_block =
-      static_cast<uint64_t>(lay.num_layers) * row_planes * lay.block_tokens * lay.row.num_heads;
+      static_cast<uint64_t>(lay.num_layers) * row_planes * row_tokens * lay.row.num_heads;
   const UnitShape shape =
-      UnitShape::Make(lay.row.num_heads, lay.block_tokens, row_planes, lay.num_layers);
+      UnitShape::Make(lay.row.num_heads, row_tokens, row_planes, lay.num_layers);
 
   if (lay.row.codec == CodecKind::kRaw) {
     RawParams p{};
@@ -1216,10 +1690,19 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
     first_plane = 1;
     row_planes = lay.kv_planes - 1;
   }
+  // The tokens stored as rows: all, or CODEC_INT4_HADAMARD's first (INT8 rows).
+  uint32_t row_tokens = lay.block_tokens;
+  if (lay.row.codec == CodecKind::kInt4Hadamard) {
+    // The decode kernel only reads through blocks.
+    HIQ_RETURN_IF_ERROR(
+        LaunchHadamard(lay, job.layers, job.rows, const_cast<uint8_t* const*>(job.blocks), nullptr,
+                       job.num_blocks, first_layer, num_layers, /*encode=*/false, stream, config,
+                       "LaunchDecodeLayers (CODEC_INT4_HADAMARD rotated rows)"));
+    row_tokens = 1;
+  }
   const uint64_t units_per_block =
-      static_cast<uint64_t>(num_layers) * row_planes * lay.block_tokens * lay.row.num_heads;
-  const UnitShape shape =
-      UnitShape::Make(lay.row.num_heads, lay.block_tokens, row_planes, num_layers);
+      static_cast<uint64_t>(num_layers) * row_planes * row_tokens * lay.row.num_heads;
+  const UnitShape shape = UnitShape::Make(lay.row.num_heads, row_tokens, row_planes, num_layers);
 
   if (lay.row.codec == CodecKind::kRaw) {
     RawParams p{};

@@ -46,8 +46,12 @@ struct CudaLaunchConfig {
 // Gathers job.rows from job.layers and encodes every (block, layer, plane, token) row into
 // job.blocks[b] + layout.RowOffset(l, p, t). When job.nonfinite is set, first zeroes
 // nonfinite[0, num_blocks) on `stream`, then sets nonfinite[b] = 1 for each block with a NaN/Inf
-// in an INT8, FP8 or INT4 row or an INT4 KIVI K plane (that block's payload is then unspecified).
-// INT4 KIVI enqueues two kernels: its K planes', then its V rows'.
+// in an INT8, FP8 or INT4 row, an INT4 KIVI K plane or an INT4 Hadamard plane, or with an INT4
+// Hadamard rotation at its range limit (HadamardLimitBits; that block's payload is then
+// unspecified).
+// INT4 KIVI enqueues two kernels: its K planes', then its V rows'. INT4 Hadamard enqueues its
+// rotated rows' kernels (plane 0's, plane 1's; none for one-token blocks), then its first rows'
+// (INT8); its decode, one rotated-rows kernel for both planes, then the first rows'.
 Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchConfig& config = {});
 
 // Decodes layers [first_layer, first_layer + num_layers) of every block and scatters them into

@@ -30,6 +30,7 @@ std::string NamespaceDesc::CanonicalText() const {
           : row.codec == kernels::CodecKind::kFp8E4m3PerHead ? ";codec=fp8_e4m3_per_head"
           : row.codec == kernels::CodecKind::kInt4G32PerHead ? ";codec=int4_g32_per_head"
           : row.codec == kernels::CodecKind::kInt4Kivi       ? ";codec=int4_kivi"
+          : row.codec == kernels::CodecKind::kInt4Hadamard   ? ";codec=int4_hadamard"
                                                              : ";codec=int8_per_head";
   // Node scope adds nothing: its text (and hash) is that of daemons before scopes, so their warm
   // pools stay readable with namespace_scope = node.

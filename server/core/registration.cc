@@ -18,6 +18,7 @@ constexpr int kCodecRaw = 1;
 constexpr int kCodecFp8E4m3 = 2;
 constexpr int kCodecInt4G32 = 3;
 constexpr int kCodecInt4Kivi = 4;
+constexpr int kCodecInt4Hadamard = 5;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
@@ -256,7 +257,8 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    "], got " + std::to_string(spec.block_tokens));
   }
   if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3 &&
-      spec.codec != kCodecInt4G32 && spec.codec != kCodecInt4Kivi) {
+      spec.codec != kCodecInt4G32 && spec.codec != kCodecInt4Kivi &&
+      spec.codec != kCodecInt4Hadamard) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
   if (spec.codec == kCodecInt4G32 && spec.head_dim % kernels::kInt4GroupElems != 0) {
@@ -269,6 +271,11 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
+  if (spec.codec == kCodecInt4Hadamard && spec.head_dim % kernels::kInt4GroupElems != 0) {
+    return invalid("geometry.head_dim: CODEC_INT4_HADAMARD needs a multiple of " +
+                   std::to_string(kernels::kInt4GroupElems) + ", got " +
+                   std::to_string(spec.head_dim));
+  }
   const bool mla = spec.attention == kAttentionMla;
 
   NamespaceDesc ns;
@@ -276,11 +283,12 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   lay.row.num_heads = spec.num_kv_heads;
   lay.row.head_dim = spec.head_dim;
   lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
-  lay.row.codec = spec.codec == kCodecRaw        ? kernels::CodecKind::kRaw
-                  : spec.codec == kCodecFp8E4m3  ? kernels::CodecKind::kFp8E4m3PerHead
-                  : spec.codec == kCodecInt4G32  ? kernels::CodecKind::kInt4G32PerHead
-                  : spec.codec == kCodecInt4Kivi ? kernels::CodecKind::kInt4Kivi
-                                                 : kernels::CodecKind::kInt8PerHead;
+  lay.row.codec = spec.codec == kCodecRaw            ? kernels::CodecKind::kRaw
+                  : spec.codec == kCodecFp8E4m3      ? kernels::CodecKind::kFp8E4m3PerHead
+                  : spec.codec == kCodecInt4G32      ? kernels::CodecKind::kInt4G32PerHead
+                  : spec.codec == kCodecInt4Kivi     ? kernels::CodecKind::kInt4Kivi
+                  : spec.codec == kCodecInt4Hadamard ? kernels::CodecKind::kInt4Hadamard
+                                                     : kernels::CodecKind::kInt8PerHead;
   lay.num_layers = spec.num_layers;
   lay.kv_planes = mla ? 1 : 2;
   lay.block_tokens = spec.block_tokens;

@@ -113,6 +113,8 @@ v1::Codec ToProtoCodec(kernels::CodecKind codec) {
       return v1::CODEC_INT4_G32_PER_HEAD;
     case kernels::CodecKind::kInt4Kivi:
       return v1::CODEC_INT4_KIVI;
+    case kernels::CodecKind::kInt4Hadamard:
+      return v1::CODEC_INT4_HADAMARD;
     case kernels::CodecKind::kInt8PerHead:
       break;
   }

@@ -165,6 +165,12 @@ TEST(CodecCudaHost, LaunchersRejectMalformedShapes) {
   EXPECT_TRUE(LaunchEncode(bad, nullptr).ok());
   bad.layout.row.head_dim = 48;
   EXPECT_EQ(LaunchEncode(bad, nullptr).code(), StatusCode::kInvalidArgument);
+  // So does CODEC_INT4_HADAMARD.
+  bad = enc;
+  bad.layout.row.codec = CodecKind::kInt4Hadamard;
+  EXPECT_TRUE(LaunchEncode(bad, nullptr).ok());
+  bad.layout.row.head_dim = 48;
+  EXPECT_EQ(LaunchEncode(bad, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(CodecCudaHost, JobArraysBytes) {
@@ -378,6 +384,7 @@ class CodecCudaTest : public CudaFixture, public ::testing::WithParamInterface<C
   KvPool MakeSource() const {
     KvPool pool(layout_, num_rows_, GetParam().kind, /*seed=*/5);
     pool.Fill(InputClass::kRowMix, /*seed=*/9);
+    testutil::KeepRotationsFinite(&pool);  // CODEC_INT4_HADAMARD: no block refused
     return pool;
   }
   KvPool MakeSentinelDest() const {
@@ -491,6 +498,11 @@ TEST_P(CodecCudaTest, PerLayerDecodeMatchesWholeDecode) {
 
 constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
 constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
+constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
+
+std::string CodecLabel(CodecKind codec) {
+  return codec == kHadamard ? "int4_hadamard" : testutil::CodecName(codec);
+}
 
 INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
                          ::testing::ValuesIn(testutil::CudaGeometryCases()),
@@ -499,15 +511,17 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
                          });
 
 // ---------------------------------------------------------------------------------------------
-// Every input class (zeros, subnormals, near-max, exact ties, ...) in both dtypes.
+// Every input class (zeros, subnormals, near-max, exact ties, ...) in both dtypes. INT4
+// Hadamard flags the blocks whose rotation leaves fp32's range (BF16 near-max heads), as the
+// reference does; the payloads of the others must match.
 
 TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
-  for (const CodecKind codec : {kInt8, kKivi}) {
+  for (const CodecKind codec : {kInt8, kKivi, kHadamard}) {
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
       for (InputClass cls :
-           codec == kKivi ? testutil::Int4InputClasses() : testutil::AllInputClasses()) {
-        SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype) +
-                     " " + testutil::InputClassName(cls));
+           codec != kInt8 ? testutil::Int4InputClasses() : testutil::AllInputClasses()) {
+        SCOPED_TRACE(CodecLabel(codec) + " " + testutil::DTypeName(dtype) + " " +
+                     testutil::InputClassName(cls));
         const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 2, 2, 16);
         const uint32_t num_blocks = 4;
         KvPool src(lay, 200, ViewKind::kContiguous, 1);
@@ -519,7 +533,7 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
         EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
         GpuEncodeResult gpu(lay, num_blocks);
         HIQ_ASSERT_OK(RunGpuEncode(src, rows, num_blocks, stream(), {}, &gpu));
-        EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks), "");
+        EXPECT_EQ(FirstPayloadDiff(lay, ref, gpu.blocks, &ref_flags), "");
         EXPECT_EQ(gpu.flags, ref_flags);
 
         KvPool want(lay, 200, ViewKind::kContiguous, 1);
@@ -539,9 +553,9 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
 // NaN / Inf: the block is flagged, the others are encoded as the reference encodes them.
 
 TEST_F(CudaFixture, NonfiniteBlocksAreFlagged) {
-  for (const CodecKind codec : {kInt8, kKivi}) {
+  for (const CodecKind codec : {kInt8, kKivi, kHadamard}) {
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype));
+      SCOPED_TRACE(CodecLabel(codec) + " " + testutil::DTypeName(dtype));
       const bool bf16 = dtype == DType::kBF16;
       const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 3, 2, 16);
       const uint32_t num_blocks = 6;

@@ -146,7 +146,6 @@ void ModelEncode(const KvPool& pool, const std::vector<uint32_t>& rows, BlockSet
 // equal the model's decode, byte for byte; every restored element within its bound.
 std::vector<std::string> RunKiviCase(const KiviCase& kc, const std::vector<Executor>& execs,
                                      BoundStats* bound) {
-  std::vector<std::string> errors;
   const BlockLayout lay = MakeLayout(kc.g, kc.dtype, kKivi, 2, kc.block_tokens);
   const uint32_t blocks = 3;
   const uint32_t num_rows = blocks * kc.block_tokens + 5;
@@ -197,51 +196,7 @@ std::vector<std::string> RunKiviCase(const KiviCase& kc, const std::vector<Execu
       }
     }
   }
-  for (const Executor& ex : execs) {
-    BlockSet got(lay, blocks);
-    std::vector<uint8_t> flags(blocks, 0xFF);
-    ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
-    for (uint32_t b = 0; b < blocks; ++b) {
-      if (flags[b] != model_flags[b]) {
-        errors.push_back(Name(kc) + " " + ex.name + ": block " + std::to_string(b) + " flag " +
-                         std::to_string(flags[b]) + ", model " + std::to_string(model_flags[b]));
-        continue;
-      }
-      if (model_flags[b]) continue;
-      for (size_t off = 0; off < lay.BlockBytes(); ++off) {
-        if (got[b][off] != model[b][off]) {
-          errors.push_back(Name(kc) + " " + ex.name + ": block " + std::to_string(b) + " byte " +
-                           std::to_string(off) + " is " + std::to_string(got[b][off]) + ", model " +
-                           std::to_string(model[b][off]));
-          break;
-        }
-      }
-    }
-    // Decode the model's payloads (unflagged blocks only, as a restore would).
-    std::vector<uint32_t> ok_rows;
-    BlockSet ok_blocks(lay, 0);
-    std::vector<const uint8_t*> ptrs;
-    for (uint32_t b = 0; b < blocks; ++b) {
-      if (model_flags[b]) continue;
-      ptrs.push_back(model[b].data());
-      ok_rows.insert(ok_rows.end(), rows.begin() + size_t{b} * lay.block_tokens,
-                     rows.begin() + size_t{b + 1} * lay.block_tokens);
-    }
-    KvPool out(lay, num_rows, kc.view, kc.seed);
-    out.FillBytes(0xEE);
-    DecodeJob job = MakeDecodeJob(out, ok_rows, ok_blocks);
-    job.blocks = ptrs.data();
-    job.num_blocks = static_cast<uint32_t>(ptrs.size());
-    ex.decode(job);
-    for (uint32_t l = 0; l < lay.num_layers; ++l) {
-      if (out.buffer(l) != expect.buffer(l)) {
-        errors.push_back(Name(kc) + " " + ex.name + ": decoded layer " + std::to_string(l) +
-                         " differs from the model's");
-        break;
-      }
-    }
-  }
-  return errors;
+  return CompareExecutorsWithModel(Name(kc), in, rows, model, model_flags, expect, kc.seed, execs);
 }
 
 std::vector<Geometry> KiviGeometries() {

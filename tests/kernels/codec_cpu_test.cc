@@ -368,8 +368,9 @@ TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
       const uint32_t run = b.dim_run != 0 ? b.dim_run : kDim;
       return b.Head(r, h) + (d / run) * b.dim_run_stride + (d % run) * 2;
     };
-    for (CodecKind codec : {CodecKind::kInt8PerHead, CodecKind::kRaw, CodecKind::kFp8E4m3PerHead,
-                            CodecKind::kInt4G32PerHead, CodecKind::kInt4Kivi}) {
+    for (CodecKind codec :
+         {CodecKind::kInt8PerHead, CodecKind::kRaw, CodecKind::kFp8E4m3PerHead,
+          CodecKind::kInt4G32PerHead, CodecKind::kInt4Kivi, CodecKind::kInt4Hadamard}) {
       BlockLayout lay;
       lay.row = {kHeads, kDim, DType::kBF16, codec};
       lay.num_layers = 1;

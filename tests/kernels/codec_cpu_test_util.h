@@ -1,5 +1,6 @@
 // Helpers of the SIMD CPU executor's tests (codec_cpu_test.cc, codec_cpu_fp8_test.cc,
-// codec_cpu_int4_test.cc) that need gtest and Highway: codec_test_util.h uses neither, so the
+// codec_cpu_int4_test.cc, codec_cpu_kivi_test.cc, codec_cpu_hadamard_test.cc) that need gtest and
+// Highway: codec_test_util.h uses neither, so the
 // GPU tests and the benchmarks can include it without them.
 #pragma once
 
@@ -44,6 +45,66 @@ inline void ExpectNoErrorsOnEveryHighwayTarget(
   hwy::SetSupportedTargetsForTest(0);
   ExpectNoErrors(errors);
   std::printf("  targets: %s\n", names.c_str());
+}
+
+// Runs every executor on one case of a codec stored per plane (INT4 KIVI, INT4 Hadamard): each
+// encode of `in`'s `rows` must give the model's flags and, for unflagged blocks, its payload
+// bytes; each decode of the model's unflagged payloads must write `expect` (a pool shaped as
+// `in`) byte for byte. Messages start with `name`.
+inline std::vector<std::string> CompareExecutorsWithModel(const std::string& name, const KvPool& in,
+                                                          const std::vector<uint32_t>& rows,
+                                                          const BlockSet& model,
+                                                          const std::vector<uint8_t>& model_flags,
+                                                          const KvPool& expect, uint64_t seed,
+                                                          const std::vector<Executor>& execs) {
+  std::vector<std::string> errors;
+  const BlockLayout& lay = in.layout();
+  const uint32_t blocks = static_cast<uint32_t>(model_flags.size());
+  for (const Executor& ex : execs) {
+    BlockSet got(lay, blocks);
+    std::vector<uint8_t> flags(blocks, 0xFF);
+    ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
+    for (uint32_t b = 0; b < blocks; ++b) {
+      if (flags[b] != model_flags[b]) {
+        errors.push_back(name + " " + ex.name + ": block " + std::to_string(b) + " flag " +
+                         std::to_string(flags[b]) + ", model " + std::to_string(model_flags[b]));
+        continue;
+      }
+      if (model_flags[b]) continue;
+      for (size_t off = 0; off < lay.BlockBytes(); ++off) {
+        if (got[b][off] != model[b][off]) {
+          errors.push_back(name + " " + ex.name + ": block " + std::to_string(b) + " byte " +
+                           std::to_string(off) + " is " + std::to_string(got[b][off]) + ", model " +
+                           std::to_string(model[b][off]));
+          break;
+        }
+      }
+    }
+    // Decode the model's payloads (unflagged blocks only, as a restore would).
+    std::vector<uint32_t> ok_rows;
+    BlockSet ok_blocks(lay, 0);
+    std::vector<const uint8_t*> ptrs;
+    for (uint32_t b = 0; b < blocks; ++b) {
+      if (model_flags[b]) continue;
+      ptrs.push_back(model[b].data());
+      ok_rows.insert(ok_rows.end(), rows.begin() + size_t{b} * lay.block_tokens,
+                     rows.begin() + size_t{b + 1} * lay.block_tokens);
+    }
+    KvPool out(lay, in.num_rows(), in.kind(), seed);
+    out.FillBytes(0xEE);
+    DecodeJob job = MakeDecodeJob(out, ok_rows, ok_blocks);
+    job.blocks = ptrs.data();
+    job.num_blocks = static_cast<uint32_t>(ptrs.size());
+    ex.decode(job);
+    for (uint32_t l = 0; l < lay.num_layers; ++l) {
+      if (out.buffer(l) != expect.buffer(l)) {
+        errors.push_back(name + " " + ex.name + ": decoded layer " + std::to_string(l) +
+                         " differs from the model's");
+        break;
+      }
+    }
+  }
+  return errors;
 }
 
 // Rows whose groups (a whole head for FP8, 32 elements for INT4) hold every finite value of the

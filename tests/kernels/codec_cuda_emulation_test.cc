@@ -2,12 +2,13 @@
 // (hiq_kernels_cuda_emulated, cuda_emulation.h), against the scalar reference byte for byte: the
 // geometries of the codec tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries),
 // BF16 and FP16, INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4
-// rows) and RAW, contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte
-// views, misaligned staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch
-// shapes (one warp walking everything through the grid-stride loop up to the default grid). The
-// same launchers a GPU runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are called; only the
-// execution underneath is emulated. A broken kernel shows: with the emulator's wrong-lane shuffle
-// fault the comparison must fail.
+// rows), INT4 Hadamard (INT8 first rows, rotated runs split over lanes by shuffles) and RAW,
+// contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte views, misaligned
+// staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch shapes (one warp
+// walking everything through the grid-stride loop up to the default grid). The same launchers a GPU
+// runs (StageEncodeJob, LaunchEncode, LaunchDecodeLayers) are called; only the execution underneath
+// is emulated. A broken kernel shows: with the emulator's wrong-lane shuffle fault the comparison
+// must fail.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -48,6 +49,7 @@ constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
 constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
 constexpr CodecKind kRaw = CodecKind::kRaw;
 constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
+constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
@@ -170,6 +172,11 @@ CudaLaunchConfig Config(uint32_t threads, uint32_t max_ctas) {
   return c;
 }
 
+// testutil::CodecName, and CODEC_INT4_HADAMARD's.
+std::string CodecLabel(CodecKind codec) {
+  return codec == kHadamard ? "int4_hadamard" : testutil::CodecName(codec);
+}
+
 // Launch shapes: one warp in one CTA walking every unit, a few small CTAs, one CTA of the most
 // threads the kernels take, and the default (256 threads, 4 CTAs per emulated SM; the emulator
 // reports 2 SMs).
@@ -210,11 +217,13 @@ class CodecCudaEmulationTest : public ::testing::TestWithParam<Case> {
     KvPool pool = MakePool();
     if (!GetParam().odd_bytes) {
       pool.Fill(InputClass::kRowMix, /*seed=*/9);
+      testutil::KeepRotationsFinite(&pool);
       return pool;
     }
     // KvPool::Fill writes through uint16_t*: fill an aligned twin and copy the bytes over.
     KvPool twin(layout_, num_rows_, ViewKind::kContiguous);
     twin.Fill(InputClass::kRowMix, /*seed=*/9);
+    testutil::KeepRotationsFinite(&twin);
     const size_t head_bytes = size_t{layout_.row.head_dim} * 2;
     twin.ForEachHead([&](uint32_t l, uint32_t p, uint32_t r, uint32_t h, uint16_t*) {
       std::memcpy(pool.HeadAddr(l, p, r, h), twin.HeadAddr(l, p, r, h), head_bytes);
@@ -314,6 +323,14 @@ std::vector<Case> EmulationCases() {
        Case{"kivi_bf16_3x96_odd_bytes", DType::kBF16, kKivi, 3, 96, 2, 2, 5, 3,
             ViewKind::kContiguous, true},
        Case{"kivi_bf16_1x64_mla_odd_bytes", DType::kBF16, kKivi, 1, 64, 2, 1, 6, 3,
+            ViewKind::kContiguous, true},
+       Case{"hadamard_fp16_8x128_odd_bytes", DType::kFP16, kHadamard, 8, 128, 2, 2, 8, 3,
+            ViewKind::kContiguous, true},
+       Case{"hadamard_bf16_3x96_odd_bytes", DType::kBF16, kHadamard, 3, 96, 2, 2, 5, 3,
+            ViewKind::kContiguous, true},
+       Case{"hadamard_bf16_1x64_mla_odd_bytes", DType::kBF16, kHadamard, 1, 64, 2, 1, 6, 3,
+            ViewKind::kContiguous, true},
+       Case{"hadamard_fp16_1x512_mla_odd_bytes", DType::kFP16, kHadamard, 1, 512, 2, 1, 3, 2,
             ViewKind::kContiguous, true}});
   return cases;
 }
@@ -393,11 +410,13 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi}) {
+  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard}) {
     for (const NonfiniteCase& c : cases) {
-      if ((codec == kInt4 || codec == kKivi) && c.dim % 32 != 0) continue;  // groups of 32
+      if ((codec == kInt4 || codec == kKivi || codec == kHadamard) && c.dim % 32 != 0) {
+        continue;  // groups of 32
+      }
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
-                   testutil::CodecName(codec));
+                   CodecLabel(codec));
       const bool bf16 = c.dtype == DType::kBF16;
       const uint32_t tokens = 4, layers = 2, num_blocks = 6, pool_rows = 40;
       const BlockLayout lay = MakeLayout(c.dtype, codec, c.heads, c.dim, layers, c.planes, tokens);
@@ -500,12 +519,13 @@ TEST(CodecCudaEmulation, LaunchersRejectBadConfigsBeforeLaunching) {
   EXPECT_EQ(cuda_emulation::GetStats().launches, 1u);
 }
 
-// CODEC_INT4_G32_PER_HEAD and CODEC_INT4_KIVI need whole groups of 32: other head_dims are
-// refused up front, naming the codec.
+// CODEC_INT4_G32_PER_HEAD, CODEC_INT4_KIVI and CODEC_INT4_HADAMARD need whole groups of 32:
+// other head_dims are refused up front, naming the codec.
 TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
   for (const auto& [codec, dim] :
        {std::pair{kInt4, 7u}, std::pair{kInt4, 48u}, std::pair{kInt4, 100u}, std::pair{kKivi, 7u},
-        std::pair{kKivi, 48u}, std::pair{kKivi, 100u}}) {
+        std::pair{kKivi, 48u}, std::pair{kKivi, 100u}, std::pair{kHadamard, 7u},
+        std::pair{kHadamard, 48u}, std::pair{kHadamard, 100u}}) {
     const BlockLayout lay = MakeLayout(DType::kBF16, codec, 2, dim, 1, 2, 4);
     KvPool src(lay, 8, ViewKind::kContiguous, 1);
     const std::vector<uint32_t> rows = {0, 1, 2, 3};
@@ -514,7 +534,9 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
     const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
     EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument) << dim;
     EXPECT_NE(enc.message().find("head_dim"), std::string::npos) << enc.ToString();
-    EXPECT_NE(enc.message().find(codec == kKivi ? "CODEC_INT4_KIVI" : "CODEC_INT4_G32_PER_HEAD"),
+    EXPECT_NE(enc.message().find(codec == kKivi       ? "CODEC_INT4_KIVI"
+                                 : codec == kHadamard ? "CODEC_INT4_HADAMARD"
+                                                      : "CODEC_INT4_G32_PER_HEAD"),
               std::string::npos)
         << enc.ToString();
     const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
@@ -609,6 +631,152 @@ TEST(CodecCudaEmulation, Int4KiviEveryInputClassMatchesTheReference) {
   EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
 }
 
+// CODEC_INT4_HADAMARD runs its rotated rows' kernels, then the INT8 rows of every plane's first
+// token: encode 3 launches (plane 0's, plane 1's, INT8 rows), 2 for MLA, 1 for one-token blocks
+// (INT8 rows only); decode 2 (both planes' rotated rows, INT8 rows), 1 for one-token blocks; each
+// within the configured grid, with the reference's bytes.
+TEST(CodecCudaEmulation, Int4HadamardLaunchesItsRotatedAndInt8RowKernels) {
+  struct Shape {
+    uint32_t planes, tokens, encode_launches, decode_launches;
+  };
+  for (const Shape& sh : {Shape{2, 6, 3, 2}, Shape{1, 6, 2, 2}, Shape{2, 1, 1, 1}}) {
+    SCOPED_TRACE("planes " + std::to_string(sh.planes) + " tokens " + std::to_string(sh.tokens));
+    const BlockLayout lay = MakeLayout(DType::kBF16, kHadamard, 4, 64, 3, sh.planes, sh.tokens);
+    KvPool src(lay, 20, ViewKind::kContiguous, 1);
+    src.Fill(InputClass::kGaussian, 1);
+    Rng rng(1);
+    const std::vector<uint32_t> rows = testutil::RandomRows(20, 2 * sh.tokens, rng);
+    BlockSet ref(lay, 2);
+    std::vector<uint8_t> ref_flags(2, 0xEE);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+    ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 0}));
+    cuda_emulation::ResetStats();
+    EncodeResult got(lay, 2);
+    HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 3), 0, &got));
+    cuda_emulation::Stats st = cuda_emulation::GetStats();
+    EXPECT_EQ(st.launches, sh.encode_launches);
+    EXPECT_LE(st.max_grid, 3u);
+    EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks), "");
+    EXPECT_EQ(got.flags, ref_flags);
+    EXPECT_TRUE(got.gaps_intact);
+
+    KvPool want(lay, 20, ViewKind::kContiguous, 1);
+    want.FillBytes(kSentinel);
+    DecodeLayerReference(testutil::MakeDecodeJob(want, rows, ref), 1);
+    KvPool dest(lay, 20, ViewKind::kContiguous, 1);
+    dest.FillBytes(kSentinel);
+    cuda_emulation::ResetStats();
+    HIQ_ASSERT_OK(
+        LaunchDecodeLayer(testutil::MakeDecodeJob(dest, rows, ref), 1, nullptr, Config(32, 2)));
+    st = cuda_emulation::GetStats();
+    EXPECT_EQ(st.launches, sh.decode_launches);
+    EXPECT_LE(st.max_grid, 2u);
+    EXPECT_EQ(FirstBufferDiff(want, dest), "");
+  }
+}
+
+// Every input class (zeros, subnormals, near-max values, the INT4 grid, ...) of geometries with
+// every rotation run (32 to 2048, MLA included) in both dtypes, every view kind in turn, block
+// tokens 1, 3 and 16, several launch shapes: the emulated kernels against the scalar reference
+// (which codec_cpu_hadamard_test checks against its model and the bound), flags, the payloads
+// of the blocks not flagged, and every block's decode, byte for byte. BF16 near-max heads leave
+// fp32's range under the rotation: those blocks must be flagged, as the reference flags them.
+TEST(CodecCudaEmulation, Int4HadamardEveryInputClassMatchesTheReference) {
+  const std::vector<testutil::Geometry> geometries = {
+      {4, 128, 2}, {3, 64, 2},  {2, 32, 2},  {1, 576, 1},  {2, 96, 2},
+      {5, 160, 2}, {1, 256, 2}, {1, 512, 2}, {1, 1024, 1}, {1, 2048, 2}};
+  const std::vector<std::pair<std::string, CudaLaunchConfig>> shapes = LaunchShapes();
+  std::vector<std::string> errors;
+  uint64_t seed = 9000;
+  size_t vk = 0;
+  uint32_t flagged = 0, encoded = 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const testutil::Geometry& g : geometries) {
+      for (InputClass cls : testutil::Int4InputClasses()) {
+        constexpr uint32_t kTokens[] = {1, 3, 16};
+        const uint32_t tokens = g.dim >= 1024 ? 3 : kTokens[seed % 3];
+        const BlockLayout lay = testutil::MakeLayout(g, dtype, kHadamard, /*layers=*/1, tokens);
+        const ViewKind kind = testutil::AllViewKinds()[vk++ % testutil::AllViewKinds().size()];
+        const auto& [shape, cfg] = shapes[seed % shapes.size()];
+        const uint32_t num_blocks = 2;
+        const uint32_t num_rows = num_blocks * tokens + 3;
+        const std::string name = std::string(testutil::DTypeName(dtype)) + " " +
+                                 testutil::GeometryName(g) + " " + testutil::InputClassName(cls) +
+                                 " " + testutil::ViewKindName(kind) + " bt" +
+                                 std::to_string(tokens) + " launch " + shape;
+        KvPool src(lay, num_rows, kind, seed);
+        src.Fill(cls, seed * 7919 + 1);
+        Rng rng(seed++);
+        const std::vector<uint32_t> rows = testutil::RandomRows(num_rows, num_blocks * tokens, rng);
+        BlockSet ref(lay, num_blocks);
+        std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
+        EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+        for (uint8_t f : ref_flags) (f != 0 ? flagged : encoded) += 1;
+        EncodeResult got(lay, num_blocks);
+        HIQ_ASSERT_OK(EmulatedEncode(src, rows, num_blocks, cfg, 0, &got));
+        const std::string diff = FirstPayloadDiff(lay, ref, got.blocks, &ref_flags);
+        if (!diff.empty()) errors.push_back(name + ": " + diff);
+        if (got.flags != ref_flags) errors.push_back(name + ": nonfinite flags differ");
+        if (!got.gaps_intact) errors.push_back(name + ": wrote past a block payload");
+
+        KvPool want(lay, num_rows, kind, seed);
+        want.FillBytes(kSentinel);
+        DecodeBlocksReference(testutil::MakeDecodeJob(want, rows, ref));
+        KvPool dest(lay, num_rows, kind, seed);
+        dest.FillBytes(kSentinel);
+        HIQ_ASSERT_OK(LaunchDecode(testutil::MakeDecodeJob(dest, rows, ref), nullptr, cfg));
+        const std::string dec = FirstBufferDiff(want, dest);
+        if (!dec.empty()) errors.push_back(name + ": decode: " + dec);
+      }
+    }
+  }
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) ADD_FAILURE() << errors[i];
+  EXPECT_TRUE(errors.empty()) << errors.size() << " failures";
+  // Both outcomes occur: BF16 near-max rotated tokens flag their blocks, the rest encode.
+  EXPECT_GT(flagged, 0u);
+  EXPECT_GT(encoded, 2 * flagged);
+  std::printf("  %u blocks encoded, %u flagged (as the reference)\n", encoded, flagged);
+}
+
+// A rotated token whose inputs are finite but whose transform leaves fp32's range (BF16's
+// largest value in every element of a run, in either plane, any token after the first, any run
+// of the head) flags its block only; the INT8 first row of such values does not. Every launch
+// shape.
+TEST(CodecCudaEmulation, Int4HadamardRotationOverflowFlagsItsBlock) {
+  for (const testutil::Geometry& g :
+       {testutil::Geometry{2, 96, 2}, testutil::Geometry{2, 128, 2}, testutil::Geometry{1, 512, 2},
+        testutil::Geometry{1, 576, 1}}) {
+    SCOPED_TRACE(testutil::GeometryName(g));
+    const uint32_t tokens = 5, num_blocks = 5, pool_rows = 30;
+    const BlockLayout lay = testutil::MakeLayout(g, DType::kBF16, kHadamard, 2, tokens);
+    KvPool src(lay, pool_rows, ViewKind::kPaged, 3);
+    src.Fill(InputClass::kGaussian, 3);
+    Rng rng(4);
+    const std::vector<uint32_t> rows = testutil::RandomRows(pool_rows, num_blocks * tokens, rng);
+    const uint32_t r = HadamardRun(g.dim), last = g.planes - 1, hl = g.heads - 1;
+    auto max_run = [&](uint32_t l, uint32_t p, uint32_t row, uint32_t h, uint32_t j) {
+      for (uint32_t i = 0; i < r; ++i) src.Head(l, p, row, h)[j * r + i] = 0x7F7F;
+    };
+    // Block 0: token 0 (an INT8 row: finite); block 1: the last run of the last head of the last
+    // plane's last token; block 3: plane 0, token 1, the first run.
+    max_run(0, 0, rows[0 * tokens + 0], 0, 0);
+    max_run(1, last, rows[1 * tokens + 4], hl, g.dim / r - 1);
+    max_run(0, 0, rows[3 * tokens + 1], 0, 0);
+    BlockSet ref(lay, num_blocks);
+    std::vector<uint8_t> ref_flags(num_blocks, 0xEE);
+    EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+    ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 1, 0, 1, 0}));
+    for (const auto& [shape, cfg] : LaunchShapes()) {
+      SCOPED_TRACE("launch " + shape);
+      EncodeResult got(lay, num_blocks);
+      HIQ_ASSERT_OK(EmulatedEncode(src, rows, num_blocks, cfg, 0, &got));
+      EXPECT_EQ(got.flags, ref_flags);
+      EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks, &ref_flags), "");
+      EXPECT_TRUE(got.gaps_intact);
+    }
+  }
+}
+
 // Sets an emulator fault for one scope.
 class ScopedFault {
  public:
@@ -619,9 +787,11 @@ class ScopedFault {
 // A kernel whose amax reduction reads the wrong lane (the emulator's fault) must be caught by the
 // same comparison the tests above make: it is what proves they can fail.
 TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
-  // 16-lane and 32-lane groups; KIVI's V rows (its K planes use no shuffle).
-  for (const auto& [codec, dim] : {std::pair{kInt8, 128u}, std::pair{kInt8, 576u},
-                                   std::pair{kInt4, 128u}, std::pair{kKivi, 128u}}) {
+  // 16-lane and 32-lane groups; KIVI's V rows (its K planes use no shuffle); Hadamard's runs of
+  // 128 (16 lanes) and 32 (4 lanes).
+  for (const auto& [codec, dim] :
+       {std::pair{kInt8, 128u}, std::pair{kInt8, 576u}, std::pair{kInt4, 128u},
+        std::pair{kKivi, 128u}, std::pair{kHadamard, 128u}, std::pair{kHadamard, 96u}}) {
     const BlockLayout lay = MakeLayout(DType::kBF16, codec, 1024 / dim + 1, dim, 1, 2, 4);
     KvPool src(lay, 16, ViewKind::kContiguous, 1);
     src.Fill(InputClass::kOutlier, 7);  // one large element per head: a missed lane changes s
@@ -639,9 +809,9 @@ TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
     EncodeResult bad(lay, 2);
     HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &bad));
     const std::string diff = FirstPayloadDiff(lay, ref, bad.blocks);
-    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (" << testutil::CodecName(codec)
-                        << " dim " << dim << ")";
-    std::printf("  %s dim %u, wrong-lane shuffle: %s\n", testutil::CodecName(codec), dim,
+    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (" << CodecLabel(codec) << " dim "
+                        << dim << ")";
+    std::printf("  %s dim %u, wrong-lane shuffle: %s\n", CodecLabel(codec).c_str(), dim,
                 diff.c_str());
   }
 }

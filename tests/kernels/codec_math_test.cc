@@ -607,6 +607,42 @@ TEST(CodecMath, Int4ErrorBoundHoldsForEveryValue) {
   }
 }
 
+// INT4 Hadamard's rotation: the run is the largest power-of-two divisor of head_dim; the two
+// factors multiply to 1/r; the transform applied twice is r times the identity where every sum
+// is exact (small integers), and matches H_r's definition (entry (i, j) = (-1)^popcount(i & j));
+// the encode's range limit.
+TEST(CodecMath, HadamardRunFactorsAndTransform) {
+  EXPECT_EQ(HadamardRun(128), 128u);
+  EXPECT_EQ(HadamardRun(96), 32u);
+  EXPECT_EQ(HadamardRun(576), 64u);
+  EXPECT_EQ(HadamardRun(160), 32u);
+  EXPECT_EQ(HadamardRun(4096), 4096u);
+  for (uint32_t r : {32u, 64u, 128u, 256u, 512u, 4096u}) {
+    EXPECT_EQ(static_cast<double>(HadamardEncodeFactor(r)) * HadamardDecodeFactor(r), 1.0 / r);
+    std::vector<float> x(r);
+    for (uint32_t i = 0; i < r; ++i) x[i] = static_cast<float>(static_cast<int>(i * 7 % 13) - 6);
+    std::vector<float> v = x;
+    HadamardTransform(v.data(), r);
+    for (uint32_t i = 0; i < r; i += r / 16) {
+      double want = 0.0;
+      for (uint32_t j = 0; j < r; ++j) want += (__builtin_popcount(i & j) % 2 ? -1.0 : 1.0) * x[j];
+      EXPECT_EQ(v[i], want) << "r " << r << " i " << i;
+    }
+    HadamardTransform(v.data(), r);
+    for (uint32_t i = 0; i < r; ++i) ASSERT_EQ(v[i], x[i] * static_cast<float>(r)) << r << " " << i;
+  }
+  // The encode's limit: 2^(126 - ceil(k/2)); NaN and Inf lie outside it, of either sign.
+  EXPECT_EQ(BitsToFloat(HadamardLimitBits(128)), 0x1.0p122f);
+  EXPECT_EQ(BitsToFloat(HadamardLimitBits(64)), 0x1.0p123f);
+  EXPECT_EQ(BitsToFloat(HadamardLimitBits(4096)), 0x1.0p120f);
+  const uint32_t lim = HadamardLimitBits(128);
+  EXPECT_TRUE(HadamardInRange(-0x1.fffffep121f, lim));
+  EXPECT_FALSE(HadamardInRange(0x1.0p122f, lim));
+  EXPECT_FALSE(HadamardInRange(-0x1.0p122f, lim));
+  EXPECT_FALSE(HadamardInRange(BitsToFloat(0x7F800000u), lim));
+  EXPECT_FALSE(HadamardInRange(BitsToFloat(0xFFC00000u), lim));
+}
+
 // The model's own conversions, checked on values whose answers are known by hand.
 TEST(CodecMath, ModelSanity) {
   EXPECT_EQ(DoubleToHalfBits(1.0, DType::kFP16), 0x3C00);

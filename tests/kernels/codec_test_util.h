@@ -333,6 +333,8 @@ inline const char* CodecName(CodecKind codec) {
       return "int4";
     case CodecKind::kInt4Kivi:
       return "int4_kivi";
+    case CodecKind::kInt4Hadamard:
+      return "int4_hadamard";
   }
   return "?";
 }

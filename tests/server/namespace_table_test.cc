@@ -99,6 +99,11 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
   }
   {
     auto d = Desc();
+    d.layout.row.codec = kernels::CodecKind::kInt4Hadamard;
+    add(d);
+  }
+  {
+    auto d = Desc();
     d.layout.block_tokens = 16;
     add(d);
   }
@@ -120,8 +125,8 @@ TEST(NamespaceTableTest, EveryDefiningFieldSeparates) {
     d.layout.kv_planes = 1;
     add(d);
   }
-  EXPECT_EQ(ids.size(), 14u);
-  EXPECT_EQ(t.All().size(), 14u);
+  EXPECT_EQ(ids.size(), 15u);
+  EXPECT_EQ(t.All().size(), 15u);
 }
 
 TEST(NamespaceTableTest, MlaIgnoresTensorParallelRank) {

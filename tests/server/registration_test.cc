@@ -247,6 +247,67 @@ TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
   ExpectInvalid(bad, "geometry.head_dim");
 }
 
+// CODEC_INT4_HADAMARD: each plane's first row INT8 (H*D + 2H), the other rows' nibbles, K's
+// channel parameters (none in a one-token block), V's per-row group parameters; HOST and CUDA.
+TEST(ValidateRegistrationTest, Int4HadamardPlanesOfTheirOwnSizes) {
+  RegisterSpec s = SglangSpec();  // Qwen3-8B geometry, 64-token blocks
+  s.codec = 5;                    // CODEC_INT4_HADAMARD
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt4Hadamard);
+  // K: an INT8 row of 1,040, 63 rows of 512, 4,096 bytes of channel parameters; V: an INT8 row,
+  // 63 rows of 512 bytes of codes + 128 of zero points and scales.
+  EXPECT_EQ(r->layout.PlaneBytes(0), 1040u + 63u * 512u + 4096u);
+  EXPECT_EQ(r->layout.PlaneBytes(1), 1040u + 63u * 640u);
+  EXPECT_EQ(r->layout.BytesPerToken(), 44298u);
+  RegisterSpec v = VllmPagedSpec(36, 8, 128, 32, 16, 16);  // 16-token blocks
+  v.codec = 5;
+  auto r16 = ValidateRegistration(v, Limits{}, kBigPool);
+  ASSERT_TRUE(r16.ok()) << r16.status().ToString();
+  EXPECT_EQ(r16->layout.BytesPerToken(), 52776u);
+  RegisterSpec one = SglangSpec(36, 8, 128, 1024, 1);  // one-token blocks: INT8 rows only
+  one.codec = 5;
+  auto r1 = ValidateRegistration(one, Limits{}, kBigPool);
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  EXPECT_EQ(r1->layout.PlaneBytes(0), 1040u);
+  EXPECT_EQ(r1->layout.BytesPerToken(), 74880u);
+  RegisterSpec mla = MlaSpec();  // one latent plane of 576 (runs of 64), 64-token blocks
+  mla.codec = 5;
+  auto rm = ValidateRegistration(mla, Limits{}, kBigPool);
+  ASSERT_TRUE(rm.ok()) << rm.status().ToString();
+  EXPECT_EQ(rm->layout.PlaneBytes(0), 578u + 63u * 288u + 2304u);
+  EXPECT_EQ(rm->layout.BytesPerToken(), 20041u);
+  // Its own namespace: the same pool under KIVI hashes differently.
+  RegisterSpec kivi = s;
+  kivi.codec = 4;
+  EXPECT_NE(r->ns.CanonicalText(),
+            ValidateRegistration(kivi, Limits{}, kBigPool)->ns.CanonicalText());
+  EXPECT_NE(r->ns.CanonicalText().find(";codec=int4_hadamard"), std::string::npos);
+  for (uint32_t dim : {1u, 16u, 48u, 100u}) {
+    RegisterSpec t = SglangSpec(36, 8, dim);
+    t.codec = 5;
+    ExpectInvalid(t, "geometry.head_dim: CODEC_INT4_HADAMARD needs a multiple of 32, got " +
+                         std::to_string(dim));
+  }
+  RegisterSpec cuda = SglangSpec(2, 8, 128, 64, 16);
+  cuda.device_kind = kCuda;
+  for (auto& b : cuda.buffers) {
+    b.has_host_shm_name = false;
+    b.host_shm_name.clear();
+    b.has_cuda_ipc_handle = true;
+    b.cuda_ipc_handle = std::string(64, '\x01');
+  }
+  cuda.events.host_fd_id = 1;
+  cuda.events.count = 8;
+  cuda.codec = 5;
+  auto rc = ValidateRegistration(cuda, Limits{}, kBigPool);
+  ASSERT_TRUE(rc.ok()) << rc.status().ToString();
+  EXPECT_TRUE(rc->cuda);
+  EXPECT_EQ(rc->layout.row.codec, kernels::CodecKind::kInt4Hadamard);
+  cuda.head_dim = 48;
+  ExpectInvalid(cuda, "geometry.head_dim");
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -429,7 +490,7 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 5;  // the first value past CODEC_INT4_KIVI
+    t.codec = 6;  // the first value past CODEC_INT4_HADAMARD
     ExpectInvalid(t, "codec");
   }
   {

@@ -26,6 +26,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP8_E4M3_PER_HEAD: _ClassVar[Codec]
     CODEC_INT4_G32_PER_HEAD: _ClassVar[Codec]
     CODEC_INT4_KIVI: _ClassVar[Codec]
+    CODEC_INT4_HADAMARD: _ClassVar[Codec]
 
 class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ CODEC_RAW: Codec
 CODEC_FP8_E4M3_PER_HEAD: Codec
 CODEC_INT4_G32_PER_HEAD: Codec
 CODEC_INT4_KIVI: Codec
+CODEC_INT4_HADAMARD: Codec
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind

@@ -1,0 +1,343 @@
+// CODEC_INT4_HADAMARD's planes on the SIMD CPU executor (see codec_cpu_hadamard.h and
+// codec_math.h).
+//
+// The transform works on a head in f32 lanes of n <= 16 (the run is at least 32): the stages of
+// stride below n inside each vector (the partner lane i ^ s by a table lookup; a lane with bit s
+// clear takes x + partner, one with it set partner - x: the pair's a + b and a - b), then the
+// stages of stride n and more between whole vectors, two per pass. Every stage runs in
+// codec_math.h's order and each lane's sum is the reference's fp32 addition, so every Highway
+// target produces the reference's bytes. Encode rotates a plane's tokens 1.. into f32 scratch, then
+// quantizes as KIVI does (codec_cpu_kivi.cc): per channel over the tokens (plane 0) or per group of
+// 32 of a token (plane 1). Decode dequantizes a head's codes to BF16 values, transforms them back
+// and stores the input dtype. Row 0 goes through the INT8 row executor.
+#include "codec_cpu_hadamard.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "codec_cpu_hadamard.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "codec_cpu.h"
+#include "codec_math.h"
+#include "codec_simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace hiqcache::kernels {
+namespace HWY_NAMESPACE {
+namespace {
+
+constexpr uint32_t kG = kInt4GroupElems;
+// At most 16 lanes, so a vector never spans two runs (>= 32) or two groups.
+using DF = hn::CappedTag<float, 16>;
+using DI32 = hn::RebindToSigned<DF>;
+using DU8 = hn::Rebind<uint8_t, DF>;  // one code per f32 lane
+
+// One in-vector stage of stride s < Lanes: lane i's partner is lane i ^ s (`partner`); a lane
+// with bit s set (`upper`) takes partner - x (the pair's a - b), the other x + partner (a + b).
+template <class V, class I, class M>
+HWY_INLINE V InVectorStage(V x, I partner, M upper) {
+  const V p = hn::TableLookupLanes(x, partner);
+  return hn::IfThenElse(upper, hn::Sub(p, x), hn::Add(x, p));
+}
+
+// v[0..r) = H_r v (codec_math.h's HadamardTransform): the same stages in the same order. The
+// stages of stride below Lanes (at most 16: strides 1, 2, 4, 8) run on each vector while it is
+// in a register; the others go two at a time where they can (each element's two sums are the
+// ones the two stages compute in turn). REQUIRES: r a power of two >= Lanes(DF), r >= 32.
+HWY_INLINE void Transform(float* HWY_RESTRICT v, uint32_t r) {
+  const DF df;
+  const DI32 di;
+  const size_t n = hn::Lanes(df);
+  if (n > 1) {
+    HWY_ALIGN int32_t table[4][16];
+    for (size_t k = 0; k < 4; ++k) {
+      const size_t s = size_t{1} << k;
+      for (size_t i = 0; i < n; ++i) table[k][i] = static_cast<int32_t>(s < n ? i ^ s : i);
+    }
+    const auto iota = hn::Iota(di, 0);
+    auto upper = [&](int32_t s) { return hn::RebindMask(df, hn::TestBit(iota, hn::Set(di, s))); };
+    const auto p1 = hn::SetTableIndices(df, table[0]);
+    const auto p2 = hn::SetTableIndices(df, table[1]);
+    const auto p4 = hn::SetTableIndices(df, table[2]);
+    const auto p8 = hn::SetTableIndices(df, table[3]);
+    const auto u1 = upper(1);
+    const auto u2 = upper(2);
+    const auto u4 = upper(4);
+    const auto u8 = upper(8);
+    for (size_t i = 0; i < r; i += n) {
+      auto x = InVectorStage(hn::LoadU(df, v + i), p1, u1);
+      if (n > 2) x = InVectorStage(x, p2, u2);
+      if (n > 4) x = InVectorStage(x, p4, u4);
+      if (n > 8) x = InVectorStage(x, p8, u8);
+      hn::StoreU(x, df, v + i);
+    }
+  }
+  size_t s = n;
+  for (; 4 * s <= r; s *= 4) {  // stages s and 2s together
+    for (size_t i0 = 0; i0 < r; i0 += 4 * s) {
+      for (size_t i = i0; i < i0 + s; i += n) {
+        const auto a = hn::LoadU(df, v + i);
+        const auto b = hn::LoadU(df, v + i + s);
+        const auto c = hn::LoadU(df, v + i + 2 * s);
+        const auto d = hn::LoadU(df, v + i + 3 * s);
+        const auto ab = hn::Add(a, b);
+        const auto amb = hn::Sub(a, b);
+        const auto cd = hn::Add(c, d);
+        const auto cmd = hn::Sub(c, d);
+        hn::StoreU(hn::Add(ab, cd), df, v + i);
+        hn::StoreU(hn::Add(amb, cmd), df, v + i + s);
+        hn::StoreU(hn::Sub(ab, cd), df, v + i + 2 * s);
+        hn::StoreU(hn::Sub(amb, cmd), df, v + i + 3 * s);
+      }
+    }
+  }
+  if (2 * s <= r) {  // the last stage alone
+    for (size_t i = 0; i < s; i += n) {
+      const auto a = hn::LoadU(df, v + i);
+      const auto b = hn::LoadU(df, v + i + s);
+      hn::StoreU(hn::Add(a, b), df, v + i);
+      hn::StoreU(hn::Sub(a, b), df, v + i + s);
+    }
+  }
+}
+
+// y[0..d) = the rotated head at `src` as BF16 values; false when a run leaves the limit
+// (HadamardLimitBits; NaN and Inf included).
+template <DType kDType>
+HWY_INLINE bool RotateHead(const uint8_t* src, uint32_t d, float* HWY_RESTRICT y) {
+  const DF df;
+  const size_t n = hn::Lanes(df);
+  const uint32_t r = HadamardRun(d);
+  const DI32 di;
+  const auto e = hn::Set(df, HadamardEncodeFactor(r));
+  // |v| < the limit on the sign-cleared bits as i32 (NaN and Inf lie above it).
+  const auto limit = hn::Set(di, static_cast<int32_t>(HadamardLimitBits(r)));
+  const auto abs_bits = hn::Set(di, 0x7FFFFFFF);
+  for (size_t i = 0; i < d; i += n) hn::StoreU(LoadHalf<kDType>(df, src + 2 * i), df, y + i);
+  for (uint32_t j = 0; j < d; j += r) Transform(y + j, r);
+  auto in_range = hn::Lt(hn::Zero(di), limit);  // all true
+  for (size_t i = 0; i < d; i += n) {
+    const auto v = hn::LoadU(df, y + i);
+    in_range = hn::And(in_range, hn::Lt(hn::And(hn::BitCast(di, v), abs_bits), limit));
+    hn::StoreU(RoundToBf16(df, hn::Mul(v, e)), df, y + i);
+  }
+  return hn::AllTrue(di, in_range);
+}
+
+// Codes of n rotated values y with zero points z and scales s (KIVI's QuantizeKiviKElement).
+HWY_INLINE void QuantizeCodes(DF df, hn::Vec<DF> y, hn::Vec<DF> z, hn::Vec<DF> s, uint8_t* q8) {
+  const DI32 di32;
+  const DU8 du8;
+  const auto half = hn::Set(df, 0.5f);
+  const auto q = hn::Round(
+      hn::Mul(hn::Set(df, 2.0f), hn::Div(hn::Sub(hn::Mul(half, y), hn::Mul(half, z)), s)));
+  const auto qc = hn::Min(hn::Max(q, hn::Zero(df)), hn::Set(df, static_cast<float>(kKiviKQMax)));
+  hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di32, qc)), du8, q8);
+}
+
+// Rows 1..num_rows-1 of the plane (row 0 is the caller's).
+template <DType kDType>
+bool EncodeRotatedT(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                    const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  const DF df;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const size_t ch = fmt.ElementsPerRow();
+  const uint32_t m = num_rows - 1;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(m) * ch + 2 * ch);
+  float* y = scratch.data();
+  for (uint32_t t = 0; t < m; ++t) {
+    if (t + kPrefetchRows < m) PrefetchRow<false>(fmt, view, rows[t + 1 + kPrefetchRows]);
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      if (!RotateHead<kDType>(view.Head(rows[t + 1], h), d, y + t * ch + size_t{h} * d)) {
+        return false;
+      }
+    }
+  }
+  const auto half = hn::Set(df, 0.5f);
+  const auto floor = hn::Set(df, BitsToFloat(kAmaxFloorBits));
+  const auto levels = hn::Set(df, 7.5f);
+  const auto zero = hn::Zero(df);
+  HWY_ALIGN uint8_t q8[kG];
+  if (plane == 0) {  // per channel over the tokens
+    float* zf = y + static_cast<size_t>(m) * ch;
+    float* sf = zf + ch;
+    uint8_t* zeros = dst + fmt.PlaneRowOffset(0, num_rows);
+    uint8_t* scales = zeros + 2 * ch;
+    for (size_t c = 0; c < ch; c += n) {
+      auto lo = hn::LoadU(df, y + c);
+      auto hi = lo;
+      for (uint32_t t = 1; t < m; ++t) {
+        const auto v = hn::LoadU(df, y + t * ch + c);
+        lo = hn::Min(lo, v);
+        hi = hn::Max(hi, v);
+      }
+      const auto r = hn::Max(hn::Sub(hn::Mul(half, hi), hn::Mul(half, lo)), floor);
+      StoreHalf<DType::kBF16>(df, hn::Add(lo, zero), zeros + 2 * c);
+      StoreHalf<DType::kBF16>(df, hn::Div(r, levels), scales + 2 * c);
+      hn::StoreU(LoadHalf<DType::kBF16>(df, zeros + 2 * c), df, zf + c);
+      hn::StoreU(LoadHalf<DType::kBF16>(df, scales + 2 * c), df, sf + c);
+    }
+    for (uint32_t t = 0; t < m; ++t) {
+      uint8_t* codes = dst + fmt.PlaneRowOffset(0, t + 1);
+      for (size_t c0 = 0; c0 < ch; c0 += kG) {
+        for (size_t i = 0; i < kG; i += n) {
+          QuantizeCodes(df, hn::LoadU(df, y + t * ch + c0 + i), hn::LoadU(df, zf + c0 + i),
+                        hn::LoadU(df, sf + c0 + i), q8 + i);
+        }
+        PackNibbles32(q8, codes + c0 / 2);
+      }
+    }
+    return true;
+  }
+  const size_t groups = ch / kG;  // plane 1: per group of 32 of one token
+  for (uint32_t t = 0; t < m; ++t) {
+    uint8_t* codes = dst + fmt.PlaneRowOffset(1, t + 1);
+    uint8_t* zeros = codes + ch / 2;
+    uint8_t* scales = zeros + 2 * groups;
+    const float* yt = y + t * ch;
+    for (size_t g = 0; g < groups; ++g) {
+      const float* yg = yt + g * kG;
+      auto lo = hn::LoadU(df, yg);
+      auto hi = lo;
+      for (size_t i = n; i < kG; i += n) {
+        lo = hn::Min(lo, hn::LoadU(df, yg + i));
+        hi = hn::Max(hi, hn::LoadU(df, yg + i));
+      }
+      const float glo = hn::GetLane(hn::MinOfLanes(df, lo));
+      const float ghi = hn::GetLane(hn::MaxOfLanes(df, hi));
+      const uint16_t z_bits = KiviKZeroBits(glo, DType::kBF16);
+      const uint16_t s_bits = KiviKScaleBf16(glo, ghi);
+      std::memcpy(zeros + 2 * g, &z_bits, 2);
+      std::memcpy(scales + 2 * g, &s_bits, 2);
+      const auto vz = hn::Set(df, Bf16ToFloat(z_bits));
+      const auto vs = hn::Set(df, Bf16ToFloat(s_bits));
+      for (size_t i = 0; i < kG; i += n) QuantizeCodes(df, hn::LoadU(df, yg + i), vz, vs, q8 + i);
+      PackNibbles32(q8, codes + g * kG / 2);
+    }
+  }
+  return true;
+}
+
+// Rows [begin, end) of the plane, begin >= 1.
+template <DType kDType>
+void DecodeRotatedT(const RowFormat& fmt, uint32_t plane, const uint8_t* src, uint32_t block_tokens,
+                    uint32_t begin, uint32_t end, const StridedView& view, const uint32_t* rows) {
+  const DF df;
+  const DI32 di32;
+  const DU8 du8;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const uint32_t r = HadamardRun(d);
+  const size_t ch = fmt.ElementsPerRow();
+  const auto half = hn::Set(df, 0.5f);
+  const auto two = hn::Set(df, 2.0f);
+  const auto cd = hn::Set(df, HadamardDecodeFactor(r));
+  thread_local std::vector<float> scratch;
+  scratch.resize(d);
+  float* w = scratch.data();
+  HWY_ALIGN uint8_t q8[kG];
+  const uint8_t* k_zeros = src + fmt.PlaneRowOffset(0, block_tokens);  // plane 0's parameters
+  for (uint32_t t = begin; t < end; ++t) {
+    const uint32_t row = rows[t - begin];
+    if (t + kPrefetchRows < end) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows - begin]);
+    const uint8_t* codes = src + fmt.PlaneRowOffset(plane, t);
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      for (uint32_t g = 0; g < d; g += kG) {
+        const size_t c0 = size_t{h} * d + g;
+        UnpackNibbles32(codes + c0 / 2, q8);
+        if (plane == 0) {
+          for (size_t i = 0; i < kG; i += n) {
+            const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(du8, q8 + i)));
+            const auto hs = hn::Mul(half, LoadHalf<DType::kBF16>(df, k_zeros + 2 * (ch + c0 + i)));
+            const auto hz = hn::Mul(half, LoadHalf<DType::kBF16>(df, k_zeros + 2 * (c0 + i)));
+            hn::StoreU(RoundToBf16(df, hn::Mul(two, hn::Add(hn::Mul(q, hs), hz))), df, w + g + i);
+          }
+        } else {
+          const uint8_t* zs = codes + ch / 2 + 2 * (c0 / kG);
+          uint16_t z_bits;
+          uint16_t s_bits;
+          std::memcpy(&z_bits, zs, 2);
+          std::memcpy(&s_bits, zs + 2 * (ch / kG), 2);
+          const auto hz = hn::Set(df, 0.5f * Bf16ToFloat(z_bits));
+          const auto hs = hn::Set(df, 0.5f * Bf16ToFloat(s_bits));
+          for (size_t i = 0; i < kG; i += n) {
+            const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(du8, q8 + i)));
+            hn::StoreU(RoundToBf16(df, hn::Mul(two, hn::Add(hn::Mul(q, hs), hz))), df, w + g + i);
+          }
+        }
+      }
+      for (uint32_t j = 0; j < d; j += r) Transform(w + j, r);
+      uint8_t* out = view.Head(row, h);
+      for (size_t i = 0; i < d; i += n) {
+        StoreHalf<kDType>(df, hn::Mul(hn::LoadU(df, w + i), cd), out + 2 * i);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool EncodeHadamardRotated(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                           const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  return fmt.dtype == DType::kBF16
+             ? EncodeRotatedT<DType::kBF16>(fmt, plane, view, rows, num_rows, dst)
+             : EncodeRotatedT<DType::kFP16>(fmt, plane, view, rows, num_rows, dst);
+}
+
+void DecodeHadamardRotated(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                           uint32_t block_tokens, uint32_t begin, uint32_t end,
+                           const StridedView& view, const uint32_t* rows) {
+  if (fmt.dtype == DType::kBF16) {
+    DecodeRotatedT<DType::kBF16>(fmt, plane, src, block_tokens, begin, end, view, rows);
+  } else {
+    DecodeRotatedT<DType::kFP16>(fmt, plane, src, block_tokens, begin, end, view, rows);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace hiqcache::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace hiqcache::kernels {
+
+HWY_EXPORT(EncodeHadamardRotated);
+HWY_EXPORT(DecodeHadamardRotated);
+
+namespace {
+RowFormat Int8Rows(const RowFormat& fmt) {
+  RowFormat f = fmt;
+  f.codec = CodecKind::kInt8PerHead;
+  return f;
+}
+}  // namespace
+
+bool EncodeHadamardPlaneSimd(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                             const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  if (num_rows == 0) return true;
+  if (!EncodeRowSimd(Int8Rows(fmt), view, rows[0], dst)) return false;
+  if (num_rows == 1) return true;
+  return HWY_DYNAMIC_DISPATCH(EncodeHadamardRotated)(fmt, plane, view, rows, num_rows, dst);
+}
+
+void DecodeHadamardRowsSimd(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                            uint32_t block_tokens, uint32_t begin, uint32_t end,
+                            const StridedView& view, const uint32_t* rows) {
+  if (begin == 0 && end > 0) {
+    DecodeRowSimd(Int8Rows(fmt), src, view, rows[0]);
+    ++begin;
+    ++rows;
+  }
+  if (begin >= end) return;
+  HWY_DYNAMIC_DISPATCH(DecodeHadamardRotated)
+  (fmt, plane, src, block_tokens, begin, end, view, rows);
+}
+
+}  // namespace hiqcache::kernels
+#endif  // HWY_ONCE
