@@ -68,6 +68,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_INT4_G32_PER_HEAD;
     case Codec::kInt4Kivi:
       return v1::CODEC_INT4_KIVI;
+    case Codec::kInt4Hadamard:
+      return v1::CODEC_INT4_HADAMARD;
     case Codec::kInt8PerHead:
       break;
   }
@@ -124,6 +126,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kInt4G32PerHead;
     case v1::CODEC_INT4_KIVI:
       return Codec::kInt4Kivi;
+    case v1::CODEC_INT4_HADAMARD:
+      return Codec::kInt4Hadamard;
     default:
       return Codec::kInt8PerHead;
   }

@@ -287,6 +287,8 @@ const char* CodecEnumName(Codec c) {
       return "CODEC_INT4_G32_PER_HEAD";
     case Codec::kInt4Kivi:
       return "CODEC_INT4_KIVI";
+    case Codec::kInt4Hadamard:
+      return "CODEC_INT4_HADAMARD";
     case Codec::kInt8PerHead:
       break;
   }

@@ -16,6 +16,8 @@ const char* CodecName(Codec codec) {
       return "int4_g32_per_head";
     case Codec::kInt4Kivi:
       return "int4_kivi";
+    case Codec::kInt4Hadamard:
+      return "int4_hadamard";
     case Codec::kInt8PerHead:
       break;
   }

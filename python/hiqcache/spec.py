@@ -35,6 +35,10 @@ class Codec(enum.Enum):
     # int4, KIVI-style: K per channel (zero point + BF16 scale over a block's tokens), V as
     # INT4_G32_PER_HEAD (head_dim % 32 == 0)
     INT4_KIVI = "int4_kivi"
+    # int4 after a per-head Walsh-Hadamard rotation, each block's first token as an INT8 row: K per
+    # channel over the block's other tokens, V per group of 32, each a zero point + BF16 scale
+    # (head_dim % 32 == 0)
+    INT4_HADAMARD = "int4_hadamard"
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -56,7 +60,8 @@ _ATTENTION_PB = {Attention.MHA: pb.ATTENTION_MHA, Attention.MLA: pb.ATTENTION_ML
 _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RAW,
              Codec.FP8_E4M3_PER_HEAD: pb.CODEC_FP8_E4M3_PER_HEAD,
              Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD,
-             Codec.INT4_KIVI: pb.CODEC_INT4_KIVI}
+             Codec.INT4_KIVI: pb.CODEC_INT4_KIVI,
+             Codec.INT4_HADAMARD: pb.CODEC_INT4_HADAMARD}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}

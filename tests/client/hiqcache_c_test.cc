@@ -484,8 +484,8 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
 }
 
 // HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
-// is not a multiple of 32 refused naming geometry.head_dim; HIQ_CODEC_INT4_KIVI's bytes per token;
-// codec 5 unknown.
+// is not a multiple of 32 refused naming geometry.head_dim; HIQ_CODEC_INT4_KIVI's and
+// HIQ_CODEC_INT4_HADAMARD's bytes per token; codec 6 unknown.
 // hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
 // 1): enabled, with the policy and budget it was started with.
 TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
@@ -534,8 +534,17 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
       EXPECT_EQ(info.encoded_bytes_per_token,
                 3u * ((2 * 64 / 2 + 4 * 2 * 64 / 4) + (2 * 64 / 2 + 2 * 2 * 64 / 32)));
       EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      // HIQ_CODEC_INT4_HADAMARD, per layer of a 4-token block: K an INT8 first row (132), 3 rows
+      // of codes (64) and 4 bytes per channel (512); V an INT8 first row and 3 rows of codes + 4
+      // bytes per group of 32 (64 + 16).
+      ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, HIQ_CODEC_INT4_HADAMARD,
+                                         pool, &handle, &info),
+                HIQ_OK)
+          << c.hiq_last_error();
+      EXPECT_EQ(info.encoded_bytes_per_token, 3u * ((132 + 3 * 64 + 512) + (132 + 3 * 80)) / 4);
+      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
       EXPECT_EQ(
-          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 5, pool, &handle, &info),
+          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 6, pool, &handle, &info),
           HIQ_INVALID_ARGUMENT);
       EXPECT_NE(std::string(c.hiq_last_error()).find("codec"), std::string::npos);
     } else {

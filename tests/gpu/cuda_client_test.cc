@@ -18,6 +18,8 @@
 //   Int4KiviRoundTrip  the same with CODEC_INT4_KIVI (its K-plane and V-row kernels): bit-equal
 //                      to the CPU executor's records decoded by the reference (its bound is
 //                      codec_cpu_kivi_test's).
+//   Int4HadamardRoundTrip  the same with CODEC_INT4_HADAMARD (its rotated-row and INT8 first-row
+//                      kernels; its bound is codec_cpu_hadamard_test's).
 //   SharedBetweenTwo   one client backs up and exits; another (its pool carved out of one
 //                      allocation) restores the blocks and checks them.
 //   ClientKilled       a client is SIGKILLed while restores run: the daemon survives, drops the
@@ -544,6 +546,11 @@ TEST(CudaClientChild, Int4KiviRoundTrip) {
   RoundTripAs(env, Codec::kInt4Kivi, nullptr, "ok-kivi");
 }
 
+TEST(CudaClientChild, Int4HadamardRoundTrip) {
+  HIQ_CHILD_PRELUDE(env);
+  RoundTripAs(env, Codec::kInt4Hadamard, nullptr, "ok-hadamard");
+}
+
 TEST(CudaClientChild, BackupOnly) {
   HIQ_CHILD_PRELUDE(env);
   GpuClient c;
@@ -651,6 +658,10 @@ class CudaClientGpu : public ::testing::Test {
 TEST_F(CudaClientGpu, RoundTrip) { RunChild("RoundTrip", 11, "ok-roundtrip"); }
 
 TEST_F(CudaClientGpu, Int4KiviRoundTrip) { RunChild("Int4KiviRoundTrip", 55, "ok-kivi"); }
+
+TEST_F(CudaClientGpu, Int4HadamardRoundTrip) {
+  RunChild("Int4HadamardRoundTrip", 66, "ok-hadamard");
+}
 
 TEST_F(CudaClientGpu, SharedBetweenTwoClients) {
   RunChild("BackupOnly", 22, "ok-backup-22");

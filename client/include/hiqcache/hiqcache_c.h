@@ -74,7 +74,9 @@ enum hiq_codec {
   HIQ_CODEC_RAW = 1,
   HIQ_CODEC_FP8_E4M3_PER_HEAD = 2, /* FP8 E4M3 codes + BF16 scales, INT8's size */
   HIQ_CODEC_INT4_G32_PER_HEAD = 3, /* int4 codes + a BF16 scale per 32 elements (head_dim % 32) */
-  HIQ_CODEC_INT4_KIVI = 4 /* int4: K per channel over a block, V as INT4_G32 (head_dim % 32) */
+  HIQ_CODEC_INT4_KIVI = 4, /* int4: K per channel over a block, V as INT4_G32 (head_dim % 32) */
+  /* int4 after a Hadamard rotation, each block's first token INT8 (head_dim % 32) */
+  HIQ_CODEC_INT4_HADAMARD = 5
 };
 enum hiq_device_kind { HIQ_DEVICE_HOST = 0, HIQ_DEVICE_CUDA = 1 };
 enum hiq_kv_layout {

@@ -21,11 +21,14 @@ enum class Codec : uint8_t {
   kFp8E4m3PerHead = 2,  // FP8 E4M3 codes + one BF16 scale per (token, layer, K|V, head)
   kInt4G32PerHead = 3,  // int4 codes + one BF16 scale per 32 elements of a head (D % 32 == 0)
   kInt4Kivi = 4,        // int4: K per channel over a block, V as kInt4G32PerHead (D % 32 == 0)
+  // int4 after a per-head Walsh-Hadamard rotation, each block's first token as an INT8 row: K per
+  // channel over the block's other tokens, V per group of 32 (zero point + scale; D % 32 == 0)
+  kInt4Hadamard = 5,
 };
 enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
 
 const char* DTypeName(DType dtype);  // "bf16", "fp16"
-// "int8_per_head", "raw", "fp8_e4m3_per_head", "int4_g32_per_head", "int4_kivi"
+// "int8_per_head", "raw", "fp8_e4m3_per_head", "int4_g32_per_head", "int4_kivi", "int4_hadamard"
 const char* CodecName(Codec codec);
 const char* DeviceKindName(DeviceKind kind);  // "host", "cuda"
 

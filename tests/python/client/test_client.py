@@ -17,6 +17,7 @@ from daemon import ROOT, Daemon, start_or_skip_without_l3
 from kv_util import (
     HostKv,
     fp8_violations,
+    from_bf16_bits,
     int4_violations,
     int8_violations,
     kivi_k_violations,
@@ -162,6 +163,63 @@ def test_int4_kivi_round_trip_within_bound_bytes_per_token_and_capacity(daemon, 
         assert ns[hq.Codec.INT4_KIVI].blocks == 4
         assert c.release_pool(kivi).ok and c.release_pool(int4).ok and c.release_pool(int8).ok
     assert hq.Codec.parse("int4_kivi") is hq.Codec.INT4_KIVI
+
+
+def test_int4_hadamard_round_trip_bytes_per_token_and_capacity(daemon, kv):
+    """CODEC_INT4_HADAMARD: each block's first token restored as INT8 restores it, the other
+    tokens close at 4 bits (their elementwise bound is checked in tests/kernels), its own
+    namespace, bytes/token and capacity in GetStats, Inf and NaN rejected with nothing stored."""
+    with hq.Client(daemon.target, call_timeout=margin(10)) as c:
+        had = c.register_pool(kv.spec("m-hadamard", BT, hq.Codec.INT4_HADAMARD))
+        int8 = c.register_pool(kv.spec("m-hadamard", BT, hq.Codec.INT8_PER_HEAD))
+        kv.fill(range(0, 4 * BT), seed=23)
+        keys = keys_for(range(4 * BT), salt="hadamard")
+        res = c.backup(had, keys, range(0, 4 * BT))
+        assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
+        assert c.lookup(int8, keys).prefix_blocks == 0  # codecs never share blocks
+        assert c.backup(int8, keys, range(0, 4 * BT)).held == 4
+        src = kv.data[:, :, :4 * BT].copy()
+        restored = {}
+        for pool in (had, int8):
+            r = c.restore(pool, keys, range(4 * BT, 8 * BT))
+            assert r.status.ok and r.restored_blocks == 4
+            restored[pool] = kv.data[:, :, 4 * BT:].copy()
+        dst = restored[had]
+        # Token 0 of each block (both planes) is an INT8 row: INT8's bound, INT8's bytes.
+        assert int8_violations(src[:, :, ::BT], dst[:, :, ::BT]) == 0
+        assert np.array_equal(dst[:, :, ::BT], restored[int8][:, :, ::BT])
+        rest = np.ones(4 * BT, bool)
+        rest[::BT] = False
+        assert int8_violations(src[:, :, rest], dst[:, :, rest]) > 0  # really 4 bits
+        x = from_bf16_bits(src[:, :, rest]).astype(np.float64)
+        y = from_bf16_bits(dst[:, :, rest]).astype(np.float64)
+        for plane in (0, 1):  # relative error of the 4-bit tokens; a zero restore's is 1
+            err = np.linalg.norm(y[:, plane] - x[:, plane]) / np.linalg.norm(x[:, plane])
+            assert err < 0.2, (plane, err)
+        info, int8_info = c.pool_info(had), c.pool_info(int8)
+        hd, heads = G.num_kv_heads * G.head_dim, G.num_kv_heads
+        k_plane = hd + 2 * heads + (BT - 1) * hd // 2 + 4 * hd  # + channel parameters
+        v_plane = hd + 2 * heads + (BT - 1) * (hd // 2 + 4 * hd // 32)  # + group parameters
+        per_token = -(-G.num_layers * (k_plane + v_plane) // BT)  # rounded up
+        assert info.encoded_bytes_per_token == per_token == 551
+        assert int8_info.encoded_bytes_per_token == 792
+        assert info.capacity_tokens > 1.3 * int8_info.capacity_tokens > 0
+        ns = {n.codec: n for n in c.get_stats().namespaces if n.model == "m-hadamard"}
+        assert set(ns) == {hq.Codec.INT4_HADAMARD, hq.Codec.INT8_PER_HEAD}
+        assert ns[hq.Codec.INT4_HADAMARD].blocks == 4
+        assert ns[hq.Codec.INT4_HADAMARD].encoded_bytes_per_token == 551
+        assert ns[hq.Codec.INT4_HADAMARD].capacity_blocks > \
+            1.3 * ns[hq.Codec.INT8_PER_HEAD].capacity_blocks > 0
+        # Inf in a 4-bit K row and NaN in a V plane's INT8 row: rejected, nothing stored.
+        for plane, row, bits, salt in ((0, 3, 0x7F80, "had-inf"), (1, 0, 0x7FC1, "had-nan")):
+            kv.fill(range(4 * BT, 5 * BT), seed=24)
+            kv.data[2, plane, 4 * BT + row, 0, 17] = bits
+            bad_keys = keys_for(range(BT), salt=salt)
+            bad = c.backup(had, bad_keys, range(4 * BT, 5 * BT))
+            assert bad.blocks == [hq.BlockStatus.REJECTED]
+            assert c.lookup(had, bad_keys).prefix_blocks == 0
+        assert c.release_pool(had).ok and c.release_pool(int8).ok
+    assert hq.Codec.parse("int4_hadamard") is hq.Codec.INT4_HADAMARD
 
 
 def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
