@@ -85,7 +85,7 @@ def gate_kind(codec_name: str) -> str:
         return "exact"
     if codec_name.startswith(("int8", "fp8")):
         return "strict"
-    if codec_name == "int4_kivi":
+    if codec_name in ("int4_kivi", "int4_hadamard"):  # 4-bit, held to INT8's gate
         return "kivi"
     if codec_name.startswith("int4"):
         return "int4"

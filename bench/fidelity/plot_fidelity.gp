@@ -47,7 +47,7 @@ set style line 8 lc rgb '#555555' lw 1.2 dt 4
 set style line 9 lc rgb '#aaaaaa' lw 1.2 dt 4
 plot for [i=0:npaths-1] datafile index i u 1:2:3 w yerrorlines ls style(i) \
      title columnheader(1), \
-     1.5 * floor_kl w l ls 8 title 'gate: mean KL <= 1.5x floor (INT8, FP8, INT4 KIVI)', \
+     1.5 * floor_kl w l ls 8 title 'gate: mean KL <= 1.5x floor (INT8, FP8, KIVI, Hadamard)', \
      3 * floor_kl w l ls 9 title 'gate: mean KL <= 3x floor (INT4)'
 unset logscale y
 set format y '%g'
@@ -56,7 +56,7 @@ set key bottom left
 set yrange [72:100.5]  # room below the data for the key
 plot for [i=0:npaths-1] datafile index i u 1:4:5 w yerrorlines ls style(i) \
      title columnheader(1), \
-     floor_top1 - 1 w l ls 8 title 'gate: mean top-1 >= floor - 1 point (INT8, FP8, INT4 KIVI)', \
-     floor_top1 - 3 w l ls 9 title 'gate: mean top-1 >= floor - 3 points (INT4)'
+     floor_top1 - 1 w l ls 8 title 'gate: top-1 >= floor - 1 point (INT8, FP8, KIVI, Hadamard)', \
+     floor_top1 - 3 w l ls 9 title 'gate: top-1 >= floor - 3 points (INT4)'
 
 unset multiplot
