@@ -359,7 +359,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("ttft", "workload"))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--codec4", default="int4_kivi",
+    ap.add_argument("--codec4", default="int4_hadamard",
                     help="the hiqcached codec of the 4-bit arm ('' for none)")
     ap.add_argument("--ttft-tier-mib", type=int, default=512)
     ap.add_argument("--pause-s", type=float, default=2.0,
