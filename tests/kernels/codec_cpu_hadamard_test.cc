@@ -383,7 +383,7 @@ TEST(CodecHadamard, EveryViewShapeAndBlockSize) {
 }
 
 // NaN and +-Inf anywhere (an INT8 first token or a rotated one, either plane), and a finite run
-// whose transform leaves fp32's range, flag exactly their block; nothing else.
+// whose transform overflows fp32, flag exactly their block; nothing else.
 TEST(CodecHadamard, NonfiniteFlagsTheirBlock) {
   const std::vector<Executor> execs = Executors();
   for (DType dt : {DType::kBF16, DType::kFP16}) {
@@ -392,19 +392,7 @@ TEST(CodecHadamard, NonfiniteFlagsTheirBlock) {
          {inf, static_cast<uint16_t>(inf | 0x8000), static_cast<uint16_t>(inf | 1)}) {
       for (uint32_t plane : {0u, 1u}) {
         for (uint32_t token : {0u, 5u}) {
-          const BlockLayout lay = MakeLayout({2, 64, 2}, dt, kHadamard, 2, 8);
-          KvPool in(lay, 40, ViewKind::kContiguous, 5);
-          in.Fill(InputClass::kGaussian, 5);
-          Rng rng(7);
-          const std::vector<uint32_t> rows = RandomRows(40, 24, rng);
-          in.Head(1, plane, rows[8 + token], 1)[63] = bits;  // block 1, layer 1
-          for (const Executor& ex : execs) {
-            BlockSet got(lay, 3);
-            std::vector<uint8_t> flags(3, 0xFF);
-            ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
-            EXPECT_EQ(flags, (std::vector<uint8_t>{0, 1, 0}))
-                << ex.name << " plane " << plane << " token " << token << " bits " << bits;
-          }
+          ExpectPlantedBlockFlagged(kHadamard, dt, plane, token, bits, execs);
         }
       }
     }
@@ -416,12 +404,7 @@ TEST(CodecHadamard, NonfiniteFlagsTheirBlock) {
   Rng rng(7);
   const std::vector<uint32_t> rows = RandomRows(40, 24, rng);
   for (uint32_t i = 0; i < 64; ++i) in.Head(0, 1, rows[17], 0)[i] = 0x7F7F;  // block 2
-  for (const Executor& ex : execs) {
-    BlockSet got(lay, 3);
-    std::vector<uint8_t> flags(3, 0xFF);
-    ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
-    EXPECT_EQ(flags, (std::vector<uint8_t>{0, 0, 1})) << ex.name;
-  }
+  ExpectEncodeFlags(in, rows, execs, {0, 0, 1}, "overflow");
 }
 
 // The encode's range limit (HadamardLimitBits) on a run of 64 (k = 6: 2^123): 64 equal elements
@@ -438,14 +421,8 @@ TEST(CodecHadamard, RangeLimitFlagsExactlyAtTheBound) {
     const std::vector<uint32_t> rows = RandomRows(12, 12, rng);
     for (uint32_t i = 0; i < 64; ++i)
       in.Head(0, 1, rows[5], 0)[i] = DoubleToHalfBits(x, DType::kBF16);
-    const bool refused = x >= 0x1.0p117;
-    for (const Executor& ex : execs) {
-      BlockSet got(lay, 3);
-      std::vector<uint8_t> flags(3, 0xFF);
-      ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
-      EXPECT_EQ(flags, (std::vector<uint8_t>{0, static_cast<uint8_t>(refused ? 1 : 0), 0}))
-          << ex.name << " x " << x;
-    }
+    const uint8_t refused = x >= 0x1.0p117 ? 1 : 0;
+    ExpectEncodeFlags(in, rows, execs, {0, refused, 0}, "x " + std::to_string(x));
   }
   // Through the whole comparison with the model: huge but accepted runs decode alike everywhere.
   BoundStats bound;

@@ -264,21 +264,7 @@ TEST(CodecKivi, NonfiniteFlagsTheirBlock) {
     const uint16_t inf = dt == DType::kBF16 ? 0x7F80 : 0x7C00;
     for (uint16_t bits :
          {inf, static_cast<uint16_t>(inf | 0x8000), static_cast<uint16_t>(inf | 1)}) {
-      for (uint32_t plane : {0u, 1u}) {
-        const BlockLayout lay = MakeLayout({2, 64, 2}, dt, kKivi, 2, 8);
-        KvPool in(lay, 40, ViewKind::kContiguous, 5);
-        in.Fill(InputClass::kGaussian, 5);
-        Rng rng(7);
-        const std::vector<uint32_t> rows = RandomRows(40, 24, rng);
-        in.Head(1, plane, rows[8 + 5], 1)[63] = bits;  // block 1, layer 1
-        for (const Executor& ex : execs) {
-          BlockSet got(lay, 3);
-          std::vector<uint8_t> flags(3, 0xFF);
-          ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
-          EXPECT_EQ(flags, (std::vector<uint8_t>{0, 1, 0}))
-              << ex.name << " plane " << plane << " bits " << bits;
-        }
-      }
+      for (uint32_t plane : {0u, 1u}) ExpectPlantedBlockFlagged(kKivi, dt, plane, 5, bits, execs);
     }
   }
 }

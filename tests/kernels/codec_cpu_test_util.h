@@ -107,6 +107,35 @@ inline std::vector<std::string> CompareExecutorsWithModel(const std::string& nam
   return errors;
 }
 
+// Encodes `in`'s `rows` (want.size() blocks) on every executor: the nonfinite flags must equal
+// `want`. `what` names the case in failures.
+inline void ExpectEncodeFlags(const KvPool& in, const std::vector<uint32_t>& rows,
+                              const std::vector<Executor>& execs, const std::vector<uint8_t>& want,
+                              const std::string& what) {
+  for (const Executor& ex : execs) {
+    BlockSet got(in.layout(), static_cast<uint32_t>(want.size()));
+    std::vector<uint8_t> flags(want.size(), 0xFF);
+    ex.encode(MakeEncodeJob(in, rows, got, flags.data()));
+    EXPECT_EQ(flags, want) << ex.name << " " << what;
+  }
+}
+
+// A value with the 16-bit pattern `bits` (NaN, Inf) at the last element of head 1 of token
+// `token` of layer 1's `plane`, in block 1 of three 8-token blocks of Gaussian 2 x 64 rows:
+// every executor flags block 1 and no other.
+inline void ExpectPlantedBlockFlagged(CodecKind codec, DType dtype, uint32_t plane, uint32_t token,
+                                      uint16_t bits, const std::vector<Executor>& execs) {
+  const BlockLayout lay = MakeLayout({2, 64, 2}, dtype, codec, 2, 8);
+  KvPool in(lay, 40, ViewKind::kContiguous, 5);
+  in.Fill(InputClass::kGaussian, 5);
+  Rng rng(7);
+  const std::vector<uint32_t> rows = RandomRows(40, 24, rng);
+  in.Head(1, plane, rows[8 + token], 1)[63] = bits;
+  ExpectEncodeFlags(in, rows, execs, {0, 1, 0},
+                    std::string(DTypeName(dtype)) + " plane " + std::to_string(plane) + " token " +
+                        std::to_string(token) + " bits " + std::to_string(bits));
+}
+
 // Rows whose groups (a whole head for FP8, 32 elements for INT4) hold every finite value of the
 // dtype up to their amax (both signs, after the amax element) for many amaxes: qmax * m * 2^e
 // (quotients land on ties, FP8's subnormal codes), 24 random ones and 8 whose scale rounds down
