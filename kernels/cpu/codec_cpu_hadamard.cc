@@ -36,46 +36,69 @@ using DF = hn::CappedTag<float, 16>;
 using DI32 = hn::RebindToSigned<DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;  // one code per f32 lane
 
-// One in-vector stage of stride s < Lanes: lane i's partner is lane i ^ s (`partner`); a lane
-// with bit s set (`upper`) takes partner - x (the pair's a - b), the other x + partner (a + b).
-template <class V, class I, class M>
-HWY_INLINE V InVectorStage(V x, I partner, M upper) {
-  const V p = hn::TableLookupLanes(x, partner);
-  return hn::IfThenElse(upper, hn::Sub(p, x), hn::Add(x, p));
+// One in-vector stage: `p` holds each lane's partner (lane i ^ s) and `sign` the sign bit in the
+// lanes with bit s set. Those take p + (-x) = p - x (the pair's a - b), the others p + x = x + p
+// (a + b): IEEE sums, so the reference's bits.
+template <class V>
+HWY_INLINE V InVectorStage(V x, V p, V sign) {
+  return hn::Add(p, hn::Xor(x, sign));
+}
+
+// The sign bit in the lanes whose index has bit `s` set (s a power of two below 2^31).
+HWY_INLINE hn::Vec<DF> UpperLaneSigns(int32_t s) {
+  const DF df;
+  const DI32 di;
+  const auto set = hn::Ne(hn::And(hn::Iota(di, 0), hn::Set(di, s)), hn::Zero(di));
+  return hn::BitCast(df, hn::IfThenElseZero(set, hn::Set(di, static_cast<int32_t>(0x80000000u))));
 }
 
 // v[0..r) = H_r v (codec_math.h's HadamardTransform): the same stages in the same order. The
 // stages of stride below Lanes (at most 16: strides 1, 2, 4, 8) run on each vector while it is
-// in a register; the others go two at a time where they can (each element's two sums are the
-// ones the two stages compute in turn). REQUIRES: r a power of two >= Lanes(DF), r >= 32.
+// in a register, the partner lanes brought by in-block shuffles where x86 has them (one cycle,
+// against three for a cross-lane permute) and by a table lookup elsewhere; the others go two at a
+// time where they can (each element's two sums are the ones the two stages compute in turn).
+// REQUIRES: r a power of two >= Lanes(DF), r >= 32.
 HWY_INLINE void Transform(float* HWY_RESTRICT v, uint32_t r) {
   const DF df;
-  const DI32 di;
   const size_t n = hn::Lanes(df);
-  if (n > 1) {
-    HWY_ALIGN int32_t table[4][16];
-    for (size_t k = 0; k < 4; ++k) {
-      const size_t s = size_t{1} << k;
-      for (size_t i = 0; i < n; ++i) table[k][i] = static_cast<int32_t>(s < n ? i ^ s : i);
-    }
-    const auto iota = hn::Iota(di, 0);
-    auto upper = [&](int32_t s) { return hn::RebindMask(df, hn::TestBit(iota, hn::Set(di, s))); };
-    const auto p1 = hn::SetTableIndices(df, table[0]);
-    const auto p2 = hn::SetTableIndices(df, table[1]);
-    const auto p4 = hn::SetTableIndices(df, table[2]);
-    const auto p8 = hn::SetTableIndices(df, table[3]);
-    const auto u1 = upper(1);
-    const auto u2 = upper(2);
-    const auto u4 = upper(4);
-    const auto u8 = upper(8);
-    for (size_t i = 0; i < r; i += n) {
-      auto x = InVectorStage(hn::LoadU(df, v + i), p1, u1);
-      if (n > 2) x = InVectorStage(x, p2, u2);
-      if (n > 4) x = InVectorStage(x, p4, u4);
-      if (n > 8) x = InVectorStage(x, p8, u8);
-      hn::StoreU(x, df, v + i);
-    }
+#if HWY_TARGET != HWY_SCALAR
+  const auto s1 = UpperLaneSigns(1);
+  const auto s2 = UpperLaneSigns(2);
+  const auto s4 = UpperLaneSigns(4);
+  const auto s8 = UpperLaneSigns(8);
+#if HWY_ARCH_X86
+  for (size_t i = 0; i < r; i += n) {
+    auto x = hn::LoadU(df, v + i);
+    x = InVectorStage(x, hn::Shuffle2301(x), s1);
+    x = InVectorStage(x, hn::Shuffle1032(x), s2);
+#if HWY_TARGET <= HWY_AVX3
+    x = InVectorStage(x, hn::SwapAdjacentBlocks(x), s4);
+    x = InVectorStage(x, hn::ConcatLowerUpper(df, x, x), s8);
+#elif HWY_TARGET == HWY_AVX2
+    x = InVectorStage(x, hn::ConcatLowerUpper(df, x, x), s4);
+#endif
+    hn::StoreU(x, df, v + i);
   }
+#else   // other architectures: partners by table lookup
+  HWY_ALIGN int32_t table[4][16];
+  for (size_t k = 0; k < 4; ++k) {
+    const size_t s = size_t{1} << k;
+    for (size_t i = 0; i < n; ++i) table[k][i] = static_cast<int32_t>(s < n ? i ^ s : i);
+  }
+  const auto p1 = hn::SetTableIndices(df, table[0]);
+  const auto p2 = hn::SetTableIndices(df, table[1]);
+  const auto p4 = hn::SetTableIndices(df, table[2]);
+  const auto p8 = hn::SetTableIndices(df, table[3]);
+  for (size_t i = 0; i < r; i += n) {
+    auto x = hn::LoadU(df, v + i);
+    x = InVectorStage(x, hn::TableLookupLanes(x, p1), s1);
+    if (n > 2) x = InVectorStage(x, hn::TableLookupLanes(x, p2), s2);
+    if (n > 4) x = InVectorStage(x, hn::TableLookupLanes(x, p4), s4);
+    if (n > 8) x = InVectorStage(x, hn::TableLookupLanes(x, p8), s8);
+    hn::StoreU(x, df, v + i);
+  }
+#endif  // HWY_ARCH_X86
+#endif  // HWY_TARGET != HWY_SCALAR
   size_t s = n;
   for (; 4 * s <= r; s *= 4) {  // stages s and 2s together
     for (size_t i0 = 0; i0 < r; i0 += 4 * s) {
