@@ -500,10 +500,6 @@ constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
 constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
 
-std::string CodecLabel(CodecKind codec) {
-  return codec == kHadamard ? "int4_hadamard" : testutil::CodecName(codec);
-}
-
 INSTANTIATE_TEST_SUITE_P(Geometries, CodecCudaTest,
                          ::testing::ValuesIn(testutil::CudaGeometryCases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
@@ -520,8 +516,8 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
       for (InputClass cls :
            codec != kInt8 ? testutil::Int4InputClasses() : testutil::AllInputClasses()) {
-        SCOPED_TRACE(CodecLabel(codec) + " " + testutil::DTypeName(dtype) + " " +
-                     testutil::InputClassName(cls));
+        SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype) +
+                     " " + testutil::InputClassName(cls));
         const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 2, 2, 16);
         const uint32_t num_blocks = 4;
         KvPool src(lay, 200, ViewKind::kContiguous, 1);
@@ -555,7 +551,7 @@ TEST_F(CudaFixture, EncodeMatchesReferenceForEveryInputClass) {
 TEST_F(CudaFixture, NonfiniteBlocksAreFlagged) {
   for (const CodecKind codec : {kInt8, kKivi, kHadamard}) {
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      SCOPED_TRACE(CodecLabel(codec) + " " + testutil::DTypeName(dtype));
+      SCOPED_TRACE(std::string(testutil::CodecName(codec)) + " " + testutil::DTypeName(dtype));
       const bool bf16 = dtype == DType::kBF16;
       const BlockLayout lay = MakeLayout(dtype, codec, 8, 128, 3, 2, 16);
       const uint32_t num_blocks = 6;

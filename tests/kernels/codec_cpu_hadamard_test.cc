@@ -192,20 +192,7 @@ double ModelYHat(const CodeRef& r) {
   return HalfBitsToDouble(DoubleToHalfBits(static_cast<double>(y), DType::kBF16), DType::kBF16);
 }
 
-struct HadamardCase {
-  Geometry g;
-  DType dtype;
-  uint32_t block_tokens;
-  InputClass cls;
-  ViewKind view;
-  uint64_t seed;
-};
-
-std::string Name(const HadamardCase& c) {
-  return GeometryName(c.g) + " " + DTypeName(c.dtype) + " bt" + std::to_string(c.block_tokens) +
-         " " + InputClassName(c.cls) + " " + ViewKindName(c.view) + " seed " +
-         std::to_string(c.seed);
-}
+using HadamardCase = PlaneCodecCase;
 
 // The model's decode of token t >= 1 of plane p into `out` (d elements per head), with every
 // element checked against codec_math.h's bound.

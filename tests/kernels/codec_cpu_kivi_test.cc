@@ -102,20 +102,7 @@ double KiviKBound(double s, double xhat, DType out) {
   return b;
 }
 
-struct KiviCase {
-  Geometry g;
-  DType dtype;
-  uint32_t block_tokens;
-  InputClass cls;
-  ViewKind view;
-  uint64_t seed;
-};
-
-std::string Name(const KiviCase& c) {
-  return GeometryName(c.g) + " " + DTypeName(c.dtype) + " bt" + std::to_string(c.block_tokens) +
-         " " + InputClassName(c.cls) + " " + ViewKindName(c.view) + " seed " +
-         std::to_string(c.seed);
-}
+using KiviCase = PlaneCodecCase;
 
 // The model's payloads and flags.
 void ModelEncode(const KvPool& pool, const std::vector<uint32_t>& rows, BlockSet* out,

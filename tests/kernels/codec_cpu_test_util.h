@@ -47,6 +47,22 @@ inline void ExpectNoErrorsOnEveryHighwayTarget(
   std::printf("  targets: %s\n", names.c_str());
 }
 
+// One case of a codec stored per plane (INT4 KIVI, INT4 Hadamard) and its name in failures.
+struct PlaneCodecCase {
+  Geometry g;
+  DType dtype;
+  uint32_t block_tokens;
+  InputClass cls;
+  ViewKind view;
+  uint64_t seed;
+};
+
+inline std::string Name(const PlaneCodecCase& c) {
+  return GeometryName(c.g) + " " + DTypeName(c.dtype) + " bt" + std::to_string(c.block_tokens) +
+         " " + InputClassName(c.cls) + " " + ViewKindName(c.view) + " seed " +
+         std::to_string(c.seed);
+}
+
 // Runs every executor on one case of a codec stored per plane (INT4 KIVI, INT4 Hadamard): each
 // encode of `in`'s `rows` must give the model's flags and, for unflagged blocks, its payload
 // bytes; each decode of the model's unflagged payloads must write `expect` (a pool shaped as

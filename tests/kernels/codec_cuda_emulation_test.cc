@@ -172,11 +172,6 @@ CudaLaunchConfig Config(uint32_t threads, uint32_t max_ctas) {
   return c;
 }
 
-// testutil::CodecName, and CODEC_INT4_HADAMARD's.
-std::string CodecLabel(CodecKind codec) {
-  return codec == kHadamard ? "int4_hadamard" : testutil::CodecName(codec);
-}
-
 // Launch shapes: one warp in one CTA walking every unit, a few small CTAs, one CTA of the most
 // threads the kernels take, and the default (256 threads, 4 CTAs per emulated SM; the emulator
 // reports 2 SMs).
@@ -416,7 +411,7 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
         continue;  // groups of 32
       }
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
-                   CodecLabel(codec));
+                   std::string(testutil::CodecName(codec)));
       const bool bf16 = c.dtype == DType::kBF16;
       const uint32_t tokens = 4, layers = 2, num_blocks = 6, pool_rows = 40;
       const BlockLayout lay = MakeLayout(c.dtype, codec, c.heads, c.dim, layers, c.planes, tokens);
@@ -809,9 +804,9 @@ TEST(CodecCudaEmulation, BrokenShuffleIsCaught) {
     EncodeResult bad(lay, 2);
     HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(64, 1), 0, &bad));
     const std::string diff = FirstPayloadDiff(lay, ref, bad.blocks);
-    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (" << CodecLabel(codec) << " dim "
-                        << dim << ")";
-    std::printf("  %s dim %u, wrong-lane shuffle: %s\n", CodecLabel(codec).c_str(), dim,
+    EXPECT_NE(diff, "") << "a wrong-lane shuffle went unnoticed (" << testutil::CodecName(codec)
+                        << " dim " << dim << ")";
+    std::printf("  %s dim %u, wrong-lane shuffle: %s\n", testutil::CodecName(codec), dim,
                 diff.c_str());
   }
 }
