@@ -2,9 +2,10 @@
 // codec_math.h).
 //
 // The transform works on a head in f32 lanes of n <= 16 (the run is at least 32): the stages of
-// stride below n inside each vector (the partner lane i ^ s by a table lookup; a lane with bit s
-// clear takes x + partner, one with it set partner - x: the pair's a + b and a - b), then the
-// stages of stride n and more between whole vectors, two per pass. Every stage runs in
+// stride below n inside each vector (the partner lane i ^ s by an in-block shuffle on x86, a table
+// lookup elsewhere; a lane with bit s clear takes partner + x, one with it set partner + (-x): the
+// pair's a + b and a - b), then the stages of stride n and more between whole vectors, two per
+// pass. Every stage runs in
 // codec_math.h's order and each lane's sum is the reference's fp32 addition, so every Highway
 // target produces the reference's bytes. Encode rotates a plane's tokens 1.. into f32 scratch, then
 // quantizes as KIVI does (codec_cpu_kivi.cc): per channel over the tokens (plane 0) or per group of
