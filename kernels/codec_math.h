@@ -367,19 +367,19 @@ HIQ_HD uint16_t DequantizeKiviKElement(uint32_t nibble, float z, float s, DType 
 // The rotation's run for `head_dim`: its largest power-of-two divisor.
 HIQ_HD uint32_t HadamardRun(uint32_t head_dim) { return head_dim & (~head_dim + 1u); }
 
-// log2 of a power of two.
-HIQ_HD uint32_t HadamardLog2(uint32_t r) {
+// log2 of a power of two (the Hadamard run's k; the CUDA launchers' lane groups).
+HIQ_HD uint32_t Log2Pow2(uint32_t pow2) {
   uint32_t k = 0;
-  while ((1u << k) < r) ++k;
+  while ((1u << k) < pow2) ++k;
   return k;
 }
 
 // 2^-floor(k/2) (encode) and 2^-ceil(k/2) (decode) for a run of r = 2^k: their product is 1/r.
 HIQ_HD float HadamardEncodeFactor(uint32_t r) {
-  return BitsToFloat((127u - HadamardLog2(r) / 2u) << 23);
+  return BitsToFloat((127u - Log2Pow2(r) / 2u) << 23);
 }
 HIQ_HD float HadamardDecodeFactor(uint32_t r) {
-  return BitsToFloat((127u - (HadamardLog2(r) + 1u) / 2u) << 23);
+  return BitsToFloat((127u - (Log2Pow2(r) + 1u) / 2u) << 23);
 }
 
 // v[0..r) = H_r v, unnormalized, in fp32: stages of stride 1, 2, ..., r / 2, in that order.
@@ -399,7 +399,7 @@ HIQ_HD void HadamardTransform(float* v, uint32_t r) {
 // The bound on |v| that encode accepts for a run of r = 2^k: 2^(126 - ceil(k/2)), as fp32 bits.
 // Below it every partial sum of the decode's transform stays under 2^127 (finite).
 HIQ_HD uint32_t HadamardLimitBits(uint32_t r) {
-  return (127u + 126u - (HadamardLog2(r) + 1u) / 2u) << 23;
+  return (127u + 126u - (Log2Pow2(r) + 1u) / 2u) << 23;
 }
 
 // Whether |v| < the limit whose bits are `limit_bits` (false for NaN and Inf).

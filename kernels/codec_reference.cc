@@ -161,13 +161,6 @@ void DecodeKiviKRowsReference(const RowFormat& fmt, const uint8_t* plane, uint32
 
 namespace {
 
-// The INT8 rows of CODEC_INT4_HADAMARD's first tokens.
-RowFormat Int8Rows(const RowFormat& fmt) {
-  RowFormat f = fmt;
-  f.codec = CodecKind::kInt8PerHead;
-  return f;
-}
-
 // Rotates one head (head_dim elements of the input dtype at `src`) into y[0..head_dim): bf16
 // values as fp32. False when a run's transform leaves HadamardLimitBits (NaN or Inf included).
 bool RotateHeadReference(const RowFormat& fmt, const uint8_t* src, float* y) {
@@ -200,7 +193,7 @@ bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const St
     GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, num_rows, copy.base);
     return EncodeHadamardPlaneReference(fmt, plane, copy, Iota(num_rows).data(), num_rows, dst);
   }
-  if (!EncodeRowReference(Int8Rows(fmt), view, rows[0], dst)) return false;
+  if (!EncodeRowReference(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
   if (num_rows <= 1) return true;
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
@@ -286,7 +279,7 @@ void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uin
   for (uint32_t t = begin; t < end; ++t) {
     const uint32_t row = rows[t - begin];
     if (t == 0) {
-      DecodeRowReference(Int8Rows(fmt), src, view, row);
+      DecodeRowReference(fmt.FirstRowFormat(), src, view, row);
       continue;
     }
     const uint8_t* codes = src + fmt.PlaneRowOffset(plane, t);

@@ -63,8 +63,7 @@ struct RowFormat {
   // Bytes of a plane's first stored row (token 0 of the block): Hadamard's INT8 row (H*D + 2H),
   // else PlaneRowBytes(plane).
   HIQ_HD size_t FirstRowBytes(uint32_t plane) const {
-    return codec == CodecKind::kInt4Hadamard ? ElementsPerRow() + 2u * num_heads
-                                             : PlaneRowBytes(plane);
+    return codec == CodecKind::kInt4Hadamard ? FirstRowFormat().RowBytes() : PlaneRowBytes(plane);
   }
   // Offset of token t's row inside a plane (t == block_tokens: its parameters, where it has any).
   HIQ_HD size_t PlaneRowOffset(uint32_t plane, uint32_t t) const {
@@ -82,6 +81,12 @@ struct RowFormat {
   // bf16 scales of a stored row: one per head, or per group of 32 elements for INT4.
   HIQ_HD size_t ScaleCount() const {
     return IsInt4Rows() ? ElementsPerRow() / kInt4GroupElems : num_heads;
+  }
+  // The format of a plane's first row (token 0 of a block): INT8's for Hadamard, else this one.
+  HIQ_HD RowFormat FirstRowFormat() const {
+    RowFormat f = *this;
+    if (codec == CodecKind::kInt4Hadamard) f.codec = CodecKind::kInt8PerHead;
+    return f;
   }
   // Rows in kInt4G32PerHead's format: INT4's, and KIVI's V rows.
   HIQ_HD bool IsInt4Rows() const {

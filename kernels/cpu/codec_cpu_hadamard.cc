@@ -334,18 +334,10 @@ namespace hiqcache::kernels {
 HWY_EXPORT(EncodeHadamardRotated);
 HWY_EXPORT(DecodeHadamardRotated);
 
-namespace {
-RowFormat Int8Rows(const RowFormat& fmt) {
-  RowFormat f = fmt;
-  f.codec = CodecKind::kInt8PerHead;
-  return f;
-}
-}  // namespace
-
 bool EncodeHadamardPlaneSimd(const RowFormat& fmt, uint32_t plane, const StridedView& view,
                              const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
   if (num_rows == 0) return true;
-  if (!EncodeRowSimd(Int8Rows(fmt), view, rows[0], dst)) return false;
+  if (!EncodeRowSimd(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
   if (num_rows == 1) return true;
   return HWY_DYNAMIC_DISPATCH(EncodeHadamardRotated)(fmt, plane, view, rows, num_rows, dst);
 }
@@ -354,7 +346,7 @@ void DecodeHadamardRowsSimd(const RowFormat& fmt, uint32_t plane, const uint8_t*
                             uint32_t block_tokens, uint32_t begin, uint32_t end,
                             const StridedView& view, const uint32_t* rows) {
   if (begin == 0 && end > 0) {
-    DecodeRowSimd(Int8Rows(fmt), src, view, rows[0]);
+    DecodeRowSimd(fmt.FirstRowFormat(), src, view, rows[0]);
     ++begin;
     ++rows;
   }

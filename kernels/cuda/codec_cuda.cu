@@ -1288,12 +1288,6 @@ Status ValidateConfig(const CudaLaunchConfig& cfg, const char* what) {
   return Status::Ok();
 }
 
-uint32_t Log2(uint32_t pow2) {
-  uint32_t l = 0;
-  while ((1u << l) < pow2) ++l;
-  return l;
-}
-
 // Grid size: enough CTAs for the units, at most the configured bound.
 StatusOr<uint32_t> GridFor(uint64_t total_units, uint32_t units_per_cta,
                            const CudaLaunchConfig& cfg) {
@@ -1458,7 +1452,7 @@ Status LaunchHadamardE(const BlockLayout& lay, const LayerViews* layers, const u
   p.layers = layers;
   p.first_layer = first_layer;
   p.run = r;
-  p.group_log2 = Log2(r / kE);
+  p.group_log2 = Log2Pow2(r / kE);
   const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32u >> p.group_log2);
   // One launch: plane `plane`'s kernel over `tokens` tokens per unit shape and `planes` planes.
   auto launch = [&](KernelFn<HadamardParams> kernel, uint32_t tokens, uint32_t planes) -> Status {
@@ -1590,7 +1584,7 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
     }
   }
   const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
-  const uint32_t group_log2 = Log2(plan.group_lanes);
+  const uint32_t group_log2 = Log2Pow2(plan.group_lanes);
   // The planes stored as rows: all of them, or KIVI's V plane after its K planes' launch.
   uint32_t first_plane = 0;
   uint32_t row_planes = lay.kv_planes;
@@ -1677,7 +1671,7 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
     return InvalidArgument("LaunchDecodeLayers: job.layers, job.rows and job.blocks must be set");
   }
   const GroupPlan plan = cuda_detail::PlanGroups(lay.row.head_dim);
-  const uint32_t group_log2 = Log2(plan.group_lanes);
+  const uint32_t group_log2 = Log2Pow2(plan.group_lanes);
   // The planes stored as rows: all of them, or KIVI's V plane after its K planes' launch.
   uint32_t first_plane = 0;
   uint32_t row_planes = lay.kv_planes;
