@@ -21,6 +21,12 @@ median / this median).
 --codecs takes any hiqcache.Codec value (default: int8_per_head and raw).
 Rates count BF16-equivalent bytes (pages x page_size x BF16 bytes per token), decimal GB.
 Prints a table and writes JSON (bench/results/sglang.json).
+
+This process's OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless the environment
+sets it): torch's default lets them spin for a while after each parallel op (the zeroing of
+slots B before a get), and on a machine with as few cores as the daemon has codec threads the
+spinning thread takes a core from the daemon during the timed call. --omp-wait-policy unset
+measures that case (OpenMP's default).
 """
 
 from __future__ import annotations
@@ -39,6 +45,22 @@ import time
 import zlib
 from typing import Any
 
+
+def _omp_wait_policy() -> str:
+    """OMP_WAIT_POLICY for this process, set before torch loads OpenMP: --omp-wait-policy
+    (`unset`: OpenMP's default), else the environment's, else PASSIVE (module docstring)."""
+    for i, a in enumerate(sys.argv):
+        v = sys.argv[i + 1] if a == "--omp-wait-policy" and i + 1 < len(sys.argv) else (
+            a.split("=", 1)[1] if a.startswith("--omp-wait-policy=") else None)
+        if v == "unset":
+            os.environ.pop("OMP_WAIT_POLICY", None)
+            return v
+        if v is not None:
+            os.environ["OMP_WAIT_POLICY"] = v
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+OMP_WAIT_POLICY = _omp_wait_policy()
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 sys.path.insert(0, str(ROOT / "python"))  # this checkout's hiqcache, not the venv's copy
@@ -309,6 +331,11 @@ def main() -> None:
     ap.add_argument("--baseline-daemon", default=None, metavar="HIQCACHED",
                     help="another hiqcached binary, run beside this one on the same host pool "
                     "with its reps interleaved (a same-run A/B)")
+    ap.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "unset"),
+                    default=OMP_WAIT_POLICY,
+                    help="how this process's idle OpenMP threads wait (read before torch loads; "
+                    "default: the environment's OMP_WAIT_POLICY, else PASSIVE; unset: "
+                    "OpenMP's default)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang.json"))
     args = ap.parse_args()
     logging.getLogger("hiqcache").setLevel(logging.WARNING)
@@ -317,6 +344,7 @@ def main() -> None:
     result: dict = {"machine": machine(), "date": datetime.date.today().isoformat(),
                     "args": vars(args), "loadavg_start": os.getloadavg(),
                     "torch_threads": torch.get_num_threads(),
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
                     "baseline_threads": 1, "hiqcache": hiqcache.__file__, "results": []}
     t0 = time.monotonic()
     for geom in args.geometries:
