@@ -1401,6 +1401,34 @@ Status ForEachLaunch(uint32_t num_blocks, uint64_t units_per_block, const char* 
   return Status::Ok();
 }
 
+// Sets p.nonfinite where the kernel's parameters have it (the encode kernels' flags).
+template <typename Params>
+auto SetNonfinite(Params& p, uint8_t* nonfinite, int) -> decltype(void(p.nonfinite = nonfinite)) {
+  p.nonfinite = nonfinite;
+}
+template <typename Params>
+void SetNonfinite(Params&, uint8_t*, long) {}
+
+// Launches `kernel` with `p` over every block in ForEachLaunch's pieces, `units_per_cta` units
+// per CTA: p.rows, p.blocks and p.nonfinite (where the kernel has it; null stays null) point at
+// each piece's first block, p.total_units counts its units. `what` names the launch in errors.
+template <typename Params>
+Status LaunchOverBlocks(KernelFn<Params> kernel, Params& p, const uint32_t* rows,
+                        decltype(Params::blocks) blocks, uint8_t* nonfinite, uint32_t num_blocks,
+                        uint32_t block_tokens, uint64_t units_per_block, uint32_t units_per_cta,
+                        CUstream_st* stream, const CudaLaunchConfig& config, const char* what) {
+  return ForEachLaunch(num_blocks, units_per_block, what,
+                       [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
+                         p.rows = rows + static_cast<size_t>(b0) * block_tokens;
+                         p.blocks = blocks + b0;
+                         SetNonfinite(p, nonfinite != nullptr ? nonfinite + b0 : nullptr, 0);
+                         p.total_units = units;
+                         HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
+                         HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
+                         return CheckLaunch(what);
+                       });
+}
+
 // Launches CODEC_INT4_KIVI's K-plane kernel (encode or decode) over layers
 // [first_layer, first_layer + num_layers) of every block: one lane per KiviKShape unit.
 template <bool kEncode>
@@ -1422,16 +1450,8 @@ Status LaunchKiviK(const BlockLayout& lay, const LayerViews* layers, const uint3
   p.first_layer = first_layer;
   const uint64_t units_per_block =
       static_cast<uint64_t>(num_layers) * lay.row.num_heads * (lay.row.head_dim / kChunkElems);
-  return ForEachLaunch(
-      num_blocks, units_per_block, what, [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-        p.rows = rows + static_cast<size_t>(b0) * lay.block_tokens;
-        p.blocks = blocks + b0;
-        p.nonfinite = nonfinite != nullptr ? nonfinite + b0 : nullptr;
-        p.total_units = units;
-        HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, config.threads_per_cta, config));
-        HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
-        return CheckLaunch(what);
-      });
+  return LaunchOverBlocks(kernel, p, rows, blocks, nonfinite, num_blocks, lay.block_tokens,
+                          units_per_block, config.threads_per_cta, stream, config, what);
 }
 
 // Launches CODEC_INT4_HADAMARD's rotated rows (tokens 1..block_tokens-1; nothing for one-token
@@ -1459,16 +1479,8 @@ Status LaunchHadamardE(const BlockLayout& lay, const LayerViews* layers, const u
     p.shape = UnitShape::Make(lay.row.num_heads * runs, tokens, planes, num_layers);
     const uint64_t units_per_block =
         static_cast<uint64_t>(num_layers) * planes * tokens * lay.row.num_heads * runs;
-    return ForEachLaunch(
-        num_blocks, units_per_block, what, [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-          p.rows = rows + static_cast<size_t>(b0) * lay.block_tokens;
-          p.blocks = blocks + b0;
-          p.nonfinite = nonfinite != nullptr ? nonfinite + b0 : nullptr;
-          p.total_units = units;
-          HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
-          HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
-          return CheckLaunch(what);
-        });
+    return LaunchOverBlocks(kernel, p, rows, blocks, nonfinite, num_blocks, lay.block_tokens,
+                            units_per_block, units_per_cta, stream, config, what);
   };
   if (!encode) return launch(HadamardDecodeKernel<kDType, kE>, rotated, lay.kv_planes);
   HIQ_RETURN_IF_ERROR(launch(HadamardEncodeKKernel<kDType, kE>, 1, 1));
@@ -1618,16 +1630,9 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
     p.first_layer = 0;
     p.group_log2 = group_log2;
     const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32 / plan.group_lanes);
-    return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
-                         [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-                           p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
-                           p.blocks = job.blocks + b0;
-                           p.total_units = units;
-                           HIQ_ASSIGN_OR_RETURN(uint32_t grid,
-                                                GridFor(units, units_per_cta, config));
-                           HIQ_LAUNCH(RawKernel<true>, grid, config.threads_per_cta, stream)(p);
-                           return CheckLaunch("LaunchEncode (RAW)");
-                         });
+    return LaunchOverBlocks<RawParams>(RawKernel<true>, p, job.rows, job.blocks, nullptr,
+                                       job.num_blocks, lay.block_tokens, units_per_block,
+                                       units_per_cta, stream, config, "LaunchEncode (RAW)");
   }
 
   uint32_t units_per_lane = 0;
@@ -1642,16 +1647,8 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
   p.group_log2 = group_log2;
   const uint32_t units_per_cta =
       (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;
-  return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
-                       [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-                         p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
-                         p.blocks = job.blocks + b0;
-                         p.nonfinite = job.nonfinite != nullptr ? job.nonfinite + b0 : nullptr;
-                         p.total_units = units;
-                         HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
-                         HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
-                         return CheckLaunch("LaunchEncode");
-                       });
+  return LaunchOverBlocks(kernel, p, job.rows, job.blocks, job.nonfinite, job.num_blocks,
+                          lay.block_tokens, units_per_block, units_per_cta, stream, config, kWhat);
 }
 
 Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t num_layers,
@@ -1706,17 +1703,11 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
     p.first_layer = first_layer;
     p.group_log2 = group_log2;
     const uint32_t units_per_cta = (config.threads_per_cta / 32) * (32 / plan.group_lanes);
-    return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
-                         [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-                           p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
-                           // RawKernel<false> only reads through blocks.
-                           p.blocks = const_cast<uint8_t* const*>(job.blocks + b0);
-                           p.total_units = units;
-                           HIQ_ASSIGN_OR_RETURN(uint32_t grid,
-                                                GridFor(units, units_per_cta, config));
-                           HIQ_LAUNCH(RawKernel<false>, grid, config.threads_per_cta, stream)(p);
-                           return CheckLaunch("LaunchDecodeLayers (RAW)");
-                         });
+    // RawKernel<false> only reads through blocks.
+    return LaunchOverBlocks<RawParams>(RawKernel<false>, p, job.rows,
+                                       const_cast<uint8_t* const*>(job.blocks), nullptr,
+                                       job.num_blocks, lay.block_tokens, units_per_block,
+                                       units_per_cta, stream, config, "LaunchDecodeLayers (RAW)");
   }
 
   uint32_t units_per_lane = 0;
@@ -1732,15 +1723,8 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
   p.group_log2 = group_log2;
   const uint32_t units_per_cta =
       (config.threads_per_cta / 32) * (32 / plan.group_lanes) * units_per_lane;
-  return ForEachLaunch(job.num_blocks, units_per_block, kWhat,
-                       [&](uint32_t b0, uint32_t, uint32_t units) -> Status {
-                         p.rows = job.rows + static_cast<size_t>(b0) * lay.block_tokens;
-                         p.blocks = job.blocks + b0;
-                         p.total_units = units;
-                         HIQ_ASSIGN_OR_RETURN(uint32_t grid, GridFor(units, units_per_cta, config));
-                         HIQ_LAUNCH(kernel, grid, config.threads_per_cta, stream)(p);
-                         return CheckLaunch("LaunchDecodeLayers");
-                       });
+  return LaunchOverBlocks(kernel, p, job.rows, job.blocks, nullptr, job.num_blocks,
+                          lay.block_tokens, units_per_block, units_per_cta, stream, config, kWhat);
 }
 
 size_t JobArraysBytes(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens) {
