@@ -458,7 +458,7 @@ StatusOr<HostKvPool> HostKvPool::Create(const Geometry& g, KvLayout layout, uint
     HIQ_ASSIGN_OR_RETURN(
         pool.shm_,
         HostShm::CreateMemfd(std::string_view(shm_name).substr(HostShm::kMemfdPrefix.size()), bytes,
-                             /*fixed_size=*/false, huge_pages));
+                             /*fixed_size=*/true, huge_pages));
   } else {
     if (huge_pages == HugePages::kRequire) {
       return InvalidArgument("huge_pages=require: shm " + shm_name +

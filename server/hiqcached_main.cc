@@ -492,6 +492,10 @@ int Run(int argc, char** argv) {
   }
   kernels::CpuCodec codec(config.codec_threads);
   HostBackend host(&codec, std::chrono::milliseconds(config.wait_timeout_ms));
+  // A shmem buffer keeps a descriptor of its object so that a task can tell from one fstat that
+  // none of its pages is missing (ShmMapping::FullyAllocated) instead of asking mincore per
+  // layer and block: at most an eighth of the descriptor table, the rest of the mappings ask.
+  ShmMapping::SetKeptDescriptors(RaiseDescriptorLimit() / 8);
   // No client may register the pool itself as its buffer (by name or fd): that would be read and
   // write access to every tenant's cached payloads.
   if (Status st = host.SetPoolObject((*region)->name()); !st.ok()) {

@@ -185,8 +185,10 @@ class HostShm:
     def create_memfd(cls, tag: str, size: int, populate: bool = True,
                      huge_pages: str = "off") -> HostShm:
         """A new zero-filled memfd of `size` bytes (close-on-exec), sealed with F_SEAL_SHRINK so
-        that no process can shrink it under the daemon's mapping. It has no name: nothing is
-        left behind when this process dies, and only processes given its fd can map it.
+        that no process can shrink it under the daemon's mapping, and with F_SEAL_GROW: its size
+        is final (then the daemon can tell from one fstat that none of its pages is missing,
+        instead of asking per layer and block). It has no name: nothing is left behind when this
+        process dies, and only processes given its fd can map it.
         `populate`: as for create.
 
         `huge_pages` (HUGE_PAGES): "auto" and "require" try MFD_HUGETLB first, its size rounded
@@ -242,7 +244,7 @@ class HostShm:
                 page = os.fstat(fd).st_blksize
                 size = -(-size // page) * page
             os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         except BaseException:
             os.close(fd)
             raise

@@ -4,6 +4,7 @@
 #include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -68,6 +69,23 @@ bool ShmemThpHonoursAdvice() {
     }
   }
   return false;
+}
+
+// Descriptors of shmem objects that mappings keep (ShmMapping::SetKeptDescriptors): the budget,
+// and how many are kept now.
+std::atomic<uint64_t> kept_descriptor_budget{0};
+std::atomic<uint64_t> kept_descriptors{0};
+
+// A descriptor of `fd`'s object for a mapping to keep, within the budget; -1 beyond it.
+int KeepDescriptor(int fd) {
+  const uint64_t budget = kept_descriptor_budget.load(std::memory_order_relaxed);
+  if (kept_descriptors.fetch_add(1, std::memory_order_relaxed) >= budget) {
+    kept_descriptors.fetch_sub(1, std::memory_order_relaxed);
+    return -1;
+  }
+  const int kept = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (kept < 0) kept_descriptors.fetch_sub(1, std::memory_order_relaxed);
+  return kept;
 }
 
 // Bytes of a hugetlbfs object's size whose pages are not allocated (hugetlbfs counts a page's
@@ -181,10 +199,21 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
   // shmem_enabled honours the advice (fewer TLB misses in the codec); ignored elsewhere.
   const bool thp_faults =
       !hugetlb && ::madvise(p, mapped, MADV_HUGEPAGE) == 0 && ShmemThpHonoursAdvice();
+  // Shmem sealed against growing: a descriptor for FullyAllocated, within the daemon's budget for
+  // them (an object that may grow can hold pages beyond its size that st_blocks counts too).
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  const bool grow_sealed = seals >= 0 && (seals & F_SEAL_GROW) != 0;
+  const int shmem_fd = hugetlb || !grow_sealed ? -1 : KeepDescriptor(fd);
+  auto release_shmem_fd = [shmem_fd] {
+    if (shmem_fd < 0) return;
+    ::close(shmem_fd);
+    kept_descriptors.fetch_sub(1, std::memory_order_relaxed);
+  };
   // Registered before anything reads it (TicketFloor reads event slots at once).
   auto guard = GuardedRange::Register(p, mapped);
   if (!guard.ok()) {
     ::munmap(p, mapped);
+    release_shmem_fd();
     if (hugetlb_fd >= 0) ::close(hugetlb_fd);
     return Status(guard.status().code(), field + ": " + guard.status().message());
   }
@@ -210,7 +239,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
     at = static_cast<off_t>(end);
   }
   return std::unique_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), bytes, mapped, sealed,
-                                                    hugetlb_fd, thp_faults,
+                                                    hugetlb_fd, shmem_fd, thp_faults,
                                                     std::move(guard).value(), std::move(ranges)));
 }
 
@@ -220,6 +249,50 @@ ShmMapping::~ShmMapping() {
     HIQ_LOG(WARN) << "munmap failed: " << std::strerror(errno);
   }
   if (hugetlb_fd_ >= 0) ::close(hugetlb_fd_);
+  if (shmem_fd_ >= 0) {
+    ::close(shmem_fd_);
+    kept_descriptors.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+// The largest folio shmem may allocate (the PMD size of transparent huge pages); 0 when unknown.
+// A folio is aligned to its size, so one that holds the object's last page ends at the latest at
+// the size rounded up to this.
+uint64_t ShmemLargestFolioBytes() {
+  static const uint64_t bytes = [] {
+    uint64_t n = 0;
+    std::ifstream in("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+    if (!(in >> n) || n == 0) {
+      // No THP in this kernel: shmem allocates single pages.
+      return std::ifstream("/sys/kernel/mm/transparent_hugepage").good()
+                 ? uint64_t{0}
+                 : ResidencyProbe::PageBytes();
+    }
+    return std::max<uint64_t>(n, ResidencyProbe::PageBytes());
+  }();
+  return bytes;
+}
+
+bool ShmMapping::FullyAllocated() const {
+  if (shmem_fd_ < 0) return false;
+  struct stat st;
+  if (::fstat(shmem_fd_, &st) != 0 || st.st_size < 0 || st.st_blocks < 0) return false;
+  // Sealed against growing, the object can hold no page beyond its size but the tail of a folio
+  // that holds its last page (fallocate past the end and write past it are refused). So st_blocks
+  // reaches the size rounded up to the largest folio only when no page before it is missing.
+  const uint64_t unit = ShmemLargestFolioBytes();
+  if (unit == 0) return false;
+  const uint64_t size = (static_cast<uint64_t>(st.st_size) + unit - 1) / unit * unit;
+  return static_cast<uint64_t>(st.st_blocks) * 512 >= size;
+}
+
+void ShmMapping::SetKeptDescriptors(uint64_t n) {
+  kept_descriptor_budget.store(n, std::memory_order_relaxed);
+}
+
+bool ShmMapping::NoSwapActive() {
+  struct sysinfo info;
+  return ::sysinfo(&info) == 0 && info.totalswap == 0;
 }
 
 Status ShmMapping::CheckHugetlbPages(const std::string& field) const {
@@ -519,7 +592,7 @@ class HostBinding : public PoolBinding {
   // nothing charged, when they do not fit.
   Status ChargeRows(const std::vector<uint32_t>& rows, const char* what) {
     HIQ_RETURN_IF_ERROR(CheckHugetlbPages());
-    if (budget_ == nullptr || rows.empty()) return Status::Ok();
+    if (budget_ == nullptr || rows.empty() || NothingMissing()) return Status::Ok();
     const uint64_t missing =
         probe_.RowsNotResident(layout_, views_.data(), rows.data(), rows.size());
     if (missing == 0) return Status::Ok();
@@ -552,6 +625,18 @@ class HostBinding : public PoolBinding {
     }
     const ShmMapping* events = slots_->mapping();
     return events == nullptr ? Status::Ok() : events->CheckHugetlbPages("events");
+  }
+
+  // Whether no page of the client's buffers can be missing now: no swap space is active and every
+  // shmem object is allocated in full (ShmMapping::FullyAllocated; hugetlbfs objects are checked
+  // by CheckHugetlbPages). One fstat per buffer instead of the probe's mincore per layer and
+  // plane of every block (about 1 us a call: 72 per Qwen3-8B block, bench/README.md).
+  bool NothingMissing() const {
+    if (buffers_.empty()) return false;
+    for (const auto& b : buffers_) {
+      if (!b->hugetlb() && !b->FullyAllocated()) return false;
+    }
+    return ShmMapping::NoSwapActive();
   }
 
   // Logs a refusal of the fault budget, once per binding (a client that keeps trying would

@@ -136,6 +136,21 @@ class ShmMapping {
   bool thp_faults() const { return thp_faults_; }
   // Sealed against shrinking (F_SEAL_SHRINK) when mapped: it cannot be truncated.
   bool sealed() const { return sealed_; }
+  // A shmem object sealed against growing (F_SEAL_GROW) with every page of its size allocated now
+  // (fstat: st_blocks counts a shmem page from the write that allocates it to the hole punch or
+  // truncate that frees it, swapped out or not; the size is rounded up to the largest folio,
+  // whose tail past the end st_blocks counts too). False when the mapping keeps no descriptor of
+  // the object (not sealed so, hugetlbfs, or beyond SetKeptDescriptors), or the answer is
+  // unknown. An object that may grow is never "fully allocated": fallocate(FALLOC_FL_KEEP_SIZE)
+  // past its end allocates pages st_blocks counts while holes remain before it. With no swap
+  // active (NoSwapActive), a fully allocated object has no page the daemon's access could fault
+  // in: the residency probe is not needed.
+  bool FullyAllocated() const;
+  // How many descriptors of shmem objects mappings may keep open (daemon-wide) for
+  // FullyAllocated; a mapping made beyond it keeps none. 0 (the default) keeps none.
+  static void SetKeptDescriptors(uint64_t n);
+  // Whether the machine has no active swap space (sysinfo), so no shmem page is swapped out.
+  static bool NoSwapActive();
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
   bool broken() const { return guard_.broken(); }
   // The [begin, end) byte ranges of the mapping that held data when it was mapped (lseek
@@ -147,13 +162,14 @@ class ShmMapping {
 
  private:
   ShmMapping(uint8_t* data, uint64_t size, uint64_t mapped, bool sealed, int hugetlb_fd,
-             bool thp_faults, GuardedRange guard,
+             int shmem_fd, bool thp_faults, GuardedRange guard,
              std::vector<std::pair<uint64_t, uint64_t>> data_ranges)
       : data_(data),
         size_(size),
         mapped_(mapped),
         sealed_(sealed),
         hugetlb_fd_(hugetlb_fd),
+        shmem_fd_(shmem_fd),
         thp_faults_(thp_faults),
         guard_(std::move(guard)),
         data_ranges_(std::move(data_ranges)) {}
@@ -165,6 +181,7 @@ class ShmMapping {
   uint64_t mapped_;
   bool sealed_;
   int hugetlb_fd_;  // a hugetlbfs object: the daemon's own fd of it (fstat), closed here; else -1
+  int shmem_fd_;    // sealed shmem within SetKeptDescriptors: likewise (FullyAllocated); else -1
   bool thp_faults_;
   GuardedRange guard_;
   std::vector<std::pair<uint64_t, uint64_t>> data_ranges_;

@@ -111,6 +111,9 @@ BufferSpec ByFd(int fd, size_t bytes, uint64_t id = 7) {
 class HostBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // As the daemon does: mappings keep a descriptor, so tasks take the fstat path
+    // (ShmMapping::FullyAllocated) where every page is there, the probe elsewhere.
+    ShmMapping::SetKeptDescriptors(64);
     codec_ = std::make_unique<kernels::CpuCodec>(2);
     backend_ = std::make_unique<HostBackend>(codec_.get(), std::chrono::milliseconds(500));
     k_ = ClientObject::Memfd(kPlaneBytes);
@@ -122,6 +125,7 @@ class HostBackendTest : public ::testing::Test {
       reinterpret_cast<uint16_t*>(v_->data())[i] = 0xBF80 + (i % 64);
     }
   }
+  void TearDown() override { ShmMapping::SetKeptDescriptors(0); }
 
   // Buffers k_ and v_ and the event object, all by fd.
   RegisterSpec Spec() const {
@@ -280,6 +284,104 @@ TEST_F(HostBackendTest, PunchedHolesAreChargedAgain) {
   ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 2, 0, &outcome, &written)), StartResult::kCompleted);
   ASSERT_TRUE(outcome.ok()) << outcome.ToString();
   EXPECT_EQ(budget->charged(), 2 * page);
+}
+
+// FullyAllocated: one fstat answers whether any page of a shmem object sealed against growing is
+// missing (never written, hole-punched), for mappings within the daemon's budget of kept
+// descriptors; every other mapping answers false (its tasks ask mincore). An object that may grow
+// never answers true: fallocate past its end (FALLOC_FL_KEEP_SIZE) adds pages st_blocks counts
+// while a hole stays before the end. A mapping gives its descriptor back when it goes.
+TEST_F(HostBackendTest, FullyAllocatedFollowsTheObjectsPages) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t size = 2 << 20;  // a whole PMD-sized folio on x86, 512 pages
+  auto written = ClientObject::Memfd(size, F_SEAL_GROW | F_SEAL_SHRINK);
+  auto sparse = ClientObject::Memfd(size, F_SEAL_GROW | F_SEAL_SHRINK);
+  auto growable = ClientObject::Memfd(size, F_SEAL_SHRINK);
+  ASSERT_TRUE(written->ok() && sparse->ok() && growable->ok());
+  std::memset(written->data(), 1, size);
+  std::memset(sparse->data(), 1, size - page);  // the last page never written
+  std::memset(growable->data(), 1, size);
+
+  ShmMapping::SetKeptDescriptors(2);
+  auto w = ShmMapping::FromFd(written->fd(), size, "w");
+  auto sp = ShmMapping::FromFd(sparse->fd(), size, "s");
+  auto over = ShmMapping::FromFd(written->fd(), size, "o");  // beyond the budget of 2
+  ASSERT_TRUE(w.ok() && sp.ok() && over.ok());
+  EXPECT_TRUE((*w)->FullyAllocated());
+  EXPECT_FALSE((*sp)->FullyAllocated());
+  EXPECT_FALSE((*over)->FullyAllocated()) << "no descriptor kept: the probe decides";
+
+  // A hole punched, then written again.
+  ASSERT_EQ(::fallocate(written->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(page), static_cast<off_t>(page)),
+            0);
+  EXPECT_FALSE((*w)->FullyAllocated());
+  std::memset(written->data() + page, 2, page);
+  EXPECT_TRUE((*w)->FullyAllocated());
+  // Sealed against growing, nothing is allocated past the end.
+  EXPECT_NE(::fallocate(written->fd(), FALLOC_FL_KEEP_SIZE, static_cast<off_t>(size),
+                        static_cast<off_t>(size)),
+            0);
+
+  // An object that may grow: never, even written in full; pages allocated past its end would
+  // otherwise hide a hole punched before it.
+  sp->reset();  // its descriptor goes back
+  ShmMapping::SetKeptDescriptors(3);
+  auto g = ShmMapping::FromFd(growable->fd(), size, "g");
+  ASSERT_TRUE(g.ok());
+  EXPECT_FALSE((*g)->FullyAllocated());
+  ASSERT_EQ(::fallocate(growable->fd(), FALLOC_FL_KEEP_SIZE, static_cast<off_t>(size),
+                        static_cast<off_t>(size)),
+            0);
+  ASSERT_EQ(::fallocate(growable->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                        static_cast<off_t>(page)),
+            0);
+  EXPECT_GE(AllocatedBytes(growable->fd()), size) << "st_blocks alone would miss the hole";
+  EXPECT_FALSE((*g)->FullyAllocated());
+
+  // The descriptors go back with their mappings (the one the sparse object's mapping gave back
+  // serves a new mapping); budget 0 keeps none.
+  auto again = ShmMapping::FromFd(written->fd(), size, "a");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE((*again)->FullyAllocated());
+  ShmMapping::SetKeptDescriptors(0);
+  auto none = ShmMapping::FromFd(written->fd(), size, "n");
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE((*none)->FullyAllocated());
+}
+
+// With every page of the buffers there, a task charges nothing whichever way it asks; a hole
+// punched in one buffer sends the next task back to the probe, which charges what it faults in.
+TEST_F(HostBackendTest, WholeBuffersSkipTheProbeUntilAHoleAppears) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  // Buffers as the client libraries make them: memfds sealed against growing and shrinking, here
+  // of a whole PMD-sized folio each, every page written.
+  for (auto* o : {&k_, &v_}) {
+    *o = ClientObject::Memfd(2 << 20, F_SEAL_GROW | F_SEAL_SHRINK);
+    ASSERT_TRUE((*o)->ok());
+    std::memset((*o)->data(), 0, 2 << 20);
+  }
+  for (size_t i = 0; i < kPlaneBytes / 2; ++i) {
+    reinterpret_cast<uint16_t*>(k_->data())[i] = 0x3F80 + (i % 64);
+    reinterpret_cast<uint16_t*>(v_->data())[i] = 0xBF80 + (i % 64);
+  }
+  auto budget = std::make_shared<FaultBudget>(1 << 20);
+  auto b = Bind(Spec(), budget);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  Status outcome, written;
+  ASSERT_EQ((*b)->StartBackup(BackupTask_(2, 1, -1, &outcome, &written)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  for (uint64_t t = 2; t <= 4; ++t) {
+    ASSERT_EQ((*b)->StartRestore(RestoreTask_(2, t, -1, -1, &outcome)), StartResult::kCompleted);
+    ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  }
+  EXPECT_EQ(budget->charged(), 0u);
+  ASSERT_EQ(::fallocate(v_->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                        static_cast<off_t>(page)),
+            0);
+  ASSERT_EQ((*b)->StartRestore(RestoreTask_(2, 5, -1, -1, &outcome)), StartResult::kCompleted);
+  ASSERT_TRUE(outcome.ok()) << outcome.ToString();
+  EXPECT_EQ(budget->charged(), page) << "the punched page, faulted back by the restore's writes";
 }
 
 // A backup's block checksums (what the pool headers get) are the XXH3-64 of each payload as

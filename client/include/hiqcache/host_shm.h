@@ -165,9 +165,9 @@ class HostKvPool {
  public:
   // `num_rows` token slots; paged layouts use pages of `page_rows` rows and round num_rows up to
   // a whole number of pages. MLA geometry is supported by kSglang only. `name` empty = a unique
-  // shm name; "memfd:<tag>" = a sealed memfd (HostShm::CreateMemfd) on huge pages as
-  // `huge_pages` asks. Named objects live in /dev/shm, whose mount decides their pages (huge=):
-  // kRequire with a name is INVALID_ARGUMENT, kAuto is kOff there.
+  // shm name; "memfd:<tag>" = a memfd sealed against shrinking and growing (HostShm::CreateMemfd,
+  // fixed_size) on huge pages as `huge_pages` asks. Named objects live in /dev/shm, whose mount
+  // decides their pages (huge=): kRequire with a name is INVALID_ARGUMENT, kAuto is kOff there.
   static StatusOr<HostKvPool> Create(const Geometry& geometry, KvLayout layout, uint32_t num_rows,
                                      uint32_t page_rows = 16, std::string_view name = {},
                                      HugePages huge_pages = HugePages::kAuto);
