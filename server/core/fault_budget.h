@@ -6,8 +6,9 @@
 // back by the daemon's access, and a newly allocated shmem page is charged to the memory cgroup
 // of the process that faulted it: the daemon's, not the client's. Before a backend touches a
 // client's rows or event slots it counts the pages that are not resident (mincore; or, where no
-// swap is active, one fstat per buffer showing every page of its object allocated: nothing to
-// count, ShmMapping::FullyAllocated) and charges them here; over the budget the work is refused
+// swap is active, one fstat per buffer showing every page of its object, sealed against growing,
+// allocated: nothing to count, ShmMapping::FullyAllocated) and charges them here; over the
+// budget the work is refused
 // instead (a miss, or a backup not stored), so
 // that no client can grow the daemon's memory by lending it memory it never touched. Charges are
 // given back when the pool that made them is released (its pages go with the client's object).
