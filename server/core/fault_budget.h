@@ -8,10 +8,9 @@
 // client's rows or event slots it counts the pages that are not resident (mincore; or, where no
 // swap is active, one fstat per buffer showing every page of its object, sealed against growing,
 // allocated: nothing to count, ShmMapping::FullyAllocated) and charges them here; over the
-// budget the work is refused
-// instead (a miss, or a backup not stored), so
-// that no client can grow the daemon's memory by lending it memory it never touched. Charges are
-// given back when the pool that made them is released (its pages go with the client's object).
+// budget the work is refused instead (a miss, or a backup not stored), so that no client can
+// grow the daemon's memory by lending it memory it never touched. Charges are given back when
+// the pool that made them is released (its pages go with the client's object).
 //
 // The same object bounds the daemon's registration-time mapping of a client's resident pages
 // (HostBackend::Bind, ResidencyProbe::MapResident: mincore walks every page looked at, so the
