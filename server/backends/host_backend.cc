@@ -119,7 +119,7 @@ bool SealedAgainstShrinking(int fd) {
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, uint64_t bytes,
                                                        const std::string& field,
                                                        const ClientObjectRules& rules,
-                                                       bool find_data_ranges) {
+                                                       Holds holds) {
   std::string path = name.empty() || name[0] != '/' ? "/" + name : name;
   const std::string what = "shared memory '" + path + "'";
   int fd = ::shm_open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
@@ -128,7 +128,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, 
   }
   Status st = CheckObject(fd, bytes, field, what, rules, /*check_owner=*/true);
   StatusOr<std::unique_ptr<ShmMapping>> out =
-      st.ok() ? Map(fd, bytes, field, what, SealedAgainstShrinking(fd), find_data_ranges)
+      st.ok() ? Map(fd, bytes, field, what, SealedAgainstShrinking(fd), holds)
               : StatusOr<std::unique_ptr<ShmMapping>>(st);
   ::close(fd);
   return out;
@@ -137,7 +137,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Open(const std::string& name, 
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::FromFd(int fd, uint64_t bytes,
                                                          const std::string& field,
                                                          const ClientObjectRules& rules,
-                                                         bool find_data_ranges) {
+                                                         Holds holds) {
   const std::string what = "the fd";
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0) {
@@ -149,13 +149,13 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::FromFd(int fd, uint64_t bytes,
                             "restored KV and event slots into it");
   }
   HIQ_RETURN_IF_ERROR(CheckObject(fd, bytes, field, what, rules, /*check_owner=*/false));
-  return Map(fd, bytes, field, what, SealedAgainstShrinking(fd), find_data_ranges);
+  return Map(fd, bytes, field, what, SealedAgainstShrinking(fd), holds);
 }
 
 StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
                                                       const std::string& field,
                                                       const std::string& what, bool sealed,
-                                                      bool find_data_ranges) {
+                                                      Holds holds) {
   // A hugetlbfs object (a memfd made with MFD_HUGETLB) is mapped and unmapped in whole huge pages
   // (its st_blksize); its size is always a whole number of them.
   uint64_t mapped = bytes;
@@ -203,7 +203,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
   // them (an object that may grow can hold pages beyond its size that st_blocks counts too).
   const int seals = ::fcntl(fd, F_GET_SEALS);
   const bool grow_sealed = seals >= 0 && (seals & F_SEAL_GROW) != 0;
-  const int shmem_fd = hugetlb || !grow_sealed ? -1 : KeepDescriptor(fd);
+  const int shmem_fd = hugetlb || !grow_sealed || holds != Holds::kKv ? -1 : KeepDescriptor(fd);
   auto release_shmem_fd = [shmem_fd] {
     if (shmem_fd < 0) return;
     ::close(shmem_fd);
@@ -221,6 +221,7 @@ StatusOr<std::unique_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t bytes,
   // error, all of it. Only when asked (event objects, at most 64 MiB): a KV buffer of many
   // alternating holes would cost a range each.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  const bool find_data_ranges = holds == Holds::kEventSlots;
   if (!find_data_ranges) ranges = {{0, bytes}};
   for (off_t at = 0; find_data_ranges && static_cast<uint64_t>(at) < bytes;) {
     const off_t data = ::lseek(fd, at, SEEK_DATA);

@@ -103,17 +103,20 @@ struct ClientObjectRules {
 // guard registration ends before the munmap.
 class ShmMapping {
  public:
+  // What a mapping holds. kKv: a pool's KV buffer (a shmem object sealed against growing keeps a
+  // descriptor for FullyAllocated, within SetKeptDescriptors). kEventSlots: an event object,
+  // whose data_ranges() are found from the object (else the whole mapping); it keeps none.
+  enum class Holds : uint8_t { kKv, kEventSlots };
   // Opens the POSIX shm object `name` ("/" optional) read-write, without following symlinks.
-  // `find_data_ranges`: fill data_ranges() from the object (else it is the whole mapping).
   static StatusOr<std::unique_ptr<ShmMapping>> Open(const std::string& name, uint64_t bytes,
                                                     const std::string& field,
                                                     const ClientObjectRules& rules = {},
-                                                    bool find_data_ranges = false);
+                                                    Holds holds = Holds::kKv);
   // Maps the borrowed `fd` (never closed here). REQUIRES: fd >= 0.
   static StatusOr<std::unique_ptr<ShmMapping>> FromFd(int fd, uint64_t bytes,
                                                       const std::string& field,
                                                       const ClientObjectRules& rules = {},
-                                                      bool find_data_ranges = false);
+                                                      Holds holds = Holds::kKv);
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
@@ -140,8 +143,8 @@ class ShmMapping {
   // (fstat: st_blocks counts a shmem page from the write that allocates it to the hole punch or
   // truncate that frees it, swapped out or not; the size is rounded up to the largest folio,
   // whose tail past the end st_blocks counts too). False when the mapping keeps no descriptor of
-  // the object (not sealed so, hugetlbfs, or beyond SetKeptDescriptors), or the answer is
-  // unknown. An object that may grow is never "fully allocated": fallocate(FALLOC_FL_KEEP_SIZE)
+  // the object (not sealed so, hugetlbfs, event slots, or beyond SetKeptDescriptors), or the answer
+  // is unknown. An object that may grow is never "fully allocated": fallocate(FALLOC_FL_KEEP_SIZE)
   // past its end allocates pages st_blocks counts while holes remain before it. With no swap
   // active (NoSwapActive), a fully allocated object has no page the daemon's access could fault
   // in: the residency probe is not needed.
@@ -157,7 +160,7 @@ class ShmMapping {
   // SEEK_DATA / SEEK_HOLE); the rest were holes and read as zeros. Reading a hole of a shmem
   // object allocates a page, charged to the daemon: code that scans client memory it never
   // asked the client to write (event slots at registration) scans these ranges only. The whole
-  // mapping where the kernel cannot tell, or when the mapping was not asked to find them.
+  // mapping where the kernel cannot tell, or when it holds KV (Holds::kKv).
   const std::vector<std::pair<uint64_t, uint64_t>>& data_ranges() const { return data_ranges_; }
 
  private:
@@ -175,7 +178,7 @@ class ShmMapping {
         data_ranges_(std::move(data_ranges)) {}
   static StatusOr<std::unique_ptr<ShmMapping>> Map(int fd, uint64_t bytes, const std::string& field,
                                                    const std::string& what, bool sealed,
-                                                   bool find_data_ranges);
+                                                   Holds holds);
   uint8_t* data_;
   uint64_t size_;
   uint64_t mapped_;

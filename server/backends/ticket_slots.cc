@@ -53,11 +53,10 @@ StatusOr<std::unique_ptr<TicketSlots>> TicketSlots::Open(const EventsSpec& event
                              " names no fd passed on this caller's session");
     }
     HIQ_ASSIGN_OR_RETURN(m, ShmMapping::FromFd(events.fd, bytes, "events.host_fd_id", rules,
-                                               /*find_data_ranges=*/true));
+                                               ShmMapping::Holds::kEventSlots));
   } else {
-    HIQ_ASSIGN_OR_RETURN(
-        m, ShmMapping::Open(events.host_shm_name, bytes, "events.host_shm_name", rules,
-                            /*find_data_ranges=*/true));
+    HIQ_ASSIGN_OR_RETURN(m, ShmMapping::Open(events.host_shm_name, bytes, "events.host_shm_name",
+                                             rules, ShmMapping::Holds::kEventSlots));
   }
   return std::make_unique<TicketSlots>(std::move(m), events.count);
 }
