@@ -56,18 +56,15 @@ template <DType kDType>
 HWY_INLINE void QuantizeGroup(const uint8_t* src, float s, uint8_t* codes) {
   const DF df;
   const DI32 di32;
-  const DI8 di8;
   const size_t n = hn::Lanes(df);
   const auto vs = hn::Set(df, s);
   const auto qmax = hn::Set(df, static_cast<float>(kInt4QMax));
   const auto qmin = hn::Set(df, -static_cast<float>(kInt4QMax));
-  HWY_ALIGN int8_t q8[kInt4GroupElems];
   for (size_t i = 0; i < kInt4GroupElems; i += n) {
     const auto q =
         hn::Min(hn::Max(hn::Round(hn::Div(LoadHalf<kDType>(df, src + 2 * i), vs)), qmin), qmax);
-    hn::StoreU(hn::DemoteTo(di8, hn::ConvertTo(di32, q)), di8, q8 + i);
+    StoreNibbles(di32, hn::ConvertTo(di32, q), codes, i);
   }
-  PackNibbles32(reinterpret_cast<const uint8_t*>(q8), codes);
 }
 
 // Decodes the 16 code bytes of one group with scale s into 32 BF16/FP16 elements at dst.

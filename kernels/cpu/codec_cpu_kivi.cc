@@ -40,7 +40,6 @@ bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t*
                   uint32_t num_rows, uint8_t* dst) {
   const DF df;
   const DI32 di32;
-  const DU8 du8;
   const size_t n = hn::Lanes(df);
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
@@ -63,7 +62,6 @@ bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t*
   const auto zero = hn::Zero(df);
   HWY_ALIGN float lo[kG];
   HWY_ALIGN float hi[kG];
-  HWY_ALIGN uint8_t q8[kG];
   for (uint32_t h = 0; h < fmt.num_heads; ++h) {
     for (uint32_t g = 0; g < d; g += kG) {
       const size_t c0 = static_cast<size_t>(h) * d + g;
@@ -89,9 +87,8 @@ bool EncodePlaneT(const RowFormat& fmt, const StridedView& view, const uint32_t*
           const auto q =
               hn::Round(hn::Mul(two, hn::Div(hn::Sub(hn::Mul(half, x), hz), hn::Load(df, hi + i))));
           const auto qc = hn::Min(hn::Max(q, zero), qmax);
-          hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di32, qc)), du8, q8 + i);
+          StoreNibbles(di32, hn::ConvertTo(di32, qc), dst + t * code_bytes, c0 + i);
         }
-        PackNibbles32(q8, dst + t * code_bytes + c0 / 2);
       }
     }
   }

@@ -222,30 +222,29 @@ HWY_INLINE void QuantizeHeadWith(const uint8_t* src, uint32_t d, float s, Byte* 
   }
 }
 
-// Packs 32 codes, one per byte with the code in its low nibble, into 16 bytes: element 2j in the
-// low nibble of byte j (the code bytes of INT4's and INT4 KIVI's records).
-HWY_INLINE void PackNibbles32(const uint8_t* q8, uint8_t* packed) {
-#if HWY_TARGET == HWY_SCALAR  // single lanes: no byte view of a u16 vector
-  for (size_t j = 0; j < 16; ++j) {
-    packed[j] = static_cast<uint8_t>((q8[2 * j] & 0xF) | ((q8[2 * j + 1] & 0xF) << 4));
-  }
+// Stores the codes in the i32 lanes of q (4-bit two's complement: 0..15 or -8..7) packed as the
+// records hold them, element 2j in the low nibble of byte j: lane i of q is element e + i, e even,
+// and the Lanes(di) / 2 bytes from packed[e / 2] are written (one lane: its nibble of byte e / 2,
+// the low one first). Packed in registers: codes stored as bytes and packed from memory stall
+// each group on a failed store-to-load forward.
+template <class DI>
+HWY_INLINE void StoreNibbles(DI di, hn::Vec<DI> q, uint8_t* packed, size_t e) {
+#if HWY_TARGET == HWY_SCALAR
+  (void)di;
+  const auto c = static_cast<uint8_t>(hn::GetLane(q) & 0xF);
+  packed[e / 2] = e % 2 == 0 ? c : static_cast<uint8_t>(packed[e / 2] | (c << 4));
 #else
-  // Each u16 lane holds elements 2j (low byte) and 2j + 1: one packed byte.
-  const hn::CappedTag<uint16_t, 16> d16;
-  const hn::RebindToSigned<decltype(d16)> di16;
-  const hn::Rebind<uint8_t, decltype(d16)> d8;
-  const hn::Repartition<uint8_t, decltype(d16)> dbytes;
-  const size_t m = hn::Lanes(d16);
-  for (size_t j = 0; j < 16; j += m) {
-    const auto w = hn::BitCast(d16, hn::LoadU(dbytes, q8 + 2 * j));
-    const auto p = hn::Or(hn::And(w, hn::Set(d16, 0x000Fu)),
-                          hn::And(hn::ShiftRight<4>(w), hn::Set(d16, 0x00F0u)));
-    hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di16, p)), d8, packed + j);
-  }
+  const hn::Repartition<uint64_t, DI> d64;
+  const hn::Rebind<uint8_t, decltype(d64)> d8;
+  const auto x = hn::BitCast(d64, q);
+  const auto nibble = hn::Set(d64, uint64_t{0xF});
+  const auto p =
+      hn::Or(hn::And(x, nibble), hn::ShiftLeft<4>(hn::And(hn::ShiftRight<32>(x), nibble)));
+  hn::StoreU(hn::TruncateTo(d8, p), d8, packed + e / 2);
 #endif
 }
 
-// Unpacks 16 bytes into 32 codes (0..15), one per byte: PackNibbles32's inverse.
+// Unpacks 16 bytes into 32 codes (0..15), one per byte: StoreNibbles's inverse.
 HWY_INLINE void UnpackNibbles32(const uint8_t* packed, uint8_t* q8) {
 #if HWY_TARGET == HWY_SCALAR
   for (size_t j = 0; j < 16; ++j) {
