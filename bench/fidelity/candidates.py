@@ -16,7 +16,10 @@ Hadamard transform over head_dim before quantizing and again after (it is its ow
 may then be grouped per token (k_group) instead of per channel. Mixed candidates store some of
 the KV at INT8 per head: a prefix's first blocks or tokens (int8_blocks, int8_tokens), whole
 layers (int8_layers), or per block the tokens of largest amax (outlier_tokens); a token stored
-so is left out of its block's key groups.
+so is left out of its block's key groups. Toward fewer key parameters (README, "Toward 42,000
+B/token"): centred keys (the block's channel means out, then per-token groups), keys turned back
+by RoPE's angle for their offset in the block (k_unrope), values per channel (v_chan), and
+ranges clipped to their least squared error (k_clip, v_clip).
 """
 
 from __future__ import annotations
@@ -54,6 +57,19 @@ class Candidate:
     int8_token_planes: str = "kv"  # the planes int8_tokens / outlier_tokens apply to
     token_g32: bool = False  # those tokens at 4 bits per token in sym groups of 32, not INT8
     block_first_tokens: bool = False  # int8_tokens counts from every block's start
+    # Centred keys: per block, channel by channel, the mean of the block's tokens is stored
+    # ("bf16", "fp8": E4M3 with a BF16 scale per head, "int8": INT8 with a BF16 scale per head)
+    # and subtracted before the rotation and the per-token groups (k_group); the restore adds it
+    # back. Only the rounding of the residual is an error: a coarse mean widens the residual.
+    k_center: str = ""
+    # Keys turned back by RoPE's angle for their offset in the block (theta; 0 = off): the
+    # block's tokens then share one rotation, so a channel's values stay alike over the block.
+    k_unrope: float = 0.0
+    v_chan: bool = False  # values per channel over the block (as keys), not per token
+    # Asymmetric groups clipped: each group's [lo, hi] shrunk about its middle by the factor
+    # of CLIPS that gives the least squared error over the group (the encoder's search).
+    k_clip: bool = False
+    v_clip: bool = False
 
 
 CANDIDATES = {
@@ -116,6 +132,38 @@ CANDIDATES = {
                    int8_tokens=1, int8_token_planes="k", block_first_tokens=True),
     "n": Candidate("r_block_first_token_int8_v_asym", False, 32, False, 0, True, True,
                    int8_tokens=1, block_first_tokens=True),
+    # Centred keys (k_center): the block's channel means out, then the rotation and per-token
+    # groups of k_group (sym or asym); values rotated, asym groups of v_group.
+    # Keys un-RoPEd within the block (SmolLM2's theta 1e5), else as n / as KIVI B.
+    "D1": Candidate("unrope_n", False, 32, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5),
+    "D2": Candidate("unrope_no_rot_k_n", False, 32, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5),
+    "D3": Candidate("unrope_hadamard_no_int8_v_asym", False, 32, False, 0, True, True,
+                    k_unrope=1e5),
+    "D5": Candidate("unrope_n_v_chan", False, 32, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, v_chan=True),
+    "D6": Candidate("unrope_n_v_g64", False, 64, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5),
+    "D7": Candidate("unrope_n_v_g128", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5),
+    "D8": Candidate("unrope_n_v_g128_kclip", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_clip=True),
+    "D9": Candidate("unrope_n_v_g128_kvclip", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_clip=True, v_clip=True),
+    "D4": Candidate("unrope_B", False, 32, k_unrope=1e5),
+    "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
+                    128, k_center="bf16"),
+    "C2": Candidate("centre_int8_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
+                    128, k_center="int8"),
+    "C3": Candidate("centre_bf16_had_k_g32_sym_v_g32_asym", True, 32, False, 0, True, True,
+                    32, k_center="bf16"),
+    "C4": Candidate("centre_bf16_had_k_g128_asym_v_g32_asym", False, 32, False, 0, True, True,
+                    128, k_center="bf16"),
+    "C5": Candidate("centre_int8_had_k_g128_sym_v_g128_asym", True, 128, False, 0, True, True,
+                    128, k_center="int8"),
+    "C6": Candidate("centre_bf16_k_g32_sym_v_g32_asym (no rotation of keys)", True, 32, False,
+                    0, False, True, 32, k_center="bf16"),
 }
 
 
@@ -141,6 +189,26 @@ def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int = 4) -
     top = 2 ** bits - 1
     s = bf16(torch.clamp(hi - lo, min=2.0 ** -112) / top)
     return bf16(torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo)
+
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+
+
+def q_asym_clipped(g: torch.Tensor, axis: int, bits: int) -> torch.Tensor:
+    lo, hi = g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    best, best_err = None, None
+    for f in CLIPS:
+        q = q_asym(torch.clamp(g, mid - f * half, mid + f * half), mid - f * half,
+                   mid + f * half, bits)
+        err = ((q - g) ** 2).sum(dim=axis, keepdim=True)
+        if best is None:
+            best, best_err = q, err
+        else:
+            take = err < best_err
+            best = torch.where(take, q, best)
+            best_err = torch.where(take, err, best_err)
+    return best
 
 
 def nf4_levels() -> torch.Tensor:
@@ -171,6 +239,11 @@ def q_int8(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
              layers: int = 1) -> torch.Tensor:
     """x: [1, heads, P, dim] bf16 -> the candidate's restored KV, same shape."""
+    if keys and c.k_unrope:
+        inner = dataclasses.replace(c, k_unrope=0.0)
+        y = rope_in_block(x.float(), c.k_unrope, bt, -1).to(torch.bfloat16)
+        out = quantize(y, inner, keys, bt, layer, layers)
+        return rope_in_block(out.float(), c.k_unrope, bt, 1).to(torch.bfloat16).contiguous()
     if layer in c.int8_layers or layer - layers in c.int8_layers:
         return q_int8(x).contiguous()
     if c.int8_blocks:
@@ -189,12 +262,18 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
     f = x.float()[0]
     h, p, d = f.shape
     rot = hadamard(d) if (c.k_rot if keys else c.v_rot) else None
+    centre = None
+    if keys and c.k_center:
+        blocks = f.reshape(h, p // bt, bt, d)
+        centre = quantize_centre(blocks.mean(dim=2, keepdim=True), c.k_center)
+        f = (blocks - centre).reshape(h, p, d)
     if rot is not None:
         f = bf16(f @ rot)  # stored as BF16 before quantizing, as the input is
     if keys and c.k_group:
-        g = f.reshape(h, p, d // c.k_group, c.k_group)
+        kg = min(c.k_group, d)
+        g = f.reshape(h, p, d // kg, kg)
         axis = 3
-    elif keys:
+    elif keys or c.v_chan:
         t = c.k_tokens or bt
         g = f.reshape(h, p // t, t, d)
         axis = 2
@@ -206,11 +285,41 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         out = q_nf4(g, g.abs().amax(dim=axis, keepdim=True))
     elif sym:
         out = q_sym(g, g.abs().amax(dim=axis, keepdim=True), bits)
+    elif c.k_clip if keys else c.v_clip:
+        out = q_asym_clipped(g, axis, bits)
     else:
         out = q_asym(g, g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True), bits)
     if rot is not None:
         out = out.reshape(h, p, d) @ rot
+    if centre is not None:
+        out = out.reshape(h, p // bt, bt, d) + centre
     return out.reshape(h, p, d).to(torch.bfloat16).unsqueeze(0).contiguous()
+
+
+def rope_in_block(x: torch.Tensor, theta: float, bt: int, sign: int) -> torch.Tensor:
+    """RoPE (rotate-half pairs i, i + d/2) by sign x (the token's offset in its block) x the
+    pair's frequency, in fp32."""
+    d = x.shape[-1]
+    j = (torch.arange(x.shape[2]) % bt).double()
+    inv = theta ** (-torch.arange(0, d, 2).double() / d)
+    ang = (j[:, None] * inv[None, :]) * sign
+    cos, sin = ang.cos().float(), ang.sin().float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def quantize_centre(m: torch.Tensor, fmt: str) -> torch.Tensor:
+    """m: [heads, blocks, 1, dim] fp32 means -> as stored (scales per head and block)."""
+    if fmt == "bf16":
+        return bf16(m)
+    amax = m.abs().amax(dim=-1, keepdim=True)
+    if fmt == "int8":
+        s = bf16(torch.clamp(amax, min=2.0 ** -112) / 127)
+        return torch.clamp(torch.round(m / s), -127, 127) * s
+    if fmt == "fp8":
+        s = bf16(torch.clamp(amax, min=2.0 ** -112) / 448)
+        return (m / s).to(torch.float8_e4m3fn).float() * s
+    raise ValueError(fmt)
 
 
 def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
@@ -252,21 +361,43 @@ def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
     return out.contiguous()
 
 
-def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> int:
-    """Stored bytes per token: codes plus BF16 parameters (2 per asymmetric group); INT8 layers
-    at INT8's row (codes and a BF16 scale per head). A prefix's first blocks at INT8
-    (int8_blocks) are left out: they add (INT8 - this) x block_tokens bytes per prefix."""
-    k_groups = hd / c.k_group if c.k_group else hd / (c.k_tokens or bt)
-    k = 2 * hd if c.k_sym is None else hd * c.k_bits / 8 + 2 * k_groups * (1 if c.k_sym else 2)
+def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> float:
+    """Stored bytes per token: codes plus BF16 parameters (2 per asymmetric group, amortised over
+    the block where a group spans its tokens); INT8 layers at INT8's row (codes and a BF16 scale
+    per head), and so a block's first token where block_first_tokens stores it so. A prefix's
+    first blocks or tokens at INT8 (int8_blocks, int8_tokens alone) are left out: they add
+    (INT8 - this) bytes per token they cover, once per prefix."""
+    int8 = hd + 2 * hd / head_dim
+
+    def side(bits: int, sym: bool | None, per_token_group: int, per_block_group: int,
+             extra_per_block: float, plane: str) -> float:
+        if sym is None:
+            return 2 * hd
+        n_par = 1 if sym else 2
+        per_token = hd * bits / 8 + (2 * n_par * hd / per_token_group if per_token_group else 0)
+        per_block = (2 * n_par * hd if per_block_group else 0) + extra_per_block
+        out = per_token + per_block / bt
+        if c.block_first_tokens and c.int8_tokens and plane in c.int8_token_planes:
+            out += (int8 - per_token) / bt
+        return out
+
+    centre = 0.0
+    if c.k_center:
+        centre = 2 * hd if c.k_center == "bf16" else hd + 2 * hd / head_dim
+    k_tokens = c.k_tokens or bt
+    k = side(c.k_bits, c.k_sym, min(c.k_group, head_dim) if c.k_group else 0,
+             0 if c.k_group else 1, centre, "k")
+    if not c.k_group and c.k_tokens:  # groups of k_tokens tokens inside the block
+        k += 2 * 2 * hd * (bt / k_tokens - 1) / bt
     v = (2 * hd if c.v_group is None else
-         hd * c.v_bits / 8 + 2 * hd / c.v_group * (1 if c.v_sym else 2))
-    int8 = 2 * (hd + 2 * hd / head_dim)
+         side(c.v_bits, c.v_sym, 0 if c.v_chan else c.v_group, 1 if c.v_chan else 0, 0.0, "v"))
     n8 = len(c.int8_layers)
-    return round((layers - n8) * (k + v) + n8 * int8)
+    return round((layers - n8) * (k + v) + n8 * 2 * int8)
 
 
 def main() -> int:
-    chosen = [CANDIDATES[k] for k in os.environ.get("HIQ_CANDIDATES", "ABCDEG")]
+    names = os.environ.get("HIQ_CANDIDATES", "ABCDEG")
+    chosen = [CANDIDATES[k] for k in (names.split(",") if "," in names else names)]
     base = kv_roundtrip.DaemonKv
     exact: dict[int, Any] = {}
 
