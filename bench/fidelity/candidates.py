@@ -151,6 +151,8 @@ CANDIDATES = {
                     block_first_tokens=True, k_unrope=1e5, k_clip=True),
     "D9": Candidate("unrope_n_v_g128_kvclip", False, 128, False, 0, True, True, int8_tokens=1,
                     block_first_tokens=True, k_unrope=1e5, k_clip=True, v_clip=True),
+    "D10": Candidate("n_v_g128", False, 128, False, 0, True, True, int8_tokens=1,
+                     block_first_tokens=True),
     "D4": Candidate("unrope_B", False, 32, k_unrope=1e5),
     "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
                     128, k_center="bf16"),
