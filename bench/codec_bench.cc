@@ -23,7 +23,11 @@
 // At the end the medians over repetitions are printed with the ratios the design targets:
 // encode and decode each >= 0.8x single-thread memcpy (docs/design.md "Targets").
 //   codec_bench --benchmark_repetitions=5
+// --target=NAME runs the codec on one Highway target this machine supports (AVX2, SSE4, ...:
+// what a host without AVX-512 would run) instead of the best one.
+//   codec_bench --target=AVX2 --benchmark_filter=Int4Hadamard
 #include <benchmark/benchmark.h>
+#include <hwy/targets.h>
 #include <malloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -712,6 +716,27 @@ int main(int argc, char** argv) {
   // Every large buffer in its own mapping, at the same offset from a page (see AlignedPoolShape);
   // glibc's dynamic threshold would otherwise move freed sizes onto the heap.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  // --target=NAME: the codec on that Highway target (taken out before the benchmark flags).
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--target=", 0) != 0) continue;
+    const std::string name = arg.substr(9);
+    int64_t chosen = 0;
+    std::string known;
+    for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+      known += std::string(" ") + hwy::TargetName(t);
+      if (name == hwy::TargetName(t)) chosen = t;
+    }
+    if (chosen == 0) {
+      std::fprintf(stderr, "codec_bench: --target=%s is not one this machine runs:%s\n",
+                   name.c_str(), known.c_str());
+      return 1;
+    }
+    hwy::SetSupportedTargetsForTest(chosen);
+    for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];
+    --argc;
+    --i;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   hiqcache::kernels::CollectingReporter reporter;
