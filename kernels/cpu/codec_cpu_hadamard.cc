@@ -179,9 +179,10 @@ HWY_INLINE void RunInRegs(const InVectorStages& in_vector, const Load& load, con
 #endif
 
 // H_r over one run, `load(k)` / `store(k, v)` giving and taking vector k of it: in registers
-// for runs of 2 to 16 vectors, through `tmp` (r floats) otherwise.
+// for runs of 2 to 16 vectors, through `tmp` (r floats) otherwise (`store` may write where `tmp`
+// is: each vector is read back before it is stored).
 template <class Load, class Store>
-HWY_INLINE void TransformRun(const InVectorStages& in_vector, uint32_t r, float* HWY_RESTRICT tmp,
+HWY_INLINE void TransformRun(const InVectorStages& in_vector, uint32_t r, float* tmp,
                              const Load& load, const Store& store) {
   const DF df;
   const size_t n = hn::Lanes(df);
@@ -206,8 +207,8 @@ HWY_INLINE void TransformRun(const InVectorStages& in_vector, uint32_t r, float*
 
 // y[0..d) = the rotated head at `src` as BF16 values; false when a run leaves the limit
 // (HadamardLimitBits; NaN and Inf included). With kRange, lo / hi [0..d) take the running
-// minimum and maximum of each channel over the tokens (set by the first, `first`), while y is in
-// registers.
+// minimum and maximum of each channel over the tokens (set by the first, `first`) as each rotated
+// value is stored (still in a register on the register path).
 template <DType kDType, bool kRange>
 HWY_INLINE bool RotateHead(const InVectorStages& in_vector, const uint8_t* src, uint32_t d,
                            float* HWY_RESTRICT y, float* HWY_RESTRICT lo, float* HWY_RESTRICT hi,

@@ -2,11 +2,11 @@
 //
 // Per row and head, group by group (32 elements): the group's amax over the sign-cleared 16-bit
 // patterns, its scale (codec_math.h, scalar), the quotients x / s in fp32 lanes rounded to
-// nearest even and clamped to +-7, narrowed to int8 in a 32-byte scratch and packed two per byte
-// (element 2i low). Decode unpacks 16 bytes into 32 sign-extended int8 values and converts them
-// like INT8's codes. Rows ahead are prefetched to L2. The 16-bit loads and stores and the prefetch
-// are codec_simd-inl.h's, shared with the INT8 and FP8 executors (here on a DF capped at one
-// group).
+// nearest even and clamped to +-7, packed two per byte in registers (element 2i low;
+// codec_simd-inl.h's StoreNibbles). Decode unpacks 16 bytes into 32 sign-extended int8 values and
+// converts them like INT8's codes. Rows ahead are prefetched to L2. The 16-bit loads and stores and
+// the prefetch are codec_simd-inl.h's, shared with the INT8 and FP8 executors (here on a DF capped
+// at one group).
 //
 // Every operation is the vector form of the reference's (IEEE division, round-half-even, the
 // same fp32 -> BF16/FP16 rounding), so every Highway target produces the reference's bytes.

@@ -4,8 +4,8 @@
 // block's rows (f32 lanes, Min/Max; the non-finite check on the sign-cleared 16-bit patterns),
 // then their zero points and scales (stored, then read back as the decoder reads them), then per
 // row the quotients 2 * ((0.5 x - 0.5 z) / s) rounded to nearest even and clamped to [0, 15],
-// narrowed to bytes in a 32-byte scratch and packed two per byte (element 2i low). Decode unpacks
-// 16 bytes into 32 codes and computes q * s + z per lane. The 16-bit loads and stores are
+// packed two per byte in registers (element 2i low; codec_simd-inl.h's StoreNibbles). Decode
+// unpacks 16 bytes into 32 codes and computes q * s + z per lane. The 16-bit loads and stores are
 // codec_simd-inl.h's.
 //
 // Every operation is the vector form of the reference's (IEEE division, round-half-even, the

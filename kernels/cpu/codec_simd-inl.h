@@ -223,9 +223,10 @@ HWY_INLINE void QuantizeHeadWith(const uint8_t* src, uint32_t d, float s, Byte* 
 }
 
 // Stores the codes in the i32 lanes of q (4-bit two's complement: 0..15 or -8..7) packed as the
-// records hold them, element 2j in the low nibble of byte j: lane i of q is element e + i, e even,
-// and the Lanes(di) / 2 bytes from packed[e / 2] are written (one lane: its nibble of byte e / 2,
-// the low one first). Packed in registers: codes stored as bytes and packed from memory stall
+// records hold them, element 2j in the low nibble of byte j: lane i of q is element e + i, and
+// the Lanes(di) / 2 bytes from packed[e / 2] are written (e even). With one lane (HWY_SCALAR) a
+// call writes its nibble of byte e / 2: an even e sets the whole byte, so element e + 1 must be
+// stored after element e. Packed in registers: codes stored as bytes and packed from memory stall
 // each group on a failed store-to-load forward.
 template <class DI>
 HWY_INLINE void StoreNibbles(DI di, hn::Vec<DI> q, uint8_t* packed, size_t e) {
@@ -234,6 +235,7 @@ HWY_INLINE void StoreNibbles(DI di, hn::Vec<DI> q, uint8_t* packed, size_t e) {
   const auto c = static_cast<uint8_t>(hn::GetLane(q) & 0xF);
   packed[e / 2] = e % 2 == 0 ? c : static_cast<uint8_t>(packed[e / 2] | (c << 4));
 #else
+  (void)di;
   const hn::Repartition<uint64_t, DI> d64;
   const hn::Rebind<uint8_t, decltype(d64)> d8;
   const auto x = hn::BitCast(d64, q);

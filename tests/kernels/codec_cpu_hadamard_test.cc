@@ -474,7 +474,9 @@ TEST(CodecHadamard, EveryCodeDecodesLikeTheReference) {
   }
 }
 
-// Every Highway target compiled in and supported here, selected in turn.
+// Every Highway target compiled in and supported here, selected in turn: runs of 32 to 256
+// elements (2 to 64 vectors, so every register path and the scratch path on each target's lane
+// count), MLA's 576, and a block of 2 tokens (the K ranges set by the one rotated token).
 TEST(CodecHadamard, EveryHighwayTarget) {
   ExpectNoErrorsOnEveryHighwayTarget([](int64_t /*target*/) {
     BoundStats bound;
@@ -484,10 +486,13 @@ TEST(CodecHadamard, EveryHighwayTarget) {
     uint64_t seed = 35000;
     for (DType dt : {DType::kBF16, DType::kFP16}) {
       for (InputClass c : {InputClass::kRowMix, InputClass::kTiny, InputClass::kHuge}) {
-        for (Geometry g : {Geometry{2, 96, 2}, Geometry{1, 256, 2}}) {
-          auto e = RunHadamardCase({g, dt, 5, c, ViewKind::kStrided, ++seed}, execs, &bound,
-                                   &int8_bound);
-          errors.insert(errors.end(), e.begin(), e.end());
+        for (Geometry g : {Geometry{2, 96, 2}, Geometry{3, 64, 2}, Geometry{2, 128, 2},
+                           Geometry{1, 256, 2}, Geometry{1, 576, 1}}) {
+          for (uint32_t bt : {2u, 5u}) {
+            auto e = RunHadamardCase({g, dt, bt, c, ViewKind::kStrided, ++seed}, execs, &bound,
+                                     &int8_bound);
+            errors.insert(errors.end(), e.begin(), e.end());
+          }
         }
       }
     }
