@@ -5,8 +5,8 @@
 // then their zero points and scales (stored, then read back as the decoder reads them), then per
 // row the quotients 2 * ((0.5 x - 0.5 z) / s) rounded to nearest even and clamped to [0, 15],
 // packed two per byte in registers (element 2i low; codec_simd-inl.h's StoreNibbles). Decode
-// unpacks 16 bytes into 32 codes and computes q * s + z per lane. The 16-bit loads and stores are
-// codec_simd-inl.h's.
+// converts the plane's zero points and scales to f32 once per call, then unpacks 16 bytes into 32
+// codes and computes q * s + z per lane. The 16-bit loads and stores are codec_simd-inl.h's.
 //
 // Every operation is the vector form of the reference's (IEEE division, round-half-even, the
 // same fp32 -> BF16/FP16 rounding; -0 zero points stored as +0 by adding +0), so every Highway
@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "codec_cpu_kivi.cc"
@@ -109,6 +110,16 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* plane, uint32_t block_toke
   const uint8_t* scales = zeros + 2 * channels;
   const auto half = hn::Set(df, 0.5f);
   const auto two = hn::Set(df, 2.0f);
+  // Half of each channel's scale and zero point, converted once for every row decoded here
+  // (exact: the products the element function takes them in).
+  thread_local std::vector<float> params;
+  params.resize(2 * channels);
+  float* hs = params.data();
+  float* hz = hs + channels;
+  for (size_t c = 0; c < channels; c += n) {
+    hn::StoreU(hn::Mul(half, LoadHalf<DType::kBF16>(df, scales + 2 * c)), df, hs + c);
+    hn::StoreU(hn::Mul(half, LoadHalf<kDType>(df, zeros + 2 * c)), df, hz + c);
+  }
   HWY_ALIGN uint8_t q8[kG];
   for (uint32_t t = begin; t < end; ++t) {
     const uint32_t row = rows[t - begin];
@@ -121,9 +132,9 @@ void DecodeRowsT(const RowFormat& fmt, const uint8_t* plane, uint32_t block_toke
         UnpackNibbles32(codes + c0 / 2, q8);
         for (size_t i = 0; i < kG; i += n) {
           const auto q = hn::ConvertTo(df, hn::PromoteTo(di32, hn::LoadU(du8, q8 + i)));
-          const auto hs = hn::Mul(half, LoadHalf<DType::kBF16>(df, scales + 2 * (c0 + i)));
-          const auto hz = hn::Mul(half, LoadHalf<kDType>(df, zeros + 2 * (c0 + i)));
-          StoreHalf<kDType>(df, hn::Mul(two, hn::Add(hn::Mul(q, hs), hz)), out + 2 * (g + i));
+          const auto v =
+              hn::Add(hn::Mul(q, hn::LoadU(df, hs + c0 + i)), hn::LoadU(df, hz + c0 + i));
+          StoreHalf<kDType>(df, hn::Mul(two, v), out + 2 * (g + i));
         }
       }
     }
