@@ -58,7 +58,7 @@ class Candidate:
     token_g32: bool = False  # those tokens at 4 bits per token in sym groups of 32, not INT8
     block_first_tokens: bool = False  # int8_tokens counts from every block's start
     # Centred keys: per block, channel by channel, the mean of the block's tokens is stored
-    # ("bf16", "fp8": E4M3 with a BF16 scale per head, "int8": INT8 with a BF16 scale per head)
+    # ("bf16", or "int8": INT8 with a BF16 scale per head and block)
     # and subtracted before the rotation and the per-token groups (k_group); the restore adds it
     # back. Only the rounding of the residual is an error: a coarse mean widens the residual.
     k_center: str = ""
@@ -132,9 +132,7 @@ CANDIDATES = {
                    int8_tokens=1, int8_token_planes="k", block_first_tokens=True),
     "n": Candidate("r_block_first_token_int8_v_asym", False, 32, False, 0, True, True,
                    int8_tokens=1, block_first_tokens=True),
-    # Centred keys (k_center): the block's channel means out, then the rotation and per-token
-    # groups of k_group (sym or asym); values rotated, asym groups of v_group.
-    # Keys un-RoPEd within the block (SmolLM2's theta 1e5), else as n / as KIVI B.
+    # Keys turned back by RoPE within the block (SmolLM2's theta 1e5), else as n (D4: as B).
     "D1": Candidate("unrope_n", False, 32, False, 0, True, True, int8_tokens=1,
                     block_first_tokens=True, k_unrope=1e5),
     "D2": Candidate("unrope_no_rot_k_n", False, 32, False, 0, False, True, int8_tokens=1,
@@ -154,6 +152,8 @@ CANDIDATES = {
     "D10": Candidate("n_v_g128", False, 128, False, 0, True, True, int8_tokens=1,
                      block_first_tokens=True),
     "D4": Candidate("unrope_B", False, 32, k_unrope=1e5),
+    # Centred keys (k_center): the block's channel means out, then the rotation and per-token
+    # groups of k_group (sym or asym); values rotated, asym groups of v_group.
     "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
                     128, k_center="bf16"),
     "C2": Candidate("centre_int8_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
@@ -318,9 +318,6 @@ def quantize_centre(m: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         s = bf16(torch.clamp(amax, min=2.0 ** -112) / 127)
         return torch.clamp(torch.round(m / s), -127, 127) * s
-    if fmt == "fp8":
-        s = bf16(torch.clamp(amax, min=2.0 ** -112) / 448)
-        return (m / s).to(torch.float8_e4m3fn).float() * s
     raise ValueError(fmt)
 
 
@@ -363,7 +360,7 @@ def quantize_with_int8_tokens(x: torch.Tensor, c: Candidate, keys: bool, bt: int
     return out.contiguous()
 
 
-def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> float:
+def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) -> int:
     """Stored bytes per token: codes plus BF16 parameters (2 per asymmetric group, amortised over
     the block where a group spans its tokens); INT8 layers at INT8's row (codes and a BF16 scale
     per head), and so a block's first token where block_first_tokens stores it so. A prefix's
@@ -371,13 +368,15 @@ def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) 
     (INT8 - this) bytes per token they cover, once per prefix."""
     int8 = hd + 2 * hd / head_dim
 
-    def side(bits: int, sym: bool | None, per_token_group: int, per_block_group: int,
+    def side(bits: int, sym: bool | None, per_token_group: int, channel_groups: float,
              extra_per_block: float, plane: str) -> float:
+        """per_token_group: elements per group of one token (0: none); channel_groups: groups
+        per channel in a block (each spanning tokens; 0: none)."""
         if sym is None:
             return 2 * hd
         n_par = 1 if sym else 2
         per_token = hd * bits / 8 + (2 * n_par * hd / per_token_group if per_token_group else 0)
-        per_block = (2 * n_par * hd if per_block_group else 0) + extra_per_block
+        per_block = 2 * n_par * hd * channel_groups + extra_per_block
         out = per_token + per_block / bt
         if c.block_first_tokens and c.int8_tokens and plane in c.int8_token_planes:
             out += (int8 - per_token) / bt
@@ -386,11 +385,8 @@ def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) 
     centre = 0.0
     if c.k_center:
         centre = 2 * hd if c.k_center == "bf16" else hd + 2 * hd / head_dim
-    k_tokens = c.k_tokens or bt
     k = side(c.k_bits, c.k_sym, min(c.k_group, head_dim) if c.k_group else 0,
-             0 if c.k_group else 1, centre, "k")
-    if not c.k_group and c.k_tokens:  # groups of k_tokens tokens inside the block
-        k += 2 * 2 * hd * (bt / k_tokens - 1) / bt
+             0 if c.k_group else bt / (c.k_tokens or bt), centre, "k")
     v = (2 * hd if c.v_group is None else
          side(c.v_bits, c.v_sym, 0 if c.v_chan else c.v_group, 1 if c.v_chan else 0, 0.0, "v"))
     n8 = len(c.int8_layers)

@@ -256,10 +256,9 @@ ShmMapping::~ShmMapping() {
   }
 }
 
-// The largest folio shmem may allocate (the PMD size of transparent huge pages); 0 when unknown.
 // A folio is aligned to its size, so one that holds the object's last page ends at the latest at
-// the size rounded up to this.
-uint64_t ShmemLargestFolioBytes() {
+// the object's size rounded up to this.
+uint64_t ShmMapping::ShmemLargestFolioBytes() {
   static const uint64_t bytes = [] {
     uint64_t n = 0;
     std::ifstream in("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");

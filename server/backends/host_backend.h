@@ -154,6 +154,9 @@ class ShmMapping {
   static void SetKeptDescriptors(uint64_t n);
   // Whether the machine has no active swap space (sysinfo), so no shmem page is swapped out.
   static bool NoSwapActive();
+  // The largest folio shmem may allocate here (the PMD size of transparent huge pages; the page
+  // size without THP); 0 when unknown (then nothing is FullyAllocated).
+  static uint64_t ShmemLargestFolioBytes();
   // A SIGBUS replaced the mapping with zero pages: the client's object shrank.
   bool broken() const { return guard_.broken(); }
   // The [begin, end) byte ranges of the mapping that held data when it was mapped (lseek

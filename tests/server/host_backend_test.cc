@@ -202,14 +202,6 @@ bool Has(const Status& st, const std::string& text) {
 }
 
 // Bytes the object behind `fd` has allocated (what faults put there).
-// The size of shmem's largest folio here (the transparent huge page size; the page size without
-// THP): an object of a multiple of it has no folio reaching past its end.
-size_t ShmemFolioBytes() {
-  size_t n = 0;
-  std::ifstream in("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
-  return in >> n && n > 0 ? n : static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-}
-
 uint64_t AllocatedBytes(int fd) {
   struct stat st;
   return ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : ~uint64_t{0};
@@ -301,8 +293,9 @@ TEST_F(HostBackendTest, PunchedHolesAreChargedAgain) {
 // while a hole stays before the end. A mapping gives its descriptor back when it goes.
 TEST_F(HostBackendTest, FullyAllocatedFollowsTheObjectsPages) {
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t size = ShmemFolioBytes();  // 2 MiB on x86: 512 pages
-  if (size > (64u << 20)) GTEST_SKIP() << "shmem folios of " << size << " bytes";
+  // A whole largest shmem folio (2 MiB on x86: 512 pages): no folio reaches past the end.
+  const size_t size = ShmMapping::ShmemLargestFolioBytes();
+  if (size == 0 || size > (64u << 20)) GTEST_SKIP() << "shmem folios of " << size << " bytes";
   auto written = ClientObject::Memfd(size, F_SEAL_GROW | F_SEAL_SHRINK);
   auto sparse = ClientObject::Memfd(size, F_SEAL_GROW | F_SEAL_SHRINK);
   auto growable = ClientObject::Memfd(size, F_SEAL_SHRINK);
@@ -369,8 +362,8 @@ TEST_F(HostBackendTest, WholeBuffersSkipTheProbeUntilAHoleAppears) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   // Buffers as the client libraries make them: memfds sealed against growing and shrinking, here
   // of a whole largest shmem folio each, every page written.
-  const size_t size = ShmemFolioBytes();
-  if (size > (64u << 20)) GTEST_SKIP() << "shmem folios of " << size << " bytes";
+  const size_t size = ShmMapping::ShmemLargestFolioBytes();
+  if (size == 0 || size > (64u << 20)) GTEST_SKIP() << "shmem folios of " << size << " bytes";
   for (auto* o : {&k_, &v_}) {
     *o = ClientObject::Memfd(size, F_SEAL_GROW | F_SEAL_SHRINK);
     ASSERT_TRUE((*o)->ok());
