@@ -18,8 +18,9 @@ the KV at INT8 per head: a prefix's first blocks or tokens (int8_blocks, int8_to
 layers (int8_layers), or per block the tokens of largest amax (outlier_tokens); a token stored
 so is left out of its block's key groups. Toward fewer key parameters (README, "Toward 42,000
 B/token"): centred keys (the block's channel means out, then per-token groups), keys turned back
-by RoPE's angle for their offset in the block (k_unrope), values per channel (v_chan), and
-ranges clipped to their least squared error (k_clip, v_clip).
+by RoPE's angle for their offset in the block (k_unrope), values per channel (v_chan),
+ranges clipped to their least squared error (k_clip, v_clip), and keys' bits allotted per
+channel and block by the channel's range (k_alloc; README, "Bits where the key ranges are").
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ class Candidate:
     # of CLIPS that gives the least squared error over the group (the encoder's search).
     k_clip: bool = False
     v_clip: bool = False
+    # Keys' bits allotted per channel and block (asymmetric per-channel groups only): k_alloc bits
+    # per element on average, each channel's width (k_alloc_bits) chosen from its range over the
+    # block so that the sum of range^2 * 4^-bits is least; the widths cost 3 bits per channel
+    # and block. 0 = every channel at k_bits.
+    k_alloc: float = 0.0
+    k_alloc_pow: float = 2.0  # the gain of a bit weighs a channel's range to this power
+    k_alloc_bits: tuple[int, int] = (2, 8)  # the least and most bits of a channel (0: its middle)
+    # The channels' minimum and maximum stored as INT8 steps of one BF16 scale per head and
+    # block (the minimum rounded down, the maximum up), not as a BF16 minimum and scale.
+    k_param_int8: bool = False
+    k_alloc_heads: bool = False  # the widths allotted over all heads' channels of the block
 
 
 CANDIDATES = {
@@ -152,6 +164,66 @@ CANDIDATES = {
     "D10": Candidate("n_v_g128", False, 128, False, 0, True, True, int8_tokens=1,
                      block_first_tokens=True),
     "D4": Candidate("unrope_B", False, 32, k_unrope=1e5),
+    # Where D7's error is at 64-token blocks (exact values / exact keys), and bits moved from
+    # values to keys at D7's bytes: 5-bit keys, 3-bit values.
+    "E1": Candidate("unrope_n_v_g128_k5_v3", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_bits=5, v_bits=3),
+    "E2": Candidate("unrope_n_v_exact", False, None, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, int8_token_planes="k"),
+    "E3": Candidate("n_k_exact_v_g128", None, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, int8_token_planes="v"),
+    "E4": Candidate("unrope_n_v_g128_k5", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_bits=5),
+    # Keys' bits allotted per channel by its range over the block (k_alloc), D7 / D10 / without
+    # the rotation of keys.
+    "F1": Candidate("unrope_n_v_g128_kalloc4.25", False, 128, False, 0, True, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.25),
+    "F2": Candidate("unrope_n_v_g128_kalloc4.5", False, 128, False, 0, True, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.5),
+    "F3": Candidate("n_v_g128_kalloc4.25", False, 128, False, 0, True, True,
+                    int8_tokens=1, block_first_tokens=True, k_alloc=4.25),
+    "F4": Candidate("unrope_n_k_norot_v_g128_kalloc4.25", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.25),
+    "F5": Candidate("unrope_n_v_g128_kalloc4", False, 128, False, 0, True, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.0),
+    "G1": Candidate("unrope_n_k_norot_v_g128_kalloc4", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.0),
+    "G2": Candidate("unrope_n_k_norot_v_g128_kalloc4.1875", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875),
+    "G3": Candidate("unrope_n_k_norot_v_g128", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5),
+    "G4": Candidate("unrope_n_k_norot_v_g128_kalloc4.5", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.5),
+    "H1": Candidate("G2_pow3", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=3),
+    "H2": Candidate("G2_pow4", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=4),
+    "H3": Candidate("G2_no_int8_first_kalloc4.3125", False, 128, False, 0, False, True,
+                    k_unrope=1e5, k_alloc=4.3125),
+    "H4": Candidate("G2_pow1.5", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=1.5),
+    "H5": Candidate("G2_pow1", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=1),
+    "H6": Candidate("G2_bits0_7", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(0, 7)),
+    "H7": Candidate("G2_bits1_8", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(1, 8)),
+    "H8": Candidate("G2_bits3_6", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(3, 6)),
+    "G5": Candidate("n_k_norot_v_g128_kalloc4.1875 (no RoPE turn)", False, 128, False, 0, False,
+                    True, int8_tokens=1, block_first_tokens=True, k_alloc=4.1875),
+    "G6": Candidate("G2_int8_params_kalloc4.4375", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.4375,
+                    k_param_int8=True),
+    "G7": Candidate("G2_heads_pooled", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_heads=True),
+    "G8": Candidate("G7_bits1_8", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_heads=True,
+                    k_alloc_bits=(1, 8)),
+    "G9": Candidate("G7_without_the_RoPE_turn", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_alloc=4.1875, k_alloc_heads=True),
+    "E5": Candidate("n_v_g128_k5_v3", False, 128, False, 0, True, True, int8_tokens=1,
+                    block_first_tokens=True, k_bits=5, v_bits=3),
     # Centred keys (k_center): the block's channel means out, then the rotation and per-token
     # groups of k_group (sym or asym); values rotated, asym groups of v_group.
     "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
@@ -187,10 +259,29 @@ def q_sym(x: torch.Tensor, amax: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return bf16(torch.clamp(torch.round(x / s), -top, top) * s)
 
 
-def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int = 4) -> torch.Tensor:
+def q_asym(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+           bits: int | torch.Tensor = 4) -> torch.Tensor:
     top = 2 ** bits - 1
     s = bf16(torch.clamp(hi - lo, min=2.0 ** -112) / top)
-    return bf16(torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo)
+    q = torch.round((x - lo) / s)
+    q = torch.minimum(torch.clamp(q, min=0), torch.as_tensor(top, dtype=q.dtype))
+    return bf16(q * s + lo)
+
+
+def allot_bits(rng: torch.Tensor, avg: float, power: float = 2.0,
+               widths: tuple[int, int] = (2, 8)) -> torch.Tensor:
+    """rng: [..., 1, d] ranges of d channels -> their bit widths in `widths`, avg on average
+    over d: the (avg - lowest) * d increments of largest gain, an increment from b to b + 1 bits
+    of a channel gaining rng^power * 4^-b (power 2: its squared error's share)."""
+    b0, b1 = widths
+    d = rng.shape[-1]
+    n = round((avg - b0) * d)
+    steps = torch.arange(b1 - b0, dtype=torch.float32)
+    gain = (rng.float() ** power).unsqueeze(-1) * 4.0 ** -(b0 + steps)  # [..., 1, d, steps]
+    flat = gain.flatten(-2)
+    top = flat.topk(n, dim=-1).indices
+    taken = torch.zeros_like(flat).scatter_(-1, top, 1.0).reshape(gain.shape)
+    return b0 + taken.sum(dim=-1)
 
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
@@ -287,6 +378,20 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         out = q_nf4(g, g.abs().amax(dim=axis, keepdim=True))
     elif sym:
         out = q_sym(g, g.abs().amax(dim=axis, keepdim=True), bits)
+    elif keys and c.k_alloc and axis == 2:
+        lo, hi = g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True)
+        if c.k_param_int8:
+            m = torch.maximum(lo.abs(), hi.abs()).amax(dim=-1, keepdim=True)
+            ps = bf16(torch.clamp(m, min=2.0 ** -112) / 127)
+            lo, hi = torch.floor(lo / ps) * ps, torch.ceil(hi / ps) * ps
+        if c.k_alloc_heads:  # [h, nb, 1, d] -> [nb, 1, h * d] and back
+            rng = (hi - lo).permute(1, 2, 0, 3).reshape(p // bt, 1, h * d)
+            bits_c = allot_bits(rng, c.k_alloc, c.k_alloc_pow, c.k_alloc_bits)
+            bits_c = bits_c.reshape(p // bt, 1, h, d).permute(2, 0, 1, 3)
+        else:
+            bits_c = allot_bits(hi - lo, c.k_alloc, c.k_alloc_pow, c.k_alloc_bits)
+        out = torch.where(bits_c > 0, q_asym(g, lo, hi, torch.clamp(bits_c, min=1)),
+                          bf16((lo + hi) / 2))
     elif c.k_clip if keys else c.v_clip:
         out = q_asym_clipped(g, axis, bits)
     else:
@@ -368,7 +473,7 @@ def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) 
     (INT8 - this) bytes per token they cover, once per prefix."""
     int8 = hd + 2 * hd / head_dim
 
-    def side(bits: int, sym: bool | None, per_token_group: int, channel_groups: float,
+    def side(bits: float, sym: bool | None, per_token_group: int, channel_groups: float,
              extra_per_block: float, plane: str) -> float:
         """per_token_group: elements per group of one token (0: none); channel_groups: groups
         per channel in a block (each spanning tokens; 0: none)."""
@@ -385,7 +490,11 @@ def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) 
     centre = 0.0
     if c.k_center:
         centre = 2 * hd if c.k_center == "bf16" else hd + 2 * hd / head_dim
-    k = side(c.k_bits, c.k_sym, min(c.k_group, head_dim) if c.k_group else 0,
+    if c.k_alloc:
+        centre += 3 * hd / 8
+    if c.k_param_int8:
+        centre += -2 * hd + 2 * hd / head_dim
+    k = side(c.k_alloc or c.k_bits, c.k_sym, min(c.k_group, head_dim) if c.k_group else 0,
              0 if c.k_group else bt / (c.k_tokens or bt), centre, "k")
     v = (2 * hd if c.v_group is None else
          side(c.v_bits, c.v_sym, 0 if c.v_chan else c.v_group, 1 if c.v_chan else 0, 0.0, "v"))
