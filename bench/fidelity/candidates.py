@@ -222,6 +222,18 @@ CANDIDATES = {
                     k_alloc_bits=(1, 8)),
     "G9": Candidate("G7_without_the_RoPE_turn", False, 128, False, 0, False, True,
                     int8_tokens=1, block_first_tokens=True, k_alloc=4.1875, k_alloc_heads=True),
+    # Toward INT8's gate: G7 with more bits (16-token blocks).
+    "J1": Candidate("G7_k5_v5", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=5.0, k_alloc_heads=True,
+                    v_bits=5),
+    "J2": Candidate("G7_k4.5_v5", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.5, k_alloc_heads=True,
+                    v_bits=5),
+    "J3": Candidate("G7_k5_v4", False, 128, False, 0, False, True, int8_tokens=1,
+                    block_first_tokens=True, k_unrope=1e5, k_alloc=5.0, k_alloc_heads=True),
+    "J4": Candidate("G9_k4.5_v5 (J2 without the RoPE turn)", False, 128, False, 0, False, True,
+                    int8_tokens=1, block_first_tokens=True, k_alloc=4.5, k_alloc_heads=True,
+                    v_bits=5),
     "E5": Candidate("n_v_g128_k5_v3", False, 128, False, 0, True, True, int8_tokens=1,
                     block_first_tokens=True, k_bits=5, v_bits=3),
     # Centred keys (k_center): the block's channel means out, then the rotation and per-token
