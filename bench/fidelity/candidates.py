@@ -215,6 +215,9 @@ CANDIDATES = {
     "G6": Candidate("G2_int8_params_kalloc4.4375", False, 128, False, 0, False, True,
                     int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.4375,
                     k_param_int8=True),
+    "G10": Candidate("G7_int8_params_kalloc4.4375", False, 128, False, 0, False, True,
+                     int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.4375,
+                     k_param_int8=True, k_alloc_heads=True),
     "G7": Candidate("G2_heads_pooled", False, 128, False, 0, False, True, int8_tokens=1,
                     block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_heads=True),
     "G8": Candidate("G7_bits1_8", False, 128, False, 0, False, True, int8_tokens=1,
@@ -362,6 +365,10 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         return quantize_with_int8_tokens(x, c, keys, bt)
     sym = c.k_sym if keys else c.v_sym
     bits = c.k_bits if keys else c.v_bits
+    if keys and c.k_alloc and (c.k_sym is not False or c.k_group or c.k_clip or c.k_center
+                               or c.k_tokens not in (0, bt)):
+        raise ValueError(f"{c.value}: k_alloc needs asymmetric key groups per channel over the "
+                         "block (no k_sym, k_group, k_clip, k_center or k_tokens)")
     if keys and c.k_sym is None or not keys and c.v_group is None:
         return x.contiguous()
     f = x.float()[0]
@@ -394,7 +401,8 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         lo, hi = g.amin(dim=axis, keepdim=True), g.amax(dim=axis, keepdim=True)
         if c.k_param_int8:
             m = torch.maximum(lo.abs(), hi.abs()).amax(dim=-1, keepdim=True)
-            ps = bf16(torch.clamp(m, min=2.0 ** -112) / 127)
+            # m / 126: the BF16 rounding (2^-9 at most) keeps every step within +-127
+            ps = bf16(torch.clamp(m, min=2.0 ** -112) / 126)
             lo, hi = torch.floor(lo / ps) * ps, torch.ceil(hi / ps) * ps
         if c.k_alloc_heads:  # [h, nb, 1, d] -> [nb, 1, h * d] and back
             rng = (hi - lo).permute(1, 2, 0, 3).reshape(p // bt, 1, h * d)
