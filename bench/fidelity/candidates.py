@@ -84,6 +84,20 @@ class Candidate:
     k_alloc_heads: bool = False  # the widths allotted over all heads' channels of the block
 
 
+def like(base: Candidate, value: str, **changes: Any) -> Candidate:
+    """base with another name and the fields in changes."""
+    return dataclasses.replace(base, value=value, **changes)
+
+
+# The bases of the E-J candidates: D7 (keys turned back by RoPE in the block and rotated, every
+# block's first token at INT8, values rotated in one asymmetric group per head), the same with
+# keys not rotated (G3), then their keys' bits allotted per channel (G2) over all heads (G7).
+_D7 = Candidate("unrope_n_v_g128", False, 128, False, 0, True, True, int8_tokens=1,
+                block_first_tokens=True, k_unrope=1e5)
+_G3 = like(_D7, "unrope_n_k_norot_v_g128", k_rot=False)
+_G2 = like(_G3, "unrope_n_k_norot_v_g128_kalloc4.1875", k_alloc=4.1875)
+_G7 = like(_G2, "G2_heads_pooled", k_alloc_heads=True)
+
 CANDIDATES = {
     "A": Candidate("k_sym_chan_v_g32_sym", True, 32),
     "B": Candidate("k_asym_chan_v_g32_sym", False, 32),  # the chosen format
@@ -166,79 +180,44 @@ CANDIDATES = {
     "D4": Candidate("unrope_B", False, 32, k_unrope=1e5),
     # Where D7's error is at 64-token blocks (exact values / exact keys), and bits moved from
     # values to keys at D7's bytes: 5-bit keys, 3-bit values.
-    "E1": Candidate("unrope_n_v_g128_k5_v3", False, 128, False, 0, True, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_bits=5, v_bits=3),
-    "E2": Candidate("unrope_n_v_exact", False, None, False, 0, True, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, int8_token_planes="k"),
-    "E3": Candidate("n_k_exact_v_g128", None, 128, False, 0, True, True, int8_tokens=1,
-                    block_first_tokens=True, int8_token_planes="v"),
-    "E4": Candidate("unrope_n_v_g128_k5", False, 128, False, 0, True, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_bits=5),
-    # Keys' bits allotted per channel by its range over the block (k_alloc), D7 / D10 / without
-    # the rotation of keys.
-    "F1": Candidate("unrope_n_v_g128_kalloc4.25", False, 128, False, 0, True, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.25),
-    "F2": Candidate("unrope_n_v_g128_kalloc4.5", False, 128, False, 0, True, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.5),
-    "F3": Candidate("n_v_g128_kalloc4.25", False, 128, False, 0, True, True,
-                    int8_tokens=1, block_first_tokens=True, k_alloc=4.25),
-    "F4": Candidate("unrope_n_k_norot_v_g128_kalloc4.25", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.25),
-    "F5": Candidate("unrope_n_v_g128_kalloc4", False, 128, False, 0, True, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.0),
-    "G1": Candidate("unrope_n_k_norot_v_g128_kalloc4", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.0),
-    "G2": Candidate("unrope_n_k_norot_v_g128_kalloc4.1875", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875),
-    "G3": Candidate("unrope_n_k_norot_v_g128", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5),
-    "G4": Candidate("unrope_n_k_norot_v_g128_kalloc4.5", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.5),
-    "H1": Candidate("G2_pow3", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=3),
-    "H2": Candidate("G2_pow4", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=4),
-    "H3": Candidate("G2_no_int8_first_kalloc4.3125", False, 128, False, 0, False, True,
-                    k_unrope=1e5, k_alloc=4.3125),
-    "H4": Candidate("G2_pow1.5", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=1.5),
-    "H5": Candidate("G2_pow1", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_pow=1),
-    "H6": Candidate("G2_bits0_7", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(0, 7)),
-    "H7": Candidate("G2_bits1_8", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(1, 8)),
-    "H8": Candidate("G2_bits3_6", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_bits=(3, 6)),
-    "G5": Candidate("n_k_norot_v_g128_kalloc4.1875 (no RoPE turn)", False, 128, False, 0, False,
-                    True, int8_tokens=1, block_first_tokens=True, k_alloc=4.1875),
-    "G6": Candidate("G2_int8_params_kalloc4.4375", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.4375,
-                    k_param_int8=True),
-    "G10": Candidate("G7_int8_params_kalloc4.4375", False, 128, False, 0, False, True,
-                     int8_tokens=1, block_first_tokens=True, k_unrope=1e5, k_alloc=4.4375,
-                     k_param_int8=True, k_alloc_heads=True),
-    "G7": Candidate("G2_heads_pooled", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_heads=True),
-    "G8": Candidate("G7_bits1_8", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.1875, k_alloc_heads=True,
-                    k_alloc_bits=(1, 8)),
-    "G9": Candidate("G7_without_the_RoPE_turn", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_alloc=4.1875, k_alloc_heads=True),
-    # Toward INT8's gate: G7 with more bits (16-token blocks).
-    "J1": Candidate("G7_k5_v5", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=5.0, k_alloc_heads=True,
-                    v_bits=5),
-    "J2": Candidate("G7_k4.5_v5", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=4.5, k_alloc_heads=True,
-                    v_bits=5),
-    "J3": Candidate("G7_k5_v4", False, 128, False, 0, False, True, int8_tokens=1,
-                    block_first_tokens=True, k_unrope=1e5, k_alloc=5.0, k_alloc_heads=True),
-    "J4": Candidate("G9_k4.5_v5 (J2 without the RoPE turn)", False, 128, False, 0, False, True,
-                    int8_tokens=1, block_first_tokens=True, k_alloc=4.5, k_alloc_heads=True,
-                    v_bits=5),
-    "E5": Candidate("n_v_g128_k5_v3", False, 128, False, 0, True, True, int8_tokens=1,
-                    block_first_tokens=True, k_bits=5, v_bits=3),
+    "E1": like(_D7, "unrope_n_v_g128_k5_v3", k_bits=5, v_bits=3),
+    "E2": like(_D7, "unrope_n_v_exact", v_group=None, int8_token_planes="k"),
+    "E3": like(_D7, "n_k_exact_v_g128", k_sym=None, k_unrope=0.0, int8_token_planes="v"),
+    "E4": like(_D7, "unrope_n_v_g128_k5", k_bits=5),
+    "E5": like(_D7, "n_v_g128_k5_v3", k_unrope=0.0, k_bits=5, v_bits=3),
+    # Keys' bits allotted per channel by its range over the block (k_alloc): D7 / D10 (F), and
+    # keys not rotated (G3 and after).
+    "F1": like(_D7, "unrope_n_v_g128_kalloc4.25", k_alloc=4.25),
+    "F2": like(_D7, "unrope_n_v_g128_kalloc4.5", k_alloc=4.5),
+    "F3": like(_D7, "n_v_g128_kalloc4.25", k_unrope=0.0, k_alloc=4.25),
+    "F4": like(_G3, "unrope_n_k_norot_v_g128_kalloc4.25", k_alloc=4.25),
+    "F5": like(_D7, "unrope_n_v_g128_kalloc4", k_alloc=4.0),
+    "G1": like(_G3, "unrope_n_k_norot_v_g128_kalloc4", k_alloc=4.0),
+    "G2": _G2,
+    "G3": _G3,
+    "G4": like(_G3, "unrope_n_k_norot_v_g128_kalloc4.5", k_alloc=4.5),
+    "G5": like(_G2, "n_k_norot_v_g128_kalloc4.1875 (no RoPE turn)", k_unrope=0.0),
+    "G6": like(_G2, "G2_int8_params_kalloc4.4375", k_alloc=4.4375, k_param_int8=True),
+    "G7": _G7,
+    "G8": like(_G7, "G7_bits1_8", k_alloc_bits=(1, 8)),
+    "G9": like(_G7, "G7_without_the_RoPE_turn", k_unrope=0.0),
+    "G10": like(_G7, "G7_int8_params_kalloc4.4375", k_alloc=4.4375, k_param_int8=True),
+    # G2's allotment varied: the gain's power, the widths' bounds, no INT8 first tokens.
+    "H1": like(_G2, "G2_pow3", k_alloc_pow=3),
+    "H2": like(_G2, "G2_pow4", k_alloc_pow=4),
+    "H3": like(_G2, "G2_no_int8_first_kalloc4.3125", int8_tokens=0, block_first_tokens=False,
+               k_alloc=4.3125),
+    "H4": like(_G2, "G2_pow1.5", k_alloc_pow=1.5),
+    "H5": like(_G2, "G2_pow1", k_alloc_pow=1),
+    "H6": like(_G2, "G2_bits0_7", k_alloc_bits=(0, 7)),
+    "H7": like(_G2, "G2_bits1_8", k_alloc_bits=(1, 8)),
+    "H8": like(_G2, "G2_bits3_6", k_alloc_bits=(3, 6)),
+    # Toward INT8's gate: G7 with more bits.
+    "J1": like(_G7, "G7_k5_v5", k_alloc=5.0, v_bits=5),
+    "J2": like(_G7, "G7_k4.5_v5", k_alloc=4.5, v_bits=5),
+    "J3": like(_G7, "G7_k5_v4", k_alloc=5.0),
+    "J4": like(_G7, "G9_k4.5_v5 (J2 without the RoPE turn)", k_unrope=0.0, k_alloc=4.5,
+               v_bits=5),
     # Centred keys (k_center): the block's channel means out, then the rotation and per-token
     # groups of k_group (sym or asym); values rotated, asym groups of v_group.
     "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
