@@ -218,6 +218,8 @@ CANDIDATES = {
     "J3": like(_G7, "G7_k5_v4", k_alloc=5.0),
     "J4": like(_G7, "G9_k4.5_v5 (J2 without the RoPE turn)", k_unrope=0.0, k_alloc=4.5,
                v_bits=5),
+    "J5": like(_G7, "G7_k5_v5_int8_params", k_alloc=5.0, v_bits=5, k_param_int8=True),
+    "J6": like(_G7, "G7_k5.25_v5_int8_params", k_alloc=5.25, v_bits=5, k_param_int8=True),
     # Centred keys (k_center): the block's channel means out, then the rotation and per-token
     # groups of k_group (sym or asym); values rotated, asym groups of v_group.
     "C1": Candidate("centre_bf16_had_k_g128_sym_v_g32_asym", True, 32, False, 0, True, True,
