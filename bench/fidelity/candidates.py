@@ -346,10 +346,12 @@ def quantize(x: torch.Tensor, c: Candidate, keys: bool, bt: int, layer: int = 0,
         return quantize_with_int8_tokens(x, c, keys, bt)
     sym = c.k_sym if keys else c.v_sym
     bits = c.k_bits if keys else c.v_bits
-    if keys and c.k_alloc and (c.k_sym is not False or c.k_group or c.k_clip or c.k_center
-                               or c.k_tokens not in (0, bt)):
-        raise ValueError(f"{c.value}: k_alloc needs asymmetric key groups per channel over the "
-                         "block (no k_sym, k_group, k_clip, k_center or k_tokens)")
+    if keys and (c.k_alloc or c.k_param_int8 or c.k_alloc_heads) and (
+            not c.k_alloc or c.k_sym is not False or c.k_group or c.k_clip or c.k_center
+            or c.k_tokens not in (0, bt)):
+        raise ValueError(f"{c.value}: k_param_int8 and k_alloc_heads need k_alloc, and k_alloc "
+                         "asymmetric key groups per channel over the block (no k_sym, k_group, "
+                         "k_clip, k_center or k_tokens)")
     if keys and c.k_sym is None or not keys and c.v_group is None:
         return x.contiguous()
     f = x.float()[0]
@@ -488,15 +490,15 @@ def bytes_per_token(c: Candidate, hd: int, layers: int, bt: int, head_dim: int) 
             out += (int8 - per_token) / bt
         return out
 
-    centre = 0.0
+    k_extra = 0.0  # K bytes per block beyond the codes and BF16 parameters
     if c.k_center:
-        centre = 2 * hd if c.k_center == "bf16" else hd + 2 * hd / head_dim
+        k_extra = 2 * hd if c.k_center == "bf16" else hd + 2 * hd / head_dim
     if c.k_alloc:
-        centre += 3 * hd / 8
+        k_extra += 3 * hd / 8  # the widths
     if c.k_param_int8:
-        centre += -2 * hd + 2 * hd / head_dim
+        k_extra += -2 * hd + 2 * hd / head_dim  # INT8 minimum and maximum, a scale per head
     k = side(c.k_alloc or c.k_bits, c.k_sym, min(c.k_group, head_dim) if c.k_group else 0,
-             0 if c.k_group else bt / (c.k_tokens or bt), centre, "k")
+             0 if c.k_group else bt / (c.k_tokens or bt), k_extra, "k")
     v = (2 * hd if c.v_group is None else
          side(c.v_bits, c.v_sym, 0 if c.v_chan else c.v_group, 1 if c.v_chan else 0, 0.0, "v"))
     n8 = len(c.int8_layers)
