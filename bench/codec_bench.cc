@@ -59,12 +59,16 @@ constexpr uint32_t kBlockTokens = 64;
 // The scalar reference is ~10x slower; a smaller (still DRAM-sized) job keeps the run short.
 constexpr uint32_t kReferenceBlocks = 8;
 
+// Qwen3's RoPE base (rope_theta), for the codec that turns keys by it (INT5 allot).
+constexpr double kQwen3RopeTheta = 1e6;
+
 BlockLayout Qwen3Layout(CodecKind codec) {
   BlockLayout lay;
   lay.row.num_heads = 8;
   lay.row.head_dim = 128;
   lay.row.dtype = DType::kBF16;
   lay.row.codec = codec;
+  if (codec == CodecKind::kInt5Allot) lay.row.rope_theta = kQwen3RopeTheta;
   lay.num_layers = 36;
   lay.kv_planes = 2;
   lay.block_tokens = kBlockTokens;
@@ -114,12 +118,14 @@ struct BenchData {
     EncodeJob job =
         testutil::MakeEncodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded, nonfinite);
     job.layout.row.codec = codec;
+    job.layout.row.rope_theta = codec == CodecKind::kInt5Allot ? kQwen3RopeTheta : 0.0;
     job.num_blocks = blocks;
     return job;
   }
   DecodeJob Decode(uint32_t blocks, CodecKind codec = CodecKind::kInt8PerHead) {
     DecodeJob job = testutil::MakeDecodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded);
     job.layout.row.codec = codec;
+    job.layout.row.rope_theta = codec == CodecKind::kInt5Allot ? kQwen3RopeTheta : 0.0;
     job.num_blocks = blocks;
     return job;
   }
@@ -386,8 +392,8 @@ void BM_Decode(benchmark::State& state) {
 
 // The other codecs through the same executor: RAW (the bit-exact control: a copy of the gathered
 // rows into the block layout), FP8 E4M3 (INT8's row format, other arithmetic) and INT4 (groups
-// of 32, 576-byte rows for 8x128); the two 4-bit formats stored per plane, INT4 KIVI and INT4
-// Hadamard.
+// of 32, 576-byte rows for 8x128); the formats stored per plane, INT4 KIVI, INT4 Hadamard and
+// INT5 allot (keys turned by Qwen3's rope).
 void BM_EncodeCodec(benchmark::State& state, CodecKind codec) {
   BenchData& d = Data();
   CpuCodec codec_threads(static_cast<unsigned>(state.range(0)));
@@ -572,6 +578,14 @@ BENCHMARK_CAPTURE(BM_EncodeCodec, Int4Hadamard, CodecKind::kInt4Hadamard)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_DecodeCodec, Int4Hadamard, CodecKind::kInt4Hadamard)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int5Allot, CodecKind::kInt5Allot)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int5Allot, CodecKind::kInt5Allot)
     ->Apply(ThreadArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);

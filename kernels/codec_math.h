@@ -1,5 +1,5 @@
 // The per-element arithmetic of every codec that quantizes (INT8, FP8, INT4 grouped, INT4 KIVI,
-// INT4 Hadamard), written once.
+// INT4 Hadamard, INT5 allot: its section at the end and kernels/README.md), written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
@@ -340,25 +340,41 @@ constexpr int kKiviKQMax = 15;
 HIQ_HD uint16_t KiviKZeroBits(float lo, DType dtype) { return FloatToHalfSat(lo + 0.0f, dtype); }
 
 // The bf16 scale of a channel whose elements lie in [lo, hi] (finite values of the input dtype).
-HIQ_HD uint16_t KiviKScaleBf16(float lo, float hi) {
+// The asymmetric codes of KIVI's K, of INT4 Hadamard and of INT5 allot, for `top` = 2^bits - 1
+// levels above the zero point z (bits <= 8): s = bf16_rne(max(0.5 hi - 0.5 lo, 2^-112) /
+// (0.5 top)), q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, top), x^ = 2 * (q * (0.5 s) + 0.5 z)
+// in fp32 (q * 0.5 s is exact: 8 + 8 bits). The halvings keep a range near the largest finite
+// values finite; 0.5 top is exact, so the scale is that of (hi - lo) / top.
+HIQ_HD uint16_t AsymScaleBf16(float lo, float hi, uint32_t top) {
   float r = 0.5f * hi - 0.5f * lo;
   const float floor = BitsToFloat(kAmaxFloorBits);
   if (!(r >= floor)) r = floor;
-  return FloatToBf16Sat(r / 7.5f);
+  return FloatToBf16Sat(r / (0.5f * static_cast<float>(top)));
 }
+
+HIQ_HD uint32_t QuantizeAsymElement(float x, float z, float s, uint32_t top) {
+  float q = RoundHalfEven(2.0f * ((0.5f * x - 0.5f * z) / s));
+  if (q > static_cast<float>(top)) q = static_cast<float>(top);
+  if (q < 0.0f) q = 0.0f;
+  return static_cast<uint32_t>(q);
+}
+
+HIQ_HD float DequantizeAsymFloat(uint32_t q, float z, float s) {
+  return 2.0f * (static_cast<float>(q) * (0.5f * s) + 0.5f * z);
+}
+
+// The bf16 scale of a channel whose elements lie in [lo, hi] (finite values of the input dtype).
+HIQ_HD uint16_t KiviKScaleBf16(float lo, float hi) { return AsymScaleBf16(lo, hi, kKiviKQMax); }
 
 // q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, 15), as an unsigned nibble.
 HIQ_HD uint32_t QuantizeKiviKElement(float x, float z, float s) {
-  float q = RoundHalfEven(2.0f * ((0.5f * x - 0.5f * z) / s));
-  if (q > static_cast<float>(kKiviKQMax)) q = static_cast<float>(kKiviKQMax);
-  if (q < 0.0f) q = 0.0f;
-  return static_cast<uint32_t>(q);
+  return QuantizeAsymElement(x, z, s, kKiviKQMax);
 }
 
 // x^ = rne(2 * (q * (0.5 s) + 0.5 z)): fp32's q * s + z, without overflow where the channel's
 // range is near the dtype's largest values.
 HIQ_HD uint16_t DequantizeKiviKElement(uint32_t nibble, float z, float s, DType dtype) {
-  return FloatToHalfSat(2.0f * (static_cast<float>(nibble & 0xFu) * (0.5f * s) + 0.5f * z), dtype);
+  return FloatToHalfSat(DequantizeAsymFloat(nibble & 0xFu, z, s), dtype);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,6 +421,181 @@ HIQ_HD uint32_t HadamardLimitBits(uint32_t r) {
 // Whether |v| < the limit whose bits are `limit_bits` (false for NaN and Inf).
 HIQ_HD bool HadamardInRange(float v, uint32_t limit_bits) {
   return (FloatToBits(v) & 0x7FFFFFFFu) < limit_bits;
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT5 allot (CODEC_INT5_ALLOT; the format is kernels/README.md's and record_format.h's).
+
+// Key bits per element on average, times 4 (5.25), and a channel's least and most bits.
+constexpr uint32_t kAllotKeyBitsTimes4 = 21;
+constexpr uint32_t kAllotMinBits = 2;
+constexpr uint32_t kAllotMaxBits = 8;
+constexpr uint32_t kAllotValueBits = 5;
+constexpr uint32_t kAllotValueTop = (1u << kAllotValueBits) - 1u;
+// A head's step s_h = bf16_rne(max(m_h, 2^-112) / 126): the channel bounds floor(lo / s_h) and
+// ceil(hi / s_h) stay in [-127, 127] (the rounding of s_h is at most 2^-8 relative).
+constexpr float kAllotStepDivisor = 126.0f;
+// Keys of magnitude >= 2^120 are refused as NaN is: their turned values and ranges stay finite.
+constexpr uint32_t kAllotKeyLimitBits = (127u + 120u) << 23;
+// One bit more for a channel (b -> b + 1) gains its range times 2^-b: the gain's fp32 bits are
+// the range's less b << 23 (a range is >= 2^-119, so every gain is a normal number).
+constexpr uint32_t kAllotExponentOne = 1u << 23;
+
+// Bits of one stored key row (tokens 1..): 21/4 per element; bytes rounded up (exact for
+// H*D % 8 == 0, which D % 32 == 0 gives).
+HIQ_HD size_t AllotKeyRowBits(size_t channels) { return channels * kAllotKeyBitsTimes4 / 4; }
+HIQ_HD size_t AllotKeyRowBytes(size_t channels) { return (AllotKeyRowBits(channels) + 7) / 8; }
+// Widening steps shared by a block's channels: the row's bits less kAllotMinBits per channel.
+HIQ_HD uint32_t AllotIncrements(size_t channels) {
+  return static_cast<uint32_t>(AllotKeyRowBits(channels) - kAllotMinBits * channels);
+}
+// Bytes of a value row's 5-bit codes (H*D % 8 == 0).
+HIQ_HD size_t AllotValueCodeBytes(size_t channels) { return channels * kAllotValueBits / 8; }
+
+HIQ_HD float FloorFloat(float v) {
+#if defined(__CUDA_ARCH__)
+  return floorf(v);
+#else
+  return __builtin_floorf(v);
+#endif
+}
+
+HIQ_HD float CeilFloat(float v) {
+#if defined(__CUDA_ARCH__)
+  return ceilf(v);
+#else
+  return __builtin_ceilf(v);
+#endif
+}
+
+// The step of a head whose turned keys' largest |y| (tokens 1.., fp32) is m.
+HIQ_HD uint16_t AllotStepBf16(float m) {
+  const float floor = BitsToFloat(kAmaxFloorBits);
+  if (!(m >= floor)) m = floor;
+  return FloatToBf16Sat(m / kAllotStepDivisor);
+}
+
+// A channel's bounds in steps: floor(lo / s) and ceil(hi / s), quotients in fp32.
+HIQ_HD int8_t AllotLowerSteps(float lo, float s) { return static_cast<int8_t>(FloorFloat(lo / s)); }
+HIQ_HD int8_t AllotUpperSteps(float hi, float s) { return static_cast<int8_t>(CeilFloat(hi / s)); }
+
+// The fp32 bits of a channel's range (upper - lower) * s, (a corrupt record's negative range
+// or non-finite step read as the largest finite range or 0).
+HIQ_HD uint32_t AllotRangeBits(int8_t lower, int8_t upper, float s) {
+  const int32_t r = static_cast<int32_t>(upper) - static_cast<int32_t>(lower);
+  const uint32_t u = FloatToBits(static_cast<float>(r > 0 ? r : 0) * s) & 0x7FFFFFFFu;
+  return u > 0x7F7FFFFFu ? 0x7F7FFFFFu : u;
+}
+
+// Of a channel's widening steps b -> b + 1 (b = 2..7), how many gain more than fp32 bits t.
+HIQ_HD uint32_t AllotStepsAbove(uint32_t range_bits, uint32_t t) {
+  if (range_bits <= t) return 0;
+  const uint32_t k = (range_bits - t + kAllotExponentOne - 1u) >> 23;  // b < k gain more
+  if (k <= kAllotMinBits) return 0;
+  return k - kAllotMinBits > kAllotMaxBits - kAllotMinBits ? kAllotMaxBits - kAllotMinBits
+                                                           : k - kAllotMinBits;
+}
+
+// The allotment's threshold: the smallest fp32 bit pattern t with fewer than n widening steps
+// gaining more than t, found by bisection over the bit patterns (a gain's bits order as its
+// value); `above(t)` counts the steps of all channels gaining more than t (the sum of
+// AllotStepsAbove; an executor may count in any order, the count is an integer). REQUIRES: n >= 1.
+template <class CountAbove>
+HIQ_HD uint32_t AllotThreshold(uint32_t n, const CountAbove& above) {
+  uint32_t lo = 0;
+  uint32_t hi = 0x7F800000u;  // above every range: no step gains more
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2u;
+    if (above(mid) < n) {
+      hi = mid;
+    } else {
+      lo = mid + 1u;
+    }
+  }
+  return lo;
+}
+
+// The widths from the threshold t: each channel's steps gaining more than t, then the steps of
+// gain exactly t channel by channel, until n steps are taken (never more).
+HIQ_HD void AllotAssign(const uint32_t* range_bits, uint32_t channels, uint32_t n, uint32_t t,
+                        uint8_t* widths) {
+  uint32_t left = n;
+  for (uint32_t c = 0; c < channels; ++c) {
+    uint32_t k = AllotStepsAbove(range_bits[c], t);
+    if (k > left) k = left;
+    left -= k;
+    widths[c] = static_cast<uint8_t>(kAllotMinBits + k);
+  }
+  for (uint32_t c = 0; c < channels && left > 0; ++c) {  // the steps of gain exactly t
+    const uint32_t u = range_bits[c];
+    const uint32_t room = kAllotMaxBits - widths[c];
+    if (room == 0) continue;
+    uint32_t k = 0;
+    if (t == 0) {
+      k = u == 0 ? room : 0;  // a zero range's steps all gain 0
+    } else if (u > t && ((u - t) & (kAllotExponentOne - 1u)) == 0 && (u - t) >> 23 == widths[c]) {
+      k = 1;  // its next step, b = widths[c], gains exactly t
+    }
+    if (k > left) k = left;
+    left -= k;
+    widths[c] = static_cast<uint8_t>(widths[c] + k);
+  }
+}
+
+// The widths of a block's key channels (the allotment): every channel starts at 2 bits, and
+// the n = AllotIncrements(channels) widening steps of largest gain are taken, a step b -> b + 1
+// of channel c gaining R_c * 2^-b (R_c = its range, AllotRangeBits): the least squared error
+// sum_c R_c^2 4^-w_c, as each channel's gains fall with every bit. Steps of equal gain are
+// taken in channel order (AllotThreshold, then AllotAssign). Never more than n steps, so a
+// corrupt record's widths still fit its rows. range_bits[c] for c < channels; widths[c] out.
+HIQ_HD void AllotKeyWidths(const uint32_t* range_bits, uint32_t channels, uint8_t* widths) {
+  const uint32_t n = AllotIncrements(channels);
+  const uint32_t t = AllotThreshold(n, [&](uint32_t mid) {
+    uint32_t above = 0;
+    for (uint32_t c = 0; c < channels; ++c) above += AllotStepsAbove(range_bits[c], mid);
+    return above;
+  });
+  AllotAssign(range_bits, channels, n, t, widths);
+}
+
+// Bit fields of up to 8 bits, least significant bit first, at bit offset `bit` of `row`.
+// PutBits ORs into a zeroed row; GetBits reads only the bytes the field covers.
+HIQ_HD void PutBits(uint8_t* row, size_t bit, uint32_t value, uint32_t width) {
+  const size_t byte = bit >> 3;
+  const uint32_t shift = static_cast<uint32_t>(bit & 7u);
+  const uint32_t v = (value & ((1u << width) - 1u)) << shift;
+  row[byte] = static_cast<uint8_t>(row[byte] | (v & 0xFFu));
+  if (shift + width > 8u) row[byte + 1] = static_cast<uint8_t>(row[byte + 1] | (v >> 8));
+}
+
+HIQ_HD uint32_t GetBits(const uint8_t* row, size_t bit, uint32_t width) {
+  const size_t byte = bit >> 3;
+  const uint32_t shift = static_cast<uint32_t>(bit & 7u);
+  uint32_t v = row[byte];
+  if (shift + width > 8u) v |= static_cast<uint32_t>(row[byte + 1]) << 8;
+  return (v >> shift) & ((1u << width) - 1u);
+}
+
+// The partner of element i in its RoPE pair and whether i is the pair's first: rotate-half
+// pairs (i, i + D/2), or interleaved (2j, 2j + 1); the pair's frequency index is j.
+HIQ_HD uint32_t RopePairIndex(uint32_t i, uint32_t head_dim, bool interleaved) {
+  return interleaved ? i / 2u : (i < head_dim / 2u ? i : i - head_dim / 2u);
+}
+HIQ_HD uint32_t RopePartner(uint32_t i, uint32_t head_dim, bool interleaved) {
+  return interleaved ? (i ^ 1u) : (i < head_dim / 2u ? i + head_dim / 2u : i - head_dim / 2u);
+}
+HIQ_HD bool RopeIsFirst(uint32_t i, uint32_t head_dim, bool interleaved) {
+  return interleaved ? (i & 1u) == 0 : i < head_dim / 2u;
+}
+
+// The turn of a pair (a, b) by an angle of cosine c and sine s, in fp32 with every product and
+// sum rounded on its own (never fused): back (encode) a c + b s, b c - a s; forward (decode)
+// a c - b s, b c + a s. Element i of a pair is the first or the second.
+HIQ_HD float TurnBack(float a, float b, float c, float s, bool first) {
+  return first ? a * c + b * s : a * c - b * s;  // for the second, a is it and b the first
+}
+HIQ_HD float TurnForward(float a, float b, float c, float s, bool first) {
+  return first ? a * c - b * s : a * c + b * s;
 }
 
 }  // namespace hiqcache::kernels

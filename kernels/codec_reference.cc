@@ -3,6 +3,8 @@
 #include <cstring>
 #include <vector>
 
+#include "rope_turn.h"
+
 namespace hiqcache::kernels {
 namespace {
 
@@ -80,6 +82,34 @@ std::vector<uint32_t> Iota(uint32_t n) {
   std::vector<uint32_t> v(n);
   for (uint32_t i = 0; i < n; ++i) v[i] = i;
   return v;
+}
+
+// A plane whose token 0 is an INT8 row of the input (INT4 Hadamard, INT5 allot): heads split
+// into runs are encoded from a contiguous copy; row 0 as INT8's row, then `rest(view, rows)`
+// encodes tokens 1..num_rows-1 of whole heads.
+template <class Rest>
+bool EncodeAfterInt8Row(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                        uint32_t num_rows, uint8_t* dst, const Rest& rest) {
+  if (view.dim_run != 0) {
+    std::vector<uint8_t> bytes;
+    const StridedView copy = RowCopy(fmt, &bytes, num_rows);
+    GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, num_rows, copy.base);
+    return EncodeAfterInt8Row(fmt, copy, Iota(num_rows).data(), num_rows, dst, rest);
+  }
+  if (!EncodeRowReference(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
+  return num_rows <= 1 || rest(view, rows);
+}
+
+// Decodes `count` rows through `decode(view, rows)` on whole heads: into a contiguous copy,
+// then scattered, where the view splits heads into runs.
+template <class Decode>
+void DecodeWholeHeads(const RowFormat& fmt, uint32_t count, const StridedView& view,
+                      const uint32_t* rows, const Decode& decode) {
+  if (view.dim_run == 0) return decode(view, rows);
+  std::vector<uint8_t> bytes;
+  const StridedView copy = RowCopy(fmt, &bytes, count);
+  decode(copy, Iota(count).data());
+  ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, rows, count);
 }
 
 }  // namespace
@@ -183,18 +213,9 @@ uint8_t KiviNibblePair(const float* y, float z0, float s0, float z1, float s1) {
                               (QuantizeKiviKElement(y[1], z1, s1) << 4));
 }
 
-}  // namespace
-
-bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
-                                  const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
-  if (view.dim_run != 0) {  // split heads: from a contiguous copy of the rows
-    std::vector<uint8_t> bytes;
-    const StridedView copy = RowCopy(fmt, &bytes, num_rows);
-    GatherHeads(view, fmt.num_heads, fmt.head_dim, rows, num_rows, copy.base);
-    return EncodeHadamardPlaneReference(fmt, plane, copy, Iota(num_rows).data(), num_rows, dst);
-  }
-  if (!EncodeRowReference(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
-  if (num_rows <= 1) return true;
+// INT4 Hadamard's tokens 1..num_rows-1 of a plane (whole heads).
+bool EncodeHadamardRotatedReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                                    const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
   const uint32_t n = num_rows - 1;  // the rotated tokens 1..num_rows-1
@@ -260,17 +281,10 @@ bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const St
   return true;
 }
 
-void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
-                                 uint32_t block_tokens, uint32_t begin, uint32_t end,
-                                 const StridedView& view, const uint32_t* rows) {
-  if (view.dim_run != 0) {  // split heads: into a contiguous copy, then scattered
-    std::vector<uint8_t> bytes;
-    const StridedView copy = RowCopy(fmt, &bytes, end - begin);
-    DecodeHadamardRowsReference(fmt, plane, src, block_tokens, begin, end, copy,
-                                Iota(end - begin).data());
-    ScatterHeads(copy.base, fmt.num_heads, fmt.head_dim, view, rows, end - begin);
-    return;
-  }
+// INT4 Hadamard's rows [begin, end) of a plane into whole heads.
+void DecodeHadamardWholeHeads(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                              uint32_t block_tokens, uint32_t begin, uint32_t end,
+                              const StridedView& view, const uint32_t* rows) {
   const uint32_t d = fmt.head_dim;
   const uint32_t r = HadamardRun(d);
   const float c_d = HadamardDecodeFactor(r);
@@ -301,6 +315,241 @@ void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uin
       for (uint32_t i = 0; i < d; ++i) StoreU16(out + 2 * i, FloatToHalfSat(w[i] * c_d, fmt.dtype));
     }
   }
+}
+
+}  // namespace
+
+bool EncodeHadamardPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                                  const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  return EncodeAfterInt8Row(
+      fmt, view, rows, num_rows, dst, [&](const StridedView& whole, const uint32_t* whole_rows) {
+        return EncodeHadamardRotatedReference(fmt, plane, whole, whole_rows, num_rows, dst);
+      });
+}
+
+void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                                 uint32_t block_tokens, uint32_t begin, uint32_t end,
+                                 const StridedView& view, const uint32_t* rows) {
+  DecodeWholeHeads(fmt, end - begin, view, rows, [&](const StridedView& v, const uint32_t* r) {
+    DecodeHadamardWholeHeads(fmt, plane, src, block_tokens, begin, end, v, r);
+  });
+}
+
+namespace {
+
+// An INT5 allot K plane's channel parameters, as the decoder reads them back: each channel's
+// width, zero point (its lower bound), scale and bit offset in a row.
+struct AllotKeyChannels {
+  std::vector<uint8_t> width;
+  std::vector<float> zero;
+  std::vector<float> scale;
+  std::vector<uint32_t> offset;
+};
+
+// From the parameters at `params` (H bf16 steps, H*D int8 lower, H*D int8 upper bounds).
+AllotKeyChannels ReadAllotKeyChannels(const RowFormat& fmt, const uint8_t* params) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const auto* lower = reinterpret_cast<const int8_t*>(params + 2 * fmt.num_heads);
+  const int8_t* upper = lower + channels;
+  AllotKeyChannels ch;
+  ch.width.resize(channels);
+  ch.zero.resize(channels);
+  ch.scale.resize(channels);
+  ch.offset.resize(channels);
+  std::vector<uint32_t> range(channels);
+  for (size_t c = 0; c < channels; ++c) {
+    const float step = Bf16ToFloat(LoadU16(params + 2 * (c / d)));
+    range[c] = AllotRangeBits(lower[c], upper[c], step);
+  }
+  AllotKeyWidths(range.data(), static_cast<uint32_t>(channels), ch.width.data());
+  uint32_t bit = 0;
+  for (size_t c = 0; c < channels; ++c) {
+    const float step = Bf16ToFloat(LoadU16(params + 2 * (c / d)));
+    const float lo = static_cast<float>(lower[c]) * step;
+    const float hi = static_cast<float>(upper[c]) * step;
+    ch.zero[c] = lo;
+    ch.scale[c] = Bf16ToFloat(AsymScaleBf16(lo, hi, (1u << ch.width[c]) - 1u));
+    ch.offset[c] = bit;
+    bit += ch.width[c];
+  }
+  return ch;
+}
+
+// INT5 allot's K plane, tokens 1..num_rows-1 (whole heads): turned back, bounded, allotted,
+// coded. False when a key is NaN, Inf or of magnitude >= 2^120.
+bool EncodeAllotKeysReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                              uint32_t num_rows, uint8_t* dst) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  const uint32_t n = num_rows - 1;
+  const RopeTurn turn = MakeRopeTurn(fmt, num_rows);
+  std::vector<float> y(n * channels);
+  std::vector<float> x(d);
+  for (uint32_t t = 1; t < num_rows; ++t) {
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      const uint8_t* src = view.Head(rows[t], h);
+      for (uint32_t i = 0; i < d; ++i) {
+        x[i] = HalfToFloat(LoadU16(src + 2 * i), fmt.dtype);
+        if ((FloatToBits(x[i]) & 0x7FFFFFFFu) >= kAllotKeyLimitBits) return false;
+      }
+      float* yt = &y[(t - 1) * channels + size_t{h} * d];
+      for (uint32_t i = 0; i < d; ++i) {
+        const uint32_t j = RopePairIndex(i, d, fmt.rope_interleaved);
+        yt[i] = TurnBack(x[i], x[RopePartner(i, d, fmt.rope_interleaved)], turn.Cos(t, j),
+                         turn.Sin(t, j), RopeIsFirst(i, d, fmt.rope_interleaved));
+      }
+    }
+  }
+  uint8_t* params = dst + fmt.PlaneRowOffset(0, num_rows);
+  auto* lower = reinterpret_cast<int8_t*>(params + 2 * fmt.num_heads);
+  int8_t* upper = lower + channels;
+  for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+    float m = 0.0f;
+    for (uint32_t t = 0; t < n; ++t) {
+      for (uint32_t i = 0; i < d; ++i) {
+        const float a = y[t * channels + size_t{h} * d + i];
+        m = (a < 0.0f ? -a : a) > m ? (a < 0.0f ? -a : a) : m;
+      }
+    }
+    const uint16_t step_bits = AllotStepBf16(m);
+    StoreU16(params + 2 * h, step_bits);
+    const float step = Bf16ToFloat(step_bits);
+    for (uint32_t i = 0; i < d; ++i) {
+      const size_t c = size_t{h} * d + i;
+      float lo = y[c];
+      float hi = y[c];
+      for (uint32_t t = 1; t < n; ++t) {
+        lo = y[t * channels + c] < lo ? y[t * channels + c] : lo;
+        hi = y[t * channels + c] > hi ? y[t * channels + c] : hi;
+      }
+      lower[c] = AllotLowerSteps(lo, step);
+      upper[c] = AllotUpperSteps(hi, step);
+    }
+  }
+  const AllotKeyChannels ch = ReadAllotKeyChannels(fmt, params);
+  const size_t row_bytes = AllotKeyRowBytes(channels);
+  for (uint32_t t = 0; t < n; ++t) {
+    uint8_t* codes = dst + fmt.PlaneRowOffset(0, t + 1);
+    std::memset(codes, 0, row_bytes);
+    for (size_t c = 0; c < channels; ++c) {
+      const uint32_t top = (1u << ch.width[c]) - 1u;
+      PutBits(codes, ch.offset[c],
+              QuantizeAsymElement(y[t * channels + c], ch.zero[c], ch.scale[c], top), ch.width[c]);
+    }
+  }
+  return true;
+}
+
+// INT5 allot's V plane, tokens 1..num_rows-1 (whole heads): rotated, 5-bit codes per head.
+bool EncodeAllotValuesReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                                uint32_t num_rows, uint8_t* dst) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  std::vector<float> y(d);
+  for (uint32_t t = 1; t < num_rows; ++t) {
+    uint8_t* codes = dst + fmt.PlaneRowOffset(1, t);
+    uint8_t* zeros = codes + AllotValueCodeBytes(channels);
+    uint8_t* scales = zeros + 2 * fmt.num_heads;
+    std::memset(codes, 0, AllotValueCodeBytes(channels));
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      if (!RotateHeadReference(fmt, view.Head(rows[t], h), y.data())) return false;
+      float lo = y[0];
+      float hi = y[0];
+      for (uint32_t i = 1; i < d; ++i) {
+        lo = y[i] < lo ? y[i] : lo;
+        hi = y[i] > hi ? y[i] : hi;
+      }
+      const uint16_t z_bits = KiviKZeroBits(lo, DType::kBF16);
+      const uint16_t s_bits = AsymScaleBf16(lo, hi, kAllotValueTop);
+      StoreU16(zeros + 2 * h, z_bits);
+      StoreU16(scales + 2 * h, s_bits);
+      const float z = Bf16ToFloat(z_bits);
+      const float sc = Bf16ToFloat(s_bits);
+      for (uint32_t i = 0; i < d; ++i) {
+        PutBits(codes, (size_t{h} * d + i) * kAllotValueBits,
+                QuantizeAsymElement(y[i], z, sc, kAllotValueTop), kAllotValueBits);
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool EncodeAllotPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
+                               const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
+  return EncodeAfterInt8Row(
+      fmt, view, rows, num_rows, dst, [&](const StridedView& whole, const uint32_t* whole_rows) {
+        return plane == 0 ? EncodeAllotKeysReference(fmt, whole, whole_rows, num_rows, dst)
+                          : EncodeAllotValuesReference(fmt, whole, whole_rows, num_rows, dst);
+      });
+}
+
+namespace {
+
+// INT5 allot's rows [begin, end) of a plane into whole heads.
+void DecodeAllotWholeHeads(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                           uint32_t block_tokens, uint32_t begin, uint32_t end,
+                           const StridedView& view, const uint32_t* rows) {
+  const uint32_t d = fmt.head_dim;
+  const size_t channels = fmt.ElementsPerRow();
+  if (begin == 0) DecodeRowReference(fmt.FirstRowFormat(), src, view, rows[0]);
+  const uint32_t first = begin == 0 ? 1 : begin;
+  if (first >= end) return;
+  std::vector<float> y(channels);
+  if (plane == 0) {
+    const RopeTurn turn = MakeRopeTurn(fmt, block_tokens);
+    const AllotKeyChannels ch =
+        ReadAllotKeyChannels(fmt, src + fmt.PlaneRowOffset(0, block_tokens));
+    for (uint32_t t = first; t < end; ++t) {
+      const uint8_t* codes = src + fmt.PlaneRowOffset(0, t);
+      for (size_t c = 0; c < channels; ++c) {
+        y[c] =
+            DequantizeAsymFloat(GetBits(codes, ch.offset[c], ch.width[c]), ch.zero[c], ch.scale[c]);
+      }
+      for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+        const float* yh = &y[size_t{h} * d];
+        uint8_t* out = view.Head(rows[t - begin], h);
+        for (uint32_t i = 0; i < d; ++i) {
+          const uint32_t j = RopePairIndex(i, d, fmt.rope_interleaved);
+          const float v =
+              TurnForward(yh[i], yh[RopePartner(i, d, fmt.rope_interleaved)], turn.Cos(t, j),
+                          turn.Sin(t, j), RopeIsFirst(i, d, fmt.rope_interleaved));
+          StoreU16(out + 2 * i, FloatToHalfSat(v, fmt.dtype));
+        }
+      }
+    }
+    return;
+  }
+  const uint32_t r = HadamardRun(d);
+  const float c_d = HadamardDecodeFactor(r);
+  for (uint32_t t = first; t < end; ++t) {
+    const uint8_t* codes = src + fmt.PlaneRowOffset(1, t);
+    const uint8_t* zeros = codes + AllotValueCodeBytes(channels);
+    const uint8_t* scales = zeros + 2 * fmt.num_heads;
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      const float z = Bf16ToFloat(LoadU16(zeros + 2 * h));
+      const float sc = Bf16ToFloat(LoadU16(scales + 2 * h));
+      for (uint32_t i = 0; i < d; ++i) {
+        const uint32_t q = GetBits(codes, (size_t{h} * d + i) * kAllotValueBits, kAllotValueBits);
+        y[i] = Bf16ToFloat(FloatToBf16Sat(DequantizeAsymFloat(q, z, sc)));
+      }
+      for (uint32_t j = 0; j < d; j += r) HadamardTransform(y.data() + j, r);
+      uint8_t* out = view.Head(rows[t - begin], h);
+      for (uint32_t i = 0; i < d; ++i) StoreU16(out + 2 * i, FloatToHalfSat(y[i] * c_d, fmt.dtype));
+    }
+  }
+}
+
+}  // namespace
+
+void DecodeAllotRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
+                              uint32_t block_tokens, uint32_t begin, uint32_t end,
+                              const StridedView& view, const uint32_t* rows) {
+  DecodeWholeHeads(fmt, end - begin, view, rows, [&](const StridedView& v, const uint32_t* r) {
+    DecodeAllotWholeHeads(fmt, plane, src, block_tokens, begin, end, v, r);
+  });
 }
 
 bool EncodeRowReference(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst) {
@@ -386,6 +635,12 @@ void EncodeBlocksReference(const EncodeJob& job) {
                                            lay.block_tokens, job.blocks[b] + lay.PlaneOffset(l, p));
           continue;
         }
+        if (lay.row.codec == CodecKind::kInt5Allot) {
+          finite &=
+              EncodeAllotPlaneReference(lay.row, p, job.layers[l].planes[p], rows, lay.block_tokens,
+                                        job.blocks[b] + lay.PlaneOffset(l, p));
+          continue;
+        }
         if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {
           finite &=
               EncodeKiviKPlaneReference(lay.row, job.layers[l].planes[0], rows, lay.block_tokens,
@@ -411,6 +666,12 @@ void DecodeLayerReference(const DecodeJob& job, uint32_t layer) {
         DecodeHadamardRowsReference(lay.row, p, job.blocks[b] + lay.PlaneOffset(layer, p),
                                     lay.block_tokens, 0, lay.block_tokens,
                                     job.layers[layer].planes[p], rows);
+        continue;
+      }
+      if (lay.row.codec == CodecKind::kInt5Allot) {
+        DecodeAllotRowsReference(lay.row, p, job.blocks[b] + lay.PlaneOffset(layer, p),
+                                 lay.block_tokens, 0, lay.block_tokens, job.layers[layer].planes[p],
+                                 rows);
         continue;
       }
       if (lay.row.codec == CodecKind::kInt4Kivi && p == 0) {

@@ -33,6 +33,15 @@ enum class CodecKind : uint8_t {
   // block_tokens == 1); plane 1 (V) rows of H*D/2 bytes of codes, then H*D/32 bf16 zero points
   // and H*D/32 bf16 scales, one pair per group of 32 rotated elements. D % 32 == 0.
   kInt4Hadamard = 5,
+  // Keys turned back by RoPE and stored at bits allotted per channel, values rotated at 5 bits,
+  // stored per plane of a block (codec_math.h "INT5 allot"): row 0 of every plane (each block's
+  // first token) is a kInt8PerHead row of the input; plane 0 (K) rows 1..block_tokens-1 hold the
+  // turned keys' codes, channel c's at AllotKeyRowBits' bit offset of c (widths 2-8 bits, derived
+  // from the channel parameters: 21/4 bits per element in all), then H bf16 steps and H*D int8
+  // lower and H*D int8 upper channel bounds in steps (absent when block_tokens == 1); plane 1 (V)
+  // rows hold H*D 5-bit codes of the rotated elements, then H bf16 zero points and H bf16
+  // scales, one pair per head. D % 32 == 0; K and V planes only.
+  kInt5Allot = 6,
 };
 
 struct RowFormat {
@@ -40,6 +49,10 @@ struct RowFormat {
   uint32_t head_dim = 0;
   DType dtype = DType::kBF16;
   CodecKind codec = CodecKind::kInt8PerHead;
+  // RoPE of the keys, for codecs that turn them back (kInt5Allot): the base (0 = no turn) and the
+  // pairing (false: dims (i, i + D/2); true: (2i, 2i + 1)). 0 and false for every other codec.
+  double rope_theta = 0.0;
+  bool rope_interleaved = false;
 
   HIQ_HD size_t ElementsPerRow() const { return static_cast<size_t>(num_heads) * head_dim; }
   // Bytes of one row as the engine holds it (BF16/FP16).
@@ -54,6 +67,10 @@ struct RowFormat {
   // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
   // Hadamard's plane-0 rows (codes only, H*D/2) and Hadamard's plane-1 rows (H*D/2 + H*D/8).
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
+    if (codec == CodecKind::kInt5Allot) {
+      return plane == 0 ? AllotKeyRowBytes(ElementsPerRow())
+                        : AllotValueCodeBytes(ElementsPerRow()) + 4u * num_heads;
+    }
     if (codec == CodecKind::kInt4Hadamard) {
       return plane == 0 ? ElementsPerRow() / 2
                         : ElementsPerRow() / 2 + 4 * (ElementsPerRow() / kInt4GroupElems);
@@ -63,7 +80,7 @@ struct RowFormat {
   // Bytes of a plane's first stored row (token 0 of the block): Hadamard's INT8 row (H*D + 2H),
   // else PlaneRowBytes(plane).
   HIQ_HD size_t FirstRowBytes(uint32_t plane) const {
-    return codec == CodecKind::kInt4Hadamard ? FirstRowFormat().RowBytes() : PlaneRowBytes(plane);
+    return FirstRowIsInt8() ? FirstRowFormat().RowBytes() : PlaneRowBytes(plane);
   }
   // Offset of token t's row inside a plane (t == block_tokens: its parameters, where it has any).
   HIQ_HD size_t PlaneRowOffset(uint32_t plane, uint32_t t) const {
@@ -71,7 +88,10 @@ struct RowFormat {
   }
   // Bytes after the rows of a plane: the K channel parameters of KIVI and Hadamard (H*D zero
   // points and H*D bf16 scales, 4*H*D), else 0. Hadamard's are absent from a one-token block.
+  // INT5 allot's K plane: H bf16 steps, H*D int8 lower and H*D int8 upper bounds (2H + 2*H*D).
   HIQ_HD size_t PlaneParamBytes(uint32_t plane) const {
+    if (codec == CodecKind::kInt5Allot)
+      return plane == 0 ? 2u * num_heads + 2 * ElementsPerRow() : 0;
     return (codec == CodecKind::kInt4Kivi || codec == CodecKind::kInt4Hadamard) && plane == 0
                ? ElementsPerRow() * 4
                : 0;
@@ -82,10 +102,18 @@ struct RowFormat {
   HIQ_HD size_t ScaleCount() const {
     return IsInt4Rows() ? ElementsPerRow() / kInt4GroupElems : num_heads;
   }
-  // The format of a plane's first row (token 0 of a block): INT8's for Hadamard, else this one.
+  // Whether a plane's first row (token 0 of a block) is an INT8 row: Hadamard's and INT5 allot's.
+  HIQ_HD bool FirstRowIsInt8() const {
+    return codec == CodecKind::kInt4Hadamard || codec == CodecKind::kInt5Allot;
+  }
+  // The format of a plane's first row: INT8's where FirstRowIsInt8(), else this one.
   HIQ_HD RowFormat FirstRowFormat() const {
     RowFormat f = *this;
-    if (codec == CodecKind::kInt4Hadamard) f.codec = CodecKind::kInt8PerHead;
+    if (FirstRowIsInt8()) {
+      f.codec = CodecKind::kInt8PerHead;
+      f.rope_theta = 0.0;
+      f.rope_interleaved = false;
+    }
     return f;
   }
   // Rows in kInt4G32PerHead's format: INT4's, and KIVI's V rows.
@@ -104,7 +132,7 @@ struct BlockLayout {
   // Hadamard only).
   HIQ_HD size_t PlaneBytes(uint32_t plane) const {
     if (block_tokens == 0) return 0;
-    const bool params = !(row.codec == CodecKind::kInt4Hadamard && block_tokens == 1);
+    const bool params = !(row.FirstRowIsInt8() && block_tokens == 1);
     return row.FirstRowBytes(plane) +
            static_cast<size_t>(block_tokens - 1) * row.PlaneRowBytes(plane) +
            (params ? row.PlaneParamBytes(plane) : 0);

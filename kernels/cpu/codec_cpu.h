@@ -38,4 +38,26 @@ class CpuCodec {
 bool EncodeRowSimd(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
 void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row);
 
+// Planes whose first row (token 0 of a block) is an INT8 row (INT4 Hadamard, INT5 allot): that
+// row through the row executor, then `rest()` for rows 1..num_rows-1 (false when one was NaN,
+// Inf or out of the codec's range); decode: rest(begin, rows) for rows [begin, end), begin >= 1.
+template <class Rest>
+bool EncodeAfterInt8RowSimd(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                            uint32_t num_rows, uint8_t* dst, const Rest& rest) {
+  if (num_rows == 0) return true;
+  if (!EncodeRowSimd(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
+  return num_rows == 1 || rest();
+}
+
+template <class Rest>
+void DecodeAfterInt8RowSimd(const RowFormat& fmt, const uint8_t* src, uint32_t begin, uint32_t end,
+                            const StridedView& view, const uint32_t* rows, const Rest& rest) {
+  if (begin == 0 && end > 0) {
+    DecodeRowSimd(fmt.FirstRowFormat(), src, view, rows[0]);
+    ++begin;
+    ++rows;
+  }
+  if (begin < end) rest(begin, rows);
+}
+
 }  // namespace hiqcache::kernels

@@ -1,5 +1,6 @@
 // CODEC_INT4_HADAMARD's planes on the SIMD CPU executor (see codec_cpu_hadamard.h and
-// codec_math.h).
+// codec_math.h), and CODEC_INT5_ALLOT's V plane, which shares their rotation (5-bit codes, one
+// zero point and scale per head; codec_cpu_allot.h).
 //
 // The transform works on a run in f32 lanes of n <= 16 (the run is at least 32): the stages of
 // stride below n inside each vector (the partner lane i ^ s by an in-block shuffle on x86, a table
@@ -18,6 +19,8 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "codec_cpu_allot.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "codec_cpu_hadamard.cc"
@@ -421,7 +424,147 @@ void DecodeRotatedT(const RowFormat& fmt, uint32_t plane, const uint8_t* src, ui
   }
 }
 
+// INT5 allot's V plane (codec_cpu_allot.h): 5-bit codes, element e's at bit 5e, least
+// significant first: 8 codes in 5 bytes (head_dim % 32 == 0, so a head starts on such a group).
+void Pack5(const uint8_t* q8, uint32_t count, uint8_t* out) {
+  for (uint32_t i = 0; i < count; i += 8, out += 5) {
+    uint64_t w = 0;
+    for (uint32_t k = 0; k < 8; ++k) w |= static_cast<uint64_t>(q8[i + k]) << (5 * k);
+    std::memcpy(out, &w, 5);  // little-endian, as the reference's PutBits
+  }
+}
+
+// Lane L of a vector of codes from element e (e % 8 + L < 16): its 32-bit word at byte
+// (5 (e % 8 + L)) / 8 of the 5-byte group of element e - e % 8, shifted right by 5 (e % 8 + L) % 8.
+HWY_ALIGN constexpr int32_t kCode5Byte[16] = {0, 0, 1, 1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 8, 9};
+HWY_ALIGN constexpr uint32_t kCode5Shift[16] = {0, 5, 2, 7, 4, 1, 6, 3, 0, 5, 2, 7, 4, 1, 6, 3};
+
+// Tokens 1..num_rows-1 of an INT5 allot V plane: each head rotated (RotateHead), its smallest
+// and largest value as its zero point and scale, its codes at 5 bits.
+template <DType kDType>
+bool EncodeAllotValuesT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                        uint32_t num_rows, uint8_t* dst) {
+  const DF df;
+  const DI32 di32;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const size_t ch = fmt.ElementsPerRow();
+  const InVectorStages in_vector;
+  thread_local std::vector<float> y;
+  thread_local std::vector<uint8_t> q8;
+  y.resize(d);
+  q8.resize(d);
+  const auto half = hn::Set(df, 0.5f);
+  const auto two = hn::Set(df, 2.0f);
+  const auto top = hn::Set(df, static_cast<float>(kAllotValueTop));
+  for (uint32_t t = 1; t < num_rows; ++t) {
+    if (t + kPrefetchRows < num_rows) PrefetchRow<false>(fmt, view, rows[t + kPrefetchRows]);
+    uint8_t* codes = dst + fmt.PlaneRowOffset(1, t);
+    uint8_t* zeros = codes + AllotValueCodeBytes(ch);
+    uint8_t* scales = zeros + 2 * fmt.num_heads;
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      if (!RotateHead<kDType, false>(in_vector, view.Head(rows[t], h), d, y.data(), nullptr,
+                                     nullptr, false)) {
+        return false;
+      }
+      auto lo = hn::LoadU(df, y.data());
+      auto hi = lo;
+      for (size_t i = n; i < d; i += n) {
+        lo = hn::Min(lo, hn::LoadU(df, y.data() + i));
+        hi = hn::Max(hi, hn::LoadU(df, y.data() + i));
+      }
+      const float glo = hn::GetLane(hn::MinOfLanes(df, lo));
+      const float ghi = hn::GetLane(hn::MaxOfLanes(df, hi));
+      const uint16_t z_bits = KiviKZeroBits(glo, DType::kBF16);
+      const uint16_t s_bits = AsymScaleBf16(glo, ghi, kAllotValueTop);
+      std::memcpy(zeros + 2 * h, &z_bits, 2);
+      std::memcpy(scales + 2 * h, &s_bits, 2);
+      const auto hz = hn::Mul(half, hn::Set(df, Bf16ToFloat(z_bits)));
+      const auto vs = hn::Set(df, Bf16ToFloat(s_bits));
+      for (size_t i = 0; i < d; i += n) {
+        const auto q = hn::Round(
+            hn::Mul(two, hn::Div(hn::Sub(hn::Mul(half, hn::LoadU(df, y.data() + i)), hz), vs)));
+        StoreCodes(hn::ConvertTo(di32, hn::Min(hn::Max(q, hn::Zero(df)), top)), q8.data() + i);
+      }
+      Pack5(q8.data(), d, codes + size_t{h} * d * kAllotValueBits / 8);
+    }
+  }
+  return true;
+}
+
+// Rows [begin, end), begin >= 1, of an INT5 allot V plane: a head's codes gathered into
+// registers, dequantized (rounded to BF16, as the reference), transformed back and stored.
+template <DType kDType>
+void DecodeAllotValuesT(const RowFormat& fmt, const uint8_t* src, uint32_t begin, uint32_t end,
+                        const StridedView& view, const uint32_t* rows) {
+  const DF df;
+  const DI32 di32;
+  const hn::RebindToUnsigned<DF> du32;
+  const size_t n = hn::Lanes(df);
+  const uint32_t d = fmt.head_dim;
+  const uint32_t r = HadamardRun(d);
+  const size_t ch = fmt.ElementsPerRow();
+  const auto two = hn::Set(df, 2.0f);
+  const auto cd = hn::Set(df, HadamardDecodeFactor(r));
+  const InVectorStages in_vector;
+  thread_local std::vector<float> tmp;
+  tmp.resize(d);
+  for (uint32_t t = begin; t < end; ++t) {
+    const uint32_t row = rows[t - begin];
+    if (t + kPrefetchRows < end) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows - begin]);
+    const uint8_t* codes = src + fmt.PlaneRowOffset(1, t);
+    const uint8_t* zeros = codes + AllotValueCodeBytes(ch);
+    const uint8_t* scales = zeros + 2 * fmt.num_heads;
+    for (uint32_t h = 0; h < fmt.num_heads; ++h) {
+      const uint8_t* head_codes = codes + size_t{h} * d * kAllotValueBits / 8;
+      uint16_t z_bits;
+      uint16_t s_bits;
+      std::memcpy(&z_bits, zeros + 2 * h, 2);
+      std::memcpy(&s_bits, scales + 2 * h, 2);
+      const auto hz = hn::Set(df, 0.5f * Bf16ToFloat(z_bits));
+      const auto hs = hn::Set(df, 0.5f * Bf16ToFloat(s_bits));
+      uint8_t* out = view.Head(row, h);
+      for (uint32_t j = 0; j < d; j += r) {
+        TransformRun(
+            in_vector, r, tmp.data(),
+            [&](size_t k) HWY_ATTR {
+              // Gathered as 32-bit words: at most 3 bytes past the head's codes, which the
+              // row's zero points and scales after its last head hold.
+              const size_t e = j + k * n;
+              const auto word = hn::BitCast(
+                  du32,
+                  hn::GatherOffset(di32, reinterpret_cast<const int32_t*>(head_codes + 5 * (e / 8)),
+                                   hn::LoadU(di32, kCode5Byte + e % 8)));
+              const auto q = hn::And(hn::operator>>(word, hn::LoadU(du32, kCode5Shift + e % 8)),
+                                     hn::Set(du32, kAllotValueTop));
+              return RoundToBf16(
+                  df,
+                  hn::Mul(two, hn::Add(hn::Mul(hn::ConvertTo(df, hn::BitCast(di32, q)), hs), hz)));
+            },
+            [&](size_t k, hn::Vec<DF> v)
+                HWY_ATTR { StoreHalf<kDType>(df, hn::Mul(v, cd), out + 2 * (j + k * n)); });
+      }
+    }
+  }
+}
+
 }  // namespace
+
+bool EncodeAllotValuesRotated(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                              uint32_t num_rows, uint8_t* dst) {
+  return fmt.dtype == DType::kBF16
+             ? EncodeAllotValuesT<DType::kBF16>(fmt, view, rows, num_rows, dst)
+             : EncodeAllotValuesT<DType::kFP16>(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeAllotValuesRotated(const RowFormat& fmt, const uint8_t* src, uint32_t begin,
+                              uint32_t end, const StridedView& view, const uint32_t* rows) {
+  if (fmt.dtype == DType::kBF16) {
+    DecodeAllotValuesT<DType::kBF16>(fmt, src, begin, end, view, rows);
+  } else {
+    DecodeAllotValuesT<DType::kFP16>(fmt, src, begin, end, view, rows);
+  }
+}
 
 bool EncodeHadamardRotated(const RowFormat& fmt, uint32_t plane, const StridedView& view,
                            const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
@@ -449,26 +592,32 @@ namespace hiqcache::kernels {
 
 HWY_EXPORT(EncodeHadamardRotated);
 HWY_EXPORT(DecodeHadamardRotated);
+HWY_EXPORT(EncodeAllotValuesRotated);
+HWY_EXPORT(DecodeAllotValuesRotated);
 
 bool EncodeHadamardPlaneSimd(const RowFormat& fmt, uint32_t plane, const StridedView& view,
                              const uint32_t* rows, uint32_t num_rows, uint8_t* dst) {
-  if (num_rows == 0) return true;
-  if (!EncodeRowSimd(fmt.FirstRowFormat(), view, rows[0], dst)) return false;
-  if (num_rows == 1) return true;
-  return HWY_DYNAMIC_DISPATCH(EncodeHadamardRotated)(fmt, plane, view, rows, num_rows, dst);
+  return EncodeAfterInt8RowSimd(fmt, view, rows, num_rows, dst, [&] {
+    return HWY_DYNAMIC_DISPATCH(EncodeHadamardRotated)(fmt, plane, view, rows, num_rows, dst);
+  });
 }
 
 void DecodeHadamardRowsSimd(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
                             uint32_t block_tokens, uint32_t begin, uint32_t end,
                             const StridedView& view, const uint32_t* rows) {
-  if (begin == 0 && end > 0) {
-    DecodeRowSimd(fmt.FirstRowFormat(), src, view, rows[0]);
-    ++begin;
-    ++rows;
-  }
-  if (begin >= end) return;
-  HWY_DYNAMIC_DISPATCH(DecodeHadamardRotated)
-  (fmt, plane, src, block_tokens, begin, end, view, rows);
+  DecodeAfterInt8RowSimd(fmt, src, begin, end, view, rows, [&](uint32_t from, const uint32_t* r) {
+    HWY_DYNAMIC_DISPATCH(DecodeHadamardRotated)(fmt, plane, src, block_tokens, from, end, view, r);
+  });
+}
+
+bool EncodeAllotValuesSimd(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
+                           uint32_t num_rows, uint8_t* dst) {
+  return HWY_DYNAMIC_DISPATCH(EncodeAllotValuesRotated)(fmt, view, rows, num_rows, dst);
+}
+
+void DecodeAllotValuesSimd(const RowFormat& fmt, const uint8_t* src, uint32_t begin, uint32_t end,
+                           const StridedView& view, const uint32_t* rows) {
+  HWY_DYNAMIC_DISPATCH(DecodeAllotValuesRotated)(fmt, src, begin, end, view, rows);
 }
 
 }  // namespace hiqcache::kernels

@@ -1260,7 +1260,9 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
       lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead &&
       lay.row.codec != CodecKind::kInt4Kivi && lay.row.codec != CodecKind::kInt4Hadamard) {
-    return InvalidArgument(w + ": layout.row.codec is unknown");
+    return InvalidArgument(w + (lay.row.codec == CodecKind::kInt5Allot
+                                    ? ": layout.row.codec CODEC_INT5_ALLOT has no CUDA kernels yet"
+                                    : ": layout.row.codec is unknown"));
   }
   const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
   if ((lay.row.IsInt4Rows() || hadamard) && lay.row.head_dim % kInt4GroupElems != 0) {

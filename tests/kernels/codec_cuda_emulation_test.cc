@@ -540,6 +540,23 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
   }
 }
 
+// CODEC_INT5_ALLOT has no CUDA kernels yet (registration refuses its CUDA pools): the launchers
+// refuse it up front, naming it, and launch nothing.
+TEST(CodecCudaEmulation, Int5AllotIsRefusedNamingTheCodec) {
+  BlockLayout lay = MakeLayout(DType::kBF16, kInt8, 2, 64, 1, 2, 4);
+  lay.row.codec = CodecKind::kInt5Allot;
+  KvPool src(lay, 8, ViewKind::kContiguous, 1);
+  const std::vector<uint32_t> rows = {0, 1, 2, 3};
+  BlockSet blocks(lay, 1);
+  cuda_emulation::ResetStats();
+  const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
+  EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(enc.message().find("CODEC_INT5_ALLOT"), std::string::npos) << enc.ToString();
+  const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
+  EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+}
+
 // CODEC_INT4_KIVI runs as two launches per call, the K planes' kernel then the V rows' (one for
 // MLA, K planes only), each within the configured grid, with the reference's bytes.
 TEST(CodecCudaEmulation, Int4KiviLaunchesItsKPlaneAndVRowKernels) {

@@ -335,6 +335,8 @@ inline const char* CodecName(CodecKind codec) {
       return "int4_kivi";
     case CodecKind::kInt4Hadamard:
       return "int4_hadamard";
+    case CodecKind::kInt5Allot:
+      return "int5_allot";
   }
   return "?";
 }
