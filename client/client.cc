@@ -56,6 +56,11 @@ void ToProto(const Geometry& in, v1::Geometry* g) {
   g->set_attention(in.attention == Attention::kMLA ? v1::ATTENTION_MLA : v1::ATTENTION_MHA);
   g->set_tp_rank(in.tp_rank);
   g->set_tp_size(in.tp_size);
+  // Unset when absent: other codecs' requests stay as they were.
+  if (in.rope_theta != 0 || in.rope_interleaved) {
+    g->mutable_rope()->set_theta(in.rope_theta);
+    g->mutable_rope()->set_interleaved(in.rope_interleaved);
+  }
 }
 
 v1::Codec ToProto(Codec c) {
@@ -70,6 +75,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_INT4_KIVI;
     case Codec::kInt4Hadamard:
       return v1::CODEC_INT4_HADAMARD;
+    case Codec::kInt5Allot:
+      return v1::CODEC_INT5_ALLOT;
     case Codec::kInt8PerHead:
       break;
   }
@@ -128,6 +135,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kInt4Kivi;
     case v1::CODEC_INT4_HADAMARD:
       return Codec::kInt4Hadamard;
+    case v1::CODEC_INT5_ALLOT:
+      return Codec::kInt5Allot;
     default:
       return Codec::kInt8PerHead;
   }

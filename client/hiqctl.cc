@@ -289,6 +289,8 @@ const char* CodecEnumName(Codec c) {
       return "CODEC_INT4_KIVI";
     case Codec::kInt4Hadamard:
       return "CODEC_INT4_HADAMARD";
+    case Codec::kInt5Allot:
+      return "CODEC_INT5_ALLOT";
     case Codec::kInt8PerHead:
       break;
   }

@@ -18,6 +18,8 @@ const char* CodecName(Codec codec) {
       return "int4_kivi";
     case Codec::kInt4Hadamard:
       return "int4_hadamard";
+    case Codec::kInt5Allot:
+      return "int5_allot";
     case Codec::kInt8PerHead:
       break;
   }

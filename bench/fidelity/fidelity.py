@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import hiqcache as hq  # noqa: E402
 import metrics as fm  # noqa: E402
 from daemon import Daemon  # noqa: E402
+from hiqcache.rope import rope_of  # noqa: E402
 from kv_roundtrip import DaemonKv  # noqa: E402
 from kv_util import int8_violations  # noqa: E402
 from real_model import model_dir  # noqa: E402
@@ -278,8 +279,10 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     cfg = model.config
+    theta, interleaved = rope_of(cfg, cfg.head_dim)  # for codecs that turn keys (INT5 allot)
     geometry = hq.Geometry(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                           head_dim=cfg.head_dim, dtype=hq.DType.BF16)
+                           head_dim=cfg.head_dim, dtype=hq.DType.BF16, rope_theta=theta,
+                           rope_interleaved=interleaved)
     tap = AttnTap(model)
     ids = tok(open(TEXT).read(), add_special_tokens=False)["input_ids"]
     windows = make_windows(tok, ids, args.lengths, args.windows, args.cont, args.chat_every)

@@ -7,6 +7,7 @@ range raises ValueError naming the key, so a typo fails engine start-up instead 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,6 +46,15 @@ class ExtraConfig:
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
             raise ValueError(f"{self._name(key)} must be an integer in [{low}, {high}], got {v!r}")
         return v
+
+    def rope_theta(self, key: str = "rope_theta") -> float:
+        """A model's RoPE base for Geometry.rope_theta: 0 (none; the default) or a finite number
+        in [1, 1e12]."""
+        v = self.extra.get(key, 0.0)
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or (v != 0 and not 1 <= v <= 1e12)):
+            raise ValueError(f"{self._name(key)} must be 0 or a number in [1, 1e12], got {v!r}")
+        return float(v)
 
     def flag(self, key: str, default: bool) -> bool:
         """A boolean; 0 and 1 pass too (SGLang reads its own flags with bool())."""

@@ -91,7 +91,7 @@ WHERE = "hicache-storage-backend-extra-config"
 # SGLang's own keys (read by its StorageBackendFactory and cache controller), then ours.
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator")
 _OUR_KEYS = ("target", "codec", "tenant", "identity", "timeout_ms", "staging_pages",
-             "huge_pages")
+             "huge_pages", "rope_theta", "rope_interleaved")
 _TORCH_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
 _STAGING_BYTES = 64 << 20
 _STORED = (BlockStatus.STORED, BlockStatus.ALREADY_PRESENT)
@@ -107,6 +107,10 @@ class BackendOptions:
     timeout_ms: int = 10_000
     staging_pages: int = 0
     huge_pages: str = "auto"
+    # The model's RoPE (SGLang's storage config does not carry it), for codecs that turn keys
+    # (int5_allot); 0 = none (no turn).
+    rope_theta: float = 0.0
+    rope_interleaved: bool = False
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> BackendOptions:
@@ -127,7 +131,9 @@ class BackendOptions:
                    interface_v1=opts.flag("interface_v1", False),
                    timeout_ms=opts.integer("timeout_ms", 10_000, 1, 600_000),
                    staging_pages=opts.integer("staging_pages", 0, 0, STORAGE_BATCH_SIZE),
-                   huge_pages=opts.choice("huge_pages", "auto", HUGE_PAGES))
+                   huge_pages=opts.choice("huge_pages", "auto", HUGE_PAGES),
+                   rope_theta=opts.rope_theta(),
+                   rope_interleaved=opts.flag("rope_interleaved", False))
 
 
 def page_key(key: str) -> BlockKey:
@@ -345,7 +351,8 @@ class HiqCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's classes
         self._geometry = Geometry(
             num_layers=lay.num_layers, num_kv_heads=lay.num_heads, head_dim=lay.head_dim,
             dtype=lay.dtype, attention=lay.attention, tp_rank=self.config.tp_rank,
-            tp_size=self.config.tp_size)
+            tp_size=self.config.tp_size, rope_theta=self.opts.rope_theta,
+            rope_interleaved=self.opts.rope_interleaved)
         spec = self._spec(SharedBuffer(size_bytes=size, host_fd=self._fd),
                           lay.views(kv, kv.data_ptr()))
         self.pool = _Pool(self.client, spec, f"SGLang host pool ({lay.attention.value}, "

@@ -7,6 +7,7 @@ messages itself; `hiqcache.client` converts them. Value types, safe to share bet
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from hiqcache.v1 import cache_pb2 as pb
@@ -39,6 +40,10 @@ class Codec(enum.Enum):
     # channel over the block's other tokens, V per group of 32, each a zero point + BF16 scale
     # (head_dim % 32 == 0)
     INT4_HADAMARD = "int4_hadamard"
+    # Keys turned back by RoPE within the block (Geometry.rope_theta) at 2-8 bits per channel
+    # allotted by range (5.25 on average), values Hadamard-rotated at 5 bits per head, each block's
+    # first token as an INT8 row (head_dim % 32 == 0; K and V planes, not MLA; HOST pools only)
+    INT5_ALLOT = "int5_allot"
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -61,7 +66,8 @@ _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RA
              Codec.FP8_E4M3_PER_HEAD: pb.CODEC_FP8_E4M3_PER_HEAD,
              Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD,
              Codec.INT4_KIVI: pb.CODEC_INT4_KIVI,
-             Codec.INT4_HADAMARD: pb.CODEC_INT4_HADAMARD}
+             Codec.INT4_HADAMARD: pb.CODEC_INT4_HADAMARD,
+             Codec.INT5_ALLOT: pb.CODEC_INT5_ALLOT}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}
@@ -76,6 +82,23 @@ class Geometry:
     attention: Attention = Attention.MHA
     tp_rank: int = 0
     tp_size: int = 1
+    # The model's rotary embedding (Geometry.rope), used only by codecs that turn keys
+    # (Codec.INT5_ALLOT) and then part of the namespace: rope_theta is the model's RoPE base
+    # (its config's rope_theta: 1e6 for Qwen3, 1e5 for SmolLM2), 0 = none or unknown (no turn);
+    # rope_interleaved pairs (2i, 2i+1) as GPT-J, else rotate-half pairs (i, i + head_dim/2) as
+    # Llama, Qwen and NeoX.
+    rope_theta: float = 0.0
+    rope_interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        theta = self.rope_theta
+        if (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                or not math.isfinite(theta) or (theta != 0 and not 1 <= theta <= 1e12)):
+            raise ValueError("geometry.rope_theta: must be 0 (no rotary embedding) or in "
+                             f"[1, 1e12], got {theta!r}")
+        if not isinstance(self.rope_interleaved, bool):
+            raise ValueError(
+                f"geometry.rope_interleaved: must be a bool, got {self.rope_interleaved!r}")
 
     @property
     def head_bytes(self) -> int:
@@ -95,10 +118,14 @@ class Geometry:
         return self.num_layers * self.planes * self.row_bytes
 
     def to_proto(self) -> pb.Geometry:
-        return pb.Geometry(
+        out = pb.Geometry(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             dtype=_DTYPE_PB[self.dtype], attention=_ATTENTION_PB[self.attention],
             tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if self.rope_theta != 0 or self.rope_interleaved:  # unset otherwise, as before
+            out.rope.theta = float(self.rope_theta)
+            out.rope.interleaved = self.rope_interleaved
+        return out
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,20 @@ std::string NamespaceDesc::CanonicalText() const {
           : row.codec == kernels::CodecKind::kInt4G32PerHead ? ";codec=int4_g32_per_head"
           : row.codec == kernels::CodecKind::kInt4Kivi       ? ";codec=int4_kivi"
           : row.codec == kernels::CodecKind::kInt4Hadamard   ? ";codec=int4_hadamard"
+          : row.codec == kernels::CodecKind::kInt5Allot      ? ";codec=int5_allot"
                                                              : ";codec=int8_per_head";
+  // The rope belongs to a namespace only where its codec turns keys by it: the other codecs'
+  // text (and hash) is that of daemons before geometry.rope, so their warm pools stay readable.
+  if (row.codec == kernels::CodecKind::kInt5Allot) {
+    if (row.rope_theta == 0) {
+      text += ";rope=none";
+    } else {
+      char theta[32];  // %.17g: every double spelled exactly, so no two thetas share a text
+      std::snprintf(theta, sizeof(theta), "%.17g", row.rope_theta);
+      text += std::string(";rope=") + theta;
+    }
+    if (row.rope_interleaved) text += ",interleaved";
+  }
   // Node scope adds nothing: its text (and hash) is that of daemons before scopes, so their warm
   // pools stay readable with namespace_scope = node.
   if (!scope.empty()) text += ";scope=" + std::to_string(scope.size()) + ":" + scope;

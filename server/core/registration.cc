@@ -1,6 +1,9 @@
 #include "core/registration.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "pool/pool_format.h"
@@ -19,9 +22,23 @@ constexpr int kCodecFp8E4m3 = 2;
 constexpr int kCodecInt4G32 = 3;
 constexpr int kCodecInt4Kivi = 4;
 constexpr int kCodecInt4Hadamard = 5;
+constexpr int kCodecInt5Allot = 6;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
+// geometry.rope.theta, when not 0: RoPE bases in use run from 1e4 to a few 1e7.
+constexpr double kMinRopeTheta = 1;
+constexpr double kMaxRopeTheta = 1e12;
+
+// A double as a message shows it: shortest round-trip-safe digits ("1e+06", "nan", "inf").
+std::string DoubleText(double v) {
+  char buf[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+    if (!std::isfinite(v) || std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
 
 std::string Idx(const char* name, size_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
@@ -256,9 +273,15 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
     return invalid("block_tokens: must be in [1, " + std::to_string(limits.max_block_tokens) +
                    "], got " + std::to_string(spec.block_tokens));
   }
+  if (!std::isfinite(spec.rope_theta) ||
+      (spec.rope_theta != 0 &&
+       (spec.rope_theta < kMinRopeTheta || spec.rope_theta > kMaxRopeTheta))) {
+    return invalid("geometry.rope.theta: must be 0 (no rotary embedding) or in [1, 1e12], got " +
+                   DoubleText(spec.rope_theta));
+  }
   if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3 &&
       spec.codec != kCodecInt4G32 && spec.codec != kCodecInt4Kivi &&
-      spec.codec != kCodecInt4Hadamard) {
+      spec.codec != kCodecInt4Hadamard && spec.codec != kCodecInt5Allot) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
   if (spec.codec == kCodecInt4G32 && spec.head_dim % kernels::kInt4GroupElems != 0) {
@@ -276,7 +299,15 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
+  if (spec.codec == kCodecInt5Allot && spec.head_dim % kernels::kInt4GroupElems != 0) {
+    return invalid("geometry.head_dim: CODEC_INT5_ALLOT needs a multiple of " +
+                   std::to_string(kernels::kInt4GroupElems) + ", got " +
+                   std::to_string(spec.head_dim));
+  }
   const bool mla = spec.attention == kAttentionMla;
+  if (spec.codec == kCodecInt5Allot && mla) {
+    return invalid("geometry.attention: CODEC_INT5_ALLOT needs K and V planes, got ATTENTION_MLA");
+  }
 
   NamespaceDesc ns;
   kernels::BlockLayout& lay = ns.layout;
@@ -288,7 +319,14 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                   : spec.codec == kCodecInt4G32      ? kernels::CodecKind::kInt4G32PerHead
                   : spec.codec == kCodecInt4Kivi     ? kernels::CodecKind::kInt4Kivi
                   : spec.codec == kCodecInt4Hadamard ? kernels::CodecKind::kInt4Hadamard
+                  : spec.codec == kCodecInt5Allot    ? kernels::CodecKind::kInt5Allot
                                                      : kernels::CodecKind::kInt8PerHead;
+  if (spec.codec == kCodecInt5Allot) {
+    // Only a codec that turns keys stores the rope in its layout (and so in its namespace). No
+    // rotary embedding (theta 0) turns nothing, whatever its pairing: one namespace.
+    lay.row.rope_theta = spec.rope_theta;
+    lay.row.rope_interleaved = spec.rope_theta != 0 && spec.rope_interleaved;
+  }
   lay.num_layers = spec.num_layers;
   lay.kv_planes = mla ? 1 : 2;
   lay.block_tokens = spec.block_tokens;
@@ -335,6 +373,10 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                            std::to_string(spec.device_kind));
   }
   out.cuda = spec.device_kind == kDeviceCuda;
+  if (out.cuda && spec.codec == kCodecInt5Allot) {
+    return FailedPrecondition(
+        "codec: CODEC_INT5_ALLOT has no CUDA kernels yet; use a HOST pool or another codec");
+  }
   const bool mla = out.ns.mla;
 
   if (spec.buffers.empty() || spec.buffers.size() > limits.max_buffers) {

@@ -41,6 +41,8 @@ void ToNamespaceSpec(const Req& r, NamespaceSpec* s) {
   s->attention = g.attention();
   s->tp_rank = g.tp_rank();
   s->tp_size = g.tp_size();
+  s->rope_theta = g.rope().theta();
+  s->rope_interleaved = g.rope().interleaved();
   s->block_tokens = r.block_tokens();
   s->codec = r.codec();
 }
@@ -115,6 +117,8 @@ v1::Codec ToProtoCodec(kernels::CodecKind codec) {
       return v1::CODEC_INT4_KIVI;
     case kernels::CodecKind::kInt4Hadamard:
       return v1::CODEC_INT4_HADAMARD;
+    case kernels::CodecKind::kInt5Allot:
+      return v1::CODEC_INT5_ALLOT;
     case kernels::CodecKind::kInt8PerHead:
       break;
   }

@@ -330,6 +330,7 @@ TEST_F(FakeDaemonTest, RequestsCarryTheSpecAndOptions) {
   EXPECT_EQ(reg.geometry().num_layers(), 2u);
   EXPECT_EQ(reg.geometry().dtype(), v1::DTYPE_BF16);
   EXPECT_EQ(reg.geometry().attention(), v1::ATTENTION_MHA);
+  EXPECT_FALSE(reg.geometry().has_rope());  // no rope given: unset, as before Geometry.rope
   EXPECT_EQ(reg.device().kind(), v1::DEVICE_KIND_HOST);
   ASSERT_EQ(reg.buffers_size(), 1);
   EXPECT_EQ(reg.buffers(0).host_shm_name(), kv_.shm().name());
@@ -387,6 +388,9 @@ TEST_F(FakeDaemonTest, RequestsCarryTheSpecAndOptions) {
   r1.geometry.tp_rank = 1;
   r1.geometry.attention = Attention::kMLA;
   r1.geometry.dtype = DType::kFP16;
+  r1.geometry.rope_theta = 1e6;
+  r1.geometry.rope_interleaved = true;
+  r1.codec = Codec::kInt5Allot;
   const std::vector<NamespaceRef> refs = {r0, r1};
   LookupResult group = client_->LookupGroup(refs, keys);
   ASSERT_TRUE(group.status.ok()) << group.status.ToString();
@@ -409,6 +413,10 @@ TEST_F(FakeDaemonTest, RequestsCarryTheSpecAndOptions) {
   EXPECT_EQ(lr.namespaces(1).geometry().tp_rank(), 1u);
   EXPECT_EQ(lr.namespaces(1).geometry().attention(), v1::ATTENTION_MLA);
   EXPECT_EQ(lr.namespaces(1).geometry().dtype(), v1::DTYPE_FP16);
+  EXPECT_FALSE(lr.namespaces(0).geometry().has_rope());
+  EXPECT_EQ(lr.namespaces(1).codec(), v1::CODEC_INT5_ALLOT);
+  EXPECT_EQ(lr.namespaces(1).geometry().rope().theta(), 1e6);
+  EXPECT_TRUE(lr.namespaces(1).geometry().rope().interleaved());
   // Nothing to ask about: answered locally.
   EXPECT_EQ(client_->LookupGroup({}, keys).status.code(), StatusCode::kInvalidArgument);
   group = client_->LookupGroup(refs, {});

@@ -485,7 +485,7 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
 
 // HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
 // is not a multiple of 32 refused naming geometry.head_dim; HIQ_CODEC_INT4_KIVI's and
-// HIQ_CODEC_INT4_HADAMARD's bytes per token; codec 6 unknown.
+// HIQ_CODEC_INT4_HADAMARD's and HIQ_CODEC_INT5_ALLOT's bytes per token; codec 7 unknown.
 // hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
 // 1): enabled, with the policy and budget it was started with.
 TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
@@ -543,8 +543,17 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
           << c.hiq_last_error();
       EXPECT_EQ(info.encoded_bytes_per_token, 3u * ((132 + 3 * 64 + 512) + (132 + 3 * 80)) / 4);
       EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      // HIQ_CODEC_INT5_ALLOT (no rope through the C ABI), per layer of a 4-token block: K an INT8
+      // first row (132), 3 rows of 21*128/32 = 84 bytes and 2H + 2*H*D = 260 of channel
+      // parameters; V an INT8 first row and 3 rows of 5*128/8 + 4H = 88.
+      ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, HIQ_CODEC_INT5_ALLOT,
+                                         pool, &handle, &info),
+                HIQ_OK)
+          << c.hiq_last_error();
+      EXPECT_EQ(info.encoded_bytes_per_token, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 88)) / 4);
+      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
       EXPECT_EQ(
-          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 6, pool, &handle, &info),
+          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 7, pool, &handle, &info),
           HIQ_INVALID_ARGUMENT);
       EXPECT_NE(std::string(c.hiq_last_error()).find("codec"), std::string::npos);
     } else {

@@ -180,6 +180,51 @@ TEST(NamespaceTableTest, NodeScopeKeepsTheTextOfDaemonsBeforeScopes) {
   EXPECT_EQ(NamespaceTable().Intern(a).hash, t.Intern(a).hash);
 }
 
+// CODEC_INT5_ALLOT turns keys by the model's rope: its theta (exactly) and pairing are part of the
+// namespace. Every other codec ignores the rope: its text stays that of daemons before the rope.
+TEST(NamespaceTableTest, Int5AllotNamesItsRopeAndOtherCodecsIgnoreIt) {
+  auto allot = [](double theta, bool interleaved) {
+    NamespaceDesc d = Desc();
+    d.layout.row.codec = kernels::CodecKind::kInt5Allot;
+    d.layout.row.rope_theta = theta;
+    d.layout.row.rope_interleaved = interleaved;
+    return d;
+  };
+  const std::string prefix =
+      "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
+      "tp=0/1;block=64;codec=int5_allot";
+  EXPECT_EQ(allot(1e6, false).CanonicalText(), prefix + ";rope=1000000");
+  EXPECT_EQ(allot(1e5, false).CanonicalText(), prefix + ";rope=100000");
+  EXPECT_EQ(allot(1e6, true).CanonicalText(), prefix + ";rope=1000000,interleaved");
+  EXPECT_EQ(allot(0, false).CanonicalText(), prefix + ";rope=none");
+  EXPECT_EQ(allot(500000.25, false).CanonicalText(), prefix + ";rope=500000.25");
+  NamespaceTable t;
+  std::set<std::string> ids;
+  for (const NamespaceDesc& d : {allot(1e6, false), allot(1e5, false), allot(1e6, true),
+                                 allot(0, false), allot(1e6 + 1e-9, false), Desc()}) {
+    ids.insert(t.Intern(d).hex_id);
+  }
+  EXPECT_EQ(ids.size(), 6u);
+  EXPECT_EQ(t.Intern(allot(1e6, false)).id, t.Intern(allot(1e6, false)).id);
+
+  NamespaceDesc scoped = allot(1e6, true);
+  scoped.scope = "uid:1000";
+  EXPECT_EQ(scoped.CanonicalText(), prefix + ";rope=1000000,interleaved;scope=8:uid:1000");
+
+  for (auto codec : {kernels::CodecKind::kInt8PerHead, kernels::CodecKind::kInt4Hadamard}) {
+    NamespaceDesc plain = Desc();
+    plain.layout.row.codec = codec;
+    NamespaceDesc roped = plain;
+    roped.layout.row.rope_theta = 1e6;
+    roped.layout.row.rope_interleaved = true;
+    EXPECT_EQ(roped.CanonicalText(), plain.CanonicalText());
+    EXPECT_EQ(roped.Hash(), plain.Hash());
+  }
+  EXPECT_EQ(Desc().CanonicalText(),
+            "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
+            "tp=0/1;block=64;codec=int8_per_head");
+}
+
 TEST(NamespaceTableTest, ANamespaceGoesWithItsLastUseOnceTheStoreForgetsIt) {
   NamespaceTable t;
   auto first = t.Acquire(Desc());

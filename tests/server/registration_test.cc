@@ -308,6 +308,111 @@ TEST(ValidateRegistrationTest, Int4HadamardPlanesOfTheirOwnSizes) {
   ExpectInvalid(cuda, "geometry.head_dim");
 }
 
+// A CUDA pool's buffers and slots in place of `s`'s HOST ones.
+RegisterSpec OnCuda(RegisterSpec s) {
+  s.device_kind = kCuda;
+  for (auto& b : s.buffers) {
+    b.has_host_shm_name = false;
+    b.host_shm_name.clear();
+    b.has_cuda_ipc_handle = true;
+    b.cuda_ipc_handle = std::string(64, '\x01');
+  }
+  s.events.host_fd_id = 1;
+  s.events.count = 8;
+  return s;
+}
+
+// geometry.rope.theta: finite, and 0 (no rotary embedding) or in [1, 1e12], for every codec.
+TEST(ValidateRegistrationTest, RopeThetaZeroOrAModelsBase) {
+  for (int codec : {0, 6}) {
+    for (double theta :
+         {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+          -std::numeric_limits<double>::infinity(), -1e6, 0.5, 2e12}) {
+      RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+      s.codec = codec;
+      s.rope_theta = theta;
+      ExpectInvalid(s, "geometry.rope.theta: must be 0");
+    }
+    for (double theta : {0.0, 1.0, 1e4, 1e6, 1e12}) {
+      RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+      s.codec = codec;
+      s.rope_theta = theta;
+      s.rope_interleaved = true;
+      ExpectValid(s);
+    }
+  }
+  RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+  s.rope_theta = 0.5;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(),
+            "geometry.rope.theta: must be 0 (no rotary embedding) or in [1, 1e12], got 0.5");
+}
+
+// CODEC_INT5_ALLOT: HOST pools with K and V planes and head_dim % 32 == 0; the layout carries
+// the rope (and only this codec's does), which is part of its namespace.
+TEST(ValidateRegistrationTest, Int5AllotHostPoolsWithTheirRope) {
+  RegisterSpec s = SglangSpec(36, 8, 128, 1024, 32);  // Qwen3-8B, 32-token blocks
+  s.codec = 6;                                        // CODEC_INT5_ALLOT
+  s.rope_theta = 1e6;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->cuda);
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt5Allot);
+  EXPECT_EQ(r->layout.row.rope_theta, 1e6);
+  EXPECT_FALSE(r->layout.row.rope_interleaved);
+  EXPECT_EQ(r->ns.layout.row.rope_theta, 1e6);
+  // Per layer, K: an INT8 row (1,040), 31 rows of 21*1024/32 = 672 bytes, 2H + 2*H*D = 2,064 of
+  // channel parameters; V: an INT8 row and 31 rows of 5*1024/8 + 4*8 = 672.
+  EXPECT_EQ(r->layout.BytesPerToken(), 51534u);
+  EXPECT_NE(r->ns.CanonicalText().find(";codec=int5_allot;rope=1000000"), std::string::npos)
+      << r->ns.CanonicalText();
+  s.rope_interleaved = true;
+  auto ri = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(ri.ok()) << ri.status().ToString();
+  EXPECT_TRUE(ri->layout.row.rope_interleaved);
+  EXPECT_NE(ri->ns.CanonicalText(), r->ns.CanonicalText());
+  // No rotary embedding turns nothing, whatever its pairing: one namespace, "rope=none".
+  RegisterSpec none = s;
+  none.rope_theta = 0;
+  auto rn = ValidateRegistration(none, Limits{}, kBigPool);
+  ASSERT_TRUE(rn.ok()) << rn.status().ToString();
+  EXPECT_FALSE(rn->layout.row.rope_interleaved);
+  none.rope_interleaved = false;
+  EXPECT_EQ(rn->ns.CanonicalText(),
+            ValidateRegistration(none, Limits{}, kBigPool)->ns.CanonicalText());
+  EXPECT_NE(rn->ns.CanonicalText().find(";codec=int5_allot;rope=none"), std::string::npos);
+
+  // Another codec leaves the layout's rope unset, whatever the request says.
+  RegisterSpec i8 = s;
+  i8.codec = 0;
+  auto r8 = ValidateRegistration(i8, Limits{}, kBigPool);
+  ASSERT_TRUE(r8.ok()) << r8.status().ToString();
+  EXPECT_EQ(r8->layout.row.rope_theta, 0.0);
+  EXPECT_FALSE(r8->layout.row.rope_interleaved);
+
+  for (uint32_t dim : {16u, 48u, 100u}) {
+    RegisterSpec t = SglangSpec(2, 8, dim, 64, 16);
+    t.codec = 6;
+    ExpectInvalid(t, "geometry.head_dim: CODEC_INT5_ALLOT needs a multiple of 32, got " +
+                         std::to_string(dim));
+  }
+  RegisterSpec mla = MlaSpec();
+  mla.codec = 6;
+  ExpectInvalid(mla, "geometry.attention: CODEC_INT5_ALLOT needs K and V planes");
+
+  RegisterSpec cuda = OnCuda(SglangSpec(2, 8, 128, 64, 16));
+  cuda.codec = 6;
+  cuda.rope_theta = 1e6;
+  auto rc = ValidateRegistration(cuda, Limits{}, kBigPool);
+  ASSERT_FALSE(rc.ok());
+  EXPECT_EQ(rc.status().code(), StatusCode::kFailedPrecondition) << rc.status().ToString();
+  EXPECT_EQ(rc.status().message(),
+            "codec: CODEC_INT5_ALLOT has no CUDA kernels yet; use a HOST pool or another codec");
+  cuda.codec = 5;  // the same CUDA pool under another codec registers
+  EXPECT_TRUE(ValidateRegistration(cuda, Limits{}, kBigPool).ok());
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -485,12 +590,12 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 7;
+    t.codec = 100;
     ExpectInvalid(t, "codec");
   }
   {
     RegisterSpec t = s;
-    t.codec = 6;  // the first value past CODEC_INT4_HADAMARD
+    t.codec = 7;  // the first value past CODEC_INT5_ALLOT
     ExpectInvalid(t, "codec");
   }
   {

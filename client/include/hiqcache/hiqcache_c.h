@@ -76,7 +76,11 @@ enum hiq_codec {
   HIQ_CODEC_INT4_G32_PER_HEAD = 3, /* int4 codes + a BF16 scale per 32 elements (head_dim % 32) */
   HIQ_CODEC_INT4_KIVI = 4, /* int4: K per channel over a block, V as INT4_G32 (head_dim % 32) */
   /* int4 after a Hadamard rotation, each block's first token INT8 (head_dim % 32) */
-  HIQ_CODEC_INT4_HADAMARD = 5
+  HIQ_CODEC_INT4_HADAMARD = 5,
+  /* keys at 2-8 bits per channel by range (5.25 on average), values Hadamard-rotated at 5 bits,
+   * each block's first token INT8 (head_dim % 32; not MLA; HOST pools only). The C ABI carries
+   * no rope: keys are not turned (geometry.rope.theta 0). */
+  HIQ_CODEC_INT5_ALLOT = 6
 };
 enum hiq_device_kind { HIQ_DEVICE_HOST = 0, HIQ_DEVICE_CUDA = 1 };
 enum hiq_kv_layout {

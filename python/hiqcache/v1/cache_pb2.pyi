@@ -27,6 +27,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT4_G32_PER_HEAD: _ClassVar[Codec]
     CODEC_INT4_KIVI: _ClassVar[Codec]
     CODEC_INT4_HADAMARD: _ClassVar[Codec]
+    CODEC_INT5_ALLOT: _ClassVar[Codec]
 
 class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ CODEC_FP8_E4M3_PER_HEAD: Codec
 CODEC_INT4_G32_PER_HEAD: Codec
 CODEC_INT4_KIVI: Codec
 CODEC_INT4_HADAMARD: Codec
+CODEC_INT5_ALLOT: Codec
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind
@@ -59,7 +61,7 @@ BLOCK_ALREADY_PRESENT: BlockStatus
 BLOCK_REJECTED: BlockStatus
 
 class Geometry(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "attention", "tp_rank", "tp_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "attention", "tp_rank", "tp_size", "rope")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class Geometry(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -74,7 +77,16 @@ class Geometry(_message.Message):
     attention: Attention
     tp_rank: int
     tp_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., attention: _Optional[_Union[Attention, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    rope: Rope
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., attention: _Optional[_Union[Attention, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., rope: _Optional[_Union[Rope, _Mapping]] = ...) -> None: ...
+
+class Rope(_message.Message):
+    __slots__ = ("theta", "interleaved")
+    THETA_FIELD_NUMBER: _ClassVar[int]
+    INTERLEAVED_FIELD_NUMBER: _ClassVar[int]
+    theta: float
+    interleaved: bool
+    def __init__(self, theta: _Optional[float] = ..., interleaved: _Optional[bool] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("kind", "cuda_device_uuid")

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from hiqcache.host import HUGE_PAGES, HostEventPool
 from hiqcache.keys import BlockKey
 from hiqcache.options import ExtraConfig
+from hiqcache.rope import rope_of
 from hiqcache.spec import Codec, DType, Geometry
 from hiqcache.status import StatusCode
 
@@ -88,9 +89,11 @@ def _engine_geometry(vllm_config: VllmConfig, tp_rank: int) -> Geometry:
                          "not supported (use 'auto')")
     if m.use_mla:
         raise ValueError("hiqcache: MLA models are not supported by the vLLM connector yet")
+    theta, interleaved = rope_of(m.hf_text_config, m.get_head_size())
     return Geometry(num_layers=m.get_num_layers(p), num_kv_heads=m.get_num_kv_heads(p),
                     head_dim=m.get_head_size(), dtype=dtype, tp_rank=tp_rank,
-                    tp_size=p.tensor_parallel_size)
+                    tp_size=p.tensor_parallel_size, rope_theta=theta,
+                    rope_interleaved=interleaved)
 
 
 def _staging_tokens(vllm_config: VllmConfig, opts: ConnectorOptions) -> int:

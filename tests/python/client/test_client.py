@@ -4,6 +4,7 @@ events, bad input, fail-open and re-registration after a restart."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import pathlib
 import socket
@@ -14,6 +15,7 @@ import pytest
 
 import hiqcache as hq
 from daemon import ROOT, Daemon, start_or_skip_without_l3
+from hiqcache.v1 import cache_pb2 as pb
 from kv_util import (
     HostKv,
     fp8_violations,
@@ -220,6 +222,129 @@ def test_int4_hadamard_round_trip_bytes_per_token_and_capacity(daemon, kv):
             assert c.lookup(had, bad_keys).prefix_blocks == 0
         assert c.release_pool(had).ok and c.release_pool(int8).ok
     assert hq.Codec.parse("int4_hadamard") is hq.Codec.INT4_HADAMARD
+
+
+def int5_allot_bytes_per_token(layers: int, heads: int, head_dim: int, bt: int) -> int:
+    """CODEC_INT5_ALLOT's stored bytes per token: per (block, layer), K = an INT8 first row,
+    bt - 1 rows of 21/4 bits per element and (for bt > 1) 2H + 2*H*D bytes of channel
+    parameters; V = an INT8 first row and bt - 1 rows of 5-bit codes + a zero point and a scale
+    per head."""
+    hd = heads * head_dim
+    k_plane = hd + 2 * heads + (bt - 1) * -(-21 * hd // 32) + (2 * heads + 2 * hd if bt > 1 else 0)
+    v_plane = hd + 2 * heads + (bt - 1) * (5 * hd // 8 + 4 * heads)
+    return -(-layers * (k_plane + v_plane) // bt)  # rounded up
+
+
+def rope_keys(shape: tuple[int, ...], theta: float, seed: int) -> np.ndarray:
+    """Keys as a model holds them, [layers, rows, heads, head_dim] in fp32: a base vector per
+    (layer, head) (plus a little noise per token) rotated by RoPE at the row's position, pairs
+    (i, i + head_dim/2) as Llama and Qwen rotate them."""
+    layers, rows, heads, dim = shape
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((layers, 1, heads, dim)) * 3
+    base[..., :4] *= 8  # a few large channels, as real keys have
+    x = base + rng.standard_normal((layers, rows, heads, dim)) * 0.05
+    freq = theta ** (-2.0 * np.arange(dim // 2) / dim)
+    ang = np.arange(rows)[:, None] * freq[None, :]  # [rows, dim/2]
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
+    """CODEC_INT5_ALLOT through the real daemon, rope_theta 1e5 (SmolLM2's): each block's first
+    token restored byte for byte as an INT8 pool restores it, every element within a tenth of
+    its head's largest magnitude, keys that RoPE rotated restored far closer than INT4_HADAMARD
+    (and than the same codec without the rope: the rope reaches the codec), its own namespace per
+    rope, bytes/token by the format's formula, Inf rejected with nothing stored."""
+    g = hq.Geometry(num_layers=3, num_kv_heads=3, head_dim=64, rope_theta=1e5)
+    bt = 16
+    kv5 = HostKv(g, 8 * bt)
+    try:
+        with hq.Client(daemon.target, call_timeout=margin(10)) as c:
+            allot = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT5_ALLOT))
+            unturned = c.register_pool(dataclasses.replace(
+                kv5.spec("m-allot", bt, hq.Codec.INT5_ALLOT),
+                geometry=dataclasses.replace(g, rope_theta=0.0)))
+            had = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT4_HADAMARD))
+            int8 = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT8_PER_HEAD))
+            kv5.fill(range(0, 4 * bt), seed=31)  # V: independent normal values
+            k = rope_keys((g.num_layers, 4 * bt, g.num_kv_heads, g.head_dim), 1e5, seed=32)
+            kv5.data[:, 0, :4 * bt] = to_bf16_bits(k)
+            keys = keys_for(range(4 * bt), salt="allot")
+            pools = (allot, unturned, had, int8)
+            for pool in pools:
+                res = c.backup(pool, keys, range(0, 4 * bt))
+                assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
+            src = kv5.data[:, :, :4 * bt].copy()
+            restored = {}
+            for pool in pools:
+                r = c.restore(pool, keys, range(4 * bt, 8 * bt))
+                assert r.status.ok and r.restored_blocks == 4
+                restored[pool] = kv5.data[:, :, 4 * bt:].copy()
+            dst = restored[allot]
+            # Token 0 of each block (both planes) is an INT8 row: INT8's bytes.
+            assert np.array_equal(dst[:, :, ::bt], restored[int8][:, :, ::bt])
+            x = from_bf16_bits(src).astype(np.float64)
+            y = from_bf16_bits(dst).astype(np.float64)
+            head_max = np.abs(x).max(axis=-1, keepdims=True)
+            assert (np.abs(y - x) <= 0.1 * head_max).all(), float((np.abs(y - x) / head_max).max())
+            rest = np.ones(4 * bt, bool)
+            rest[::bt] = False
+            assert not np.array_equal(src[:, :, rest], dst[:, :, rest])  # through the codec
+
+            def mean_err(pool, plane: int) -> float:
+                z = from_bf16_bits(restored[pool][:, plane, rest]).astype(np.float64)
+                return float(np.abs(z - x[:, plane, rest]).mean())
+            k5, k4, k0 = mean_err(allot, 0), mean_err(had, 0), mean_err(unturned, 0)
+            assert k5 < k4 / 4, (k5, k4)
+            assert k5 < k0 / 2, (k5, k0)  # the turn is the pool's rope's
+            assert mean_err(allot, 1) < mean_err(had, 1), (mean_err(allot, 1), mean_err(had, 1))
+
+            # The rope is part of the namespace: blocks of one rope are not another's.
+            assert c.lookup(unturned, keys_for(range(4 * bt), salt="allot-only")).prefix_blocks == 0
+            info, int8_info = c.pool_info(allot), c.pool_info(int8)
+            assert len({c.pool_info(p).namespace_id for p in pools}) == 4
+            per_token = int5_allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt)
+            assert info.encoded_bytes_per_token == per_token == 873
+            assert int5_allot_bytes_per_token(36, 8, 128, 32) == 51534  # Qwen3-8B
+            assert info.capacity_tokens > 1.2 * int8_info.capacity_tokens > 0
+            ns = {(n.codec, n.namespace_id): n for n in c.get_stats().namespaces
+                  if n.model == "m-allot"}
+            assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].blocks == 4
+            assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].encoded_bytes_per_token == 873
+            # Inf in a turned K row and NaN in a V row: rejected, nothing stored.
+            for plane, row, bits, salt in ((0, 3, 0x7F80, "allot-inf"),
+                                           (1, 5, 0x7FC1, "allot-nan")):
+                kv5.fill(range(4 * bt, 5 * bt), seed=33)
+                kv5.data[2, plane, 4 * bt + row, 0, 17] = bits
+                bad_keys = keys_for(range(bt), salt=salt)
+                bad = c.backup(allot, bad_keys, range(4 * bt, 5 * bt))
+                assert bad.blocks == [hq.BlockStatus.REJECTED]
+                assert c.lookup(allot, bad_keys).prefix_blocks == 0
+            for pool in pools:
+                assert c.release_pool(pool).ok
+    finally:
+        kv5.close()
+    assert hq.Codec.parse("int5_allot") is hq.Codec.INT5_ALLOT
+
+
+def test_geometry_rope_theta_is_checked_and_sent():
+    """Geometry.rope_theta: 0 or a model's base in [1, 1e12], finite; sent as geometry.rope only
+    when set, in RegisterPool and in a NamespaceRef alike."""
+    for bad in (float("nan"), float("inf"), -1.0, 0.5, 2e12, True, "1e6"):
+        with pytest.raises(ValueError, match="geometry.rope_theta"):
+            hq.Geometry(num_layers=1, num_kv_heads=1, head_dim=64, rope_theta=bad)
+    with pytest.raises(ValueError, match="geometry.rope_interleaved"):
+        hq.Geometry(num_layers=1, num_kv_heads=1, head_dim=64, rope_interleaved=1)
+    assert not G.to_proto().HasField("rope")
+    g = hq.Geometry(num_layers=1, num_kv_heads=1, head_dim=64, rope_theta=1e6,
+                    rope_interleaved=True)
+    msg = g.to_proto()
+    assert msg.rope.theta == 1e6 and msg.rope.interleaved
+    ref = hq.NamespaceRef(model="m", geometry=g, block_tokens=16, codec=hq.Codec.INT5_ALLOT)
+    assert ref.to_proto().geometry.rope.theta == 1e6
+    assert ref.to_proto().codec == pb.CODEC_INT5_ALLOT
 
 
 def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):

@@ -94,6 +94,10 @@ def open_daemon():
     ({"tenant": "a\nb"}, "'tenant'"),
     ({"staging_pages": 129}, "'staging_pages'"),
     ({"huge_pages": "yes"}, "'huge_pages'"),
+    ({"rope_theta": 0.5}, "'rope_theta'"),
+    ({"rope_theta": "1e6"}, "'rope_theta'"),
+    ({"rope_theta": float("nan")}, "'rope_theta'"),
+    ({"rope_interleaved": "no"}, "'rope_interleaved'"),
 ])
 def test_bad_extra_config_fails_start_up_naming_the_key(daemon, change, named):
     engine = Engine(SMALL, "layer_first")
