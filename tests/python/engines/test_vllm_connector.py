@@ -117,20 +117,23 @@ def save_results(name: str, data: dict) -> None:
     print(f"\n{name}: {json.dumps(data)}")
 
 
+@pytest.mark.parametrize("codec", ["int8_per_head", "int5_allot"])
 def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, reference,
-                                                               tmp_path):
+                                                               tmp_path, codec):
     """Engine A serves each group's first prompt; engine B, a fresh process with an empty prefix
     cache, serves the second prompts and takes every full block of the shared prefix from the
-    daemon, stored as int8: agreement with vLLM's own prefix cache measured. (Restores equal to
+    daemon, stored as int8, or as int5_allot (keys turned by the RoPE the adapter reads from
+    vLLM's model config): agreement with vLLM's own prefix cache measured. (Restores equal to
     the reference exactly, codec raw: the two-engines and L3 tests below.)"""
+    tag = codec.split("_")[0]
     with Daemon(pool_bytes="512MiB") as d:
-        conn = {"target": d.target, "codec": "int8_per_head"}
-        a = run_engine("a-int8", {"model": model, "connector": conn,
-                                  "batches": [[p1] for p1, _, _ in prompts]}, tmp_path)
-        b = run_engine("b-int8", {"model": model, "connector": conn,
-                                  "batches": [[p2] for _, p2, _ in prompts]}, tmp_path)
+        conn = {"target": d.target, "codec": codec}
+        a = run_engine(f"a-{tag}", {"model": model, "connector": conn,
+                                    "batches": [[p1] for p1, _, _ in prompts]}, tmp_path)
+        b = run_engine(f"b-{tag}", {"model": model, "connector": conn,
+                                    "batches": [[p2] for _, p2, _ in prompts]}, tmp_path)
         want_blocks = sum(full_blocks(len(p2), n) for _, p2, n in prompts)
-        for name in ("a-int8", "b-int8"):  # no connector call failed (each would say so)
+        for name in (f"a-{tag}", f"b-{tag}"):  # no connector call failed (each would say so)
             log = (tmp_path / f"{name}.log").read_text()
             assert "treated as a miss" not in log, log[-6000:]
         assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
@@ -150,7 +153,7 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
                 deltas.append(abs(l_got - l_ref))
         first_equal = sum(b["results"][i]["tokens"][0] == reference["second"][i]["tokens"][0]
                           for i in range(GROUPS))
-        figures = {"int8": {
+        figures = {tag: {
             "prompts": GROUPS, "first_token_agreement": first_equal / GROUPS,
             "greedy_tokens_equal_before_divergence": agree,
             "greedy_tokens_compared": total,
@@ -166,8 +169,8 @@ def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, r
         stats = hq.Client(d.target, call_timeout=margin(10)).get_stats()
         models = {n.model for n in stats.namespaces}
         assert len(models) == 1 and next(iter(models)).startswith(model)
-        assert {n.codec for n in stats.namespaces} == {hq.Codec.INT8_PER_HEAD}
-    save_results("vllm_restore_fidelity", figures)
+        assert {n.codec for n in stats.namespaces} == {hq.Codec(codec)}
+    save_results("vllm_restore_fidelity" + ("" if tag == "int8" else f"_{tag}"), figures)
 
 
 def test_two_nodes_share_prefixes_through_l3(model, prompts, reference, tmp_path):
