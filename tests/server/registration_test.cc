@@ -215,10 +215,8 @@ TEST(ValidateRegistrationTest, Int4KiviPlanesOfTheirOwnSizes) {
   }
 }
 
-// CUDA pools take CODEC_INT4_KIVI with HOST's geometry rules: the same layout, and a head_dim
-// that is not a multiple of 32 refused naming geometry.head_dim.
-TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
-  RegisterSpec s = SglangSpec(2, 8, 128, 64, 16);
+// A CUDA pool's buffers and slots in place of `s`'s HOST ones.
+RegisterSpec OnCuda(RegisterSpec s) {
   s.device_kind = kCuda;
   for (auto& b : s.buffers) {
     b.has_host_shm_name = false;
@@ -228,6 +226,13 @@ TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
   }
   s.events.host_fd_id = 1;
   s.events.count = 8;
+  return s;
+}
+
+// CUDA pools take CODEC_INT4_KIVI with HOST's geometry rules: the same layout, and a head_dim
+// that is not a multiple of 32 refused naming geometry.head_dim.
+TEST(ValidateRegistrationTest, Int4KiviOnCuda) {
+  RegisterSpec s = OnCuda(SglangSpec(2, 8, 128, 64, 16));
   s.codec = 4;
   auto r = ValidateRegistration(s, Limits{}, kBigPool);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -306,20 +311,6 @@ TEST(ValidateRegistrationTest, Int4HadamardPlanesOfTheirOwnSizes) {
   EXPECT_EQ(rc->layout.row.codec, kernels::CodecKind::kInt4Hadamard);
   cuda.head_dim = 48;
   ExpectInvalid(cuda, "geometry.head_dim");
-}
-
-// A CUDA pool's buffers and slots in place of `s`'s HOST ones.
-RegisterSpec OnCuda(RegisterSpec s) {
-  s.device_kind = kCuda;
-  for (auto& b : s.buffers) {
-    b.has_host_shm_name = false;
-    b.host_shm_name.clear();
-    b.has_cuda_ipc_handle = true;
-    b.cuda_ipc_handle = std::string(64, '\x01');
-  }
-  s.events.host_fd_id = 1;
-  s.events.count = 8;
-  return s;
 }
 
 // geometry.rope.theta: finite, and 0 (no rotary embedding) or in [1, 1e12], for every codec.
