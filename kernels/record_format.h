@@ -36,8 +36,9 @@ enum class CodecKind : uint8_t {
   // Keys turned back by RoPE and stored at bits allotted per channel, values rotated at 5 bits,
   // stored per plane of a block (codec_math.h "INT5 allot"): row 0 of every plane (each block's
   // first token) is a kInt8PerHead row of the input; plane 0 (K) rows 1..block_tokens-1 hold the
-  // turned keys' codes, channel c's at AllotKeyRowBits' bit offset of c (widths 2-8 bits, derived
-  // from the channel parameters: 21/4 bits per element in all), then H bf16 steps and H*D int8
+  // turned keys' codes, channel c's at the sum of the earlier channels' widths (2-8 bits each,
+  // derived from the channel parameters: AllotKeyRowBits, 21/4 bits per element, in all), then H
+  // bf16 steps and H*D int8
   // lower and H*D int8 upper channel bounds in steps (absent when block_tokens == 1); plane 1 (V)
   // rows hold H*D 5-bit codes of the rotated elements, then H bf16 zero points and H bf16
   // scales, one pair per head. D % 32 == 0; K and V planes only.
@@ -65,7 +66,8 @@ struct RowFormat {
     return ElementsPerRow() + 2u * num_heads;
   }
   // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
-  // Hadamard's plane-0 rows (codes only, H*D/2) and Hadamard's plane-1 rows (H*D/2 + H*D/8).
+  // Hadamard's plane-0 rows (codes only, H*D/2), Hadamard's plane-1 rows (H*D/2 + H*D/8), INT5
+  // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H).
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
     if (codec == CodecKind::kInt5Allot) {
       return plane == 0 ? AllotKeyRowBytes(ElementsPerRow())
@@ -77,8 +79,8 @@ struct RowFormat {
     }
     return codec == CodecKind::kInt4Kivi && plane == 0 ? ElementsPerRow() / 2 : RowBytes();
   }
-  // Bytes of a plane's first stored row (token 0 of the block): Hadamard's INT8 row (H*D + 2H),
-  // else PlaneRowBytes(plane).
+  // Bytes of a plane's first stored row (token 0 of the block): an INT8 row (H*D + 2H) where
+  // FirstRowIsInt8(), else PlaneRowBytes(plane).
   HIQ_HD size_t FirstRowBytes(uint32_t plane) const {
     return FirstRowIsInt8() ? FirstRowFormat().RowBytes() : PlaneRowBytes(plane);
   }

@@ -118,7 +118,8 @@ void ReadChannels(const RowFormat& fmt, const uint8_t* params, KeyChannels* ch) 
 }
 
 // Codes q8[0..channels) packed at their channels' widths, least significant bit first, into a
-// row of AllotKeyRowBytes(channels) bytes.
+// row of AllotKeyRowBytes(channels) bytes: every byte of it written (the widths an encoder
+// allots sum to the row's bits exactly), so the row needs no clearing first.
 void PackRow(const uint8_t* q8, const uint8_t* width, uint32_t channels, uint8_t* row) {
   uint64_t acc = 0;
   uint32_t bits = 0;
@@ -229,7 +230,6 @@ bool EncodeKeysT(const RowFormat& fmt, const StridedView& view, const uint32_t* 
   q8.resize(channels);
   const auto half = hn::Set(df, 0.5f);
   const auto two = hn::Set(df, 2.0f);
-  const size_t row_bytes = AllotKeyRowBytes(channels);
   for (uint32_t t = 0; t < m; ++t) {
     const float* yt = y + size_t{t} * channels;
     for (uint32_t c = 0; c < channels; c += static_cast<uint32_t>(n)) {
@@ -240,9 +240,7 @@ bool EncodeKeysT(const RowFormat& fmt, const StridedView& view, const uint32_t* 
       const auto qc = hn::Min(hn::Max(q, hn::Zero(df)), hn::LoadU(df, ch.top.data() + c));
       StoreCodes(hn::ConvertTo(di, qc), q8.data() + c);
     }
-    uint8_t* codes = dst + fmt.PlaneRowOffset(0, t + 1);
-    std::memset(codes, 0, row_bytes);
-    PackRow(q8.data(), ch.width.data(), channels, codes);
+    PackRow(q8.data(), ch.width.data(), channels, dst + fmt.PlaneRowOffset(0, t + 1));
   }
   return true;
 }

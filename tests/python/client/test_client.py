@@ -301,8 +301,11 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert k5 < k0 / 2, (k5, k0)  # the turn is the pool's rope's
             assert mean_err(allot, 1) < mean_err(had, 1), (mean_err(allot, 1), mean_err(had, 1))
 
-            # The rope is part of the namespace: blocks of one rope are not another's.
-            assert c.lookup(unturned, keys_for(range(4 * bt), salt="allot-only")).prefix_blocks == 0
+            # The rope is part of the namespace: a block stored under one rope is not another's.
+            only = keys_for(range(bt), salt="allot-only")
+            assert c.backup(allot, only, range(0, bt)).blocks == [hq.BlockStatus.STORED]
+            assert c.lookup(allot, only).prefix_blocks == 1
+            assert c.lookup(unturned, only).prefix_blocks == 0
             info, int8_info = c.pool_info(allot), c.pool_info(int8)
             assert len({c.pool_info(p).namespace_id for p in pools}) == 4
             per_token = int5_allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt)
@@ -311,7 +314,7 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert info.capacity_tokens > 1.2 * int8_info.capacity_tokens > 0
             ns = {(n.codec, n.namespace_id): n for n in c.get_stats().namespaces
                   if n.model == "m-allot"}
-            assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].blocks == 4
+            assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].blocks == 5
             assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].encoded_bytes_per_token == 873
             # Inf in a turned K row and NaN in a V row: rejected, nothing stored.
             for plane, row, bits, salt in ((0, 3, 0x7F80, "allot-inf"),
