@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../kernels/codec_math.h"
 #include "hiqcache/block_keys.h"
 #include "hiqcache/client.h"
 #include "hiqcache/host_shm.h"
@@ -54,17 +55,9 @@ inline float FloatFromBf16(uint16_t b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline uint16_t Fp16FromFloat(float f) {
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
-inline float FloatFromFp16(uint16_t b) {
-  _Float16 h;
-  std::memcpy(&h, &b, 2);
-  return static_cast<float>(h);
-}
+// fp16 through the kernels' conversions (_Float16 is not a type every compiler here has).
+inline uint16_t Fp16FromFloat(float f) { return kernels::FloatToFp16Sat(f); }
+inline float FloatFromFp16(uint16_t b) { return kernels::Fp16ToFloat(b); }
 inline uint16_t Encode16(DType t, float f) {
   return t == DType::kFP16 ? Fp16FromFloat(f) : Bf16FromFloat(f);
 }
