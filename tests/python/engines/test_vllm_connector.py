@@ -1,14 +1,15 @@
 """hiqcache.vllm.HiqCacheConnector inside real vLLM engines (CPU, real SmolLM2-135M weights),
 against the real hiqcached.
 
-Every engine is its own process (tests/python/vllm_engine.py). The engines restore straight into
-vLLM's attention tiles (cpu_transport auto: the tile order of this machine's ISA has a split
-TensorView) except engine C (stores through staging, D restores its blocks into tiles) and
-engine F (staging both ways). The reference for "identical" is
-vLLM's own prefix cache: one engine serves each group's first prompt, then its second prompt from
-its own cache. Engines that restore the shared prefix from hiqcached must match it: exactly with
-codec raw, within measured agreement with int8. Figures go to $HIQ_RESULTS_DIR (default
-build/python-results) as JSON.
+Every engine is its own process (tests/python/vllm_engine.py), of one thread: engines that do
+not wait on each other run at once (the reference beside the restore test's engines). The
+engines restore straight into vLLM's attention tiles (cpu_transport auto: the tile order of this
+machine's ISA has a split TensorView) except engine C (stores through staging, D restores its
+blocks into tiles) and engine F (staging both ways). The reference for "identical" is vLLM's own
+prefix cache: one engine serves each group's first prompt, then its second prompt from its own
+cache. Engines that restore the shared prefix from hiqcached must match it: exactly with codec
+raw, within measured agreement with int8 and int5_allot. Figures go to $HIQ_RESULTS_DIR
+(default build/python-results) as JSON.
 """
 
 from __future__ import annotations
@@ -101,14 +102,56 @@ def full_blocks(prompt_len: int, shared: int) -> int:
     return min(shared // BS, (prompt_len - 1) // BS)
 
 
+CODECS = ("int8_per_head", "int5_allot")
+
+
 @pytest.fixture(scope="module")
-def reference(model, prompts, tmp_path_factory):
-    """vLLM's own prefix cache: each group's first prompt, then its second."""
-    tmp = tmp_path_factory.mktemp("ref")
+def engines(model, prompts, tmp_path_factory):
+    """The engines of the restore test, with vLLM's reference beside them: the reference engine
+    and each codec's engine A run at once (one thread each), then each codec's engine B; each
+    codec has its own daemon. Returns the reference and, per codec, A's and B's outputs and logs
+    and the daemon's namespaces as B left them."""
+    tmp = tmp_path_factory.mktemp("engines")
     batches = [[p] for p1, p2, _ in prompts for p in (p1, p2)]
-    out = run_engine("ref", {"model": model, "connector": None, "batches": batches}, tmp)
-    res = out["results"]
-    return {"first": res[0::2], "second": res[1::2]}
+    daemons = {codec: Daemon(pool_bytes="512MiB") for codec in CODECS}
+    procs: list[subprocess.Popen] = []
+    try:
+        for d in daemons.values():
+            d.start()
+        ref = start_engine("ref", {"model": model, "connector": None, "batches": batches}, tmp)
+        procs.append(ref)
+
+        def conn(codec):
+            return {"target": daemons[codec].target, "codec": codec}
+
+        a = {c: start_engine(f"a-{c}", {"model": model, "connector": conn(c),
+                                        "batches": [[p1] for p1, _, _ in prompts]}, tmp)
+             for c in CODECS}
+        procs += a.values()
+        out = {c: {"a": finish_engine(f"a-{c}", a[c], tmp)} for c in CODECS}
+        b = {c: start_engine(f"b-{c}", {"model": model, "connector": conn(c),
+                                        "batches": [[p2] for _, p2, _ in prompts]}, tmp)
+             for c in CODECS}
+        procs += b.values()
+        for c in CODECS:
+            out[c]["b"] = finish_engine(f"b-{c}", b[c], tmp)
+            out[c]["logs"] = [(tmp / f"{n}-{c}.log").read_text() for n in ("a", "b")]
+            stats = hq.Client(daemons[c].target, call_timeout=margin(10)).get_stats()
+            out[c]["namespaces"] = [(n.model, n.codec) for n in stats.namespaces]
+        res = finish_engine("ref", ref, tmp)["results"]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for d in daemons.values():
+            d.close()
+    return {"reference": {"first": res[0::2], "second": res[1::2]}, **out}
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """vLLM's own prefix cache: each group's first prompt, then its second."""
+    return engines["reference"]
 
 
 def save_results(name: str, data: dict) -> None:
@@ -117,59 +160,51 @@ def save_results(name: str, data: dict) -> None:
     print(f"\n{name}: {json.dumps(data)}")
 
 
-@pytest.mark.parametrize("codec", ["int8_per_head", "int5_allot"])
-def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, reference,
-                                                               tmp_path, codec):
+@pytest.mark.parametrize("codec", CODECS)
+def test_restore_from_another_engine_matches_vllm_prefix_cache(model, prompts, engines, codec):
     """Engine A serves each group's first prompt; engine B, a fresh process with an empty prefix
     cache, serves the second prompts and takes every full block of the shared prefix from the
     daemon, stored as int8, or as int5_allot (keys turned by the RoPE the adapter reads from
     vLLM's model config): agreement with vLLM's own prefix cache measured. (Restores equal to
     the reference exactly, codec raw: the two-engines and L3 tests below.)"""
     tag = codec.split("_")[0]
-    with Daemon(pool_bytes="512MiB") as d:
-        conn = {"target": d.target, "codec": codec}
-        a = run_engine(f"a-{tag}", {"model": model, "connector": conn,
-                                    "batches": [[p1] for p1, _, _ in prompts]}, tmp_path)
-        b = run_engine(f"b-{tag}", {"model": model, "connector": conn,
-                                    "batches": [[p2] for _, p2, _ in prompts]}, tmp_path)
-        want_blocks = sum(full_blocks(len(p2), n) for _, p2, n in prompts)
-        for name in (f"a-{tag}", f"b-{tag}"):  # no connector call failed (each would say so)
-            log = (tmp_path / f"{name}.log").read_text()
-            assert "treated as a miss" not in log, log[-6000:]
-        assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
-        assert b["connector"]["failed_blocks"] == 0
-        assert a["connector"]["saved_blocks"] > 0 and a["connector"]["loaded_blocks"] == 0
-        assert a["connector"]["transport"] == b["connector"]["transport"] == "tiles"
-        agree, total, deltas = 0, 0, []
-        for i in range(GROUPS):
-            got, ref = b["results"][i], reference["second"][i]
-            assert got["num_cached_tokens"] == ref["num_cached_tokens"] > 0
-            for t_got, t_ref, l_got, l_ref in zip(got["tokens"], ref["tokens"],
-                                                  got["logprobs"], ref["logprobs"]):
-                total += 1
-                if t_got != t_ref:
-                    break  # later tokens continue different texts
-                agree += 1
-                deltas.append(abs(l_got - l_ref))
-        first_equal = sum(b["results"][i]["tokens"][0] == reference["second"][i]["tokens"][0]
-                          for i in range(GROUPS))
-        figures = {tag: {
-            "prompts": GROUPS, "first_token_agreement": first_equal / GROUPS,
-            "greedy_tokens_equal_before_divergence": agree,
-            "greedy_tokens_compared": total,
-            "logprob_delta_mean": float(np.mean(deltas)),
-            "logprob_delta_median": float(np.median(deltas)),
-            "logprob_delta_max": float(np.max(deltas)),
-            "restored_blocks": b["connector"]["loaded_blocks"]}}
-        # The codec really acted on the KV the engine attended over ...
-        assert max(deltas) > 0
-        # ... and the greedy continuation survives it (measured: see the results file).
-        assert first_equal >= GROUPS - 1
-        assert float(np.median(deltas)) < 0.1
-        stats = hq.Client(d.target, call_timeout=margin(10)).get_stats()
-        models = {n.model for n in stats.namespaces}
-        assert len(models) == 1 and next(iter(models)).startswith(model)
-        assert {n.codec for n in stats.namespaces} == {hq.Codec(codec)}
+    a, b, reference = engines[codec]["a"], engines[codec]["b"], engines["reference"]
+    want_blocks = sum(full_blocks(len(p2), n) for _, p2, n in prompts)
+    for log in engines[codec]["logs"]:  # no connector call failed (each would say so)
+        assert "treated as a miss" not in log, log[-6000:]
+    assert b["connector"]["loaded_blocks"] == want_blocks, b["connector"]
+    assert b["connector"]["failed_blocks"] == 0
+    assert a["connector"]["saved_blocks"] > 0 and a["connector"]["loaded_blocks"] == 0
+    assert a["connector"]["transport"] == b["connector"]["transport"] == "tiles"
+    agree, total, deltas = 0, 0, []
+    for i in range(GROUPS):
+        got, ref = b["results"][i], reference["second"][i]
+        assert got["num_cached_tokens"] == ref["num_cached_tokens"] > 0
+        for t_got, t_ref, l_got, l_ref in zip(got["tokens"], ref["tokens"],
+                                              got["logprobs"], ref["logprobs"]):
+            total += 1
+            if t_got != t_ref:
+                break  # later tokens continue different texts
+            agree += 1
+            deltas.append(abs(l_got - l_ref))
+    first_equal = sum(b["results"][i]["tokens"][0] == reference["second"][i]["tokens"][0]
+                      for i in range(GROUPS))
+    figures = {tag: {
+        "prompts": GROUPS, "first_token_agreement": first_equal / GROUPS,
+        "greedy_tokens_equal_before_divergence": agree,
+        "greedy_tokens_compared": total,
+        "logprob_delta_mean": float(np.mean(deltas)),
+        "logprob_delta_median": float(np.median(deltas)),
+        "logprob_delta_max": float(np.max(deltas)),
+        "restored_blocks": b["connector"]["loaded_blocks"]}}
+    # The codec really acted on the KV the engine attended over ...
+    assert max(deltas) > 0
+    # ... and the greedy continuation survives it (measured: see the results file).
+    assert first_equal >= GROUPS - 1
+    assert float(np.median(deltas)) < 0.1
+    namespaces = engines[codec]["namespaces"]
+    assert len({m for m, _ in namespaces}) == 1 and namespaces[0][0].startswith(model)
+    assert {c for _, c in namespaces} == {hq.Codec(codec)}
     save_results("vllm_restore_fidelity" + ("" if tag == "int8" else f"_{tag}"), figures)
 
 
