@@ -55,7 +55,9 @@ stage_done main "$t"
 
 # Python: the project venv (pinned, deploy/setup-venv.sh), then pytest over tests/python: the
 # hiqcache client against the real daemon, and the vLLM connector inside real vLLM engines on
-# real SmolLM2 weights (converted once into .cache/models, or $HIQ_MODEL_CACHE).
+# real SmolLM2 weights (converted once into .cache/models, or $HIQ_MODEL_CACHE). On
+# HIQ_PYTEST_WORKERS pytest workers (pytest-xdist, 2 by default; 0: one process), a test file to
+# a worker: each engine is a process of one thread, so two files' engines use both cores.
 if [ "${HIQ_PYTHON_TESTS:-1}" = 1 ]; then
   t=$(date +%s)
   wait "$venv_pid" || { cat "$build.venv.log" >&2; echo "run-tests: setup-venv failed" >&2; exit 1; }
@@ -66,7 +68,7 @@ if [ "${HIQ_PYTHON_TESTS:-1}" = 1 ]; then
   HIQ_DAEMON_PATH="$build/server/hiqcached" HIQ_C_LIB="$build/client/libhiqcache.so" \
   HIQ_RESULTS_DIR="$build/python-results" \
     "${HIQ_VENV:-$root/.venv}/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-      "$root/tests/python"
+      -n "${HIQ_PYTEST_WORKERS:-2}" --dist loadfile "$root/tests/python"
   stage_done python-tests "$t"
 fi
 

@@ -1,7 +1,7 @@
 """hiqcache.vllm.HiqCacheConnector inside real vLLM engines (CPU, real SmolLM2-135M weights),
 against the real hiqcached.
 
-Every engine is its own process (tests/python/vllm_engine.py), of one thread: engines that do
+Every engine is its own process (tests/python/vllm_jobs.py), of one thread: engines that do
 not wait on each other run at once (the reference beside the restore test's engines). The
 engines restore straight into vLLM's attention tiles (cpu_transport auto: the tile order of this
 machine's ISA has a split TensorView) except engine C (stores through staging, D restores its
@@ -9,7 +9,8 @@ blocks into tiles) and engine F (staging both ways). The reference for "identica
 prefix cache: one engine serves each group's first prompt, then its second prompt from its own
 cache. Engines that restore the shared prefix from hiqcached must match it: exactly with codec
 raw, within measured agreement with int8 and int5_allot. Figures go to $HIQ_RESULTS_DIR
-(default build/python-results) as JSON.
+(default build/python-results) as JSON. An engine's set-up (bad options, tensor parallelism):
+test_vllm_connector_setup.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -29,78 +29,11 @@ import hiqcache as hq
 import redis_cluster
 from daemon import ROOT, Daemon, start_or_skip_without_l3
 from margins import margin
-from real_model import model_dir
-from vllm_engine import engine_env
+from vllm_jobs import BS, GROUPS, finish_engine, full_blocks, run_engine, start_engine, wait_for
 
 pytest.importorskip("vllm")
 
-HERE = pathlib.Path(__file__).resolve().parent.parent  # tests/python: the helpers
-BS = 32
-GROUPS = 8
 RESULTS = pathlib.Path(os.environ.get("HIQ_RESULTS_DIR", ROOT / "build" / "python-results"))
-
-
-@pytest.fixture(scope="module")
-def model():
-    return str(model_dir())
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    """GROUPS prefix groups of real English text (the GPL, on every Debian system): each group
-    has a shared prefix of 300-1000 tokens and two prompts with different tails."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = tok(open("/usr/share/common-licenses/GPL-3").read())["input_ids"]
-    assert len(ids) > 7500
-    groups = []
-    for i in range(GROUPS):
-        length = 300 + (i * 97) % 700
-        prefix = ids[i * 800:i * 800 + length]
-        t1 = ids[6700 + 40 * i:6700 + 40 * i + 20 + i]
-        t2 = ids[7150 + 40 * i:7150 + 40 * i + 25 - i]
-        groups.append((prefix + t1, prefix + t2, length))
-    return groups
-
-
-def run_engine(name: str, job: dict, tmp: pathlib.Path, timeout: float = 600,
-               env: dict[str, str] | None = None) -> dict:
-    proc = start_engine(name, job, tmp, env)
-    return finish_engine(name, proc, tmp, timeout)
-
-
-def start_engine(name: str, job: dict, tmp: pathlib.Path,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    (tmp / f"{name}.job.json").write_text(json.dumps(job))
-    log = open(tmp / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, str(HERE / "vllm_engine.py"),
-                             str(tmp / f"{name}.job.json"), str(tmp / f"{name}.out.json")],
-                            env={**engine_env(), **(env or {})}, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
-def finish_engine(name: str, proc: subprocess.Popen, tmp: pathlib.Path,
-                  timeout: float = 600) -> dict:
-    rc = proc.wait(timeout)
-    if rc != 0:
-        raise AssertionError(f"engine {name} exited {rc}:\n" +
-                             (tmp / f"{name}.log").read_text()[-6000:])
-    return json.loads((tmp / f"{name}.out.json").read_text())
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def full_blocks(prompt_len: int, shared: int) -> int:
-    """Blocks of the shared prefix a second prompt can take from a cache."""
-    return min(shared // BS, (prompt_len - 1) // BS)
-
 
 CODECS = ("int8_per_head", "int5_allot")
 
@@ -383,47 +316,3 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(model, prompts, r
     got, ref = out["results"][1], reference["second"][7]
     assert got["tokens"] == ref["tokens"]
     assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) < 0.5
-
-
-def test_bad_extra_config_fails_engine_startup_naming_the_key(model, tmp_path):
-    job = {"model": model, "connector": {"target": "unix:///nonexistent.sock", "codecs": "raw"},
-           "batches": []}
-    with pytest.raises(AssertionError) as err:
-        run_engine("bad", job, tmp_path, timeout=300)
-    assert "unknown kv_connector_extra_config key 'codecs'" in str(err.value)
-
-
-def test_tensor_parallel_engine_loads_only_what_every_rank_holds(model, prompts, tmp_path):
-    """TP=3 (SmolLM2 has 3 KV heads) on vLLM CPU: each rank registers its own pool and stores
-    its heads; the scheduler, which has no buffers, asks what every rank holds. After one rank
-    lost the tail of the prefix, a fresh TP engine loads only the blocks all three ranks hold."""
-    from kv_util import HostKv
-
-    p1, p2, shared = prompts[1]
-    env_bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}  # 3 workers on this machine's 2 cores
-    with Daemon(pool_bytes="512MiB") as d:
-        conn = {"target": d.target, "codec": "raw"}
-        a = run_engine("tp-a", {"model": model, "connector": conn, "tp": 3,
-                                "batches": [[p1]]}, tmp_path, env=env_bind)
-        client = hq.Client(d.target, call_timeout=margin(10))
-        stats = client.get_stats()
-        assert len(stats.namespaces) == 3 and all(n.blocks > 0 for n in stats.namespaces)
-        identity = stats.namespaces[0].model
-        keys = hq.compute_block_keys(p2, BS, salt=identity)[:full_blocks(len(p2), shared)]
-        # Rank 1 loses every block from the 6th on.
-        g = hq.Geometry(num_layers=30, num_kv_heads=1, head_dim=64, tp_rank=1, tp_size=3)
-        kv = HostKv(g, BS)
-        try:
-            pool = client.register_pool(kv.spec(identity, BS, hq.Codec.RAW))
-            assert client.lookup(pool, keys).prefix_blocks == len(keys)
-            assert client.evict(pool, keys[6:]) == len(keys) - 6
-            client.release_pool(pool)
-        finally:
-            kv.close()
-        b = run_engine("tp-b", {"model": model, "connector": conn, "tp": 3,
-                                "batches": [[p2]]}, tmp_path, env=env_bind)
-        assert b["results"][0]["num_cached_tokens"] == 6 * BS
-        assert len(b["results"][0]["tokens"]) == 8
-        restores = sorted(n.restores for n in client.get_stats().namespaces)
-        assert restores == [6, 6, 6]  # every rank restored the same 6 blocks
-        assert a["results"][0]["num_cached_tokens"] == 0
