@@ -25,7 +25,13 @@ constexpr uint32_t kTenant = 61322;
 
 // `argv` as root in a pid namespace of its own (util-linux unshare): a container's view.
 std::vector<std::string> InContainer(std::vector<std::string> argv) {
-  std::vector<std::string> out = {"/usr/bin/unshare", "--pid", "--fork", "--"};
+  // With the namespace's own /proc, as a container has, and as a child of its PID 1, a shell.
+  // Without them an ASan build's hiqctl failed now and then at exit: LeakSanitizer lists the
+  // threads to stop under /proc/<its pid>, the host's /proc/1 there, so it reported what gRPC's
+  // threads held as leaked; then its abort crashed (a PID 1 ignores its own SIGABRT).
+  std::vector<std::string> out = {
+      "/usr/bin/unshare", "--pid", "--fork", "--mount-proc", "--", "/bin/sh", "-c",
+      "\"$@\"; exit $?",  "sh"};
   out.insert(out.end(), argv.begin(), argv.end());
   return out;
 }
