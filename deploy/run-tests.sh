@@ -96,8 +96,9 @@ configure_check() {
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 # asan and fuzz share one build (HIQ_CHECK_DIR, default build-check): clang with HIQ_FUZZ=ON
-# compiles everything with ASan+UBSan (and libFuzzer's coverage, which the fuzzers need and the
-# other binaries ignore), so the daemon and its tests are built once for both stages. Without
+# compiles everything with ASan+UBSan (and, but for the kernels, libFuzzer's coverage, which the
+# fuzzers need and the other binaries ignore), so the daemon and its tests are built once for
+# both stages. Without
 # clang++ the asan stage builds with g++ and the fuzz stage is skipped.
 check_dir=${HIQ_CHECK_DIR:-$root/build-check}
 # The tests of a checking stage are those labelled for it where they are defined

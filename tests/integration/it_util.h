@@ -55,7 +55,8 @@ inline float FloatFromBf16(uint16_t b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-// fp16 through the kernels' conversions (_Float16 is not a type every compiler here has).
+// fp16 through the kernels' conversions (_Float16 is not a type every compiler here has):
+// round to nearest even, saturated to +-65504 (test data stays far below it).
 inline uint16_t Fp16FromFloat(float f) { return kernels::FloatToFp16Sat(f); }
 inline float FloatFromFp16(uint16_t b) { return kernels::Fp16ToFloat(b); }
 inline uint16_t Encode16(DType t, float f) {
