@@ -1,6 +1,7 @@
 #include "rope_turn.h"
 
 #include <cmath>
+#include <utility>
 
 namespace hiqcache::kernels {
 
@@ -19,6 +20,13 @@ RopeTurn MakeRopeTurn(const RowFormat& fmt, uint32_t block_tokens) {
     }
   }
   return turn;
+}
+
+std::vector<float> RopeTable(const RowFormat& fmt, uint32_t block_tokens) {
+  RopeTurn turn = MakeRopeTurn(fmt, block_tokens);
+  std::vector<float> table = std::move(turn.cos);
+  table.insert(table.end(), turn.sin.begin(), turn.sin.end());
+  return table;
 }
 
 const RopeTurn& RopeTurnFor(const RowFormat& fmt, uint32_t block_tokens) {

@@ -27,6 +27,10 @@ struct RopeTurn {
 // (cosine 1, sine 0: the turn is the identity). REQUIRES: head_dim even.
 RopeTurn MakeRopeTurn(const RowFormat& fmt, uint32_t block_tokens);
 
+// MakeRopeTurn's table as one array, the cosines then the sines ([t][j] each): what a CUDA job
+// carries (EncodeJob::rope), RopeTableFloats of a layout with this row and block_tokens.
+std::vector<float> RopeTable(const RowFormat& fmt, uint32_t block_tokens);
+
 // MakeRopeTurn's table, kept per thread for the last (theta, head_dim, block_tokens) asked: the
 // executors' calls for one pool reuse it. Valid until this thread's next call.
 const RopeTurn& RopeTurnFor(const RowFormat& fmt, uint32_t block_tokens);

@@ -23,6 +23,9 @@
 // per plane); its other tokens are rotated runs, each split over a group of lanes and transformed
 // through xor shuffles (HadamardEncodeKKernel, HadamardEncodeVKernel, HadamardDecodeKernel, see
 // their section), launched before the INT8 rows.
+// CODEC_INT5_ALLOT: first rows INT8 likewise; a warp per (block, layer) K plane (its channel
+// bounds and allotted widths span the plane: AllotEncodeKKernel, AllotDecodeKKernel per 8
+// tokens), a lane group per V row head (AllotEncodeVKernel, AllotDecodeVKernel); see its section.
 //
 // Launches are bounded (CudaLaunchConfig: a few CTAs per SM) and walk the units with a
 // warp-uniform grid-stride loop, so the daemon never floods the GPU it shares with the engine.
@@ -222,6 +225,18 @@ __device__ __forceinline__ void StoreHalfChunk(uint8_t* head, uint32_t e0, uint3
       StoreU16Unaligned(dst + 2 * i, ChunkElem(c, i));
     }
   }
+}
+
+// Stores v[0..8) times `factor` at dst as 16-bit elements of kDType (saturating; a whole chunk).
+template <DType kDType>
+__device__ __forceinline__ void StoreScaledChunk(uint8_t* dst, const float* v, float factor) {
+  Chunk out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out.w[i] = static_cast<uint32_t>(FloatToHalfSat(v[2 * i] * factor, kDType)) |
+               (static_cast<uint32_t>(FloatToHalfSat(v[2 * i + 1] * factor, kDType)) << 16);
+  }
+  StoreHalfChunk(dst, 0, kChunkElems, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1148,15 +1163,575 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
     if (dst == nullptr) return;
 #pragma unroll
     for (int k = 0; k < kE / 8; ++k) {
-      Chunk out;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        out.w[i] =
-            static_cast<uint32_t>(FloatToHalfSat(w[8 * k + 2 * i] * c_d, kDType)) |
-            (static_cast<uint32_t>(FloatToHalfSat(w[8 * k + 2 * i + 1] * c_d, kDType)) << 16);
-      }
-      StoreHalfChunk(dst + 16 * k, 0, kChunkElems, out);
+      StoreScaledChunk<kDType>(dst + 16 * k, w + 8 * k, c_d);
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// CODEC_INT5_ALLOT (codec_math.h "INT5 allot"). Row 0 of both planes is an INT8 row (the INT8
+// kernels over one token per plane, as INT4 Hadamard's). For rows 1.., a head is one group of
+// G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotMaxHeadDim, ValidateLayout), lane gl holding
+// chunk gl (elements [8 gl, 8 gl + 8); none where gl >= d/8), so a warp covers 32 / G heads at a
+// time (a pass), its lanes in channel order.
+//   K plane: the channel bounds and widths belong to a whole (block, layer), so one warp owns it.
+//     AllotEncodeKKernel: pass by pass, every token turned back (the job's RoPE table;
+//     rotate-half partners from the lane d/16 chunks away, interleaved ones in the lane), each
+//     channel's lo/hi and its head's largest |y| (reduced over the group), the steps and bounds
+//     stored. Then the allotment's threshold (AllotThreshold; every count a warp sum over the
+//     passes, from the stored bounds), then per pass the lanes' widths and bit offsets (warp
+//     scans in channel order: AllotAssign's steps of gain exactly t taken while they last) and
+//     per token the codes: a lane packs its 8 fields (16..64 bits), stores the bytes whose first
+//     bit is in its fields, then, after a __syncwarp, ORs its first bits into the byte it shares
+//     with the lane before it. Bytes past the last field are zeroed.
+//     AllotDecodeKKernel: a warp per (block, layer, kAllotDecodeTokens tokens) computes the same
+//     widths from the stored bounds, reads its fields, turns forward and stores.
+//   V plane: a group per (block, layer, token >= 1, head) (HadamardParams, one run per unit):
+//     the head rotated as INT4 Hadamard's (runs of r = HadamardRun(d) on r / 8 lanes each), a
+//     zero point and scale for the head (reduced over the group), 8 codes of 5 bits (5 bytes) per
+//     lane (AllotEncodeVKernel, AllotDecodeVKernel).
+// A key of magnitude >= 2^120 (NaN, Inf) or a rotated value at HadamardLimitBits flags its block.
+
+constexpr uint32_t kAllotMaxHeadDim = 256;  // a head's chunks one per lane
+constexpr uint32_t kAllotDecodeTokens = 8;  // tokens of one K decode unit
+
+struct AllotParams {
+  BlockLayout layout;
+  const LayerViews* layers;
+  const uint32_t* rows;    // this launch's first block
+  uint8_t* const* blocks;  // this launch's first block (const-cast for decode: only read there)
+  uint8_t* nonfinite;      // encode: this launch's first block, or null
+  const float* rope;       // cos [block_tokens][d/2], then sin (EncodeJob::rope)
+  uint32_t first_layer;    // decode: the launch's layer 0 is this layer
+  uint32_t num_layers;     // layers in the launch
+  uint32_t token_units;    // K units per (block, layer): 1 (encode), or per kAllotDecodeTokens
+  uint32_t group_log2;     // lanes per head = 1 << group_log2
+  uint32_t total_units;
+};
+
+// The lane's chunk in a pass over heads [h0, h0 + heads_per_pass).
+struct AllotLane {
+  uint32_t lane, gl, group, heads_per_pass, chunks, group_lanes;
+  uint32_t partner_lane;  // rotate-half: the lane holding the partner chunk
+};
+
+__device__ __forceinline__ AllotLane AllotLaneOf(const AllotParams& p) {
+  AllotLane a;
+  a.lane = threadIdx.x & 31u;
+  a.group_lanes = 1u << p.group_log2;
+  a.gl = a.lane & (a.group_lanes - 1u);
+  a.group = a.lane >> p.group_log2;
+  a.heads_per_pass = 32u >> p.group_log2;
+  a.chunks = p.layout.row.head_dim / kChunkElems;
+  const uint32_t half = a.chunks / 2;
+  a.partner_lane = (a.group << p.group_log2) + (a.gl < half ? a.gl + half : a.gl - half);
+  return a;
+}
+
+// The warp-uniform grid-stride walk of warp units.
+template <typename Body>
+__device__ __forceinline__ void ForEachWarpUnit(uint32_t total_units, Body body) {
+  const uint64_t warp = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const uint64_t num_warps = (static_cast<uint64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (uint64_t u = warp; u < total_units; u += num_warps) body(static_cast<uint32_t>(u));
+}
+
+__device__ __forceinline__ uint32_t WarpSum(uint32_t v) {
+  for (int off = 1; off < 32; off <<= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+__device__ __forceinline__ bool WarpAll(bool mine) {
+  uint32_t ok = mine ? 1u : 0u;
+  for (int off = 1; off < 32; off <<= 1) ok &= __shfl_xor_sync(kFullMask, ok, off);
+  return ok != 0;
+}
+
+// The sum of v over the lanes before this one; *total = the warp's sum.
+__device__ __forceinline__ uint32_t WarpExclusiveSum(uint32_t v, uint32_t lane, uint32_t* total) {
+  uint32_t inclusive = v;
+  for (uint32_t off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(kFullMask, inclusive, off);
+    if (lane >= off) inclusive += o;
+  }
+  *total = __shfl_sync(kFullMask, inclusive, 31);
+  return inclusive - v;
+}
+
+__device__ __forceinline__ float AbsF(float v) { return v < 0.0f ? -v : v; }
+
+// The RoPE partners of the lane's 8 elements (every lane of the warp calls this).
+__device__ __forceinline__ void AllotPartners(const AllotParams& p, const AllotLane& a,
+                                              const float (&v)[8], float (&pv)[8]) {
+  if (p.layout.row.rope_interleaved) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pv[i] = v[i ^ 1];
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const unsigned long long mine =
+        FloatToBits(v[i]) | (static_cast<unsigned long long>(FloatToBits(v[i + 1])) << 32);
+    const unsigned long long other = __shfl_sync(kFullMask, mine, static_cast<int>(a.partner_lane));
+    pv[i] = BitsToFloat(static_cast<uint32_t>(other));
+    pv[i + 1] = BitsToFloat(static_cast<uint32_t>(other >> 32));
+  }
+}
+
+// out = the lane's 8 elements of token t turned back (kForward false) or forward, from the
+// elements v and their partners pv (zeros on a lane without a chunk).
+template <bool kForward>
+__device__ __forceinline__ void AllotTurn(const AllotParams& p, const AllotLane& a, uint32_t t,
+                                          const float (&v)[8], const float (&pv)[8],
+                                          float (&out)[8]) {
+  const uint32_t d = p.layout.row.head_dim;
+  const bool inter = p.layout.row.rope_interleaved;
+  const uint32_t pairs = d / 2;
+  if (a.gl >= a.chunks) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = 0.0f;
+    return;
+  }
+  const float* cos_t = p.rope + static_cast<size_t>(t) * pairs;
+  const float* sin_t = cos_t + static_cast<size_t>(p.layout.block_tokens) * pairs;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t e = a.gl * kChunkElems + i;
+    const uint32_t j = RopePairIndex(e, d, inter);
+    const bool first = RopeIsFirst(e, d, inter);
+    out[i] = kForward ? TurnForward(v[i], pv[i], cos_t[j], sin_t[j], first)
+                      : TurnBack(v[i], pv[i], cos_t[j], sin_t[j], first);
+  }
+}
+
+// The lane's 8 keys of token t at src (zeros where src is null) turned back into y. Returns
+// whether every one lies under 2^120 (NaN and Inf do not). Every lane of the warp calls this.
+template <DType kDType>
+__device__ __forceinline__ bool AllotTurnBack(const AllotParams& p, const AllotLane& a,
+                                              const uint8_t* src, uint32_t t, float (&y)[8]) {
+  float x[8];
+  if (src != nullptr) {
+    LoadLaneElems<kDType, 8>(src, x);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+  }
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ok = ok && (FloatToBits(x[i]) & 0x7FFFFFFFu) < kAllotKeyLimitBits;
+  float px[8];
+  AllotPartners(p, a, x, px);
+  AllotTurn<false>(p, a, t, x, px, y);
+  return ok;
+}
+
+// A (block, layer) K plane's stored parameters: H bf16 steps, H*D int8 lower and upper bounds.
+struct AllotKeyParams {
+  const uint8_t* steps;
+  const int8_t* lower;
+  const int8_t* upper;
+};
+
+__device__ __forceinline__ AllotKeyParams AllotKeyParamsAt(const RowFormat& row,
+                                                           const uint8_t* params) {
+  AllotKeyParams k;
+  k.steps = params;
+  k.lower = reinterpret_cast<const int8_t*>(params + 2 * row.num_heads);
+  k.upper = k.lower + row.ElementsPerRow();
+  return k;
+}
+
+// The lane's channels in the pass from h0: the head, whether it has any, its first channel.
+struct AllotChannels {
+  uint32_t head;
+  bool valid;
+  size_t c0;
+};
+
+__device__ __forceinline__ AllotChannels AllotChannelsOf(const AllotParams& p, const AllotLane& a,
+                                                         uint32_t h0) {
+  AllotChannels c;
+  c.head = h0 + a.group;
+  c.valid = c.head < p.layout.row.num_heads && a.gl < a.chunks;
+  c.c0 = static_cast<size_t>(c.head) * p.layout.row.head_dim + a.gl * kChunkElems;
+  return c;
+}
+
+// AllotRangeBits of the lane's 8 channels (0 where it has none), and their head's step.
+__device__ __forceinline__ float AllotLaneRanges(const AllotKeyParams& k, const AllotChannels& c,
+                                                 uint32_t (&range)[8]) {
+  float step = 0.0f;
+  if (c.valid) step = Bf16ToFloat(LoadU16Unaligned(k.steps + 2 * c.head));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    range[i] = c.valid ? AllotRangeBits(k.lower[c.c0 + i], k.upper[c.c0 + i], step) : 0u;
+  }
+  return step;
+}
+
+// The allotment's threshold t and the steps of gain exactly t it takes (n less the steps gaining
+// more), from the stored bounds. Every lane of the warp calls this and gets the same answer.
+__device__ __forceinline__ void AllotThresholdOf(const AllotParams& p, const AllotLane& a,
+                                                 const AllotKeyParams& k, uint32_t* threshold,
+                                                 uint32_t* ties) {
+  const uint32_t n = AllotIncrements(p.layout.row.ElementsPerRow());
+  auto above = [&](uint32_t mid) {
+    uint32_t count = 0;
+    for (uint32_t h0 = 0; h0 < p.layout.row.num_heads; h0 += a.heads_per_pass) {
+      uint32_t range[8];
+      AllotLaneRanges(k, AllotChannelsOf(p, a, h0), range);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) count += AllotStepsAbove(range[i], mid);
+    }
+    return WarpSum(count);
+  };
+  *threshold = AllotThreshold(n, above);
+  *ties = n - above(*threshold);
+}
+
+// The lane's 8 fields in a row for one pass: widths, zero points, scales and the first bit.
+struct AllotFields {
+  uint32_t width[8];
+  float zero[8], scale[8];
+  uint32_t bit;   // the first field's bit offset in the row
+  uint32_t bits;  // the fields' total
+};
+
+// AllotAssign for the lane's channels of one pass (see AllotKeyWidths), then AllotKeyChannels'
+// zero points, scales and bit offsets. *tie_carry and *bit_carry carry the steps of gain exactly
+// t offered and the bits of the passes before this one. Every lane of the warp calls this.
+__device__ __forceinline__ AllotFields AllotFieldsOf(const AllotParams& p, const AllotLane& a,
+                                                     const AllotKeyParams& k,
+                                                     const AllotChannels& c, uint32_t threshold,
+                                                     uint32_t ties, uint32_t* tie_carry,
+                                                     uint32_t* bit_carry) {
+  uint32_t range[8];
+  const float step = AllotLaneRanges(k, c, range);
+  AllotFields f;
+  uint32_t offered[8];
+  uint32_t lane_offered = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f.width[i] = c.valid ? kAllotMinBits + AllotStepsAbove(range[i], threshold) : 0u;
+    const uint32_t room = c.valid ? kAllotMaxBits - f.width[i] : 0u;
+    const uint32_t u = range[i];
+    offered[i] = 0;
+    if (room > 0) {
+      if (threshold == 0) {
+        offered[i] = u == 0 ? room : 0u;
+      } else if (u > threshold && ((u - threshold) & (kAllotExponentOne - 1u)) == 0 &&
+                 (u - threshold) >> 23 == f.width[i]) {
+        offered[i] = 1;
+      }
+    }
+    lane_offered += offered[i];
+  }
+  uint32_t total = 0;
+  uint32_t before = *tie_carry + WarpExclusiveSum(lane_offered, a.lane, &total);
+  *tie_carry += total;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t left = before >= ties ? 0u : ties - before;
+    f.width[i] += offered[i] < left ? offered[i] : left;
+    before += offered[i];
+    bits += f.width[i];
+  }
+  f.bits = bits;
+  f.bit = *bit_carry + WarpExclusiveSum(bits, a.lane, &total);
+  *bit_carry += total;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f.zero[i] = 0.0f;
+    f.scale[i] = 0.0f;
+    if (f.width[i] == 0) continue;
+    const float lo = static_cast<float>(k.lower[c.c0 + i]) * step;
+    const float hi = static_cast<float>(k.upper[c.c0 + i]) * step;
+    f.zero[i] = lo;
+    f.scale[i] = Bf16ToFloat(AsymScaleBf16(lo, hi, (1u << f.width[i]) - 1u));
+  }
+  return f;
+}
+
+// Stores the lane's 8 codes into its fields of `row` (see the section's comment). Every lane of
+// the warp calls this.
+__device__ __forceinline__ void AllotStoreFields(uint8_t* row, const AllotFields& f,
+                                                 const uint32_t (&q)[8]) {
+  uint64_t v = 0;
+  uint32_t pos = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (f.width[i] == 0) continue;
+    v |= static_cast<uint64_t>(q[i]) << pos;
+    pos += f.width[i];
+  }
+  const uint32_t shift = f.bit & 7u;
+  const uint64_t lo = v << shift;                                                  // bytes 0..7
+  const uint32_t hi = shift != 0 ? static_cast<uint32_t>(v >> (64 - shift)) : 0u;  // byte 8
+  const uint32_t base = f.bit >> 3;
+  const uint32_t end = (f.bit + f.bits + 7) >> 3;
+  for (uint32_t b = (f.bit + 7) >> 3; b < end; ++b) {
+    const uint32_t rel = b - base;
+    row[b] = static_cast<uint8_t>(rel < 8 ? lo >> (8 * rel) : hi);
+  }
+  __syncwarp();  // the byte before this lane's first whole one is the lane before it's
+  if (shift != 0 && f.bits > 0) row[base] = static_cast<uint8_t>(row[base] | (lo & 0xFFu));
+}
+
+// The lane's 8 codes from its fields of `row` (zeros where it has none).
+__device__ __forceinline__ void AllotLoadFields(const uint8_t* row, const AllotFields& f,
+                                                uint32_t (&q)[8]) {
+  uint64_t lo = 0;
+  uint32_t hi = 0;
+  if (f.bits > 0) {
+    const uint32_t base = f.bit >> 3;
+    const uint32_t last = (f.bit + f.bits - 1) >> 3;
+    for (uint32_t b = base; b <= last; ++b) {
+      const uint32_t rel = b - base;
+      if (rel < 8) {
+        lo |= static_cast<uint64_t>(row[b]) << (8 * rel);
+      } else {
+        hi = row[b];
+      }
+    }
+  }
+  const uint32_t shift = f.bit & 7u;
+  const uint64_t v = (lo >> shift) | (shift != 0 ? static_cast<uint64_t>(hi) << (64 - shift) : 0);
+  uint32_t pos = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = f.width[i] == 0 ? 0u : static_cast<uint32_t>(v >> pos) & ((1u << f.width[i]) - 1u);
+    pos += f.width[i];
+  }
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeKKernel(const AllotParams p) {
+  const AllotLane a = AllotLaneOf(p);
+  const RowFormat& row = p.layout.row;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t row_bytes = AllotKeyRowBytes(row.ElementsPerRow());
+  ForEachWarpUnit(p.total_units, [&](uint32_t u) {
+    const uint32_t b = u / p.num_layers;
+    const uint32_t l = u - b * p.num_layers;
+    const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
+    const StridedView& view = p.layers[l].planes[0];
+    uint8_t* plane = p.blocks[b] + p.layout.PlaneOffset(l, 0);
+    uint8_t* params = plane + row.PlaneRowOffset(0, tokens);
+    auto* lower = reinterpret_cast<int8_t*>(params + 2 * row.num_heads);
+    int8_t* upper = lower + row.ElementsPerRow();
+
+    // The turned keys' bounds per channel and the heads' steps.
+    bool ok = true;
+    for (uint32_t h0 = 0; h0 < row.num_heads; h0 += a.heads_per_pass) {
+      const AllotChannels c = AllotChannelsOf(p, a, h0);
+      float lo[8], hi[8], y[8];
+      float m = 0.0f;
+      for (uint32_t t = 1; t < tokens; ++t) {
+        const uint8_t* src =
+            c.valid ? HeadPtr(view, rows[t], c.head) + 2 * kChunkElems * a.gl : nullptr;
+        ok = AllotTurnBack<kDType>(p, a, src, t, y) && ok;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = t == 1 ? y[i] : MinF(lo[i], y[i]);
+          hi[i] = t == 1 ? y[i] : MaxF(hi[i], y[i]);
+          m = MaxF(m, AbsF(y[i]));
+        }
+      }
+      for (uint32_t off = 1; off < a.group_lanes; off <<= 1) {
+        m = MaxF(m, __shfl_xor_sync(kFullMask, m, static_cast<int>(off)));
+      }
+      // Bounds only from keys the codec takes (a NaN's or an Inf's quotient has no int8 value);
+      // a block with any other is flagged below.
+      ok = WarpAll(ok);
+      if (c.valid && ok) {
+        const uint16_t step_bits = AllotStepBf16(m);
+        const float step = Bf16ToFloat(step_bits);
+        if (a.gl == 0) StoreU16Unaligned(params + 2 * c.head, step_bits);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lower[c.c0 + i] = AllotLowerSteps(lo[i], step);
+          upper[c.c0 + i] = AllotUpperSteps(hi[i], step);
+        }
+      }
+    }
+    if (!ok) {
+      if (a.lane == 0 && p.nonfinite != nullptr) p.nonfinite[b] = 1;
+      return;
+    }
+    __syncwarp();  // every lane reads its head's step, stored by the head's first lane
+
+    const AllotKeyParams k = AllotKeyParamsAt(row, params);
+    uint32_t threshold = 0, ties = 0;
+    AllotThresholdOf(p, a, k, &threshold, &ties);
+    uint32_t tie_carry = 0, bit_carry = 0;
+    for (uint32_t h0 = 0; h0 < row.num_heads; h0 += a.heads_per_pass) {
+      const AllotChannels c = AllotChannelsOf(p, a, h0);
+      const AllotFields f = AllotFieldsOf(p, a, k, c, threshold, ties, &tie_carry, &bit_carry);
+      for (uint32_t t = 1; t < tokens; ++t) {
+        const uint8_t* src =
+            c.valid ? HeadPtr(view, rows[t], c.head) + 2 * kChunkElems * a.gl : nullptr;
+        float y[8];
+        AllotTurnBack<kDType>(p, a, src, t, y);  // the same bits as above
+        uint32_t q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          q[i] = f.width[i] == 0
+                     ? 0u
+                     : QuantizeAsymElement(y[i], f.zero[i], f.scale[i], (1u << f.width[i]) - 1u);
+        }
+        AllotStoreFields(plane + row.PlaneRowOffset(0, t), f, q);
+      }
+    }
+    // Bytes past the last field (fewer bits taken than the row holds: ranges of zero).
+    for (uint32_t t = 1; t < tokens; ++t) {
+      uint8_t* codes = plane + row.PlaneRowOffset(0, t);
+      for (size_t i = (bit_carry + 7) / 8 + a.lane; i < row_bytes; i += 32) codes[i] = 0;
+    }
+  });
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeKKernel(const AllotParams p) {
+  const AllotLane a = AllotLaneOf(p);
+  const RowFormat& row = p.layout.row;
+  const uint32_t tokens = p.layout.block_tokens;
+  ForEachWarpUnit(p.total_units, [&](uint32_t u) {
+    const uint32_t per_block = p.num_layers * p.token_units;
+    const uint32_t b = u / per_block;
+    u -= b * per_block;
+    const uint32_t l = u / p.token_units + p.first_layer;
+    const uint32_t t_begin = 1 + (u % p.token_units) * kAllotDecodeTokens;
+    const uint32_t t_end =
+        t_begin + kAllotDecodeTokens < tokens ? t_begin + kAllotDecodeTokens : tokens;
+    const uint32_t* rows = p.rows + static_cast<size_t>(b) * tokens;
+    const StridedView& view = p.layers[l].planes[0];
+    const uint8_t* plane = p.blocks[b] + p.layout.PlaneOffset(l, 0);
+    const AllotKeyParams k = AllotKeyParamsAt(row, plane + row.PlaneRowOffset(0, tokens));
+    uint32_t threshold = 0, ties = 0;
+    AllotThresholdOf(p, a, k, &threshold, &ties);
+    uint32_t tie_carry = 0, bit_carry = 0;
+    for (uint32_t h0 = 0; h0 < row.num_heads; h0 += a.heads_per_pass) {
+      const AllotChannels c = AllotChannelsOf(p, a, h0);
+      const AllotFields f = AllotFieldsOf(p, a, k, c, threshold, ties, &tie_carry, &bit_carry);
+      for (uint32_t t = t_begin; t < t_end; ++t) {
+        uint32_t q[8];
+        AllotLoadFields(plane + row.PlaneRowOffset(0, t), f, q);
+        float y[8], py[8], x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = DequantizeAsymFloat(q[i], f.zero[i], f.scale[i]);
+        AllotPartners(p, a, y, py);
+        AllotTurn<true>(p, a, t, y, py, x);
+        if (!c.valid) continue;
+        // x * 1 is x: the reference stores x itself.
+        StoreScaledChunk<kDType>(HeadPtr(view, rows[t], c.head) + 2 * kChunkElems * a.gl, x, 1.0f);
+      }
+    }
+  });
+}
+
+// V rows 1..: a unit per (block, layer, token - 1, head), its group's lanes a chunk each.
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeVKernel(const HadamardParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t chunks = d / kChunkElems;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t channels = p.layout.row.ElementsPerRow();
+  const float e = HadamardEncodeFactor(p.run);
+  const uint32_t limit = HadamardLimitBits(p.run);
+  const uint32_t run_lanes = p.run / kChunkElems;
+  ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t group_lanes) {
+    const uint32_t t = x.token + 1;
+    const bool valid = x.valid && gl < chunks;
+    const uint8_t* src = nullptr;
+    if (valid) {
+      const uint32_t r = p.rows[static_cast<size_t>(x.block) * tokens + t];
+      src = HeadPtr(p.layers[x.layer].planes[1], r, x.head) + 2 * kChunkElems * gl;
+    }
+    float y[8];
+    const bool finite = RotateLane<kDType, 8>(src, gl, run_lanes, e, limit, y);
+    const bool store = GroupAllTrue(finite, group_lanes) && x.valid;
+    if (x.valid && !store && gl == 0 && p.nonfinite != nullptr) p.nonfinite[x.block] = 1;
+    float lo = BitsToFloat(0x7F800000u);  // +Inf and -Inf: no elements
+    float hi = BitsToFloat(0xFF800000u);
+    if (valid) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lo = MinF(lo, y[i]);
+        hi = MaxF(hi, y[i]);
+      }
+    }
+    for (uint32_t off = 1; off < group_lanes; off <<= 1) {  // lo and hi in one 64-bit shuffle
+      const unsigned long long other = __shfl_xor_sync(
+          kFullMask, FloatToBits(lo) | (static_cast<unsigned long long>(FloatToBits(hi)) << 32),
+          static_cast<int>(off));
+      lo = MinF(lo, BitsToFloat(static_cast<uint32_t>(other)));
+      hi = MaxF(hi, BitsToFloat(static_cast<uint32_t>(other >> 32)));
+    }
+    if (!store) return;
+    uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(x.layer, 1, t);
+    uint8_t* zeros = row + AllotValueCodeBytes(channels);
+    uint8_t* scales = zeros + 2 * p.layout.row.num_heads;
+    const uint16_t zb = KiviKZeroBits(lo, DType::kBF16);
+    const uint16_t sb = AsymScaleBf16(lo, hi, kAllotValueTop);
+    if (gl == 0) {
+      StoreU16Unaligned(zeros + 2 * x.head, zb);
+      StoreU16Unaligned(scales + 2 * x.head, sb);
+    }
+    if (!valid) return;
+    const float z = Bf16ToFloat(zb);
+    const float s = Bf16ToFloat(sb);
+    uint64_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      packed |= static_cast<uint64_t>(QuantizeAsymElement(y[i], z, s, kAllotValueTop))
+                << (kAllotValueBits * i);
+    }
+    uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * kAllotValueBits;
+#pragma unroll
+    for (uint32_t i = 0; i < kAllotValueBits; ++i)
+      codes[i] = static_cast<uint8_t>(packed >> (8 * i));
+  });
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeVKernel(const HadamardParams p) {
+  const uint32_t d = p.layout.row.head_dim;
+  const uint32_t chunks = d / kChunkElems;
+  const uint32_t tokens = p.layout.block_tokens;
+  const size_t channels = p.layout.row.ElementsPerRow();
+  const float c_d = HadamardDecodeFactor(p.run);
+  const uint32_t run_lanes = p.run / kChunkElems;
+  ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t) {
+    const uint32_t t = x.token + 1;
+    const uint32_t l = x.layer + p.first_layer;
+    const bool valid = x.valid && gl < chunks;
+    float w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = 0.0f;
+    if (valid) {
+      const uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(l, 1, t);
+      const uint8_t* zeros = row + AllotValueCodeBytes(channels);
+      const float z = Bf16ToFloat(LoadU16Unaligned(zeros + 2 * x.head));
+      const float s =
+          Bf16ToFloat(LoadU16Unaligned(zeros + 2 * p.layout.row.num_heads + 2 * x.head));
+      const uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * kAllotValueBits;
+      uint64_t packed = 0;
+#pragma unroll
+      for (uint32_t i = 0; i < kAllotValueBits; ++i) {
+        packed |= static_cast<uint64_t>(codes[i]) << (8 * i);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t q = static_cast<uint32_t>(packed >> (kAllotValueBits * i)) & kAllotValueTop;
+        w[i] = Bf16ToFloat(FloatToBf16Sat(DequantizeAsymFloat(q, z, s)));
+      }
+    }
+    HadamardLaneTransform<8>(w, gl, run_lanes);
+    if (!valid) return;
+    const uint32_t r = p.rows[static_cast<size_t>(x.block) * tokens + t];
+    StoreScaledChunk<kDType>(HeadPtr(p.layers[l].planes[1], r, x.head) + 2 * kChunkElems * gl, w,
+                             c_d);
   });
 }
 
@@ -1259,10 +1834,19 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   }
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
       lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead &&
-      lay.row.codec != CodecKind::kInt4Kivi && lay.row.codec != CodecKind::kInt4Hadamard) {
-    return InvalidArgument(w + (lay.row.codec == CodecKind::kInt5Allot
-                                    ? ": layout.row.codec CODEC_INT5_ALLOT has no CUDA kernels yet"
-                                    : ": layout.row.codec is unknown"));
+      lay.row.codec != CodecKind::kInt4Kivi && lay.row.codec != CodecKind::kInt4Hadamard &&
+      lay.row.codec != CodecKind::kInt5Allot) {
+    return InvalidArgument(w + ": layout.row.codec is unknown");
+  }
+  if (lay.row.codec == CodecKind::kInt5Allot) {
+    if (lay.row.head_dim % kInt4GroupElems != 0 || lay.row.head_dim > kAllotMaxHeadDim) {
+      return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
+                             " is not a multiple of 32 up to " + std::to_string(kAllotMaxHeadDim) +
+                             " (CODEC_INT5_ALLOT's CUDA kernels)");
+    }
+    if (lay.kv_planes != 2) {
+      return InvalidArgument(w + ": layout.kv_planes must be 2 for CODEC_INT5_ALLOT");
+    }
   }
   const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
   if ((lay.row.IsInt4Rows() || hadamard) && lay.row.head_dim % kInt4GroupElems != 0) {
@@ -1526,23 +2110,76 @@ Status LaunchHadamard(const BlockLayout& lay, const LayerViews* layers, const ui
                                              first_layer, num_layers, encode, stream, config, what);
 }
 
+// Launches CODEC_INT5_ALLOT's rows 1.. (nothing for one-token blocks) over layers
+// [first_layer, first_layer + num_layers) of every block: the K planes' kernel, then the V rows'.
+// Row 0 of every plane is the caller's (the INT8 row kernels).
+template <DType kDType>
+Status LaunchAllotT(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                    uint8_t* const* blocks, uint8_t* nonfinite, const float* rope,
+                    uint32_t num_blocks, uint32_t first_layer, uint32_t num_layers, bool encode,
+                    CUstream_st* stream, const CudaLaunchConfig& config, const char* what) {
+  const uint32_t rotated = lay.block_tokens - 1;
+  const uint32_t group_log2 = Log2Pow2(cuda_detail::PlanGroups(lay.row.head_dim).group_lanes);
+  const uint32_t warps_per_cta = config.threads_per_cta / 32;
+  AllotParams k{};
+  k.layout = lay;
+  k.layers = layers;
+  k.rope = rope;
+  k.first_layer = first_layer;
+  k.num_layers = num_layers;
+  k.group_log2 = group_log2;
+  k.token_units = encode ? 1u : (rotated + kAllotDecodeTokens - 1) / kAllotDecodeTokens;
+  HIQ_RETURN_IF_ERROR(LaunchOverBlocks<AllotParams>(
+      encode ? AllotEncodeKKernel<kDType> : AllotDecodeKKernel<kDType>, k, rows, blocks, nonfinite,
+      num_blocks, lay.block_tokens, static_cast<uint64_t>(num_layers) * k.token_units,
+      warps_per_cta, stream, config, what));
+  HadamardParams v{};
+  v.layout = lay;
+  v.shape = UnitShape::Make(lay.row.num_heads, rotated, 1, num_layers);
+  v.runs = FastDivmod::Make(1);
+  v.layers = layers;
+  v.first_layer = first_layer;
+  v.run = HadamardRun(lay.row.head_dim);
+  v.group_log2 = group_log2;
+  return LaunchOverBlocks<HadamardParams>(
+      encode ? AllotEncodeVKernel<kDType> : AllotDecodeVKernel<kDType>, v, rows, blocks, nonfinite,
+      num_blocks, lay.block_tokens, static_cast<uint64_t>(num_layers) * rotated * lay.row.num_heads,
+      warps_per_cta * (32u >> group_log2), stream, config, what);
+}
+
+Status LaunchAllot(const BlockLayout& lay, const LayerViews* layers, const uint32_t* rows,
+                   uint8_t* const* blocks, uint8_t* nonfinite, const float* rope,
+                   uint32_t num_blocks, uint32_t first_layer, uint32_t num_layers, bool encode,
+                   CUstream_st* stream, const CudaLaunchConfig& config, const char* what) {
+  if (lay.block_tokens < 2) return Status::Ok();  // INT8 rows only
+  if (rope == nullptr) {
+    return InvalidArgument(std::string(what) + ": job.rope must be set for CODEC_INT5_ALLOT");
+  }
+  return lay.row.dtype == DType::kBF16
+             ? LaunchAllotT<DType::kBF16>(lay, layers, rows, blocks, nonfinite, rope, num_blocks,
+                                          first_layer, num_layers, encode, stream, config, what)
+             : LaunchAllotT<DType::kFP16>(lay, layers, rows, blocks, nonfinite, rope, num_blocks,
+                                          first_layer, num_layers, encode, stream, config, what);
+}
+
 size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
 struct ArraysLayout {
-  size_t layers = 0, blocks = 0, rows = 0, total = 0;
+  size_t layers = 0, blocks = 0, rows = 0, rope = 0, total = 0;
 };
 
-ArraysLayout ArraysLayoutFor(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens) {
+ArraysLayout ArraysLayoutFor(const BlockLayout& lay, uint32_t num_blocks) {
   ArraysLayout a;
   a.layers = 0;
-  a.blocks = Align16(sizeof(LayerViews) * num_layers);
+  a.blocks = Align16(sizeof(LayerViews) * lay.num_layers);
   a.rows = a.blocks + Align16(sizeof(uint8_t*) * num_blocks);
-  a.total = a.rows + Align16(sizeof(uint32_t) * static_cast<size_t>(num_blocks) * block_tokens);
+  a.rope = a.rows + Align16(sizeof(uint32_t) * static_cast<size_t>(num_blocks) * lay.block_tokens);
+  a.total = a.rope + Align16(sizeof(float) * RopeTableFloats(lay));
   return a;
 }
 
 Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void* blocks,
-                   const uint32_t* rows, uint32_t num_blocks, void* host_scratch,
+                   const uint32_t* rows, const float* rope, uint32_t num_blocks, void* host_scratch,
                    void* device_scratch, size_t scratch_bytes, CUstream_st* stream,
                    const char* what, ArraysLayout* out) {
   const std::string w(what);
@@ -1557,7 +2194,10 @@ Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void*
       (reinterpret_cast<uintptr_t>(device_scratch) & 15) != 0) {
     return InvalidArgument(w + ": scratch buffers must be 16-byte aligned");
   }
-  const ArraysLayout a = ArraysLayoutFor(lay.num_layers, num_blocks, lay.block_tokens);
+  if (RopeTableFloats(lay) > 0 && rope == nullptr) {
+    return InvalidArgument(w + ": job.rope is null (CODEC_INT5_ALLOT needs its RoPE table)");
+  }
+  const ArraysLayout a = ArraysLayoutFor(lay, num_blocks);
   if (scratch_bytes < a.total) {
     return InvalidArgument(w + ": scratch_bytes " + std::to_string(scratch_bytes) + " < " +
                            std::to_string(a.total) + " needed");
@@ -1569,6 +2209,7 @@ Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void*
     std::memcpy(h + a.rows, rows,
                 sizeof(uint32_t) * static_cast<size_t>(num_blocks) * lay.block_tokens);
   }
+  if (RopeTableFloats(lay) > 0) std::memcpy(h + a.rope, rope, sizeof(float) * RopeTableFloats(lay));
   const cudaError_t err =
       cudaMemcpyAsync(device_scratch, host_scratch, a.total, cudaMemcpyHostToDevice, stream);
   if (err != cudaSuccess) {
@@ -1617,6 +2258,11 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
     HIQ_RETURN_IF_ERROR(LaunchHadamard(lay, job.layers, job.rows, job.blocks, job.nonfinite,
                                        job.num_blocks, 0, lay.num_layers, /*encode=*/true, stream,
                                        config, "LaunchEncode (CODEC_INT4_HADAMARD rotated rows)"));
+    row_tokens = 1;
+  } else if (lay.row.codec == CodecKind::kInt5Allot) {
+    HIQ_RETURN_IF_ERROR(LaunchAllot(lay, job.layers, job.rows, job.blocks, job.nonfinite, job.rope,
+                                    job.num_blocks, 0, lay.num_layers, /*encode=*/true, stream,
+                                    config, "LaunchEncode (CODEC_INT5_ALLOT rows 1..)"));
     row_tokens = 1;
   }
   const uint64_t units_per_block =
@@ -1692,6 +2338,13 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
                        job.num_blocks, first_layer, num_layers, /*encode=*/false, stream, config,
                        "LaunchDecodeLayers (CODEC_INT4_HADAMARD rotated rows)"));
     row_tokens = 1;
+  } else if (lay.row.codec == CodecKind::kInt5Allot) {
+    // The decode kernels only read through blocks.
+    HIQ_RETURN_IF_ERROR(
+        LaunchAllot(lay, job.layers, job.rows, const_cast<uint8_t* const*>(job.blocks), nullptr,
+                    job.rope, job.num_blocks, first_layer, num_layers, /*encode=*/false, stream,
+                    config, "LaunchDecodeLayers (CODEC_INT5_ALLOT rows 1..)"));
+    row_tokens = 1;
   }
   const uint64_t units_per_block =
       static_cast<uint64_t>(num_layers) * row_planes * row_tokens * lay.row.num_heads;
@@ -1729,8 +2382,8 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
                           lay.block_tokens, units_per_block, units_per_cta, stream, config, kWhat);
 }
 
-size_t JobArraysBytes(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens) {
-  return ArraysLayoutFor(num_layers, num_blocks, block_tokens).total;
+size_t JobArraysBytes(const BlockLayout& layout, uint32_t num_blocks) {
+  return ArraysLayoutFor(layout, num_blocks).total;
 }
 
 Status StageEncodeJob(const EncodeJob& host_job, void* host_scratch, void* device_scratch,
@@ -1738,13 +2391,15 @@ Status StageEncodeJob(const EncodeJob& host_job, void* host_scratch, void* devic
   HIQ_RETURN_IF_ERROR(ValidateLayout(host_job.layout, "StageEncodeJob"));
   ArraysLayout a;
   HIQ_RETURN_IF_ERROR(StageArrays(host_job.layout, host_job.layers, host_job.blocks, host_job.rows,
-                                  host_job.num_blocks, host_scratch, device_scratch, scratch_bytes,
-                                  stream, "StageEncodeJob", &a));
+                                  host_job.rope, host_job.num_blocks, host_scratch, device_scratch,
+                                  scratch_bytes, stream, "StageEncodeJob", &a));
   uint8_t* dev = static_cast<uint8_t*>(device_scratch);
   *device_job = host_job;
   device_job->layers = reinterpret_cast<const LayerViews*>(dev + a.layers);
   device_job->blocks = reinterpret_cast<uint8_t* const*>(dev + a.blocks);
   device_job->rows = reinterpret_cast<const uint32_t*>(dev + a.rows);
+  device_job->rope =
+      RopeTableFloats(host_job.layout) > 0 ? reinterpret_cast<const float*>(dev + a.rope) : nullptr;
   return Status::Ok();
 }
 
@@ -1753,13 +2408,15 @@ Status StageDecodeJob(const DecodeJob& host_job, void* host_scratch, void* devic
   HIQ_RETURN_IF_ERROR(ValidateLayout(host_job.layout, "StageDecodeJob"));
   ArraysLayout a;
   HIQ_RETURN_IF_ERROR(StageArrays(host_job.layout, host_job.layers, host_job.blocks, host_job.rows,
-                                  host_job.num_blocks, host_scratch, device_scratch, scratch_bytes,
-                                  stream, "StageDecodeJob", &a));
+                                  host_job.rope, host_job.num_blocks, host_scratch, device_scratch,
+                                  scratch_bytes, stream, "StageDecodeJob", &a));
   uint8_t* dev = static_cast<uint8_t*>(device_scratch);
   *device_job = host_job;
   device_job->layers = reinterpret_cast<const LayerViews*>(dev + a.layers);
   device_job->blocks = reinterpret_cast<const uint8_t* const*>(dev + a.blocks);
   device_job->rows = reinterpret_cast<const uint32_t*>(dev + a.rows);
+  device_job->rope =
+      RopeTableFloats(host_job.layout) > 0 ? reinterpret_cast<const float*>(dev + a.rope) : nullptr;
   return Status::Ok();
 }
 

@@ -51,7 +51,11 @@ struct CudaLaunchConfig {
 // unspecified).
 // INT4 KIVI enqueues two kernels: its K planes', then its V rows'. INT4 Hadamard enqueues its
 // rotated rows' kernels (plane 0's, plane 1's; none for one-token blocks), then its first rows'
-// (INT8); its decode, one rotated-rows kernel for both planes, then the first rows'.
+// (INT8); its decode, one rotated-rows kernel for both planes, then the first rows'. INT5 allot
+// (head_dim a multiple of 32 up to 256, K and V planes) enqueues its K planes' kernel (a warp per
+// block and layer; decode, per 8 tokens of one), its V rows', then its first rows' (INT8); it
+// needs job.rope (INVALID_ARGUMENT without it) and flags a block with a key of magnitude >= 2^120
+// (NaN, Inf) or a rotated value at its range limit.
 Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchConfig& config = {});
 
 // Decodes layers [first_layer, first_layer + num_layers) of every block and scatters them into
@@ -69,14 +73,16 @@ inline Status LaunchDecode(const DecodeJob& job, CUstream_st* stream,
   return LaunchDecodeLayers(job, 0, job.layout.num_layers, stream, config);
 }
 
-// Bytes of scratch StageEncodeJob/StageDecodeJob need: the LayerViews array, the block-pointer
-// array and the rows array, each 16-byte aligned.
-size_t JobArraysBytes(uint32_t num_layers, uint32_t num_blocks, uint32_t block_tokens);
+// Bytes of scratch StageEncodeJob/StageDecodeJob need for `num_blocks` blocks of `layout`: the
+// LayerViews array, the block-pointer array, the rows array and the RoPE table (RopeTableFloats),
+// each 16-byte aligned.
+size_t JobArraysBytes(const BlockLayout& layout, uint32_t num_blocks);
 
-// Copies host_job's layers[num_layers], blocks[num_blocks] and rows[num_blocks*block_tokens]
-// (host arrays holding device pointers) into `host_scratch`, enqueues one copy of it to
-// `device_scratch` on `stream`, and sets *device_job to host_job with those three arrays
-// pointing into device_scratch (nonfinite is passed through and must be device memory).
+// Copies host_job's layers[num_layers], blocks[num_blocks], rows[num_blocks*block_tokens] and,
+// where the codec has one, rope[RopeTableFloats] (host arrays; the first two holding device
+// pointers) into `host_scratch`, enqueues one copy of it to `device_scratch` on `stream`, and sets
+// *device_job to host_job with those arrays pointing into device_scratch (nonfinite is passed
+// through and must be device memory).
 // REQUIRES: both scratch buffers hold scratch_bytes >= JobArraysBytes(...) bytes and are
 // 16-byte aligned; host_scratch is left untouched and device_scratch is not reused until the
 // work on `stream` has passed the copy (pinned host_scratch: the copy is asynchronous; pageable

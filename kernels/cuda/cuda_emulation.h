@@ -17,8 +17,9 @@
 // launcher's Status then carries the text).
 //
 // Not emulated (the codec kernels use none of it; a kernel using it fails to compile here):
-// shared memory, __syncthreads and other CTA-wide barriers, atomics, __syncwarp, dynamic
-// parallelism. Not observable: timing and occupancy, register limits (__launch_bounds__ is
+// shared memory, __syncthreads and other CTA-wide barriers, atomics, dynamic parallelism.
+// __syncwarp is a warp barrier with a shuffle's rules (a shuffle that moves nothing).
+// Not observable: timing and occupancy, register limits (__launch_bounds__ is
 // accepted and ignored), memory ordering and races (lanes and warps run one at a time, so two
 // lanes writing one byte, or a warp reading what another writes, cannot show), the caching
 // hints of __ldcs, and streams (every call is synchronous; the stream argument is ignored).

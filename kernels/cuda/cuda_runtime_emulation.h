@@ -6,7 +6,8 @@
 //   device side: __global__/__device__/__forceinline__/__launch_bounds__, threadIdx, blockIdx,
 //                blockDim, gridDim, warpSize, uint2/uint4 (8/16-byte aligned) and make_*,
 //                __ldcs (alignment-checked), __vmaxu2, __shfl_{sync,up,down,xor}_sync,
-//                min/max on integers;
+//                __syncwarp (a barrier of the lanes in its mask, as a shuffle is), min/max on
+//                integers;
 //   host side:   cudaError_t and its texts, cudaGetLastError, cudaGetDevice,
 //                cudaDeviceGetAttribute(MultiProcessorCount), cudaMemcpyAsync and
 //                cudaMemsetAsync (host memory is device memory; synchronous), and
@@ -133,6 +134,15 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned int mask, T var, int lane_mask, int width = warpSize) {
   return ::hiqcache::cuda_emulation::ShuffleAs(::hiqcache::cuda_emulation::ShuffleKind::kXor, mask,
                                                var, lane_mask, width);
+}
+
+// The lanes of `mask` wait for each other; what each wrote before is visible to the others after
+// (CUDA's memory ordering among the participating lanes). Lanes run one at a time here, so the
+// ordering holds by itself; the barrier is a shuffle of nothing, with a shuffle's rules.
+inline void __syncwarp(unsigned int mask = 0xFFFFFFFFu) {
+  ::hiqcache::cuda_emulation::Shuffle(::hiqcache::cuda_emulation::ShuffleKind::kIdx, mask, 0,
+                                      static_cast<int>(::hiqcache::cuda_emulation::CurrentLane()),
+                                      warpSize);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include "core/registration.h"
 #include "hiqcache/log.h"
 #include "hiqcache/xxh3.h"
+#include "rope_turn.h"
 
 namespace hiqcache::server {
 namespace {
@@ -211,7 +212,10 @@ struct ChunkPlan {
   uint32_t backup_blocks = 0;   // blocks per backup chunk
   uint64_t slab_layers = 0;     // block-layers (layer_bytes each) a slab holds
   uint32_t restore_blocks = 0;  // blocks per restore unit of one layer (more than a slab holds)
-  size_t views_off = 0, rows_off = 0, ptrs_off = 0, flags_off = 0, arena_bytes = 0;
+  // The views, then (CODEC_INT5_ALLOT) the RoPE table: constant for the binding's life, in
+  // [views_off, constant_bytes), uploaded with a lane's first task. Then the per-task arrays.
+  size_t views_off = 0, rope_off = 0, rope_bytes = 0, constant_bytes = 0;
+  size_t rows_off = 0, ptrs_off = 0, flags_off = 0, arena_bytes = 0;
 
   static StatusOr<ChunkPlan> For(const kernels::BlockLayout& layout, const StagingPlan& staging,
                                  uint32_t max_blocks) {
@@ -243,7 +247,10 @@ struct ChunkPlan {
     }
     const uint32_t max_ptrs = std::max(p.backup_blocks, p.restore_blocks);
     p.views_off = 0;
-    p.rows_off = AlignUp256(p.views_off + size_t{layers} * sizeof(kernels::LayerViews));
+    p.rope_off = AlignUp256(p.views_off + size_t{layers} * sizeof(kernels::LayerViews));
+    p.rope_bytes = kernels::RopeTableFloats(layout) * sizeof(float);
+    p.constant_bytes = p.rope_off + p.rope_bytes;
+    p.rows_off = AlignUp256(p.constant_bytes);
     p.ptrs_off = AlignUp256(p.rows_off + rows_bytes);
     p.flags_off = AlignUp256(p.ptrs_off + 2 * size_t{max_ptrs} * sizeof(uint8_t*));
     p.arena_bytes = AlignUp256(p.flags_off + size_t{max_blocks} * p.layer_chunks);
@@ -345,16 +352,21 @@ class CudaBinding : public PoolBinding {
     res_->Release();
   }
 
-  // Writes the views (constant for the binding's life) into the host side of its job arrays.
-  // Host memory only: binding enqueues no device work. The device copy goes with the first job
-  // arrays a task uploads (UploadJobArrays), so that every device access to the arena belongs to
-  // a task, whose completion is observed before the binding can be closed and its arena reused
-  // or freed. (A copy enqueued here would be ordered before nothing: a pool released, or a
-  // backend torn down, before any task ran would return or free the arena under it.)
-  void StageViews(const std::vector<kernels::LayerViews>& views) {
+  // Writes the views and the RoPE table (CODEC_INT5_ALLOT's; constant for the binding's life)
+  // into the host side of its job arrays. Host memory only: binding enqueues no device work. The
+  // device copy goes with the first job arrays a task uploads (UploadJobArrays), so that every
+  // device access to the arena belongs to a task, whose completion is observed before the
+  // binding can be closed and its arena reused or freed. (A copy enqueued here would be ordered
+  // before nothing: a pool released, or a backend torn down, before any task ran would return or
+  // free the arena under it.)
+  void StageConstants(const std::vector<kernels::LayerViews>& views) {
+    const std::vector<float> rope = plan_.rope_bytes > 0
+                                        ? kernels::RopeTable(layout_.row, layout_.block_tokens)
+                                        : std::vector<float>{};
     for (const Lane& ln : res_->lanes) {
       std::memcpy(Host(ln) + plan_.views_off, views.data(),
                   views.size() * sizeof(kernels::LayerViews));
+      if (!rope.empty()) std::memcpy(Host(ln) + plan_.rope_off, rope.data(), plan_.rope_bytes);
     }
   }
 
@@ -513,6 +525,10 @@ class CudaBinding : public PoolBinding {
   const kernels::LayerViews* DeviceViews(const Lane& ln, uint32_t layer) const {
     return reinterpret_cast<const kernels::LayerViews*>(Dev(ln) + plan_.views_off) + layer;
   }
+  const float* DeviceRope(const Lane& ln) const {
+    return plan_.rope_bytes > 0 ? reinterpret_cast<const float*>(Dev(ln) + plan_.rope_off)
+                                : nullptr;
+  }
   // Uploads the task's rows and, per slab of `pair`, the staging address of each of `per_slab`
   // blocks `stride` bytes apart; returns the device array of slab 0 (slab 1's follows it).
   StatusOr<uint8_t**> UploadJobArrays(Lane& ln, const std::vector<uint32_t>& rows, uint32_t pair,
@@ -529,10 +545,9 @@ class CudaBinding : public PoolBinding {
     const DeviceApi::Copy up[3] = {
         {dev + plan_.rows_off, host + plan_.rows_off, rows_bytes},
         {dev + plan_.ptrs_off, host + plan_.ptrs_off, 2 * size_t{per_slab} * sizeof(uint8_t*)},
-        {dev + plan_.views_off, host + plan_.views_off,
-         size_t{layout_.num_layers} * sizeof(kernels::LayerViews)}};
-    // The views once, with the first task's arrays (StageViews): later tasks run behind that
-    // copy on the same stream.
+        {dev + plan_.views_off, host + plan_.views_off, plan_.constant_bytes}};
+    // The views and the RoPE table once, with the first task's arrays (StageConstants): later
+    // tasks run behind that copy on the same stream.
     const size_t n = ln.views_uploaded ? 2 : 3;
     HIQ_RETURN_IF_ERROR(Ctx(api_->CopyAsync(device_, {up, n}, ln.compute), "uploading job arrays"));
     ln.views_uploaded = true;
@@ -568,6 +583,7 @@ class CudaBinding : public PoolBinding {
         job.blocks = dev_ptrs + s * cb;
         job.num_blocks = bc;
         job.nonfinite = dev_flags + size_t{c} * n + b0;
+        job.rope = DeviceRope(ln);
         HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchEncode(device_, job, ln.compute), "encode"));
         HIQ_RETURN_IF_ERROR(api_->RecordEvent(device_, ln.filled[s], ln.compute));
         HIQ_RETURN_IF_ERROR(api_->StreamWaitEvent(device_, ln.copy, ln.filled[s]));
@@ -641,6 +657,7 @@ class CudaBinding : public PoolBinding {
         job.rows = DeviceRows(ln, b0);
         job.blocks = dev_ptrs + s * cr;
         job.num_blocks = bc;
+        job.rope = DeviceRope(ln);
         const bool last_chunk = b0 + bc == n;
         for (uint32_t i = 0; i < gc; ++i) {
           HIQ_RETURN_IF_ERROR(Ctx(api_->LaunchDecode(device_, job, i, 1, ln.compute), "decode"));
@@ -908,7 +925,7 @@ StatusOr<std::unique_ptr<PoolBinding>> CudaBackend::Bind(
   std::vector<kernels::LayerViews> views = ResolveViews(spec, layout, bases);
   auto binding = std::make_unique<CudaBinding>(std::move(res), layout, plan, MinRows(spec),
                                                options_.wait_timeout, hash_pool_.get());
-  binding->StageViews(views);
+  binding->StageConstants(views);
   return std::unique_ptr<PoolBinding>(std::move(binding));
 }
 

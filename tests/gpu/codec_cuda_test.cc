@@ -174,9 +174,13 @@ TEST(CodecCudaHost, LaunchersRejectMalformedShapes) {
 }
 
 TEST(CodecCudaHost, JobArraysBytes) {
-  // 3 LayerViews, 5 block pointers, 5*16 rows; each array 16-byte aligned.
+  // 3 LayerViews, 5 block pointers, 5*16 rows; each array 16-byte aligned. INT5 allot adds its
+  // RoPE table: 16 tokens x 128 / 2 pairs, cosines and sines.
   const size_t views = (3 * sizeof(LayerViews) + 15) / 16 * 16;
-  EXPECT_EQ(JobArraysBytes(3, 5, 16), views + 48 + 320);
+  BlockLayout lay = testutil::MakeLayout(DType::kBF16, CodecKind::kInt8PerHead, 8, 128, 3, 2, 16);
+  EXPECT_EQ(JobArraysBytes(lay, 5), views + 48 + 320);
+  lay.row.codec = CodecKind::kInt5Allot;
+  EXPECT_EQ(JobArraysBytes(lay, 5), views + 48 + 320 + 16 * 128 * 4);
 }
 
 TEST(CodecCudaHost, RuntimeCheckAnswersWithoutCrashing) {
@@ -263,7 +267,7 @@ struct Scratch {
 };
 
 Status MakeScratch(const BlockLayout& lay, uint32_t num_blocks, Scratch* out) {
-  const size_t bytes = JobArraysBytes(lay.num_layers, num_blocks, lay.block_tokens);
+  const size_t bytes = JobArraysBytes(lay, num_blocks);
   HIQ_ASSIGN_OR_RETURN(out->host, PinnedHostBuffer::Create(bytes));
   HIQ_ASSIGN_OR_RETURN(out->device, DeviceBuffer::Create(0, bytes));
   return Status::Ok();
@@ -295,6 +299,8 @@ Status RunGpuEncode(const KvPool& pool, const std::vector<uint32_t>& rows, uint3
   host_job.blocks = blocks.ptrs.data();
   host_job.num_blocks = num_blocks;
   host_job.nonfinite = flags.data();
+  const std::vector<float> rope = testutil::JobRope(lay);
+  host_job.rope = rope.empty() ? nullptr : rope.data();
   EncodeJob job;
   HIQ_RETURN_IF_ERROR(StageEncodeJob(host_job, scratch.host.data(), scratch.device.data(),
                                      scratch.host.size(), stream, &job));
@@ -337,6 +343,8 @@ Status RunGpuDecode(const KvPool& dest, const std::vector<uint32_t>& rows, const
   host_job.rows = rows.data();
   host_job.blocks = ptrs.data();
   host_job.num_blocks = payloads.size();
+  const std::vector<float> rope = testutil::JobRope(lay);
+  host_job.rope = rope.empty() ? nullptr : rope.data();
   DecodeJob job;
   HIQ_RETURN_IF_ERROR(StageDecodeJob(host_job, scratch.host.data(), scratch.device.data(),
                                      scratch.host.size(), stream, &job));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "codec_test_util.h"
+#include "rope_turn.h"
 
 namespace hiqcache::kernels::testutil {
 
@@ -26,6 +27,11 @@ inline BlockLayout MakeLayout(DType dtype, CodecKind codec, uint32_t heads, uint
   return lay;
 }
 
+// The RoPE table a job of `lay` carries (EncodeJob::rope): empty for codecs without one.
+inline std::vector<float> JobRope(const BlockLayout& lay) {
+  return RopeTableFloats(lay) > 0 ? RopeTable(lay.row, lay.block_tokens) : std::vector<float>{};
+}
+
 // One parameterized case: a geometry, its codec and view, and how many blocks to move.
 struct CudaCase {
   const char* name;
@@ -33,10 +39,15 @@ struct CudaCase {
   CodecKind codec;
   uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
   ViewKind kind;
-  bool odd_bytes = false;  // views at odd byte addresses instead of `kind`'s shape
+  bool odd_bytes = false;   // views at odd byte addresses instead of `kind`'s shape
+  double rope_theta = 0.0;  // CODEC_INT5_ALLOT's key turn
+  bool rope_interleaved = false;
 
   BlockLayout layout() const {
-    return MakeLayout(dtype, codec, heads, dim, layers, planes, block_tokens);
+    BlockLayout lay = MakeLayout(dtype, codec, heads, dim, layers, planes, block_tokens);
+    lay.row.rope_theta = rope_theta;
+    lay.row.rope_interleaved = rope_interleaved;
+    return lay;
   }
   // Room for twice the rows moved, and a few more, so the rows are scattered.
   uint32_t num_rows() const { return num_blocks * block_tokens * 2 + 3; }
@@ -50,7 +61,7 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard and RAW.
+// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard, INT5 allot and RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
   constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
@@ -58,6 +69,7 @@ inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kRaw = CodecKind::kRaw;
   constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
   constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
+  constexpr CodecKind kAllot = CodecKind::kInt5Allot;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
       {"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -143,18 +155,43 @@ inline std::vector<CudaCase> CudaGeometryCases() {
        ViewKind::kStrided},
       {"hadamard_fp16_1x2048_contiguous", DType::kFP16, kHadamard, 1, 2048, 2, 1, 4, 2,
        ViewKind::kContiguous},
+      // INT5 allot (head_dim % 32 == 0, up to 256; K and V planes): heads of 4 to 32 lanes (1 to
+      // 8 heads per warp pass, 12 and 20 lanes of 16 and 32 used: 96, 160), one pass or several,
+      // rotate-half and interleaved RoPE and none, block_tokens 1 (INT8 rows only), 3, 7, 16, 17,
+      // 32 and 64 (K decodes in units of 8 tokens).
+      {"allot_bf16_8x128_paged", DType::kBF16, kAllot, 8, 128, 2, 2, 16, 3, ViewKind::kPaged, false,
+       1e6},
+      {"allot_fp16_8x128_contiguous_bt32", DType::kFP16, kAllot, 8, 128, 2, 2, 32, 2,
+       ViewKind::kContiguous, false, 1e4, true},
+      {"allot_bf16_8x128_packed_kv", DType::kBF16, kAllot, 8, 128, 2, 2, 8, 2, ViewKind::kPackedKV,
+       false, 5e5},
+      {"allot_bf16_3x64_paged_bt3", DType::kBF16, kAllot, 3, 64, 2, 2, 3, 4, ViewKind::kPaged,
+       false, 1e4},
+      {"allot_fp16_2x96_strided", DType::kFP16, kAllot, 2, 96, 2, 2, 7, 4, ViewKind::kStrided,
+       false, 1e4, true},
+      {"allot_bf16_5x160_packed_kv_bt17", DType::kBF16, kAllot, 5, 160, 2, 2, 17, 2,
+       ViewKind::kPackedKV, false, 1e4},
+      {"allot_bf16_2x256_contiguous", DType::kBF16, kAllot, 2, 256, 2, 2, 16, 2,
+       ViewKind::kContiguous},
+      {"allot_bf16_1x32_paged_bt64", DType::kBF16, kAllot, 1, 32, 2, 2, 64, 2, ViewKind::kPaged,
+       false, 1e4},
+      {"allot_fp16_3x32_strided_bt1", DType::kFP16, kAllot, 3, 32, 2, 2, 1, 4, ViewKind::kStrided,
+       false, 1e4},
   };
 }
 
 // CODEC_INT4_HADAMARD refuses a block whose rotation reaches its range limit (HadamardLimitBits,
-// 2^120 or more; as it refuses NaN): BF16 values near the largest finite ones, which kRowMix's
-// kHuge heads hold, do. The geometry cases expect every block encoded, so for that codec and
-// dtype they scale elements of magnitude >= 2^100 down by 2^-40 (still >= 2^60: the rotation's
-// sums stay far below the limit). The
-// input classes' tests keep kHuge as it is and expect those blocks flagged.
+// 2^120 or more; as it refuses NaN), CODEC_INT5_ALLOT that and keys of 2^120 or more: BF16 values
+// near the largest finite ones, which kRowMix's kHuge heads hold, do. The geometry cases expect
+// every block encoded, so for that codec and dtype they scale elements of magnitude >= 2^100 down
+// by 2^-40 (still >= 2^60: the rotation's sums stay far below the limit). The input classes' tests
+// keep kHuge as it is and expect those blocks flagged.
 inline void KeepRotationsFinite(KvPool* pool) {
   const BlockLayout& lay = pool->layout();
-  if (lay.row.codec != CodecKind::kInt4Hadamard || lay.row.dtype != DType::kBF16) return;
+  if ((lay.row.codec != CodecKind::kInt4Hadamard && lay.row.codec != CodecKind::kInt5Allot) ||
+      lay.row.dtype != DType::kBF16) {
+    return;
+  }
   pool->ForEachHead([&](uint32_t, uint32_t, uint32_t, uint32_t, uint16_t* x) {
     for (uint32_t i = 0; i < lay.row.head_dim; ++i) {
       const uint32_t exp = (x[i] >> 7) & 0xFFu;

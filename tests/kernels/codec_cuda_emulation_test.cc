@@ -2,7 +2,8 @@
 // (hiq_kernels_cuda_emulated, cuda_emulation.h), against the scalar reference byte for byte: the
 // geometries of the codec tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries),
 // BF16 and FP16, INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4
-// rows), INT4 Hadamard (INT8 first rows, rotated runs split over lanes by shuffles) and RAW,
+// rows), INT4 Hadamard (INT8 first rows, rotated runs split over lanes by shuffles), INT5 allot
+// (keys turned back and allotted per (block, layer) by a warp, values rotated) and RAW,
 // contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte views, misaligned
 // staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch shapes (one warp
 // walking everything through the grid-stride loop up to the default grid). The same launchers a GPU
@@ -50,6 +51,7 @@ constexpr CodecKind kInt4 = CodecKind::kInt4G32PerHead;
 constexpr CodecKind kRaw = CodecKind::kRaw;
 constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
+constexpr CodecKind kAllot = CodecKind::kInt5Allot;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
@@ -103,9 +105,11 @@ Status EmulatedEncode(const KvPool& pool, const std::vector<uint32_t>& rows, uin
   Staging staging(lay, num_blocks, misalign);
   AlignedBuffer flags(num_blocks);
   std::memset(flags.ptr, 0x77, num_blocks);  // the launcher must clear it
-  const size_t scratch_bytes = JobArraysBytes(lay.num_layers, num_blocks, lay.block_tokens);
+  const size_t scratch_bytes = JobArraysBytes(lay, num_blocks);
   AlignedBuffer host_scratch(scratch_bytes), device_scratch(scratch_bytes);
+  const std::vector<float> rope = testutil::JobRope(lay);
   EncodeJob host_job;
+  host_job.rope = rope.empty() ? nullptr : rope.data();
   host_job.layout = lay;
   host_job.layers = pool.views();
   host_job.rows = rows.data();
@@ -138,9 +142,11 @@ Status EmulatedDecode(KvPool* dest, const std::vector<uint32_t>& rows, const Blo
   for (uint32_t b = 0; b < n; ++b)
     std::memcpy(staging.ptrs[b], payloads[b].data(), lay.BlockBytes());
   std::vector<const uint8_t*> ptrs(staging.ptrs.begin(), staging.ptrs.end());
-  const size_t scratch_bytes = JobArraysBytes(lay.num_layers, n, lay.block_tokens);
+  const size_t scratch_bytes = JobArraysBytes(lay, n);
   AlignedBuffer host_scratch(scratch_bytes), device_scratch(scratch_bytes);
+  const std::vector<float> rope = testutil::JobRope(lay);
   DecodeJob host_job;
+  host_job.rope = rope.empty() ? nullptr : rope.data();
   host_job.layout = lay;
   host_job.layers = dest->views();
   host_job.rows = rows.data();
@@ -326,7 +332,11 @@ std::vector<Case> EmulationCases() {
        Case{"hadamard_bf16_1x64_mla_odd_bytes", DType::kBF16, kHadamard, 1, 64, 2, 1, 6, 3,
             ViewKind::kContiguous, true},
        Case{"hadamard_fp16_1x512_mla_odd_bytes", DType::kFP16, kHadamard, 1, 512, 2, 1, 3, 2,
-            ViewKind::kContiguous, true}});
+            ViewKind::kContiguous, true},
+       Case{"allot_fp16_8x128_odd_bytes", DType::kFP16, kAllot, 8, 128, 2, 2, 9, 2,
+            ViewKind::kContiguous, true, 1e6},
+       Case{"allot_bf16_3x96_odd_bytes", DType::kBF16, kAllot, 3, 96, 2, 2, 5, 3,
+            ViewKind::kContiguous, true, 1e4, true}});
   return cases;
 }
 
@@ -405,11 +415,13 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard}) {
+  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard, kAllot}) {
     for (const NonfiniteCase& c : cases) {
-      if ((codec == kInt4 || codec == kKivi || codec == kHadamard) && c.dim % 32 != 0) {
+      if ((codec == kInt4 || codec == kKivi || codec == kHadamard || codec == kAllot) &&
+          c.dim % 32 != 0) {
         continue;  // groups of 32
       }
+      if (codec == kAllot && (c.dim > 256 || c.planes != 2)) continue;  // its CUDA kernels'
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
                    std::string(testutil::CodecName(codec)));
       const bool bf16 = c.dtype == DType::kBF16;
@@ -540,21 +552,116 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
   }
 }
 
-// CODEC_INT5_ALLOT has no CUDA kernels yet (registration refuses its CUDA pools): the launchers
-// refuse it up front, naming it, and launch nothing.
-TEST(CodecCudaEmulation, Int5AllotIsRefusedNamingTheCodec) {
-  BlockLayout lay = MakeLayout(DType::kBF16, kInt8, 2, 64, 1, 2, 4);
-  lay.row.codec = CodecKind::kInt5Allot;
-  KvPool src(lay, 8, ViewKind::kContiguous, 1);
-  const std::vector<uint32_t> rows = {0, 1, 2, 3};
-  BlockSet blocks(lay, 1);
+// CODEC_INT5_ALLOT's kernels take head_dims that are multiples of 32 up to 256, K and V planes,
+// and need the job's RoPE table: anything else is refused up front, naming the codec, and
+// nothing is launched.
+TEST(CodecCudaEmulation, Int5AllotRefusesWhatItsKernelsDoNotTake) {
+  struct Bad {
+    uint32_t dim, planes;
+    bool rope;
+  };
+  for (const Bad& b : {Bad{48, 2, true}, Bad{100, 2, true}, Bad{288, 2, true}, Bad{512, 2, true},
+                       Bad{64, 1, true}, Bad{64, 2, false}}) {
+    SCOPED_TRACE("dim " + std::to_string(b.dim) + " planes " + std::to_string(b.planes) +
+                 (b.rope ? "" : " without a table"));
+    const BlockLayout lay = MakeLayout(DType::kBF16, kAllot, 2, b.dim, 1, b.planes, 4);
+    KvPool src(lay, 8, ViewKind::kContiguous, 1);
+    const std::vector<uint32_t> rows = {0, 1, 2, 3};
+    BlockSet blocks(lay, 1);
+    const std::vector<float> rope = testutil::JobRope(lay);
+    EncodeJob enc_job = testutil::MakeEncodeJob(src, rows, blocks, nullptr);
+    DecodeJob dec_job = testutil::MakeDecodeJob(src, rows, blocks);
+    enc_job.rope = dec_job.rope = b.rope ? rope.data() : nullptr;
+    cuda_emulation::ResetStats();
+    const Status enc = LaunchEncode(enc_job, nullptr);
+    EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(enc.message().find("CODEC_INT5_ALLOT"), std::string::npos) << enc.ToString();
+    const Status dec = LaunchDecode(dec_job, nullptr);
+    EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(dec.message().find("CODEC_INT5_ALLOT"), std::string::npos) << dec.ToString();
+    EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+  }
+}
+
+// CODEC_INT5_ALLOT runs as three launches per call: the K planes' kernel (a warp per block and
+// layer; decode, per 8 tokens of one), the V rows', then the first rows' (INT8), each within the
+// configured grid; a key of 2^120 or more (finite in BF16) flags its block as NaN does.
+TEST(CodecCudaEmulation, Int5AllotLaunchesKThenVThenFirstRowsAndFlagsHugeKeys) {
+  BlockLayout lay = MakeLayout(DType::kBF16, kAllot, 4, 64, 3, 2, 20);
+  lay.row.rope_theta = 1e4;
+  KvPool src(lay, 60, ViewKind::kContiguous, 1);
+  src.Fill(InputClass::kGaussian, 1);
+  Rng rng(1);
+  const std::vector<uint32_t> rows = testutil::RandomRows(60, 60, rng);
+  src.Head(2, 0, rows[2 * 20 + 13], 3)[17] = 0x7C00;  // 2^121 in a key of block 2, token 13
+  BlockSet ref(lay, 3);
+  std::vector<uint8_t> ref_flags(3, 0xEE);
+  EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+  ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 0, 1}));
   cuda_emulation::ResetStats();
-  const Status enc = LaunchEncode(testutil::MakeEncodeJob(src, rows, blocks, nullptr), nullptr);
-  EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(enc.message().find("CODEC_INT5_ALLOT"), std::string::npos) << enc.ToString();
-  const Status dec = LaunchDecode(testutil::MakeDecodeJob(src, rows, blocks), nullptr);
-  EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
+  EncodeResult got(lay, 3);
+  HIQ_ASSERT_OK(EmulatedEncode(src, rows, 3, Config(64, 3), 0, &got));
+  cuda_emulation::Stats st = cuda_emulation::GetStats();
+  EXPECT_EQ(st.launches, 3u);
+  EXPECT_EQ(st.max_grid, 3u);  // K: 9 warps at 2 per CTA; V: 684 heads at 4 per CTA, capped
+  EXPECT_EQ(got.flags, ref_flags);
+  EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks, &ref_flags), "");
+
+  ref_flags.assign(3, 0);
+  KvPool want(lay, 60, ViewKind::kContiguous, 1);
+  want.FillBytes(kSentinel);
+  DecodeLayerReference(testutil::MakeDecodeJob(want, rows, ref), 1);
+  KvPool dest(lay, 60, ViewKind::kContiguous, 1);
+  dest.FillBytes(kSentinel);
+  const std::vector<float> rope = testutil::JobRope(lay);
+  DecodeJob job = testutil::MakeDecodeJob(dest, rows, ref);
+  job.rope = rope.data();
+  cuda_emulation::ResetStats();
+  HIQ_ASSERT_OK(LaunchDecodeLayer(job, 1, nullptr, Config(32, 2)));
+  st = cuda_emulation::GetStats();
+  EXPECT_EQ(st.launches, 3u);
+  EXPECT_EQ(st.max_grid, 2u);  // K: 3 blocks x 3 units of up to 8 tokens, one warp per CTA
+  EXPECT_EQ(FirstBufferDiff(want, dest), "");
+}
+
+// Zero keys leave a block's channels' ranges 0: every widening step gains 0 and the
+// allotment's threshold is 0, so the steps go to the channels of range 0 in channel order: all of
+// them where every range is 0; where the last head's keys vary, the bits left after its steps,
+// which moves that head's fields (and leaves the row's last bytes zero).
+TEST(CodecCudaEmulation, Int5AllotZeroRangesTakeTheirStepsInChannelOrder) {
+  for (const uint32_t heads : {4u, 8u}) {
+    for (const bool some_vary : {false, true}) {
+      SCOPED_TRACE(std::to_string(heads) + " heads" + (some_vary ? ", the last varying" : ""));
+      const BlockLayout lay = MakeLayout(DType::kBF16, kAllot, heads, 64, 2, 2, 8);
+      KvPool src(lay, 32, ViewKind::kContiguous, 1);
+      src.Fill(InputClass::kGaussian, 3);
+      const std::vector<uint32_t> rows = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (uint32_t l = 0; l < lay.num_layers; ++l) {
+        for (uint32_t t = 1; t < 8; ++t) {  // block 0: zero keys in tokens 1..7
+          for (uint32_t h = 0; h < (some_vary ? heads - 1 : heads); ++h) {
+            std::memset(src.Head(l, 0, rows[t], h), 0, 64 * 2);
+          }
+        }
+      }
+      BlockSet ref(lay, 2);
+      std::vector<uint8_t> ref_flags(2, 0xEE);
+      EncodeBlocksReference(testutil::MakeEncodeJob(src, rows, ref, ref_flags.data()));
+      ASSERT_EQ(ref_flags, (std::vector<uint8_t>{0, 0}));
+      EncodeResult got(lay, 2);
+      HIQ_ASSERT_OK(EmulatedEncode(src, rows, 2, Config(96, 2), 3, &got));
+      EXPECT_EQ(FirstPayloadDiff(lay, ref, got.blocks), "");
+      EXPECT_TRUE(got.gaps_intact);
+      KvPool want(lay, 32, ViewKind::kContiguous, 1);
+      want.FillBytes(kSentinel);
+      const DecodeJob ref_job = testutil::MakeDecodeJob(want, rows, ref);
+      for (uint32_t l = 0; l < lay.num_layers; ++l) DecodeLayerReference(ref_job, l);
+      KvPool dest(lay, 32, ViewKind::kContiguous, 1);
+      dest.FillBytes(kSentinel);
+      uint32_t first = 0;
+      HIQ_ASSERT_OK(EmulatedDecode(&dest, rows, ref, DecodeMode::kWhole, Config(64, 1), 0, &first));
+      EXPECT_EQ(FirstBufferDiff(want, dest), "");
+    }
+  }
 }
 
 // CODEC_INT4_KIVI runs as two launches per call, the K planes' kernel then the V rows' (one for

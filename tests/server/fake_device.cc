@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "codec_reference.h"
+#include "rope_turn.h"
 
 namespace hiqcache::server::testing {
 
@@ -216,6 +217,18 @@ std::vector<const FakeDevice::Buffer*> FakeDevice::KernelBuffersLocked(const Op&
   return out;
 }
 
+// The reference kernels the fake runs compute their own angles; a GPU's read the job's table
+// (EncodeJob::rope), so a job of a codec that has one must carry the layout's.
+void FakeDevice::CheckRopeLocked(const kernels::BlockLayout& lay, const float* rope, const Op& op) {
+  const size_t floats = kernels::RopeTableFloats(lay);
+  if (floats == 0) return;
+  const std::vector<float> want = kernels::RopeTable(lay.row, lay.block_tokens);
+  if (rope == nullptr || std::memcmp(rope, want.data(), floats * sizeof(float)) != 0) {
+    ViolationLocked(std::string(CallName(op.kind)) + " #" + std::to_string(op.seq) +
+                    ": job.rope does not hold the layout's RoPE table");
+  }
+}
+
 std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
   std::vector<Access> out;
   auto add = [&](const void* p, size_t n, bool write) {
@@ -262,6 +275,7 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
       add_rows(j.layout, j.layers, j.rows, j.num_blocks, 0, j.layout.num_layers, false);
       for (uint32_t b = 0; b < j.num_blocks; ++b) add(j.blocks[b], j.layout.BlockBytes(), true);
       add(j.nonfinite, j.num_blocks, true);
+      add(j.rope, kernels::RopeTableFloats(j.layout) * sizeof(float), false);
       break;
     }
     case Call::kDecode: {
@@ -274,6 +288,7 @@ std::vector<FakeDevice::Access> FakeDevice::AccessesLocked(const Op& op) {
             false);
       }
       add_rows(j.layout, j.layers, j.rows, j.num_blocks, op.first, op.count, true);
+      add(j.rope, kernels::RopeTableFloats(j.layout) * sizeof(float), false);
       break;
     }
     case Call::kWriteValue:
@@ -323,9 +338,11 @@ void FakeDevice::ExecuteLocked(Stream* s) {
       for (const Copy& c : op.copies) std::memmove(c.dst, c.src, c.bytes);
       break;
     case Call::kEncode:
+      CheckRopeLocked(op.enc.layout, op.enc.rope, op);
       kernels::EncodeBlocksReference(op.enc);
       break;
     case Call::kDecode:
+      CheckRopeLocked(op.dec.layout, op.dec.rope, op);
       for (uint32_t l = op.first; l < op.first + op.count; ++l) {
         kernels::DecodeLayerReference(op.dec, l);
       }

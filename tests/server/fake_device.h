@@ -25,7 +25,9 @@
 //   - use after close/free: an operation touching a closed IPC buffer or freed memory, or an
 //     IPC buffer closed while queued work still uses it, or a destroyed event used;
 //   - copies from or to pageable host memory, or across two host registrations;
-//   - a WriteValue64 to memory that is not registered or not 8-byte aligned.
+//   - a WriteValue64 to memory that is not registered or not 8-byte aligned;
+//   - a kernel of a codec with a RoPE table (CODEC_INT5_ALLOT) whose job.rope does not hold the
+//     layout's (the table is also a range the kernel reads, for the two checks above).
 // Faults: FailCall makes the n-th next call of a kind fail (a kDataLoss failure is sticky: the
 // context is lost and every later call fails too); FailExecution makes an operation fail when it
 // runs (sticky: later queries report kDataLoss).
@@ -165,6 +167,8 @@ class FakeDevice : public DeviceApi {
   size_t RunReadyLocked(const Priority* only = nullptr) REQUIRES(mu_);
   void ExecuteLocked(Stream* s) REQUIRES(mu_);
   std::vector<Access> AccessesLocked(const Op& op) REQUIRES(mu_);
+  void CheckRopeLocked(const kernels::BlockLayout& lay, const float* rope, const Op& op)
+      REQUIRES(mu_);
   const Buffer* BufferAtLocked(const uint8_t* p) const REQUIRES(mu_);
   std::vector<const Buffer*> KernelBuffersLocked(const Op& op) REQUIRES(mu_);
   bool HostMemoryOkLocked(const uint8_t* p, size_t n) const REQUIRES(mu_);

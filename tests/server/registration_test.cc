@@ -392,16 +392,21 @@ TEST(ValidateRegistrationTest, Int5AllotHostPoolsWithTheirRope) {
   mla.codec = 6;
   ExpectInvalid(mla, "geometry.attention: CODEC_INT5_ALLOT needs K and V planes");
 
+  // CUDA pools: head_dim up to 256 (its kernels' limit), a larger one refused naming it.
   RegisterSpec cuda = OnCuda(SglangSpec(2, 8, 128, 64, 16));
   cuda.codec = 6;
   cuda.rope_theta = 1e6;
   auto rc = ValidateRegistration(cuda, Limits{}, kBigPool);
-  ASSERT_FALSE(rc.ok());
-  EXPECT_EQ(rc.status().code(), StatusCode::kFailedPrecondition) << rc.status().ToString();
-  EXPECT_EQ(rc.status().message(),
-            "codec: CODEC_INT5_ALLOT has no CUDA kernels yet; use a HOST pool or another codec");
-  cuda.codec = 5;  // the same CUDA pool under another codec registers
-  EXPECT_TRUE(ValidateRegistration(cuda, Limits{}, kBigPool).ok());
+  ASSERT_TRUE(rc.ok()) << rc.status().ToString();
+  EXPECT_EQ(rc->layout.row.codec, kernels::CodecKind::kInt5Allot);
+  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
+  wide.codec = 6;
+  ExpectInvalid(wide,
+                "geometry.head_dim: CODEC_INT5_ALLOT on a CUDA pool takes up to 256, got 512; "
+                "use a HOST pool or another codec");
+  RegisterSpec host = SglangSpec(2, 2, 512, 64, 16);  // the same geometry on the host registers
+  host.codec = 6;
+  ExpectValid(host);
 }
 
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
