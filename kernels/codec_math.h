@@ -432,6 +432,9 @@ constexpr uint32_t kAllotMinBits = 2;
 constexpr uint32_t kAllotMaxBits = 8;
 constexpr uint32_t kAllotValueBits = 5;
 constexpr uint32_t kAllotValueTop = (1u << kAllotValueBits) - 1u;
+// The largest head_dim the CUDA kernels take (a head's 8-element chunks one per lane of a warp);
+// registration refuses larger ones on a CUDA pool.
+constexpr uint32_t kAllotCudaMaxHeadDim = 256;
 // A head's step s_h = bf16_rne(max(m_h, 2^-112) / 126): the channel bounds floor(lo / s_h) and
 // ceil(hi / s_h) stay in [-127, 127] (the rounding of s_h is at most 2^-8 relative).
 constexpr float kAllotStepDivisor = 126.0f;

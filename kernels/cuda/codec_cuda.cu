@@ -1171,7 +1171,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 // ---------------------------------------------------------------------------------------------
 // CODEC_INT5_ALLOT (codec_math.h "INT5 allot"). Row 0 of both planes is an INT8 row (the INT8
 // kernels over one token per plane, as INT4 Hadamard's). For rows 1.., a head is one group of
-// G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotMaxHeadDim, ValidateLayout), lane gl holding
+// G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotCudaMaxHeadDim, ValidateLayout), lane gl holding
 // chunk gl (elements [8 gl, 8 gl + 8); none where gl >= d/8), so a warp covers 32 / G heads at a
 // time (a pass), its lanes in channel order.
 //   K plane: the channel bounds and widths belong to a whole (block, layer), so one warp owns it.
@@ -1192,7 +1192,6 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 //     lane (AllotEncodeVKernel, AllotDecodeVKernel).
 // A key of magnitude >= 2^120 (NaN, Inf) or a rotated value at HadamardLimitBits flags its block.
 
-constexpr uint32_t kAllotMaxHeadDim = 256;  // a head's chunks one per lane
 constexpr uint32_t kAllotDecodeTokens = 8;  // tokens of one K decode unit
 
 struct AllotParams {
@@ -1239,12 +1238,6 @@ __device__ __forceinline__ void ForEachWarpUnit(uint32_t total_units, Body body)
 __device__ __forceinline__ uint32_t WarpSum(uint32_t v) {
   for (int off = 1; off < 32; off <<= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
-}
-
-__device__ __forceinline__ bool WarpAll(bool mine) {
-  uint32_t ok = mine ? 1u : 0u;
-  for (int off = 1; off < 32; off <<= 1) ok &= __shfl_xor_sync(kFullMask, ok, off);
-  return ok != 0;
 }
 
 // The sum of v over the lanes before this one; *total = the warp's sum.
@@ -1543,7 +1536,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeKKernel(const Al
       }
       // Bounds only from keys the codec takes (a NaN's or an Inf's quotient has no int8 value);
       // a block with any other is flagged below.
-      ok = WarpAll(ok);
+      ok = GroupAllTrue(ok, 32);
       if (c.valid && ok) {
         const uint16_t step_bits = AllotStepBf16(m);
         const float step = Bf16ToFloat(step_bits);
@@ -1839,9 +1832,10 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
   }
   if (lay.row.codec == CodecKind::kInt5Allot) {
-    if (lay.row.head_dim % kInt4GroupElems != 0 || lay.row.head_dim > kAllotMaxHeadDim) {
+    if (lay.row.head_dim % kInt4GroupElems != 0 || lay.row.head_dim > kAllotCudaMaxHeadDim) {
       return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
-                             " is not a multiple of 32 up to " + std::to_string(kAllotMaxHeadDim) +
+                             " is not a multiple of 32 up to " +
+                             std::to_string(kAllotCudaMaxHeadDim) +
                              " (CODEC_INT5_ALLOT's CUDA kernels)");
     }
     if (lay.kv_planes != 2) {

@@ -23,8 +23,6 @@ constexpr int kCodecInt4G32 = 3;
 constexpr int kCodecInt4Kivi = 4;
 constexpr int kCodecInt4Hadamard = 5;
 constexpr int kCodecInt5Allot = 6;
-// The head_dims CODEC_INT5_ALLOT's CUDA kernels take (a head's chunks one per lane of a warp).
-constexpr uint32_t kMaxCudaAllotHeadDim = 256;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
@@ -375,9 +373,9 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                            std::to_string(spec.device_kind));
   }
   out.cuda = spec.device_kind == kDeviceCuda;
-  if (out.cuda && spec.codec == kCodecInt5Allot && spec.head_dim > kMaxCudaAllotHeadDim) {
+  if (out.cuda && spec.codec == kCodecInt5Allot && spec.head_dim > kernels::kAllotCudaMaxHeadDim) {
     return InvalidArgument("geometry.head_dim: CODEC_INT5_ALLOT on a CUDA pool takes up to " +
-                           std::to_string(kMaxCudaAllotHeadDim) + ", got " +
+                           std::to_string(kernels::kAllotCudaMaxHeadDim) + ", got " +
                            std::to_string(spec.head_dim) + "; use a HOST pool or another codec");
   }
   const bool mla = out.ns.mla;
