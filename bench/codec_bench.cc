@@ -68,7 +68,7 @@ BlockLayout Qwen3Layout(CodecKind codec) {
   lay.row.head_dim = 128;
   lay.row.dtype = DType::kBF16;
   lay.row.codec = codec;
-  if (codec == CodecKind::kInt5Allot) lay.row.rope_theta = kQwen3RopeTheta;
+  if (lay.row.IsAllot()) lay.row.rope_theta = kQwen3RopeTheta;
   lay.num_layers = 36;
   lay.kv_planes = 2;
   lay.block_tokens = kBlockTokens;
@@ -118,14 +118,14 @@ struct BenchData {
     EncodeJob job =
         testutil::MakeEncodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded, nonfinite);
     job.layout.row.codec = codec;
-    job.layout.row.rope_theta = codec == CodecKind::kInt5Allot ? kQwen3RopeTheta : 0.0;
+    job.layout.row.rope_theta = job.layout.row.IsAllot() ? kQwen3RopeTheta : 0.0;
     job.num_blocks = blocks;
     return job;
   }
   DecodeJob Decode(uint32_t blocks, CodecKind codec = CodecKind::kInt8PerHead) {
     DecodeJob job = testutil::MakeDecodeJob(pool, rows, codec == CodecKind::kRaw ? raw : encoded);
     job.layout.row.codec = codec;
-    job.layout.row.rope_theta = codec == CodecKind::kInt5Allot ? kQwen3RopeTheta : 0.0;
+    job.layout.row.rope_theta = job.layout.row.IsAllot() ? kQwen3RopeTheta : 0.0;
     job.num_blocks = blocks;
     return job;
   }
@@ -586,6 +586,14 @@ BENCHMARK_CAPTURE(BM_EncodeCodec, Int5Allot, CodecKind::kInt5Allot)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_DecodeCodec, Int5Allot, CodecKind::kInt5Allot)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int6Allot, CodecKind::kInt6Allot)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int6Allot, CodecKind::kInt6Allot)
     ->Apply(ThreadArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);

@@ -925,7 +925,8 @@ int main(int argc, char** argv) {
       for (const hiqcache::Codec c :
            {hiqcache::Codec::kInt8PerHead, hiqcache::Codec::kRaw, hiqcache::Codec::kFp8E4m3PerHead,
             hiqcache::Codec::kInt4G32PerHead, hiqcache::Codec::kInt4Kivi,
-            hiqcache::Codec::kInt4Hadamard, hiqcache::Codec::kInt5Allot}) {
+            hiqcache::Codec::kInt4Hadamard, hiqcache::Codec::kInt5Allot,
+            hiqcache::Codec::kInt6Allot}) {
         names += std::string(names.empty() ? "" : ", ") + hiqcache::CodecName(c);
         if (v == hiqcache::CodecName(c)) {
           o.codec = c;

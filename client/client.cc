@@ -77,6 +77,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_INT4_HADAMARD;
     case Codec::kInt5Allot:
       return v1::CODEC_INT5_ALLOT;
+    case Codec::kInt6Allot:
+      return v1::CODEC_INT6_ALLOT;
     case Codec::kInt8PerHead:
       break;
   }
@@ -137,6 +139,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kInt4Hadamard;
     case v1::CODEC_INT5_ALLOT:
       return Codec::kInt5Allot;
+    case v1::CODEC_INT6_ALLOT:
+      return Codec::kInt6Allot;
     default:
       return Codec::kInt8PerHead;
   }

@@ -20,6 +20,8 @@ const char* CodecName(Codec codec) {
       return "int4_hadamard";
     case Codec::kInt5Allot:
       return "int5_allot";
+    case Codec::kInt6Allot:
+      return "int6_allot";
     case Codec::kInt8PerHead:
       break;
   }

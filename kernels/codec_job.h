@@ -29,8 +29,9 @@ struct EncodeJob {
   // layer by layer while the rest is still being encoded (a HOST backup hashes it).
   void (*layer_encoded)(void* context, uint32_t block, uint32_t layer) = nullptr;
   void* layer_encoded_context = nullptr;
-  // CODEC_INT5_ALLOT on the CUDA executor: its key turn's angles, RopeTableFloats(layout) floats
-  // (RopeTable, rope_turn.h), device-accessible. The CPU executors compute their own and ignore it.
+  // The allot codecs (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT) on the CUDA executor: its key turn's
+  // angles, RopeTableFloats(layout) floats (RopeTable, rope_turn.h), device-accessible. The CPU
+  // executors compute their own and ignore it.
   const float* rope = nullptr;
 };
 
@@ -44,11 +45,9 @@ struct DecodeJob {
 };
 
 // Floats of a job's RoPE table: block_tokens x head_dim / 2 cosines, then as many sines, for
-// CODEC_INT5_ALLOT; 0 for every other codec.
+// the allot codecs; 0 for every other codec.
 inline size_t RopeTableFloats(const BlockLayout& layout) {
-  return layout.row.codec == CodecKind::kInt5Allot
-             ? size_t{layout.block_tokens} * layout.row.head_dim
-             : 0;
+  return layout.row.IsAllot() ? size_t{layout.block_tokens} * layout.row.head_dim : 0;
 }
 
 }  // namespace hiqcache::kernels

@@ -1,5 +1,5 @@
 // The per-element arithmetic of every codec that quantizes (INT8, FP8, INT4 grouped, INT4 KIVI,
-// INT4 Hadamard, INT5 allot: its section at the end and kernels/README.md), written once.
+// INT4 Hadamard, INT5 and INT6 allot: its section at the end and kernels/README.md), written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;
@@ -340,11 +340,11 @@ constexpr int kKiviKQMax = 15;
 HIQ_HD uint16_t KiviKZeroBits(float lo, DType dtype) { return FloatToHalfSat(lo + 0.0f, dtype); }
 
 // The bf16 scale of a channel whose elements lie in [lo, hi] (finite values of the input dtype).
-// The asymmetric codes of KIVI's K, of INT4 Hadamard and of INT5 allot, for `top` = 2^bits - 1
-// levels above the zero point z (bits <= 8): s = bf16_rne(max(0.5 hi - 0.5 lo, 2^-112) /
-// (0.5 top)), q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, top), x^ = 2 * (q * (0.5 s) + 0.5 z)
-// in fp32 (q * 0.5 s is exact: 8 + 8 bits). The halvings keep a range near the largest finite
-// values finite; 0.5 top is exact, so the scale is that of (hi - lo) / top.
+// The asymmetric codes of KIVI's K, of INT4 Hadamard and of INT5 and INT6 allot, for `top` = 2^bits
+// - 1 levels above the zero point z (bits <= 8): s = bf16_rne(max(0.5 hi - 0.5 lo, 2^-112) / (0.5
+// top)), q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, top), x^ = 2 * (q * (0.5 s) + 0.5 z) in fp32
+// (q * 0.5 s is exact: 8 + 8 bits). The halvings keep a range near the largest finite values
+// finite; 0.5 top is exact, so the scale is that of (hi - lo) / top.
 HIQ_HD uint16_t AsymScaleBf16(float lo, float hi, uint32_t top) {
   float r = 0.5f * hi - 0.5f * lo;
   const float floor = BitsToFloat(kAmaxFloorBits);
@@ -424,14 +424,19 @@ HIQ_HD bool HadamardInRange(float v, uint32_t limit_bits) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// INT5 allot (CODEC_INT5_ALLOT; the format is kernels/README.md's and record_format.h's).
+// INT5 allot and INT6 allot (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT; the format is kernels/README.md's
+// and record_format.h's): one format, two widths. AllotBits holds a codec's: its keys' bits per
+// element on average, times 4, and its values' bits.
+struct AllotBits {
+  uint32_t key_x4 = 0;
+  uint32_t value = 0;
+};
+constexpr AllotBits kInt5AllotBits{21, 5};  // keys 5.25, values 5
+constexpr AllotBits kInt6AllotBits{21, 6};  // keys 5.25, values 6
 
-// Key bits per element on average, times 4 (5.25), and a channel's least and most bits.
-constexpr uint32_t kAllotKeyBitsTimes4 = 21;
+// A channel's least and most bits.
 constexpr uint32_t kAllotMinBits = 2;
 constexpr uint32_t kAllotMaxBits = 8;
-constexpr uint32_t kAllotValueBits = 5;
-constexpr uint32_t kAllotValueTop = (1u << kAllotValueBits) - 1u;
 // The largest head_dim the CUDA kernels take (a head's 8-element chunks one per lane of a warp);
 // registration refuses larger ones on a CUDA pool.
 constexpr uint32_t kAllotCudaMaxHeadDim = 256;
@@ -444,16 +449,23 @@ constexpr uint32_t kAllotKeyLimitBits = (127u + 120u) << 23;
 // the range's less b << 23 (a range is >= 2^-119, so every gain is a normal number).
 constexpr uint32_t kAllotExponentOne = 1u << 23;
 
-// Bits of one stored key row (tokens 1..): 21/4 per element; bytes rounded up (exact for
+// Bits of one stored key row (tokens 1..): key_x4 / 4 per element; bytes rounded up (exact for
 // H*D % 8 == 0, which D % 32 == 0 gives).
-HIQ_HD size_t AllotKeyRowBits(size_t channels) { return channels * kAllotKeyBitsTimes4 / 4; }
-HIQ_HD size_t AllotKeyRowBytes(size_t channels) { return (AllotKeyRowBits(channels) + 7) / 8; }
-// Widening steps shared by a block's channels: the row's bits less kAllotMinBits per channel.
-HIQ_HD uint32_t AllotIncrements(size_t channels) {
-  return static_cast<uint32_t>(AllotKeyRowBits(channels) - kAllotMinBits * channels);
+HIQ_HD size_t AllotKeyRowBits(size_t channels, AllotBits bits) {
+  return channels * bits.key_x4 / 4;
 }
-// Bytes of a value row's 5-bit codes (H*D % 8 == 0).
-HIQ_HD size_t AllotValueCodeBytes(size_t channels) { return channels * kAllotValueBits / 8; }
+HIQ_HD size_t AllotKeyRowBytes(size_t channels, AllotBits bits) {
+  return (AllotKeyRowBits(channels, bits) + 7) / 8;
+}
+// Widening steps shared by a block's channels: the row's bits less kAllotMinBits per channel.
+HIQ_HD uint32_t AllotIncrements(size_t channels, AllotBits bits) {
+  return static_cast<uint32_t>(AllotKeyRowBits(channels, bits) - kAllotMinBits * channels);
+}
+// Bytes of a value row's codes (H*D % 8 == 0), and a value code's largest level.
+HIQ_HD size_t AllotValueCodeBytes(size_t channels, AllotBits bits) {
+  return channels * bits.value / 8;
+}
+HIQ_HD uint32_t AllotValueTop(AllotBits bits) { return (1u << bits.value) - 1u; }
 
 HIQ_HD float FloorFloat(float v) {
 #if defined(__CUDA_ARCH__)
@@ -546,13 +558,14 @@ HIQ_HD void AllotAssign(const uint32_t* range_bits, uint32_t channels, uint32_t 
 }
 
 // The widths of a block's key channels (the allotment): every channel starts at 2 bits, and
-// the n = AllotIncrements(channels) widening steps of largest gain are taken, a step b -> b + 1
-// of channel c gaining R_c * 2^-b (R_c = its range, AllotRangeBits): the least squared error
+// the n = AllotIncrements(channels, bits) widening steps of largest gain are taken, a step b -> b +
+// 1 of channel c gaining R_c * 2^-b (R_c = its range, AllotRangeBits): the least squared error
 // sum_c R_c^2 4^-w_c, as each channel's gains fall with every bit. Steps of equal gain are
 // taken in channel order (AllotThreshold, then AllotAssign). Never more than n steps, so a
 // corrupt record's widths still fit its rows. range_bits[c] for c < channels; widths[c] out.
-HIQ_HD void AllotKeyWidths(const uint32_t* range_bits, uint32_t channels, uint8_t* widths) {
-  const uint32_t n = AllotIncrements(channels);
+HIQ_HD void AllotKeyWidths(const uint32_t* range_bits, uint32_t channels, AllotBits bits,
+                           uint8_t* widths) {
+  const uint32_t n = AllotIncrements(channels, bits);
   const uint32_t t = AllotThreshold(n, [&](uint32_t mid) {
     uint32_t above = 0;
     for (uint32_t c = 0; c < channels; ++c) above += AllotStepsAbove(range_bits[c], mid);

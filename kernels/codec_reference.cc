@@ -84,7 +84,7 @@ std::vector<uint32_t> Iota(uint32_t n) {
   return v;
 }
 
-// A plane whose token 0 is an INT8 row of the input (INT4 Hadamard, INT5 allot): heads split
+// A plane whose token 0 is an INT8 row of the input (INT4 Hadamard, the allot codecs): heads split
 // into runs are encoded from a contiguous copy; row 0 as INT8's row, then `rest(view, rows)`
 // encodes tokens 1..num_rows-1 of whole heads.
 template <class Rest>
@@ -337,7 +337,7 @@ void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uin
 
 namespace {
 
-// An INT5 allot K plane's channel parameters, as the decoder reads them back: each channel's
+// An allot codec's K plane's channel parameters, as the decoder reads them back: each channel's
 // width, zero point (its lower bound), scale and bit offset in a row.
 struct AllotKeyChannels {
   std::vector<uint8_t> width;
@@ -362,7 +362,7 @@ AllotKeyChannels ReadAllotKeyChannels(const RowFormat& fmt, const uint8_t* param
     const float step = Bf16ToFloat(LoadU16(params + 2 * (c / d)));
     range[c] = AllotRangeBits(lower[c], upper[c], step);
   }
-  AllotKeyWidths(range.data(), static_cast<uint32_t>(channels), ch.width.data());
+  AllotKeyWidths(range.data(), static_cast<uint32_t>(channels), fmt.Allot(), ch.width.data());
   uint32_t bit = 0;
   for (size_t c = 0; c < channels; ++c) {
     const float step = Bf16ToFloat(LoadU16(params + 2 * (c / d)));
@@ -376,7 +376,7 @@ AllotKeyChannels ReadAllotKeyChannels(const RowFormat& fmt, const uint8_t* param
   return ch;
 }
 
-// INT5 allot's K plane, tokens 1..num_rows-1 (whole heads): turned back, bounded, allotted,
+// An allot codec's K plane, tokens 1..num_rows-1 (whole heads): turned back, bounded, allotted,
 // coded. False when a key is NaN, Inf or of magnitude >= 2^120.
 bool EncodeAllotKeysReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                               uint32_t num_rows, uint8_t* dst) {
@@ -428,7 +428,7 @@ bool EncodeAllotKeysReference(const RowFormat& fmt, const StridedView& view, con
     }
   }
   const AllotKeyChannels ch = ReadAllotKeyChannels(fmt, params);
-  const size_t row_bytes = AllotKeyRowBytes(channels);
+  const size_t row_bytes = AllotKeyRowBytes(channels, fmt.Allot());
   for (uint32_t t = 0; t < n; ++t) {
     uint8_t* codes = dst + fmt.PlaneRowOffset(0, t + 1);
     std::memset(codes, 0, row_bytes);
@@ -441,17 +441,20 @@ bool EncodeAllotKeysReference(const RowFormat& fmt, const StridedView& view, con
   return true;
 }
 
-// INT5 allot's V plane, tokens 1..num_rows-1 (whole heads): rotated, 5-bit codes per head.
+// An allot codec's V plane, tokens 1..num_rows-1 (whole heads): rotated, codes of
+// fmt.Allot().value bits per head.
 bool EncodeAllotValuesReference(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                                 uint32_t num_rows, uint8_t* dst) {
   const uint32_t d = fmt.head_dim;
   const size_t channels = fmt.ElementsPerRow();
+  const AllotBits bits = fmt.Allot();
+  const uint32_t top = AllotValueTop(bits);
   std::vector<float> y(d);
   for (uint32_t t = 1; t < num_rows; ++t) {
     uint8_t* codes = dst + fmt.PlaneRowOffset(1, t);
-    uint8_t* zeros = codes + AllotValueCodeBytes(channels);
+    uint8_t* zeros = codes + AllotValueCodeBytes(channels, bits);
     uint8_t* scales = zeros + 2 * fmt.num_heads;
-    std::memset(codes, 0, AllotValueCodeBytes(channels));
+    std::memset(codes, 0, AllotValueCodeBytes(channels, bits));
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
       if (!RotateHeadReference(fmt, view.Head(rows[t], h), y.data())) return false;
       float lo = y[0];
@@ -461,14 +464,14 @@ bool EncodeAllotValuesReference(const RowFormat& fmt, const StridedView& view, c
         hi = y[i] > hi ? y[i] : hi;
       }
       const uint16_t z_bits = KiviKZeroBits(lo, DType::kBF16);
-      const uint16_t s_bits = AsymScaleBf16(lo, hi, kAllotValueTop);
+      const uint16_t s_bits = AsymScaleBf16(lo, hi, top);
       StoreU16(zeros + 2 * h, z_bits);
       StoreU16(scales + 2 * h, s_bits);
       const float z = Bf16ToFloat(z_bits);
       const float sc = Bf16ToFloat(s_bits);
       for (uint32_t i = 0; i < d; ++i) {
-        PutBits(codes, (size_t{h} * d + i) * kAllotValueBits,
-                QuantizeAsymElement(y[i], z, sc, kAllotValueTop), kAllotValueBits);
+        PutBits(codes, (size_t{h} * d + i) * bits.value, QuantizeAsymElement(y[i], z, sc, top),
+                bits.value);
       }
     }
   }
@@ -488,7 +491,7 @@ bool EncodeAllotPlaneReference(const RowFormat& fmt, uint32_t plane, const Strid
 
 namespace {
 
-// INT5 allot's rows [begin, end) of a plane into whole heads.
+// An allot codec's rows [begin, end) of a plane into whole heads.
 void DecodeAllotWholeHeads(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
                            uint32_t block_tokens, uint32_t begin, uint32_t end,
                            const StridedView& view, const uint32_t* rows) {
@@ -524,15 +527,16 @@ void DecodeAllotWholeHeads(const RowFormat& fmt, uint32_t plane, const uint8_t* 
   }
   const uint32_t r = HadamardRun(d);
   const float c_d = HadamardDecodeFactor(r);
+  const AllotBits bits = fmt.Allot();
   for (uint32_t t = first; t < end; ++t) {
     const uint8_t* codes = src + fmt.PlaneRowOffset(1, t);
-    const uint8_t* zeros = codes + AllotValueCodeBytes(channels);
+    const uint8_t* zeros = codes + AllotValueCodeBytes(channels, bits);
     const uint8_t* scales = zeros + 2 * fmt.num_heads;
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
       const float z = Bf16ToFloat(LoadU16(zeros + 2 * h));
       const float sc = Bf16ToFloat(LoadU16(scales + 2 * h));
       for (uint32_t i = 0; i < d; ++i) {
-        const uint32_t q = GetBits(codes, (size_t{h} * d + i) * kAllotValueBits, kAllotValueBits);
+        const uint32_t q = GetBits(codes, (size_t{h} * d + i) * bits.value, bits.value);
         y[i] = Bf16ToFloat(FloatToBf16Sat(DequantizeAsymFloat(q, z, sc)));
       }
       for (uint32_t j = 0; j < d; j += r) HadamardTransform(y.data() + j, r);
@@ -635,7 +639,7 @@ void EncodeBlocksReference(const EncodeJob& job) {
                                            lay.block_tokens, job.blocks[b] + lay.PlaneOffset(l, p));
           continue;
         }
-        if (lay.row.codec == CodecKind::kInt5Allot) {
+        if (lay.row.IsAllot()) {
           finite &=
               EncodeAllotPlaneReference(lay.row, p, job.layers[l].planes[p], rows, lay.block_tokens,
                                         job.blocks[b] + lay.PlaneOffset(l, p));
@@ -668,7 +672,7 @@ void DecodeLayerReference(const DecodeJob& job, uint32_t layer) {
                                     job.layers[layer].planes[p], rows);
         continue;
       }
-      if (lay.row.codec == CodecKind::kInt5Allot) {
+      if (lay.row.IsAllot()) {
         DecodeAllotRowsReference(lay.row, p, job.blocks[b] + lay.PlaneOffset(layer, p),
                                  lay.block_tokens, 0, lay.block_tokens, job.layers[layer].planes[p],
                                  rows);

@@ -41,14 +41,15 @@ void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uin
                                  uint32_t block_tokens, uint32_t begin, uint32_t end,
                                  const StridedView& view, const uint32_t* rows);
 
-// CODEC_INT5_ALLOT's plane `plane` of one (block, layer): encodes rows[0..num_rows) of `view` into
-// `dst` (BlockLayout::PlaneBytes bytes: row 0 as INT8, the others as turned keys at allotted
-// widths or rotated values at 5 bits, plane 0's channel parameters last). Returns false, leaving
+// An allot codec's (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT) plane `plane` of one (block, layer):
+// encodes rows[0..num_rows) of `view` into `dst` (BlockLayout::PlaneBytes bytes: row 0 as INT8,
+// the others as turned keys at allotted widths or rotated values at fmt.Allot().value bits,
+// plane 0's channel parameters last). Returns false, leaving
 // `dst` unspecified, when an element is NaN or Inf, a key reaches 2^120 or a rotated run reaches
 // HadamardLimitBits. REQUIRES: fmt.head_dim % kInt4GroupElems == 0.
 bool EncodeAllotPlaneReference(const RowFormat& fmt, uint32_t plane, const StridedView& view,
                                const uint32_t* rows, uint32_t num_rows, uint8_t* dst);
-// Decodes rows [begin, end) of an INT5 allot plane of `block_tokens` rows at `src` into
+// Decodes rows [begin, end) of an allot codec's plane of `block_tokens` rows at `src` into
 // rows[0..end - begin) of `view`.
 void DecodeAllotRowsReference(const RowFormat& fmt, uint32_t plane, const uint8_t* src,
                               uint32_t block_tokens, uint32_t begin, uint32_t end,

@@ -34,15 +34,18 @@ enum class CodecKind : uint8_t {
   // and H*D/32 bf16 scales, one pair per group of 32 rotated elements. D % 32 == 0.
   kInt4Hadamard = 5,
   // Keys turned back by RoPE and stored at bits allotted per channel, values rotated at 5 bits,
-  // stored per plane of a block (codec_math.h "INT5 allot"): row 0 of every plane (each block's
-  // first token) is a kInt8PerHead row of the input; plane 0 (K) rows 1..block_tokens-1 hold the
-  // turned keys' codes, channel c's at the sum of the earlier channels' widths (2-8 bits each,
-  // derived from the channel parameters: AllotKeyRowBits, 21/4 bits per element, in all), then H
-  // bf16 steps and H*D int8
-  // lower and H*D int8 upper channel bounds in steps (absent when block_tokens == 1); plane 1 (V)
-  // rows hold H*D 5-bit codes of the rotated elements, then H bf16 zero points and H bf16
-  // scales, one pair per head. D % 32 == 0; K and V planes only.
+  // stored per plane of a block (codec_math.h "INT5 allot and INT6 allot"): row 0 of every plane
+  // (each block's first token) is a kInt8PerHead row of the input; plane 0 (K)
+  // rows 1..block_tokens-1 hold the turned keys' codes, channel c's at the sum of the earlier
+  // channels' widths (2-8 bits each, derived from the channel parameters: AllotKeyRowBits, 21/4
+  // bits per element, in all), then H bf16 steps and H*D int8 lower and H*D int8 upper channel
+  // bounds in steps (absent when block_tokens == 1); plane 1 (V) rows hold H*D 5-bit codes of the
+  // rotated elements, then H bf16 zero points and H bf16 scales, one pair per head. D % 32 == 0; K
+  // and V planes only.
   kInt5Allot = 6,
+  // kInt5Allot's format with values at 6 bits (kInt6AllotBits): its K plane, V rows of H*D
+  // 6-bit codes, then H bf16 zero points and H bf16 scales.
+  kInt6Allot = 7,
 };
 
 struct RowFormat {
@@ -50,7 +53,7 @@ struct RowFormat {
   uint32_t head_dim = 0;
   DType dtype = DType::kBF16;
   CodecKind codec = CodecKind::kInt8PerHead;
-  // RoPE of the keys, for codecs that turn them back (kInt5Allot): the base (0 = no turn) and the
+  // RoPE of the keys, for codecs that turn them back (IsAllot()): the base (0 = no turn) and the
   // pairing (false: dims (i, i + D/2); true: (2i, 2i + 1)). 0 and false for every other codec.
   double rope_theta = 0.0;
   bool rope_interleaved = false;
@@ -67,11 +70,12 @@ struct RowFormat {
   }
   // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
   // Hadamard's plane-0 rows (codes only, H*D/2), Hadamard's plane-1 rows (H*D/2 + H*D/8), INT5
-  // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H).
+  // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H), INT6 allot's likewise
+  // (5*H*D/8; 6*H*D/8 + 4H).
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
-    if (codec == CodecKind::kInt5Allot) {
-      return plane == 0 ? AllotKeyRowBytes(ElementsPerRow())
-                        : AllotValueCodeBytes(ElementsPerRow()) + 4u * num_heads;
+    if (IsAllot()) {
+      return plane == 0 ? AllotKeyRowBytes(ElementsPerRow(), Allot())
+                        : AllotValueCodeBytes(ElementsPerRow(), Allot()) + 4u * num_heads;
     }
     if (codec == CodecKind::kInt4Hadamard) {
       return plane == 0 ? ElementsPerRow() / 2
@@ -90,10 +94,10 @@ struct RowFormat {
   }
   // Bytes after the rows of a plane: the K channel parameters of KIVI and Hadamard (H*D zero
   // points and H*D bf16 scales, 4*H*D), else 0. Hadamard's are absent from a one-token block.
-  // INT5 allot's K plane: H bf16 steps, H*D int8 lower and H*D int8 upper bounds (2H + 2*H*D).
+  // INT5 and INT6 allot's K plane: H bf16 steps, H*D int8 lower and H*D int8 upper bounds
+  // (2H + 2*H*D).
   HIQ_HD size_t PlaneParamBytes(uint32_t plane) const {
-    if (codec == CodecKind::kInt5Allot)
-      return plane == 0 ? 2u * num_heads + 2 * ElementsPerRow() : 0;
+    if (IsAllot()) return plane == 0 ? 2u * num_heads + 2 * ElementsPerRow() : 0;
     return (codec == CodecKind::kInt4Kivi || codec == CodecKind::kInt4Hadamard) && plane == 0
                ? ElementsPerRow() * 4
                : 0;
@@ -104,9 +108,18 @@ struct RowFormat {
   HIQ_HD size_t ScaleCount() const {
     return IsInt4Rows() ? ElementsPerRow() / kInt4GroupElems : num_heads;
   }
-  // Whether a plane's first row (token 0 of a block) is an INT8 row: Hadamard's and INT5 allot's.
-  HIQ_HD bool FirstRowIsInt8() const {
-    return codec == CodecKind::kInt4Hadamard || codec == CodecKind::kInt5Allot;
+  // Whether a plane's first row (token 0 of a block) is an INT8 row: Hadamard's and the allot
+  // codecs'.
+  HIQ_HD bool FirstRowIsInt8() const { return codec == CodecKind::kInt4Hadamard || IsAllot(); }
+  // The allot codecs (INT5 and INT6 allot: one format, keys turned back by RoPE), and their
+  // widths (zero for every other codec).
+  HIQ_HD bool IsAllot() const {
+    return codec == CodecKind::kInt5Allot || codec == CodecKind::kInt6Allot;
+  }
+  HIQ_HD AllotBits Allot() const {
+    return codec == CodecKind::kInt5Allot   ? kInt5AllotBits
+           : codec == CodecKind::kInt6Allot ? kInt6AllotBits
+                                            : AllotBits{};
   }
   // The format of a plane's first row: INT8's where FirstRowIsInt8(), else this one.
   HIQ_HD RowFormat FirstRowFormat() const {

@@ -1,6 +1,6 @@
-// The angles of INT5 allot's key turn (codec_math.h "INT5 allot"): a block's token at offset t
-// is turned back by t times each RoPE pair's frequency before its keys are quantized, and
-// forward after they are restored, so a channel's values stay alike over the block.
+// The angles of the allot codecs' key turn (codec_math.h "INT5 allot and INT6 allot"): a block's
+// token at offset t is turned back by t times each RoPE pair's frequency before its keys are
+// quantized, and forward after they are restored, so a channel's values stay alike over the block.
 //
 // The table is computed once per layout on the host, in double (std::pow, std::cos, std::sin of
 // the C library) and rounded to fp32; every executor reads the same table. Value type;

@@ -497,9 +497,8 @@ bool EncodeViewPlane(const RowFormat& fmt, uint32_t p, const StridedView& view,
   auto encode = [&](const StridedView& from, const uint32_t* from_rows) {
     return fmt.codec == CodecKind::kInt4Hadamard
                ? EncodeHadamardPlaneSimd(fmt, p, from, from_rows, n, dst)
-           : fmt.codec == CodecKind::kInt5Allot
-               ? EncodeAllotPlaneSimd(fmt, p, from, from_rows, n, dst)
-               : EncodeKiviKPlaneSimd(fmt, from, from_rows, n, dst);
+           : fmt.IsAllot() ? EncodeAllotPlaneSimd(fmt, p, from, from_rows, n, dst)
+                           : EncodeKiviKPlaneSimd(fmt, from, from_rows, n, dst);
   };
   if (view.dim_run == 0) return encode(view, rows);
   const uint32_t* index = nullptr;
@@ -510,7 +509,7 @@ bool EncodeViewPlane(const RowFormat& fmt, uint32_t p, const StridedView& view,
 
 // Whether plane p of the layout is stored per plane (EncodeViewPlane) rather than as rows.
 inline bool StoredPerPlane(const BlockLayout& lay, uint32_t p) {
-  return lay.row.codec == CodecKind::kInt4Hadamard || lay.row.codec == CodecKind::kInt5Allot ||
+  return lay.row.codec == CodecKind::kInt4Hadamard || lay.row.IsAllot() ||
          (lay.row.codec == CodecKind::kInt4Kivi && p == 0);
 }
 
@@ -526,7 +525,7 @@ void DecodeRange(const DecodeJob& job, uint32_t layer, uint32_t b, uint32_t p, u
     const uint8_t* plane = job.blocks[b] + lay.PlaneOffset(layer, p);
     if (lay.row.codec == CodecKind::kInt4Hadamard) {
       DecodeHadamardRowsSimd(lay.row, p, plane, lay.block_tokens, begin, end, to, to_rows);
-    } else if (lay.row.codec == CodecKind::kInt5Allot) {
+    } else if (lay.row.IsAllot()) {
       DecodeAllotRowsSimd(lay.row, p, plane, lay.block_tokens, begin, end, to, to_rows);
     } else if (per_plane) {
       DecodeKiviKRowsSimd(lay.row, plane, lay.block_tokens, begin, end, to, to_rows);

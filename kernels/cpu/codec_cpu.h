@@ -38,8 +38,8 @@ class CpuCodec {
 bool EncodeRowSimd(const RowFormat& fmt, const StridedView& view, uint32_t row, uint8_t* dst);
 void DecodeRowSimd(const RowFormat& fmt, const uint8_t* src, const StridedView& view, uint32_t row);
 
-// Planes whose first row (token 0 of a block) is an INT8 row (INT4 Hadamard, INT5 allot): that
-// row through the row executor, then `rest()` for rows 1..num_rows-1 (false when one was NaN,
+// Planes whose first row (token 0 of a block) is an INT8 row (INT4 Hadamard, the allot codecs):
+// that row through the row executor, then `rest()` for rows 1..num_rows-1 (false when one was NaN,
 // Inf or out of the codec's range); decode: rest(begin, rows) for rows [begin, end), begin >= 1.
 template <class Rest>
 bool EncodeAfterInt8RowSimd(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,

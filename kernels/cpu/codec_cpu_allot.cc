@@ -1,5 +1,5 @@
-// CODEC_INT5_ALLOT's K plane on the SIMD CPU executor (see codec_cpu_allot.h and codec_math.h
-// "INT5 allot").
+// The allot codecs' K plane on the SIMD CPU executor (see codec_cpu_allot.h and codec_math.h
+// "INT5 allot and INT6 allot").
 //
 // Encode turns a plane's tokens 1.. back by RoPE into f32 scratch in f32 lanes (rotate-half
 // pairs: a vector of first elements beside the vector of their partners, head_dim / 2 apart;
@@ -56,14 +56,14 @@ struct KeyChannels {
 
 // The widths from the channels' range bits: the bisection's counts in u32 lanes (the sum of
 // AllotStepsAbove: k = ceil((u - t) / 2^23) where u > t, then min(max(k, 2) - 2, 6)).
-void Allot(KeyChannels* ch, uint32_t channels) {
+void AllotWidths(KeyChannels* ch, uint32_t channels, AllotBits bits) {
   const DU32 du;
   const size_t n = hn::Lanes(du);
   const uint32_t* u = ch->range.data();
   const auto round_up = hn::Set(du, kAllotExponentOne - 1u);
   const auto min_bits = hn::Set(du, kAllotMinBits);
   const auto max_steps = hn::Set(du, kAllotMaxBits - kAllotMinBits);
-  const uint32_t steps = AllotIncrements(channels);
+  const uint32_t steps = AllotIncrements(channels, bits);
   const uint32_t t = AllotThreshold(steps, [&](uint32_t mid) HWY_ATTR {
     const auto vt = hn::Set(du, mid);
     auto sum = hn::Zero(du);
@@ -99,7 +99,7 @@ void ReadChannels(const RowFormat& fmt, const uint8_t* params, KeyChannels* ch) 
       ch->scale[c] = static_cast<float>(upper[c]) * step;  // the upper bound, until below
     }
   }
-  Allot(ch, channels);
+  AllotWidths(ch, channels, fmt.Allot());
   ch->byte.resize(channels);
   ch->shift.resize(channels);
   ch->mask.resize(channels);
@@ -118,7 +118,7 @@ void ReadChannels(const RowFormat& fmt, const uint8_t* params, KeyChannels* ch) 
 }
 
 // Codes q8[0..channels) packed at their channels' widths, least significant bit first, into a
-// row of AllotKeyRowBytes(channels) bytes: every byte of it written (the widths an encoder
+// row of AllotKeyRowBytes(channels, bits) bytes: every byte of it written (the widths an encoder
 // allots sum to the row's bits exactly), so the row needs no clearing first.
 void PackRow(const uint8_t* q8, const uint8_t* width, uint32_t channels, uint8_t* row) {
   uint64_t acc = 0;

@@ -1,7 +1,8 @@
-// The SIMD CPU executor's CODEC_INT5_ALLOT planes (Highway, runtime dispatch to the best target
-// the CPU has): each block's first token as an INT8 row (codec_cpu.h's row executor); the K
-// plane's other tokens turned back by RoPE, bounded, allotted and coded here
-// (codec_cpu_allot.cc); the V plane's rotated at 5 bits by the Hadamard executor
+// The SIMD CPU executor's planes of the allot codecs (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT; Highway,
+// runtime dispatch to the best target the CPU has): each block's first token as an INT8 row
+// (codec_cpu.h's row executor); the K plane's other tokens turned back by RoPE, bounded, allotted
+// and coded here (codec_cpu_allot.cc); the V plane's rotated at fmt.Allot().value bits by the
+// Hadamard executor
 // (codec_cpu_hadamard.cc). Produces exactly the bytes of the scalar reference
 // (codec_reference.h, arithmetic in codec_math.h). Pure functions; thread-safe.
 #pragma once
@@ -16,7 +17,7 @@ namespace hiqcache::kernels {
 // Encodes plane `plane` of one (block, layer), rows[0..num_rows) of `view` (whole heads:
 // view.dim_run == 0), into `dst` (BlockLayout::PlaneBytes(plane) bytes). False when an element
 // was NaN or Inf, a key reached 2^120 or a rotated run reached HadamardLimitBits (the payload is
-// then unspecified). REQUIRES: fmt.codec == kInt5Allot, fmt.head_dim % kInt4GroupElems == 0.
+// then unspecified). REQUIRES: fmt.IsAllot(), fmt.head_dim % kInt4GroupElems == 0.
 bool EncodeAllotPlaneSimd(const RowFormat& fmt, uint32_t plane, const StridedView& view,
                           const uint32_t* rows, uint32_t num_rows, uint8_t* dst);
 // Decodes rows [begin, end) of the plane of `block_tokens` rows at `src` into

@@ -1,6 +1,6 @@
 // CODEC_INT4_HADAMARD's planes on the SIMD CPU executor (see codec_cpu_hadamard.h and
-// codec_math.h), and CODEC_INT5_ALLOT's V plane, which shares their rotation (5-bit codes, one
-// zero point and scale per head; codec_cpu_allot.h).
+// codec_math.h), and the allot codecs' V plane, which shares their rotation (5- or 6-bit codes,
+// one zero point and scale per head; codec_cpu_allot.h).
 //
 // The transform works on a run in f32 lanes of n <= 16 (the run is at least 32): the stages of
 // stride below n inside each vector (the partner lane i ^ s by an in-block shuffle on x86, a table
@@ -424,23 +424,33 @@ void DecodeRotatedT(const RowFormat& fmt, uint32_t plane, const uint8_t* src, ui
   }
 }
 
-// INT5 allot's V plane (codec_cpu_allot.h): 5-bit codes, element e's at bit 5e, least
-// significant first: 8 codes in 5 bytes (head_dim % 32 == 0, so a head starts on such a group).
-void Pack5(const uint8_t* q8, uint32_t count, uint8_t* out) {
-  for (uint32_t i = 0; i < count; i += 8, out += 5) {
+// The allot codecs' V plane (codec_cpu_allot.h): b-bit codes (b = fmt.Allot().value, 5 or 6),
+// element e's at bit b e, least significant first: 8 codes in b bytes (head_dim % 32 == 0, so a
+// head starts on such a group).
+void PackCodes(const uint8_t* q8, uint32_t count, uint32_t b, uint8_t* out) {
+  for (uint32_t i = 0; i < count; i += 8, out += b) {
     uint64_t w = 0;
-    for (uint32_t k = 0; k < 8; ++k) w |= static_cast<uint64_t>(q8[i + k]) << (5 * k);
-    std::memcpy(out, &w, 5);  // little-endian, as the reference's PutBits
+    for (uint32_t k = 0; k < 8; ++k) w |= static_cast<uint64_t>(q8[i + k]) << (b * k);
+    std::memcpy(out, &w, b);  // little-endian, as the reference's PutBits
   }
 }
 
-// Lane L of a vector of codes from element e (e % 8 + L < 16): its 32-bit word at byte
-// (5 (e % 8 + L)) / 8 of the 5-byte group of element e - e % 8, shifted right by 5 (e % 8 + L) % 8.
-HWY_ALIGN constexpr int32_t kCode5Byte[16] = {0, 0, 1, 1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 8, 9};
-HWY_ALIGN constexpr uint32_t kCode5Shift[16] = {0, 5, 2, 7, 4, 1, 6, 3, 0, 5, 2, 7, 4, 1, 6, 3};
+// Lane L of a vector of b-bit codes from element e (e % 8 + L < 16): its 32-bit word at byte
+// (b (e % 8 + L)) / 8 of the b-byte group of element e - e % 8, shifted right by
+// b (e % 8 + L) % 8 (at most 7 + b <= 32 bits).
+struct CodeGather {
+  HWY_ALIGN int32_t byte[16];
+  HWY_ALIGN uint32_t shift[16];
+  explicit CodeGather(uint32_t b) {
+    for (uint32_t k = 0; k < 16; ++k) {
+      byte[k] = static_cast<int32_t>(b * k / 8);
+      shift[k] = b * k % 8;
+    }
+  }
+};
 
-// Tokens 1..num_rows-1 of an INT5 allot V plane: each head rotated (RotateHead), its smallest
-// and largest value as its zero point and scale, its codes at 5 bits.
+// Tokens 1..num_rows-1 of an allot V plane: each head rotated (RotateHead), its smallest and
+// largest value as its zero point and scale, its codes at fmt.Allot().value bits.
 template <DType kDType>
 bool EncodeAllotValuesT(const RowFormat& fmt, const StridedView& view, const uint32_t* rows,
                         uint32_t num_rows, uint8_t* dst) {
@@ -456,11 +466,13 @@ bool EncodeAllotValuesT(const RowFormat& fmt, const StridedView& view, const uin
   q8.resize(d);
   const auto half = hn::Set(df, 0.5f);
   const auto two = hn::Set(df, 2.0f);
-  const auto top = hn::Set(df, static_cast<float>(kAllotValueTop));
+  const AllotBits bits = fmt.Allot();
+  const uint32_t top_level = AllotValueTop(bits);
+  const auto top = hn::Set(df, static_cast<float>(top_level));
   for (uint32_t t = 1; t < num_rows; ++t) {
     if (t + kPrefetchRows < num_rows) PrefetchRow<false>(fmt, view, rows[t + kPrefetchRows]);
     uint8_t* codes = dst + fmt.PlaneRowOffset(1, t);
-    uint8_t* zeros = codes + AllotValueCodeBytes(ch);
+    uint8_t* zeros = codes + AllotValueCodeBytes(ch, bits);
     uint8_t* scales = zeros + 2 * fmt.num_heads;
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
       if (!RotateHead<kDType, false>(in_vector, view.Head(rows[t], h), d, y.data(), nullptr,
@@ -476,7 +488,7 @@ bool EncodeAllotValuesT(const RowFormat& fmt, const StridedView& view, const uin
       const float glo = hn::GetLane(hn::MinOfLanes(df, lo));
       const float ghi = hn::GetLane(hn::MaxOfLanes(df, hi));
       const uint16_t z_bits = KiviKZeroBits(glo, DType::kBF16);
-      const uint16_t s_bits = AsymScaleBf16(glo, ghi, kAllotValueTop);
+      const uint16_t s_bits = AsymScaleBf16(glo, ghi, top_level);
       std::memcpy(zeros + 2 * h, &z_bits, 2);
       std::memcpy(scales + 2 * h, &s_bits, 2);
       const auto hz = hn::Mul(half, hn::Set(df, Bf16ToFloat(z_bits)));
@@ -486,13 +498,13 @@ bool EncodeAllotValuesT(const RowFormat& fmt, const StridedView& view, const uin
             hn::Mul(two, hn::Div(hn::Sub(hn::Mul(half, hn::LoadU(df, y.data() + i)), hz), vs)));
         StoreCodes(hn::ConvertTo(di32, hn::Min(hn::Max(q, hn::Zero(df)), top)), q8.data() + i);
       }
-      Pack5(q8.data(), d, codes + size_t{h} * d * kAllotValueBits / 8);
+      PackCodes(q8.data(), d, bits.value, codes + size_t{h} * d * bits.value / 8);
     }
   }
   return true;
 }
 
-// Rows [begin, end), begin >= 1, of an INT5 allot V plane: a head's codes gathered into
+// Rows [begin, end), begin >= 1, of an allot V plane: a head's codes gathered into
 // registers, dequantized (rounded to BF16, as the reference), transformed back and stored.
 template <DType kDType>
 void DecodeAllotValuesT(const RowFormat& fmt, const uint8_t* src, uint32_t begin, uint32_t end,
@@ -507,16 +519,19 @@ void DecodeAllotValuesT(const RowFormat& fmt, const uint8_t* src, uint32_t begin
   const auto two = hn::Set(df, 2.0f);
   const auto cd = hn::Set(df, HadamardDecodeFactor(r));
   const InVectorStages in_vector;
+  const AllotBits bits = fmt.Allot();
+  const CodeGather gather(bits.value);
+  const auto mask = hn::Set(du32, AllotValueTop(bits));
   thread_local std::vector<float> tmp;
   tmp.resize(d);
   for (uint32_t t = begin; t < end; ++t) {
     const uint32_t row = rows[t - begin];
     if (t + kPrefetchRows < end) PrefetchRow<true>(fmt, view, rows[t + kPrefetchRows - begin]);
     const uint8_t* codes = src + fmt.PlaneRowOffset(1, t);
-    const uint8_t* zeros = codes + AllotValueCodeBytes(ch);
+    const uint8_t* zeros = codes + AllotValueCodeBytes(ch, bits);
     const uint8_t* scales = zeros + 2 * fmt.num_heads;
     for (uint32_t h = 0; h < fmt.num_heads; ++h) {
-      const uint8_t* head_codes = codes + size_t{h} * d * kAllotValueBits / 8;
+      const uint8_t* head_codes = codes + size_t{h} * d * bits.value / 8;
       uint16_t z_bits;
       uint16_t s_bits;
       std::memcpy(&z_bits, zeros + 2 * h, 2);
@@ -533,10 +548,11 @@ void DecodeAllotValuesT(const RowFormat& fmt, const uint8_t* src, uint32_t begin
               const size_t e = j + k * n;
               const auto word = hn::BitCast(
                   du32,
-                  hn::GatherOffset(di32, reinterpret_cast<const int32_t*>(head_codes + 5 * (e / 8)),
-                                   hn::LoadU(di32, kCode5Byte + e % 8)));
-              const auto q = hn::And(hn::operator>>(word, hn::LoadU(du32, kCode5Shift + e % 8)),
-                                     hn::Set(du32, kAllotValueTop));
+                  hn::GatherOffset(
+                      di32, reinterpret_cast<const int32_t*>(head_codes + bits.value * (e / 8)),
+                      hn::LoadU(di32, gather.byte + e % 8)));
+              const auto q =
+                  hn::And(hn::operator>>(word, hn::LoadU(du32, gather.shift + e % 8)), mask);
               return RoundToBf16(
                   df,
                   hn::Mul(two, hn::Add(hn::Mul(hn::ConvertTo(df, hn::BitCast(di32, q)), hs), hz)));

@@ -23,7 +23,8 @@
 // per plane); its other tokens are rotated runs, each split over a group of lanes and transformed
 // through xor shuffles (HadamardEncodeKKernel, HadamardEncodeVKernel, HadamardDecodeKernel, see
 // their section), launched before the INT8 rows.
-// CODEC_INT5_ALLOT: first rows INT8 likewise; a warp per (block, layer) K plane (its channel
+// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (one format at two widths): first rows INT8 likewise; a
+// warp per (block, layer) K plane (its channel
 // bounds and allotted widths span the plane: AllotEncodeKKernel, AllotDecodeKKernel per 8
 // tokens), a lane group per V row head (AllotEncodeVKernel, AllotDecodeVKernel); see its section.
 //
@@ -1169,7 +1170,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// CODEC_INT5_ALLOT (codec_math.h "INT5 allot"). Row 0 of both planes is an INT8 row (the INT8
+// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (codec_math.h "INT5 allot and INT6 allot"; the widths
+// are the layout's, RowFormat::Allot()). Row 0 of both planes is an INT8 row (the INT8
 // kernels over one token per plane, as INT4 Hadamard's). For rows 1.., a head is one group of
 // G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotCudaMaxHeadDim, ValidateLayout), lane gl holding
 // chunk gl (elements [8 gl, 8 gl + 8); none where gl >= d/8), so a warp covers 32 / G heads at a
@@ -1188,8 +1190,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 //     widths from the stored bounds, reads its fields, turns forward and stores.
 //   V plane: a group per (block, layer, token >= 1, head) (HadamardParams, one run per unit):
 //     the head rotated as INT4 Hadamard's (runs of r = HadamardRun(d) on r / 8 lanes each), a
-//     zero point and scale for the head (reduced over the group), 8 codes of 5 bits (5 bytes) per
-//     lane (AllotEncodeVKernel, AllotDecodeVKernel).
+//     zero point and scale for the head (reduced over the group), 8 codes of b = 5 or 6 bits
+//     (b bytes) per lane (AllotEncodeVKernel, AllotDecodeVKernel).
 // A key of magnitude >= 2^120 (NaN, Inf) or a rotated value at HadamardLimitBits flags its block.
 
 constexpr uint32_t kAllotDecodeTokens = 8;  // tokens of one K decode unit
@@ -1367,7 +1369,7 @@ __device__ __forceinline__ float AllotLaneRanges(const AllotKeyParams& k, const 
 __device__ __forceinline__ void AllotThresholdOf(const AllotParams& p, const AllotLane& a,
                                                  const AllotKeyParams& k, uint32_t* threshold,
                                                  uint32_t* ties) {
-  const uint32_t n = AllotIncrements(p.layout.row.ElementsPerRow());
+  const uint32_t n = AllotIncrements(p.layout.row.ElementsPerRow(), p.layout.row.Allot());
   auto above = [&](uint32_t mid) {
     uint32_t count = 0;
     for (uint32_t h0 = 0; h0 < p.layout.row.num_heads; h0 += a.heads_per_pass) {
@@ -1503,7 +1505,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeKKernel(const Al
   const AllotLane a = AllotLaneOf(p);
   const RowFormat& row = p.layout.row;
   const uint32_t tokens = p.layout.block_tokens;
-  const size_t row_bytes = AllotKeyRowBytes(row.ElementsPerRow());
+  const size_t row_bytes = AllotKeyRowBytes(row.ElementsPerRow(), row.Allot());
   ForEachWarpUnit(p.total_units, [&](uint32_t u) {
     const uint32_t b = u / p.num_layers;
     const uint32_t l = u - b * p.num_layers;
@@ -1663,10 +1665,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeVKernel(const Ha
     }
     if (!store) return;
     uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(x.layer, 1, t);
-    uint8_t* zeros = row + AllotValueCodeBytes(channels);
+    const AllotBits bits = p.layout.row.Allot();
+    const uint32_t top = AllotValueTop(bits);
+    uint8_t* zeros = row + AllotValueCodeBytes(channels, bits);
     uint8_t* scales = zeros + 2 * p.layout.row.num_heads;
     const uint16_t zb = KiviKZeroBits(lo, DType::kBF16);
-    const uint16_t sb = AsymScaleBf16(lo, hi, kAllotValueTop);
+    const uint16_t sb = AsymScaleBf16(lo, hi, top);
     if (gl == 0) {
       StoreU16Unaligned(zeros + 2 * x.head, zb);
       StoreU16Unaligned(scales + 2 * x.head, sb);
@@ -1677,13 +1681,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeVKernel(const Ha
     uint64_t packed = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      packed |= static_cast<uint64_t>(QuantizeAsymElement(y[i], z, s, kAllotValueTop))
-                << (kAllotValueBits * i);
+      packed |= static_cast<uint64_t>(QuantizeAsymElement(y[i], z, s, top)) << (bits.value * i);
     }
-    uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * kAllotValueBits;
-#pragma unroll
-    for (uint32_t i = 0; i < kAllotValueBits; ++i)
-      codes[i] = static_cast<uint8_t>(packed >> (8 * i));
+    uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * bits.value;
+    for (uint32_t i = 0; i < bits.value; ++i) codes[i] = static_cast<uint8_t>(packed >> (8 * i));
   });
 }
 
@@ -1704,19 +1705,18 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeVKernel(const Ha
     for (int i = 0; i < 8; ++i) w[i] = 0.0f;
     if (valid) {
       const uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(l, 1, t);
-      const uint8_t* zeros = row + AllotValueCodeBytes(channels);
+      const AllotBits bits = p.layout.row.Allot();
+      const uint8_t* zeros = row + AllotValueCodeBytes(channels, bits);
       const float z = Bf16ToFloat(LoadU16Unaligned(zeros + 2 * x.head));
       const float s =
           Bf16ToFloat(LoadU16Unaligned(zeros + 2 * p.layout.row.num_heads + 2 * x.head));
-      const uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * kAllotValueBits;
+      const uint8_t* codes = row + (static_cast<size_t>(x.head) * chunks + gl) * bits.value;
       uint64_t packed = 0;
-#pragma unroll
-      for (uint32_t i = 0; i < kAllotValueBits; ++i) {
+      for (uint32_t i = 0; i < bits.value; ++i)
         packed |= static_cast<uint64_t>(codes[i]) << (8 * i);
-      }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const uint32_t q = static_cast<uint32_t>(packed >> (kAllotValueBits * i)) & kAllotValueTop;
+        const uint32_t q = static_cast<uint32_t>(packed >> (bits.value * i)) & AllotValueTop(bits);
         w[i] = Bf16ToFloat(FloatToBf16Sat(DequantizeAsymFloat(q, z, s)));
       }
     }
@@ -1815,6 +1815,11 @@ StatusOr<uint32_t> CurrentDeviceSmCount() {
   return static_cast<uint32_t>(sms);
 }
 
+// The contract name of an allot codec, for the refusals that name it.
+const char* AllotCodecName(const RowFormat& row) {
+  return row.codec == CodecKind::kInt6Allot ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+}
+
 Status ValidateLayout(const BlockLayout& lay, const char* what) {
   const std::string w(what);
   if (lay.row.num_heads == 0) return InvalidArgument(w + ": layout.row.num_heads is 0");
@@ -1828,18 +1833,18 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
   if (lay.row.codec != CodecKind::kInt8PerHead && lay.row.codec != CodecKind::kRaw &&
       lay.row.codec != CodecKind::kFp8E4m3PerHead && lay.row.codec != CodecKind::kInt4G32PerHead &&
       lay.row.codec != CodecKind::kInt4Kivi && lay.row.codec != CodecKind::kInt4Hadamard &&
-      lay.row.codec != CodecKind::kInt5Allot) {
+      !lay.row.IsAllot()) {
     return InvalidArgument(w + ": layout.row.codec is unknown");
   }
-  if (lay.row.codec == CodecKind::kInt5Allot) {
+  if (lay.row.IsAllot()) {
     if (lay.row.head_dim % kInt4GroupElems != 0 || lay.row.head_dim > kAllotCudaMaxHeadDim) {
       return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
                              " is not a multiple of 32 up to " +
-                             std::to_string(kAllotCudaMaxHeadDim) +
-                             " (CODEC_INT5_ALLOT's CUDA kernels)");
+                             std::to_string(kAllotCudaMaxHeadDim) + " (" + AllotCodecName(lay.row) +
+                             "'s CUDA kernels)");
     }
     if (lay.kv_planes != 2) {
-      return InvalidArgument(w + ": layout.kv_planes must be 2 for CODEC_INT5_ALLOT");
+      return InvalidArgument(w + ": layout.kv_planes must be 2 for " + AllotCodecName(lay.row));
     }
   }
   const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
@@ -2104,7 +2109,7 @@ Status LaunchHadamard(const BlockLayout& lay, const LayerViews* layers, const ui
                                              first_layer, num_layers, encode, stream, config, what);
 }
 
-// Launches CODEC_INT5_ALLOT's rows 1.. (nothing for one-token blocks) over layers
+// Launches an allot codec's rows 1.. (nothing for one-token blocks) over layers
 // [first_layer, first_layer + num_layers) of every block: the K planes' kernel, then the V rows'.
 // Row 0 of every plane is the caller's (the INT8 row kernels).
 template <DType kDType>
@@ -2147,7 +2152,8 @@ Status LaunchAllot(const BlockLayout& lay, const LayerViews* layers, const uint3
                    CUstream_st* stream, const CudaLaunchConfig& config, const char* what) {
   if (lay.block_tokens < 2) return Status::Ok();  // INT8 rows only
   if (rope == nullptr) {
-    return InvalidArgument(std::string(what) + ": job.rope must be set for CODEC_INT5_ALLOT");
+    return InvalidArgument(std::string(what) + ": job.rope must be set for " +
+                           AllotCodecName(lay.row));
   }
   return lay.row.dtype == DType::kBF16
              ? LaunchAllotT<DType::kBF16>(lay, layers, rows, blocks, nonfinite, rope, num_blocks,
@@ -2189,7 +2195,8 @@ Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void*
     return InvalidArgument(w + ": scratch buffers must be 16-byte aligned");
   }
   if (RopeTableFloats(lay) > 0 && rope == nullptr) {
-    return InvalidArgument(w + ": job.rope is null (CODEC_INT5_ALLOT needs its RoPE table)");
+    return InvalidArgument(w + ": job.rope is null (" + AllotCodecName(lay.row) +
+                           " needs its RoPE table)");
   }
   const ArraysLayout a = ArraysLayoutFor(lay, num_blocks);
   if (scratch_bytes < a.total) {
@@ -2253,10 +2260,10 @@ Status LaunchEncode(const EncodeJob& job, CUstream_st* stream, const CudaLaunchC
                                        job.num_blocks, 0, lay.num_layers, /*encode=*/true, stream,
                                        config, "LaunchEncode (CODEC_INT4_HADAMARD rotated rows)"));
     row_tokens = 1;
-  } else if (lay.row.codec == CodecKind::kInt5Allot) {
+  } else if (lay.row.IsAllot()) {
     HIQ_RETURN_IF_ERROR(LaunchAllot(lay, job.layers, job.rows, job.blocks, job.nonfinite, job.rope,
                                     job.num_blocks, 0, lay.num_layers, /*encode=*/true, stream,
-                                    config, "LaunchEncode (CODEC_INT5_ALLOT rows 1..)"));
+                                    config, "LaunchEncode (allot rows 1..)"));
     row_tokens = 1;
   }
   const uint64_t units_per_block =
@@ -2332,12 +2339,12 @@ Status LaunchDecodeLayers(const DecodeJob& job, uint32_t first_layer, uint32_t n
                        job.num_blocks, first_layer, num_layers, /*encode=*/false, stream, config,
                        "LaunchDecodeLayers (CODEC_INT4_HADAMARD rotated rows)"));
     row_tokens = 1;
-  } else if (lay.row.codec == CodecKind::kInt5Allot) {
+  } else if (lay.row.IsAllot()) {
     // The decode kernels only read through blocks.
-    HIQ_RETURN_IF_ERROR(
-        LaunchAllot(lay, job.layers, job.rows, const_cast<uint8_t* const*>(job.blocks), nullptr,
-                    job.rope, job.num_blocks, first_layer, num_layers, /*encode=*/false, stream,
-                    config, "LaunchDecodeLayers (CODEC_INT5_ALLOT rows 1..)"));
+    HIQ_RETURN_IF_ERROR(LaunchAllot(lay, job.layers, job.rows,
+                                    const_cast<uint8_t* const*>(job.blocks), nullptr, job.rope,
+                                    job.num_blocks, first_layer, num_layers, /*encode=*/false,
+                                    stream, config, "LaunchDecodeLayers (allot rows 1..)"));
     row_tokens = 1;
   }
   const uint64_t units_per_block =

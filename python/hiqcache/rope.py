@@ -1,8 +1,9 @@
 """The RoPE of a model, as Geometry.rope_theta / rope_interleaved take it, from its Hugging Face
 config (what vLLM's model_config.hf_text_config and transformers' AutoConfig hold).
 
-Only codecs that turn keys back by RoPE read it (Codec.INT5_ALLOT); a wrong value costs their
-quality, never correctness (the daemon undoes the turn it did). Pure functions."""
+Only codecs that turn keys back by RoPE read it (Codec.INT5_ALLOT, Codec.INT6_ALLOT); a wrong
+value costs their quality, never correctness (the daemon undoes the turn it did). Pure
+functions."""
 
 from __future__ import annotations
 

@@ -42,8 +42,11 @@ class Codec(enum.Enum):
     INT4_HADAMARD = "int4_hadamard"
     # Keys turned back by RoPE within the block (Geometry.rope_theta) at 2-8 bits per channel
     # allotted by range (5.25 on average), values Hadamard-rotated at 5 bits per head, each block's
-    # first token as an INT8 row (head_dim % 32 == 0; K and V planes, not MLA; HOST pools only)
+    # first token as an INT8 row (head_dim % 32 == 0; K and V planes, not MLA; CUDA pools take
+    # head_dim up to 256)
     INT5_ALLOT = "int5_allot"
+    # INT5_ALLOT's format with values at 6 bits (its keys at 5.25 bits on average)
+    INT6_ALLOT = "int6_allot"
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -67,7 +70,7 @@ _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RA
              Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD,
              Codec.INT4_KIVI: pb.CODEC_INT4_KIVI,
              Codec.INT4_HADAMARD: pb.CODEC_INT4_HADAMARD,
-             Codec.INT5_ALLOT: pb.CODEC_INT5_ALLOT}
+             Codec.INT5_ALLOT: pb.CODEC_INT5_ALLOT, Codec.INT6_ALLOT: pb.CODEC_INT6_ALLOT}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}
@@ -83,10 +86,10 @@ class Geometry:
     tp_rank: int = 0
     tp_size: int = 1
     # The model's rotary embedding (Geometry.rope), used only by codecs that turn keys
-    # (Codec.INT5_ALLOT) and then part of the namespace: rope_theta is the model's RoPE base
-    # (its config's rope_theta: 1e6 for Qwen3, 1e5 for SmolLM2), 0 = none or unknown (no turn);
-    # rope_interleaved pairs (2i, 2i+1) as GPT-J, else rotate-half pairs (i, i + head_dim/2) as
-    # Llama, Qwen and NeoX.
+    # (Codec.INT5_ALLOT, Codec.INT6_ALLOT) and then part of the namespace: rope_theta is the
+    # model's RoPE base (its config's rope_theta: 1e6 for Qwen3, 1e5 for SmolLM2), 0 = none or
+    # unknown (no turn); rope_interleaved pairs (2i, 2i+1) as GPT-J, else rotate-half pairs
+    # (i, i + head_dim/2) as Llama, Qwen and NeoX.
     rope_theta: float = 0.0
     rope_interleaved: bool = False
 

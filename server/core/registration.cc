@@ -23,12 +23,19 @@ constexpr int kCodecInt4G32 = 3;
 constexpr int kCodecInt4Kivi = 4;
 constexpr int kCodecInt4Hadamard = 5;
 constexpr int kCodecInt5Allot = 6;
+constexpr int kCodecInt6Allot = 7;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
 // geometry.rope.theta, when not 0: RoPE bases in use run from 1e4 to a few 1e7.
 constexpr double kMinRopeTheta = 1;
 constexpr double kMaxRopeTheta = 1e12;
+
+// The allot codecs (one format at two widths, with the same rules) and their contract names.
+bool IsAllotCodec(int codec) { return codec == kCodecInt5Allot || codec == kCodecInt6Allot; }
+const char* AllotCodecName(int codec) {
+  return codec == kCodecInt6Allot ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+}
 
 // A double as a message shows it: shortest round-trip-safe digits ("1e+06", "nan", "inf").
 std::string DoubleText(double v) {
@@ -281,7 +288,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   }
   if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3 &&
       spec.codec != kCodecInt4G32 && spec.codec != kCodecInt4Kivi &&
-      spec.codec != kCodecInt4Hadamard && spec.codec != kCodecInt5Allot) {
+      spec.codec != kCodecInt4Hadamard && !IsAllotCodec(spec.codec)) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
   if (spec.codec == kCodecInt4G32 && spec.head_dim % kernels::kInt4GroupElems != 0) {
@@ -299,14 +306,17 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
-  if (spec.codec == kCodecInt5Allot && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: CODEC_INT5_ALLOT needs a multiple of " +
+  const bool allot = IsAllotCodec(spec.codec);
+  const std::string allot_name = AllotCodecName(spec.codec);
+  if (allot && spec.head_dim % kernels::kInt4GroupElems != 0) {
+    return invalid("geometry.head_dim: " + allot_name + " needs a multiple of " +
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
   const bool mla = spec.attention == kAttentionMla;
-  if (spec.codec == kCodecInt5Allot && mla) {
-    return invalid("geometry.attention: CODEC_INT5_ALLOT needs K and V planes, got ATTENTION_MLA");
+  if (allot && mla) {
+    return invalid("geometry.attention: " + allot_name +
+                   " needs K and V planes, got ATTENTION_MLA");
   }
 
   NamespaceDesc ns;
@@ -320,8 +330,9 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                   : spec.codec == kCodecInt4Kivi     ? kernels::CodecKind::kInt4Kivi
                   : spec.codec == kCodecInt4Hadamard ? kernels::CodecKind::kInt4Hadamard
                   : spec.codec == kCodecInt5Allot    ? kernels::CodecKind::kInt5Allot
+                  : spec.codec == kCodecInt6Allot    ? kernels::CodecKind::kInt6Allot
                                                      : kernels::CodecKind::kInt8PerHead;
-  if (spec.codec == kCodecInt5Allot) {
+  if (allot) {
     // Only a codec that turns keys stores the rope in its layout (and so in its namespace). No
     // rotary embedding (theta 0) turns nothing, whatever its pairing: one namespace.
     lay.row.rope_theta = spec.rope_theta;
@@ -373,8 +384,9 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                            std::to_string(spec.device_kind));
   }
   out.cuda = spec.device_kind == kDeviceCuda;
-  if (out.cuda && spec.codec == kCodecInt5Allot && spec.head_dim > kernels::kAllotCudaMaxHeadDim) {
-    return InvalidArgument("geometry.head_dim: CODEC_INT5_ALLOT on a CUDA pool takes up to " +
+  if (out.cuda && IsAllotCodec(spec.codec) && spec.head_dim > kernels::kAllotCudaMaxHeadDim) {
+    return InvalidArgument("geometry.head_dim: " + std::string(AllotCodecName(spec.codec)) +
+                           " on a CUDA pool takes up to " +
                            std::to_string(kernels::kAllotCudaMaxHeadDim) + ", got " +
                            std::to_string(spec.head_dim) + "; use a HOST pool or another codec");
   }

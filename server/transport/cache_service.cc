@@ -119,6 +119,8 @@ v1::Codec ToProtoCodec(kernels::CodecKind codec) {
       return v1::CODEC_INT4_HADAMARD;
     case kernels::CodecKind::kInt5Allot:
       return v1::CODEC_INT5_ALLOT;
+    case kernels::CodecKind::kInt6Allot:
+      return v1::CODEC_INT6_ALLOT;
     case kernels::CodecKind::kInt8PerHead:
       break;
   }

@@ -485,7 +485,8 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
 
 // HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
 // is not a multiple of 32 refused naming geometry.head_dim; HIQ_CODEC_INT4_KIVI's and
-// HIQ_CODEC_INT4_HADAMARD's and HIQ_CODEC_INT5_ALLOT's bytes per token; codec 7 unknown.
+// HIQ_CODEC_INT4_HADAMARD's, HIQ_CODEC_INT5_ALLOT's and HIQ_CODEC_INT6_ALLOT's bytes per token;
+// codec 8 unknown.
 // hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
 // 1): enabled, with the policy and budget it was started with.
 TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
@@ -526,34 +527,31 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
       ASSERT_EQ(rc, HIQ_OK) << c.hiq_last_error();
       EXPECT_EQ(info.encoded_bytes_per_token, 3u * 2 * (2 * 64 / 2 + 2 * 2 * 64 / 32));
       EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      // Each codec registered on the same pool: its bytes per token, then released.
+      auto expect_bytes = [&](uint32_t codec, uint64_t bytes) {
+        SCOPED_TRACE("codec " + std::to_string(codec));
+        ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, codec, pool, &handle,
+                                           &info),
+                  HIQ_OK)
+            << c.hiq_last_error();
+        EXPECT_EQ(info.encoded_bytes_per_token, bytes);
+        EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      };
       // HIQ_CODEC_INT4_KIVI: K codes + 4 bytes per channel over the 4-token block, V as INT4.
-      ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, HIQ_CODEC_INT4_KIVI,
-                                         pool, &handle, &info),
-                HIQ_OK)
-          << c.hiq_last_error();
-      EXPECT_EQ(info.encoded_bytes_per_token,
-                3u * ((2 * 64 / 2 + 4 * 2 * 64 / 4) + (2 * 64 / 2 + 2 * 2 * 64 / 32)));
-      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      expect_bytes(HIQ_CODEC_INT4_KIVI,
+                   3u * ((2 * 64 / 2 + 4 * 2 * 64 / 4) + (2 * 64 / 2 + 2 * 2 * 64 / 32)));
       // HIQ_CODEC_INT4_HADAMARD, per layer of a 4-token block: K an INT8 first row (132), 3 rows
       // of codes (64) and 4 bytes per channel (512); V an INT8 first row and 3 rows of codes + 4
       // bytes per group of 32 (64 + 16).
-      ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, HIQ_CODEC_INT4_HADAMARD,
-                                         pool, &handle, &info),
-                HIQ_OK)
-          << c.hiq_last_error();
-      EXPECT_EQ(info.encoded_bytes_per_token, 3u * ((132 + 3 * 64 + 512) + (132 + 3 * 80)) / 4);
-      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      expect_bytes(HIQ_CODEC_INT4_HADAMARD, 3u * ((132 + 3 * 64 + 512) + (132 + 3 * 80)) / 4);
       // HIQ_CODEC_INT5_ALLOT (no rope through the C ABI), per layer of a 4-token block: K an INT8
       // first row (132), 3 rows of 21*128/32 = 84 bytes and 2H + 2*H*D = 260 of channel
       // parameters; V an INT8 first row and 3 rows of 5*128/8 + 4H = 88.
-      ASSERT_EQ(c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, HIQ_CODEC_INT5_ALLOT,
-                                         pool, &handle, &info),
-                HIQ_OK)
-          << c.hiq_last_error();
-      EXPECT_EQ(info.encoded_bytes_per_token, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 88)) / 4);
-      EXPECT_EQ(c.hiq_release_pool(client_, handle), HIQ_OK);
+      expect_bytes(HIQ_CODEC_INT5_ALLOT, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 88)) / 4);
+      // HIQ_CODEC_INT6_ALLOT: INT5 allot's K plane, V rows of 6*128/8 + 4H = 104.
+      expect_bytes(HIQ_CODEC_INT6_ALLOT, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 104)) / 4);
       EXPECT_EQ(
-          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 7, pool, &handle, &info),
+          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 8, pool, &handle, &info),
           HIQ_INVALID_ARGUMENT);
       EXPECT_NE(std::string(c.hiq_last_error()).find("codec"), std::string::npos);
     } else {

@@ -40,7 +40,7 @@ struct CudaCase {
   uint32_t heads, dim, layers, planes, block_tokens, num_blocks;
   ViewKind kind;
   bool odd_bytes = false;   // views at odd byte addresses instead of `kind`'s shape
-  double rope_theta = 0.0;  // CODEC_INT5_ALLOT's key turn
+  double rope_theta = 0.0;  // the allot codecs' key turn
   bool rope_interleaved = false;
 
   BlockLayout layout() const {
@@ -61,7 +61,8 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard, INT5 allot and RAW.
+// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard, INT5 and INT6 allot and
+// RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
   constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
@@ -70,6 +71,7 @@ inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
   constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
   constexpr CodecKind kAllot = CodecKind::kInt5Allot;
+  constexpr CodecKind kAllot6 = CodecKind::kInt6Allot;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
       {"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -177,6 +179,13 @@ inline std::vector<CudaCase> CudaGeometryCases() {
        false, 1e4},
       {"allot_fp16_3x32_strided_bt1", DType::kFP16, kAllot, 3, 32, 2, 2, 1, 4, ViewKind::kStrided,
        false, 1e4},
+      // INT6 allot: the same kernels at its widths (6-byte lanes of value codes).
+      {"allot6_bf16_8x128_paged", DType::kBF16, kAllot6, 8, 128, 2, 2, 16, 3, ViewKind::kPaged,
+       false, 1e6},
+      {"allot6_bf16_3x64_paged_bt3", DType::kBF16, kAllot6, 3, 64, 2, 2, 3, 4, ViewKind::kPaged,
+       false, 1e4},
+      {"allot6_fp16_2x96_strided", DType::kFP16, kAllot6, 2, 96, 2, 2, 7, 4, ViewKind::kStrided,
+       false, 1e4, true},
   };
 }
 
@@ -188,7 +197,7 @@ inline std::vector<CudaCase> CudaGeometryCases() {
 // keep kHuge as it is and expect those blocks flagged.
 inline void KeepRotationsFinite(KvPool* pool) {
   const BlockLayout& lay = pool->layout();
-  if ((lay.row.codec != CodecKind::kInt4Hadamard && lay.row.codec != CodecKind::kInt5Allot) ||
+  if ((lay.row.codec != CodecKind::kInt4Hadamard && !lay.row.IsAllot()) ||
       lay.row.dtype != DType::kBF16) {
     return;
   }

@@ -2,8 +2,8 @@
 // (hiq_kernels_cuda_emulated, cuda_emulation.h), against the scalar reference byte for byte: the
 // geometries of the codec tests (tests/gpu/codec_cuda_test.cc, codec_test_util.h's TestGeometries),
 // BF16 and FP16, INT8, FP8 E4M3, INT4 (groups of 32), INT4 KIVI (K planes per channel, V as INT4
-// rows), INT4 Hadamard (INT8 first rows, rotated runs split over lanes by shuffles), INT5 allot
-// (keys turned back and allotted per (block, layer) by a warp, values rotated) and RAW,
+// rows), INT4 Hadamard (INT8 first rows, rotated runs split over lanes by shuffles), INT5 and INT6
+// allot (keys turned back and allotted per (block, layer) by a warp, values rotated) and RAW,
 // contiguous, strided (bases not 16-byte aligned), paged, packed-K/V and odd-byte views, misaligned
 // staging, NaN/Inf blocks, whole, per-layer and partial decodes, several launch shapes (one warp
 // walking everything through the grid-stride loop up to the default grid). The same launchers a GPU
@@ -52,6 +52,7 @@ constexpr CodecKind kRaw = CodecKind::kRaw;
 constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
 constexpr CodecKind kAllot = CodecKind::kInt5Allot;
+constexpr CodecKind kAllot6 = CodecKind::kInt6Allot;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
@@ -336,7 +337,9 @@ std::vector<Case> EmulationCases() {
        Case{"allot_fp16_8x128_odd_bytes", DType::kFP16, kAllot, 8, 128, 2, 2, 9, 2,
             ViewKind::kContiguous, true, 1e6},
        Case{"allot_bf16_3x96_odd_bytes", DType::kBF16, kAllot, 3, 96, 2, 2, 5, 3,
-            ViewKind::kContiguous, true, 1e4, true}});
+            ViewKind::kContiguous, true, 1e4, true},
+       Case{"allot6_fp16_4x64_odd_bytes", DType::kFP16, kAllot6, 4, 64, 2, 2, 9, 2,
+            ViewKind::kContiguous, true, 1e6}});
   return cases;
 }
 
@@ -415,13 +418,13 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard, kAllot}) {
+  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard, kAllot, kAllot6}) {
+    const bool allot = codec == kAllot || codec == kAllot6;
     for (const NonfiniteCase& c : cases) {
-      if ((codec == kInt4 || codec == kKivi || codec == kHadamard || codec == kAllot) &&
-          c.dim % 32 != 0) {
+      if ((codec == kInt4 || codec == kKivi || codec == kHadamard || allot) && c.dim % 32 != 0) {
         continue;  // groups of 32
       }
-      if (codec == kAllot && (c.dim > 256 || c.planes != 2)) continue;  // its CUDA kernels'
+      if (allot && (c.dim > 256 || c.planes != 2)) continue;  // its CUDA kernels'
       SCOPED_TRACE(std::string(c.name) + " " + testutil::DTypeName(c.dtype) + " " +
                    std::string(testutil::CodecName(codec)));
       const bool bf16 = c.dtype == DType::kBF16;
@@ -552,19 +555,23 @@ TEST(CodecCudaEmulation, Int4RejectsHeadDimsNotMultipleOf32) {
   }
 }
 
-// CODEC_INT5_ALLOT's kernels take head_dims that are multiples of 32 up to 256, K and V planes,
+// The allot codecs' kernels take head_dims that are multiples of 32 up to 256, K and V planes,
 // and need the job's RoPE table: anything else is refused up front, naming the codec, and
 // nothing is launched.
-TEST(CodecCudaEmulation, Int5AllotRefusesWhatItsKernelsDoNotTake) {
+TEST(CodecCudaEmulation, AllotRefusesWhatItsKernelsDoNotTake) {
   struct Bad {
     uint32_t dim, planes;
     bool rope;
+    CodecKind codec;
   };
-  for (const Bad& b : {Bad{48, 2, true}, Bad{100, 2, true}, Bad{288, 2, true}, Bad{512, 2, true},
-                       Bad{64, 1, true}, Bad{64, 2, false}}) {
-    SCOPED_TRACE("dim " + std::to_string(b.dim) + " planes " + std::to_string(b.planes) +
+  for (const Bad& b :
+       {Bad{48, 2, true, kAllot}, Bad{100, 2, true, kAllot}, Bad{288, 2, true, kAllot},
+        Bad{512, 2, true, kAllot}, Bad{64, 1, true, kAllot}, Bad{64, 2, false, kAllot},
+        Bad{288, 2, true, kAllot6}, Bad{64, 1, true, kAllot6}, Bad{64, 2, false, kAllot6}}) {
+    const std::string name = b.codec == kAllot6 ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+    SCOPED_TRACE(name + " dim " + std::to_string(b.dim) + " planes " + std::to_string(b.planes) +
                  (b.rope ? "" : " without a table"));
-    const BlockLayout lay = MakeLayout(DType::kBF16, kAllot, 2, b.dim, 1, b.planes, 4);
+    const BlockLayout lay = MakeLayout(DType::kBF16, b.codec, 2, b.dim, 1, b.planes, 4);
     KvPool src(lay, 8, ViewKind::kContiguous, 1);
     const std::vector<uint32_t> rows = {0, 1, 2, 3};
     BlockSet blocks(lay, 1);
@@ -575,10 +582,10 @@ TEST(CodecCudaEmulation, Int5AllotRefusesWhatItsKernelsDoNotTake) {
     cuda_emulation::ResetStats();
     const Status enc = LaunchEncode(enc_job, nullptr);
     EXPECT_EQ(enc.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(enc.message().find("CODEC_INT5_ALLOT"), std::string::npos) << enc.ToString();
+    EXPECT_NE(enc.message().find(name), std::string::npos) << enc.ToString();
     const Status dec = LaunchDecode(dec_job, nullptr);
     EXPECT_EQ(dec.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(dec.message().find("CODEC_INT5_ALLOT"), std::string::npos) << dec.ToString();
+    EXPECT_NE(dec.message().find(name), std::string::npos) << dec.ToString();
     EXPECT_EQ(cuda_emulation::GetStats().launches, 0u);
   }
 }

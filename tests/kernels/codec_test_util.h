@@ -337,6 +337,8 @@ inline const char* CodecName(CodecKind codec) {
       return "int4_hadamard";
     case CodecKind::kInt5Allot:
       return "int5_allot";
+    case CodecKind::kInt6Allot:
+      return "int6_allot";
   }
   return "?";
 }

@@ -26,7 +26,7 @@
 //     IPC buffer closed while queued work still uses it, or a destroyed event used;
 //   - copies from or to pageable host memory, or across two host registrations;
 //   - a WriteValue64 to memory that is not registered or not 8-byte aligned;
-//   - a kernel of a codec with a RoPE table (CODEC_INT5_ALLOT) whose job.rope does not hold the
+//   - a kernel of a codec with a RoPE table (the allot codecs) whose job.rope does not hold the
 //     layout's (the table is also a range the kernel reads, for the two checks above).
 // Faults: FailCall makes the n-th next call of a kind fail (a kDataLoss failure is sticky: the
 // context is lost and every later call fails too); FailExecution makes an operation fail when it

@@ -207,6 +207,14 @@ TEST(NamespaceTableTest, Int5AllotNamesItsRopeAndOtherCodecsIgnoreIt) {
   EXPECT_EQ(ids.size(), 6u);
   EXPECT_EQ(t.Intern(allot(1e6, false)).id, t.Intern(allot(1e6, false)).id);
 
+  // CODEC_INT6_ALLOT names its rope likewise, in a namespace of its own.
+  NamespaceDesc six = allot(1e6, false);
+  six.layout.row.codec = kernels::CodecKind::kInt6Allot;
+  EXPECT_EQ(six.CanonicalText(),
+            "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
+            "tp=0/1;block=64;codec=int6_allot;rope=1000000");
+  EXPECT_NE(t.Intern(six).id, t.Intern(allot(1e6, false)).id);
+
   NamespaceDesc scoped = allot(1e6, true);
   scoped.scope = "uid:1000";
   EXPECT_EQ(scoped.CanonicalText(), prefix + ";rope=1000000,interleaved;scope=8:uid:1000");

@@ -409,6 +409,42 @@ TEST(ValidateRegistrationTest, Int5AllotHostPoolsWithTheirRope) {
   ExpectValid(host);
 }
 
+// CODEC_INT6_ALLOT: INT5 allot's format and rules at other widths, each refusal naming it; its
+// own namespace beside INT5 allot's.
+TEST(ValidateRegistrationTest, Int6AllotTakesInt5AllotsRulesAtItsWidths) {
+  RegisterSpec s = SglangSpec(36, 8, 128, 1024, 32);  // Qwen3-8B, 32-token blocks
+  s.codec = 7;                                        // CODEC_INT6_ALLOT
+  s.rope_theta = 1e6;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt6Allot);
+  EXPECT_EQ(r->layout.row.rope_theta, 1e6);
+  // Per layer, K as INT5 allot's (1,040 + 31 * 672 + 2,064); V: an INT8 row and 31 rows of
+  // 6*1024/8 + 4*8 = 800.
+  EXPECT_EQ(r->layout.BytesPerToken(), 55998u);
+  EXPECT_NE(r->ns.CanonicalText().find(";codec=int6_allot;rope=1000000"), std::string::npos)
+      << r->ns.CanonicalText();
+  RegisterSpec five = s;
+  five.codec = 6;
+  EXPECT_NE(ValidateRegistration(five, Limits{}, kBigPool)->ns.CanonicalText(),
+            r->ns.CanonicalText());
+
+  RegisterSpec odd = SglangSpec(2, 8, 48, 64, 16);
+  odd.codec = 7;
+  ExpectInvalid(odd, "geometry.head_dim: CODEC_INT6_ALLOT needs a multiple of 32, got 48");
+  RegisterSpec mla = MlaSpec();
+  mla.codec = 7;
+  ExpectInvalid(mla, "geometry.attention: CODEC_INT6_ALLOT needs K and V planes");
+  RegisterSpec cuda = OnCuda(SglangSpec(2, 8, 256, 64, 16));
+  cuda.codec = 7;
+  ExpectValid(cuda);
+  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
+  wide.codec = 7;
+  ExpectInvalid(wide,
+                "geometry.head_dim: CODEC_INT6_ALLOT on a CUDA pool takes up to 256, got 512; "
+                "use a HOST pool or another codec");
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -591,7 +627,7 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 7;  // the first value past CODEC_INT5_ALLOT
+    t.codec = 8;  // the first value past CODEC_INT6_ALLOT
     ExpectInvalid(t, "codec");
   }
   {

@@ -80,7 +80,9 @@ enum hiq_codec {
   /* keys at 2-8 bits per channel by range (5.25 on average), values Hadamard-rotated at 5 bits,
    * each block's first token INT8 (head_dim % 32; not MLA; HOST pools only). The C ABI carries
    * no rope: keys are not turned (geometry.rope.theta 0). */
-  HIQ_CODEC_INT5_ALLOT = 6
+  HIQ_CODEC_INT5_ALLOT = 6,
+  /* INT5 allot's format with values at 6 bits (its keys at 5.25 bits on average) */
+  HIQ_CODEC_INT6_ALLOT = 7
 };
 enum hiq_device_kind { HIQ_DEVICE_HOST = 0, HIQ_DEVICE_CUDA = 1 };
 enum hiq_kv_layout {

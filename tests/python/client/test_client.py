@@ -224,14 +224,16 @@ def test_int4_hadamard_round_trip_bytes_per_token_and_capacity(daemon, kv):
     assert hq.Codec.parse("int4_hadamard") is hq.Codec.INT4_HADAMARD
 
 
-def int5_allot_bytes_per_token(layers: int, heads: int, head_dim: int, bt: int) -> int:
-    """CODEC_INT5_ALLOT's stored bytes per token: per (block, layer), K = an INT8 first row,
-    bt - 1 rows of 21/4 bits per element and (for bt > 1) 2H + 2*H*D bytes of channel
-    parameters; V = an INT8 first row and bt - 1 rows of 5-bit codes + a zero point and a scale
-    per head."""
+def allot_bytes_per_token(layers: int, heads: int, head_dim: int, bt: int, key_x4: int = 21,
+                          value_bits: int = 5) -> int:
+    """CODEC_INT5_ALLOT's (key_x4 21, value_bits 5) and CODEC_INT6_ALLOT's (21, 6) stored bytes
+    per token: per (block, layer), K = an INT8 first row, bt - 1 rows of key_x4/4 bits per element
+    and (for bt > 1) 2H + 2*H*D bytes of channel parameters; V = an INT8 first row and bt - 1
+    rows of value_bits-bit codes + a zero point and a scale per head."""
     hd = heads * head_dim
-    k_plane = hd + 2 * heads + (bt - 1) * -(-21 * hd // 32) + (2 * heads + 2 * hd if bt > 1 else 0)
-    v_plane = hd + 2 * heads + (bt - 1) * (5 * hd // 8 + 4 * heads)
+    k_plane = (hd + 2 * heads + (bt - 1) * -(-key_x4 * hd // 32)
+               + (2 * heads + 2 * hd if bt > 1 else 0))
+    v_plane = hd + 2 * heads + (bt - 1) * (value_bits * hd // 8 + 4 * heads)
     return -(-layers * (k_plane + v_plane) // bt)  # rounded up
 
 
@@ -256,7 +258,9 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
     token restored byte for byte as an INT8 pool restores it, every element within a tenth of
     its head's largest magnitude, keys that RoPE rotated restored far closer than INT4_HADAMARD
     (and than the same codec without the rope: the rope reaches the codec), its own namespace per
-    rope, bytes/token by the format's formula, Inf rejected with nothing stored."""
+    rope, bytes/token by the format's formula, Inf rejected with nothing stored. CODEC_INT6_ALLOT
+    beside it: values about half INT5 allot's error, the same keys, its own namespace and
+    bytes/token."""
     g = hq.Geometry(num_layers=3, num_kv_heads=3, head_dim=64, rope_theta=1e5)
     bt = 16
     kv5 = HostKv(g, 8 * bt)
@@ -268,11 +272,12 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
                 geometry=dataclasses.replace(g, rope_theta=0.0)))
             had = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT4_HADAMARD))
             int8 = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT8_PER_HEAD))
+            six = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT6_ALLOT))
             kv5.fill(range(0, 4 * bt), seed=31)  # V: independent normal values
             k = rope_keys((g.num_layers, 4 * bt, g.num_kv_heads, g.head_dim), 1e5, seed=32)
             kv5.data[:, 0, :4 * bt] = to_bf16_bits(k)
             keys = keys_for(range(4 * bt), salt="allot")
-            pools = (allot, unturned, had, int8)
+            pools = (allot, unturned, had, int8, six)
             for pool in pools:
                 res = c.backup(pool, keys, range(0, 4 * bt))
                 assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
@@ -300,6 +305,10 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert k5 < k4 / 4, (k5, k4)
             assert k5 < k0 / 2, (k5, k0)  # the turn is the pool's rope's
             assert mean_err(allot, 1) < mean_err(had, 1), (mean_err(allot, 1), mean_err(had, 1))
+            v5, v6 = mean_err(allot, 1), mean_err(six, 1)
+            assert 0.3 * v5 < v6 < 0.7 * v5, (v5, v6)  # a bit more per value: half the step
+            assert np.array_equal(restored[six][:, 0], restored[allot][:, 0])  # INT5 allot's keys
+            assert np.array_equal(restored[six][:, :, ::bt], restored[int8][:, :, ::bt])
 
             # The rope is part of the namespace: a block stored under one rope is not another's.
             only = keys_for(range(bt), salt="allot-only")
@@ -307,15 +316,20 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert c.lookup(allot, only).prefix_blocks == 1
             assert c.lookup(unturned, only).prefix_blocks == 0
             info, int8_info = c.pool_info(allot), c.pool_info(int8)
-            assert len({c.pool_info(p).namespace_id for p in pools}) == 4
-            per_token = int5_allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt)
+            assert len({c.pool_info(p).namespace_id for p in pools}) == 5
+            per_token = allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt)
             assert info.encoded_bytes_per_token == per_token == 873
-            assert int5_allot_bytes_per_token(36, 8, 128, 32) == 51534  # Qwen3-8B
+            assert allot_bytes_per_token(36, 8, 128, 32) == 51534  # Qwen3-8B
+            six_per_token = allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt,
+                                                  21, 6)
+            assert c.pool_info(six).encoded_bytes_per_token == six_per_token == 941
+            assert allot_bytes_per_token(36, 8, 128, 32, 21, 6) == 55998  # Qwen3-8B
             assert info.capacity_tokens > 1.2 * int8_info.capacity_tokens > 0
             ns = {(n.codec, n.namespace_id): n for n in c.get_stats().namespaces
                   if n.model == "m-allot"}
             assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].blocks == 5
             assert ns[(hq.Codec.INT5_ALLOT, info.namespace_id)].encoded_bytes_per_token == 873
+            assert ns[(hq.Codec.INT6_ALLOT, c.pool_info(six).namespace_id)].blocks == 4
             # Inf in a turned K row and NaN in a V row: rejected, nothing stored.
             for plane, row, bits, salt in ((0, 3, 0x7F80, "allot-inf"),
                                            (1, 5, 0x7FC1, "allot-nan")):
@@ -330,6 +344,7 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
     finally:
         kv5.close()
     assert hq.Codec.parse("int5_allot") is hq.Codec.INT5_ALLOT
+    assert hq.Codec.parse("int6_allot") is hq.Codec.INT6_ALLOT
 
 
 def test_geometry_rope_theta_is_checked_and_sent():
