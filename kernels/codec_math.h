@@ -340,11 +340,12 @@ constexpr int kKiviKQMax = 15;
 HIQ_HD uint16_t KiviKZeroBits(float lo, DType dtype) { return FloatToHalfSat(lo + 0.0f, dtype); }
 
 // The bf16 scale of a channel whose elements lie in [lo, hi] (finite values of the input dtype).
-// The asymmetric codes of KIVI's K, of INT4 Hadamard and of INT5 and INT6 allot, for `top` = 2^bits
-// - 1 levels above the zero point z (bits <= 8): s = bf16_rne(max(0.5 hi - 0.5 lo, 2^-112) / (0.5
-// top)), q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, top), x^ = 2 * (q * (0.5 s) + 0.5 z) in fp32
-// (q * 0.5 s is exact: 8 + 8 bits). The halvings keep a range near the largest finite values
-// finite; 0.5 top is exact, so the scale is that of (hi - lo) / top.
+// The asymmetric codes of KIVI's K, of INT4 Hadamard and of the allot codecs, for
+// `top` = 2^bits - 1 levels above the zero point z (bits <= 8): s = bf16_rne(max(0.5 hi - 0.5 lo,
+// 2^-112) / (0.5 top)), q = clamp(rne(2 * ((0.5 x - 0.5 z) / s)), 0, top),
+// x^ = 2 * (q * (0.5 s) + 0.5 z) in fp32 (q * 0.5 s is exact: 8 + 8 bits). The halvings keep a
+// range near the largest finite values finite; 0.5 top is exact, so the scale is that of
+// (hi - lo) / top.
 HIQ_HD uint16_t AsymScaleBf16(float lo, float hi, uint32_t top) {
   float r = 0.5f * hi - 0.5f * lo;
   const float floor = BitsToFloat(kAmaxFloorBits);
@@ -558,11 +559,11 @@ HIQ_HD void AllotAssign(const uint32_t* range_bits, uint32_t channels, uint32_t 
 }
 
 // The widths of a block's key channels (the allotment): every channel starts at 2 bits, and
-// the n = AllotIncrements(channels, bits) widening steps of largest gain are taken, a step b -> b +
-// 1 of channel c gaining R_c * 2^-b (R_c = its range, AllotRangeBits): the least squared error
-// sum_c R_c^2 4^-w_c, as each channel's gains fall with every bit. Steps of equal gain are
-// taken in channel order (AllotThreshold, then AllotAssign). Never more than n steps, so a
-// corrupt record's widths still fit its rows. range_bits[c] for c < channels; widths[c] out.
+// the n = AllotIncrements(channels, bits) widening steps of largest gain are taken, a step
+// b -> b + 1 of channel c gaining R_c * 2^-b (R_c = its range, AllotRangeBits): the least
+// squared error sum_c R_c^2 4^-w_c, as each channel's gains fall with every bit. Steps of equal
+// gain are taken in channel order (AllotThreshold, then AllotAssign). Never more than n steps, so
+// a corrupt record's widths still fit its rows. range_bits[c] for c < channels; widths[c] out.
 HIQ_HD void AllotKeyWidths(const uint32_t* range_bits, uint32_t channels, AllotBits bits,
                            uint8_t* widths) {
   const uint32_t n = AllotIncrements(channels, bits);

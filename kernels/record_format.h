@@ -70,8 +70,8 @@ struct RowFormat {
   }
   // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
   // Hadamard's plane-0 rows (codes only, H*D/2), Hadamard's plane-1 rows (H*D/2 + H*D/8), INT5
-  // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H), INT6 allot's likewise
-  // (5*H*D/8; 6*H*D/8 + 4H).
+  // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H), INT6 allot's the same K
+  // rows and V rows of 6*H*D/8 + 4H.
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
     if (IsAllot()) {
       return plane == 0 ? AllotKeyRowBytes(ElementsPerRow(), Allot())
