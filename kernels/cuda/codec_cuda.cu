@@ -1631,7 +1631,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeVKernel(const Ha
   const uint32_t d = p.layout.row.head_dim;
   const uint32_t chunks = d / kChunkElems;
   const uint32_t tokens = p.layout.block_tokens;
-  const size_t channels = p.layout.row.ElementsPerRow();
+  const AllotBits bits = p.layout.row.Allot();
+  const uint32_t top = AllotValueTop(bits);
+  const size_t code_bytes = AllotValueCodeBytes(p.layout.row.ElementsPerRow(), bits);
   const float e = HadamardEncodeFactor(p.run);
   const uint32_t limit = HadamardLimitBits(p.run);
   const uint32_t run_lanes = p.run / kChunkElems;
@@ -1665,9 +1667,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotEncodeVKernel(const Ha
     }
     if (!store) return;
     uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(x.layer, 1, t);
-    const AllotBits bits = p.layout.row.Allot();
-    const uint32_t top = AllotValueTop(bits);
-    uint8_t* zeros = row + AllotValueCodeBytes(channels, bits);
+    uint8_t* zeros = row + code_bytes;
     uint8_t* scales = zeros + 2 * p.layout.row.num_heads;
     const uint16_t zb = KiviKZeroBits(lo, DType::kBF16);
     const uint16_t sb = AsymScaleBf16(lo, hi, top);
@@ -1693,7 +1693,9 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeVKernel(const Ha
   const uint32_t d = p.layout.row.head_dim;
   const uint32_t chunks = d / kChunkElems;
   const uint32_t tokens = p.layout.block_tokens;
-  const size_t channels = p.layout.row.ElementsPerRow();
+  const AllotBits bits = p.layout.row.Allot();
+  const uint32_t top = AllotValueTop(bits);
+  const size_t code_bytes = AllotValueCodeBytes(p.layout.row.ElementsPerRow(), bits);
   const float c_d = HadamardDecodeFactor(p.run);
   const uint32_t run_lanes = p.run / kChunkElems;
   ForEachHadamardUnit(p, [&](const HadamardUnit& x, uint32_t gl, uint32_t) {
@@ -1705,8 +1707,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeVKernel(const Ha
     for (int i = 0; i < 8; ++i) w[i] = 0.0f;
     if (valid) {
       const uint8_t* row = p.blocks[x.block] + p.layout.RowOffset(l, 1, t);
-      const AllotBits bits = p.layout.row.Allot();
-      const uint8_t* zeros = row + AllotValueCodeBytes(channels, bits);
+      const uint8_t* zeros = row + code_bytes;
       const float z = Bf16ToFloat(LoadU16Unaligned(zeros + 2 * x.head));
       const float s =
           Bf16ToFloat(LoadU16Unaligned(zeros + 2 * p.layout.row.num_heads + 2 * x.head));
@@ -1716,7 +1717,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) AllotDecodeVKernel(const Ha
         packed |= static_cast<uint64_t>(codes[i]) << (8 * i);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const uint32_t q = static_cast<uint32_t>(packed >> (bits.value * i)) & AllotValueTop(bits);
+        const uint32_t q = static_cast<uint32_t>(packed >> (bits.value * i)) & top;
         w[i] = Bf16ToFloat(FloatToBf16Sat(DequantizeAsymFloat(q, z, s)));
       }
     }

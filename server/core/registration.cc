@@ -307,15 +307,14 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                    std::to_string(spec.head_dim));
   }
   const bool allot = IsAllotCodec(spec.codec);
-  const std::string allot_name = AllotCodecName(spec.codec);
   if (allot && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: " + allot_name + " needs a multiple of " +
-                   std::to_string(kernels::kInt4GroupElems) + ", got " +
+    return invalid(std::string("geometry.head_dim: ") + AllotCodecName(spec.codec) +
+                   " needs a multiple of " + std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
   const bool mla = spec.attention == kAttentionMla;
   if (allot && mla) {
-    return invalid("geometry.attention: " + allot_name +
+    return invalid(std::string("geometry.attention: ") + AllotCodecName(spec.codec) +
                    " needs K and V planes, got ATTENTION_MLA");
   }
 
