@@ -459,6 +459,14 @@ def aggregate(records: list[dict], windows: list[Window], codecs: list[hq.Codec]
     paths = {n: figures(records, n) for n in names}
     for c in codecs:
         paths[c.value]["encoded_bytes_per_token"] = dkv.encoded_bytes[c]
+    # The codecs held to INT8's gate, against INT8 itself in the same run, paired by window (a
+    # figure beside the gate, not part of it): whether they are told apart from INT8 at all.
+    base = hq.Codec.INT8_PER_HEAD.value
+    if base in names:
+        for c in codecs:
+            if fm.gate_kind(c.value) == "kivi":
+                paths[c.value]["vs_int8"] = fm.paired_vs(
+                    [r["paths"][base] for r in records], [r["paths"][c.value] for r in records])
     by_length = {}
     for p in args.lengths:
         recs = [r for r in records if r["length"] == p]
@@ -541,6 +549,15 @@ def report(r: dict) -> None:
             extra += f", INT8 bound violations {a['int8_bound_violations']}"
         print(f"{name}: {extra}")
     print(f"floor rows identical within every batch: {r['floor_rows_identical_all_windows']}")
+    vs = {n: a["vs_int8"] for n, a in paths.items() if "vs_int8" in a}
+    if vs:
+        print()
+        print("against int8_per_head in the same run, paired by window (not a gate):")
+        for name, d in vs.items():
+            kl, top1 = d["kl"], d["top1"]
+            print(f"  {name}: KL {kl['mean']:+.2e} ± {kl['se']:.2e}, top-1 "
+                  f"{100 * top1['mean']:+.2f} ± {100 * top1['se']:.2f} points, "
+                  f"ppl {d['ppl_delta']:+.3f} ± {d['ppl_delta_se']:.3f}")
     if r["config"]["skipped_codecs"]:
         for n, why in r["config"]["skipped_codecs"].items():
             print(f"skipped {n}: {why}")

@@ -69,6 +69,17 @@ def ppl_delta_se(floor_nlls: list[float], nlls: list[float]) -> float:
     return math.exp(statistics.fmean(floor_nlls)) * d["se"]
 
 
+def paired_vs(base: list[dict], other: list[dict]) -> dict:
+    """One path against another, window by window (each a per-window record with kl, top1 and
+    nll): the mean difference of KL and top-1 with their SEs, and other ppl - base ppl with its
+    paired SE (ppl_delta_se with base in the floor's place)."""
+    base_nlls, nlls = [b["nll"] for b in base], [o["nll"] for o in other]
+    return {"kl": summary([o["kl"] - b["kl"] for b, o in zip(base, other)]),
+            "top1": summary([o["top1"] - b["top1"] for b, o in zip(base, other)]),
+            "ppl_delta": math.exp(statistics.fmean(nlls)) - math.exp(statistics.fmean(base_nlls)),
+            "ppl_delta_se": ppl_delta_se(base_nlls, nlls)}
+
+
 def columnwise(rows: list[list[float]]) -> list[float]:
     """Mean over windows of per-layer lists."""
     return [statistics.fmean(col) for col in zip(*rows)] if rows else []

@@ -19,7 +19,9 @@ if (!exists("subtitle")) subtitle = 'SmolLM2-135M-Instruct bf16, GPL-3 text + ch
 
 stats datafile u 1 nooutput
 npaths = STATS_blocks
-style(i) = (i == 0) ? 1 : ((has_raw && i == npaths - 1) ? 2 : (i + 2 <= 7 ? i + 2 : 7))
+# Line styles: 1 the floor, 2 raw, then one per codec (3-7, 10-14; 8 and 9 are the gates').
+style(i) = (i == 0) ? 1 : ((has_raw && i == npaths - 1) ? 2 : \
+           (i + 2 <= 7 ? i + 2 : (i + 4 <= 14 ? i + 4 : 14)))
 
 set terminal pngcairo size 1400,560 enhanced font 'DejaVu Sans,11'
 set output outfile
@@ -37,6 +39,11 @@ set style line 4 lc rgb '#1f77b4' lw 2 pt 9 ps 1.0
 set style line 5 lc rgb '#2ca02c' lw 2 pt 11 ps 1.0
 set style line 6 lc rgb '#9467bd' lw 2 pt 13 ps 1.0
 set style line 7 lc rgb '#ff7f0e' lw 2 pt 15 ps 1.0
+set style line 10 lc rgb '#8c564b' lw 2 pt 4 ps 1.0
+set style line 11 lc rgb '#e377c2' lw 2 pt 8 ps 1.0
+set style line 12 lc rgb '#17becf' lw 2 pt 10 ps 1.0
+set style line 13 lc rgb '#bcbd22' lw 2 pt 12 ps 1.0
+set style line 14 lc rgb '#393b79' lw 2 pt 14 ps 1.0
 set multiplot layout 1,2 title "hiqcached codecs against the bf16 noise floor: ".subtitle
 set title 'next-token KL(reference || path), nats (mean ± SE over windows)'
 set logscale y
@@ -47,7 +54,7 @@ set style line 8 lc rgb '#555555' lw 1.2 dt 4
 set style line 9 lc rgb '#aaaaaa' lw 1.2 dt 4
 plot for [i=0:npaths-1] datafile index i u 1:2:3 w yerrorlines ls style(i) \
      title columnheader(1), \
-     1.5 * floor_kl w l ls 8 title 'gate: mean KL <= 1.5x floor (INT8, FP8, KIVI, Hadamard)', \
+     1.5 * floor_kl w l ls 8 title 'gate: mean KL <= 1.5x floor (INT8, FP8, KIVI, Hadamard, allot)', \
      3 * floor_kl w l ls 9 title 'gate: mean KL <= 3x floor (INT4)'
 unset logscale y
 set format y '%g'
@@ -56,7 +63,7 @@ set key bottom left
 set yrange [72:100.5]  # room below the data for the key
 plot for [i=0:npaths-1] datafile index i u 1:4:5 w yerrorlines ls style(i) \
      title columnheader(1), \
-     floor_top1 - 1 w l ls 8 title 'gate: top-1 >= floor - 1 point (INT8, FP8, KIVI, Hadamard)', \
+     floor_top1 - 1 w l ls 8 title 'gate: top-1 >= floor - 1 point (INT8, FP8, KIVI, Hadamard, allot)', \
      floor_top1 - 3 w l ls 9 title 'gate: top-1 >= floor - 3 points (INT4)'
 
 unset multiplot
