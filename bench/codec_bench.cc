@@ -597,6 +597,14 @@ BENCHMARK_CAPTURE(BM_DecodeCodec, Int6Allot, CodecKind::kInt6Allot)
     ->Apply(ThreadArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_EncodeCodec, Int4Allot, CodecKind::kInt4Allot)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DecodeCodec, Int4Allot, CodecKind::kInt4Allot)
+    ->Apply(ThreadArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EncodeOneBlock)->Apply(ThreadArgs)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeOneBlock)
     ->Apply(ThreadAndLayerArgs)

@@ -926,7 +926,7 @@ int main(int argc, char** argv) {
            {hiqcache::Codec::kInt8PerHead, hiqcache::Codec::kRaw, hiqcache::Codec::kFp8E4m3PerHead,
             hiqcache::Codec::kInt4G32PerHead, hiqcache::Codec::kInt4Kivi,
             hiqcache::Codec::kInt4Hadamard, hiqcache::Codec::kInt5Allot,
-            hiqcache::Codec::kInt6Allot}) {
+            hiqcache::Codec::kInt6Allot, hiqcache::Codec::kInt4Allot}) {
         names += std::string(names.empty() ? "" : ", ") + hiqcache::CodecName(c);
         if (v == hiqcache::CodecName(c)) {
           o.codec = c;

@@ -79,6 +79,8 @@ v1::Codec ToProto(Codec c) {
       return v1::CODEC_INT5_ALLOT;
     case Codec::kInt6Allot:
       return v1::CODEC_INT6_ALLOT;
+    case Codec::kInt4Allot:
+      return v1::CODEC_INT4_ALLOT;
     case Codec::kInt8PerHead:
       break;
   }
@@ -141,6 +143,8 @@ Codec FromProto(v1::Codec c) {
       return Codec::kInt5Allot;
     case v1::CODEC_INT6_ALLOT:
       return Codec::kInt6Allot;
+    case v1::CODEC_INT4_ALLOT:
+      return Codec::kInt4Allot;
     default:
       return Codec::kInt8PerHead;
   }

@@ -99,13 +99,13 @@ Status CheckEnums(const hiq_geometry& g, uint32_t codec) {
   if (g.attention > HIQ_ATTENTION_MLA) {
     return hiqcache::InvalidArgument("geometry.attention: unknown value");
   }
-  if (codec > HIQ_CODEC_INT6_ALLOT) {
+  if (codec > HIQ_CODEC_INT4_ALLOT) {
     return hiqcache::InvalidArgument("codec: unknown value");
   }
   return Status::Ok();
 }
 
-// REQUIRES: codec <= HIQ_CODEC_INT6_ALLOT (checked by the caller).
+// REQUIRES: codec <= HIQ_CODEC_INT4_ALLOT (checked by the caller).
 hiqcache::Codec ToCodec(uint32_t codec) {
   switch (codec) {
     case HIQ_CODEC_RAW:
@@ -122,6 +122,8 @@ hiqcache::Codec ToCodec(uint32_t codec) {
       return hiqcache::Codec::kInt5Allot;
     case HIQ_CODEC_INT6_ALLOT:
       return hiqcache::Codec::kInt6Allot;
+    case HIQ_CODEC_INT4_ALLOT:
+      return hiqcache::Codec::kInt4Allot;
     default:
       return hiqcache::Codec::kInt8PerHead;
   }
@@ -394,7 +396,7 @@ int hiq_register_host_pool(hiq_client* client, const char* model, const char* te
     HIQ_C_REQUIRE(client != nullptr && model != nullptr && pool != nullptr && out != nullptr,
                   "hiq_register_host_pool: NULL argument");
     *out = 0;
-    HIQ_C_REQUIRE(codec <= HIQ_CODEC_INT6_ALLOT, "codec: unknown value");
+    HIQ_C_REQUIRE(codec <= HIQ_CODEC_INT4_ALLOT, "codec: unknown value");
     hiqcache::PoolSpec spec = hiqcache::MakeHostPoolSpec(
         model, pool->kv, block_tokens, pool->events ? &*pool->events : nullptr, ToCodec(codec));
     if (tenant != nullptr) spec.tenant = tenant;

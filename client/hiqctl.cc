@@ -293,6 +293,8 @@ const char* CodecEnumName(Codec c) {
       return "CODEC_INT5_ALLOT";
     case Codec::kInt6Allot:
       return "CODEC_INT6_ALLOT";
+    case Codec::kInt4Allot:
+      return "CODEC_INT4_ALLOT";
     case Codec::kInt8PerHead:
       break;
   }

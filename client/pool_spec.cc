@@ -22,6 +22,8 @@ const char* CodecName(Codec codec) {
       return "int5_allot";
     case Codec::kInt6Allot:
       return "int6_allot";
+    case Codec::kInt4Allot:
+      return "int4_allot";
     case Codec::kInt8PerHead:
       break;
   }

@@ -425,15 +425,16 @@ HIQ_HD bool HadamardInRange(float v, uint32_t limit_bits) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// INT5 allot and INT6 allot (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT; the format is kernels/README.md's
-// and record_format.h's): one format, two widths. AllotBits holds a codec's: its keys' bits per
-// element on average, times 4, and its values' bits.
+// INT4, INT5 and INT6 allot (CODEC_INT4_ALLOT, CODEC_INT5_ALLOT, CODEC_INT6_ALLOT; the format is
+// kernels/README.md's and record_format.h's): one format, three widths. AllotBits holds a codec's:
+// its keys' bits per element on average, times 16, and its values' bits.
 struct AllotBits {
-  uint32_t key_x4 = 0;
+  uint32_t key_x16 = 0;
   uint32_t value = 0;
 };
-constexpr AllotBits kInt5AllotBits{21, 5};  // keys 5.25, values 5
-constexpr AllotBits kInt6AllotBits{21, 6};  // keys 5.25, values 6
+constexpr AllotBits kInt4AllotBits{71, 4};  // keys 4.4375, values 4
+constexpr AllotBits kInt5AllotBits{84, 5};  // keys 5.25, values 5
+constexpr AllotBits kInt6AllotBits{84, 6};  // keys 5.25, values 6
 
 // A channel's least and most bits.
 constexpr uint32_t kAllotMinBits = 2;
@@ -450,13 +451,13 @@ constexpr uint32_t kAllotKeyLimitBits = (127u + 120u) << 23;
 // the range's less b << 23 (a range is >= 2^-119, so every gain is a normal number).
 constexpr uint32_t kAllotExponentOne = 1u << 23;
 
-// Bits of one stored key row (tokens 1..): key_x4 / 4 per element; bytes rounded up (exact for
-// H*D % 8 == 0, which D % 32 == 0 gives).
+// Bits of one stored key row (tokens 1..): key_x16 / 16 per element, down to whole bytes (no
+// rounding at 5.25 bits, which D % 32 == 0 makes whole bytes; at 4.4375, where H*D % 128 != 0).
 HIQ_HD size_t AllotKeyRowBits(size_t channels, AllotBits bits) {
-  return channels * bits.key_x4 / 4;
+  return channels * bits.key_x16 / 16 / 8 * 8;
 }
 HIQ_HD size_t AllotKeyRowBytes(size_t channels, AllotBits bits) {
-  return (AllotKeyRowBits(channels, bits) + 7) / 8;
+  return AllotKeyRowBits(channels, bits) / 8;
 }
 // Widening steps shared by a block's channels: the row's bits less kAllotMinBits per channel.
 HIQ_HD uint32_t AllotIncrements(size_t channels, AllotBits bits) {

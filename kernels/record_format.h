@@ -34,7 +34,7 @@ enum class CodecKind : uint8_t {
   // and H*D/32 bf16 scales, one pair per group of 32 rotated elements. D % 32 == 0.
   kInt4Hadamard = 5,
   // Keys turned back by RoPE and stored at bits allotted per channel, values rotated at 5 bits,
-  // stored per plane of a block (codec_math.h "INT5 allot and INT6 allot"): row 0 of every plane
+  // stored per plane of a block (codec_math.h "INT4, INT5 and INT6 allot"): row 0 of every plane
   // (each block's first token) is a kInt8PerHead row of the input; plane 0 (K)
   // rows 1..block_tokens-1 hold the turned keys' codes, channel c's at the sum of the earlier
   // channels' widths (2-8 bits each, derived from the channel parameters: AllotKeyRowBits, 21/4
@@ -46,6 +46,9 @@ enum class CodecKind : uint8_t {
   // kInt5Allot's format with values at 6 bits (kInt6AllotBits): its K plane, V rows of H*D
   // 6-bit codes, then H bf16 zero points and H bf16 scales.
   kInt6Allot = 7,
+  // kInt5Allot's format with keys at 4.4375 bits per element on average (AllotKeyRowBits: 71/16,
+  // down to whole bytes) and values at 4 bits (kInt4AllotBits).
+  kInt4Allot = 8,
 };
 
 struct RowFormat {
@@ -71,7 +74,8 @@ struct RowFormat {
   // Bytes of one stored row of `plane` after its first: RowBytes(), except KIVI's K rows and
   // Hadamard's plane-0 rows (codes only, H*D/2), Hadamard's plane-1 rows (H*D/2 + H*D/8), INT5
   // allot's K rows (codes only, 21*H*D/32) and V rows (5*H*D/8 + 4H), INT6 allot's the same K
-  // rows and V rows of 6*H*D/8 + 4H.
+  // rows and V rows of 6*H*D/8 + 4H, INT4 allot's K rows of floor(71*H*D/128) and V rows of
+  // 4*H*D/8 + 4H.
   HIQ_HD size_t PlaneRowBytes(uint32_t plane) const {
     if (IsAllot()) {
       return plane == 0 ? AllotKeyRowBytes(ElementsPerRow(), Allot())
@@ -94,7 +98,7 @@ struct RowFormat {
   }
   // Bytes after the rows of a plane: the K channel parameters of KIVI and Hadamard (H*D zero
   // points and H*D bf16 scales, 4*H*D), else 0. Hadamard's are absent from a one-token block.
-  // INT5 and INT6 allot's K plane: H bf16 steps, H*D int8 lower and H*D int8 upper bounds
+  // The allot codecs' K plane: H bf16 steps, H*D int8 lower and H*D int8 upper bounds
   // (2H + 2*H*D).
   HIQ_HD size_t PlaneParamBytes(uint32_t plane) const {
     if (IsAllot()) return plane == 0 ? 2u * num_heads + 2 * ElementsPerRow() : 0;
@@ -111,14 +115,13 @@ struct RowFormat {
   // Whether a plane's first row (token 0 of a block) is an INT8 row: Hadamard's and the allot
   // codecs'.
   HIQ_HD bool FirstRowIsInt8() const { return codec == CodecKind::kInt4Hadamard || IsAllot(); }
-  // The allot codecs (INT5 and INT6 allot: one format, keys turned back by RoPE), and their
-  // widths (zero for every other codec).
-  HIQ_HD bool IsAllot() const {
-    return codec == CodecKind::kInt5Allot || codec == CodecKind::kInt6Allot;
-  }
+  // The allot codecs (INT4, INT5 and INT6 allot: one format, keys turned back by RoPE), and
+  // their widths (zero for every other codec).
+  HIQ_HD bool IsAllot() const { return Allot().value != 0; }
   HIQ_HD AllotBits Allot() const {
     return codec == CodecKind::kInt5Allot   ? kInt5AllotBits
            : codec == CodecKind::kInt6Allot ? kInt6AllotBits
+           : codec == CodecKind::kInt4Allot ? kInt4AllotBits
                                             : AllotBits{};
   }
   // The format of a plane's first row: INT8's where FirstRowIsInt8(), else this one.

@@ -1,4 +1,4 @@
-// The angles of the allot codecs' key turn (codec_math.h "INT5 allot and INT6 allot"): a block's
+// The angles of the allot codecs' key turn (codec_math.h "INT4, INT5 and INT6 allot"): a block's
 // token at offset t is turned back by t times each RoPE pair's frequency before its keys are
 // quantized, and forward after they are restored, so a channel's values stay alike over the block.
 //

@@ -97,7 +97,7 @@ def gate_kind(codec_name: str) -> str:
     if codec_name.startswith(("int8", "fp8")):
         return "strict"
     # Below INT8's bytes, held to INT8's gate (the verdict says whether the 3x one holds).
-    if codec_name in ("int4_kivi", "int4_hadamard", "int5_allot", "int6_allot"):
+    if codec_name in ("int4_kivi", "int4_hadamard", "int5_allot", "int6_allot", "int4_allot"):
         return "kivi"
     if codec_name.startswith("int4"):
         return "int4"

@@ -1,5 +1,5 @@
 // The allot codecs' K plane on the SIMD CPU executor (see codec_cpu_allot.h and codec_math.h
-// "INT5 allot and INT6 allot").
+// "INT4, INT5 and INT6 allot").
 //
 // Encode turns a plane's tokens 1.. back by RoPE into f32 scratch in f32 lanes (rotate-half
 // pairs: a vector of first elements beside the vector of their partners, head_dim / 2 apart;

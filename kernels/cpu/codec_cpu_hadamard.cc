@@ -424,7 +424,7 @@ void DecodeRotatedT(const RowFormat& fmt, uint32_t plane, const uint8_t* src, ui
   }
 }
 
-// The allot codecs' V plane (codec_cpu_allot.h): b-bit codes (b = fmt.Allot().value, 5 or 6),
+// The allot codecs' V plane (codec_cpu_allot.h): b-bit codes (b = fmt.Allot().value: 4, 5, 6),
 // element e's at bit b e, least significant first: 8 codes in b bytes (head_dim % 32 == 0, so a
 // head starts on such a group).
 void PackCodes(const uint8_t* q8, uint32_t count, uint32_t b, uint8_t* out) {

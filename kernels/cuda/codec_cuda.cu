@@ -1170,7 +1170,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (codec_math.h "INT5 allot and INT6 allot"; the widths
+// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (codec_math.h "INT4, INT5 and INT6 allot"; the widths
 // are the layout's, RowFormat::Allot()). Row 0 of both planes is an INT8 row (the INT8
 // kernels over one token per plane, as INT4 Hadamard's). For rows 1.., a head is one group of
 // G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotCudaMaxHeadDim, ValidateLayout), lane gl holding
@@ -1818,7 +1818,9 @@ StatusOr<uint32_t> CurrentDeviceSmCount() {
 
 // The contract name of an allot codec, for the refusals that name it.
 const char* AllotCodecName(const RowFormat& row) {
-  return row.codec == CodecKind::kInt6Allot ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+  return row.codec == CodecKind::kInt6Allot   ? "CODEC_INT6_ALLOT"
+         : row.codec == CodecKind::kInt4Allot ? "CODEC_INT4_ALLOT"
+                                              : "CODEC_INT5_ALLOT";
 }
 
 Status ValidateLayout(const BlockLayout& lay, const char* what) {

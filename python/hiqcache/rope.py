@@ -1,7 +1,7 @@
 """The RoPE of a model, as Geometry.rope_theta / rope_interleaved take it, from its Hugging Face
 config (what vLLM's model_config.hf_text_config and transformers' AutoConfig hold).
 
-Only codecs that turn keys back by RoPE read it (Codec.INT5_ALLOT, Codec.INT6_ALLOT); a wrong
+Only codecs that turn keys back by RoPE read it (Codec.INT4_ALLOT, INT5_ALLOT, INT6_ALLOT); a wrong
 value costs their quality, never correctness (the daemon undoes the turn it did). Pure
 functions."""
 

@@ -108,7 +108,7 @@ class BackendOptions:
     staging_pages: int = 0
     huge_pages: str = "auto"
     # The model's RoPE (SGLang's storage config does not carry it), for codecs that turn keys
-    # (int5_allot, int6_allot); 0 = none (no turn).
+    # (int4_allot, int5_allot, int6_allot); 0 = none (no turn).
     rope_theta: float = 0.0
     rope_interleaved: bool = False
 

@@ -47,6 +47,8 @@ class Codec(enum.Enum):
     INT5_ALLOT = "int5_allot"
     # INT5_ALLOT's format with values at 6 bits (its keys at 5.25 bits on average)
     INT6_ALLOT = "int6_allot"
+    # INT5_ALLOT's format with keys at 4.4375 bits on average and values at 4 bits
+    INT4_ALLOT = "int4_allot"
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -70,7 +72,8 @@ _CODEC_PB = {Codec.INT8_PER_HEAD: pb.CODEC_INT8_PER_HEAD, Codec.RAW: pb.CODEC_RA
              Codec.INT4_G32_PER_HEAD: pb.CODEC_INT4_G32_PER_HEAD,
              Codec.INT4_KIVI: pb.CODEC_INT4_KIVI,
              Codec.INT4_HADAMARD: pb.CODEC_INT4_HADAMARD,
-             Codec.INT5_ALLOT: pb.CODEC_INT5_ALLOT, Codec.INT6_ALLOT: pb.CODEC_INT6_ALLOT}
+             Codec.INT5_ALLOT: pb.CODEC_INT5_ALLOT, Codec.INT6_ALLOT: pb.CODEC_INT6_ALLOT,
+             Codec.INT4_ALLOT: pb.CODEC_INT4_ALLOT}
 _DEVICE_PB = {DeviceKind.HOST: pb.DEVICE_KIND_HOST, DeviceKind.CUDA: pb.DEVICE_KIND_CUDA}
 CODEC_FROM_PB = {v: k for k, v in _CODEC_PB.items()}
 DEVICE_FROM_PB = {v: k for k, v in _DEVICE_PB.items()}
@@ -86,7 +89,7 @@ class Geometry:
     tp_rank: int = 0
     tp_size: int = 1
     # The model's rotary embedding (Geometry.rope), used only by codecs that turn keys
-    # (Codec.INT5_ALLOT, Codec.INT6_ALLOT) and then part of the namespace: rope_theta is the
+    # (Codec.INT4_ALLOT, INT5_ALLOT, INT6_ALLOT) and then part of the namespace: rope_theta is the
     # model's RoPE base (its config's rope_theta: 1e6 for Qwen3, 1e5 for SmolLM2), 0 = none or
     # unknown (no turn); rope_interleaved pairs (2i, 2i+1) as GPT-J, else rotate-half pairs
     # (i, i + head_dim/2) as Llama, Qwen and NeoX.

@@ -33,6 +33,7 @@ std::string NamespaceDesc::CanonicalText() const {
           : row.codec == kernels::CodecKind::kInt4Hadamard   ? ";codec=int4_hadamard"
           : row.codec == kernels::CodecKind::kInt5Allot      ? ";codec=int5_allot"
           : row.codec == kernels::CodecKind::kInt6Allot      ? ";codec=int6_allot"
+          : row.codec == kernels::CodecKind::kInt4Allot      ? ";codec=int4_allot"
                                                              : ";codec=int8_per_head";
   // The rope belongs to a namespace only where its codec turns keys by it: the other codecs'
   // text (and hash) is that of daemons before geometry.rope, so their warm pools stay readable.

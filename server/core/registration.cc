@@ -24,6 +24,7 @@ constexpr int kCodecInt4Kivi = 4;
 constexpr int kCodecInt4Hadamard = 5;
 constexpr int kCodecInt5Allot = 6;
 constexpr int kCodecInt6Allot = 7;
+constexpr int kCodecInt4Allot = 8;
 constexpr int kDeviceHost = 1;
 constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
@@ -31,10 +32,14 @@ constexpr size_t kIpcHandleBytes = 64;
 constexpr double kMinRopeTheta = 1;
 constexpr double kMaxRopeTheta = 1e12;
 
-// The allot codecs (one format at two widths, with the same rules) and their contract names.
-bool IsAllotCodec(int codec) { return codec == kCodecInt5Allot || codec == kCodecInt6Allot; }
+// The allot codecs (one format at three widths, with the same rules) and their contract names.
+bool IsAllotCodec(int codec) {
+  return codec == kCodecInt5Allot || codec == kCodecInt6Allot || codec == kCodecInt4Allot;
+}
 const char* AllotCodecName(int codec) {
-  return codec == kCodecInt6Allot ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+  return codec == kCodecInt6Allot   ? "CODEC_INT6_ALLOT"
+         : codec == kCodecInt4Allot ? "CODEC_INT4_ALLOT"
+                                    : "CODEC_INT5_ALLOT";
 }
 
 // A double as a message shows it: shortest round-trip-safe digits ("1e+06", "nan", "inf").
@@ -330,6 +335,7 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
                   : spec.codec == kCodecInt4Hadamard ? kernels::CodecKind::kInt4Hadamard
                   : spec.codec == kCodecInt5Allot    ? kernels::CodecKind::kInt5Allot
                   : spec.codec == kCodecInt6Allot    ? kernels::CodecKind::kInt6Allot
+                  : spec.codec == kCodecInt4Allot    ? kernels::CodecKind::kInt4Allot
                                                      : kernels::CodecKind::kInt8PerHead;
   if (allot) {
     // Only a codec that turns keys stores the rope in its layout (and so in its namespace). No

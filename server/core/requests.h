@@ -95,8 +95,8 @@ struct NamespaceSpec {
   uint32_t tp_size = 0;
   uint32_t block_tokens = 0;
   int codec = 0;  // proto Codec value
-  // geometry.rope: part of the namespace only for codecs that turn keys (CODEC_INT5_ALLOT,
-  // CODEC_INT6_ALLOT).
+  // geometry.rope: part of the namespace only for codecs that turn keys (CODEC_INT4_ALLOT,
+  // CODEC_INT5_ALLOT, CODEC_INT6_ALLOT).
   double rope_theta = 0;  // 0 = no rotary embedding / unknown
   bool rope_interleaved = false;
 };

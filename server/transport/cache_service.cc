@@ -121,6 +121,8 @@ v1::Codec ToProtoCodec(kernels::CodecKind codec) {
       return v1::CODEC_INT5_ALLOT;
     case kernels::CodecKind::kInt6Allot:
       return v1::CODEC_INT6_ALLOT;
+    case kernels::CodecKind::kInt4Allot:
+      return v1::CODEC_INT4_ALLOT;
     case kernels::CodecKind::kInt8PerHead:
       break;
   }

@@ -485,8 +485,7 @@ TEST_F(HiqcacheCDaemonTest, KilledDaemonReleasesHostPoolWaiters) {
 
 // HIQ_CODEC_INT4_G32_PER_HEAD through the C ABI: its row size (H*D/2 + 2*H*D/32), a head_dim that
 // is not a multiple of 32 refused naming geometry.head_dim; HIQ_CODEC_INT4_KIVI's and
-// HIQ_CODEC_INT4_HADAMARD's, HIQ_CODEC_INT5_ALLOT's and HIQ_CODEC_INT6_ALLOT's bytes per token;
-// codec 8 unknown.
+// HIQ_CODEC_INT4_HADAMARD's and the allot codecs' bytes per token; codec 9 unknown.
 // hiq_get_l3_stats of a daemon with an L3 store (its cluster unreachable: nothing listens on port
 // 1): enabled, with the policy and budget it was started with.
 TEST_F(HiqcacheCTest, L3StatsOfADaemonWithL3) {
@@ -550,8 +549,11 @@ TEST_F(HiqcacheCDaemonTest, Int4CodecRegistersWithItsRowSize) {
       expect_bytes(HIQ_CODEC_INT5_ALLOT, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 88)) / 4);
       // HIQ_CODEC_INT6_ALLOT: INT5 allot's K plane, V rows of 6*128/8 + 4H = 104.
       expect_bytes(HIQ_CODEC_INT6_ALLOT, 3u * ((132 + 3 * 84 + 260) + (132 + 3 * 104)) / 4);
+      // HIQ_CODEC_INT4_ALLOT: K rows of 71*128/128 = 71 bytes, V rows of 4*128/8 + 4H = 72;
+      // 2,859 bytes per 4 tokens, rounded up.
+      expect_bytes(HIQ_CODEC_INT4_ALLOT, (3u * ((132 + 3 * 71 + 260) + (132 + 3 * 72)) + 3) / 4);
       EXPECT_EQ(
-          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 8, pool, &handle, &info),
+          c.hiq_register_host_pool(client_, "c-abi-int4", nullptr, 4, 9, pool, &handle, &info),
           HIQ_INVALID_ARGUMENT);
       EXPECT_NE(std::string(c.hiq_last_error()).find("codec"), std::string::npos);
     } else {

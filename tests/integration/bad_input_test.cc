@@ -444,8 +444,8 @@ TEST_F(BadInputTest, MalformedNamespaceRefsAreRefused) {
          "namespaces[0].geometry.num_layers", "no geometry");
   expect([](L& l) { l.mutable_namespaces(1)->set_block_tokens(32768); }, kInvalid,
          "namespaces[1].block_tokens", "block larger than half the pool");
-  expect([](L& l) { l.mutable_namespaces(1)->set_codec(static_cast<v1::Codec>(8)); }, kInvalid,
-         "namespaces[1].codec", "codec 8");
+  expect([](L& l) { l.mutable_namespaces(1)->set_codec(static_cast<v1::Codec>(9)); }, kInvalid,
+         "namespaces[1].codec", "codec 9");
   expect([](L& l) { l.set_keys(1, "short"); }, kInvalid, "keys[1]", "short key");
   expect(
       [](L& l) {
@@ -496,8 +496,8 @@ TEST_F(BadInputTest, BadGeometryAndEnums) {
                  "geometry.dtype", "dtype unspecified");
   ExpectRegister([](R& r) { r.mutable_geometry()->set_attention(static_cast<v1::Attention>(5)); },
                  kInvalid, "geometry.attention", "attention 5");
-  ExpectRegister([](R& r) { r.set_codec(static_cast<v1::Codec>(8)); }, kInvalid, "codec",
-                 "codec 8");
+  ExpectRegister([](R& r) { r.set_codec(static_cast<v1::Codec>(9)); }, kInvalid, "codec",
+                 "codec 9");
   ExpectRegister([](R& r) { r.mutable_device()->set_kind(static_cast<v1::DeviceKind>(9)); },
                  kInvalid, "device.kind", "device kind 9");
   ExpectRegister([](R& r) { r.mutable_device()->set_kind(v1::DEVICE_KIND_UNSPECIFIED); }, kInvalid,

@@ -1,10 +1,10 @@
-// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (one format at two widths) on the scalar reference and
-// the SIMD CPU executor (split heads, chunked decodes and every Highway target included): the
-// record's size for Qwen3-8B and SmolLM2; the allotment against a selection written from its
-// definition (sorted gains), with ties, zero ranges and a corrupt record's parameters; every
-// restored element within its bound for both dtypes, both RoPE pairings, theta 0, head_dims 32 to
-// 128 and blocks of 1 to 32 tokens; NaN, Inf and keys beyond 2^120 flag exactly their blocks; and
-// the turn's worth: keys made by RoPE restore closer with the turn than without.
+// CODEC_INT5_ALLOT, CODEC_INT6_ALLOT and CODEC_INT4_ALLOT (one format at three widths) on the
+// scalar reference and the SIMD CPU executor (split heads, chunked decodes and every Highway target
+// included): the record's size for Qwen3-8B and SmolLM2; the allotment against a selection written
+// from its definition (sorted gains), with ties, zero ranges and a corrupt record's parameters;
+// every restored element within its bound for both dtypes, both RoPE pairings, theta 0, head_dims
+// 32 to 128 and blocks of 1 to 32 tokens; NaN, Inf and keys beyond 2^120 flag exactly their blocks;
+// and the turn's worth: keys made by RoPE restore closer with the turn than without.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +25,15 @@ namespace {
 
 using namespace testutil;  // NOLINT: test-only helpers
 
-constexpr CodecKind kAllotCodecs[] = {CodecKind::kInt5Allot, CodecKind::kInt6Allot};
+constexpr CodecKind kAllotCodecs[] = {CodecKind::kInt5Allot, CodecKind::kInt6Allot,
+                                      CodecKind::kInt4Allot};
+constexpr AllotBits kAllotWidths[] = {kInt5AllotBits, kInt6AllotBits, kInt4AllotBits};
+
+const char* AllotName(CodecKind codec) {
+  return codec == CodecKind::kInt6Allot   ? "INT6 allot"
+         : codec == CodecKind::kInt4Allot ? "INT4 allot"
+                                          : "INT5 allot";
+}
 
 BlockLayout AllotLayout(uint32_t heads, uint32_t dim, uint32_t layers, uint32_t bt, DType dtype,
                         double theta = 0.0, bool interleaved = false,
@@ -59,11 +67,20 @@ TEST(AllotLayout, BytesPerToken) {
   // SmolLM2: K 198 + 31 * 126 + 390, V 198 + 31 * 156 (9,528 per layer, 285,840 / 32 rounded up).
   EXPECT_EQ(AllotLayout(3, 64, 30, 32, DType::kBF16, 0.0, false, six).BytesPerToken(), 8933u);
   EXPECT_EQ(AllotLayout(8, 128, 36, 1, DType::kBF16, 0.0, false, six).BytesPerToken(), 74880u);
+  // INT4 allot: K rows of 4.4375 * 1,024 bits (568 bytes), V rows of 512 + 32 bytes. At 64-token
+  // blocks K = 1,040 + 63 * 568 + 2,064, V = 1,040 + 63 * 544: 74,200 per layer, 2,671,200 / 64
+  // rounded up.
+  const CodecKind four = CodecKind::kInt4Allot;
+  EXPECT_EQ(AllotLayout(8, 128, 36, 64, DType::kBF16, 0.0, false, four).BytesPerToken(), 41738u);
+  EXPECT_EQ(AllotLayout(8, 128, 36, 32, DType::kBF16, 0.0, false, four).BytesPerToken(), 43443u);
+  // SmolLM2: 4.4375 * 192 = 852 bits, down to 106 bytes; K 198 + 31 * 106 + 390, V 198 + 31 * 108.
+  EXPECT_EQ(AllotLayout(3, 64, 30, 32, DType::kBF16, 0.0, false, four).BytesPerToken(), 6957u);
+  EXPECT_EQ(AllotLayout(8, 128, 36, 1, DType::kBF16, 0.0, false, four).BytesPerToken(), 74880u);
 }
 
 // The allotment from its definition: every channel at 2 bits, then the n steps b -> b + 1 of
-// largest gain R * 2^-b (b = 2..7), equal gains in channel order (then b's); n = key_x4 / 4 bits
-// per channel less the 2 every channel has.
+// largest gain R * 2^-b (b = 2..7), equal gains in channel order (then b's); n = key_x16 / 16 bits
+// per channel, down to whole bytes of the row, less the 2 every channel has.
 std::vector<uint8_t> SortedAllotment(const std::vector<uint32_t>& range_bits, AllotBits bits) {
   const size_t channels = range_bits.size();
   struct Step {
@@ -81,7 +98,7 @@ std::vector<uint8_t> SortedAllotment(const std::vector<uint32_t>& range_bits, Al
     if (a.gain != b.gain) return a.gain > b.gain;
     return a.c != b.c ? a.c < b.c : a.b < b.b;
   });
-  const size_t n = channels * bits.key_x4 / 4 - 2 * channels;
+  const size_t n = channels * bits.key_x16 / 128 * 8 - 2 * channels;
   std::vector<uint8_t> widths(channels, 2);
   for (size_t i = 0; i < n; ++i) ++widths[steps[i].c];
   return widths;
@@ -90,7 +107,7 @@ std::vector<uint8_t> SortedAllotment(const std::vector<uint32_t>& range_bits, Al
 TEST(AllotWidths, MatchTheSortedSelection) {
   Rng rng(7);
   for (int trial = 0; trial < 300; ++trial) {
-    const AllotBits bits = trial % 2 == 0 ? kInt5AllotBits : kInt6AllotBits;
+    const AllotBits bits = kAllotWidths[trial % 3];
     const uint32_t heads = 1 + rng.Below(4);
     const uint32_t dim = 32 * (1 + rng.Below(4));
     const uint32_t channels = heads * dim;
@@ -116,7 +133,7 @@ TEST(AllotWidths, MatchTheSortedSelection) {
     EXPECT_EQ(sum, AllotKeyRowBits(channels, bits));
   }
   // All ranges zero: every step gains 0; taken in channel order, 6 per channel.
-  for (const AllotBits bits : {kInt5AllotBits, kInt6AllotBits}) {
+  for (const AllotBits bits : kAllotWidths) {
     std::vector<uint32_t> zero(64, 0);
     std::vector<uint8_t> widths(64);
     AllotKeyWidths(zero.data(), 64, bits, widths.data());
@@ -127,7 +144,7 @@ TEST(AllotWidths, MatchTheSortedSelection) {
 TEST(AllotWidths, CorruptParametersStayInsideTheRow) {
   Rng rng(11);
   for (int trial = 0; trial < 300; ++trial) {
-    const AllotBits bits = trial % 2 == 0 ? kInt5AllotBits : kInt6AllotBits;
+    const AllotBits bits = kAllotWidths[trial % 3];
     const uint32_t channels = 32 * (1 + rng.Below(8));
     std::vector<int8_t> lower(channels);
     std::vector<int8_t> upper(channels);
@@ -278,8 +295,7 @@ TEST_P(AllotRoundTrip, ExecutorsAgreeAndEveryElementIsWithinItsBound) {
   for (const CodecKind codec_kind : kAllotCodecs)
     for (ViewKind kind : {ViewKind::kContiguous, ViewKind::kPaged, ViewKind::kPackedKV}) {
       const BlockLayout lay = AllotLayout(heads, dim, 2, bt, dtype, theta, interleaved, codec_kind);
-      SCOPED_TRACE(std::string(ViewKindName(kind)) +
-                   (codec_kind == CodecKind::kInt6Allot ? " INT6 allot" : " INT5 allot"));
+      SCOPED_TRACE(std::string(ViewKindName(kind)) + " " + AllotName(codec_kind));
       KvPool in(lay, slots, kind, 3);
       Rng rng(heads * 131 + dim + bt);
       const std::vector<uint32_t> rows = RandomRows(slots, size_t{blocks} * bt, rng);
@@ -339,11 +355,10 @@ TEST(AllotSimd, EveryHighwayTargetGivesTheReferencesBytes) {
     std::vector<std::string> errors;
     for (const CodecKind codec_kind : kAllotCodecs)
       for (const Case& c : cases) {
-        const std::string name =
-            std::string(codec_kind == CodecKind::kInt6Allot ? "INT6 " : "INT5 ") +
-            std::to_string(c.heads) + "x" + std::to_string(c.dim) + " bt " + std::to_string(c.bt) +
-            " " + DTypeName(c.dtype) + " theta " + std::to_string(c.theta) +
-            (c.interleaved ? " interleaved" : "");
+        const std::string name = std::string(AllotName(codec_kind)) + " " +
+                                 std::to_string(c.heads) + "x" + std::to_string(c.dim) + " bt " +
+                                 std::to_string(c.bt) + " " + DTypeName(c.dtype) + " theta " +
+                                 std::to_string(c.theta) + (c.interleaved ? " interleaved" : "");
         const BlockLayout lay =
             AllotLayout(c.heads, c.dim, 2, c.bt, c.dtype, c.theta, c.interleaved, codec_kind);
         const uint32_t blocks = 3;
@@ -376,13 +391,13 @@ TEST(AllotSimd, EveryHighwayTargetGivesTheReferencesBytes) {
   });
 }
 
-// Tests run for both widths.
+// Tests run for every width.
 class AllotCodec : public ::testing::TestWithParam<CodecKind> {};
 
-INSTANTIATE_TEST_SUITE_P(BothWidths, AllotCodec, ::testing::ValuesIn(kAllotCodecs),
+INSTANTIATE_TEST_SUITE_P(EveryWidth, AllotCodec, ::testing::ValuesIn(kAllotCodecs),
                          [](const ::testing::TestParamInfo<CodecKind>& info) {
-                           return std::string(info.param == CodecKind::kInt6Allot ? "Int6Allot"
-                                                                                  : "Int5Allot");
+                           std::string name = AllotName(info.param);  // "INT4 allot"
+                           return "Int" + name.substr(3, 1) + "Allot";
                          });
 
 TEST_P(AllotCodec, SplitHeadsAndChunkedDecodeGiveTheSameBytes) {
@@ -537,6 +552,27 @@ TEST(AllotWidths, Int6ValuesRestoreCloserThanInt5s) {
   const double k5 = PlaneError(five, in, rows, 0);
   EXPECT_GT(k5, 0.0);
   EXPECT_EQ(PlaneError(six, in, rows, 0), k5);
+}
+
+// INT4 allot's widths against INT5 allot's: a bit less per value quadruples the values' squared
+// error (a little less, the INT8 first rows being the same), and 0.8125 bits less per key element
+// raise the keys' error (less than the values': the channels at 2 bits, most of the noise, are
+// alike in both; the bits taken are the wide channels').
+TEST(AllotWidths, Int4RestoresFartherThanInt5) {
+  const BlockLayout five = AllotLayout(4, 128, 1, 32, DType::kBF16, 1e4, false);
+  const BlockLayout four =
+      AllotLayout(4, 128, 1, 32, DType::kBF16, 1e4, false, CodecKind::kInt4Allot);
+  KvPool in(five, 128, ViewKind::kContiguous, 1);
+  std::vector<uint32_t> rows(128);
+  for (uint32_t i = 0; i < 128; ++i) rows[i] = i;
+  FillRopeLike(&in, rows, 1e4, false, 23);
+  const double v5 = PlaneError(five, in, rows, 1);
+  const double v4 = PlaneError(four, in, rows, 1);
+  EXPECT_GT(v4, 2.8 * v5) << v5 << " " << v4;
+  EXPECT_LT(v4, 4.5 * v5) << v5 << " " << v4;
+  const double k5 = PlaneError(five, in, rows, 0);
+  const double k4 = PlaneError(four, in, rows, 0);
+  EXPECT_GT(k4, 1.2 * k5) << k5 << " " << k4;  // 1.43x here: the 2-bit channels are alike
 }
 
 TEST(AllotTurn, ThetaZeroTableIsTheIdentity) {

@@ -61,8 +61,8 @@ struct CudaCase {
 inline void PrintTo(const CudaCase& c, std::ostream* os) { *os << c.name; }
 
 // The geometries both kernel tests run: engine shapes (MLA included), head_dims with scalar
-// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard, INT5 and INT6 allot and
-// RAW.
+// tails, every view kind, INT8, FP8 E4M3, INT4, INT4 KIVI, INT4 Hadamard, INT4, INT5 and INT6
+// allot and RAW.
 inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kInt8 = CodecKind::kInt8PerHead;
   constexpr CodecKind kFp8 = CodecKind::kFp8E4m3PerHead;
@@ -72,6 +72,7 @@ inline std::vector<CudaCase> CudaGeometryCases() {
   constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
   constexpr CodecKind kAllot = CodecKind::kInt5Allot;
   constexpr CodecKind kAllot6 = CodecKind::kInt6Allot;
+  constexpr CodecKind kAllot4 = CodecKind::kInt4Allot;
   return {
       {"bf16_8x128_contiguous", DType::kBF16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
       {"fp16_8x128_contiguous", DType::kFP16, kInt8, 8, 128, 3, 2, 16, 5, ViewKind::kContiguous},
@@ -186,6 +187,16 @@ inline std::vector<CudaCase> CudaGeometryCases() {
        false, 1e4},
       {"allot6_fp16_2x96_strided", DType::kFP16, kAllot6, 2, 96, 2, 2, 7, 4, ViewKind::kStrided,
        false, 1e4, true},
+      // INT4 allot: 4-byte lanes of value codes; key rows down to whole bytes where H*D % 128
+      // != 0 (3x64: 852 bits to 848; 1x32: 142 to 136).
+      {"allot4_bf16_8x128_paged", DType::kBF16, kAllot4, 8, 128, 2, 2, 16, 3, ViewKind::kPaged,
+       false, 1e6},
+      {"allot4_bf16_3x64_paged_bt3", DType::kBF16, kAllot4, 3, 64, 2, 2, 3, 4, ViewKind::kPaged,
+       false, 1e4},
+      {"allot4_fp16_2x96_strided", DType::kFP16, kAllot4, 2, 96, 2, 2, 7, 4, ViewKind::kStrided,
+       false, 1e4, true},
+      {"allot4_bf16_1x32_paged_bt64", DType::kBF16, kAllot4, 1, 32, 2, 2, 64, 2, ViewKind::kPaged,
+       false, 1e4},
   };
 }
 

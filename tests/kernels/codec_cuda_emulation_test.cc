@@ -53,6 +53,7 @@ constexpr CodecKind kKivi = CodecKind::kInt4Kivi;
 constexpr CodecKind kHadamard = CodecKind::kInt4Hadamard;
 constexpr CodecKind kAllot = CodecKind::kInt5Allot;
 constexpr CodecKind kAllot6 = CodecKind::kInt6Allot;
+constexpr CodecKind kAllot4 = CodecKind::kInt4Allot;
 constexpr uint8_t kSentinel = 0xA5;
 constexpr uint8_t kStagingFill = 0xCD;
 constexpr size_t kGapBytes = 64;  // sentinel gap after each block's slot in the staging buffer
@@ -339,6 +340,8 @@ std::vector<Case> EmulationCases() {
        Case{"allot_bf16_3x96_odd_bytes", DType::kBF16, kAllot, 3, 96, 2, 2, 5, 3,
             ViewKind::kContiguous, true, 1e4, true},
        Case{"allot6_fp16_4x64_odd_bytes", DType::kFP16, kAllot6, 4, 64, 2, 2, 9, 2,
+            ViewKind::kContiguous, true, 1e6},
+       Case{"allot4_bf16_3x64_odd_bytes", DType::kBF16, kAllot4, 3, 64, 2, 2, 9, 2,
             ViewKind::kContiguous, true, 1e6}});
   return cases;
 }
@@ -418,8 +421,8 @@ TEST(CodecCudaEmulation, NonfiniteBlocksAreFlaggedLikeTheReference) {
       {"2x512_paged", DType::kBF16, 2, 512, 2, ViewKind::kPaged},
       {"1x1100_mla", DType::kFP16, 1, 1100, 1, ViewKind::kContiguous},
   };
-  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard, kAllot, kAllot6}) {
-    const bool allot = codec == kAllot || codec == kAllot6;
+  for (const CodecKind codec : {kInt8, kFp8, kInt4, kKivi, kHadamard, kAllot, kAllot6, kAllot4}) {
+    const bool allot = codec == kAllot || codec == kAllot6 || codec == kAllot4;
     for (const NonfiniteCase& c : cases) {
       if ((codec == kInt4 || codec == kKivi || codec == kHadamard || allot) && c.dim % 32 != 0) {
         continue;  // groups of 32
@@ -567,8 +570,11 @@ TEST(CodecCudaEmulation, AllotRefusesWhatItsKernelsDoNotTake) {
   for (const Bad& b :
        {Bad{48, 2, true, kAllot}, Bad{100, 2, true, kAllot}, Bad{288, 2, true, kAllot},
         Bad{512, 2, true, kAllot}, Bad{64, 1, true, kAllot}, Bad{64, 2, false, kAllot},
-        Bad{288, 2, true, kAllot6}, Bad{64, 1, true, kAllot6}, Bad{64, 2, false, kAllot6}}) {
-    const std::string name = b.codec == kAllot6 ? "CODEC_INT6_ALLOT" : "CODEC_INT5_ALLOT";
+        Bad{288, 2, true, kAllot6}, Bad{64, 1, true, kAllot6}, Bad{64, 2, false, kAllot6},
+        Bad{288, 2, true, kAllot4}, Bad{64, 1, true, kAllot4}, Bad{64, 2, false, kAllot4}}) {
+    const std::string name = b.codec == kAllot6   ? "CODEC_INT6_ALLOT"
+                             : b.codec == kAllot4 ? "CODEC_INT4_ALLOT"
+                                                  : "CODEC_INT5_ALLOT";
     SCOPED_TRACE(name + " dim " + std::to_string(b.dim) + " planes " + std::to_string(b.planes) +
                  (b.rope ? "" : " without a table"));
     const BlockLayout lay = MakeLayout(DType::kBF16, b.codec, 2, b.dim, 1, b.planes, 4);

@@ -339,6 +339,8 @@ inline const char* CodecName(CodecKind codec) {
       return "int5_allot";
     case CodecKind::kInt6Allot:
       return "int6_allot";
+    case CodecKind::kInt4Allot:
+      return "int4_allot";
   }
   return "?";
 }

@@ -1215,7 +1215,7 @@ TEST_F(GroupLookupTest, InvalidRefsNameTheFieldAndChangeNothing) {
            s.block_tokens = 4096;
          }),
          k, 0, kInvalid, "namespaces[1].block_tokens");  // does not fit twice in the pool
-  expect(mutated([](NamespaceSpec& s) { s.codec = 8; }), k, 0, kInvalid, "namespaces[1].codec");
+  expect(mutated([](NamespaceSpec& s) { s.codec = 9; }), k, 0, kInvalid, "namespaces[1].codec");
   expect({Ref(r0), Ref(r1)}, {KeyString(1), "short"}, 0, kInvalid, "keys[1]");
   expect({Ref(r0)}, k, p0.pool_id ^ 0x5A5A, StatusCode::kNotFound, "pool_id");
   // The same text as RegisterPool's own check, with the entry in front.

@@ -58,7 +58,7 @@ using testing::FakeDevice;
 using testing::KeyString;
 using Call = FakeDevice::Call;
 
-constexpr int kInt8 = 0, kRaw = 1, kKivi = 4, kAllot = 6, kAllot6 = 7, kCuda = 2;
+constexpr int kInt8 = 0, kRaw = 1, kKivi = 4, kAllot = 6, kAllot6 = 7, kAllot4 = 8, kCuda = 2;
 constexpr uint32_t kLayers = 3, kHeads = 2, kDim = 64, kBlockTokens = 4, kRows = 64;
 constexpr uint64_t kRowBytes = uint64_t{kHeads} * kDim * 2;              // 256
 constexpr uint64_t kPlaneBytes = uint64_t{kLayers} * kRows * kRowBytes;  // one buffer: K or V
@@ -400,7 +400,7 @@ class CudaBackendTest : public ::testing::Test {
 
 // (The allot codecs' jobs carry their RoPE table in the binding's arena: the fake checks it.)
 TEST_F(CudaBackendTest, RoundTripIsTheReferenceCodecsBytes) {
-  for (int codec : {kInt8, kRaw, kKivi, kAllot, kAllot6}) {
+  for (int codec : {kInt8, kRaw, kKivi, kAllot, kAllot6, kAllot4}) {
     Engine& e = NewEngine();
     const uint64_t pool = Register(e, codec);
     const std::vector<uint8_t> original = e.Bytes();

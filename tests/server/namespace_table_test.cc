@@ -214,6 +214,12 @@ TEST(NamespaceTableTest, Int5AllotNamesItsRopeAndOtherCodecsIgnoreIt) {
             "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
             "tp=0/1;block=64;codec=int6_allot;rope=1000000");
   EXPECT_NE(t.Intern(six).id, t.Intern(allot(1e6, false)).id);
+  NamespaceDesc four = allot(1e6, false);
+  four.layout.row.codec = kernels::CodecKind::kInt4Allot;
+  EXPECT_EQ(four.CanonicalText(),
+            "v1;model=13:Qwen/Qwen3-8B;tenant=0:;layers=36;heads=8;dim=128;dtype=bf16;attn=mha;"
+            "tp=0/1;block=64;codec=int4_allot;rope=1000000");
+  EXPECT_NE(t.Intern(four).id, t.Intern(six).id);
 
   NamespaceDesc scoped = allot(1e6, true);
   scoped.scope = "uid:1000";

@@ -445,6 +445,31 @@ TEST(ValidateRegistrationTest, Int6AllotTakesInt5AllotsRulesAtItsWidths) {
                 "use a HOST pool or another codec");
 }
 
+// CODEC_INT4_ALLOT likewise; its keys at 4.4375 bits (568 bytes a row at 8 x 128).
+TEST(ValidateRegistrationTest, Int4AllotTakesInt5AllotsRulesAtItsWidths) {
+  RegisterSpec s = SglangSpec(36, 8, 128, 1024, 64);  // Qwen3-8B, 64-token blocks
+  s.codec = 8;                                        // CODEC_INT4_ALLOT
+  s.rope_theta = 1e6;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->layout.row.codec, kernels::CodecKind::kInt4Allot);
+  // Per layer, K 1,040 + 63 * 568 + 2,064 and V 1,040 + 63 * (512 + 32): 74,200 per 64 tokens.
+  EXPECT_EQ(r->layout.BytesPerToken(), 41738u);
+  EXPECT_NE(r->ns.CanonicalText().find(";codec=int4_allot;rope=1000000"), std::string::npos)
+      << r->ns.CanonicalText();
+  RegisterSpec odd = SglangSpec(2, 8, 48, 64, 16);
+  odd.codec = 8;
+  ExpectInvalid(odd, "geometry.head_dim: CODEC_INT4_ALLOT needs a multiple of 32, got 48");
+  RegisterSpec mla = MlaSpec();
+  mla.codec = 8;
+  ExpectInvalid(mla, "geometry.attention: CODEC_INT4_ALLOT needs K and V planes");
+  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
+  wide.codec = 8;
+  ExpectInvalid(wide,
+                "geometry.head_dim: CODEC_INT4_ALLOT on a CUDA pool takes up to 256, got 512; "
+                "use a HOST pool or another codec");
+}
+
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
   for (const RegisterSpec& s : {VllmPagedSpec(), VllmPackedSpec()}) {
     auto r = ValidateRegistration(s, Limits{}, kBigPool);
@@ -627,7 +652,7 @@ TEST(ValidateRegistrationTest, RejectsUnknownEnumValues) {
   }
   {
     RegisterSpec t = s;
-    t.codec = 8;  // the first value past CODEC_INT6_ALLOT
+    t.codec = 9;  // the first value past CODEC_INT4_ALLOT
     ExpectInvalid(t, "codec");
   }
   {

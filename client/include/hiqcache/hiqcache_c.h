@@ -82,7 +82,9 @@ enum hiq_codec {
    * no rope: keys are not turned (geometry.rope.theta 0). */
   HIQ_CODEC_INT5_ALLOT = 6,
   /* INT5 allot's format with values at 6 bits (its keys at 5.25 bits on average) */
-  HIQ_CODEC_INT6_ALLOT = 7
+  HIQ_CODEC_INT6_ALLOT = 7,
+  /* INT5 allot's format with keys at 4.4375 bits on average and values at 4 bits */
+  HIQ_CODEC_INT4_ALLOT = 8
 };
 enum hiq_device_kind { HIQ_DEVICE_HOST = 0, HIQ_DEVICE_CUDA = 1 };
 enum hiq_kv_layout {

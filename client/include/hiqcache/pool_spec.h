@@ -30,12 +30,14 @@ enum class Codec : uint8_t {
   kInt5Allot = 6,
   // kInt5Allot's format with values at 6 bits (its keys at 5.25 bits on average).
   kInt6Allot = 7,
+  // kInt5Allot's format with keys at 4.4375 bits on average and values at 4 bits.
+  kInt4Allot = 8,
 };
 enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
 
 const char* DTypeName(DType dtype);  // "bf16", "fp16"
 // "int8_per_head", "raw", "fp8_e4m3_per_head", "int4_g32_per_head", "int4_kivi", "int4_hadamard",
-// "int5_allot", "int6_allot"
+// "int5_allot", "int6_allot", "int4_allot"
 const char* CodecName(Codec codec);
 const char* DeviceKindName(DeviceKind kind);  // "host", "cuda"
 
@@ -48,9 +50,9 @@ struct Geometry {
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
   // The model's rotary embedding (Geometry.rope): used only by codecs that turn keys
-  // (Codec::kInt5Allot, kInt6Allot), and then part of the namespace. rope_theta is the model's RoPE
-  // base (rope_theta: 1e6 for Qwen3), 0 = none or unknown (no turn); rope_interleaved pairs (2i,
-  // 2i+1) as GPT-J, else rotate-half pairs (i, i + head_dim/2) as Llama, Qwen and NeoX.
+  // (Codec::kInt4Allot, kInt5Allot, kInt6Allot), and then part of the namespace. rope_theta is the
+  // model's RoPE base (rope_theta: 1e6 for Qwen3), 0 = none or unknown (no turn); rope_interleaved
+  // pairs (2i, 2i+1) as GPT-J, else rotate-half pairs (i, i + head_dim/2) as Llama, Qwen and NeoX.
   double rope_theta = 0;
   bool rope_interleaved = false;
 

@@ -29,6 +29,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT4_HADAMARD: _ClassVar[Codec]
     CODEC_INT5_ALLOT: _ClassVar[Codec]
     CODEC_INT6_ALLOT: _ClassVar[Codec]
+    CODEC_INT4_ALLOT: _ClassVar[Codec]
 
 class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ CODEC_INT4_KIVI: Codec
 CODEC_INT4_HADAMARD: Codec
 CODEC_INT5_ALLOT: Codec
 CODEC_INT6_ALLOT: Codec
+CODEC_INT4_ALLOT: Codec
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind

@@ -224,14 +224,15 @@ def test_int4_hadamard_round_trip_bytes_per_token_and_capacity(daemon, kv):
     assert hq.Codec.parse("int4_hadamard") is hq.Codec.INT4_HADAMARD
 
 
-def allot_bytes_per_token(layers: int, heads: int, head_dim: int, bt: int, key_x4: int = 21,
+def allot_bytes_per_token(layers: int, heads: int, head_dim: int, bt: int, key_x16: int = 84,
                           value_bits: int = 5) -> int:
-    """CODEC_INT5_ALLOT's (key_x4 21, value_bits 5) and CODEC_INT6_ALLOT's (21, 6) stored bytes
-    per token: per (block, layer), K = an INT8 first row, bt - 1 rows of key_x4/4 bits per element
-    and (for bt > 1) 2H + 2*H*D bytes of channel parameters; V = an INT8 first row and bt - 1
-    rows of value_bits-bit codes + a zero point and a scale per head."""
+    """CODEC_INT5_ALLOT's (key_x16 84, value_bits 5), CODEC_INT6_ALLOT's (84, 6) and
+    CODEC_INT4_ALLOT's (71, 4) stored bytes per token: per (block, layer), K = an INT8 first row,
+    bt - 1 rows of key_x16/16 bits per element down to whole bytes and (for bt > 1) 2H + 2*H*D
+    bytes of channel parameters; V = an INT8 first row and bt - 1 rows of value_bits-bit codes + a
+    zero point and a scale per head."""
     hd = heads * head_dim
-    k_plane = (hd + 2 * heads + (bt - 1) * -(-key_x4 * hd // 32)
+    k_plane = (hd + 2 * heads + (bt - 1) * (key_x16 * hd // 128)
                + (2 * heads + 2 * hd if bt > 1 else 0))
     v_plane = hd + 2 * heads + (bt - 1) * (value_bits * hd // 8 + 4 * heads)
     return -(-layers * (k_plane + v_plane) // bt)  # rounded up
@@ -260,7 +261,8 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
     (and than the same codec without the rope: the rope reaches the codec), its own namespace per
     rope, bytes/token by the format's formula, Inf rejected with nothing stored. CODEC_INT6_ALLOT
     beside it: values about half INT5 allot's error, the same keys, its own namespace and
-    bytes/token."""
+    bytes/token; CODEC_INT4_ALLOT: values about twice INT5 allot's error, keys farther, its own
+    namespace and bytes/token."""
     g = hq.Geometry(num_layers=3, num_kv_heads=3, head_dim=64, rope_theta=1e5)
     bt = 16
     kv5 = HostKv(g, 8 * bt)
@@ -273,11 +275,12 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             had = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT4_HADAMARD))
             int8 = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT8_PER_HEAD))
             six = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT6_ALLOT))
+            four = c.register_pool(kv5.spec("m-allot", bt, hq.Codec.INT4_ALLOT))
             kv5.fill(range(0, 4 * bt), seed=31)  # V: independent normal values
             k = rope_keys((g.num_layers, 4 * bt, g.num_kv_heads, g.head_dim), 1e5, seed=32)
             kv5.data[:, 0, :4 * bt] = to_bf16_bits(k)
             keys = keys_for(range(4 * bt), salt="allot")
-            pools = (allot, unturned, had, int8, six)
+            pools = (allot, unturned, had, int8, six, four)
             for pool in pools:
                 res = c.backup(pool, keys, range(0, 4 * bt))
                 assert res.status.ok and res.blocks == [hq.BlockStatus.STORED] * 4, res
@@ -309,6 +312,10 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert 0.3 * v5 < v6 < 0.7 * v5, (v5, v6)  # a bit more per value: half the step
             assert np.array_equal(restored[six][:, 0], restored[allot][:, 0])  # INT5 allot's keys
             assert np.array_equal(restored[six][:, :, ::bt], restored[int8][:, :, ::bt])
+            v4, k4a = mean_err(four, 1), mean_err(four, 0)
+            assert 1.5 * v5 < v4 < 2.6 * v5, (v5, v4)  # a bit less per value: twice the step
+            assert k5 < k4a < k4, (k5, k4a, k4)  # fewer key bits, still the turn's
+            assert np.array_equal(restored[four][:, :, ::bt], restored[int8][:, :, ::bt])
 
             # The rope is part of the namespace: a block stored under one rope is not another's.
             only = keys_for(range(bt), salt="allot-only")
@@ -316,14 +323,18 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
             assert c.lookup(allot, only).prefix_blocks == 1
             assert c.lookup(unturned, only).prefix_blocks == 0
             info, int8_info = c.pool_info(allot), c.pool_info(int8)
-            assert len({c.pool_info(p).namespace_id for p in pools}) == 5
+            assert len({c.pool_info(p).namespace_id for p in pools}) == 6
             per_token = allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt)
             assert info.encoded_bytes_per_token == per_token == 873
             assert allot_bytes_per_token(36, 8, 128, 32) == 51534  # Qwen3-8B
             six_per_token = allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt,
-                                                  21, 6)
+                                                  84, 6)
             assert c.pool_info(six).encoded_bytes_per_token == six_per_token == 941
-            assert allot_bytes_per_token(36, 8, 128, 32, 21, 6) == 55998  # Qwen3-8B
+            assert allot_bytes_per_token(36, 8, 128, 32, 84, 6) == 55998  # Qwen3-8B
+            four_per_token = allot_bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, bt,
+                                                   71, 4)
+            assert c.pool_info(four).encoded_bytes_per_token == four_per_token
+            assert allot_bytes_per_token(36, 8, 128, 64, 71, 4) == 41738  # Qwen3-8B
             assert info.capacity_tokens > 1.2 * int8_info.capacity_tokens > 0
             ns = {(n.codec, n.namespace_id): n for n in c.get_stats().namespaces
                   if n.model == "m-allot"}
@@ -345,6 +356,7 @@ def test_int5_allot_round_trip_turns_keys_by_the_pools_rope(daemon):
         kv5.close()
     assert hq.Codec.parse("int5_allot") is hq.Codec.INT5_ALLOT
     assert hq.Codec.parse("int6_allot") is hq.Codec.INT6_ALLOT
+    assert hq.Codec.parse("int4_allot") is hq.Codec.INT4_ALLOT
 
 
 def test_geometry_rope_theta_is_checked_and_sent():
