@@ -409,6 +409,29 @@ TEST(ValidateRegistrationTest, Int5AllotHostPoolsWithTheirRope) {
   ExpectValid(host);
 }
 
+// INT5 allot's rules for an allot codec at other widths, each refusal naming `name`: head_dim a
+// multiple of 32, K and V planes, CUDA pools up to head_dim 256 (a larger one on the host).
+void ExpectInt5AllotsRules(int codec, const std::string& name) {
+  SCOPED_TRACE(name);
+  RegisterSpec odd = SglangSpec(2, 8, 48, 64, 16);
+  odd.codec = codec;
+  ExpectInvalid(odd, "geometry.head_dim: " + name + " needs a multiple of 32, got 48");
+  RegisterSpec mla = MlaSpec();
+  mla.codec = codec;
+  ExpectInvalid(mla, "geometry.attention: " + name + " needs K and V planes");
+  RegisterSpec cuda = OnCuda(SglangSpec(2, 8, 256, 64, 16));
+  cuda.codec = codec;
+  ExpectValid(cuda);
+  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
+  wide.codec = codec;
+  ExpectInvalid(wide,
+                "geometry.head_dim: " + name +
+                    " on a CUDA pool takes up to 256, got 512; use a HOST pool or another codec");
+  RegisterSpec host = SglangSpec(2, 2, 512, 64, 16);
+  host.codec = codec;
+  ExpectValid(host);
+}
+
 // CODEC_INT6_ALLOT: INT5 allot's format and rules at other widths, each refusal naming it; its
 // own namespace beside INT5 allot's.
 TEST(ValidateRegistrationTest, Int6AllotTakesInt5AllotsRulesAtItsWidths) {
@@ -429,20 +452,7 @@ TEST(ValidateRegistrationTest, Int6AllotTakesInt5AllotsRulesAtItsWidths) {
   EXPECT_NE(ValidateRegistration(five, Limits{}, kBigPool)->ns.CanonicalText(),
             r->ns.CanonicalText());
 
-  RegisterSpec odd = SglangSpec(2, 8, 48, 64, 16);
-  odd.codec = 7;
-  ExpectInvalid(odd, "geometry.head_dim: CODEC_INT6_ALLOT needs a multiple of 32, got 48");
-  RegisterSpec mla = MlaSpec();
-  mla.codec = 7;
-  ExpectInvalid(mla, "geometry.attention: CODEC_INT6_ALLOT needs K and V planes");
-  RegisterSpec cuda = OnCuda(SglangSpec(2, 8, 256, 64, 16));
-  cuda.codec = 7;
-  ExpectValid(cuda);
-  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
-  wide.codec = 7;
-  ExpectInvalid(wide,
-                "geometry.head_dim: CODEC_INT6_ALLOT on a CUDA pool takes up to 256, got 512; "
-                "use a HOST pool or another codec");
+  ExpectInt5AllotsRules(7, "CODEC_INT6_ALLOT");
 }
 
 // CODEC_INT4_ALLOT likewise; its keys at 4.4375 bits (568 bytes a row at 8 x 128).
@@ -457,17 +467,7 @@ TEST(ValidateRegistrationTest, Int4AllotTakesInt5AllotsRulesAtItsWidths) {
   EXPECT_EQ(r->layout.BytesPerToken(), 41738u);
   EXPECT_NE(r->ns.CanonicalText().find(";codec=int4_allot;rope=1000000"), std::string::npos)
       << r->ns.CanonicalText();
-  RegisterSpec odd = SglangSpec(2, 8, 48, 64, 16);
-  odd.codec = 8;
-  ExpectInvalid(odd, "geometry.head_dim: CODEC_INT4_ALLOT needs a multiple of 32, got 48");
-  RegisterSpec mla = MlaSpec();
-  mla.codec = 8;
-  ExpectInvalid(mla, "geometry.attention: CODEC_INT4_ALLOT needs K and V planes");
-  RegisterSpec wide = OnCuda(SglangSpec(2, 2, 512, 64, 16));
-  wide.codec = 8;
-  ExpectInvalid(wide,
-                "geometry.head_dim: CODEC_INT4_ALLOT on a CUDA pool takes up to 256, got 512; "
-                "use a HOST pool or another codec");
+  ExpectInt5AllotsRules(8, "CODEC_INT4_ALLOT");
 }
 
 TEST(ValidateRegistrationTest, VllmPagedAndPacked) {
