@@ -29,7 +29,7 @@ struct EncodeJob {
   // layer by layer while the rest is still being encoded (a HOST backup hashes it).
   void (*layer_encoded)(void* context, uint32_t block, uint32_t layer) = nullptr;
   void* layer_encoded_context = nullptr;
-  // The allot codecs (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT) on the CUDA executor: its key turn's
+  // The allot codecs (CODEC_INT4/5/6_ALLOT) on the CUDA executor: its key turn's
   // angles, RopeTableFloats(layout) floats (RopeTable, rope_turn.h), device-accessible. The CPU
   // executors compute their own and ignore it.
   const float* rope = nullptr;

@@ -1,5 +1,5 @@
 // The per-element arithmetic of every codec that quantizes (INT8, FP8, INT4 grouped, INT4 KIVI,
-// INT4 Hadamard, INT5 and INT6 allot: its section at the end and kernels/README.md), written once.
+// INT4 Hadamard, the allot codecs: its section at the end and kernels/README.md), written once.
 //
 // Every executor (scalar reference, SIMD CPU executor's tails, CUDA kernels) calls these inline
 // functions, so the record bytes cannot drift apart between them. Pure functions on bit patterns;

@@ -41,7 +41,7 @@ void DecodeHadamardRowsReference(const RowFormat& fmt, uint32_t plane, const uin
                                  uint32_t block_tokens, uint32_t begin, uint32_t end,
                                  const StridedView& view, const uint32_t* rows);
 
-// An allot codec's (CODEC_INT5_ALLOT, CODEC_INT6_ALLOT) plane `plane` of one (block, layer):
+// An allot codec's (CODEC_INT4/5/6_ALLOT) plane `plane` of one (block, layer):
 // encodes rows[0..num_rows) of `view` into `dst` (BlockLayout::PlaneBytes bytes: row 0 as INT8,
 // the others as turned keys at allotted widths or rotated values at fmt.Allot().value bits,
 // plane 0's channel parameters last). Returns false, leaving

@@ -1,5 +1,5 @@
 // CODEC_INT4_HADAMARD's planes on the SIMD CPU executor (see codec_cpu_hadamard.h and
-// codec_math.h), and the allot codecs' V plane, which shares their rotation (5- or 6-bit codes,
+// codec_math.h), and the allot codecs' V plane, which shares their rotation (4-, 5- or 6-bit codes,
 // one zero point and scale per head; codec_cpu_allot.h).
 //
 // The transform works on a run in f32 lanes of n <= 16 (the run is at least 32): the stages of

@@ -23,7 +23,7 @@
 // per plane); its other tokens are rotated runs, each split over a group of lanes and transformed
 // through xor shuffles (HadamardEncodeKKernel, HadamardEncodeVKernel, HadamardDecodeKernel, see
 // their section), launched before the INT8 rows.
-// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (one format at two widths): first rows INT8 likewise; a
+// CODEC_INT4/5/6_ALLOT (one format at three widths): first rows INT8 likewise; a
 // warp per (block, layer) K plane (its channel
 // bounds and allotted widths span the plane: AllotEncodeKKernel, AllotDecodeKKernel per 8
 // tokens), a lane group per V row head (AllotEncodeVKernel, AllotDecodeVKernel); see its section.
@@ -1170,7 +1170,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// CODEC_INT5_ALLOT and CODEC_INT6_ALLOT (codec_math.h "INT4, INT5 and INT6 allot"; the widths
+// CODEC_INT4/5/6_ALLOT (codec_math.h "INT4, INT5 and INT6 allot"; the widths
 // are the layout's, RowFormat::Allot()). Row 0 of both planes is an INT8 row (the INT8
 // kernels over one token per plane, as INT4 Hadamard's). For rows 1.., a head is one group of
 // G = 2^group_log2 >= d/8 lanes (head_dim <= kAllotCudaMaxHeadDim, ValidateLayout), lane gl holding
@@ -1190,7 +1190,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerCta) HadamardDecodeKernel(const 
 //     widths from the stored bounds, reads its fields, turns forward and stores.
 //   V plane: a group per (block, layer, token >= 1, head) (HadamardParams, one run per unit):
 //     the head rotated as INT4 Hadamard's (runs of r = HadamardRun(d) on r / 8 lanes each), a
-//     zero point and scale for the head (reduced over the group), 8 codes of b = 5 or 6 bits
+//     zero point and scale for the head (reduced over the group), 8 codes of b = 4, 5 or 6 bits
 //     (b bytes) per lane (AllotEncodeVKernel, AllotDecodeVKernel).
 // A key of magnitude >= 2^120 (NaN, Inf) or a rotated value at HadamardLimitBits flags its block.
 
