@@ -12,12 +12,13 @@
             warm-round prefix hit rate, TTFT, and tokens each tier holds per GiB.
 
 Arms: vLLM alone; LMCache 0.5.6 (its multi-process server, `lmcache server`, with vLLM's
-LMCacheMPConnector; L1 in DRAM, BF16); hiqcached `raw`, `int8_per_head` and a 4-bit codec named by
---codec4 (skipped with a message when this hiqcache or the daemon does not know it).
+LMCacheMPConnector; L1 in DRAM, BF16); hiqcached `raw`, `int8_per_head` and the codecs named by
+--codec4, comma-separated (each skipped with a message when this hiqcache or the daemon does not
+know it).
 
     bash bench/vllm/setup-lmcache-venv.sh       # once: .venv-lmcache/ (bench only)
     .venv-lmcache/bin/python bench/vllm/compare_lmcache.py [--only ttft|workload] [--reps 5]
-        [--codec4 NAME]
+        [--codec4 NAME[,NAME...]]
 
 Runs under .venv-lmcache's python (every engine is its own process of that python; LMCache's
 engines through lmcache_engine.py). Writes bench/results/vllm_lmcache.json, .dat and .png (gnuplot,
@@ -50,6 +51,7 @@ from bench_vllm import BS, rotation, text_ids, ttft_of, workload_requests  # noq
 import hiqcache as hq  # noqa: E402
 from daemon import Daemon  # noqa: E402
 from kv_util import HostKv  # noqa: E402
+from machine import describe  # noqa: E402
 from real_model import model_dir  # noqa: E402
 from vllm_engine import engine_env  # noqa: E402
 
@@ -149,16 +151,17 @@ def codec_refusal(name: str) -> str | None:
 
 
 def tier_arms(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(arm, hiqcached codec or None for LMCache), the 4-bit arm only when it can run."""
+    """(arm, hiqcached codec or None for LMCache): the extra codec arms (--codec4, comma-separated)
+    only where they can run; the refused ones are kept, with why, in args.skipped_codec4."""
     arms: list[tuple[str, str | None]] = [("lmcache", None), ("hiqcached_raw", "raw"),
                                           ("hiqcached_int8", "int8_per_head")]
-    if args.codec4:
-        why = codec_refusal(args.codec4)
+    for name in filter(None, (n.strip() for n in args.codec4.split(","))):
+        why = codec_refusal(name)
         if why:
-            print(f"skipping the 4-bit arm: {why}")
-            args.skipped_codec4 = why
-        else:
-            arms.append((f"hiqcached_{args.codec4}", args.codec4))
+            print(f"skipping the {name} arm: {why}")
+            args.skipped_codec4[name] = why
+        elif name not in (codec for _, codec in arms):
+            arms.append((f"hiqcached_{name}", name))
     return arms
 
 
@@ -257,6 +260,35 @@ def bench_ttft(model: str, ids: list[int], args: argparse.Namespace,
     return out
 
 
+def lru_hit_rate(batches: list[list[list[int]]], warm_from: int, capacity_blocks: int) -> float:
+    """The warm-round hit rate of a tier that is nothing but one least-recently-used list of
+    `capacity_blocks` blocks, for the workload's batches: each batch's prompts look up their
+    full blocks first (a prefix hit ends at the first missing block; the hits become the most
+    recent), then every prompt stores its full blocks in key order (each the most recent when
+    stored). vLLM's own cache is left out. The model of what hiqcached's pool does, to tell its
+    eviction from anything else in a measured hit rate. `warm_from`: index of the first warm
+    request."""
+    lru: dict[tuple[int, ...], None] = {}  # insertion order = recency, oldest first
+    hits = shareable = 0
+    i = 0
+    for batch in batches:
+        keys = [[tuple(p[:(b + 1) * BS]) for b in range((len(p) - 1) // BS)] for p in batch]
+        for blocks in keys:
+            n = next((k for k, key in enumerate(blocks) if key not in lru), len(blocks))
+            for key in blocks[:n]:
+                lru[key] = lru.pop(key)
+            if i >= warm_from:
+                hits, shareable = hits + n * BS, shareable + len(blocks) * BS
+            i += 1
+        for blocks in keys:
+            for key in blocks:
+                lru.pop(key, None)
+                lru[key] = None
+                while len(lru) > capacity_blocks:
+                    del lru[next(iter(lru))]
+    return hits / shareable
+
+
 def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
                    arms: list[tuple[str, str | None]], tmp: pathlib.Path) -> dict:
     requests, batches = workload_requests(ids, args)
@@ -281,6 +313,9 @@ def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
                 run = engine(f"workload-{arm}", {**base, **tier.job()}, tmp, codec is None)
                 held = tier.held(budget)
         res = run["results"]
+        if codec and held:  # hiqcached's pool, against the model of its eviction
+            held["lru_model_hit_rate"] = lru_hit_rate(batches, warm[0],
+                                                      held["capacity_tokens"] // BS)
         out[arm] = {"hit_rate_warm_rounds": sum(res[i]["num_cached_tokens"] for i in warm)
                     / shareable,
                     "ttft_median_s": statistics.median(ttft_of(res[i]) for i in warm),
@@ -318,8 +353,10 @@ def report(result: dict, arms: list[str]) -> None:
             r = w[arm]
             held = r["held"]
             per_gib = held.get("tokens_per_gib") if held else w["vllm_tokens_per_gib"]
-            print(f"  {label(arm):22s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%  TTFT median "
-                  f"{r['ttft_median_s'] * 1000:7.1f} ms  "
+            lru = (held or {}).get("lru_model_hit_rate")
+            print(f"  {label(arm):22s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%"
+                  + (f" (LRU model {lru * 100:5.1f}%)" if lru is not None else " " * 19)
+                  + f"  TTFT median {r['ttft_median_s'] * 1000:7.1f} ms  "
                   + (f"{per_gib:,.0f} tokens/GiB" if per_gib else "tokens/GiB unknown")
                   + f"  (load {r['load_start']:.2f} -> {r['load_end']:.2f})")
 
@@ -360,7 +397,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("ttft", "workload"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--codec4", default="int4_hadamard",
-                    help="the hiqcached codec of the 4-bit arm ('' for none)")
+                    help="hiqcached codecs of further arms, comma-separated ('' for none)")
     ap.add_argument("--ttft-tier-mib", type=int, default=512)
     ap.add_argument("--pause-s", type=float, default=2.0,
                     help="idle seconds before each TTFT request (the tier finishes storing)")
@@ -372,7 +409,7 @@ def main() -> None:
     ap.add_argument("--tier-mib", type=int, default=48)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_lmcache.json"))
     args = ap.parse_args()
-    args.skipped_codec4 = None
+    args.skipped_codec4 = {}
     try:
         import lmcache  # noqa: F401
     except ImportError:
@@ -381,7 +418,7 @@ def main() -> None:
     model = str(model_dir())
     ids = text_ids(model)
     arms = tier_arms(args)
-    result: dict = {"machine": os.uname().nodename, "cpus": os.cpu_count(),
+    result: dict = {"machine": describe(), "cpus": os.cpu_count(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "arms": ["vllm_only"] + [a for a, _ in arms],
                     "codec4": args.codec4, "skipped_codec4": args.skipped_codec4}
