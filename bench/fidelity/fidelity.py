@@ -237,8 +237,14 @@ def parse_args() -> argparse.Namespace:
                     help="1-2 minutes: --lengths 128,512,2048 --windows 6 --chat-every 2")
     ap.add_argument("--no-gates", action="store_true", help="exit 0 even if a gate fails")
     ap.add_argument("--out", default=str(RESULTS / "fidelity.json"))
+    ap.add_argument("--merge-into", metavar="JSON",
+                    help="also add this run's codecs to an earlier run's results (same windows, "
+                         "configuration and floor, checked window by window) and redraw its plot")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
+    if args.merge_into and pathlib.Path(args.merge_into).resolve() == \
+            pathlib.Path(args.out).resolve():
+        ap.error("--merge-into names the file --out writes: give this run its own --out")
     if args.quick:
         args.lengths, args.windows, args.chat_every = "128,512,2048", 6, 2
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -338,6 +344,14 @@ def main() -> int:
     report(result)
     write_outputs(result, args)
     print(f"run time {wall:.0f} s")
+    if args.merge_into:
+        target = pathlib.Path(args.merge_into)
+        try:
+            merged = merge(json.loads(target.read_text()), result)
+        except (OSError, ValueError) as err:
+            print(f"not merged into {target}: {err} (this run is in {args.out})")
+            return 1
+        write_outputs(merged, argparse.Namespace(out=str(target), no_plot=args.no_plot))
     failed = [n for n, g in result["gates"].items() if g["fails_run"]]
     if failed and not args.no_gates:
         print(f"gates FAILED: {', '.join(failed)}")
@@ -498,6 +512,56 @@ def aggregate(records: list[dict], windows: list[Window], codecs: list[hq.Codec]
     }
 
 
+# The configuration that fixes the windows and every path's figures but the batch (a codec's
+# figures do not move with the batch's composition here: the floor and INT8 came out identical,
+# window for window, in runs of 4 and 9 rows; merge() checks that for the floor and every codec
+# the two runs share, so it refuses where they would).
+SAME_CONFIG = ("model", "text", "lengths", "windows", "chat_windows", "continued_tokens", "decode",
+               "block_tokens")
+SAME_WINDOW = ("window", "length", "offset", "kind", "ref_nll")
+SAME_FIGURES = ("kl", "kl_max", "top1", "nll")
+
+
+def merge(into: dict, run: dict) -> dict:
+    """`into` with `run`'s codecs added: the plot of an earlier run gains a codec without running
+    every codec again. ValueError when the two runs differ in anything but their codecs."""
+    a, b = into["config"], run["config"]
+    for k in SAME_CONFIG:
+        if a.get(k) != b.get(k):
+            raise ValueError(f"config {k!r} differs: {a.get(k)!r} against {b.get(k)!r}")
+    if len(into["windows"]) != len(run["windows"]):
+        raise ValueError("the runs hold different numbers of windows")
+    shared = ["floor"] + [c for c in b["codecs"] if c in a["codecs"]]
+    for wa, wb in zip(into["windows"], run["windows"]):
+        for k in SAME_WINDOW:
+            if wa[k] != wb[k]:
+                raise ValueError(f"window {wa['window']}: {k} differs ({wa[k]!r}, {wb[k]!r})")
+        for name in shared:
+            for k in SAME_FIGURES:
+                if wa["paths"][name][k] != wb["paths"][name][k]:
+                    raise ValueError(f"window {wa['window']}: {name}'s {k} differs "
+                                     f"({wa['paths'][name][k]!r}, {wb['paths'][name][k]!r})")
+    added = [c for c in b["codecs"] if c not in a["codecs"]]
+    out = json.loads(json.dumps(into))
+    for c in added:
+        out["paths"][c] = run["paths"][c]
+        out["gates"][c] = run["gates"][c]
+        for p, d in run["by_length"].items():
+            out["by_length"][p][c] = d[c]
+        for wo, wb in zip(out["windows"], run["windows"]):
+            wo["paths"][c] = wb["paths"][c]
+    out["config"]["codecs"] += added
+    out["config"]["skipped_codecs"] = {k: v for k, v in
+                                       (a["skipped_codecs"] | b["skipped_codecs"]).items()
+                                       if k not in out["config"]["codecs"]}
+    out["floor_rows_identical_all_windows"] &= run["floor_rows_identical_all_windows"]
+    out.setdefault("merged_runs", []).append(
+        {"codecs": added, "checked_identical": shared, "batch": b["batch"], "run": run["run"]})
+    print(f"merged {', '.join(added) or 'nothing new'} into the run of {into['run']['date']} "
+          f"(identical there, window by window: {', '.join(shared)})")
+    return out
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 
@@ -601,7 +665,9 @@ def write_outputs(r: dict, args) -> None:
     png = out.with_suffix(".png")
     c = r["config"]
     sub = (f"SmolLM2-135M-Instruct bf16, {c['windows']} windows of GPL-3 text + chat, "
-           f"{c['continued_tokens']} continued tokens, {c['decode']} decode, batch {c['batch']}")
+           f"{c['continued_tokens']} continued tokens, {c['decode']} decode, batch {c['batch']}"
+           + "".join(f" ({', '.join(m['codecs'])}: batch {m['batch']})"
+                     for m in r.get("merged_runs", []) if m["codecs"]))
     try:
         gp_vars = (f"datafile='{dat}'; outfile='{png}'; gatesfile='{gates}'; "
                    f"subtitle='{sub}'; has_raw={int('raw' in r['paths'])}")
