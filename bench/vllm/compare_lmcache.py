@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "python"))  # this checkout's hiqcache, not the ve
 sys.path.insert(0, str(HERE))
 
 from bench_vllm import BS, rotation, text_ids, ttft_of, workload_requests  # noqa: E402
+from lru_model import lru_hit_rate  # noqa: E402
 
 import hiqcache as hq  # noqa: E402
 from daemon import Daemon  # noqa: E402
@@ -260,35 +261,6 @@ def bench_ttft(model: str, ids: list[int], args: argparse.Namespace,
     return out
 
 
-def lru_hit_rate(batches: list[list[list[int]]], warm_from: int, capacity_blocks: int) -> float:
-    """The warm-round hit rate of a tier that is nothing but one least-recently-used list of
-    `capacity_blocks` blocks, for the workload's batches: each batch's prompts look up their
-    full blocks first (a prefix hit ends at the first missing block; the hits become the most
-    recent), then every prompt stores its full blocks in key order (each the most recent when
-    stored). vLLM's own cache is left out. The model of what hiqcached's pool does, to tell its
-    eviction from anything else in a measured hit rate. `warm_from`: index of the first warm
-    request."""
-    lru: dict[tuple[int, ...], None] = {}  # insertion order = recency, oldest first
-    hits = shareable = 0
-    i = 0
-    for batch in batches:
-        keys = [[tuple(p[:(b + 1) * BS]) for b in range((len(p) - 1) // BS)] for p in batch]
-        for blocks in keys:
-            n = next((k for k, key in enumerate(blocks) if key not in lru), len(blocks))
-            for key in blocks[:n]:
-                lru[key] = lru.pop(key)
-            if i >= warm_from:
-                hits, shareable = hits + n * BS, shareable + len(blocks) * BS
-            i += 1
-        for blocks in keys:
-            for key in blocks:
-                lru.pop(key, None)
-                lru[key] = None
-                while len(lru) > capacity_blocks:
-                    del lru[next(iter(lru))]
-    return hits / shareable
-
-
 def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
                    arms: list[tuple[str, str | None]], tmp: pathlib.Path) -> dict:
     requests, batches = workload_requests(ids, args)
@@ -315,7 +287,7 @@ def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
         res = run["results"]
         if codec and held:  # hiqcached's pool, against the model of its eviction
             held["lru_model_hit_rate"] = lru_hit_rate(batches, warm[0],
-                                                      held["capacity_tokens"] // BS)
+                                                      held["capacity_tokens"] // BS, BS)
         out[arm] = {"hit_rate_warm_rounds": sum(res[i]["num_cached_tokens"] for i in warm)
                     / shareable,
                     "ttft_median_s": statistics.median(ttft_of(res[i]) for i in warm),
