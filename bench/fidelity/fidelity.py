@@ -343,16 +343,21 @@ def main() -> int:
         "daemon": daemon_binary(),
     }
     report(result)
-    write_outputs(result, args)
+    write_outputs(result, args.out, args.no_plot)
     print(f"run time {wall:.0f} s")
     if args.merge_into:
         target = pathlib.Path(args.merge_into)
         try:
-            merged = merge(json.loads(target.read_text()), result)
+            earlier = json.loads(target.read_text())
+            merged = merge(earlier, result)
         except (OSError, ValueError) as err:
             print(f"not merged into {target}: {err} (this run is in {args.out})")
             return 1
-        write_outputs(merged, argparse.Namespace(out=str(target), no_plot=args.no_plot))
+        m = merged["merged_runs"][-1]
+        print(f"merged {', '.join(m['codecs']) or 'nothing new'} into the run of "
+              f"{earlier['run']['date']} (identical there, window by window: "
+              f"{', '.join(m['checked_identical'])})")
+        write_outputs(merged, str(target), args.no_plot)
     failed = [n for n, g in result["gates"].items() if g["fails_run"]]
     if failed and not args.no_gates:
         print(f"gates FAILED: {', '.join(failed)}")
@@ -585,8 +590,8 @@ def report(r: dict) -> None:
             print(f"      [{'ok' if c['ok'] else 'NO'}] {c['check']}{val}")
 
 
-def write_outputs(r: dict, args) -> None:
-    out = pathlib.Path(args.out)
+def write_outputs(r: dict, path: str, no_plot: bool) -> None:
+    out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=1) + "\n")
     dat = out.with_suffix(".dat")
@@ -611,7 +616,7 @@ def write_outputs(r: dict, args) -> None:
                      f"as points below it\nfloor_kl = {fl['kl']['mean']:.6e}\n"
                      f"floor_top1 = {100 * fl['top1']['mean']:.4f}\n")
     print(f"wrote {out}, {dat} and {gates}")
-    if args.no_plot:
+    if no_plot:
         return
     png = out.with_suffix(".png")
     c = r["config"]

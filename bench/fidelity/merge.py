@@ -1,10 +1,10 @@
 """fidelity.py --merge-into: one run's codecs added to an earlier run's results, where the two
 runs agree on everything else (bench/fidelity/README.md, "Adding a codec to an earlier run").
-No imports beyond json: the tests run it on the checked-in results."""
+No imports beyond the standard library: the tests run it on the checked-in results."""
 
 from __future__ import annotations
 
-import json
+import copy
 
 # The configuration that fixes the windows and every path's figures but the batch (a codec's
 # figures do not move with the batch's composition here: the floor and INT8 came out identical,
@@ -36,7 +36,7 @@ def merge(into: dict, run: dict) -> dict:
                     raise ValueError(f"window {wa['window']}: {name}'s {k} differs "
                                      f"({wa['paths'][name][k]!r}, {wb['paths'][name][k]!r})")
     added = [c for c in b["codecs"] if c not in a["codecs"]]
-    out = json.loads(json.dumps(into))
+    out = copy.deepcopy(into)
     for c in added:
         out["paths"][c] = run["paths"][c]
         out["gates"][c] = run["gates"][c]
@@ -51,6 +51,4 @@ def merge(into: dict, run: dict) -> dict:
     out["floor_rows_identical_all_windows"] &= run["floor_rows_identical_all_windows"]
     out.setdefault("merged_runs", []).append(
         {"codecs": added, "checked_identical": shared, "batch": b["batch"], "run": run["run"]})
-    print(f"merged {', '.join(added) or 'nothing new'} into the run of {into['run']['date']} "
-          f"(identical there, window by window: {', '.join(shared)})")
     return out
