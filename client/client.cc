@@ -63,29 +63,10 @@ void ToProto(const Geometry& in, v1::Geometry* g) {
   }
 }
 
-v1::Codec ToProto(Codec c) {
-  switch (c) {
-    case Codec::kRaw:
-      return v1::CODEC_RAW;
-    case Codec::kFp8E4m3PerHead:
-      return v1::CODEC_FP8_E4M3_PER_HEAD;
-    case Codec::kInt4G32PerHead:
-      return v1::CODEC_INT4_G32_PER_HEAD;
-    case Codec::kInt4Kivi:
-      return v1::CODEC_INT4_KIVI;
-    case Codec::kInt4Hadamard:
-      return v1::CODEC_INT4_HADAMARD;
-    case Codec::kInt5Allot:
-      return v1::CODEC_INT5_ALLOT;
-    case Codec::kInt6Allot:
-      return v1::CODEC_INT6_ALLOT;
-    case Codec::kInt4Allot:
-      return v1::CODEC_INT4_ALLOT;
-    case Codec::kInt8PerHead:
-      break;
-  }
-  return v1::CODEC_INT8_PER_HEAD;
-}
+// Codec is numbered as the wire's (pool_spec.h; codec_names_test checks each name).
+static_assert(v1::Codec_ARRAYSIZE == kCodecCount,
+              "a Codec value of the proto needs its row in kCodecNames (hiqcache/codec_names.h)");
+v1::Codec ToProto(Codec c) { return static_cast<v1::Codec>(c); }
 
 void ToProto(const NamespaceRef& in, v1::NamespaceRef* out) {
   out->set_model(in.model);
@@ -127,27 +108,11 @@ v1::RegisterPoolRequest ToProto(const PoolSpec& spec) {
   return req;
 }
 
+// A value this library does not know (a newer daemon's codec) stays unknown: CodecName says so.
 Codec FromProto(v1::Codec c) {
-  switch (c) {
-    case v1::CODEC_RAW:
-      return Codec::kRaw;
-    case v1::CODEC_FP8_E4M3_PER_HEAD:
-      return Codec::kFp8E4m3PerHead;
-    case v1::CODEC_INT4_G32_PER_HEAD:
-      return Codec::kInt4G32PerHead;
-    case v1::CODEC_INT4_KIVI:
-      return Codec::kInt4Kivi;
-    case v1::CODEC_INT4_HADAMARD:
-      return Codec::kInt4Hadamard;
-    case v1::CODEC_INT5_ALLOT:
-      return Codec::kInt5Allot;
-    case v1::CODEC_INT6_ALLOT:
-      return Codec::kInt6Allot;
-    case v1::CODEC_INT4_ALLOT:
-      return Codec::kInt4Allot;
-    default:
-      return Codec::kInt8PerHead;
-  }
+  const int v = static_cast<int>(c);
+  return v >= 0 && static_cast<uint32_t>(v) < kCodecCount ? static_cast<Codec>(v)
+                                                          : static_cast<Codec>(0xFF);
 }
 
 DaemonStats FromProto(const v1::GetStatsResponse& r) {

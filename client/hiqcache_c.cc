@@ -105,29 +105,12 @@ Status CheckEnums(const hiq_geometry& g, uint32_t codec) {
   return Status::Ok();
 }
 
+// hiq_codec is numbered as hiqcache::Codec and the wire (codec_names_test checks the names).
+static_assert(HIQ_CODEC_INT4_ALLOT + 1 == hiqcache::kCodecCount,
+              "a new hiq_codec needs its hiqcache::Codec");
+
 // REQUIRES: codec <= HIQ_CODEC_INT4_ALLOT (checked by the caller).
-hiqcache::Codec ToCodec(uint32_t codec) {
-  switch (codec) {
-    case HIQ_CODEC_RAW:
-      return hiqcache::Codec::kRaw;
-    case HIQ_CODEC_FP8_E4M3_PER_HEAD:
-      return hiqcache::Codec::kFp8E4m3PerHead;
-    case HIQ_CODEC_INT4_G32_PER_HEAD:
-      return hiqcache::Codec::kInt4G32PerHead;
-    case HIQ_CODEC_INT4_KIVI:
-      return hiqcache::Codec::kInt4Kivi;
-    case HIQ_CODEC_INT4_HADAMARD:
-      return hiqcache::Codec::kInt4Hadamard;
-    case HIQ_CODEC_INT5_ALLOT:
-      return hiqcache::Codec::kInt5Allot;
-    case HIQ_CODEC_INT6_ALLOT:
-      return hiqcache::Codec::kInt6Allot;
-    case HIQ_CODEC_INT4_ALLOT:
-      return hiqcache::Codec::kInt4Allot;
-    default:
-      return hiqcache::Codec::kInt8PerHead;
-  }
-}
+hiqcache::Codec ToCodec(uint32_t codec) { return static_cast<hiqcache::Codec>(codec); }
 
 hiqcache::TensorView ToView(const hiq_tensor_view& v) {
   hiqcache::TensorView out;

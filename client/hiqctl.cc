@@ -277,29 +277,6 @@ class Json {
   }
 };
 
-const char* CodecEnumName(Codec c) {
-  switch (c) {
-    case Codec::kRaw:
-      return "CODEC_RAW";
-    case Codec::kFp8E4m3PerHead:
-      return "CODEC_FP8_E4M3_PER_HEAD";
-    case Codec::kInt4G32PerHead:
-      return "CODEC_INT4_G32_PER_HEAD";
-    case Codec::kInt4Kivi:
-      return "CODEC_INT4_KIVI";
-    case Codec::kInt4Hadamard:
-      return "CODEC_INT4_HADAMARD";
-    case Codec::kInt5Allot:
-      return "CODEC_INT5_ALLOT";
-    case Codec::kInt6Allot:
-      return "CODEC_INT6_ALLOT";
-    case Codec::kInt4Allot:
-      return "CODEC_INT4_ALLOT";
-    case Codec::kInt8PerHead:
-      break;
-  }
-  return "CODEC_INT8_PER_HEAD";
-}
 const char* DeviceEnumName(DeviceKind d) {
   return d == DeviceKind::kCuda ? "DEVICE_KIND_CUDA" : "DEVICE_KIND_HOST";
 }
@@ -308,7 +285,7 @@ std::string NamespaceJson(const NamespaceStats& n, const std::string& indent) {
   std::ostringstream o;
   o << indent << "{\"namespace_id\": " << Json::Str(n.namespace_id)
     << ", \"model\": " << Json::Str(n.model) << ", \"tenant\": " << Json::Str(n.tenant)
-    << ", \"codec\": " << Json::Str(CodecEnumName(n.codec))
+    << ", \"codec\": " << Json::Str(CodecContractName(n.codec))
     << ", \"encoded_bytes_per_token\": " << n.encoded_bytes_per_token
     << ", \"blocks\": " << n.blocks << ", \"bytes\": " << n.bytes << ", \"hits\": " << n.hits
     << ", \"misses\": " << n.misses << ", \"backups\": " << n.backups

@@ -7,27 +7,13 @@ namespace hiqcache {
 const char* DTypeName(DType dtype) { return dtype == DType::kFP16 ? "fp16" : "bf16"; }
 
 const char* CodecName(Codec codec) {
-  switch (codec) {
-    case Codec::kRaw:
-      return "raw";
-    case Codec::kFp8E4m3PerHead:
-      return "fp8_e4m3_per_head";
-    case Codec::kInt4G32PerHead:
-      return "int4_g32_per_head";
-    case Codec::kInt4Kivi:
-      return "int4_kivi";
-    case Codec::kInt4Hadamard:
-      return "int4_hadamard";
-    case Codec::kInt5Allot:
-      return "int5_allot";
-    case Codec::kInt6Allot:
-      return "int6_allot";
-    case Codec::kInt4Allot:
-      return "int4_allot";
-    case Codec::kInt8PerHead:
-      break;
-  }
-  return "int8_per_head";
+  const auto i = static_cast<uint32_t>(codec);
+  return i < kCodecCount ? kCodecNames[i].text : "unknown";
+}
+
+const char* CodecContractName(Codec codec) {
+  const auto i = static_cast<uint32_t>(codec);
+  return i < kCodecCount ? kCodecNames[i].contract : "CODEC_UNKNOWN";
 }
 
 const char* DeviceKindName(DeviceKind kind) { return kind == DeviceKind::kCuda ? "cuda" : "host"; }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "codec_math.h"
+#include "hiqcache/codec_names.h"
 
 namespace hiqcache::kernels {
 
@@ -50,6 +51,39 @@ enum class CodecKind : uint8_t {
   // down to whole bytes) and values at 4 bits (kInt4AllotBits).
   kInt4Allot = 8,
 };
+
+// CodecKind is numbered as the wire's Codec; its names are hiqcache/codec_names.h's.
+static_assert(static_cast<uint32_t>(CodecKind::kInt4Allot) + 1 == kCodecCount,
+              "a new CodecKind needs its row in kCodecNames (hiqcache/codec_names.h)");
+// Its names ("CODEC_UNKNOWN" / "unknown" for a value past the table: never read out of it).
+inline const char* CodecContractName(CodecKind c) {
+  const auto i = static_cast<uint32_t>(c);
+  return i < kCodecCount ? kCodecNames[i].contract : "CODEC_UNKNOWN";
+}
+inline const char* CodecTextName(CodecKind c) {
+  const auto i = static_cast<uint32_t>(c);
+  return i < kCodecCount ? kCodecNames[i].text : "unknown";
+}
+// The codec of a wire value (the proto's Codec number); false for a value that names none.
+inline bool CodecKindFromWire(int64_t value, CodecKind* out) {
+  if (value < 0 || value >= int64_t{kCodecCount}) return false;
+  *out = static_cast<CodecKind>(value);
+  return true;
+}
+// The allot codecs' widths (INT4, INT5 and INT6 allot: one format, keys turned back by RoPE);
+// zero for every other codec.
+HIQ_HD AllotBits AllotBitsOf(CodecKind c) {
+  return c == CodecKind::kInt5Allot   ? kInt5AllotBits
+         : c == CodecKind::kInt6Allot ? kInt6AllotBits
+         : c == CodecKind::kInt4Allot ? kInt4AllotBits
+                                      : AllotBits{};
+}
+// Codecs whose rows group 32 elements of a head (INT4 G32, KIVI, Hadamard, the allot codecs):
+// they take head_dim only in multiples of kInt4GroupElems.
+inline bool CodecNeedsGroupedHeads(CodecKind c) {
+  return c == CodecKind::kInt4G32PerHead || c == CodecKind::kInt4Kivi ||
+         c == CodecKind::kInt4Hadamard || AllotBitsOf(c).value != 0;
+}
 
 struct RowFormat {
   uint32_t num_heads = 0;
@@ -118,12 +152,7 @@ struct RowFormat {
   // The allot codecs (INT4, INT5 and INT6 allot: one format, keys turned back by RoPE), and
   // their widths (zero for every other codec).
   HIQ_HD bool IsAllot() const { return Allot().value != 0; }
-  HIQ_HD AllotBits Allot() const {
-    return codec == CodecKind::kInt5Allot   ? kInt5AllotBits
-           : codec == CodecKind::kInt6Allot ? kInt6AllotBits
-           : codec == CodecKind::kInt4Allot ? kInt4AllotBits
-                                            : AllotBits{};
-  }
+  HIQ_HD AllotBits Allot() const { return AllotBitsOf(codec); }
   // The format of a plane's first row: INT8's where FirstRowIsInt8(), else this one.
   HIQ_HD RowFormat FirstRowFormat() const {
     RowFormat f = *this;

@@ -1816,13 +1816,6 @@ StatusOr<uint32_t> CurrentDeviceSmCount() {
   return static_cast<uint32_t>(sms);
 }
 
-// The contract name of an allot codec, for the refusals that name it.
-const char* AllotCodecName(const RowFormat& row) {
-  return row.codec == CodecKind::kInt6Allot   ? "CODEC_INT6_ALLOT"
-         : row.codec == CodecKind::kInt4Allot ? "CODEC_INT4_ALLOT"
-                                              : "CODEC_INT5_ALLOT";
-}
-
 Status ValidateLayout(const BlockLayout& lay, const char* what) {
   const std::string w(what);
   if (lay.row.num_heads == 0) return InvalidArgument(w + ": layout.row.num_heads is 0");
@@ -1843,11 +1836,12 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
     if (lay.row.head_dim % kInt4GroupElems != 0 || lay.row.head_dim > kAllotCudaMaxHeadDim) {
       return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
                              " is not a multiple of 32 up to " +
-                             std::to_string(kAllotCudaMaxHeadDim) + " (" + AllotCodecName(lay.row) +
-                             "'s CUDA kernels)");
+                             std::to_string(kAllotCudaMaxHeadDim) + " (" +
+                             CodecContractName(lay.row.codec) + "'s CUDA kernels)");
     }
     if (lay.kv_planes != 2) {
-      return InvalidArgument(w + ": layout.kv_planes must be 2 for " + AllotCodecName(lay.row));
+      return InvalidArgument(w + ": layout.kv_planes must be 2 for " +
+                             CodecContractName(lay.row.codec));
     }
   }
   const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
@@ -2156,7 +2150,7 @@ Status LaunchAllot(const BlockLayout& lay, const LayerViews* layers, const uint3
   if (lay.block_tokens < 2) return Status::Ok();  // INT8 rows only
   if (rope == nullptr) {
     return InvalidArgument(std::string(what) + ": job.rope must be set for " +
-                           AllotCodecName(lay.row));
+                           CodecContractName(lay.row.codec));
   }
   return lay.row.dtype == DType::kBF16
              ? LaunchAllotT<DType::kBF16>(lay, layers, rows, blocks, nonfinite, rope, num_blocks,
@@ -2198,7 +2192,7 @@ Status StageArrays(const BlockLayout& lay, const LayerViews* layers, const void*
     return InvalidArgument(w + ": scratch buffers must be 16-byte aligned");
   }
   if (RopeTableFloats(lay) > 0 && rope == nullptr) {
-    return InvalidArgument(w + ": job.rope is null (" + AllotCodecName(lay.row) +
+    return InvalidArgument(w + ": job.rope is null (" + CodecContractName(lay.row.codec) +
                            " needs its RoPE table)");
   }
   const ArraysLayout a = ArraysLayoutFor(lay, num_blocks);

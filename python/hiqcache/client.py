@@ -187,7 +187,7 @@ class NamespaceStats:
     namespace_id: str
     model: str
     tenant: str
-    codec: Codec
+    codec: Codec | None  # None: a codec this library does not know (a newer daemon's)
     encoded_bytes_per_token: int
     blocks: int
     bytes: int
@@ -932,7 +932,7 @@ class Client:
             uptime_seconds=resp.uptime_seconds, device=resp.device, shm_name=resp.shm_name,
             namespaces=[NamespaceStats(
                 namespace_id=n.namespace_id, model=n.model, tenant=n.tenant,
-                codec=CODEC_FROM_PB.get(n.codec, Codec.INT8_PER_HEAD),
+                codec=CODEC_FROM_PB.get(n.codec),
                 encoded_bytes_per_token=n.encoded_bytes_per_token, blocks=n.blocks,
                 bytes=n.bytes, hits=n.hits, misses=n.misses, backups=n.backups,
                 restores=n.restores, evictions=n.evictions, rejected=n.rejected, pools=n.pools,

@@ -26,15 +26,7 @@ std::string NamespaceDesc::CanonicalText() const {
   // MLA latent rows are identical on every TP rank: one copy per node.
   if (!mla) text += ";tp=" + std::to_string(tp_rank) + "/" + std::to_string(tp_size);
   text += ";block=" + std::to_string(layout.block_tokens);
-  text += row.codec == kernels::CodecKind::kRaw              ? ";codec=raw"
-          : row.codec == kernels::CodecKind::kFp8E4m3PerHead ? ";codec=fp8_e4m3_per_head"
-          : row.codec == kernels::CodecKind::kInt4G32PerHead ? ";codec=int4_g32_per_head"
-          : row.codec == kernels::CodecKind::kInt4Kivi       ? ";codec=int4_kivi"
-          : row.codec == kernels::CodecKind::kInt4Hadamard   ? ";codec=int4_hadamard"
-          : row.codec == kernels::CodecKind::kInt5Allot      ? ";codec=int5_allot"
-          : row.codec == kernels::CodecKind::kInt6Allot      ? ";codec=int6_allot"
-          : row.codec == kernels::CodecKind::kInt4Allot      ? ";codec=int4_allot"
-                                                             : ";codec=int8_per_head";
+  text += std::string(";codec=") + kernels::CodecTextName(row.codec);
   // The rope belongs to a namespace only where its codec turns keys by it: the other codecs'
   // text (and hash) is that of daemons before geometry.rope, so their warm pools stay readable.
   if (row.IsAllot()) {

@@ -11,36 +11,10 @@
 namespace hiqcache::server {
 namespace {
 
-// proto enum values (hiqcache.v1): kept here so the core needs no protobuf include.
-constexpr int kDTypeBf16 = 1;
-constexpr int kDTypeFp16 = 2;
-constexpr int kAttentionMha = 1;
-constexpr int kAttentionMla = 2;
-constexpr int kCodecInt8 = 0;
-constexpr int kCodecRaw = 1;
-constexpr int kCodecFp8E4m3 = 2;
-constexpr int kCodecInt4G32 = 3;
-constexpr int kCodecInt4Kivi = 4;
-constexpr int kCodecInt4Hadamard = 5;
-constexpr int kCodecInt5Allot = 6;
-constexpr int kCodecInt6Allot = 7;
-constexpr int kCodecInt4Allot = 8;
-constexpr int kDeviceHost = 1;
-constexpr int kDeviceCuda = 2;
 constexpr size_t kIpcHandleBytes = 64;
 // geometry.rope.theta, when not 0: RoPE bases in use run from 1e4 to a few 1e7.
 constexpr double kMinRopeTheta = 1;
 constexpr double kMaxRopeTheta = 1e12;
-
-// The allot codecs (one format at three widths, with the same rules) and their contract names.
-bool IsAllotCodec(int codec) {
-  return codec == kCodecInt5Allot || codec == kCodecInt6Allot || codec == kCodecInt4Allot;
-}
-const char* AllotCodecName(int codec) {
-  return codec == kCodecInt6Allot   ? "CODEC_INT6_ALLOT"
-         : codec == kCodecInt4Allot ? "CODEC_INT4_ALLOT"
-                                    : "CODEC_INT5_ALLOT";
-}
 
 // A double as a message shows it: shortest round-trip-safe digits ("1e+06", "nan", "inf").
 std::string DoubleText(double v) {
@@ -269,11 +243,11 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
     return invalid("geometry.head_dim: must be in [1, " + std::to_string(limits.max_head_dim) +
                    "], got " + std::to_string(spec.head_dim));
   }
-  if (spec.dtype != kDTypeBf16 && spec.dtype != kDTypeFp16) {
+  if (spec.dtype != wire::kDTypeBf16 && spec.dtype != wire::kDTypeFp16) {
     return invalid("geometry.dtype: must be DTYPE_BF16 or DTYPE_FP16, got " +
                    std::to_string(spec.dtype));
   }
-  if (spec.attention != kAttentionMha && spec.attention != kAttentionMla) {
+  if (spec.attention != wire::kAttentionMha && spec.attention != wire::kAttentionMla) {
     return invalid("geometry.attention: must be ATTENTION_MHA or ATTENTION_MLA, got " +
                    std::to_string(spec.attention));
   }
@@ -291,35 +265,20 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
     return invalid("geometry.rope.theta: must be 0 (no rotary embedding) or in [1, 1e12], got " +
                    DoubleText(spec.rope_theta));
   }
-  if (spec.codec != kCodecInt8 && spec.codec != kCodecRaw && spec.codec != kCodecFp8E4m3 &&
-      spec.codec != kCodecInt4G32 && spec.codec != kCodecInt4Kivi &&
-      spec.codec != kCodecInt4Hadamard && !IsAllotCodec(spec.codec)) {
+  kernels::CodecKind codec;
+  if (!kernels::CodecKindFromWire(spec.codec, &codec)) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
-  if (spec.codec == kCodecInt4G32 && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: CODEC_INT4_G32_PER_HEAD needs a multiple of " +
+  const std::string codec_name = kernels::CodecContractName(codec);
+  if (kernels::CodecNeedsGroupedHeads(codec) && spec.head_dim % kernels::kInt4GroupElems != 0) {
+    return invalid("geometry.head_dim: " + codec_name + " needs a multiple of " +
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
-  if (spec.codec == kCodecInt4Kivi && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: CODEC_INT4_KIVI needs a multiple of " +
-                   std::to_string(kernels::kInt4GroupElems) + ", got " +
-                   std::to_string(spec.head_dim));
-  }
-  if (spec.codec == kCodecInt4Hadamard && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: CODEC_INT4_HADAMARD needs a multiple of " +
-                   std::to_string(kernels::kInt4GroupElems) + ", got " +
-                   std::to_string(spec.head_dim));
-  }
-  const bool allot = IsAllotCodec(spec.codec);
-  if (allot && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid(std::string("geometry.head_dim: ") + AllotCodecName(spec.codec) +
-                   " needs a multiple of " + std::to_string(kernels::kInt4GroupElems) + ", got " +
-                   std::to_string(spec.head_dim));
-  }
-  const bool mla = spec.attention == kAttentionMla;
+  const bool allot = kernels::AllotBitsOf(codec).value != 0;
+  const bool mla = spec.attention == wire::kAttentionMla;
   if (allot && mla) {
-    return invalid(std::string("geometry.attention: ") + AllotCodecName(spec.codec) +
+    return invalid("geometry.attention: " + codec_name +
                    " needs K and V planes, got ATTENTION_MLA");
   }
 
@@ -327,16 +286,8 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   kernels::BlockLayout& lay = ns.layout;
   lay.row.num_heads = spec.num_kv_heads;
   lay.row.head_dim = spec.head_dim;
-  lay.row.dtype = spec.dtype == kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
-  lay.row.codec = spec.codec == kCodecRaw            ? kernels::CodecKind::kRaw
-                  : spec.codec == kCodecFp8E4m3      ? kernels::CodecKind::kFp8E4m3PerHead
-                  : spec.codec == kCodecInt4G32      ? kernels::CodecKind::kInt4G32PerHead
-                  : spec.codec == kCodecInt4Kivi     ? kernels::CodecKind::kInt4Kivi
-                  : spec.codec == kCodecInt4Hadamard ? kernels::CodecKind::kInt4Hadamard
-                  : spec.codec == kCodecInt5Allot    ? kernels::CodecKind::kInt5Allot
-                  : spec.codec == kCodecInt6Allot    ? kernels::CodecKind::kInt6Allot
-                  : spec.codec == kCodecInt4Allot    ? kernels::CodecKind::kInt4Allot
-                                                     : kernels::CodecKind::kInt8PerHead;
+  lay.row.dtype = spec.dtype == wire::kDTypeBf16 ? kernels::DType::kBF16 : kernels::DType::kFP16;
+  lay.row.codec = codec;
   if (allot) {
     // Only a codec that turns keys stores the rope in its layout (and so in its namespace). No
     // rotary embedding (theta 0) turns nothing, whatever its pairing: one namespace.
@@ -384,16 +335,16 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
   ValidatedRegistration out;
   HIQ_ASSIGN_OR_RETURN(out.ns, ValidateNamespace(spec, limits, pool_capacity_bytes));
   out.layout = out.ns.layout;
-  if (spec.device_kind != kDeviceHost && spec.device_kind != kDeviceCuda) {
+  if (spec.device_kind != wire::kDeviceHost && spec.device_kind != wire::kDeviceCuda) {
     return InvalidArgument("device.kind: must be DEVICE_KIND_HOST or DEVICE_KIND_CUDA, got " +
                            std::to_string(spec.device_kind));
   }
-  out.cuda = spec.device_kind == kDeviceCuda;
-  if (out.cuda && IsAllotCodec(spec.codec) && spec.head_dim > kernels::kAllotCudaMaxHeadDim) {
-    return InvalidArgument("geometry.head_dim: " + std::string(AllotCodecName(spec.codec)) +
-                           " on a CUDA pool takes up to " +
-                           std::to_string(kernels::kAllotCudaMaxHeadDim) + ", got " +
-                           std::to_string(spec.head_dim) + "; use a HOST pool or another codec");
+  out.cuda = spec.device_kind == wire::kDeviceCuda;
+  if (out.cuda && out.layout.row.IsAllot() && spec.head_dim > kernels::kAllotCudaMaxHeadDim) {
+    return InvalidArgument(
+        "geometry.head_dim: " + std::string(kernels::CodecContractName(out.layout.row.codec)) +
+        " on a CUDA pool takes up to " + std::to_string(kernels::kAllotCudaMaxHeadDim) + ", got " +
+        std::to_string(spec.head_dim) + "; use a HOST pool or another codec");
   }
   const bool mla = out.ns.mla;
 

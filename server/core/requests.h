@@ -81,6 +81,18 @@ struct EventsSpec {
   std::vector<std::string> cuda_ipc_event_handles;
 };
 
+// The wire's enum values (hiqcache.v1: DType, Attention, DeviceKind) that the specs below carry
+// as ints, so that the core needs no protobuf include; cache_service.cc asserts each against the
+// proto. Codec values are named by hiqcache/codec_names.h and kernels::CodecKind.
+namespace wire {
+inline constexpr int kDTypeBf16 = 1;
+inline constexpr int kDTypeFp16 = 2;
+inline constexpr int kAttentionMha = 1;
+inline constexpr int kAttentionMla = 2;
+inline constexpr int kDeviceHost = 1;
+inline constexpr int kDeviceCuda = 2;
+}  // namespace wire
+
 // The parts a namespace is derived from: RegisterPoolRequest's model, tenant, geometry,
 // block_tokens and codec, which a NamespaceRef repeats for callers that hold no pool.
 struct NamespaceSpec {

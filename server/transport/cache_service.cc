@@ -105,29 +105,15 @@ LookupSpec ToLookupSpec(const v1::LookupRequest& r) {
   return s;
 }
 
-v1::Codec ToProtoCodec(kernels::CodecKind codec) {
-  switch (codec) {
-    case kernels::CodecKind::kRaw:
-      return v1::CODEC_RAW;
-    case kernels::CodecKind::kFp8E4m3PerHead:
-      return v1::CODEC_FP8_E4M3_PER_HEAD;
-    case kernels::CodecKind::kInt4G32PerHead:
-      return v1::CODEC_INT4_G32_PER_HEAD;
-    case kernels::CodecKind::kInt4Kivi:
-      return v1::CODEC_INT4_KIVI;
-    case kernels::CodecKind::kInt4Hadamard:
-      return v1::CODEC_INT4_HADAMARD;
-    case kernels::CodecKind::kInt5Allot:
-      return v1::CODEC_INT5_ALLOT;
-    case kernels::CodecKind::kInt6Allot:
-      return v1::CODEC_INT6_ALLOT;
-    case kernels::CodecKind::kInt4Allot:
-      return v1::CODEC_INT4_ALLOT;
-    case kernels::CodecKind::kInt8PerHead:
-      break;
-  }
-  return v1::CODEC_INT8_PER_HEAD;
-}
+static_assert(wire::kDTypeBf16 == v1::DTYPE_BF16 && wire::kDTypeFp16 == v1::DTYPE_FP16);
+static_assert(wire::kAttentionMha == v1::ATTENTION_MHA && wire::kAttentionMla == v1::ATTENTION_MLA);
+static_assert(wire::kDeviceHost == v1::DEVICE_KIND_HOST &&
+              wire::kDeviceCuda == v1::DEVICE_KIND_CUDA);
+
+// CodecKind is numbered as the wire's Codec (record_format.h; codec_names_test checks each name).
+static_assert(v1::Codec_ARRAYSIZE == kCodecCount,
+              "a Codec value of the proto needs its row in kCodecNames (hiqcache/codec_names.h)");
+v1::Codec ToProtoCodec(kernels::CodecKind codec) { return static_cast<v1::Codec>(codec); }
 
 // Counts an error answer for the metrics (CoreObserver), if the core has an observer.
 void CountRejection(const CacheCore* core, const Status& st, const char* rpc) {

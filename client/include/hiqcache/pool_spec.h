@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "hiqcache/codec_names.h"
+
 namespace hiqcache {
 
 enum class DType : uint8_t { kBF16 = 0, kFP16 = 1 };
@@ -35,10 +37,18 @@ enum class Codec : uint8_t {
 };
 enum class DeviceKind : uint8_t { kHost = 0, kCuda = 1 };
 
+// Codec's values are the wire's Codec numbers, 0 to kCodecCount - 1 (hiqcache/codec_names.h). A
+// codec this library does not know (a newer daemon's, in its statistics) reads as a value >=
+// kCodecCount.
+static_assert(static_cast<uint32_t>(Codec::kInt4Allot) + 1 == kCodecCount,
+              "a new Codec needs its row in kCodecNames (hiqcache/codec_names.h)");
+
 const char* DTypeName(DType dtype);  // "bf16", "fp16"
 // "int8_per_head", "raw", "fp8_e4m3_per_head", "int4_g32_per_head", "int4_kivi", "int4_hadamard",
-// "int5_allot", "int6_allot", "int4_allot"
+// "int5_allot", "int6_allot", "int4_allot"; "unknown" for a value >= kCodecCount
 const char* CodecName(Codec codec);
+// The wire enum's name: "CODEC_INT8_PER_HEAD", ...; "CODEC_UNKNOWN" for a value >= kCodecCount
+const char* CodecContractName(Codec codec);
 const char* DeviceKindName(DeviceKind kind);  // "host", "cuda"
 
 struct Geometry {

@@ -377,6 +377,19 @@ def test_geometry_rope_theta_is_checked_and_sent():
     assert ref.to_proto().codec == pb.CODEC_INT5_ALLOT
 
 
+
+def test_codecs_are_the_wire_codecs_one_to_one():
+    """Every hiqcache.Codec has its wire value and every wire value its Codec, by name; a value
+    this library does not know reads as None, not as another codec."""
+    from hiqcache.spec import CODEC_FROM_PB
+    wire = dict(pb.Codec.items())
+    assert len(wire) == len(hq.Codec) and sorted(wire.values()) == list(range(len(wire)))
+    for c in hq.Codec:
+        ref = hq.NamespaceRef(model="m", geometry=G, block_tokens=BT, codec=c)
+        assert pb.Codec.Name(ref.to_proto().codec) == "CODEC_" + c.value.upper()
+        assert CODEC_FROM_PB[wire["CODEC_" + c.value.upper()]] is c
+    assert CODEC_FROM_PB.get(len(wire)) is None
+
 def test_int4_round_trip_within_bound_bytes_per_token_and_capacity(daemon, kv):
     """CODEC_INT4_G32_PER_HEAD: H*D/2 + 2*H*D/32 bytes per row (0.55x INT8's), every element
     within its group's bound, its own namespace, GetStats with its codec, more capacity than INT8
