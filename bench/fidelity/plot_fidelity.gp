@@ -1,7 +1,7 @@
 # Renders bench/fidelity/fidelity.py's results: next-token KL(reference || path) and top-1
 # agreement with the reference against prefix length, one line per codec and the bf16 noise
 # floor (no codec), mean ± SE over windows. fidelity.py runs it as
-#   gnuplot -e "datafile='bench/results/fidelity.dat'; outfile='bench/results/fidelity.png'; \
+#   gnuplot -e "datafile='bench/results/fidelity/fidelity.dat'; outfile='bench/results/fidelity/fidelity.png'; \
 #               subtitle='...'; has_raw=1" bench/fidelity/plot_fidelity.gp
 # (every variable has a default, so `gnuplot bench/fidelity/plot_fidelity.gp` replots the
 # checked-in data). Data: one block per path (gnuplot index), its first row the path's name,
@@ -10,10 +10,10 @@
 # The gates (bench/fidelity/README.md) are drawn as horizontal lines from gatesfile (floor_kl,
 # floor_top1: the floor's means over all windows): KL 1.5x and 3x the floor, top-1 1 and 3
 # points below it. A gate applies to a codec's mean over all windows, not to each length.
-if (!exists("datafile")) datafile = 'bench/results/fidelity.dat'
-if (!exists("outfile")) outfile = 'bench/results/fidelity.png'
+if (!exists("datafile")) datafile = 'bench/results/fidelity/fidelity.dat'
+if (!exists("outfile")) outfile = 'bench/results/fidelity/fidelity.png'
 if (!exists("has_raw")) has_raw = 1
-if (!exists("gatesfile")) gatesfile = 'bench/results/fidelity.gates'
+if (!exists("gatesfile")) gatesfile = 'bench/results/fidelity/fidelity.gates'
 load gatesfile
 if (!exists("subtitle")) subtitle = 'SmolLM2-135M-Instruct bf16, GPL-3 text + chat windows'
 

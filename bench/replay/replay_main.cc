@@ -37,7 +37,7 @@ struct Flags {
                                     7,   8, 9,   10, 11,  12, 13,  14, 15, 16};
   double budget_b_gb = 8;
   uint64_t target_a_tokens = 54254;
-  std::string out = std::string(HIQ_SOURCE_DIR) + "/bench/results";
+  std::string out = std::string(HIQ_SOURCE_DIR) + "/bench/results/replay";
   std::string gnuplot = "gnuplot";
   bool plot = true;
 };
@@ -53,7 +53,7 @@ void PrintUsage() {
       "  --quick    budgets 1,2,4,8,16 GB and no full-geometry run (CI-sized, ~1 min)\n"
       "  --layers   layers of the scaled runs (budgets scaled by N/36), default 2\n"
       "  --full     36-layer 8 GB runs: ours (default: hiqcache only), all, none\n"
-      "default --out: %s/bench/results\n",
+      "default --out: %s/bench/results/replay\n",
       HIQ_SOURCE_DIR);
 }
 

@@ -1,4 +1,4 @@
-// The replay's outputs: bench/results/replay.json (every run, every counter), replay.md (the
+// The replay's outputs: bench/results/replay/replay.json (every run, every counter), replay.md (the
 // experiment tables), replay_sweep.dat (gnuplot input) and, through bench/plot_replay.gp, the
 // hit-rate plot. Pure formatting plus file writes; not thread-safe.
 #pragma once

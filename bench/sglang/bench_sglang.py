@@ -20,7 +20,7 @@ median / this median).
 
 --codecs takes any hiqcache.Codec value (default: int8_per_head and raw).
 Rates count BF16-equivalent bytes (pages x page_size x BF16 bytes per token), decimal GB.
-Prints a table and writes JSON (bench/results/sglang.json).
+Prints a table and writes JSON (bench/results/sglang/sglang.json).
 
 This process's OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless the environment
 sets it): torch's default lets them spin for a while after each parallel op (the zeroing of
@@ -321,7 +321,7 @@ def main() -> None:
                     help="how this process's idle OpenMP threads wait (read before torch loads; "
                     "default: the environment's OMP_WAIT_POLICY, else PASSIVE; unset: "
                     "OpenMP's default)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang" / "sglang.json"))
     args = ap.parse_args()
     logging.getLogger("hiqcache").setLevel(logging.WARNING)
     logging.getLogger("sglang").setLevel(logging.ERROR)

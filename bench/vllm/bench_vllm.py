@@ -440,7 +440,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--vllm-kv-mib", type=int, default=128)
     ap.add_argument("--pool-mib", type=int, default=192)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm" / "vllm.json"))
     args = ap.parse_args()
     model = str(model_dir())
     ids = text_ids(model)

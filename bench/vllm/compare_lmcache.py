@@ -21,8 +21,8 @@ know it).
         [--codec4 NAME[,NAME...]]
 
 Runs under .venv-lmcache's python (every engine is its own process of that python; LMCache's
-engines through lmcache_engine.py). Writes bench/results/vllm_lmcache.json, .dat and .png (gnuplot,
-bench/vllm/plot_lmcache.gp), and prints the table with the load average around each part.
+engines through lmcache_engine.py). Writes bench/results/vllm/vllm_lmcache.json, .dat and .png
+(gnuplot, bench/vllm/plot_lmcache.gp), and prints the table with the load average around each part.
 """
 
 from __future__ import annotations
@@ -379,7 +379,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--vllm-kv-mib", type=int, default=32)
     ap.add_argument("--tier-mib", type=int, default=48)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_lmcache.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm" / "vllm_lmcache.json"))
     args = ap.parse_args()
     args.skipped_codec4 = {}
     try:

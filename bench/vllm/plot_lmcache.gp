@@ -5,8 +5,8 @@
 #           bench/vllm/plot_lmcache.gp
 # (every variable has a default, so `gnuplot bench/vllm/plot_lmcache.gp` replots the checked-in
 # data). Columns: arm, ttft_same_ms, ttft_fresh_ms, hit_rate_pct, workload_ttft_ms, tokens_per_gib.
-if (!exists("datafile")) datafile = 'bench/results/vllm_lmcache.dat'
-if (!exists("outfile")) outfile = 'bench/results/vllm_lmcache.png'
+if (!exists("datafile")) datafile = 'bench/results/vllm/vllm_lmcache.dat'
+if (!exists("outfile")) outfile = 'bench/results/vllm/vllm_lmcache.png'
 if (!exists("subtitle")) subtitle = 'SmolLM2-135M on vLLM-CPU'
 
 set terminal pngcairo size 1400,960 enhanced font 'DejaVu Sans,10'

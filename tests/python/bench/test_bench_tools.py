@@ -20,7 +20,7 @@ from lru_model import lru_hit_rate  # noqa: E402
 
 from merge import merge  # noqa: E402
 
-FIDELITY = ROOT / "bench" / "results" / "fidelity.json"
+FIDELITY = ROOT / "bench" / "results" / "fidelity" / "fidelity.json"
 
 
 @pytest.fixture(scope="module")
