@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "python"))  # this checkout's hiqcache, not the ve
 sys.path.insert(0, str(HERE))
 
 from bench_vllm import BS, rotation, text_ids, ttft_of, workload_requests  # noqa: E402
-from lru_model import lru_hit_rate  # noqa: E402
+from lru_model import lru_hit_rate, watermark_hit_rate  # noqa: E402
 
 import hiqcache as hq  # noqa: E402
 from daemon import Daemon  # noqa: E402
@@ -288,6 +288,12 @@ def bench_workload(model: str, ids: list[int], args: argparse.Namespace,
         if codec and held:  # hiqcached's pool, against the model of its eviction
             held["lru_model_hit_rate"] = lru_hit_rate(batches, warm[0],
                                                       held["capacity_tokens"] // BS, BS)
+        elif codec is None and held and "bytes_per_token" in held:  # LMCache's L1, likewise
+            chunk = held["chunk_tokens"]
+            held["watermark_model_hit_rate"], held["watermark_model_chunks"] = \
+                watermark_hit_rate(batches, warm[0], held["memory_total_bytes"]
+                                   / (chunk * held["bytes_per_token"]), chunk, BS,
+                                   held["eviction_watermark"])
         out[arm] = {"hit_rate_warm_rounds": sum(res[i]["num_cached_tokens"] for i in warm)
                     / shareable,
                     "ttft_median_s": statistics.median(ttft_of(res[i]) for i in warm),
@@ -326,8 +332,10 @@ def report(result: dict, arms: list[str]) -> None:
             held = r["held"]
             per_gib = held.get("tokens_per_gib") if held else w["vllm_tokens_per_gib"]
             lru = (held or {}).get("lru_model_hit_rate")
-            print(f"  {label(arm):22s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%"
-                  + (f" (LRU model {lru * 100:5.1f}%)" if lru is not None else " " * 19)
+            wm = (held or {}).get("watermark_model_hit_rate")
+            model = (f" (LRU model {lru * 100:5.1f}%)" if lru is not None
+                     else f" (L1 model  {wm * 100:5.1f}%)" if wm is not None else " " * 19)
+            print(f"  {label(arm):22s} hit {r['hit_rate_warm_rounds'] * 100:5.1f}%" + model
                   + f"  TTFT median {r['ttft_median_s'] * 1000:7.1f} ms  "
                   + (f"{per_gib:,.0f} tokens/GiB" if per_gib else "tokens/GiB unknown")
                   + f"  (load {r['load_start']:.2f} -> {r['load_end']:.2f})")

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.append(str(ROOT / "bench" / "fidelity"))
 sys.path.append(str(ROOT / "bench" / "vllm"))
 
-from lru_model import lru_hit_rate  # noqa: E402
+from lru_model import lru_hit_rate, watermark_hit_rate  # noqa: E402
 
 from merge import merge  # noqa: E402
 
@@ -118,3 +118,18 @@ def test_lru_model_looks_up_a_batch_before_it_stores():
     same_batch = [prompts([0, 0], 1, bt, 1)]
     assert lru_hit_rate(same_batch, 1, 8, bt) == 0.0
     assert lru_hit_rate([[p] for p in same_batch[0]], 1, 8, bt) == 1.0
+
+
+def test_watermark_model_keeps_its_first_chunks_below_the_watermark():
+    # Room for 2.5 chunks: two fill 80% of it, so the loop evicts one; with room for 2.6 they
+    # fill 77%, nothing is evicted, and the third group is refused every round: the first two
+    # groups hit in every warm round, the third never.
+    bt = 4
+    batches = [[p] for p in prompts([0, 1, 2] * 3, 1, bt, 1)]
+    rate, held = watermark_hit_rate(batches, 3, 2.6, bt, bt)
+    assert (rate, held) == (pytest.approx(2 / 3), 2)
+    # At 2.5 chunks every store past the first crosses the watermark and evicts the oldest:
+    # LRU's worst case, no warm hit, one chunk held.
+    assert watermark_hit_rate(batches, 3, 2.5, bt, bt) == (0.0, 1)
+    # Room for every group below the watermark: every warm request hits.
+    assert watermark_hit_rate(batches, 3, 4.0, bt, bt) == (1.0, 3)
