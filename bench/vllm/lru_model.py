@@ -7,6 +7,15 @@ tests run them on sequences whose answer is known."""
 from __future__ import annotations
 
 
+def _look_up(keys: list[tuple[int, ...]], held: dict[tuple[int, ...], None]) -> int:
+    """How many of a prompt's leading keys `held` has (a prefix hit ends at the first missing
+    one); those become the most recent (`held`'s insertion order is its recency, oldest first)."""
+    n = next((k for k, key in enumerate(keys) if key not in held), len(keys))
+    for key in keys[:n]:
+        held[key] = held.pop(key)
+    return n
+
+
 def lru_hit_rate(batches: list[list[list[int]]], warm_from: int, capacity_blocks: int,
                  block_tokens: int) -> float:
     """The warm-round hit rate of a tier that is nothing but one least-recently-used list of
@@ -22,9 +31,7 @@ def lru_hit_rate(batches: list[list[list[int]]], warm_from: int, capacity_blocks
         # A prompt's full blocks (its last token is always computed), each keyed by its prefix.
         keys = [[tuple(p[:(b + 1) * bt]) for b in range((len(p) - 1) // bt)] for p in batch]
         for blocks in keys:
-            n = next((k for k, key in enumerate(blocks) if key not in lru), len(blocks))
-            for key in blocks[:n]:
-                lru[key] = lru.pop(key)
+            n = _look_up(blocks, lru)
             if i >= warm_from:
                 hits, shareable = hits + n * bt, shareable + len(blocks) * bt
             i += 1
@@ -57,9 +64,7 @@ def watermark_hit_rate(batches: list[list[list[int]]], warm_from: int, capacity_
     for batch in batches:
         keys = [[tuple(p[:(c + 1) * ct]) for c in range(len(p) // ct)] for p in batch]
         for p, chunks in zip(batch, keys):
-            n = next((k for k, key in enumerate(chunks) if key not in held), len(chunks))
-            for key in chunks[:n]:
-                held[key] = held.pop(key)
+            n = _look_up(chunks, held)
             if i >= warm_from:
                 hits += n * ct
                 shareable += (len(p) - 1) // block_tokens * block_tokens

@@ -1844,14 +1844,9 @@ Status ValidateLayout(const BlockLayout& lay, const char* what) {
                              CodecContractName(lay.row.codec));
     }
   }
-  const bool hadamard = lay.row.codec == CodecKind::kInt4Hadamard;
-  if ((lay.row.IsInt4Rows() || hadamard) && lay.row.head_dim % kInt4GroupElems != 0) {
+  if (CodecNeedsGroupedHeads(lay.row.codec) && lay.row.head_dim % kInt4GroupElems != 0) {
     return InvalidArgument(w + ": layout.row.head_dim " + std::to_string(lay.row.head_dim) +
-                           " is not a multiple of 32 (" +
-                           (hadamard                                ? "CODEC_INT4_HADAMARD"
-                            : lay.row.codec == CodecKind::kInt4Kivi ? "CODEC_INT4_KIVI"
-                                                                    : "CODEC_INT4_G32_PER_HEAD") +
-                           ")");
+                           " is not a multiple of 32 (" + CodecContractName(lay.row.codec) + ")");
   }
   if (lay.kv_planes != 1 && lay.kv_planes != 2) {
     return InvalidArgument(w + ": layout.kv_planes must be 1 or 2");

@@ -269,16 +269,16 @@ StatusOr<NamespaceDesc> ValidateNamespace(const NamespaceSpec& spec, const Limit
   if (!kernels::CodecKindFromWire(spec.codec, &codec)) {
     return invalid("codec: unknown value " + std::to_string(spec.codec));
   }
-  const std::string codec_name = kernels::CodecContractName(codec);
+  const char* codec_name = kernels::CodecContractName(codec);
   if (kernels::CodecNeedsGroupedHeads(codec) && spec.head_dim % kernels::kInt4GroupElems != 0) {
-    return invalid("geometry.head_dim: " + codec_name + " needs a multiple of " +
+    return invalid(std::string("geometry.head_dim: ") + codec_name + " needs a multiple of " +
                    std::to_string(kernels::kInt4GroupElems) + ", got " +
                    std::to_string(spec.head_dim));
   }
   const bool allot = kernels::AllotBitsOf(codec).value != 0;
   const bool mla = spec.attention == wire::kAttentionMla;
   if (allot && mla) {
-    return invalid("geometry.attention: " + codec_name +
+    return invalid(std::string("geometry.attention: ") + codec_name +
                    " needs K and V planes, got ATTENTION_MLA");
   }
 
