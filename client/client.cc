@@ -46,6 +46,7 @@ void ToProto(const TensorView& in, v1::TensorView* out) {
   out->set_row_group_stride_bytes(in.row_group_stride_bytes);
   out->set_dim_run(in.dim_run);
   out->set_dim_run_stride_bytes(in.dim_run_stride_bytes);
+  out->set_dim_stride_bytes(in.dim_stride_bytes);
 }
 
 void ToProto(const Geometry& in, v1::Geometry* g) {

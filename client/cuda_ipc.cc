@@ -3,6 +3,8 @@
 #include <cstring>
 #include <utility>
 
+#include "hiqcache/split_view.h"
+
 namespace hiqcache {
 namespace {
 
@@ -177,9 +179,8 @@ Status ResolveCudaTensors(std::span<const CudaTensor> tensors, const CudaMemoryI
       }
       // Split views are HOST-only (the daemon refuses them for CUDA pools too); refused here
       // before EndOffset, which assumes a dim_run that divides head_dim.
-      if (v.row_group != 0 || v.dim_run != 0) {
-        return InvalidArgument(field + (v.dim_run != 0 ? ".dim_run" : ".row_group") +
-                               ": split views are for HOST pools only");
+      if (const char* split = SplitViewField(v)) {
+        return InvalidArgument(field + "." + split + ": split views are for HOST pools only");
       }
       const uint64_t end = v.EndOffset(spec->geometry.num_kv_heads, head_bytes);
       if (end > tensors[v.buffer].bytes) {

@@ -125,6 +125,7 @@ hiqcache::TensorView ToView(const hiq_tensor_view& v) {
   out.row_group_stride_bytes = v.row_group_stride_bytes;
   out.dim_run = v.dim_run;
   out.dim_run_stride_bytes = v.dim_run_stride_bytes;
+  out.dim_stride_bytes = v.dim_stride_bytes;
   return out;
 }
 

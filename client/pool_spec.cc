@@ -34,14 +34,16 @@ uint64_t TensorView::HeadOffset(uint32_t row, uint32_t head, uint64_t head_bytes
 
 uint64_t TensorView::ElementOffset(uint32_t row, uint32_t head, uint32_t d,
                                    uint64_t head_bytes) const {
-  const uint64_t in_head =
-      dim_run == 0 ? uint64_t{d} * 2 : (d / dim_run) * dim_run_stride_bytes + (d % dim_run) * 2;
+  const uint64_t step = dim_stride_bytes != 0 ? dim_stride_bytes : 2;
+  const uint64_t in_head = dim_run == 0
+                               ? uint64_t{d} * step
+                               : (d / dim_run) * dim_run_stride_bytes + (d % dim_run) * step;
   return HeadOffset(row, head, head_bytes) + in_head;
 }
 
 uint64_t TensorView::EndOffset(uint32_t num_heads, uint64_t head_bytes) const {
   if (num_rows == 0 || num_heads == 0) return 0;
-  if (row_group != 0 || dim_run != 0) {
+  if (row_group != 0 || dim_run != 0 || dim_stride_bytes != 0) {
     // Every axis at its largest index (the daemon's bound for split views): strides are
     // unsigned, so no element lies beyond.
     const uint64_t head_dim = head_bytes / 2;
@@ -50,7 +52,8 @@ uint64_t TensorView::EndOffset(uint32_t num_heads, uint64_t head_bytes) const {
     const uint64_t pages = page_rows != 0 ? (num_rows + page_rows - 1) / page_rows : 1;
     const uint64_t group = row_group != 0 ? std::min<uint64_t>(row_group, slots) : slots;
     const uint64_t hs = head_stride_bytes != 0 ? head_stride_bytes : head_bytes;
-    return offset_bytes + (run - 1) * 2 + (head_dim / run - 1) * dim_run_stride_bytes +
+    const uint64_t step = dim_stride_bytes != 0 ? dim_stride_bytes : 2;
+    return offset_bytes + (run - 1) * step + (head_dim / run - 1) * dim_run_stride_bytes +
            (num_heads - 1) * hs + (group - 1) * row_stride_bytes +
            ((slots + group - 1) / group - 1) * row_group_stride_bytes +
            (pages - 1) * page_stride_bytes + 2;

@@ -5,8 +5,9 @@
 // (t / row_group) * row_group_stride + (t % row_group) * row_stride. Head h of row r starts at
 //   base + p * page_stride + (slot t's offset) + h * head_stride
 // and holds head_dim contiguous BF16/FP16 elements, or, with the head split (dim_run > 0),
-// head_dim / dim_run runs of dim_run contiguous elements, run j at j * dim_run_stride from the
-// head's start (docs/design.md TensorView). `base` already includes the view's offset_bytes.
+// head_dim / dim_run runs of dim_run elements, run j at j * dim_run_stride from the head's start,
+// element i of a run at i * dim_step from the run's start (2: contiguous; docs/design.md
+// TensorView dim_stride_bytes). `base` already includes the view's offset_bytes.
 // Bounds are checked once, at registration (ViewEnd in server/core/registration.h); executors
 // index without checks. Executors that read a head as one run of elements take split heads
 // through GatherHeads / ScatterHeads. Value type; thread-safe.
@@ -35,8 +36,9 @@ struct StridedView {
   uint32_t num_rows = 0;
   uint64_t row_group = 0;  // 0 = slots not grouped
   uint64_t row_group_stride = 0;
-  uint32_t dim_run = 0;  // 0 = every head one run of head_dim elements
+  uint32_t dim_run = 0;  // 0 = every head one run of head_dim contiguous elements
   uint64_t dim_run_stride = 0;
+  uint64_t dim_step = 2;  // bytes from one element of a run to the next; 2 when dim_run <= 1
 
   HIQ_HD uint64_t SlotOffset(uint64_t t) const {
     if (row_group == 0) return t * row_stride;
@@ -52,7 +54,7 @@ struct StridedView {
   // Bytes from a head's first element to one past its last one.
   HIQ_HD uint64_t HeadSpan(uint32_t head_dim) const {
     if (dim_run == 0) return uint64_t{head_dim} * 2;
-    return (head_dim / dim_run - 1) * dim_run_stride + uint64_t{dim_run} * 2;
+    return (head_dim / dim_run - 1) * dim_run_stride + uint64_t{dim_run - 1} * dim_step + 2;
   }
 };
 
@@ -102,6 +104,13 @@ inline void TransposeU16(const uint8_t* src, size_t src_pitch, uint8_t* dst, siz
   }
 }
 
+// Copies n 2-byte elements, src_step bytes apart, to dst_step bytes apart. The bytes move
+// unchanged.
+inline void CopyU16(uint8_t* dst, size_t dst_step, const uint8_t* src, size_t src_step,
+                    uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) std::memcpy(dst + i * dst_step, src + i * src_step, 2);
+}
+
 // How many of rows[i, n) from rows[i] on are slots one element (2 bytes) after the one before
 // in every run of a head (a tile of tokens x dims stored dims-major, as vLLM's CPU K tiles):
 // with dim_run 1, such rows' heads move as one transpose.
@@ -136,8 +145,11 @@ inline void GatherHeads(const StridedView& v, uint32_t heads, uint32_t head_dim,
     for (uint32_t h = 0; h < heads; ++h, out += size_t{head_dim} * 2) {
       const uint8_t* head = row + h * v.head_stride;
       if (v.dim_run == 1) {
-        for (uint32_t j = 0; j < runs; ++j)
-          std::memcpy(out + 2 * j, head + j * v.dim_run_stride, 2);
+        CopyU16(out, 2, head, v.dim_run_stride, runs);
+      } else if (v.dim_step != 2) {  // a run's elements spaced (tokens interleaved in the tile)
+        for (uint32_t j = 0; j < runs; ++j) {
+          CopyU16(out + j * run_bytes, 2, head + j * v.dim_run_stride, v.dim_step, v.dim_run);
+        }
       } else {
         for (uint32_t j = 0; j < runs; ++j) {
           std::memcpy(out + j * run_bytes, head + j * v.dim_run_stride, run_bytes);
@@ -169,7 +181,11 @@ inline void ScatterHeads(const uint8_t* in, uint32_t heads, uint32_t head_dim, c
     for (uint32_t h = 0; h < heads; ++h, in += size_t{head_dim} * 2) {
       uint8_t* head = row + h * v.head_stride;
       if (v.dim_run == 1) {
-        for (uint32_t j = 0; j < runs; ++j) std::memcpy(head + j * v.dim_run_stride, in + 2 * j, 2);
+        CopyU16(head, v.dim_run_stride, in, 2, runs);
+      } else if (v.dim_step != 2) {
+        for (uint32_t j = 0; j < runs; ++j) {
+          CopyU16(head + j * v.dim_run_stride, v.dim_step, in + j * run_bytes, 2, v.dim_run);
+        }
       } else {
         for (uint32_t j = 0; j < runs; ++j) {
           std::memcpy(head + j * v.dim_run_stride, in + j * run_bytes, run_bytes);

@@ -141,7 +141,8 @@ class TensorView:
     contiguous elements. Split addressing (HOST pools; 0 = not split): with row_group > 0, slot
     t is at (t // row_group) * row_group_stride_bytes + (t % row_group) * row_stride_bytes; with
     dim_run > 0 (a divisor of head_dim) the head is head_dim // dim_run runs of dim_run
-    contiguous elements, run j at j * dim_run_stride_bytes from the head's start.
+    elements, run j at j * dim_run_stride_bytes from the head's start; with dim_stride_bytes > 0
+    element i of a run is at i * dim_stride_bytes from the run's start (0: 2 bytes, contiguous).
     """
 
     buffer: int
@@ -155,6 +156,7 @@ class TensorView:
     row_group_stride_bytes: int = 0
     dim_run: int = 0
     dim_run_stride_bytes: int = 0
+    dim_stride_bytes: int = 0
 
     def to_proto(self) -> pb.TensorView:
         return pb.TensorView(
@@ -163,7 +165,7 @@ class TensorView:
             head_stride_bytes=self.head_stride_bytes, page_rows=self.page_rows,
             page_stride_bytes=self.page_stride_bytes, row_group=self.row_group,
             row_group_stride_bytes=self.row_group_stride_bytes, dim_run=self.dim_run,
-            dim_run_stride_bytes=self.dim_run_stride_bytes)
+            dim_run_stride_bytes=self.dim_run_stride_bytes, dim_stride_bytes=self.dim_stride_bytes)
 
 
 @dataclass(frozen=True)

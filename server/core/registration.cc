@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "hiqcache/split_view.h"
 #include "pool/pool_format.h"
 
 namespace hiqcache::server {
@@ -111,8 +112,9 @@ struct ViewAxis {
   const char* field;
 };
 
-// ViewEnd of a view that splits its slots (row_group) or a head's elements (dim_run): every
-// address of the full grid of (page, group, slot, head, run, element) lies below the answer, and
+// ViewEnd of a view that splits its slots (row_group) or a head's elements (dim_run,
+// dim_stride_bytes): every address of the full grid of (page, group, slot, head, run, element)
+// lies below the answer, and
 // no two elements share a byte (sorted by stride, each axis steps past everything the smaller
 // ones span), as the daemon writes every element of a restored row.
 StatusOr<uint64_t> SplitViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
@@ -122,7 +124,8 @@ StatusOr<uint64_t> SplitViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head
                            std::to_string(head_dim) + "), got " + std::to_string(v.dim_run));
   }
   if (v.offset_bytes % 2 || v.row_stride_bytes % 2 || v.head_stride_bytes % 2 ||
-      v.page_stride_bytes % 2 || v.row_group_stride_bytes % 2 || v.dim_run_stride_bytes % 2) {
+      v.page_stride_bytes % 2 || v.row_group_stride_bytes % 2 || v.dim_run_stride_bytes % 2 ||
+      v.dim_stride_bytes % 2) {
     return InvalidArgument(field + ": offset and strides must be multiples of 2 bytes");
   }
   const uint64_t run = v.dim_run != 0 ? v.dim_run : head_dim;
@@ -133,7 +136,8 @@ StatusOr<uint64_t> SplitViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head
   const uint64_t pages = v.page_rows != 0 ? (v.num_rows + v.page_rows - 1) / v.page_rows : 1;
   const uint64_t group = v.row_group != 0 ? std::min<uint64_t>(v.row_group, slots) : slots;
   ViewAxis axes[] = {
-      {run, 2, "dim_run"},
+      {run, v.dim_stride_bytes != 0 ? v.dim_stride_bytes : 2,
+       v.dim_stride_bytes != 0 ? "dim_stride_bytes" : "dim_run"},
       {head_dim / run, v.dim_run_stride_bytes, "dim_run_stride_bytes"},
       {heads, head_stride, "head_stride_bytes"},
       {group, v.row_stride_bytes, "row_stride_bytes"},
@@ -174,7 +178,7 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
   const uint64_t head_bytes = uint64_t{head_dim} * 2;
   const uint64_t head_stride = v.head_stride_bytes != 0 ? v.head_stride_bytes : head_bytes;
   if (v.num_rows == 0) return InvalidArgument(field + ".num_rows: must be > 0");
-  if (v.row_group != 0 || v.dim_run != 0) return SplitViewEnd(v, heads, head_dim, field);
+  if (SplitViewField(v) != nullptr) return SplitViewEnd(v, heads, head_dim, field);
   if (v.row_stride_bytes == 0 && v.num_rows > 1) {
     return InvalidArgument(field + ".row_stride_bytes: must be > 0");
   }
@@ -392,9 +396,8 @@ StatusOr<ValidatedRegistration> ValidateRegistration(const RegisterSpec& spec, c
                                " out of range (" + std::to_string(spec.buffers.size()) +
                                " buffers)");
       }
-      if (out.cuda && (v.row_group != 0 || v.dim_run != 0)) {
-        return InvalidArgument(f + (v.dim_run != 0 ? ".dim_run" : ".row_group") +
-                               ": split views are for HOST pools only");
+      if (const char* split = SplitViewField(v); out.cuda && split != nullptr) {
+        return InvalidArgument(f + "." + split + ": split views are for HOST pools only");
       }
       HIQ_ASSIGN_OR_RETURN(uint64_t end, ViewEnd(v, spec.num_kv_heads, spec.head_dim, f));
       if (end > spec.buffers[v.buffer].size_bytes) {
@@ -452,8 +455,12 @@ std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
       sv.num_rows = v.num_rows;
       sv.row_group = v.row_group;
       sv.row_group_stride = v.row_group_stride_bytes;
-      // One run of head_dim elements is an unsplit head.
-      sv.dim_run = v.dim_run == layout.row.head_dim ? 0 : v.dim_run;
+      // A run's elements 2 bytes apart are contiguous; one run of head_dim contiguous elements
+      // is an unsplit head, and a head of spaced elements is one run of head_dim of them.
+      sv.dim_step = v.dim_stride_bytes != 0 ? v.dim_stride_bytes : 2;
+      const uint32_t run = v.dim_run != 0 ? v.dim_run : layout.row.head_dim;
+      sv.dim_run = run == layout.row.head_dim && sv.dim_step == 2 ? 0 : run;
+      sv.dim_step = sv.dim_run > 1 ? sv.dim_step : 2;  // a run of one element has no step
       sv.dim_run_stride = v.dim_run_stride_bytes;
     }
   }

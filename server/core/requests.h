@@ -65,6 +65,7 @@ struct ViewSpec {
   uint64_t row_group_stride_bytes = 0;
   uint32_t dim_run = 0;  // 0 = a head's elements contiguous
   uint64_t dim_run_stride_bytes = 0;
+  uint64_t dim_stride_bytes = 0;  // 0 = a run's elements contiguous (2 bytes apart)
 };
 
 struct LayerSpec {

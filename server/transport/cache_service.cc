@@ -25,6 +25,7 @@ ViewSpec ToView(bool present, const v1::TensorView& t) {
   v.row_group_stride_bytes = t.row_group_stride_bytes();
   v.dim_run = t.dim_run();
   v.dim_run_stride_bytes = t.dim_run_stride_bytes();
+  v.dim_stride_bytes = t.dim_stride_bytes();
   return v;
 }
 

@@ -1,4 +1,4 @@
-"""ctypes mirrors of the structs of client/include/hiqcache/hiqcache_c.h (ABI version 3), shared
+"""ctypes mirrors of the structs of client/include/hiqcache/hiqcache_c.h (ABI version 4), shared
 by the C ABI's smoke test and the Python tests that drive libhiqcache.so (tests/python/c_client.py).
 A change of the header's structs changes these in the same commit."""
 
@@ -22,7 +22,8 @@ class TensorView(C.Structure):
                 ("row_stride_bytes", C.c_uint64), ("head_stride_bytes", C.c_uint64),
                 ("page_rows", C.c_uint64), ("page_stride_bytes", C.c_uint64),
                 ("row_group", C.c_uint32), ("dim_run", C.c_uint32),
-                ("row_group_stride_bytes", C.c_uint64), ("dim_run_stride_bytes", C.c_uint64)]
+                ("row_group_stride_bytes", C.c_uint64), ("dim_run_stride_bytes", C.c_uint64),
+                ("dim_stride_bytes", C.c_uint64)]
 
 
 class LayerView(C.Structure):

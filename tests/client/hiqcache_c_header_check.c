@@ -9,7 +9,7 @@ int hiq_test_c_header_sizes(void) {
   desc.device_kind = HIQ_DEVICE_HOST;
   /* The ctypes mirrors (tests/client/hiqcache_c_smoke.py) assume these sizes. */
   return (int)(sizeof(hiq_geometry) == 28 && sizeof(hiq_buffer) == 32 &&
-               sizeof(hiq_tensor_view) == 72 && sizeof(hiq_layer_view) == 152 &&
+               sizeof(hiq_tensor_view) == 80 && sizeof(hiq_layer_view) == 168 &&
                sizeof(hiq_pool_desc) == 112 && sizeof(hiq_pool_info) == 104 &&
                sizeof(hiq_stats) == 72 && desc.layers->has_v == 0);
 }

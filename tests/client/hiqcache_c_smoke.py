@@ -90,7 +90,7 @@ def wait_for_socket(path, proc, timeout=20.0, kind=socket.SOCK_STREAM):
 def main():
     lib = load(os.environ["HIQ_C_LIB"])
     daemon = os.environ["HIQ_DAEMON_PATH"]
-    assert lib.hiq_abi_version() == 3
+    assert lib.hiq_abi_version() == 4
 
     tmp = tempfile.mkdtemp(prefix="hiq-py-")
     sock = os.path.join(tmp, "hiqcached.sock")

@@ -327,9 +327,11 @@ TEST(CodecCpu, TransposeU16MovesEveryElement) {
   }
 }
 
-// Views with split addressing (StridedView::row_group, dim_run): vLLM CPU attention's tiles,
-// [pages][heads][K|V][...], K as [dim][token] (runs of one element) and as token groups of 8
-// with dims in pairs ([t / 8][d / 2][t % 8][d % 2]), V as [token][dim]. Each codec encodes the
+// Views with split addressing (StridedView::row_group, dim_run, dim_step): vLLM CPU attention's
+// tiles, [pages][heads][K|V][...], K as [dim][token] (runs of one element) and as token groups
+// of 8 with dims in pairs ([t / 8][d / 2][t % 8][d % 2]), V as [token][dim], and, as vLLM's AMX
+// tiles, V with token pairs interleaved ([d / 16][t / 2][d % 16][t % 2]: a run's elements 4
+// bytes apart) beside K in token groups of 16 with dims in pairs. Each codec encodes the
 // same bytes as from a plain [row][head][dim] copy of the same values, on 1 and 3 threads and
 // with the reference, and a decode writes exactly the plain decode's values at the split
 // addresses and no other byte.
@@ -338,7 +340,7 @@ TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
   const uint64_t tile = uint64_t{kBs} * kDim * 2 * 2, page = tile * kHeads;
   const uint32_t rows_total = kPages * kBs;
   const uint32_t order[] = {3, 0, 4, 1};  // the blocks' pages, not in order
-  for (int split = 0; split < 2; ++split) {
+  for (int split = 0; split < 3; ++split) {
     StridedView k;
     k.page_rows = kBs;
     k.page_stride = page;
@@ -349,11 +351,12 @@ TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
       k.dim_run = 1;
       k.dim_run_stride = kBs * 2;
     } else {
+      const uint32_t group = split == 1 ? 8 : 16;
       k.row_stride = 4;
-      k.row_group = 8;
-      k.row_group_stride = 8 * kDim * 2;
+      k.row_group = group;
+      k.row_group_stride = group * kDim * 2;
       k.dim_run = 2;
-      k.dim_run_stride = 8 * 2 * 2;
+      k.dim_run_stride = group * 2 * 2;
     }
     StridedView v;
     v.row_stride = kDim * 2;
@@ -361,12 +364,20 @@ TEST(CodecCpu, SplitViewsEncodeAndDecodeAsPlainViews) {
     v.page_rows = kBs;
     v.page_stride = page;
     v.num_rows = rows_total;
+    if (split == 2) {
+      v.row_stride = 2;
+      v.row_group = 2;
+      v.row_group_stride = 16 * 2 * 2;
+      v.dim_run = 16;
+      v.dim_run_stride = kBs * 16 * 2;
+      v.dim_step = 4;
+    }
     // Element (row, head, d) of each plane at its split address.
     auto at = [&](const StridedView& sv, uint8_t* base, uint32_t r, uint32_t h, uint32_t d) {
       StridedView b = sv;
       b.base = base;
       const uint32_t run = b.dim_run != 0 ? b.dim_run : kDim;
-      return b.Head(r, h) + (d / run) * b.dim_run_stride + (d % run) * 2;
+      return b.Head(r, h) + (d / run) * b.dim_run_stride + (d % run) * b.dim_step;
     };
     for (CodecKind codec :
          {CodecKind::kInt8PerHead, CodecKind::kRaw, CodecKind::kFp8E4m3PerHead,

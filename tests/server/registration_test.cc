@@ -1099,6 +1099,48 @@ TEST(SplitViewTest, TokenGroupsAndDimPairs) {
   ExpectInvalid(s, "elements of the view overlap");
 }
 
+TEST(SplitViewTest, TokenPairsInterleavedInRuns) {
+  // AMX-like V tile: [d / 16][t / 2][d % 16][t % 2]: a run's 16 elements 4 bytes apart, the
+  // token pair's other token between them.
+  RegisterSpec s = VllmCpuTileSpec(1, 2, 64, 2, 32);
+  ViewSpec& v = s.layers[0].v;
+  v.row_stride_bytes = 2;
+  v.row_group = 2;
+  v.row_group_stride_bytes = 16 * 2 * 2;
+  v.dim_run = 16;
+  v.dim_run_stride_bytes = 32 * 16 * 2;
+  v.dim_stride_bytes = 4;
+  auto r = ValidateRegistration(s, Limits{}, kBigPool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::vector<uint8_t> buf(s.buffers[0].size_bytes);
+  const kernels::StridedView sv = ResolveViews(s, r->layout, {buf.data()})[0].planes[1];
+  EXPECT_EQ(sv.dim_run, 16u);
+  EXPECT_EQ(sv.dim_step, 4u);
+  // Its last element (token 31, dim 63 of head 1) is the tile's last byte.
+  const uint64_t tile = 32 * 64 * 2 * 2;
+  EXPECT_EQ(sv.Head(31, 1) + sv.HeadSpan(64), buf.data() + 2 * tile);
+  // Elements 2 bytes apart land on the pair's other token.
+  v.dim_stride_bytes = 2;
+  ExpectInvalid(s, "elements of the view overlap");
+  v.dim_stride_bytes = 3;
+  ExpectInvalid(s, "multiples of 2");
+  v.dim_stride_bytes = 1ull << 62;
+  ExpectInvalid(s, "layers[0].v.dim_stride_bytes: 4611686018427387904 x 15 overflows");
+  // A head of 64 spaced elements (dim_run 0) is one run of them: here it overlaps token 1.
+  v.dim_stride_bytes = 4;
+  v.dim_run = 0;
+  ExpectInvalid(s, "elements of the view overlap");
+  // Spaced elements make a split view, HOST-only like the others.
+  RegisterSpec cuda = VllmCpuTileSpec();
+  cuda.device_kind = kCuda;
+  cuda.buffers[0].has_host_shm_name = false;
+  cuda.buffers[0].has_cuda_ipc_handle = true;
+  cuda.buffers[0].cuda_ipc_handle = std::string(64, 'h');
+  for (auto& l : cuda.layers) l.k.dim_run = 0;
+  cuda.layers[0].k.dim_stride_bytes = 2;
+  ExpectInvalid(cuda, "layers[0].k.dim_stride_bytes: split views are for HOST pools only");
+}
+
 TEST(SplitViewTest, RejectsOverlapOutOfBoundsAndOverflow) {
   auto with = [](auto&& edit) {
     RegisterSpec s = VllmCpuTileSpec();

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below changes layout or a function changes meaning. */
-#define HIQ_C_ABI_VERSION 3
+#define HIQ_C_ABI_VERSION 4
 
 enum hiq_status_code {
   HIQ_OK = 0,
@@ -146,9 +146,10 @@ typedef struct hiq_buffer {
  * t * row_stride_bytes, or with row_group > 0 (t / row_group) * row_group_stride_bytes +
  * (t % row_group) * row_stride_bytes. A head is head_dim contiguous elements, or with dim_run > 0
  * (a divisor of head_dim) head_dim / dim_run runs of dim_run elements, run j at
- * j * dim_run_stride_bytes from the head's start. row_group and dim_run (split views, for an
- * engine's tiles) are for HOST pools; 0 = not split. The daemon checks every field and names the
- * bad one. */
+ * j * dim_run_stride_bytes from the head's start, element i of a run at i * dim_stride_bytes from
+ * the run's start (0 = 2 bytes: contiguous). row_group, dim_run and dim_stride_bytes (split views,
+ * for an engine's tiles) are for HOST pools; 0 = not split. The daemon checks every field and
+ * names the bad one. */
 typedef struct hiq_tensor_view {
   uint32_t buffer;
   uint32_t num_rows;
@@ -161,6 +162,7 @@ typedef struct hiq_tensor_view {
   uint32_t dim_run;   /* 0 = a head's elements contiguous */
   uint64_t row_group_stride_bytes;
   uint64_t dim_run_stride_bytes;
+  uint64_t dim_stride_bytes; /* 0 = a run's elements contiguous */
 } hiq_tensor_view;
 
 typedef struct hiq_layer_view {

@@ -81,9 +81,10 @@ struct Geometry {
 // starts at base(buffer) + offset_bytes + p * page_stride_bytes + (slot t's offset) +
 // h * head_stride_bytes (head_stride_bytes 0 = head_dim elements) and holds head_dim contiguous
 // elements, or, with the head split (dim_run > 0, a divisor of head_dim), head_dim / dim_run
-// runs of dim_run contiguous elements, run j at j * dim_run_stride_bytes from the head's start.
-// Split views (row_group, dim_run: an engine's tiles) are for HOST pools; the daemon validates
-// every field at registration (INVALID_ARGUMENT naming the field).
+// runs of dim_run elements, run j at j * dim_run_stride_bytes from the head's start, element i
+// of a run at i * dim_stride_bytes from the run's start (0 = 2 bytes: contiguous). Split views
+// (row_group, dim_run, dim_stride_bytes: an engine's tiles) are for HOST pools; the daemon
+// validates every field at registration (INVALID_ARGUMENT naming the field).
 struct TensorView {
   uint32_t buffer = 0;  // index into PoolSpec::buffers
   uint64_t offset_bytes = 0;
@@ -96,6 +97,7 @@ struct TensorView {
   uint64_t row_group_stride_bytes = 0;
   uint32_t dim_run = 0;  // 0 = a head's elements contiguous
   uint64_t dim_run_stride_bytes = 0;
+  uint64_t dim_stride_bytes = 0;  // 0 = a run's elements contiguous
 
   // Byte offset from the buffer base of head `head` of row `row` (its first element).
   // `head_bytes` (head_dim * element size) is the head stride used when head_stride_bytes is 0.

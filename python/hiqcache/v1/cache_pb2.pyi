@@ -113,7 +113,7 @@ class SharedBuffer(_message.Message):
     def __init__(self, host_shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., host_fd_id: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorView(_message.Message):
-    __slots__ = ("buffer", "offset_bytes", "row_stride_bytes", "num_rows", "head_stride_bytes", "page_rows", "page_stride_bytes", "row_group", "row_group_stride_bytes", "dim_run", "dim_run_stride_bytes")
+    __slots__ = ("buffer", "offset_bytes", "row_stride_bytes", "num_rows", "head_stride_bytes", "page_rows", "page_stride_bytes", "row_group", "row_group_stride_bytes", "dim_run", "dim_run_stride_bytes", "dim_stride_bytes")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class TensorView(_message.Message):
     ROW_GROUP_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIM_RUN_FIELD_NUMBER: _ClassVar[int]
     DIM_RUN_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIM_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     buffer: int
     offset_bytes: int
     row_stride_bytes: int
@@ -136,7 +137,8 @@ class TensorView(_message.Message):
     row_group_stride_bytes: int
     dim_run: int
     dim_run_stride_bytes: int
-    def __init__(self, buffer: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., row_stride_bytes: _Optional[int] = ..., num_rows: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., page_rows: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., row_group: _Optional[int] = ..., row_group_stride_bytes: _Optional[int] = ..., dim_run: _Optional[int] = ..., dim_run_stride_bytes: _Optional[int] = ...) -> None: ...
+    dim_stride_bytes: int
+    def __init__(self, buffer: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., row_stride_bytes: _Optional[int] = ..., num_rows: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., page_rows: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., row_group: _Optional[int] = ..., row_group_stride_bytes: _Optional[int] = ..., dim_run: _Optional[int] = ..., dim_run_stride_bytes: _Optional[int] = ..., dim_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerView(_message.Message):
     __slots__ = ("k", "v")

@@ -6,15 +6,16 @@ groups with pairs of dims interleaved). The worker learns the order by running v
 cpu_attn_reshape_and_cache on a probe tile at start-up; a layout it cannot map exactly fails
 start-up, it never backs up scrambled KV. Then, by extra-config `cpu_transport`:
 
-  tiles    the order factors into permuted token and dim axes with each dim run contiguous
-           (vec and vec16, the ISAs this machine runs; the AMX order as described above would
-           too, unverified here): each plane of a tile is a split TensorView (docs/design.md
-           TensorView: row_group, dim_run). vLLM's KV tensors move into one memfd the daemon
-           maps (their storage is swapped in place, so every holder of the tensors sees it), and
-           a restore is one decode straight into vLLM's blocks: wait_layer only waits for the
-           layer's slot. Behind each layer's blocks the memfd holds a save area of whole tiles: a
-           save copies the step's new blocks there (tile for tile, no conversion) and the daemon
-           encodes them from there, so vLLM's blocks are free again once the copy is made.
+  tiles    the order factors into permuted token and dim axes (vec and vec16 on x86 without
+           AMX; amx, whose K tiles pair dims inside groups of 16 tokens and whose V tiles
+           interleave token pairs): each plane of a tile is a split TensorView (docs/design.md
+           TensorView: row_group, dim_run, dim_stride_bytes). vLLM's KV tensors move into one
+           memfd the daemon maps (their storage is swapped in place, so every holder of the
+           tensors sees it), and a restore is one decode straight into vLLM's blocks: wait_layer
+           only waits for the layer's slot. Behind each layer's blocks the memfd holds a save
+           area of whole tiles: a save copies the step's new blocks there (tile for tile, no
+           conversion) and the daemon encodes them from there, so vLLM's blocks are free again
+           once the copy is made.
   staging  the daemon reads and writes a staging area in shared memory
            ([layer][K|V][row][head][dim]); loads: wait_layer(layer) waits for that layer and
            scatters it into vLLM's blocks; saves gather the step's new blocks into the save area.
@@ -152,8 +153,8 @@ def tile_view_strides(factors: tuple[tuple[int, int, int, int], tuple[int, ...]]
                       ) -> dict[str, int] | None:
     """The split TensorView fields (in elements, not bytes) that address one plane of a tile
     whose order factors as _factor_order found: row_stride, row_group, row_group_stride,
-    dim_run, dim_run_stride. None when the order has no TensorView (the dims of a run are not
-    contiguous)."""
+    dim_run, dim_run_stride, dim_stride (0: a run's elements adjacent; AMX's V tiles put the
+    other token of a pair between them). None when the order does not factor."""
     if factors is None:
         return None
     sizes, perm = factors
@@ -163,12 +164,13 @@ def tile_view_strides(factors: tuple[tuple[int, int, int, int], tuple[int, ...]]
         stride[axis] = step
         step *= sizes[axis]
     out = {"row_stride": 0, "row_group": 0, "row_group_stride": 0, "dim_run": 0,
-           "dim_run_stride": 0}
+           "dim_run_stride": 0, "dim_stride": 0}
     run = sizes[_D0]
-    if run > 1 and stride[_D0] != 1:
-        return None
-    if sizes[_D1] > 1 and stride[_D1] != run:  # else one run of head_dim elements
+    dim_step = stride[_D0] if run > 1 else 1
+    if sizes[_D1] > 1 and stride[_D1] != run * dim_step:  # else one run of head_dim elements
         out["dim_run"], out["dim_run_stride"] = run, stride[_D1]
+    if dim_step != 1:
+        out["dim_stride"] = dim_step
     if sizes[_T0] == 1:
         out["row_stride"] = stride[_T1]
     elif sizes[_T1] == 1:
@@ -440,7 +442,8 @@ class CpuWorker(_LoadSteps):
                     row_stride_bytes=st["row_stride"] * es, num_rows=per_layer * self.bs,
                     head_stride_bytes=tile * es, page_rows=self.bs, page_stride_bytes=page,
                     row_group=st["row_group"], row_group_stride_bytes=st["row_group_stride"] * es,
-                    dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es))
+                    dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es,
+                    dim_stride_bytes=st["dim_stride"] * es))
             views.append(LayerView(k=planes[0], v=planes[1]))
         return tuple(views)
 

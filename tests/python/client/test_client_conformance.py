@@ -236,8 +236,9 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(make_client, 
 
 def tile_views(kv: HostKv) -> tuple[hq.LayerView, ...]:
     """kv's buffer read as vLLM's CPU attention tiles (split views): each (layer, K|V) region is
-    [page of BT rows][head][tile]; K's tile [dim][token] (runs of one element), V's
-    [token / 8][dim / 2][token % 8][dim % 2]."""
+    [page of BT rows][head][tile]; K's tile [dim][token] (runs of one element), V's as vLLM's AMX
+    tiles, [dim / 16][token / 2][dim % 16][token % 2] (every split field: a client that drops one
+    sends a view whose elements overlap)."""
     g, e = kv.g, 2
     tile = BT * g.head_dim * e
     plane = kv.rows * g.num_kv_heads * g.head_dim * e
@@ -249,9 +250,9 @@ def tile_views(kv: HostKv) -> tuple[hq.LayerView, ...]:
         if p == 0:
             return hq.TensorView(**common, row_stride_bytes=e, dim_run=1,
                                  dim_run_stride_bytes=BT * e)
-        return hq.TensorView(**common, row_stride_bytes=2 * e, row_group=8,
-                             row_group_stride_bytes=8 * g.head_dim * e, dim_run=2,
-                             dim_run_stride_bytes=8 * 2 * e)
+        return hq.TensorView(**common, row_stride_bytes=e, row_group=2,
+                             row_group_stride_bytes=2 * 16 * e, dim_run=16,
+                             dim_run_stride_bytes=BT * 16 * e, dim_stride_bytes=2 * e)
     return tuple(hq.LayerView(k=view(l, 0), v=view(l, 1)) for l in range(g.num_layers))
 
 
@@ -290,7 +291,7 @@ def test_bad_registration_is_refused_naming_the_field(make_client, daemon, kv, b
                         views[1], k=dataclasses.replace(views[1].k, dim_run=3))
                 else:
                     views[0] = dataclasses.replace(
-                        views[0], v=dataclasses.replace(views[0].v, row_group_stride_bytes=64))
+                        views[0], v=dataclasses.replace(views[0].v, row_group_stride_bytes=32))
                 c.register(kv, "conf-badreg", layers=views)
             else:
                 c.register(kv, "")

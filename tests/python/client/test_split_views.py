@@ -1,6 +1,7 @@
-"""Split TensorViews (row_group, dim_run: docs/design.md TensorView) against the real hiqcached:
-tiles in vLLM CPU attention's orders round-trip through the daemon equal to plain views of the
-same values, and hostile split views get INVALID_ARGUMENT naming the field and change nothing."""
+"""Split TensorViews (row_group, dim_run, dim_stride_bytes: docs/design.md TensorView) against the
+real hiqcached: tiles in vLLM CPU attention's orders round-trip through the daemon equal to plain
+views of the same values, and hostile split views get INVALID_ARGUMENT naming the field and
+change nothing."""
 
 from __future__ import annotations
 
@@ -28,24 +29,48 @@ def kgroups(st: dict[str, int]) -> None:
               dim_run_stride=16)
 
 
-class Tiles:
-    """[layer][block][head][K|V tile] in a memfd; V row-major, K in the order `k_order` sets."""
+def vrows(st: dict[str, int]) -> None:
+    """V as [token][dim]."""
+    st.update(row_stride=G.head_dim)
 
-    def __init__(self, k_order) -> None:
+
+def vpairs(st: dict[str, int]) -> None:
+    """V as [dim / 16][token / 2][dim % 16][token % 2] (vLLM's AMX tiles: a run's elements 2
+    apart, the pair's other token between them)."""
+    st.update(row_stride=1, row_group=2, row_group_stride=32, dim_run=16, dim_run_stride=BT * 16,
+              dim_stride=2)
+
+
+def fields(st: dict[str, int]) -> dict[str, int]:
+    """The TensorView fields (bytes) of a plane's order (elements)."""
+    return dict(row_stride_bytes=st["row_stride"] * ES, row_group=st["row_group"],
+                row_group_stride_bytes=st["row_group_stride"] * ES, dim_run=st["dim_run"],
+                dim_run_stride_bytes=st["dim_run_stride"] * ES,
+                dim_stride_bytes=st["dim_stride"] * ES)
+
+
+class Tiles:
+    """[layer][block][head][K|V tile] in a memfd; each plane in the order its function sets."""
+
+    def __init__(self, k_order, v_order=vrows) -> None:
         self.shm = hq.HostShm.create_memfd("test-tiles", G.num_layers * BLOCKS * G.num_kv_heads
                                            * TILE * ES)
         self.data = self.shm.array(np.uint16).reshape(G.num_layers, BLOCKS, G.num_kv_heads, TILE)
-        self.k: dict[str, int] = {"row_stride": 0, "row_group": 0, "row_group_stride": 0,
-                                  "dim_run": 0, "dim_run_stride": 0}
-        k_order(self.k)
-        # Element offsets inside a tile of (plane, token, dim).
+        self.planes = []
         t = np.arange(BT).reshape(BT, 1)
         d = np.arange(G.head_dim).reshape(1, G.head_dim)
-        k = self.k
-        slot = ((t // k["row_group"]) * k["row_group_stride"] + (t % k["row_group"])
-                * k["row_stride"]) if k["row_group"] else t * k["row_stride"]
-        self.index = np.stack([slot + (d // k["dim_run"]) * k["dim_run_stride"] + d % k["dim_run"],
-                               BT * G.head_dim + t * G.head_dim + d])  # [2][BT][dim]
+        index = []  # element offsets inside a tile of (plane, token, dim)
+        for plane, order in enumerate((k_order, v_order)):
+            st = {"row_stride": 0, "row_group": 0, "row_group_stride": 0, "dim_run": 0,
+                  "dim_run_stride": 0, "dim_stride": 0}
+            order(st)
+            self.planes.append(st)
+            slot = ((t // st["row_group"]) * st["row_group_stride"] + (t % st["row_group"])
+                    * st["row_stride"]) if st["row_group"] else t * st["row_stride"]
+            run = st["dim_run"] or G.head_dim
+            index.append(plane * BT * G.head_dim + slot + (d // run) * st["dim_run_stride"]
+                         + (d % run) * (st["dim_stride"] or 1))
+        self.index = np.stack(index)  # [2][BT][dim]
         assert np.unique(self.index).size == TILE  # a permutation of the tile
 
     def views(self, **bad_k: int) -> tuple[hq.LayerView, ...]:
@@ -54,17 +79,12 @@ class Tiles:
             base = l * BLOCKS * G.num_kv_heads * TILE * ES
             common = dict(buffer=0, num_rows=BLOCKS * BT, head_stride_bytes=TILE * ES,
                           page_rows=BT, page_stride_bytes=G.num_kv_heads * TILE * ES)
-            k_fields = dict(common, offset_bytes=base,
-                            row_stride_bytes=self.k["row_stride"] * ES,
-                            row_group=self.k["row_group"],
-                            row_group_stride_bytes=self.k["row_group_stride"] * ES,
-                            dim_run=self.k["dim_run"],
-                            dim_run_stride_bytes=self.k["dim_run_stride"] * ES)
+            k_fields = dict(common, offset_bytes=base, **fields(self.planes[0]))
             if l == 1:
                 k_fields.update(bad_k)
             k = hq.TensorView(**k_fields)
-            v = hq.TensorView(offset_bytes=base + BT * G.head_dim * ES,
-                              row_stride_bytes=G.head_dim * ES, **common)
+            v = hq.TensorView(offset_bytes=base + BT * G.head_dim * ES, **common,
+                              **fields(self.planes[1]))
             out.append(hq.LayerView(k=k, v=v))
         return tuple(out)
 
@@ -88,14 +108,15 @@ def rows(blocks: list[int]) -> list[int]:
     return [b * BT + t for b in blocks for t in range(BT)]
 
 
-@pytest.mark.parametrize("k_order", [kvec, kgroups], ids=["k-dim-major", "k-token-groups"])
-def test_tiles_round_trip_equal_to_plain_views(daemon, k_order):
-    tiles, plain = Tiles(k_order), HostKv(G, 8 * BT, memfd=True)
+@pytest.mark.parametrize("k_order,v_order", [(kvec, vrows), (kgroups, vrows), (kgroups, vpairs)],
+                         ids=["k-dim-major", "k-token-groups", "amx-v-token-pairs"])
+def test_tiles_round_trip_equal_to_plain_views(daemon, k_order, v_order):
+    tiles, plain = Tiles(k_order, v_order), HostKv(G, 8 * BT, memfd=True)
     rng = np.random.default_rng(7)
     try:
         with hq.Client(daemon.target) as c:
             for codec in (hq.Codec.RAW, hq.Codec.INT8_PER_HEAD):
-                model = f"split-{k_order.__name__}-{codec.value}"
+                model = f"split-{k_order.__name__}-{v_order.__name__}-{codec.value}"
                 tp = c.register_pool(tiles.spec(model, codec))
                 pp = c.register_pool(plain.spec(model, BT, codec))
                 tiles.data[:] = to_bf16_bits(rng.standard_normal(tiles.data.shape) * 3)
@@ -144,6 +165,12 @@ BAD = [
     (dict(row_group=4, row_group_stride_bytes=(1 << 64) - 2), "layers[1].k.row_group_stride_bytes"),
     (dict(page_stride_bytes=1 << 62), "layers[1].k.page_stride_bytes"),
     (dict(dim_run_stride_bytes=33), "multiples of 2 bytes"),
+    # A run's second element 8 elements on: inside the block's 16 tokens, 1 element apart.
+    (dict(dim_run=2, dim_run_stride_bytes=64, dim_stride_bytes=16),
+     "layers[1].k.dim_stride_bytes: 16 bytes steps inside"),
+    (dict(dim_stride_bytes=3), "multiples of 2 bytes"),
+    (dict(dim_run=0, dim_stride_bytes=1 << 62),
+     f"layers[1].k.dim_stride_bytes: {1 << 62} x 63 overflows"),
 ]
 
 

@@ -66,20 +66,30 @@ def test_split_views_address_every_element_where_vllm_puts_it(dtype, bs, heads, 
         slot = ((t // st["row_group"]) * st["row_group_stride"] + (t % st["row_group"])
                 * st["row_stride"]) if st["row_group"] else t * st["row_stride"]
         run = st["dim_run"] or dim
-        pos = slot + (d // run) * (st["dim_run_stride"] if st["dim_run"] else 0) + d % run
+        pos = (slot + (d // run) * (st["dim_run_stride"] if st["dim_run"] else 0)
+               + (d % run) * (st["dim_stride"] or 1))
         assert torch.equal(conv.orders[plane][pos], t * dim + d), (plane, st)
     if conv.isa in ("vec", "vec16"):  # K as [dim][token]: runs of one element
         assert tile_view_strides(conv.factors[0]) == {
             "row_stride": 1, "row_group": 0, "row_group_stride": 0, "dim_run": 1,
-            "dim_run_stride": bs}
+            "dim_run_stride": bs, "dim_stride": 0}
         assert tile_view_strides(conv.factors[1])["dim_run"] == 0  # V rows as they are
+    if conv.isa == "amx":  # V in token pairs: a run's elements 2 apart, the pair's other between
+        assert tile_view_strides(conv.factors[1])["dim_stride"] == 2
 
 
-def test_orders_without_a_split_view_are_refused():
+def test_every_factored_order_has_a_split_view():
     from hiqcache.vllm.cpu_worker import tile_view_strides
 
-    # dims of a run not adjacent ([d % 2][t][d // 2]): no TensorView.
-    assert tile_view_strides(((4, 1, 8, 2), (3, 1, 0, 2))) is None
+    # [d % 2][t][d // 2] (4 tokens, 16 dims): runs of one element 1 apart would overlap, so the
+    # head is 8 runs of 2 elements 32 apart (dim_stride), the runs adjacent.
+    assert tile_view_strides(((4, 1, 8, 2), (3, 1, 0, 2))) == {
+        "row_stride": 8, "row_group": 0, "row_group_stride": 0, "dim_run": 2,
+        "dim_run_stride": 1, "dim_stride": 32}
+    # [d][t] (4 tokens) factored as one run of 16 dims: a head of elements 4 apart.
+    assert tile_view_strides(((4, 1, 1, 16), (3, 0, 1, 2))) == {
+        "row_stride": 1, "row_group": 0, "row_group_stride": 0, "dim_run": 0,
+        "dim_run_stride": 0, "dim_stride": 4}
     assert tile_view_strides(None) is None
 
 
