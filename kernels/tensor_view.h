@@ -104,6 +104,84 @@ inline void TransposeU16(const uint8_t* src, size_t src_pitch, uint8_t* dst, siz
   }
 }
 
+// Transposes a rows x cols matrix of 4-byte elements (pairs of 2-byte ones), as TransposeU16.
+inline void TransposeU32(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
+                         uint32_t rows, uint32_t cols) {
+  uint32_t r0 = 0;
+#if HIQ_TRANSPOSE_SSE2
+  // 4 x 4 blocks in registers: interleaving 32- then 64-bit lanes.
+  for (; r0 + 4 <= rows; r0 += 4) {
+    uint32_t c0 = 0;
+    for (; c0 + 4 <= cols; c0 += 4) {
+      const uint8_t* s = src + r0 * src_pitch + size_t{c0} * 4;
+      __m128i a[4];
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
+      }
+      const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpacklo_epi32(a[2], a[3]);
+      const __m128i t2 = _mm_unpackhi_epi32(a[0], a[1]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
+      const __m128i out[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
+                              _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
+      uint8_t* d = dst + c0 * dst_pitch + size_t{r0} * 4;
+      for (int i = 0; i < 4; ++i) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
+      }
+    }
+    for (; c0 < cols; ++c0) {
+      for (uint32_t r = r0; r < r0 + 4; ++r) {
+        std::memcpy(dst + c0 * dst_pitch + size_t{r} * 4, src + r * src_pitch + size_t{c0} * 4, 4);
+      }
+    }
+  }
+#endif
+  for (uint32_t c = 0; c < cols; ++c) {
+    for (uint32_t r = r0; r < rows; ++r) {
+      std::memcpy(dst + c * dst_pitch + size_t{r} * 4, src + r * src_pitch + size_t{c} * 4, 4);
+    }
+  }
+}
+
+// Splits n pairs of 2-byte elements (a0 b0 a1 b1 ...) at src into a[0, n) and b[0, n). The bytes
+// move unchanged.
+inline void DeinterleaveU16(const uint8_t* src, uint8_t* a, uint8_t* b, uint32_t n) {
+  uint32_t i = 0;
+#if HIQ_TRANSPOSE_SSE2
+  // Each 32-bit lane holds a pair: its low half sign-extended and its high half shifted down
+  // are in int16's range, so the saturating packs keep every bit.
+  for (; i + 8 <= n; i += 8) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + size_t{i} * 4));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + size_t{i} * 4 + 16));
+    const __m128i lo = _mm_packs_epi32(_mm_srai_epi32(_mm_slli_epi32(x, 16), 16),
+                                       _mm_srai_epi32(_mm_slli_epi32(y, 16), 16));
+    const __m128i hi = _mm_packs_epi32(_mm_srai_epi32(x, 16), _mm_srai_epi32(y, 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + size_t{i} * 2), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + size_t{i} * 2), hi);
+  }
+#endif
+  for (; i < n; ++i) {
+    std::memcpy(a + size_t{i} * 2, src + size_t{i} * 4, 2);
+    std::memcpy(b + size_t{i} * 2, src + size_t{i} * 4 + 2, 2);
+  }
+}
+
+// The reverse of DeinterleaveU16: a[0, n) and b[0, n) into n pairs at dst.
+inline void InterleaveU16(const uint8_t* a, const uint8_t* b, uint8_t* dst, uint32_t n) {
+  uint32_t i = 0;
+#if HIQ_TRANSPOSE_SSE2
+  for (; i + 8 <= n; i += 8) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + size_t{i} * 2));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + size_t{i} * 2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + size_t{i} * 4), _mm_unpacklo_epi16(x, y));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + size_t{i} * 4 + 16),
+                     _mm_unpackhi_epi16(x, y));
+  }
+#endif
+  for (; i < n; ++i) {
+    std::memcpy(dst + size_t{i} * 4, a + size_t{i} * 2, 2);
+    std::memcpy(dst + size_t{i} * 4 + 2, b + size_t{i} * 2, 2);
+  }
+}
+
 // Copies n 2-byte elements, src_step bytes apart, to dst_step bytes apart. The bytes move
 // unchanged.
 inline void CopyU16(uint8_t* dst, size_t dst_step, const uint8_t* src, size_t src_step,
@@ -111,14 +189,26 @@ inline void CopyU16(uint8_t* dst, size_t dst_step, const uint8_t* src, size_t sr
   for (uint32_t i = 0; i < n; ++i) std::memcpy(dst + i * dst_step, src + i * src_step, 2);
 }
 
-// How many of rows[i, n) from rows[i] on are slots one element (2 bytes) after the one before
-// in every run of a head (a tile of tokens x dims stored dims-major, as vLLM's CPU K tiles):
-// with dim_run 1, such rows' heads move as one transpose.
-inline uint32_t AdjacentRows(const StridedView& v, const uint32_t* rows, uint32_t i, uint32_t n) {
-  if (v.dim_run != 1) return 1;
+// How many of rows[i, n) from rows[i] on move together, their heads `unit` bytes after the one
+// before inside a tile (1 where none do):
+//  - runs of 1 or 2 contiguous elements (vLLM's CPU K tiles: "vec" [dim][token], AMX's dims in
+//    pairs inside groups of 16 tokens): unit = one run, any number of rows, moved as one
+//    transpose of runs (TransposeU16 / TransposeU32);
+//  - runs of elements 4 bytes apart (AMX's V tiles, token pairs interleaved): unit = one
+//    element, two rows, split from or merged into their pairs (DeinterleaveU16 / InterleaveU16).
+inline uint32_t RowsMovingTogether(const StridedView& v, const uint32_t* rows, uint32_t i,
+                                   uint32_t n) {
+  uint64_t unit = 2;
+  uint32_t most = 2;
+  if (v.dim_step == 2 && (v.dim_run == 1 || v.dim_run == 2)) {
+    unit = uint64_t{v.dim_run} * 2;
+    most = n;
+  } else if (v.dim_step != 4) {
+    return 1;
+  }
   const uint8_t* first = v.Head(rows[i], 0);
   uint32_t len = 1;
-  while (i + len < n && v.Head(rows[i + len], 0) == first + size_t{len} * 2) ++len;
+  while (len < most && i + len < n && v.Head(rows[i + len], 0) == first + len * unit) ++len;
   return len;
 }
 
@@ -127,35 +217,37 @@ inline uint32_t AdjacentRows(const StridedView& v, const uint32_t* rows, uint32_
 inline void GatherHeads(const StridedView& v, uint32_t heads, uint32_t head_dim,
                         const uint32_t* rows, uint32_t n, uint8_t* out) {
   const uint32_t runs = head_dim / v.dim_run;
-  const size_t run_bytes = size_t{v.dim_run} * 2;
-  const size_t out_row = size_t{heads} * head_dim * 2;
+  const size_t run_bytes = size_t{v.dim_run} * 2, head_bytes = size_t{head_dim} * 2;
+  const size_t out_row = heads * head_bytes;
   for (uint32_t r = 0; r < n;) {
-    const uint32_t len = AdjacentRows(v, rows, r, n);
-    if (len > 1) {
-      const uint8_t* first = v.Head(rows[r], 0);
-      for (uint32_t h = 0; h < heads; ++h) {
-        TransposeU16(first + h * v.head_stride, v.dim_run_stride, out + size_t{h} * head_dim * 2,
-                     out_row, head_dim, len);
-      }
-      out += len * out_row;
-      r += len;
-      continue;
-    }
-    const uint8_t* row = v.Head(rows[r++], 0);
-    for (uint32_t h = 0; h < heads; ++h, out += size_t{head_dim} * 2) {
-      const uint8_t* head = row + h * v.head_stride;
-      if (v.dim_run == 1) {
-        CopyU16(out, 2, head, v.dim_run_stride, runs);
+    const uint32_t len = RowsMovingTogether(v, rows, r, n);
+    const uint8_t* first = v.Head(rows[r], 0);
+    for (uint32_t h = 0; h < heads; ++h) {
+      const uint8_t* head = first + h * v.head_stride;
+      uint8_t* o = out + h * head_bytes;
+      if (len > 1 && v.dim_step == 4) {
+        for (uint32_t j = 0; j < runs; ++j) {
+          DeinterleaveU16(head + j * v.dim_run_stride, o + j * run_bytes,
+                          o + out_row + j * run_bytes, v.dim_run);
+        }
+      } else if (len > 1 && v.dim_run == 1) {
+        TransposeU16(head, v.dim_run_stride, o, out_row, runs, len);
+      } else if (len > 1) {
+        TransposeU32(head, v.dim_run_stride, o, out_row, runs, len);
+      } else if (v.dim_run == 1) {
+        CopyU16(o, 2, head, v.dim_run_stride, runs);
       } else if (v.dim_step != 2) {  // a run's elements spaced (tokens interleaved in the tile)
         for (uint32_t j = 0; j < runs; ++j) {
-          CopyU16(out + j * run_bytes, 2, head + j * v.dim_run_stride, v.dim_step, v.dim_run);
+          CopyU16(o + j * run_bytes, 2, head + j * v.dim_run_stride, v.dim_step, v.dim_run);
         }
       } else {
         for (uint32_t j = 0; j < runs; ++j) {
-          std::memcpy(out + j * run_bytes, head + j * v.dim_run_stride, run_bytes);
+          std::memcpy(o + j * run_bytes, head + j * v.dim_run_stride, run_bytes);
         }
       }
     }
+    out += len * out_row;
+    r += len;
   }
 }
 
@@ -163,35 +255,37 @@ inline void GatherHeads(const StridedView& v, uint32_t heads, uint32_t head_dim,
 inline void ScatterHeads(const uint8_t* in, uint32_t heads, uint32_t head_dim, const StridedView& v,
                          const uint32_t* rows, uint32_t n) {
   const uint32_t runs = head_dim / v.dim_run;
-  const size_t run_bytes = size_t{v.dim_run} * 2;
-  const size_t in_row = size_t{heads} * head_dim * 2;
+  const size_t run_bytes = size_t{v.dim_run} * 2, head_bytes = size_t{head_dim} * 2;
+  const size_t in_row = heads * head_bytes;
   for (uint32_t r = 0; r < n;) {
-    const uint32_t len = AdjacentRows(v, rows, r, n);
-    if (len > 1) {
-      uint8_t* first = v.Head(rows[r], 0);
-      for (uint32_t h = 0; h < heads; ++h) {
-        TransposeU16(in + size_t{h} * head_dim * 2, in_row, first + h * v.head_stride,
-                     v.dim_run_stride, len, head_dim);
-      }
-      in += len * in_row;
-      r += len;
-      continue;
-    }
-    uint8_t* row = v.Head(rows[r++], 0);
-    for (uint32_t h = 0; h < heads; ++h, in += size_t{head_dim} * 2) {
-      uint8_t* head = row + h * v.head_stride;
-      if (v.dim_run == 1) {
-        CopyU16(head, v.dim_run_stride, in, 2, runs);
+    const uint32_t len = RowsMovingTogether(v, rows, r, n);
+    uint8_t* first = v.Head(rows[r], 0);
+    for (uint32_t h = 0; h < heads; ++h) {
+      uint8_t* head = first + h * v.head_stride;
+      const uint8_t* i = in + h * head_bytes;
+      if (len > 1 && v.dim_step == 4) {
+        for (uint32_t j = 0; j < runs; ++j) {
+          InterleaveU16(i + j * run_bytes, i + in_row + j * run_bytes, head + j * v.dim_run_stride,
+                        v.dim_run);
+        }
+      } else if (len > 1 && v.dim_run == 1) {
+        TransposeU16(i, in_row, head, v.dim_run_stride, len, runs);
+      } else if (len > 1) {
+        TransposeU32(i, in_row, head, v.dim_run_stride, len, runs);
+      } else if (v.dim_run == 1) {
+        CopyU16(head, v.dim_run_stride, i, 2, runs);
       } else if (v.dim_step != 2) {
         for (uint32_t j = 0; j < runs; ++j) {
-          CopyU16(head + j * v.dim_run_stride, v.dim_step, in + j * run_bytes, 2, v.dim_run);
+          CopyU16(head + j * v.dim_run_stride, v.dim_step, i + j * run_bytes, 2, v.dim_run);
         }
       } else {
         for (uint32_t j = 0; j < runs; ++j) {
-          std::memcpy(head + j * v.dim_run_stride, in + j * run_bytes, run_bytes);
+          std::memcpy(head + j * v.dim_run_stride, i + j * run_bytes, run_bytes);
         }
       }
     }
+    in += len * in_row;
+    r += len;
   }
 }
 

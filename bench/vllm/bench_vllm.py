@@ -161,7 +161,7 @@ def bench_restore(reps: int) -> dict:
     into staging rows plus the connector's conversion, and a copy of the same bytes."""
     import torch
 
-    from hiqcache.vllm.cpu_worker import TileConverter, tile_view_strides
+    from hiqcache.vllm.cpu_worker import TileConverter, tile_plane_view, tile_view_strides
 
     bs, heads, dim, layers, nb = BS, 3, 64, 30, 64  # SmolLM2-135M, 2,048 tokens
     g = hq.Geometry(num_layers=layers, num_kv_heads=heads, head_dim=dim)
@@ -180,12 +180,10 @@ def bench_restore(reps: int) -> dict:
         planes = []
         for p, st in enumerate(strides):
             assert st is not None
-            planes.append(hq.TensorView(
-                buffer=0, offset_bytes=(l * blocks * heads * tile + p * bs * dim) * es,
-                row_stride_bytes=st["row_stride"] * es, num_rows=blocks * bs,
-                head_stride_bytes=tile * es, page_rows=bs, page_stride_bytes=heads * tile * es,
-                row_group=st["row_group"], row_group_stride_bytes=st["row_group_stride"] * es,
-                dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es))
+            planes.append(tile_plane_view(
+                st, es, buffer=0, offset_bytes=(l * blocks * heads * tile + p * bs * dim) * es,
+                num_rows=blocks * bs, head_stride_bytes=tile * es, page_rows=bs,
+                page_stride_bytes=heads * tile * es))
         tile_views.append(hq.LayerView(k=planes[0], v=planes[1]))
         stage_views.append(hq.LayerView(k=hq.slot_major_view(g, rows, 0, 2 * l * plane),
                                         v=hq.slot_major_view(g, rows, 0, (2 * l + 1) * plane)))

@@ -307,23 +307,52 @@ TEST(CodecCpu, DecodeAtEveryDestinationAlignment) {
   ExpectNoErrors(errors);
 }
 
-// TransposeU16 (the split-head scatter's transpose) against an element-wise transpose, for sizes
-// around its 8 x 8 blocks, with padded pitches.
-TEST(CodecCpu, TransposeU16MovesEveryElement) {
-  for (uint32_t rows = 1; rows <= 19; ++rows) {
-    for (uint32_t cols = 1; cols <= 19; ++cols) {
-      const size_t src_pitch = size_t{cols} * 2 + 6, dst_pitch = size_t{rows} * 2 + 10;
-      std::vector<uint8_t> src(rows * src_pitch), dst(cols * dst_pitch, 0xEE);
-      for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + rows);
-      TransposeU16(src.data(), src_pitch, dst.data(), dst_pitch, rows, cols);
-      std::vector<uint8_t> want(cols * dst_pitch, 0xEE);
-      for (uint32_t r = 0; r < rows; ++r) {
-        for (uint32_t c = 0; c < cols; ++c) {
-          std::memcpy(&want[c * dst_pitch + r * 2], &src[r * src_pitch + c * 2], 2);
+// TransposeU16 and TransposeU32 (the split-head moves' transposes) against an element-wise
+// transpose, for sizes around their 8 x 8 and 4 x 4 blocks, with padded pitches.
+TEST(CodecCpu, TransposesMoveEveryElement) {
+  for (size_t e : {size_t{2}, size_t{4}}) {
+    for (uint32_t rows = 1; rows <= 19; ++rows) {
+      for (uint32_t cols = 1; cols <= 19; ++cols) {
+        const size_t src_pitch = cols * e + 6, dst_pitch = rows * e + 10;
+        std::vector<uint8_t> src(rows * src_pitch), dst(cols * dst_pitch, 0xEE);
+        for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + rows);
+        if (e == 2) {
+          TransposeU16(src.data(), src_pitch, dst.data(), dst_pitch, rows, cols);
+        } else {
+          TransposeU32(src.data(), src_pitch, dst.data(), dst_pitch, rows, cols);
         }
+        std::vector<uint8_t> want(cols * dst_pitch, 0xEE);
+        for (uint32_t r = 0; r < rows; ++r) {
+          for (uint32_t c = 0; c < cols; ++c) {
+            std::memcpy(&want[c * dst_pitch + r * e], &src[r * src_pitch + c * e], e);
+          }
+        }
+        ASSERT_EQ(dst, want) << e << " bytes, " << rows << " x " << cols;
       }
-      ASSERT_EQ(dst, want) << rows << " x " << cols;
     }
+  }
+}
+
+// DeinterleaveU16 and InterleaveU16 (AMX V tiles' token pairs) against element-wise copies, for
+// lengths around their 8 pairs, with bytes of every value (the sign trick of the packs).
+TEST(CodecCpu, PairsSplitAndMergeEveryElement) {
+  for (uint32_t n = 1; n <= 37; ++n) {
+    std::vector<uint8_t> pairs(n * 4 + 4);
+    for (size_t i = 0; i < pairs.size(); ++i) pairs[i] = static_cast<uint8_t>(i * 73 + n * 5);
+    std::vector<uint8_t> a(n * 2 + 2, 0xEE), b(n * 2 + 2, 0xEE);
+    DeinterleaveU16(pairs.data(), a.data(), b.data(), n);
+    std::vector<uint8_t> want_a(a.size(), 0xEE), want_b(b.size(), 0xEE);
+    for (uint32_t i = 0; i < n; ++i) {
+      std::memcpy(&want_a[i * 2], &pairs[i * 4], 2);
+      std::memcpy(&want_b[i * 2], &pairs[i * 4 + 2], 2);
+    }
+    ASSERT_EQ(a, want_a) << n;
+    ASSERT_EQ(b, want_b) << n;
+    std::vector<uint8_t> back(pairs.size(), 0xEE);
+    InterleaveU16(a.data(), b.data(), back.data(), n);
+    ASSERT_TRUE(std::equal(back.begin(), back.begin() + n * 4, pairs.begin())) << n;
+    ASSERT_TRUE(std::all_of(back.begin() + n * 4, back.end(), [](uint8_t x) { return x == 0xEE; }))
+        << n;
   }
 }
 

@@ -181,6 +181,17 @@ def tile_view_strides(factors: tuple[tuple[int, int, int, int], tuple[int, ...]]
     return out
 
 
+def tile_plane_view(st: dict[str, int], element_size: int, **where: int) -> TensorView:
+    """The TensorView of one plane of vLLM's tiles: the split fields tile_view_strides gave (in
+    elements) in bytes, with `where` the rest (buffer, offset_bytes, num_rows, head_stride_bytes,
+    page_rows, page_stride_bytes)."""
+    es = element_size
+    return TensorView(row_stride_bytes=st["row_stride"] * es, row_group=st["row_group"],
+                      row_group_stride_bytes=st["row_group_stride"] * es, dim_run=st["dim_run"],
+                      dim_run_stride_bytes=st["dim_run_stride"] * es,
+                      dim_stride_bytes=st["dim_stride"] * es, **where)
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(first block id, count, index in block_ids) of each run of consecutive ids: a run is
     converted straight into (or out of) vLLM's cache, with no gather or scatter copy."""
@@ -436,14 +447,11 @@ class CpuWorker(_LoadSteps):
             planes = []
             for plane, st in enumerate(strides):
                 assert st is not None
-                planes.append(TensorView(
-                    buffer=0, offset_bytes=(l * per_layer * g.num_kv_heads * tile
-                                            + plane * self.bs * g.head_dim) * es,
-                    row_stride_bytes=st["row_stride"] * es, num_rows=per_layer * self.bs,
-                    head_stride_bytes=tile * es, page_rows=self.bs, page_stride_bytes=page,
-                    row_group=st["row_group"], row_group_stride_bytes=st["row_group_stride"] * es,
-                    dim_run=st["dim_run"], dim_run_stride_bytes=st["dim_run_stride"] * es,
-                    dim_stride_bytes=st["dim_stride"] * es))
+                planes.append(tile_plane_view(
+                    st, es, buffer=0, offset_bytes=(l * per_layer * g.num_kv_heads * tile
+                                                    + plane * self.bs * g.head_dim) * es,
+                    num_rows=per_layer * self.bs, head_stride_bytes=tile * es, page_rows=self.bs,
+                    page_stride_bytes=page))
             views.append(LayerView(k=planes[0], v=planes[1]))
         return tuple(views)
 
