@@ -58,87 +58,84 @@ struct StridedView {
   }
 };
 
-// Transposes a rows x cols matrix of 2-byte elements: dst[c][r] = src[r][c], the rows of src
-// src_pitch bytes apart and those of dst dst_pitch bytes apart. The bytes move unchanged.
-inline void TransposeU16(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
-                         uint32_t rows, uint32_t cols) {
+// Transposes a rows x cols matrix of kSize-byte elements: dst[c][r] = src[r][c], the rows of src
+// src_pitch bytes apart and those of dst dst_pitch bytes apart; kBlock x kBlock blocks move
+// through `block(s, d)` (in registers, where SSE2 is), the edges element by element. The bytes
+// move unchanged.
+template <size_t kSize, uint32_t kBlock, class Block>
+inline void TransposeInBlocks(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
+                              uint32_t rows, uint32_t cols, [[maybe_unused]] const Block& block) {
+  auto one = [&](uint32_t r, uint32_t c) {
+    std::memcpy(dst + c * dst_pitch + size_t{r} * kSize, src + r * src_pitch + size_t{c} * kSize,
+                kSize);
+  };
   uint32_t r0 = 0;
 #if HIQ_TRANSPOSE_SSE2
-  // 8 x 8 blocks in registers: three rounds of interleaving 16-, 32- and 64-bit lanes.
-  for (; r0 + 8 <= rows; r0 += 8) {
+  for (; r0 + kBlock <= rows; r0 += kBlock) {
     uint32_t c0 = 0;
-    for (; c0 + 8 <= cols; c0 += 8) {
-      const uint8_t* s = src + r0 * src_pitch + size_t{c0} * 2;
-      __m128i a[8];
-      for (int i = 0; i < 8; ++i) {
-        a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
-      }
-      const __m128i t0 = _mm_unpacklo_epi16(a[0], a[1]), t1 = _mm_unpackhi_epi16(a[0], a[1]);
-      const __m128i t2 = _mm_unpacklo_epi16(a[2], a[3]), t3 = _mm_unpackhi_epi16(a[2], a[3]);
-      const __m128i t4 = _mm_unpacklo_epi16(a[4], a[5]), t5 = _mm_unpackhi_epi16(a[4], a[5]);
-      const __m128i t6 = _mm_unpacklo_epi16(a[6], a[7]), t7 = _mm_unpackhi_epi16(a[6], a[7]);
-      const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
-      const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
-      const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
-      const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
-      const __m128i out[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4),
-                              _mm_unpacklo_epi64(u1, u5), _mm_unpackhi_epi64(u1, u5),
-                              _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
-                              _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
-      uint8_t* d = dst + c0 * dst_pitch + size_t{r0} * 2;
-      for (int i = 0; i < 8; ++i) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
-      }
+    for (; c0 + kBlock <= cols; c0 += kBlock) {
+      block(src + r0 * src_pitch + size_t{c0} * kSize, dst + c0 * dst_pitch + size_t{r0} * kSize);
     }
     for (; c0 < cols; ++c0) {
-      for (uint32_t r = r0; r < r0 + 8; ++r) {
-        std::memcpy(dst + c0 * dst_pitch + size_t{r} * 2, src + r * src_pitch + size_t{c0} * 2, 2);
-      }
+      for (uint32_t r = r0; r < r0 + kBlock; ++r) one(r, c0);
     }
   }
 #endif
   for (uint32_t c = 0; c < cols; ++c) {
-    for (uint32_t r = r0; r < rows; ++r) {
-      std::memcpy(dst + c * dst_pitch + size_t{r} * 2, src + r * src_pitch + size_t{c} * 2, 2);
-    }
+    for (uint32_t r = r0; r < rows; ++r) one(r, c);
   }
 }
 
-// Transposes a rows x cols matrix of 4-byte elements (pairs of 2-byte ones), as TransposeU16.
+// Transposes a rows x cols matrix of 2-byte elements (TransposeInBlocks).
+inline void TransposeU16(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
+                         uint32_t rows, uint32_t cols) {
+  auto block = [&]([[maybe_unused]] const uint8_t* s, [[maybe_unused]] uint8_t* d) {
+#if HIQ_TRANSPOSE_SSE2
+    // 8 x 8 in registers: three rounds of interleaving 16-, 32- and 64-bit lanes.
+    __m128i a[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
+    }
+    const __m128i t0 = _mm_unpacklo_epi16(a[0], a[1]), t1 = _mm_unpackhi_epi16(a[0], a[1]);
+    const __m128i t2 = _mm_unpacklo_epi16(a[2], a[3]), t3 = _mm_unpackhi_epi16(a[2], a[3]);
+    const __m128i t4 = _mm_unpacklo_epi16(a[4], a[5]), t5 = _mm_unpackhi_epi16(a[4], a[5]);
+    const __m128i t6 = _mm_unpacklo_epi16(a[6], a[7]), t7 = _mm_unpackhi_epi16(a[6], a[7]);
+    const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+    const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+    const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+    const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+    const __m128i out[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4),
+                            _mm_unpacklo_epi64(u1, u5), _mm_unpackhi_epi64(u1, u5),
+                            _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+                            _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
+    for (int i = 0; i < 8; ++i) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
+    }
+#endif
+  };
+  TransposeInBlocks<2, 8>(src, src_pitch, dst, dst_pitch, rows, cols, block);
+}
+
+// Transposes a rows x cols matrix of 4-byte elements (pairs of 2-byte ones; TransposeInBlocks).
 inline void TransposeU32(const uint8_t* src, size_t src_pitch, uint8_t* dst, size_t dst_pitch,
                          uint32_t rows, uint32_t cols) {
-  uint32_t r0 = 0;
+  auto block = [&]([[maybe_unused]] const uint8_t* s, [[maybe_unused]] uint8_t* d) {
 #if HIQ_TRANSPOSE_SSE2
-  // 4 x 4 blocks in registers: interleaving 32- then 64-bit lanes.
-  for (; r0 + 4 <= rows; r0 += 4) {
-    uint32_t c0 = 0;
-    for (; c0 + 4 <= cols; c0 += 4) {
-      const uint8_t* s = src + r0 * src_pitch + size_t{c0} * 4;
-      __m128i a[4];
-      for (int i = 0; i < 4; ++i) {
-        a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
-      }
-      const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpacklo_epi32(a[2], a[3]);
-      const __m128i t2 = _mm_unpackhi_epi32(a[0], a[1]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
-      const __m128i out[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
-                              _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
-      uint8_t* d = dst + c0 * dst_pitch + size_t{r0} * 4;
-      for (int i = 0; i < 4; ++i) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
-      }
+    // 4 x 4 in registers: interleaving 32- then 64-bit lanes.
+    __m128i a[4];
+    for (int i = 0; i < 4; ++i) {
+      a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * src_pitch));
     }
-    for (; c0 < cols; ++c0) {
-      for (uint32_t r = r0; r < r0 + 4; ++r) {
-        std::memcpy(dst + c0 * dst_pitch + size_t{r} * 4, src + r * src_pitch + size_t{c0} * 4, 4);
-      }
+    const __m128i t0 = _mm_unpacklo_epi32(a[0], a[1]), t1 = _mm_unpacklo_epi32(a[2], a[3]);
+    const __m128i t2 = _mm_unpackhi_epi32(a[0], a[1]), t3 = _mm_unpackhi_epi32(a[2], a[3]);
+    const __m128i out[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1),
+                            _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)};
+    for (int i = 0; i < 4; ++i) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i * dst_pitch), out[i]);
     }
-  }
 #endif
-  for (uint32_t c = 0; c < cols; ++c) {
-    for (uint32_t r = r0; r < rows; ++r) {
-      std::memcpy(dst + c * dst_pitch + size_t{r} * 4, src + r * src_pitch + size_t{c} * 4, 4);
-    }
-  }
+  };
+  TransposeInBlocks<4, 4>(src, src_pitch, dst, dst_pitch, rows, cols, block);
 }
 
 // Splits n pairs of 2-byte elements (a0 b0 a1 b1 ...) at src into a[0, n) and b[0, n). The bytes

@@ -1131,11 +1131,7 @@ TEST(SplitViewTest, TokenPairsInterleavedInRuns) {
   v.dim_run = 0;
   ExpectInvalid(s, "elements of the view overlap");
   // Spaced elements make a split view, HOST-only like the others.
-  RegisterSpec cuda = VllmCpuTileSpec();
-  cuda.device_kind = kCuda;
-  cuda.buffers[0].has_host_shm_name = false;
-  cuda.buffers[0].has_cuda_ipc_handle = true;
-  cuda.buffers[0].cuda_ipc_handle = std::string(64, 'h');
+  RegisterSpec cuda = OnCuda(VllmCpuTileSpec());
   for (auto& l : cuda.layers) l.k.dim_run = 0;
   cuda.layers[0].k.dim_stride_bytes = 2;
   ExpectInvalid(cuda, "layers[0].k.dim_stride_bytes: split views are for HOST pools only");
@@ -1174,12 +1170,8 @@ TEST(SplitViewTest, RejectsOverlapOutOfBoundsAndOverflow) {
   ExpectInvalid(with([](ViewSpec& v) { v.offset_bytes = 1ull << 20; }),
                 "layers[0].k: addresses up to byte");
   // Split views are HOST-only.
-  RegisterSpec cuda = VllmCpuTileSpec();
-  cuda.device_kind = kCuda;
-  cuda.buffers[0].has_host_shm_name = false;
-  cuda.buffers[0].has_cuda_ipc_handle = true;
-  cuda.buffers[0].cuda_ipc_handle = std::string(64, 'h');
-  ExpectInvalid(cuda, "layers[0].k.dim_run: split views are for HOST pools only");
+  ExpectInvalid(OnCuda(VllmCpuTileSpec()),
+                "layers[0].k.dim_run: split views are for HOST pools only");
 }
 
 TEST(MinRowsTest, SmallestViewWins) {
