@@ -604,21 +604,9 @@ int Run(int argc, char** argv) {
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
   LiveCore::Publish publish(&live, core.get());
 
-  // The session sockets beside the unix gRPC sockets: who each caller is (SO_PEERCRED), the fds
-  // it hands over, and its death (the connection closes) releasing its pools.
-  std::unique_ptr<SessionListener> sessions;
-  if (!session_paths.empty()) {
-    auto started =
-        SessionListener::Start(session_paths, session_options,
-                               [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
-    if (!started.ok()) {
-      HIQ_LOG(ERROR) << started.status().ToString();
-      return 1;
-    }
-    sessions = std::move(started).value();
-  }
-  // Metrics listen before READY=1, so that a scrape after readiness never fails. Failing to
-  // listen is a configuration error: the daemon does not start half-observable.
+  // Metrics listen before READY=1 and before the session sockets (which tests and tools take as
+  // the daemon serving), so that a scrape after either never fails. Failing to listen is a
+  // configuration error: the daemon does not start half-observable.
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (!config.metrics_listen.empty()) {
     DaemonInfo info;
@@ -636,6 +624,20 @@ int Run(int argc, char** argv) {
       return 1;
     }
     metrics_server = std::move(started).value();
+  }
+  // The session sockets beside the unix gRPC sockets: who each caller is (SO_PEERCRED), the fds
+  // it hands over, and its death (the connection closes) releasing its pools. Last before the
+  // services attach: a session socket that accepts means the daemon is about to serve.
+  std::unique_ptr<SessionListener> sessions;
+  if (!session_paths.empty()) {
+    auto started =
+        SessionListener::Start(session_paths, session_options,
+                               [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
+    if (!started.ok()) {
+      HIQ_LOG(ERROR) << started.status().ToString();
+      return 1;
+    }
+    sessions = std::move(started).value();
   }
   service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
   sessionless_service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
