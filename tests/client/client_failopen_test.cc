@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -34,14 +35,22 @@ Geometry SmallGeometry() {
 }
 
 // In a directory of this process's own (mkdtemp: 0700): clients refuse a socket in a directory
-// others may write, such as /tmp itself (socket_trust.h).
+// others may write, such as /tmp itself (socket_trust.h). Removed when the process exits.
 std::string SocketPath(const char* tag) {
+  struct OwnDir {
+    std::string path;
+    OwnDir() {
+      char tmpl[] = "/tmp/hiq-client-test-XXXXXX";
+      path = ::mkdtemp(tmpl) != nullptr ? tmpl : "/nonexistent";
+    }
+    ~OwnDir() {
+      std::error_code ignored;
+      if (path != "/nonexistent") std::filesystem::remove_all(path, ignored);
+    }
+  };
   static std::atomic<int> n{0};
-  static const std::string dir = [] {
-    char tmpl[] = "/tmp/hiq-client-test-XXXXXX";
-    return std::string(::mkdtemp(tmpl) != nullptr ? tmpl : "/nonexistent");
-  }();
-  return dir + "/" + tag + "-" + std::to_string(n++) + ".sock";
+  static const OwnDir dir;
+  return dir.path + "/" + tag + "-" + std::to_string(n++) + ".sock";
 }
 
 std::vector<BlockKey> Keys(size_t n) {
