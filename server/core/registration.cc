@@ -457,10 +457,10 @@ std::vector<kernels::LayerViews> ResolveViews(const RegisterSpec& spec,
       sv.row_group_stride = v.row_group_stride_bytes;
       // A run's elements 2 bytes apart are contiguous; one run of head_dim contiguous elements
       // is an unsplit head, and a head of spaced elements is one run of head_dim of them.
-      sv.dim_step = v.dim_stride_bytes != 0 ? v.dim_stride_bytes : 2;
+      const uint64_t step = v.dim_stride_bytes != 0 ? v.dim_stride_bytes : 2;
       const uint32_t run = v.dim_run != 0 ? v.dim_run : layout.row.head_dim;
-      sv.dim_run = run == layout.row.head_dim && sv.dim_step == 2 ? 0 : run;
-      sv.dim_step = sv.dim_run > 1 ? sv.dim_step : 2;  // a run of one element has no step
+      sv.dim_run = run == layout.row.head_dim && step == 2 ? 0 : run;
+      sv.dim_step = sv.dim_run > 1 ? step : 2;  // a run of one element has no step
       sv.dim_run_stride = v.dim_run_stride_bytes;
     }
   }
