@@ -604,8 +604,8 @@ int Run(int argc, char** argv) {
   auto core = std::make_unique<CacheCore>(options, &store, &host, cuda.get());
   LiveCore::Publish publish(&live, core.get());
 
-  // Metrics listen before READY=1 and before the session sockets (which tests and tools take as
-  // the daemon serving), so that a scrape after either never fails. Failing to listen is a
+  // Metrics listen before READY=1 and before the session sockets accept (which tests and tools
+  // take as the daemon serving), so that a scrape after either never fails. Failing to listen is a
   // configuration error: the daemon does not start half-observable.
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (!config.metrics_listen.empty()) {
@@ -626,24 +626,32 @@ int Run(int argc, char** argv) {
     metrics_server = std::move(started).value();
   }
   // The session sockets beside the unix gRPC sockets: who each caller is (SO_PEERCRED), the fds
-  // it hands over, and its death (the connection closes) releasing its pools. Last before the
-  // services attach: a session socket that accepts means the daemon is about to serve.
+  // it hands over, and its death (the connection closes) releasing its pools. They refuse
+  // connections until the services have attached and health says SERVING: tests, tools and
+  // engines take a session socket that accepts as a daemon that serves.
   std::unique_ptr<SessionListener> sessions;
   if (!session_paths.empty()) {
-    auto started =
-        SessionListener::Start(session_paths, session_options,
-                               [&core](uint64_t session) { core->ReleasePoolsOfSession(session); });
-    if (!started.ok()) {
-      HIQ_LOG(ERROR) << started.status().ToString();
+    auto bound = SessionListener::Bind(session_paths, session_options, [&core](uint64_t session) {
+      core->ReleasePoolsOfSession(session);
+    });
+    if (!bound.ok()) {
+      HIQ_LOG(ERROR) << bound.status().ToString();
       return 1;
     }
-    sessions = std::move(started).value();
+    sessions = std::move(bound).value();
   }
   service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
   sessionless_service.Attach(core.get(), device_name, (*region)->name(), sessions.get());
   live_sessions.store(sessions.get());
   set_health(true);
   serving.store(true);
+  if (sessions) {
+    Status opened = sessions->Open();
+    if (!opened.ok()) {
+      HIQ_LOG(ERROR) << opened.ToString();
+      return 1;
+    }
+  }
 
   // The pre-fault allocated the pool's pages; its page tables are filled in the background, so
   // that a request's first touch of a page takes no minor fault either.

@@ -74,7 +74,7 @@ SessionListener::SessionListener(SessionOptions options, EndFn on_end)
       on_end_(std::move(on_end)),
       own_pod_(PlacementOf(::getpid()).pod) {}
 
-StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
+StatusOr<std::unique_ptr<SessionListener>> SessionListener::Bind(
     const std::vector<std::string>& paths, const SessionOptions& options, EndFn on_end) {
   std::unique_ptr<SessionListener> l(new SessionListener(options, std::move(on_end)));
   l->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -83,13 +83,30 @@ StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
   for (const std::string& path : paths) {
     // The gRPC socket beside it was checked not to be served by another daemon: a socket file
     // here is a stale one.
-    HIQ_ASSIGN_OR_RETURN(
-        int fd, ListenUnix(path, SOCK_SEQPACKET, 128, options.socket_mode, options.socket_gid));
+    HIQ_ASSIGN_OR_RETURN(int fd,
+                         BindUnix(path, SOCK_SEQPACKET, options.socket_mode, options.socket_gid));
     l->listen_fds_.push_back(fd);
     l->paths_.push_back(path);
   }
-  l->loop_ = std::thread([p = l.get()] { p->Loop(); });
-  l->releaser_ = std::thread([p = l.get()] { p->ReleaseLoop(); });
+  return l;
+}
+
+Status SessionListener::Open() {
+  if (loop_.joinable()) return FailedPrecondition("session socket: already open");
+  for (size_t i = 0; i < listen_fds_.size(); ++i) {
+    if (::listen(listen_fds_[i], 128) != 0) {
+      return FailedPrecondition("listen: " + paths_[i] + ": " + std::strerror(errno));
+    }
+  }
+  loop_ = std::thread([this] { Loop(); });
+  releaser_ = std::thread([this] { ReleaseLoop(); });
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<SessionListener>> SessionListener::Start(
+    const std::vector<std::string>& paths, const SessionOptions& options, EndFn on_end) {
+  HIQ_ASSIGN_OR_RETURN(auto l, Bind(paths, options, std::move(on_end)));
+  HIQ_RETURN_IF_ERROR(l->Open());
   return l;
 }
 

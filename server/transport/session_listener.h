@@ -62,9 +62,17 @@ class SessionListener {
  public:
   using EndFn = std::function<void(uint64_t session)>;
 
-  // Listens on each of `paths` (absolute session socket paths; a stale socket file there is
-  // replaced), with the options' mode and group. `on_end` runs once per ended session, on the
-  // listener's release thread; it must be thread-safe and may block.
+  // Creates the socket files `paths` (absolute session socket paths; a stale socket file there
+  // is replaced), with the options' mode and group, bound but refusing connections until Open:
+  // the daemon's services take the listener's pointer first, so that a session socket that
+  // accepts means a daemon that serves. `on_end` runs once per ended session, on the listener's
+  // release thread; it must be thread-safe and may block.
+  static StatusOr<std::unique_ptr<SessionListener>> Bind(const std::vector<std::string>& paths,
+                                                         const SessionOptions& options,
+                                                         EndFn on_end);
+  // Listens and starts accepting. Call once.
+  Status Open();
+  // Bind, then Open.
   static StatusOr<std::unique_ptr<SessionListener>> Start(const std::vector<std::string>& paths,
                                                           const SessionOptions& options,
                                                           EndFn on_end);

@@ -10,7 +10,7 @@
 
 namespace hiqcache::server {
 
-StatusOr<int> ListenUnix(const std::string& path, int type, int backlog, mode_t mode, gid_t gid) {
+StatusOr<int> BindUnix(const std::string& path, int type, mode_t mode, gid_t gid) {
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
   if (path.size() >= sizeof(sa.sun_path)) {
@@ -30,10 +30,10 @@ StatusOr<int> ListenUnix(const std::string& path, int type, int backlog, mode_t 
   const mode_t saved = ::umask(0177);
   int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
   ::umask(saved);
-  if (rc != 0 || ::listen(fd, backlog) != 0) {
+  if (rc != 0) {
     std::string why = std::strerror(errno);
     ::close(fd);
-    return FailedPrecondition("listen: " + path + ": " + why);
+    return FailedPrecondition("bind: " + path + ": " + why);
   }
   auto fail = [&](const std::string& why) {
     ::close(fd);
@@ -44,6 +44,17 @@ StatusOr<int> ListenUnix(const std::string& path, int type, int backlog, mode_t 
     return fail("socket_group: chown " + path);
   }
   if (::chmod(path.c_str(), mode) != 0) return fail("socket_mode: chmod " + path);
+  return fd;
+}
+
+StatusOr<int> ListenUnix(const std::string& path, int type, int backlog, mode_t mode, gid_t gid) {
+  HIQ_ASSIGN_OR_RETURN(int fd, BindUnix(path, type, mode, gid));
+  if (::listen(fd, backlog) != 0) {
+    std::string why = std::strerror(errno);
+    ::close(fd);
+    ::unlink(path.c_str());
+    return FailedPrecondition("listen: " + path + ": " + why);
+  }
   return fd;
 }
 

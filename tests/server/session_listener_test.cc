@@ -8,11 +8,13 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -38,7 +40,9 @@ int Connect(const std::string& path) {
   sa.sun_family = AF_UNIX;
   std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    const int err = errno;
     ::close(fd);
+    errno = err;  // connect's
     return -1;
   }
   timeval tv{5, 0};
@@ -204,6 +208,30 @@ TEST_F(SessionListenerTest, MalformedAndOversizedMessagesAreRefusedAndTheirFdsCl
   EXPECT_GE(listener_->TakeFds(c.session, {1}).Get(1), 0);
   ::close(fd);
   ::close(sock);
+}
+
+// A bound listener's socket file exists with its mode but refuses connections (as when no
+// daemon runs) until Open: the daemon opens it only once its services serve.
+TEST(SessionListenerOpen, ABoundListenerRefusesConnectionsUntilOpen) {
+  const std::string path = TempSocketPath("open");
+  SessionOptions options;
+  options.socket_mode = 0600;
+  auto listener = SessionListener::Bind({path}, options, [](uint64_t) {});
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  struct stat st;
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(Connect(path), -1);
+  EXPECT_EQ(errno, ECONNREFUSED);
+  ASSERT_TRUE((*listener)->Open().ok());
+  EXPECT_FALSE((*listener)->Open().ok()) << "a second Open";
+  int sock = Connect(path);
+  ASSERT_GE(sock, 0);
+  EXPECT_FALSE(Field(Recv(sock), "token").empty());
+  ::close(sock);
+  listener->reset();
+  EXPECT_NE(::lstat(path.c_str(), &st), 0) << "the socket file outlives its listener";
 }
 
 TEST(SessionListenerBounds, TheSessionsOfOneUidHoldBoundedFds) {
