@@ -3,7 +3,8 @@
 // when fuzz_input.proto or the fuzzer's pool geometry changes. Values follow request_fuzzer.cc:
 // pool_id 1 = the fuzzer's registered pool, 2 = the last pool an input registered; shm names
 // "kv" and "ev" = the fuzzer's KV buffer (2 layers x 2 heads x 32 dims BF16, 64 rows, SGLang
-// layout, 32 KiB) and its 8 event slots.
+// layout, 32 KiB) and its 8 event slots. The "amx" pools address that buffer as vLLM's AMX tiles
+// (split views).
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -60,6 +61,30 @@ v1::RegisterPoolRequest Register(const char* layout, const char* model) {
       auto* v = lv->mutable_v();
       *v = *k;
       v->set_offset_bytes((2ull * l + 1) * kRows * kRowBytes);
+    } else if (std::string(layout) == "amx" || std::string(layout) == "amx_overlap") {
+      // vLLM's CPU attention with AMX: per layer K's pages then V's, each page a 1 KiB
+      // (16 tokens x 32 dims) tile per head. K is [d/2][t][d%2] (dims in pairs), V is
+      // [d/16][t/2][d%16][t%2] (token pairs interleaved); "amx_overlap" spaces V's elements 2
+      // bytes apart, onto the other token of the pair (refused: elements overlap).
+      k->set_page_rows(16);
+      k->set_page_stride_bytes(16 * kRowBytes);
+      k->set_head_stride_bytes(1024);
+      k->set_offset_bytes(2ull * l * kRows * kRowBytes);
+      k->set_row_stride_bytes(4);
+      k->set_dim_run(2);
+      k->set_dim_run_stride_bytes(64);
+      auto* v = lv->mutable_v();
+      v->set_num_rows(kRows);
+      v->set_page_rows(16);
+      v->set_page_stride_bytes(16 * kRowBytes);
+      v->set_head_stride_bytes(1024);
+      v->set_offset_bytes((2ull * l + 1) * kRows * kRowBytes);
+      v->set_row_group(2);
+      v->set_row_group_stride_bytes(64);
+      v->set_row_stride_bytes(2);
+      v->set_dim_run(16);
+      v->set_dim_run_stride_bytes(512);
+      v->set_dim_stride_bytes(std::string(layout) == "amx" ? 4 : 2);
     } else if (std::string(layout) == "mla") {
       k->set_offset_bytes(2ull * l * kRows * kRowBytes);
     } else {
@@ -122,7 +147,7 @@ int main(int argc, char** argv) {
     Write(dir, "roundtrip", in);
   }
   {  // Register another pool of each layout, use it, release it.
-    for (const char* layout : {"sglang", "paged", "mla"}) {
+    for (const char* layout : {"sglang", "paged", "mla", "amx", "amx_overlap"}) {
       FuzzInput in;
       *in.add_calls()->mutable_register_pool() = Register(layout, layout);
       *in.add_calls()->mutable_backup() = Backup(2, 10, 2, 8, true);

@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -173,24 +174,40 @@ std::string CountersText(const server::StoreStats& s) {
   return out;
 }
 
-// Independent bounds check of an accepted registration: the farthest byte of every view, by
-// brute force over its rows (sampled for views of very many rows), stays inside its buffer.
+// Independent check of an accepted registration, by docs/design.md's formulas rather than the
+// daemon's code: every element of every view, by brute force over its rows (sampled for views of
+// very many rows), lies inside its buffer; and a split view (row_group, dim_run or
+// dim_stride_bytes set) addresses each of its elements at bytes of its own, every byte of its
+// rows' elements marked once (a split view is written by several codec threads at once).
 void CheckViewsInside(const server::RegisterSpec& spec) {
-  const unsigned __int128 head_bytes = uint64_t{spec.head_dim} * 2;
+  using u128 = unsigned __int128;
+  const uint64_t d = spec.head_dim;
   uint64_t budget = 1u << 20;
   for (size_t l = 0; l < spec.layers.size(); ++l) {
     for (const server::ViewSpec* v : {&spec.layers[l].k, &spec.layers[l].v}) {
       if (!v->present) continue;
       if (v->buffer >= spec.buffers.size()) Die("accepted view names a missing buffer");
-      const unsigned __int128 hs = v->head_stride_bytes != 0 ? v->head_stride_bytes : head_bytes;
+      const u128 hs = v->head_stride_bytes != 0 ? v->head_stride_bytes : u128{d} * 2;
+      // A head: runs of run_len elements, run j at j * run_stride, element i at i * es.
+      const uint64_t run_len = v->dim_run != 0 ? v->dim_run : d;
+      const uint64_t runs = run_len != 0 ? d / run_len : 0;
+      const u128 run_stride = v->dim_run_stride_bytes;
+      const u128 es = v->dim_stride_bytes != 0 ? v->dim_stride_bytes : 2;
+      if (runs * run_len != d) Die("accepted a dim_run that does not divide head_dim");
+      const bool split = v->row_group != 0 || v->dim_run != 0 || v->dim_stride_bytes != 0;
       const uint64_t size = spec.buffers[v->buffer].size_bytes;
-      auto check_row = [&](uint64_t r) {
+      auto head0 = [&](uint64_t r) -> u128 {
         const uint64_t p = v->page_rows != 0 ? r / v->page_rows : 0;
         const uint64_t t = v->page_rows != 0 ? r % v->page_rows : r;
-        const unsigned __int128 end = v->offset_bytes +
-                                      static_cast<unsigned __int128>(p) * v->page_stride_bytes +
-                                      static_cast<unsigned __int128>(t) * v->row_stride_bytes +
-                                      (spec.num_kv_heads - 1) * hs + head_bytes;
+        const u128 slot = v->row_group != 0 ? u128{t / v->row_group} * v->row_group_stride_bytes +
+                                                  u128{t % v->row_group} * v->row_stride_bytes
+                                            : u128{t} * v->row_stride_bytes;
+        return u128{v->offset_bytes} + u128{p} * v->page_stride_bytes + slot;
+      };
+      auto check_row = [&](uint64_t r) {
+        // Every stride is unsigned: the farthest element is the last one of the last head.
+        const u128 end = head0(r) + u128{spec.num_kv_heads - 1} * hs + u128{runs - 1} * run_stride +
+                         u128{run_len - 1} * es + 2;
         if (end > size) {
           Die("registration accepted a view that addresses byte " +
               std::to_string(static_cast<uint64_t>(end)) + " of a " + std::to_string(size) +
@@ -205,6 +222,27 @@ void CheckViewsInside(const server::RegisterSpec& spec) {
         for (uint64_t r = 0; r < std::min<uint64_t>(n, 256); ++r) check_row(r);
         for (uint64_t r = n > 256 ? n - 256 : 0; r < n; ++r) check_row(r);
         for (uint64_t i = 1; i < 64; ++i) check_row(n / 64 * i);
+      }
+      // Inside its buffer, a view without overlap has at most size / 2 elements: the walk below
+      // stops at the first byte marked twice, so it costs at most that many steps.
+      if (!split || size > (4u << 20)) continue;
+      std::vector<uint8_t> owner(size, 0);
+      for (uint64_t r = 0; r < n; ++r) {
+        for (uint64_t h = 0; h < spec.num_kv_heads; ++h) {
+          for (uint64_t j = 0; j < runs; ++j) {
+            for (uint64_t i = 0; i < run_len; ++i) {
+              const uint64_t at = static_cast<uint64_t>(head0(r) + u128{h} * hs +
+                                                        u128{j} * run_stride + u128{i} * es);
+              if (owner[at] != 0 || owner[at + 1] != 0) {
+                Die("registration accepted a split view whose elements overlap (layer " +
+                    std::to_string(l) + ", row " + std::to_string(r) + ", head " +
+                    std::to_string(h) + ", element " + std::to_string(j * run_len + i) +
+                    " at byte " + std::to_string(at) + ")");
+              }
+              owner[at] = owner[at + 1] = 1;
+            }
+          }
+        }
       }
     }
   }
