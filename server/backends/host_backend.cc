@@ -532,8 +532,12 @@ class HostBinding : public PoolBinding {
   }
 
   Status RunRestore(RestoreTask& task, Status st) {
-    uint32_t signalled = 0;  // leading layers whose events got the ticket without the failure bit
-    if (st.ok()) st = ChargeRows(task.rows, "restore");
+    const uint32_t first = std::min(task.first_layer, layout_.num_layers);
+    const uint32_t end = task.end_layer == 0
+                             ? layout_.num_layers
+                             : std::clamp(task.end_layer, first, layout_.num_layers);
+    uint32_t signalled = first;  // layers before it got the ticket without the failure bit
+    if (st.ok()) st = ChargeRows(task.rows, "restore", first, end);
     if (st.ok()) {
       kernels::DecodeJob job;
       job.layout = layout_;
@@ -541,19 +545,22 @@ class HostBinding : public PoolBinding {
       job.rows = task.rows.data();
       job.blocks = task.payloads.data();
       job.num_blocks = static_cast<uint32_t>(task.payloads.size());
-      if (task.layer_event_base < 0) {
-        // No layer events to signal (every sub-task of a request but the last): all layers in
-        // one loop of the codec's threads, not one loop (and one hand-off) per layer.
+      if (task.layer_event_base < 0 && first == 0 && end == layout_.num_layers) {
+        // Every layer and no layer events to signal (a block-major sub-task that is not the
+        // last): all layers in one loop of the codec's threads, not one loop (and one hand-off)
+        // per layer.
         codec_->Decode(job);
         st = CheckMemory();
       } else {
-        for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        for (uint32_t l = first; l < end; ++l) {
           codec_->DecodeLayer(job, l);
           // A truncated buffer took this layer's writes: neither it nor the next are restored.
           st = CheckMemory();
           if (!st.ok()) break;
-          Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
-          signalled = l + 1;
+          if (task.layer_event_base >= 0) {
+            Signal(task.layer_event_base + static_cast<int32_t>(l), task.ticket);
+            signalled = l + 1;
+          }
         }
       }
     }
@@ -564,6 +571,7 @@ class HostBinding : public PoolBinding {
         SignalValue(task.layer_event_base + static_cast<int32_t>(l), task.ticket, true);
       }
     }
+    task.layers_signalled = signalled;
     SignalValue(task.done_event, task.ticket, !st.ok());
     Status done = CheckMemory();
     return st.ok() ? done : st;
@@ -587,14 +595,19 @@ class HostBinding : public PoolBinding {
     slots_->Store(event, ticket, failed);
   }
 
-  // Charges the bytes of the pages `rows` touch that are not in memory (the daemon's access
-  // would fault them in on its own account) to the client's budget; RESOURCE_EXHAUSTED, with
-  // nothing charged, when they do not fit.
-  Status ChargeRows(const std::vector<uint32_t>& rows, const char* what) {
+  // Charges the bytes of the pages `rows` touch in layers [first_layer, end_layer) (end_layer 0:
+  // every layer) that are not in memory (the daemon's access would fault them in on its own
+  // account) to the client's budget; RESOURCE_EXHAUSTED, with nothing charged, when they do not
+  // fit.
+  Status ChargeRows(const std::vector<uint32_t>& rows, const char* what, uint32_t first_layer = 0,
+                    uint32_t end_layer = 0) {
     HIQ_RETURN_IF_ERROR(CheckHugetlbPages());
     if (budget_ == nullptr || rows.empty() || NothingMissing()) return Status::Ok();
+    // Only the layers the task touches: a layer-major restore's sub-tasks share their rows.
+    kernels::BlockLayout touched = layout_;
+    if (end_layer != 0) touched.num_layers = end_layer - first_layer;
     const uint64_t missing =
-        probe_.RowsNotResident(layout_, views_.data(), rows.data(), rows.size());
+        probe_.RowsNotResident(touched, views_.data() + first_layer, rows.data(), rows.size());
     if (missing == 0) return Status::Ok();
     if (budget_->TryCharge(missing)) {
       charged_.fetch_add(missing, std::memory_order_relaxed);

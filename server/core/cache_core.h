@@ -21,9 +21,12 @@
 //   - Fair service. Each client's pools share the transfer workers as one group (round-robin
 //     over clients, TransferEngine); on HOST pools a request is split into sub-tasks of at most
 //     transfer_chunk_blocks blocks / transfer_chunk_bytes engine-side bytes on the pool's strand:
-//     the first waits for wait_event, the last signals done_event and the layer events with the
-//     request's ticket (a failure of any sub-task reaches them: the later ones write nothing
-//     and the events get the failure bit). A restore writes each row at most once and restores
+//     the first waits for wait_event, the last signals done_event with the request's ticket. A
+//     restore with layer events goes layer-major (RestorePieces), each layer's event signalled
+//     by the sub-task that writes its last blocks, so an engine's forward pass starts on layer 0
+//     while later layers are written; without them, block-major. A failure of any sub-task
+//     reaches the events: the later ones write nothing, and the events not yet signalled get the
+//     failure bit. A restore writes each row at most once and restores
 //     a key named twice once: its leading run ends before the repeat.
 //   - Reservations. A backup reserves its pool slots when a sub-task starts (HOST: after its
 //     wait_event came), not when it is queued, so a backup whose wait_event never comes holds no

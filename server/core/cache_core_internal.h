@@ -200,12 +200,68 @@ struct CacheCore::BackupRequest {
   uint64_t moved = 0;  // blocks written into the pool
 };
 
+// Splits [0, n) into ranges of at most `per` (at least one range, possibly empty).
+inline std::vector<std::pair<size_t, size_t>> Ranges(size_t n, size_t per) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t b = 0; b < n; b += per) out.emplace_back(b, std::min(n, b + per));
+  if (out.empty()) out.emplace_back(0, 0);
+  return out;
+}
+
+// One sub-task of a Restore: blocks [begin, end) of its pinned run, layers [first_layer,
+// end_layer) of them.
+struct RestorePiece {
+  size_t begin = 0;
+  size_t end = 0;
+  uint32_t first_layer = 0;
+  uint32_t end_layer = 0;
+};
+
+// The sub-tasks of a restore of `blocks` blocks of `layers` layers, each at most `chunk_bytes`
+// of engine-side bytes (`layer_block_bytes` per block and layer) and `chunk_blocks` blocks' worth
+// of them (at least one block's layer). Block-major (`by_layer` false): ranges of whole blocks,
+// every layer of them. Layer-major (`by_layer`, for an engine that waits layer by layer): layer
+// l of every block comes before layer l + 1 of any, a sub-task taking whole layers of every block
+// where they fit and ranges of the blocks of one layer where they do not, so that a layer's event
+// can go out once its last block is written, not after the whole request. At least one piece
+// (blocks 0: one empty piece of every layer).
+inline std::vector<RestorePiece> RestorePieces(size_t blocks, uint32_t layers,
+                                               uint64_t layer_block_bytes, uint64_t chunk_bytes,
+                                               size_t chunk_blocks, bool by_layer) {
+  std::vector<RestorePiece> out;
+  const uint64_t unit = std::max<uint64_t>(1, layer_block_bytes);
+  const uint64_t per_block = SaturatingMul(unit, std::max<uint32_t>(1, layers));
+  const size_t most_blocks = static_cast<size_t>(std::max<uint64_t>(
+      1, std::min<uint64_t>(std::max<size_t>(1, chunk_blocks), chunk_bytes / per_block)));
+  if (!by_layer || blocks == 0 || layers == 0) {
+    for (const auto& [b, e] : Ranges(blocks, most_blocks)) out.push_back({b, e, 0, layers});
+    return out;
+  }
+  // Block-layers per piece: the bytes bound, and the blocks bound counted in block-layers.
+  const uint64_t most = std::max<uint64_t>(
+      1, std::min<uint64_t>(chunk_bytes / unit,
+                            SaturatingMul(std::max<size_t>(1, chunk_blocks), layers)));
+  if (blocks <= most) {
+    const uint32_t per = static_cast<uint32_t>(std::min<uint64_t>(layers, most / blocks));
+    for (uint32_t l = 0; l < layers; l += per) {
+      out.push_back({0, blocks, l, std::min<uint32_t>(layers, l + per)});
+    }
+    return out;
+  }
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (const auto& [b, e] : Ranges(blocks, static_cast<size_t>(most))) {
+      out.push_back({b, e, l, l + 1});
+    }
+  }
+  return out;
+}
+
 // One Restore request, as BackupRequest.
 struct CacheCore::RestoreRequest {
   std::shared_ptr<Pool> pool;
   TransferSpec spec;
-  std::vector<BlockStore::ReadPin> pins;          // the restored leading run
-  std::vector<std::pair<size_t, size_t>> chunks;  // ranges of `pins`
+  std::vector<BlockStore::ReadPin> pins;  // the restored leading run
+  std::vector<RestorePiece> chunks;       // its sub-tasks
   bool device = false;
   bool sync = false;
   RestoreResult result;
@@ -217,6 +273,8 @@ struct CacheCore::RestoreRequest {
   std::chrono::steady_clock::time_point started{};
   bool has_started = false;
   uint64_t restored = 0;  // blocks of sub-tasks that completed
+  // Layers whose events went out without the failure bit: a failure after them leaves them so.
+  uint32_t layers_signalled = 0;
 };
 
 // The end both request machines share, once their own bookkeeping is done: the request leaves
@@ -356,14 +414,6 @@ inline TransferSample SampleOf(const NamespaceInfo& ns, const kernels::BlockLayo
   s.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed);
   s.ok = ok;
   return s;
-}
-
-// Splits [0, n) into ranges of at most `per` (at least one range, possibly empty).
-inline std::vector<std::pair<size_t, size_t>> Ranges(size_t n, size_t per) {
-  std::vector<std::pair<size_t, size_t>> out;
-  for (size_t b = 0; b < n; b += per) out.emplace_back(b, std::min(n, b + per));
-  if (out.empty()) out.emplace_back(0, 0);
-  return out;
 }
 
 // A wait that a HOST binding answers at once with a failure (CANCELLED once the pool is

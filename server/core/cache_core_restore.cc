@@ -66,8 +66,15 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
     const uint64_t pinned_bytes = SaturatingMul(req->pins.size(), per_block);
     quotas_.UnchargePending(pool->client, req->pending_bytes - pinned_bytes);
     req->pending_bytes = pinned_bytes;
-    req->chunks = req->device ? Ranges(req->pins.size(), std::max<size_t>(1, req->pins.size()))
-                              : Ranges(req->pins.size(), ChunkBlocks(pool->layout));
+    // A device takes the request as one task. HOST sub-tasks go layer-major where the engine
+    // waits layer by layer, so that its forward pass starts on layer 0 while later layers decode.
+    const uint32_t layers = pool->layout.num_layers;
+    req->chunks =
+        req->device
+            ? std::vector<RestorePiece>{{0, req->pins.size(), 0, layers}}
+            : RestorePieces(req->pins.size(), layers, layers == 0 ? per_block : per_block / layers,
+                            options_.transfer_chunk_bytes, options_.transfer_chunk_blocks,
+                            /*by_layer=*/spec.layer_event_base >= 0);
     steps.reserve(req->chunks.size());
     for (size_t c = 0; c < req->chunks.size(); ++c) {
       steps.push_back([this, req, c, task = std::shared_ptr<RestoreTask>()]() mutable {
@@ -93,10 +100,15 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
   Pool& pool = *req->pool;
   const bool last = c + 1 == req->chunks.size();
   const TransferSpec& spec = req->spec;
-  const auto [b, e] = req->chunks[c];
-  // Drops the pins of this sub-task once: the device has finished reading those payloads (or
-  // never will), so they may be evicted from now on.
-  auto unpin = [this, req, b = b, e = e] {
+  const RestorePiece piece = req->chunks[c];
+  const size_t b = piece.begin, e = piece.end;
+  // Whether this sub-task writes the last layer of its blocks (they are restored when it ends),
+  // and whether it writes the last blocks of its layers (their events may go out).
+  const bool ends_blocks = piece.end_layer == pool.layout.num_layers;
+  const bool ends_layers = e == req->pins.size();
+  // Drops the pins of this sub-task's blocks once: the device has finished reading those
+  // payloads (or never will), so they may be evicted from now on.
+  auto unpin = [this, req, b, e] {
     for (size_t j = b; j < e; ++j) {
       if (req->pins[j].handle != nullptr) store_->Unpin(req->pins[j].handle);
       req->pins[j].handle = nullptr;
@@ -111,7 +123,8 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
       task->defer = DeferOnStrand(pool.restore_strand);
       if (!req->error.ok()) {
         // An earlier sub-task failed: the rest write nothing; the last one still releases the
-        // layer events and done_event, with the failure bit.
+        // layer events not yet signalled and done_event, with the failure bit (a layer that
+        // went out whole stays so: the engine may have read it already).
         unpin();
         if (!last) return TransferEngine::StepResult::kDone;
         if (spec.done_event < 0 && spec.layer_event_base < 0) {
@@ -121,14 +134,19 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
         task->wait_event = ProbeEvent(spec);
         task->wait_value = kNeverValue;
         task->first_try = LongAgo();
+        task->first_layer = req->layers_signalled;
         task->layer_event_base = spec.layer_event_base;
         task->done_event = spec.done_event;
         task->on_complete = [this, req](const Status&) { FinishRestore(req); };
       } else {
-        // The first sub-task waits for wait_event; the last signals the layer and done events.
+        // The first sub-task waits for wait_event; a layer's event goes out with the sub-task
+        // that writes its last blocks (in order on the strand: every earlier one is done), and
+        // done_event with the last.
         task->wait_event = c == 0 ? spec.wait_event : -1;
         task->wait_value = spec.wait_value;
-        task->layer_event_base = last ? spec.layer_event_base : -1;
+        task->first_layer = piece.first_layer;
+        task->end_layer = piece.end_layer;
+        task->layer_event_base = ends_layers ? spec.layer_event_base : -1;
         task->done_event = last ? spec.done_event : -1;
         task->payloads.reserve(e - b);
         task->rows.reserve((e - b) * pool.layout.block_tokens);
@@ -137,12 +155,17 @@ TransferEngine::StepResult CacheCore::RestoreStep(const std::shared_ptr<RestoreR
           task->rows.insert(task->rows.end(), spec.blocks[j].rows.begin(),
                             spec.blocks[j].rows.end());
         }
-        task->on_complete = [this, req, unpin, last, n = e - b](const Status& run) {
-          unpin();
-          if (run.ok())
+        task->on_complete = [this, req, unpin, last, ends_blocks, n = e - b,
+                             t = task.get()](const Status& run) {
+          if (t->layer_event_base >= 0) {
+            req->layers_signalled = std::max(req->layers_signalled, t->layers_signalled);
+          }
+          if (!run.ok() || ends_blocks) unpin();
+          if (!run.ok()) {
+            if (req->error.ok()) req->error = run;
+          } else if (ends_blocks) {
             req->restored += n;
-          else if (req->error.ok())
-            req->error = run;
+          }
           if (last) FinishRestore(req);
         };
       }

@@ -78,10 +78,19 @@ struct RestoreTask : TaskHooks {
   std::chrono::steady_clock::time_point first_try{};
   int32_t wait_event = -1;
   uint64_t wait_value = 1;
+  // Signalled for each layer of [first_layer, end_layer) once written; on a failure, every layer
+  // from the first not yet signalled to the pool's last gets the failure bit.
   int32_t layer_event_base = -1;
   int32_t done_event = -1;
+  // The layers this task writes (HOST: a sub-task of a layer-major restore); end_layer 0 = every
+  // layer. A device task (SignalsOnDevice) always writes every layer.
+  uint32_t first_layer = 0;
+  uint32_t end_layer = 0;
   std::vector<uint32_t> rows;
   std::vector<const uint8_t*> payloads;
+  // Out (HOST), before on_complete: every layer below it has its event without the failure bit
+  // (as far as this task knows: from first_layer on, those it signalled).
+  uint32_t layers_signalled = 0;
 };
 
 class PoolBinding {
@@ -94,9 +103,10 @@ class PoolBinding {
   // on_written, signals done_event, then on_complete. An error fails the task (on_written and
   // on_complete see it); it still signals done_event, so no engine hangs.
   virtual StartResult StartBackup(const std::shared_ptr<BackupTask>& task) = 0;
-  // Waits for wait_event, decodes layer by layer, signalling layer_event_base + l after each
-  // layer and done_event after the last. On error every layer slot and done_event still get the
-  // ticket, with the failed bit, and on_complete reports the error: the rows hold garbage.
+  // Waits for wait_event, decodes layer by layer (HOST: the task's layers), signalling
+  // layer_event_base + l after each layer and done_event after the last. On error every layer
+  // slot from the first not yet signalled and done_event still get the ticket, with the failed
+  // bit, and on_complete reports the error: the rows hold garbage.
   virtual StartResult StartRestore(const std::shared_ptr<RestoreTask>& task) = 0;
   // Tickets of this pool start above this value. HOST: the largest value already in the event
   // slots, so that a client re-registering with slots from an earlier daemon never sees a slot

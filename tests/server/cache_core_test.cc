@@ -25,6 +25,7 @@
 
 #include "backends/host_backend.h"
 #include "codec_cpu.h"
+#include "core/cache_core_internal.h"
 #include "pool/block_store.h"
 #include "pool/pool_format.h"
 #include "register_spec_util.h"
@@ -118,7 +119,7 @@ class CacheCoreTest : public ::testing::Test {
     pool_mem_ = std::make_unique<AnonBuffer>(pool_bytes);
     store_ = std::make_unique<BlockStore>(pool_mem_->data(), pool_mem_->size());
     host_ = std::make_unique<HostBackend>(codec_.get(), wait_timeout);
-    core_ = std::make_unique<CacheCore>(CoreOptions{}, store_.get(), host_.get(), nullptr);
+    core_ = std::make_unique<CacheCore>(options_, store_.get(), host_.get(), nullptr);
     FillInputs();
   }
 
@@ -281,6 +282,7 @@ class CacheCoreTest : public ::testing::Test {
   }
 
   std::unique_ptr<ShmObject> k_, v_, events_;
+  CoreOptions options_;  // of the core Build makes
   std::unique_ptr<kernels::CpuCodec> codec_;
   std::unique_ptr<AnonBuffer> pool_mem_;
   std::unique_ptr<BlockStore> store_;
@@ -654,6 +656,114 @@ TEST_F(CacheCoreTest, DrainingIsUnavailable) {
   core_->WaitIdle();
   EXPECT_EQ(Slot(1).load(), 1u);
   EXPECT_EQ(store_->Stats().blocks, 1u);
+}
+
+// The sub-tasks of a restore: block-major ranges as before, or layer-major for an engine that
+// waits layer by layer, each within the chunk bounds, together covering every block of every
+// layer once, and the pieces that end a layer (the ones that signal it) once per layer.
+TEST(RestorePiecesTest, LayerMajorPiecesCoverEachBlockLayerOnceWithinTheBounds) {
+  for (size_t blocks : {size_t{0}, size_t{1}, size_t{3}, size_t{32}, size_t{100}}) {
+    for (uint32_t layers : {1u, 2u, 36u}) {
+      for (uint64_t unit : {uint64_t{2048}, uint64_t{262144}}) {
+        for (uint64_t chunk : {uint64_t{1}, uint64_t{4096}, uint64_t{16} << 20}) {
+          for (size_t chunk_blocks : {size_t{1}, size_t{64}}) {
+            const std::string at = std::to_string(blocks) + " blocks, " + std::to_string(layers) +
+                                   " layers, unit " + std::to_string(unit) + ", chunk " +
+                                   std::to_string(chunk) + "/" + std::to_string(chunk_blocks);
+            for (bool by_layer : {false, true}) {
+              const auto pieces =
+                  RestorePieces(blocks, layers, unit, chunk, chunk_blocks, by_layer);
+              ASSERT_FALSE(pieces.empty()) << at;
+              std::vector<int> seen(blocks * layers, 0);
+              std::vector<int> ends(layers, 0);
+              uint64_t next_cell = 0;  // layer-major: cell (l, b) is l * blocks + b
+              for (const RestorePiece& p : pieces) {
+                ASSERT_LE(p.begin, p.end) << at;
+                ASSERT_LE(p.end, blocks) << at;
+                ASSERT_LT(p.first_layer, p.end_layer) << at;
+                ASSERT_LE(p.end_layer, layers) << at;
+                const uint64_t cells = uint64_t{p.end - p.begin} * (p.end_layer - p.first_layer);
+                if (cells > 1) {
+                  EXPECT_LE(cells * unit, by_layer ? chunk : std::max(chunk, unit * layers)) << at;
+                  EXPECT_LE(cells, uint64_t{chunk_blocks} * layers) << at;
+                }
+                for (size_t b = p.begin; b < p.end; ++b) {
+                  for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++seen[b * layers + l];
+                }
+                if (p.end == blocks) {
+                  for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++ends[l];
+                }
+                if (by_layer && blocks > 0) {
+                  // One run of the layer-major order, starting where the previous one ended.
+                  EXPECT_TRUE(p.end_layer == p.first_layer + 1 || (p.begin == 0 && p.end == blocks))
+                      << at;
+                  EXPECT_EQ(uint64_t{p.first_layer} * blocks + p.begin, next_cell) << at;
+                  next_cell = uint64_t{p.end_layer - 1} * blocks + p.end;
+                } else if (!by_layer) {
+                  EXPECT_EQ(p.first_layer, 0u) << at;
+                  EXPECT_EQ(p.end_layer, layers) << at;
+                }
+              }
+              for (size_t i = 0; i < seen.size(); ++i)
+                ASSERT_EQ(seen[i], 1) << at << ", cell " << i;
+              if (blocks > 0) {
+                for (uint32_t l = 0; l < layers; ++l)
+                  EXPECT_EQ(ends[l], 1) << at << ", layer " << l;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A restore that the engine waits for layer by layer goes layer-major across its sub-tasks: each
+// layer's event goes out once every block of that layer is written, before later layers are.
+// Here every sub-task is one block of one layer, and the second layer's K buffer is truncated
+// under the daemon: the first layer was written whole and its event says so (a block-major split
+// would have failed both layers in its first sub-task); the second and done_event carry the
+// failure bit.
+TEST_F(CacheCoreTest, LayerEventsGoOutLayerByLayerAcrossSubTasks) {
+  options_.transfer_chunk_bytes = 2 * kBlockTokens * kRowBytes;  // one block's K and V of a layer
+  Build(2000ms);
+  const uint64_t pool = Register(kRaw);
+  ASSERT_TRUE(Backup(Transfer(pool, {Block(1, 0), Block(2, 4), Block(3, 8)})).ok());
+  const std::vector<uint8_t> original = ClientBytes();
+
+  TransferSpec r = Transfer(pool, {Block(1, 16), Block(2, 20), Block(3, 24)});
+  r.layer_event_base = 4;  // slots 4 and 5
+  r.done_event = 6;
+  auto ok = Restore(r);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->restored_blocks, 3u);
+  EXPECT_EQ(Slot(4).load(), ok->ticket);
+  EXPECT_EQ(Slot(5).load(), ok->ticket);
+  EXPECT_EQ(Slot(6).load(), ok->ticket);
+  const std::vector<uint8_t> now = ClientBytes();
+  for (uint32_t p = 0; p < 2; ++p) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const size_t layer = p * kPlaneBytes + uint64_t{l} * kRows * kRowBytes;
+      EXPECT_EQ(
+          std::memcmp(now.data() + layer + 16 * kRowBytes, original.data() + layer, 12 * kRowBytes),
+          0)
+          << "plane " << p << " layer " << l << ": RAW rows 16-27 are rows 0-11";
+    }
+  }
+
+  // Layer 1 of K is the second half of its buffer.
+  const int fd = ::shm_open(k_->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(kPlaneBytes / 2)), 0);
+  ::close(fd);
+  TransferSpec cut = Transfer(pool, {Block(1, 16), Block(2, 20)}, /*sync=*/false);
+  cut.layer_event_base = 8;  // slots 8 and 9
+  cut.done_event = 10;
+  auto failed = Restore(cut);  // answered on arrival, then waited for
+  ASSERT_TRUE(failed.ok()) << failed.status().ToString();
+  EXPECT_EQ(Slot(8).load(), failed->ticket) << "layer 0 was written whole";
+  EXPECT_EQ(Slot(9).load(), failed->ticket | kHostEventFailedBit);
+  EXPECT_EQ(Slot(10).load(), failed->ticket | kHostEventFailedBit);
 }
 
 TEST_F(CacheCoreTest, HostEventSlotsReceiveTickets) {
