@@ -178,6 +178,18 @@ StatusOr<uint64_t> ViewEnd(const ViewSpec& v, uint32_t heads, uint32_t head_dim,
   const uint64_t head_bytes = uint64_t{head_dim} * 2;
   const uint64_t head_stride = v.head_stride_bytes != 0 ? v.head_stride_bytes : head_bytes;
   if (v.num_rows == 0) return InvalidArgument(field + ".num_rows: must be > 0");
+  // A split stride without the count it steps over addresses nothing: a client's mistake (a
+  // field dropped on its way), refused rather than ignored.
+  if (v.row_group == 0 && v.row_group_stride_bytes != 0) {
+    return InvalidArgument(field +
+                           ".row_group_stride_bytes: set without row_group (0 = slots "
+                           "not grouped)");
+  }
+  if (v.dim_run == 0 && v.dim_run_stride_bytes != 0) {
+    return InvalidArgument(field +
+                           ".dim_run_stride_bytes: set without dim_run (0 = one run "
+                           "of head_dim elements)");
+  }
   if (SplitViewField(v) != nullptr) return SplitViewEnd(v, heads, head_dim, field);
   if (v.row_stride_bytes == 0 && v.num_rows > 1) {
     return InvalidArgument(field + ".row_stride_bytes: must be > 0");

@@ -1129,10 +1129,20 @@ TEST(SplitViewTest, TokenPairsInterleavedInRuns) {
   // A head of 64 spaced elements (dim_run 0) is one run of them: here it overlaps token 1.
   v.dim_stride_bytes = 4;
   v.dim_run = 0;
+  ExpectInvalid(s, "layers[0].v.dim_run_stride_bytes: set without dim_run");
+  v.dim_run_stride_bytes = 0;
   ExpectInvalid(s, "elements of the view overlap");
+  // A group stride without its group is refused too, not ignored.
+  v.dim_run = 16;
+  v.dim_run_stride_bytes = 32 * 16 * 2;
+  v.row_group = 0;
+  ExpectInvalid(s, "layers[0].v.row_group_stride_bytes: set without row_group");
+  v.row_group = 2;
+  ASSERT_TRUE(ValidateRegistration(s, Limits{}, kBigPool).ok());
+
   // Spaced elements make a split view, HOST-only like the others.
   RegisterSpec cuda = OnCuda(VllmCpuTileSpec());
-  for (auto& l : cuda.layers) l.k.dim_run = 0;
+  for (auto& l : cuda.layers) l.k.dim_run = 0, l.k.dim_run_stride_bytes = 0;
   cuda.layers[0].k.dim_stride_bytes = 2;
   ExpectInvalid(cuda, "layers[0].k.dim_stride_bytes: split views are for HOST pools only");
 }

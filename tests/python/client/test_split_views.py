@@ -169,8 +169,11 @@ BAD = [
     (dict(dim_run=2, dim_run_stride_bytes=64, dim_stride_bytes=16),
      "layers[1].k.dim_stride_bytes: 16 bytes steps inside"),
     (dict(dim_stride_bytes=3), "multiples of 2 bytes"),
-    (dict(dim_run=0, dim_stride_bytes=1 << 62),
+    (dict(dim_run=0, dim_run_stride_bytes=0, dim_stride_bytes=1 << 62),
      f"layers[1].k.dim_stride_bytes: {1 << 62} x 63 overflows"),
+    # A stride without the count it steps over: refused, not ignored.
+    (dict(dim_run=0), "layers[1].k.dim_run_stride_bytes: set without dim_run"),
+    (dict(row_group_stride_bytes=64), "layers[1].k.row_group_stride_bytes: set without row_group"),
 ]
 
 
