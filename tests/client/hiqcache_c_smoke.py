@@ -12,6 +12,7 @@ import array
 import ctypes as C
 import os
 import random
+import shutil
 import socket
 import struct
 import subprocess
@@ -233,6 +234,7 @@ def main():
             os.unlink("/dev/shm" + pool_shm)
         except OSError:
             pass
+        shutil.rmtree(tmp, ignore_errors=True)
         try:
             os.remove(sock)
             os.rmdir(tmp)
