@@ -53,6 +53,24 @@ int FreeTcpPort() {
   return port;
 }
 
+// Starts a daemon serving metrics on a free loopback port, with `flags`; answers the port, or 0.
+// FreeTcpPort's port is free when probed, but another process may take it before the daemon
+// binds it: such a daemon cannot listen and exits at once, and the next free port is tried.
+int StartWithMetrics(std::unique_ptr<DaemonProcess>* out, const std::vector<std::string>& flags) {
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const int port = FreeTcpPort();
+    if (port <= 0) continue;
+    std::vector<std::string> all = {"--metrics-listen", "127.0.0.1:" + std::to_string(port)};
+    all.insert(all.end(), flags.begin(), flags.end());
+    auto daemon = std::make_unique<DaemonProcess>("64MiB", all);
+    if (daemon->Start()) {
+      *out = std::move(daemon);
+      return port;
+    }
+  }
+  return 0;
+}
+
 // Series ("name{labels}") -> value of a text exposition.
 std::map<std::string, double> ParseExposition(const std::string& text) {
   std::map<std::string, double> out;
@@ -68,11 +86,10 @@ std::map<std::string, double> ParseExposition(const std::string& text) {
 class MetricsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    port_ = FreeTcpPort();
-    ASSERT_GT(port_, 0);
-    daemon_ = new DaemonProcess(
-        "64MiB", {"--metrics-listen", "127.0.0.1:" + std::to_string(port_), "--log-level", "warn"});
-    ASSERT_TRUE(daemon_->Start()) << "hiqcached did not start";
+    std::unique_ptr<DaemonProcess> daemon;
+    port_ = StartWithMetrics(&daemon, {"--log-level", "warn"});
+    daemon_ = daemon.release();
+    ASSERT_GT(port_, 0) << "hiqcached did not start";
     ASSERT_NO_FATAL_FAILURE(DoWork());
     ASSERT_NO_FATAL_FAILURE(Scrape());
   }
@@ -306,16 +323,14 @@ TEST(GrafanaDashboardTest, EveryExpressionNamesARealMetric) {
 #ifndef HIQ_HAVE_HTTPLIB
   GTEST_SKIP() << "cpp-httplib (libcpp-httplib-dev) not installed: no HTTP client to scrape";
 #else
-  const int port = FreeTcpPort();
-  ASSERT_GT(port, 0);
-  std::vector<std::string> flags = {"--metrics-listen", "127.0.0.1:" + std::to_string(port),
-                                    "--log-level", "error"};
+  std::vector<std::string> flags = {"--log-level", "error"};
 #ifdef HIQ_HAVE_L3
   // A cluster nobody serves: the tier exists (its metrics are rendered), every call a miss.
   flags.insert(flags.end(), {"--l3_seeds", "127.0.0.1:1"});
 #endif
-  DaemonProcess daemon("64MiB", flags);
-  ASSERT_TRUE(daemon.Start()) << "hiqcached did not start";
+  std::unique_ptr<DaemonProcess> daemon;
+  const int port = StartWithMetrics(&daemon, flags);
+  ASSERT_GT(port, 0) << "hiqcached did not start";
   httplib::Client http("127.0.0.1", port);
   http.set_connection_timeout(5, 0);
   http.set_read_timeout(5, 0);
@@ -353,7 +368,7 @@ TEST(GrafanaDashboardTest, EveryExpressionNamesARealMetric) {
         << "the dashboard names " << name << ", which hiqcached does not export";
   }
   EXPECT_GT(named.size(), 30u);
-  EXPECT_EQ(daemon.Stop(), 0);
+  EXPECT_EQ(daemon->Stop(), 0);
 #endif
 }
 
