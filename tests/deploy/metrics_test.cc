@@ -53,22 +53,13 @@ int FreeTcpPort() {
   return port;
 }
 
-// Starts a daemon serving metrics on a free loopback port, with `flags`; answers the port, or 0.
-// FreeTcpPort's port is free when probed, but another process may take it before the daemon
-// binds it: such a daemon cannot listen and exits at once, and the next free port is tried.
+// A daemon serving metrics on a free loopback port, with `flags`; answers the port, or 0.
 int StartWithMetrics(std::unique_ptr<DaemonProcess>* out, const std::vector<std::string>& flags) {
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    const int port = FreeTcpPort();
-    if (port <= 0) continue;
+  return hiqcache::testing::StartOnFreePort(out, "64MiB", FreeTcpPort, [&](int port) {
     std::vector<std::string> all = {"--metrics-listen", "127.0.0.1:" + std::to_string(port)};
     all.insert(all.end(), flags.begin(), flags.end());
-    auto daemon = std::make_unique<DaemonProcess>("64MiB", all);
-    if (daemon->Start()) {
-      *out = std::move(daemon);
-      return port;
-    }
-  }
-  return 0;
+    return all;
+  });
 }
 
 // Series ("name{labels}") -> value of a text exposition.

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,5 +142,24 @@ class DaemonProcess {
   std::string shm_name_;
   pid_t pid_ = -1;
 };
+
+// Starts a daemon with `flags_for(port)`, `port` a loopback TCP port from `next_port()` that was
+// free when probed, for a daemon that listens on it (its metrics). Another process may take the
+// port before the daemon binds it; such a daemon exits at once ("cannot listen"), and the next
+// port is tried, up to `attempts` times. Answers the port and sets *out, or answers 0.
+template <typename NextPort, typename FlagsFor>
+int StartOnFreePort(std::unique_ptr<DaemonProcess>* out, const std::string& pool_bytes,
+                    NextPort next_port, FlagsFor flags_for, int attempts = 5) {
+  for (int attempt = 0; attempt < attempts; ++attempt) {
+    const int port = next_port();
+    if (port <= 0) continue;
+    auto daemon = std::make_unique<DaemonProcess>(pool_bytes, flags_for(port));
+    if (daemon->Start()) {
+      *out = std::move(daemon);
+      return port;
+    }
+  }
+  return 0;
+}
 
 }  // namespace hiqcache::testing

@@ -94,23 +94,19 @@ Node StartNode(const std::vector<std::string>& seeds, const std::string& pool_by
   Node n;
   std::string list;
   for (const auto& s : seeds) list += (list.empty() ? "" : ",") + s;
-  // FreePort's port may be taken by another process before the daemon binds it; such a daemon
-  // exits at once ("cannot listen"), and the next free port is tried.
-  bool started = false;
-  for (int attempt = 0; attempt < 5 && !started; ++attempt) {
-    n.metrics_port = FreePort();
-    std::vector<std::string> args = {
-        "--l3-seeds", list, "--metrics-listen", "127.0.0.1:" + std::to_string(n.metrics_port),
-        // Loopback on a loaded 2-core CI machine: generous deadlines, and connections and
-        // commands that may wait their turn for a core.
-        "--l3-lookup-deadline-ms", "500", "--l3-fetch-deadline-ms", "2000",
-        "--l3-connect-timeout-ms", "2000", "--l3-command-timeout-ms", "2000", "--prefault",
-        "false"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    n.daemon = std::make_unique<DaemonProcess>(pool_bytes, args);
-    started = n.daemon->Start();
-  }
-  if (!started) return n;
+  n.metrics_port =
+      hiqcache::testing::StartOnFreePort(&n.daemon, pool_bytes, FreePort, [&](int port) {
+        std::vector<std::string> args = {
+            "--l3-seeds", list, "--metrics-listen", "127.0.0.1:" + std::to_string(port),
+            // Loopback on a loaded 2-core CI machine: generous deadlines, and connections and
+            // commands that may wait their turn for a core.
+            "--l3-lookup-deadline-ms", "500", "--l3-fetch-deadline-ms", "2000",
+            "--l3-connect-timeout-ms", "2000", "--l3-command-timeout-ms", "2000", "--prefault",
+            "false"};
+        args.insert(args.end(), extra.begin(), extra.end());
+        return args;
+      });
+  if (n.metrics_port == 0) return n;
   n.client = Connect(n.daemon->target());
   return n;
 }
