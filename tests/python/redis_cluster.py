@@ -51,23 +51,32 @@ class RedisCluster:
                               text=True, timeout=30).stdout
 
     def start(self, timeout: float = 30.0) -> RedisCluster:
-        for _ in range(self.masters):
-            port = _free_port()
-            d = os.path.join(self.dir, str(port))
-            os.makedirs(d)
-            self.ports.append(port)
-            self.procs.append(subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", "1000", "--appendonly", "no", "--save", "",
-                 "--dir", d, "--logfile", os.path.join(d, "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + timeout
-        for port in self.ports:
-            while self.cli(port, "PING").strip() != "PONG":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis-server on {port} did not start")
-                time.sleep(0.05)
+        for _ in range(self.masters):
+            # A port free when probed may be taken before redis-server binds it: that server
+            # exits at once, and the next free port is tried.
+            for _attempt in range(5):
+                port = _free_port()
+                d = os.path.join(self.dir, str(port))
+                os.makedirs(d, exist_ok=True)
+                proc = subprocess.Popen(
+                    ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "1000", "--appendonly", "no", "--save", "",
+                     "--dir", d, "--logfile", os.path.join(d, "redis.log")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                while proc.poll() is None and self.cli(port, "PING").strip() != "PONG":
+                    if time.monotonic() > deadline:
+                        proc.kill()
+                        proc.wait()
+                        raise TimeoutError(f"redis-server on {port} did not start")
+                    time.sleep(0.05)
+                if proc.poll() is None:
+                    self.ports.append(port)
+                    self.procs.append(proc)
+                    break
+            else:
+                raise RuntimeError("no redis-server could bind a free port")
         subprocess.run(["redis-cli", "--cluster", "create",
                         *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
                         "--cluster-yes"], capture_output=True, check=True, timeout=60)
