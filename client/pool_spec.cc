@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "hiqcache/split_view.h"
+
 namespace hiqcache {
 
 const char* DTypeName(DType dtype) { return dtype == DType::kFP16 ? "fp16" : "bf16"; }
@@ -43,7 +45,7 @@ uint64_t TensorView::ElementOffset(uint32_t row, uint32_t head, uint32_t d,
 
 uint64_t TensorView::EndOffset(uint32_t num_heads, uint64_t head_bytes) const {
   if (num_rows == 0 || num_heads == 0) return 0;
-  if (row_group != 0 || dim_run != 0 || dim_stride_bytes != 0) {
+  if (SplitViewField(*this) != nullptr) {
     // Every axis at its largest index (the daemon's bound for split views): strides are
     // unsigned, so no element lies beyond.
     const uint64_t head_dim = head_bytes / 2;

@@ -22,7 +22,7 @@
 //     over clients, TransferEngine); on HOST pools a request is split into sub-tasks of at most
 //     transfer_chunk_blocks blocks / transfer_chunk_bytes engine-side bytes on the pool's strand:
 //     the first waits for wait_event, the last signals done_event with the request's ticket. A
-//     restore with layer events goes layer-major (RestorePieces), each layer's event signalled
+//     restore with layer events goes layer-major (LayerMajorPieces), each layer's event signalled
 //     by the sub-task that writes its last blocks, so an engine's forward pass starts on layer 0
 //     while later layers are written; without them, block-major. A failure of any sub-task
 //     reaches the events: the later ones write nothing, and the events not yet signalled get the

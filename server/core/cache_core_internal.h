@@ -217,30 +217,23 @@ struct RestorePiece {
   uint32_t end_layer = 0;
 };
 
-// The sub-tasks of a restore of `blocks` blocks of `layers` layers, each at most `chunk_bytes`
-// of engine-side bytes (`layer_block_bytes` per block and layer) and `chunk_blocks` blocks' worth
-// of them (at least one block's layer). Block-major (`by_layer` false): ranges of whole blocks,
-// every layer of them. Layer-major (`by_layer`, for an engine that waits layer by layer): layer
-// l of every block comes before layer l + 1 of any, a sub-task taking whole layers of every block
-// where they fit and ranges of the blocks of one layer where they do not, so that a layer's event
-// can go out once its last block is written, not after the whole request. At least one piece
-// (blocks 0: one empty piece of every layer).
-inline std::vector<RestorePiece> RestorePieces(size_t blocks, uint32_t layers,
-                                               uint64_t layer_block_bytes, uint64_t chunk_bytes,
-                                               size_t chunk_blocks, bool by_layer) {
-  std::vector<RestorePiece> out;
-  const uint64_t unit = std::max<uint64_t>(1, layer_block_bytes);
-  const uint64_t per_block = SaturatingMul(unit, std::max<uint32_t>(1, layers));
-  const size_t most_blocks = static_cast<size_t>(std::max<uint64_t>(
-      1, std::min<uint64_t>(std::max<size_t>(1, chunk_blocks), chunk_bytes / per_block)));
-  if (!by_layer || blocks == 0 || layers == 0) {
-    for (const auto& [b, e] : Ranges(blocks, most_blocks)) out.push_back({b, e, 0, layers});
-    return out;
-  }
+// The sub-tasks of a restore of `blocks` blocks of `layers` layers for an engine that waits
+// layer by layer: layer l of every block comes before layer l + 1 of any, a sub-task taking whole
+// layers of every block where they fit and ranges of the blocks of one layer where they do not,
+// so that a layer's event can go out once its last block is written, not after the whole
+// request. Each is at most `chunk_bytes` of engine-side bytes (`layer_block_bytes` per block and
+// layer) and `chunk_blocks` blocks' worth of them, or one block's layer. At least one piece
+// (blocks 0: one empty piece of every layer). Restores without layer events go block-major
+// (Ranges of ChunkBlocks).
+inline std::vector<RestorePiece> LayerMajorPieces(size_t blocks, uint32_t layers,
+                                                  uint64_t layer_block_bytes, uint64_t chunk_bytes,
+                                                  size_t chunk_blocks) {
+  if (blocks == 0 || layers == 0) return {{0, blocks, 0, layers}};
   // Block-layers per piece: the bytes bound, and the blocks bound counted in block-layers.
   const uint64_t most = std::max<uint64_t>(
-      1, std::min<uint64_t>(chunk_bytes / unit,
+      1, std::min<uint64_t>(chunk_bytes / std::max<uint64_t>(1, layer_block_bytes),
                             SaturatingMul(std::max<size_t>(1, chunk_blocks), layers)));
+  std::vector<RestorePiece> out;
   if (blocks <= most) {
     const uint32_t per = static_cast<uint32_t>(std::min<uint64_t>(layers, most / blocks));
     for (uint32_t l = 0; l < layers; l += per) {

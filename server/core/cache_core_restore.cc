@@ -69,12 +69,17 @@ void CacheCore::RestoreImpl(TransferSpec spec, RestoreDone* done) {
     // A device takes the request as one task. HOST sub-tasks go layer-major where the engine
     // waits layer by layer, so that its forward pass starts on layer 0 while later layers decode.
     const uint32_t layers = pool->layout.num_layers;
-    req->chunks =
-        req->device
-            ? std::vector<RestorePiece>{{0, req->pins.size(), 0, layers}}
-            : RestorePieces(req->pins.size(), layers, layers == 0 ? per_block : per_block / layers,
-                            options_.transfer_chunk_bytes, options_.transfer_chunk_blocks,
-                            /*by_layer=*/spec.layer_event_base >= 0);
+    const size_t n = req->pins.size();
+    if (req->device) {
+      req->chunks = {{0, n, 0, layers}};
+    } else if (spec.layer_event_base >= 0) {
+      req->chunks = LayerMajorPieces(n, layers, per_block / std::max<uint32_t>(1, layers),
+                                     options_.transfer_chunk_bytes, options_.transfer_chunk_blocks);
+    } else {
+      for (const auto& [b, e] : Ranges(n, ChunkBlocks(pool->layout))) {
+        req->chunks.push_back({b, e, 0, layers});
+      }
+    }
     steps.reserve(req->chunks.size());
     for (size_t c = 0; c < req->chunks.size(); ++c) {
       steps.push_back([this, req, c, task = std::shared_ptr<RestoreTask>()]() mutable {

@@ -658,59 +658,51 @@ TEST_F(CacheCoreTest, DrainingIsUnavailable) {
   EXPECT_EQ(store_->Stats().blocks, 1u);
 }
 
-// The sub-tasks of a restore: block-major ranges as before, or layer-major for an engine that
-// waits layer by layer, each within the chunk bounds, together covering every block of every
-// layer once, and the pieces that end a layer (the ones that signal it) once per layer.
-TEST(RestorePiecesTest, LayerMajorPiecesCoverEachBlockLayerOnceWithinTheBounds) {
+// The layer-major sub-tasks of a restore of `blocks` x `layers`: each within the chunk bounds
+// (or one block's layer), each one run of the layer-major order starting where the previous one
+// ended, together covering every block of every layer once, and the pieces that end a layer (the
+// ones that signal it) once per layer.
+void ExpectLayerMajorPieces(size_t blocks, uint32_t layers, uint64_t unit, uint64_t chunk,
+                            size_t chunk_blocks) {
+  SCOPED_TRACE(std::to_string(blocks) + " blocks, " + std::to_string(layers) + " layers, unit " +
+               std::to_string(unit) + ", chunk " + std::to_string(chunk) + "/" +
+               std::to_string(chunk_blocks));
+  const auto pieces = LayerMajorPieces(blocks, layers, unit, chunk, chunk_blocks);
+  ASSERT_FALSE(pieces.empty());
+  std::vector<int> seen(blocks * layers, 0), ends(layers, 0);
+  uint64_t next_cell = 0;  // cell (l, b) is l * blocks + b
+  for (const RestorePiece& p : pieces) {
+    ASSERT_LE(p.begin, p.end);
+    ASSERT_LE(p.end, blocks);
+    ASSERT_LT(p.first_layer, p.end_layer);
+    ASSERT_LE(p.end_layer, layers);
+    const uint64_t cells = uint64_t{p.end - p.begin} * (p.end_layer - p.first_layer);
+    if (cells > 1) {
+      EXPECT_LE(cells * unit, chunk);
+      EXPECT_LE(cells, uint64_t{chunk_blocks} * layers);
+    }
+    for (size_t b = p.begin; b < p.end; ++b) {
+      for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++seen[b * layers + l];
+    }
+    if (blocks == 0) continue;
+    if (p.end == blocks) {
+      for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++ends[l];
+    }
+    EXPECT_TRUE(p.end_layer == p.first_layer + 1 || (p.begin == 0 && p.end == blocks));
+    EXPECT_EQ(uint64_t{p.first_layer} * blocks + p.begin, next_cell);
+    next_cell = uint64_t{p.end_layer - 1} * blocks + p.end;
+  }
+  for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], 1) << "cell " << i;
+  for (uint32_t l = 0; blocks > 0 && l < layers; ++l) EXPECT_EQ(ends[l], 1) << "layer " << l;
+}
+
+TEST(LayerMajorPiecesTest, CoverEachBlockLayerOnceInOrderWithinTheBounds) {
   for (size_t blocks : {size_t{0}, size_t{1}, size_t{3}, size_t{32}, size_t{100}}) {
     for (uint32_t layers : {1u, 2u, 36u}) {
       for (uint64_t unit : {uint64_t{2048}, uint64_t{262144}}) {
         for (uint64_t chunk : {uint64_t{1}, uint64_t{4096}, uint64_t{16} << 20}) {
           for (size_t chunk_blocks : {size_t{1}, size_t{64}}) {
-            const std::string at = std::to_string(blocks) + " blocks, " + std::to_string(layers) +
-                                   " layers, unit " + std::to_string(unit) + ", chunk " +
-                                   std::to_string(chunk) + "/" + std::to_string(chunk_blocks);
-            for (bool by_layer : {false, true}) {
-              const auto pieces =
-                  RestorePieces(blocks, layers, unit, chunk, chunk_blocks, by_layer);
-              ASSERT_FALSE(pieces.empty()) << at;
-              std::vector<int> seen(blocks * layers, 0);
-              std::vector<int> ends(layers, 0);
-              uint64_t next_cell = 0;  // layer-major: cell (l, b) is l * blocks + b
-              for (const RestorePiece& p : pieces) {
-                ASSERT_LE(p.begin, p.end) << at;
-                ASSERT_LE(p.end, blocks) << at;
-                ASSERT_LT(p.first_layer, p.end_layer) << at;
-                ASSERT_LE(p.end_layer, layers) << at;
-                const uint64_t cells = uint64_t{p.end - p.begin} * (p.end_layer - p.first_layer);
-                if (cells > 1) {
-                  EXPECT_LE(cells * unit, by_layer ? chunk : std::max(chunk, unit * layers)) << at;
-                  EXPECT_LE(cells, uint64_t{chunk_blocks} * layers) << at;
-                }
-                for (size_t b = p.begin; b < p.end; ++b) {
-                  for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++seen[b * layers + l];
-                }
-                if (p.end == blocks) {
-                  for (uint32_t l = p.first_layer; l < p.end_layer; ++l) ++ends[l];
-                }
-                if (by_layer && blocks > 0) {
-                  // One run of the layer-major order, starting where the previous one ended.
-                  EXPECT_TRUE(p.end_layer == p.first_layer + 1 || (p.begin == 0 && p.end == blocks))
-                      << at;
-                  EXPECT_EQ(uint64_t{p.first_layer} * blocks + p.begin, next_cell) << at;
-                  next_cell = uint64_t{p.end_layer - 1} * blocks + p.end;
-                } else if (!by_layer) {
-                  EXPECT_EQ(p.first_layer, 0u) << at;
-                  EXPECT_EQ(p.end_layer, layers) << at;
-                }
-              }
-              for (size_t i = 0; i < seen.size(); ++i)
-                ASSERT_EQ(seen[i], 1) << at << ", cell " << i;
-              if (blocks > 0) {
-                for (uint32_t l = 0; l < layers; ++l)
-                  EXPECT_EQ(ends[l], 1) << at << ", layer " << l;
-              }
-            }
+            ExpectLayerMajorPieces(blocks, layers, unit, chunk, chunk_blocks);
           }
         }
       }
